@@ -1,0 +1,2 @@
+"""The coordinator: hosts the GRPO learner, leases signed rollout jobs, publishes signed weight snapshots, and
+verifies every returned trajectory before it may reach the learner."""

@@ -1,0 +1,148 @@
+"""HTTP surface of the coordinator (aiohttp). Handlers parse, call the Coordinator, and encode; every
+domain error becomes an HTTP status plus a msgpack ``{error, message}`` body in one middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from coordinator.config import CoordinatorConfig
+from coordinator.service import MAX_REQUEST_BYTES, Coordinator
+from shared import wire
+from shared.errors import ProtocolError, Reason
+from shared.messages import ErrorBody
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+LEARNER_TASK = web.AppKey("learner_task", asyncio.Task)
+FATAL = web.AppKey("fatal", asyncio.Event)
+MSGPACK = "application/msgpack"
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _packed(data: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=data, status=status, content_type=MSGPACK)
+
+
+def error_response(reason: Reason, message: str, status: int | None = None) -> web.Response:
+    err = ProtocolError(reason, message)
+    return _packed(wire.encode(ErrorBody(error=reason.value, message=message[:2048])), status or err.http_status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                            ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProtocolError as exc:
+        return error_response(exc.reason, exc.message)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(Reason.BODY_TOO_LARGE, f"request body exceeds {MAX_REQUEST_BYTES} bytes")
+    except web.HTTPException:
+        raise
+    except Exception:
+        logger.exception("internal error handling %s %s", request.method, request.path)
+        return error_response(Reason.INTERNAL, "the coordinator hit an internal error; it has been logged")
+
+
+async def _body(request: web.Request) -> bytes:
+    if request.content_length is not None and request.content_length > MAX_REQUEST_BYTES:
+        raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {request.content_length} bytes; "
+                                                   f"the limit is {MAX_REQUEST_BYTES}")
+    return await request.read()
+
+
+async def info(request: web.Request) -> web.Response:
+    return _packed(wire.encode(request.app[COORDINATOR].info()))
+
+
+async def register(request: web.Request) -> web.Response:
+    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request))))
+
+
+async def lease(request: web.Request) -> web.Response:
+    return _packed(wire.encode(await request.app[COORDINATOR].lease(await _body(request))))
+
+
+async def release(request: web.Request) -> web.Response:
+    return _packed(wire.encode(request.app[COORDINATOR].release(await _body(request))))
+
+
+async def results(request: web.Request) -> web.Response:
+    return _packed(wire.encode(await request.app[COORDINATOR].submit(await _body(request))))
+
+
+async def snapshot_manifest(request: web.Request) -> web.Response:
+    raw = request.match_info["version"]
+    coord = request.app[COORDINATOR]
+    version = coord.version if raw == "latest" else int(raw) if raw.isdigit() and len(raw) < 10 else -1
+    signed = coord.snapshots.signed_manifest(version)
+    if signed is None:
+        raise ProtocolError(Reason.NO_SUCH_VERSION, f"version {raw} is not published (or was pruned); "
+                                                    f"current is {coord.version}")
+    return _packed(signed)
+
+
+async def blob(request: web.Request) -> web.StreamResponse:
+    sha = request.match_info["sha256"]
+    path = request.app[COORDINATOR].snapshots.blob_path(sha) if _SHA.match(sha) else None
+    if path is None:
+        raise ProtocolError(Reason.NO_SUCH_BLOB, f"no file with sha256 {sha[:64]} is being served")
+    return web.FileResponse(path, headers={"Cache-Control": "public, max-age=31536000, immutable"})
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[COORDINATOR].status(), dumps=lambda o: json.dumps(o, default=str))
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True, "version": request.app[COORDINATOR].version})
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    coord = app[COORDINATOR]
+    await coord.start()
+    task = asyncio.create_task(coord.learner_loop(), name="learner-loop")
+
+    def _on_done(t: asyncio.Task[None]) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            logger.critical("learner loop stopped: %s", t.exception())
+            app[FATAL].set()
+
+    task.add_done_callback(_on_done)
+    app[LEARNER_TASK] = task
+    prune = asyncio.create_task(_prune_nonces(coord), name="nonce-pruner")
+    yield
+    for t in (task, prune):
+        t.cancel()
+    await asyncio.gather(task, prune, return_exceptions=True)
+    await coord.stop()
+
+
+async def _prune_nonces(coord: Coordinator) -> None:
+    while True:
+        await asyncio.sleep(60)
+        coord.store.prune_nonces(coord.clock())
+
+
+def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[errors_middleware])
+    app[COORDINATOR] = coordinator or Coordinator(config)
+    app[FATAL] = asyncio.Event()
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_get("/v1/info", info)
+    app.router.add_post("/v1/register", register)
+    app.router.add_post("/v1/lease", lease)
+    app.router.add_post("/v1/release", release)
+    app.router.add_post("/v1/results", results)
+    app.router.add_get("/v1/snapshots/{version}", snapshot_manifest)
+    app.router.add_get("/v1/blobs/{sha256}", blob)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/healthz", healthz)
+    return app

@@ -1,0 +1,175 @@
+"""Coordinator configuration: one pydantic model per concern, loaded from TOML, overridable by CLI flags.
+
+Every model forbids unknown keys, so a typo in a config file is an error that names the key rather than
+a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared.errors import EchoSwarmError
+
+
+class ConfigError(EchoSwarmError):
+    """A configuration file or flag is invalid; the message names the key and how to fix it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Which policy to train."""
+
+    path: str = Field(
+        "tiny",
+        description="A local Hugging Face model folder (config.json, *.safetensors, tokenizer files), or "
+        "'tiny' for the built-in ~1M-parameter Qwen2 model warm-started on the arithmetic task.",
+    )
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="Where the learner runs.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Learner parameter dtype.")
+
+
+class ArithmeticTaskConfig(_Strict):
+    """Two-operand addition, 'Q: a+b= A:' → ' a+b'. Sized for the tiny model."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = Field(99, ge=1, le=9999, description="Operands are drawn from 0..max_operand.")
+    heldout_size: int = Field(512, ge=16, description="Prompts held out from all training, for evaluation.")
+    split_seed: int = Field(0, description="Seed of the fixed train/held-out split.")
+
+
+class JsonlTaskConfig(_Strict):
+    """Question/answer pairs in GSM8K format: one JSON object per line with 'question' and 'answer', where
+    the answer ends in '#### <number>' (or is the bare number)."""
+
+    type: Literal["jsonl"] = "jsonl"
+    train_path: Path = Field(description="JSONL file of training questions.")
+    heldout_path: Path | None = Field(None, description="JSONL file of held-out questions (default: split).")
+    heldout_size: int = Field(256, ge=1, description="Held-out size when splitting train_path.")
+    prompt_template: str = Field("Question: {question}\nAnswer:", description="Must contain '{question}'.")
+    split_seed: int = 0
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_placeholder(cls, v: str) -> str:
+        if "{question}" not in v:
+            raise ValueError("prompt_template must contain '{question}', e.g. 'Question: {question}\\nAnswer:'")
+        return v
+
+
+TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig, Field(discriminator="type")]
+
+
+class LearnerConfig(_Strict):
+    """GRPO with a PPO-style clipped ratio; one optimiser step per policy version."""
+
+    lr: float = Field(1e-4, gt=0, lt=1, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip: ratios outside 1±clip_eps stop the gradient.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    prompts_per_step: int = Field(16, ge=1, le=4096, description="GRPO groups per optimiser step.")
+    group_size: int = Field(8, ge=2, le=64, description="Samples per prompt; advantages are normalised within a group.")
+    max_steps: int = Field(200, ge=0, description="Optimiser steps (= policy versions) before the run finishes.")
+    seed: int = Field(0, description="Seeds prompt selection and per-job sampling seeds.")
+    eval_every: int = Field(25, ge=0, description="Held-out evaluation every N steps (0: only first and last).")
+    eval_size: int = Field(512, ge=1, description="Held-out prompts per evaluation (capped by the task's held-out set).")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads for the learner (default: torch's choice).")
+
+
+class SamplingConfig(_Strict):
+    """How clients sample: the full softmax at a temperature (no truncation, so logprobs are exact)."""
+
+    temperature: float = Field(1.0, gt=0, le=4)
+    max_tokens: int = Field(8, ge=1, le=4096, description="New tokens per completion, at most.")
+
+
+class JobsConfig(_Strict):
+    prompts_per_job: int = Field(8, ge=1, le=256, description="Prompts (GRPO groups) per leased job.")
+    lease_timeout_s: float = Field(120.0, gt=0, description="Seconds a client has to return a leased job before it is reissued.")
+    retry_after_s: float = Field(0.5, gt=0, le=60, description="Seconds an idle client is told to wait before asking again.")
+    long_poll_s: float = Field(10.0, ge=0, le=25, description="Seconds a lease request waits for a job before "
+                               "answering 'none yet' (must stay below the clients' 30 s request timeout).")
+
+
+class VerificationConfig(_Strict):
+    """Tolerances for reported behaviour logprobs against the learner's recompute (torch backend)."""
+
+    logprob_mean_tol: float = Field(0.05, gt=0, description="Max mean |Δ logprob| per token over a result (nats).")
+    logprob_max_tol: float = Field(1.0, gt=0, description="Max |Δ logprob| of any single token (nats).")
+    request_window_s: float = Field(300.0, gt=0, description="Accepted clock skew of signed requests (seconds).")
+
+
+class ServerConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept volunteers from the network.")
+    port: int = Field(8470, ge=0, le=65535, description="Listen port (0: pick a free one).")
+
+
+class SnapshotConfig(_Strict):
+    keep_last: int = Field(4, ge=1, description="Published versions kept on disk (older ones are pruned).")
+
+
+class CoordinatorConfig(_Strict):
+    """A whole run. `echo-swarm coordinator --config run.toml` reads this; flags override single keys."""
+
+    run_dir: Path = Field(Path("runs/default"), description="Database, keys, snapshots and checkpoints live here.")
+    sync_mode: Literal["sequential-pull"] = Field(
+        "sequential-pull", description="sequential-pull: every rollout is generated by the current policy."
+    )
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = ArithmeticTaskConfig()
+    learner: LearnerConfig = LearnerConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    jobs: JobsConfig = JobsConfig()
+    verification: VerificationConfig = VerificationConfig()
+    server: ServerConfig = ServerConfig()
+    snapshots: SnapshotConfig = SnapshotConfig()
+
+    @model_validator(mode="after")
+    def _jobs_divide_step(self) -> CoordinatorConfig:
+        if self.learner.prompts_per_step % self.jobs.prompts_per_job:
+            raise ValueError(
+                f"learner.prompts_per_step ({self.learner.prompts_per_step}) must be a multiple of "
+                f"jobs.prompts_per_job ({self.jobs.prompts_per_job}); change one of them"
+            )
+        return self
+
+    @property
+    def jobs_per_step(self) -> int:
+        return self.learner.prompts_per_step // self.jobs.prompts_per_job
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> CoordinatorConfig:
+    """Read a TOML file (optional) and apply dotted-key overrides such as {'learner.max_steps': 50}."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    try:
+        return CoordinatorConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            lines.append(f"  {where}: {err['msg']}")
+        raise ConfigError("invalid coordinator config:\n" + "\n".join(lines)) from None

@@ -1,0 +1,74 @@
+"""Job leases: who may work on a job, until when, and when it goes back into the pool.
+
+A job is *open* (never leased, or its lease was released or expired), *leased* (one client, one lease id,
+a deadline), or *done* (a result was accepted; never leased again). An expired lease is not an error: the
+job is simply leasable again, and the old lease id stops being accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class JobState(str, Enum):
+    OPEN = "open"
+    LEASED = "leased"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """What the lease rules need to know about one job."""
+
+    job_id: str
+    state: JobState
+    version: int
+    created_at: float
+    lease_id: str | None = None
+    lease_client: str | None = None
+    lease_deadline: float | None = None
+
+
+def lease_live(job: LeaseView, now: float) -> bool:
+    """True while the job is leased and its deadline has not passed."""
+    return job.state is JobState.LEASED and job.lease_deadline is not None and now < job.lease_deadline
+
+
+def leasable(job: LeaseView, now: float, current_version: int) -> bool:
+    """A job may be handed out if it is for the current version and nobody holds a live lease on it."""
+    if job.version != current_version or job.state is JobState.DONE:
+        return False
+    return not lease_live(job, now)
+
+
+def choose_job(jobs: list[LeaseView], now: float, current_version: int) -> LeaseView | None:
+    """The oldest leasable job, so reissued work is finished before fresh work starts."""
+    candidates = [j for j in jobs if leasable(j, now, current_version)]
+    return min(candidates, key=lambda j: (j.created_at, j.job_id)) if candidates else None
+
+
+def deadline_for(now: float, lease_timeout_s: float) -> float:
+    return now + lease_timeout_s
+
+
+class LeaseCheck(str, Enum):
+    OK = "ok"
+    NOT_HOLDER = "not_holder"
+    EXPIRED = "expired"
+    DONE = "done"
+
+
+def check_lease(job: LeaseView, client_id: str, lease_id: str, now: float) -> LeaseCheck:
+    """Is ``client_id`` (with ``lease_id``) the current, unexpired holder of ``job``?
+
+    Order matters: a completed job is reported as such even to its former holder; a lease id that is not
+    the current one (the job was reissued) is "not holder" even if it once was.
+    """
+    if job.state is JobState.DONE:
+        return LeaseCheck.DONE
+    if job.lease_client != client_id or job.lease_id != lease_id:
+        return LeaseCheck.NOT_HOLDER
+    if job.state is not JobState.LEASED or job.lease_deadline is None or now >= job.lease_deadline:
+        return LeaseCheck.EXPIRED
+    return LeaseCheck.OK

@@ -1,0 +1,409 @@
+"""The coordinator's I/O shell: owns the store, the snapshot folder, the learner thread and the learner loop.
+
+Request handling here parses, calls the pure rules in :mod:`coordinator.core`, and writes the outcome;
+:mod:`coordinator.app` only moves bytes between HTTP and these methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from coordinator.core.advantages import group_advantages
+from coordinator.core.auth import check_timestamp, nonce_expiry
+from coordinator.core.jobs import plan_jobs
+from coordinator.core.leases import LeaseCheck, check_lease, choose_job, deadline_for
+from coordinator.core.verify import JobTerms, check_logprobs, logprob_stats, verify_submission
+from coordinator.learner import Learner, Sample
+from coordinator.snapshots import SnapshotStore
+from coordinator.store import JobRow, Store
+from coordinator.tasks import Task, make_task
+from shared import PROTOCOL_VERSION, crypto, wire
+from shared.errors import ProtocolError, Reason
+from shared.hashing import prompt_hash, sha256_bytes
+from shared.messages import (
+    Info, Job, JobPrompt, LeaseRequest, LeaseResponse, RegisterRequest, RegisterResponse, ReleaseRequest,
+    ReleaseResponse, ResultSubmission, SamplingParams, SignedRequest, SubmitResponse,
+)
+from shared.records import sign_job
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
+
+def result_size_cap(n_completions: int, max_tokens: int) -> int:
+    """Upper bound on an honest result's encoded size: ≤ 5 bytes per token id, 9 per float64, slack."""
+    return 4096 + n_completions * (64 + max_tokens * 14)
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, *, clock: Callable[[], float] = time.time,
+                 model_dir: Path | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.run_dir = Path(config.run_dir)
+        self._model_dir = model_dir
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+        self._wake = asyncio.Event()
+        self._jobs_event = asyncio.Event()
+        self._prompt_cache: dict[int, list[int]] = {}
+        self.finished = False
+        self.version = 0
+        self.started_at = clock()
+        self.learner_busy_s = 0.0
+        self.last_error: str | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(self.run_dir / "coordinator.sqlite")
+        self.key, created = crypto.load_or_create_key(self.run_dir / "coordinator.key")
+        if created:
+            logger.info("created coordinator key %s", self.run_dir / "coordinator.key")
+        self.public_key = crypto.public_bytes(self.key)
+        run_id = self.store.get_meta("run_id")
+        if run_id is None:
+            run_id = secrets.token_hex(6)
+            self.store.set_meta("run_id", run_id)
+        self.run_id = run_id
+        self.task: Task = make_task(self.config.task)
+        self.snapshots = SnapshotStore(self.run_dir / "snapshots", self.key, run_id)
+        committed = [v["version"] for v in self.store.versions()]
+        self.snapshots.reconcile(committed)
+        self._drop_uncommitted_checkpoints(set(committed))
+        current = self.store.current_version()
+        if current is None:
+            model_dir = await self._run(self._resolve_model_dir)
+            self.learner = await self._run(self._make_learner, model_dir)
+            manifest_sha = await self._run(self.snapshots.publish, 0, self.learner.save_model, self.clock())
+            plans = plan_jobs(self.config.learner.seed, 0, len(self.task.train), self.config.learner.prompts_per_step,
+                              self.config.jobs.prompts_per_job)
+            self.store.publish_initial(manifest_sha, plans if self.config.learner.max_steps > 0 else [],
+                                       self.config.learner.group_size, self.clock())
+            self.version = 0
+            logger.info("run %s: published initial version 0 from %s", run_id, model_dir)
+        else:
+            self.version = current
+            self.learner = await self._run(self._make_learner, self.snapshots.folder(current))
+            opt = self.run_dir / "checkpoints" / f"v{current:06d}" / "optimizer.pt"
+            if not await self._run(self.learner.load_optimizer, opt) and current > 0:
+                logger.warning("no optimizer state for version %d; continuing with a fresh optimizer", current)
+            logger.info("run %s: resumed at version %d", run_id, current)
+        self.vocab_size = self.learner.vocab_size
+        if not any(e["version"] == self.version for e in self.store.evals()):
+            await self._evaluate(self.version)
+        self.finished = self.version >= self.config.learner.max_steps
+
+    async def stop(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.store.close()
+
+    def _resolve_model_dir(self) -> Path:
+        if self._model_dir is not None:
+            return self._model_dir
+        if self.config.model.path == "tiny":
+            from coordinator.tiny_model import ensure_tiny_model
+
+            return ensure_tiny_model()
+        path = Path(self.config.model.path).expanduser()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"model.path {path} is not a Hugging Face model folder (no config.json); point it at a local "
+                f"folder holding config.json, *.safetensors and tokenizer files, or use 'tiny'")
+        return path
+
+    def _make_learner(self, model_dir: Path) -> Learner:
+        return Learner(model_dir, self.config.model, self.config.learner, self.config.sampling.temperature)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _drop_uncommitted_checkpoints(self, committed: set[int]) -> None:
+        root = self.run_dir / "checkpoints"
+        if not root.exists():
+            return
+        for entry in root.iterdir():
+            if not (entry.name.startswith("v") and entry.name[1:].isdigit() and int(entry.name[1:]) in committed):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    # -- authentication -----------------------------------------------------------------------------------
+    def _open_envelope(self, raw: bytes, path: str) -> SignedRequest:
+        req = wire.decode(raw, SignedRequest, max_bytes=MAX_REQUEST_BYTES)
+        if req.path != path:
+            raise ProtocolError(Reason.BAD_SIGNATURE, f"request was signed for {req.path}, sent to {path}")
+        return req
+
+    def _check_fresh(self, req: SignedRequest) -> None:
+        now = self.clock()
+        window = self.config.verification.request_window_s
+        check_timestamp(req.timestamp, now, window)
+        if not self.store.remember_nonce(req.nonce, nonce_expiry(max(req.timestamp, now), window)):
+            raise ProtocolError(Reason.REPLAYED_NONCE, "this request was already received (replayed nonce)")
+
+    def authenticate(self, raw: bytes, path: str) -> SignedRequest:
+        """Envelope → known client → not banned → signature → timestamp → nonce, in that order."""
+        req = self._open_envelope(raw, path)
+        client = self.store.get_client(req.client_id)
+        if client is None:
+            raise ProtocolError(Reason.UNKNOWN_CLIENT, "this client is not registered; register first")
+        crypto.verify_request(req, bytes(client["public_key"]))
+        if client["banned"]:
+            raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+        self._check_fresh(req)
+        return req
+
+    # -- endpoints ----------------------------------------------------------------------------------------
+    def info(self) -> Info:
+        return Info(protocol=PROTOCOL_VERSION, run_id=self.run_id, coordinator_public_key=self.public_key,
+                    current_version=self.version, sync_mode=self.config.sync_mode, task=self.task.name,
+                    finished=self.finished, server_time=self.clock())
+
+    def register(self, raw: bytes) -> RegisterResponse:
+        req = self._open_envelope(raw, "/v1/register")
+        body = wire.decode(req.body, RegisterRequest)
+        crypto.verify_request(req, body.public_key)
+        existing = self.store.get_client(req.client_id)
+        if existing is not None and existing["banned"]:
+            raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+        self._check_fresh(req)
+        new = self.store.register_client(req.client_id, body.public_key, body.profile.model_dump(), self.clock())
+        if new:
+            logger.info("registered client %s (%s, %s)", req.client_id[:8], body.profile.backend, body.profile.device)
+        return RegisterResponse(client_id=req.client_id, new=new, run_id=self.run_id)
+
+    def _notify_jobs(self) -> None:
+        """Wake every long-polling lease request: a new version's jobs exist, or a lease was released."""
+        self._jobs_event.set()
+        self._jobs_event = asyncio.Event()
+
+    async def lease(self, raw: bytes) -> LeaseResponse:
+        """Lease the oldest available job, long-polling up to ``jobs.long_poll_s`` for one to appear, so an
+        idle client learns of a new policy version as soon as it is published (push), then fetches it (pull)."""
+        req = self.authenticate(raw, "/v1/lease")
+        wire.decode(req.body, LeaseRequest)
+        give_up = time.monotonic() + self.config.jobs.long_poll_s
+        while True:
+            event = self._jobs_event
+            resp = self._try_lease(req.client_id)
+            remaining = give_up - time.monotonic()
+            if resp.job is not None or resp.finished or remaining <= 0:
+                return resp
+            try:  # expired leases make jobs available without an event: re-check at least every second
+                await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    def _try_lease(self, client_id: str) -> LeaseResponse:
+        retry = self.config.jobs.retry_after_s
+        if self.finished:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=True)
+        now = self.clock()
+        jobs = {j.view.job_id: j for j in self.store.jobs_for_version(self.version)}
+        chosen = choose_job([j.view for j in jobs.values()], now, self.version)
+        if chosen is None:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        row = jobs[chosen.job_id]
+        lease_id = secrets.token_hex(8)
+        deadline = deadline_for(now, self.config.jobs.lease_timeout_s)
+        if not self.store.lease_job(row.view.job_id, lease_id, client_id, deadline, now):
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        if row.issue_count > 0:
+            logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
+        job = self._job_message(row, lease_id, client_id, now, deadline)
+        return LeaseResponse(job=sign_job(self.key, job), retry_after_s=retry, current_version=self.version,
+                             finished=False)
+
+    def _prompt_tokens(self, prompt_id: int) -> list[int]:
+        if prompt_id not in self._prompt_cache:
+            self._prompt_cache[prompt_id] = self.learner.encode(self.task.train[prompt_id].prompt)
+        return self._prompt_cache[prompt_id]
+
+    def _job_message(self, row: JobRow, lease_id: str, client_id: str, now: float, deadline: float) -> Job:
+        prompts = [JobPrompt(prompt_id=i, token_ids=self._prompt_tokens(i), text=self.task.train[i].prompt)
+                   for i in row.prompt_ids]
+        n = len(prompts) * row.group_size
+        manifest_sha = self.store.manifest_sha(row.view.version)
+        assert manifest_sha is not None
+        return Job(
+            protocol=PROTOCOL_VERSION, run_id=self.run_id, job_id=row.view.job_id, lease_id=lease_id,
+            client_id=client_id, version=row.view.version, manifest_sha256=manifest_sha, prompts=prompts,
+            prompt_hash=prompt_hash([p.token_ids for p in prompts]), group_size=row.group_size,
+            sampling=SamplingParams(temperature=self.config.sampling.temperature,
+                                    max_tokens=self.config.sampling.max_tokens,
+                                    stop_token_ids=self.learner.stop_ids),
+            seed=row.seed, issued_at=now, deadline=deadline,
+            max_result_bytes=result_size_cap(n, self.config.sampling.max_tokens),
+        )
+
+    def release(self, raw: bytes) -> ReleaseResponse:
+        req = self.authenticate(raw, "/v1/release")
+        body = wire.decode(req.body, ReleaseRequest)
+        released = self.store.release_lease(body.job_id, body.lease_id, req.client_id)
+        if released:
+            logger.info("client %s released job %s", req.client_id[:8], body.job_id)
+            self._notify_jobs()
+        return ReleaseResponse(released=released)
+
+    async def submit(self, raw: bytes) -> SubmitResponse:
+        req = self.authenticate(raw, "/v1/results")
+        content_sha = sha256_bytes(req.body)
+        job_id: str | None = None
+        try:
+            sub = wire.decode(req.body, ResultSubmission)
+            job_id = sub.job_id
+            return await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
+        except ProtocolError as exc:
+            self.store.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha, self.clock())
+            logger.info("rejected result from %s for %s: %s", req.client_id[:8], job_id, exc)
+            raise
+
+    def _terms(self, row: JobRow) -> JobTerms:
+        return JobTerms(version=row.view.version, prompt_hash=prompt_hash([self._prompt_tokens(i) for i in row.prompt_ids]),
+                        seed=row.seed, group_size=row.group_size, n_prompts=len(row.prompt_ids),
+                        max_tokens=self.config.sampling.max_tokens, stop_token_ids=frozenset(self.learner.stop_ids),
+                        vocab_size=self.vocab_size)
+
+    async def _verify_and_accept(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str) -> SubmitResponse:
+        row = self.store.get_job(sub.job_id)
+        if row is None:
+            raise ProtocolError(Reason.UNKNOWN_JOB, f"there is no job {sub.job_id}")
+        cap = result_size_cap(len(row.prompt_ids) * row.group_size, self.config.sampling.max_tokens)
+        if size > cap:
+            raise ProtocolError(Reason.BODY_TOO_LARGE, f"result is {size} bytes; this job allows at most {cap}")
+        verify_submission(sub, row.view, self._terms(row), client_id, self.clock(), self.version)
+        prompts = [self._prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
+        completions = [list(c.token_ids) for c in sub.completions]
+        recomputed: list[list[float]] = await self._run(self.learner.recompute, prompts, completions)
+        stats = logprob_stats([c.logprobs for c in sub.completions], recomputed)
+        check_logprobs(stats, self.config.verification.logprob_mean_tol, self.config.verification.logprob_max_tol)
+        # the learner may have been busy: the lease must still be ours and unexpired now
+        fresh = self.store.get_job(sub.job_id)
+        if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) is not LeaseCheck.OK:
+            raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} expired while it was verified")
+        items = [self.task.train[i] for i in row.prompt_ids for _ in range(row.group_size)]
+        rewards = [self.task.reward(it, self.learner.decode(c)) for it, c in zip(items, completions, strict=True)]
+        n_tokens = sum(len(c) for c in completions)
+        payload = wire.pack({
+            "completions": completions,
+            "behaviour_logprobs": [list(c.logprobs) for c in sub.completions],
+            "recomputed_logprobs": recomputed,
+            "finish_reasons": [c.finish_reason for c in sub.completions],
+            "logprob_mean_abs_diff": stats.mean_abs,
+        })
+        credit = float(n_tokens)
+        if not self.store.accept_result(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
+                                        version=sub.version, content_sha256=content_sha, payload=payload,
+                                        rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock()):
+            raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
+        self._wake.set()
+        client = self.store.get_client(client_id)
+        return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
+                              credit=credit, total_credit=float(client["credit"]) if client else credit)
+
+    # -- learner loop -------------------------------------------------------------------------------------
+    async def learner_loop(self) -> None:
+        """Sequential pull: wait for every job of the current version, train once, publish the next version."""
+        need = self.config.jobs_per_step
+        while not self.finished:
+            version = self.version
+            while True:
+                self._wake.clear()
+                if self.store.count_pending(version) >= need:
+                    break
+                await self._wake.wait()
+            try:
+                await self._train_and_publish(version)
+            except Exception as exc:  # the loop must not die silently; the error is surfaced in status
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.exception("learner step on version %d failed", version)
+                raise
+
+    async def _train_and_publish(self, version: int) -> None:
+        t0 = time.monotonic()
+        rows = self.store.pending_results(version)
+        samples: list[Sample] = []
+        rewards_all: list[float] = []
+        for r in rows:
+            job = self.store.get_job(r.job_id)
+            assert job is not None
+            data = wire.unpack(r.payload, max_bytes=len(r.payload))
+            advs = group_advantages(r.rewards, job.group_size)
+            prompts = [self._prompt_tokens(i) for i in job.prompt_ids for _ in range(job.group_size)]
+            for k, (p, c) in enumerate(zip(prompts, data["completions"], strict=True)):
+                samples.append(Sample(p, c, data["recomputed_logprobs"][k], data["behaviour_logprobs"][k], advs[k]))
+            rewards_all.extend(r.rewards)
+        metrics = await self._run(self.learner.train_step, samples)
+        new_version = version + 1
+        await self._run(self.learner.save_optimizer,
+                        self.run_dir / "checkpoints" / f"v{new_version:06d}" / "optimizer.pt")
+        manifest_sha = await self._run(self.snapshots.publish, new_version, self.learner.save_model, self.clock())
+        max_steps = self.config.learner.max_steps
+        plans = [] if new_version >= max_steps else plan_jobs(
+            self.config.learner.seed, new_version, len(self.task.train), self.config.learner.prompts_per_step,
+            self.config.jobs.prompts_per_job)
+        mean_reward = sum(rewards_all) / max(1, len(rewards_all))
+        metrics["step_s"] = time.monotonic() - t0
+        metrics["clients"] = float(len({r.client_id for r in rows}))
+        self.store.commit_step(step=new_version, trained_version=version, job_ids=[r.job_id for r in rows],
+                               new_version=new_version, manifest_sha=manifest_sha, mean_reward=mean_reward,
+                               metrics=metrics, plans=plans, group_size=self.config.learner.group_size,
+                               now=self.clock())
+        self.version = new_version
+        self._notify_jobs()
+        self.learner_busy_s += metrics["train_s"]
+        self._prune(new_version)
+        logger.info("step %d: mean reward %.3f, loss %.4f, %d samples, %.2fs", new_version, mean_reward,
+                    metrics["loss"], len(samples), metrics["step_s"])
+        every = self.config.learner.eval_every
+        if new_version >= max_steps or (every and new_version % every == 0):
+            await self._evaluate(new_version)
+        if new_version >= max_steps:
+            self.finished = True
+            self._notify_jobs()
+            logger.info("run finished at version %d", new_version)
+
+    def _prune(self, current: int) -> None:
+        keep = set(range(max(0, current - self.config.snapshots.keep_last + 1), current + 1))
+        self.snapshots.prune(keep)
+        self._drop_uncommitted_checkpoints(keep)
+
+    async def _evaluate(self, version: int) -> None:
+        items = self.task.heldout[: self.config.learner.eval_size]
+        acc = await self._run(self.learner.evaluate, self.task, items, self.config.sampling.max_tokens)
+        self.store.record_eval(version, acc, len(items), self.clock())
+        logger.info("version %d: held-out greedy accuracy %.3f on %d prompts", version, acc, len(items))
+
+    # -- status -------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        jobs = self.store.jobs_for_version(self.version)
+        steps = self.store.steps()
+        return {
+            "run_id": self.run_id,
+            "version": self.version,
+            "max_steps": self.config.learner.max_steps,
+            "finished": self.finished,
+            "sync_mode": self.config.sync_mode,
+            "task": self.task.name,
+            "uptime_s": now - self.started_at,
+            "learner": self.learner.describe() | {"busy_s": self.learner_busy_s, "last_error": self.last_error},
+            "jobs": {
+                "open": sum(1 for j in jobs if j.view.state.value == "open"),
+                "leased": sum(1 for j in jobs if j.view.state.value == "leased"),
+                "done": sum(1 for j in jobs if j.view.state.value == "done"),
+            },
+            "totals": self.store.totals(),
+            "reward_curve": [s["mean_reward"] for s in steps],
+            "steps": steps[-200:],
+            "evals": self.store.evals(),
+            "clients": self.store.clients(),
+        }

@@ -1,0 +1,305 @@
+"""The coordinator's durable state: one SQLite database (WAL, synchronous=FULL) in the run directory.
+
+Invariants the rest of the coordinator relies on:
+- a result is committed (fsynced) before the client is told it was accepted;
+- a job has at most one accepted result (``results.job_id`` is the primary key, and acceptance is a
+  compare-and-set on the job's lease);
+- a result is ingested by exactly one learner step: ``ingested_step`` is set in the same transaction that
+  records the new policy version, so the database and the published versions never disagree.
+All access happens from the event-loop thread; nothing here is shared across threads.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.core.jobs import JobPlan
+from coordinator.core.leases import JobState, LeaseView
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS clients(
+  client_id TEXT PRIMARY KEY, public_key BLOB NOT NULL, profile TEXT NOT NULL,
+  registered_at REAL NOT NULL, last_seen REAL NOT NULL,
+  accepted INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0,
+  credit REAL NOT NULL DEFAULT 0, banned INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS versions(
+  version INTEGER PRIMARY KEY, manifest_sha256 TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs(
+  job_id TEXT PRIMARY KEY, version INTEGER NOT NULL, prompt_ids TEXT NOT NULL, seed INTEGER NOT NULL,
+  group_size INTEGER NOT NULL, created_at REAL NOT NULL,
+  state TEXT NOT NULL CHECK(state IN ('open','leased','done')),
+  lease_id TEXT, lease_client TEXT, lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS jobs_by_version ON jobs(version, state);
+CREATE TABLE IF NOT EXISTS results(
+  job_id TEXT PRIMARY KEY REFERENCES jobs(job_id), client_id TEXT NOT NULL, lease_id TEXT NOT NULL,
+  version INTEGER NOT NULL, received_at REAL NOT NULL, content_sha256 TEXT NOT NULL, payload BLOB NOT NULL,
+  rewards TEXT NOT NULL, mean_reward REAL NOT NULL, n_tokens INTEGER NOT NULL, ingested_step INTEGER);
+CREATE INDEX IF NOT EXISTS results_pending ON results(version, ingested_step);
+CREATE TABLE IF NOT EXISTS rejections(
+  id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
+  content_sha256 TEXT, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS steps(
+  step INTEGER PRIMARY KEY, trained_version INTEGER NOT NULL, mean_reward REAL NOT NULL, metrics TEXT NOT NULL,
+  at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS evals(version INTEGER PRIMARY KEY, accuracy REAL NOT NULL, n INTEGER NOT NULL,
+  at REAL NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class JobRow:
+    view: LeaseView
+    prompt_ids: tuple[int, ...]
+    seed: int
+    group_size: int
+    issue_count: int
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    job_id: str
+    client_id: str
+    version: int
+    payload: bytes
+    rewards: list[float]
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA foreign_keys=ON")
+        self.conn.execute("PRAGMA busy_timeout=5000")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- transactions -------------------------------------------------------------------------------------
+    def _tx(self) -> _Tx:
+        return _Tx(self.conn)
+
+    # -- meta ---------------------------------------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row["value"])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx():
+            self.conn.execute("INSERT INTO meta(key,value) VALUES(?,?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                              (key, value))
+
+    # -- clients ------------------------------------------------------------------------------------------
+    def register_client(self, client_id: str, public_key: bytes, profile: dict[str, Any], now: float) -> bool:
+        """Insert or refresh a client. Returns True if it is new."""
+        with self._tx():
+            cur = self.conn.execute(
+                "INSERT OR IGNORE INTO clients(client_id, public_key, profile, registered_at, last_seen) VALUES(?,?,?,?,?)",
+                (client_id, public_key, json.dumps(profile), now, now),
+            )
+            if cur.rowcount == 0:
+                self.conn.execute("UPDATE clients SET profile=?, last_seen=? WHERE client_id=?",
+                                  (json.dumps(profile), now, client_id))
+                return False
+            return True
+
+    def get_client(self, client_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM clients WHERE client_id=?", (client_id,)).fetchone()
+
+    def set_banned(self, client_id: str, banned: bool) -> bool:
+        with self._tx():
+            return self.conn.execute("UPDATE clients SET banned=? WHERE client_id=?",
+                                     (int(banned), client_id)).rowcount == 1
+
+    def clients(self) -> list[dict[str, Any]]:
+        rows = self.conn.execute("SELECT client_id, profile, registered_at, last_seen, accepted, rejected, credit, "
+                                 "banned FROM clients ORDER BY credit DESC, registered_at").fetchall()
+        return [dict(r) | {"profile": json.loads(r["profile"])} for r in rows]
+
+    # -- nonces -------------------------------------------------------------------------------------------
+    def remember_nonce(self, nonce: bytes, expires: float) -> bool:
+        """Record a nonce; False if it was already seen (a replay)."""
+        with self._tx():
+            return self.conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
+                                     (nonce, expires)).rowcount == 1
+
+    def prune_nonces(self, now: float) -> int:
+        with self._tx():
+            return self.conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
+
+    # -- versions and jobs --------------------------------------------------------------------------------
+    def current_version(self) -> int | None:
+        row = self.conn.execute("SELECT MAX(version) AS v FROM versions").fetchone()
+        return None if row["v"] is None else int(row["v"])
+
+    def manifest_sha(self, version: int) -> str | None:
+        row = self.conn.execute("SELECT manifest_sha256 FROM versions WHERE version=?", (version,)).fetchone()
+        return None if row is None else str(row["manifest_sha256"])
+
+    def versions(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM versions ORDER BY version").fetchall()]
+
+    def publish_initial(self, manifest_sha: str, plans: Iterable[JobPlan], group_size: int, now: float) -> None:
+        with self._tx():
+            self.conn.execute("INSERT INTO versions(version, manifest_sha256, created_at) VALUES(0,?,?)",
+                              (manifest_sha, now))
+            self._insert_jobs(plans, group_size, now)
+
+    def _insert_jobs(self, plans: Iterable[JobPlan], group_size: int, now: float) -> None:
+        self.conn.executemany(
+            "INSERT INTO jobs(job_id, version, prompt_ids, seed, group_size, created_at, state) "
+            "VALUES(?,?,?,?,?,?, 'open')",
+            [(p.job_id, p.version, json.dumps(list(p.prompt_ids)), p.seed, group_size, now) for p in plans],
+        )
+
+    @staticmethod
+    def _job(row: sqlite3.Row) -> JobRow:
+        view = LeaseView(row["job_id"], JobState(row["state"]), int(row["version"]), float(row["created_at"]),
+                         row["lease_id"], row["lease_client"], row["lease_deadline"])
+        return JobRow(view, tuple(json.loads(row["prompt_ids"])), int(row["seed"]), int(row["group_size"]),
+                      int(row["issue_count"]))
+
+    def get_job(self, job_id: str) -> JobRow | None:
+        row = self.conn.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None else self._job(row)
+
+    def jobs_for_version(self, version: int) -> list[JobRow]:
+        rows = self.conn.execute("SELECT * FROM jobs WHERE version=? ORDER BY created_at, job_id", (version,))
+        return [self._job(r) for r in rows.fetchall()]
+
+    def lease_job(self, job_id: str, lease_id: str, client_id: str, deadline: float, now: float) -> bool:
+        """Compare-and-set: lease the job only if it is open or its previous lease has expired."""
+        with self._tx():
+            cur = self.conn.execute(
+                "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, "
+                "issue_count=issue_count+1 WHERE job_id=? AND (state='open' OR (state='leased' AND lease_deadline<=?))",
+                (lease_id, client_id, deadline, job_id, now),
+            )
+            return cur.rowcount == 1
+
+    def release_lease(self, job_id: str, lease_id: str, client_id: str) -> bool:
+        with self._tx():
+            cur = self.conn.execute(
+                "UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=? AND lease_id=? AND lease_client=? "
+                "AND state='leased'", (job_id, lease_id, client_id))
+            return cur.rowcount == 1
+
+    # -- results ------------------------------------------------------------------------------------------
+    def accept_result(self, *, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str,
+                      payload: bytes, rewards: list[float], n_tokens: int, credit: float, now: float) -> bool:
+        """Durably record an accepted result, closing the job. False if the lease changed meanwhile."""
+        try:
+            self._accept(job_id, lease_id, client_id, version, content_sha256, payload, rewards, n_tokens, credit, now)
+        except _Abort:
+            return False
+        return True
+
+    def _accept(self, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str, payload: bytes,
+                rewards: list[float], n_tokens: int, credit: float, now: float) -> None:
+        with self._tx():
+            cur = self.conn.execute(
+                "UPDATE jobs SET state='done' WHERE job_id=? AND lease_id=? AND lease_client=? AND state='leased'",
+                (job_id, lease_id, client_id))
+            if cur.rowcount != 1:
+                raise _Abort
+            self.conn.execute(
+                "INSERT INTO results(job_id, client_id, lease_id, version, received_at, content_sha256, payload, "
+                "rewards, mean_reward, n_tokens) VALUES(?,?,?,?,?,?,?,?,?,?)",
+                (job_id, client_id, lease_id, version, now, content_sha256, payload, json.dumps(rewards),
+                 sum(rewards) / max(1, len(rewards)), n_tokens))
+            self.conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
+                              (credit, now, client_id))
+
+    def record_rejection(self, client_id: str, job_id: str | None, reason: str, message: str,
+                         content_sha256: str | None, now: float) -> None:
+        with self._tx():
+            self.conn.execute("INSERT INTO rejections(client_id, job_id, reason, message, content_sha256, at) "
+                              "VALUES(?,?,?,?,?,?)", (client_id, job_id, reason, message, content_sha256, now))
+            self.conn.execute("UPDATE clients SET rejected=rejected+1 WHERE client_id=?", (client_id,))
+
+    def pending_results(self, version: int) -> list[ResultRow]:
+        rows = self.conn.execute(
+            "SELECT job_id, client_id, version, payload, rewards FROM results WHERE version=? AND ingested_step IS NULL "
+            "ORDER BY job_id", (version,)).fetchall()
+        return [ResultRow(r["job_id"], r["client_id"], int(r["version"]), bytes(r["payload"]),
+                          json.loads(r["rewards"])) for r in rows]
+
+    def count_pending(self, version: int) -> int:
+        row = self.conn.execute("SELECT COUNT(*) AS n FROM results WHERE version=? AND ingested_step IS NULL",
+                                (version,)).fetchone()
+        return int(row["n"])
+
+    def commit_step(self, *, step: int, trained_version: int, job_ids: list[str], new_version: int,
+                    manifest_sha: str, mean_reward: float, metrics: dict[str, Any], plans: Iterable[JobPlan],
+                    group_size: int, now: float) -> None:
+        """One transaction: the batch is ingested, the new version exists, and its jobs are open."""
+        with self._tx():
+            marks = self.conn.executemany(
+                "UPDATE results SET ingested_step=? WHERE job_id=? AND ingested_step IS NULL",
+                [(step, j) for j in job_ids])
+            if marks.rowcount != len(job_ids):
+                raise RuntimeError(f"step {step}: {marks.rowcount} of {len(job_ids)} results were still pending")
+            self.conn.execute("INSERT INTO versions(version, manifest_sha256, created_at) VALUES(?,?,?)",
+                              (new_version, manifest_sha, now))
+            self.conn.execute("INSERT INTO steps(step, trained_version, mean_reward, metrics, at) VALUES(?,?,?,?,?)",
+                              (step, trained_version, mean_reward, json.dumps(metrics), now))
+            self._insert_jobs(plans, group_size, now)
+
+    def record_eval(self, version: int, accuracy: float, n: int, now: float) -> None:
+        with self._tx():
+            self.conn.execute("INSERT OR REPLACE INTO evals(version, accuracy, n, at) VALUES(?,?,?,?)",
+                              (version, accuracy, n, now))
+
+    # -- read models for status ---------------------------------------------------------------------------
+    def steps(self) -> list[dict[str, Any]]:
+        rows = self.conn.execute("SELECT * FROM steps ORDER BY step").fetchall()
+        return [dict(r) | {"metrics": json.loads(r["metrics"])} for r in rows]
+
+    def evals(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM evals ORDER BY version").fetchall()]
+
+    def totals(self) -> dict[str, int]:
+        acc = self.conn.execute("SELECT COUNT(*) AS n FROM results").fetchone()["n"]
+        rej = self.conn.execute("SELECT COUNT(*) AS n FROM rejections").fetchone()["n"]
+        reissued = self.conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE issue_count > 1").fetchone()["n"]
+        return {"accepted": int(acc), "rejected": int(rej), "reissued_jobs": int(reissued)}
+
+    def results_summary(self) -> list[dict[str, Any]]:
+        rows = self.conn.execute("SELECT job_id, client_id, version, content_sha256, mean_reward, ingested_step "
+                                 "FROM results ORDER BY received_at").fetchall()
+        return [dict(r) for r in rows]
+
+    def rejections(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self.conn.execute("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [dict(r) for r in rows]
+
+
+class _Abort(Exception):
+    """Raised inside a transaction to roll it back."""
+
+
+class _Tx:
+    """BEGIN IMMEDIATE … COMMIT, rolled back on any exception (which then propagates)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            self.conn.execute("COMMIT")
+            return False
+        self.conn.execute("ROLLBACK")
+        return False

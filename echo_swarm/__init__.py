@@ -1,0 +1,1 @@
+"""Command-line entry points of echo-swarm (thin: parse, import lazily, call one run())."""

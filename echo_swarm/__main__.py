@@ -1,0 +1,3 @@
+from echo_swarm.cli import main
+
+main()

@@ -1,0 +1,257 @@
+"""`echo-swarm demo`: the whole system on one machine, as separate OS processes talking HTTP on 127.0.0.1.
+
+Starts one coordinator (learner + job server) and N `join` clients, follows the run through the
+coordinator's status API with a progress bar, then writes ``summary.json`` and ``reward_curve.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+
+
+@dataclass
+class DemoConfig:
+    clients: int = 2
+    out: Path = Path("demo-out")
+    steps: int = 200
+    port: int = 0
+    timeout_s: float = 840.0
+    learner_threads: int = 2
+    client_threads: int = 1
+    lr: float = 1e-4
+
+
+def build_model_with_progress(cache_dir: Path | None = None) -> Path:
+    from coordinator.tiny_model import TinyRecipe, ensure_tiny_model
+
+    recipe = TinyRecipe()
+    with Progress(TextColumn("[bold]building tiny model[/] (cached after the first run)"), BarColumn(),
+                  TextColumn("step {task.completed}/{task.total}  warm-start accuracy {task.fields[acc]:.2f}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("sft", total=recipe.max_sft_steps, acc=0.0)
+        path = ensure_tiny_model(cache_dir, recipe, lambda s, n, a: bar.update(task, completed=s, acc=a))
+    return path
+
+
+class _Proc:
+    """A child process whose stdout is copied to a log file by a thread, watching for one line."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, watch: str | None = None) -> None:
+        self.name = name
+        self.log = open(log, "w")  # noqa: SIM115 — closed in wait()
+        self.found = threading.Event()
+        self.line = ""
+        self.watch = watch
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        self.thread = threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.log.write(line)
+            self.log.flush()
+            if self.watch and not self.found.is_set() and self.watch in line:
+                self.line = line.strip()
+                self.found.set()
+
+    def interrupt(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.thread.join(timeout=5)
+        self.log.close()
+        return code
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _write_config(cfg: DemoConfig, run_dir: Path) -> Path:
+    path = cfg.out / "run.toml"
+    path.write_text(
+        f'run_dir = "{run_dir}"\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
+        f"[learner]\nmax_steps = {cfg.steps}\neval_every = 25\nthreads = {cfg.learner_threads}\nlr = {cfg.lr}\n"
+    )
+    return path
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    curve = summary["reward_curve"]
+    ax.plot(range(1, len(curve) + 1), curve, color="#9ab", lw=1, label="mean rollout reward (per step)")
+    window = 10
+    if len(curve) >= window:
+        smooth = [sum(curve[i - window:i]) / window for i in range(window, len(curve) + 1)]
+        ax.plot(range(window, len(curve) + 1), smooth, color="#246", lw=2, label=f"reward, {window}-step mean")
+    evals = summary["eval_curve"]
+    ax.plot([e["version"] for e in evals], [e["accuracy"] for e in evals], "o-", color="#c52",
+            label="held-out greedy accuracy")
+    ax.set_xlabel("learner step (policy version)")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"echo-swarm demo: {summary['clients_count']} clients, {summary['accepted']} accepted results")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(cfg: DemoConfig) -> int:
+    t0 = time.monotonic()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    run_dir = (cfg.out / "run").resolve()
+    for stale in (run_dir, cfg.out / "clients", cfg.out / "logs"):
+        shutil.rmtree(stale, ignore_errors=True)
+    (cfg.out / "logs").mkdir()
+    build_model_with_progress()
+    config_path = _write_config(cfg, run_dir)
+    py = [sys.executable, "-m", "echo_swarm"]
+    coord = _Proc("coordinator", py + ["coordinator", "--config", str(config_path)],
+                  cfg.out / "logs" / "coordinator.log", watch="listening on ")
+    procs: list[_Proc] = []
+    try:
+        if not coord.found.wait(180) or coord.proc.poll() is not None:
+            console.print(f"[red]coordinator did not start; see {cfg.out / 'logs' / 'coordinator.log'}[/]")
+            return 1
+        url = coord.line.split("listening on ")[1].split()[0]
+        console.print(f"coordinator up at {url}; starting {cfg.clients} clients")
+        for k in range(cfg.clients):
+            home = (cfg.out / "clients" / f"client{k}").resolve()
+            procs.append(_Proc(f"client{k}", py + ["join", url, "--home", str(home), "--threads",
+                                                   str(cfg.client_threads), "--name", f"demo-{k}",
+                                                   "--exit-when-finished"],
+                               cfg.out / "logs" / f"client{k}.log"))
+        status = _follow(url, cfg, coord, procs, t0)
+        if status is None:
+            return 1
+        for p in procs:
+            p.wait(60)
+        status = _get_json(f"{url}/v1/status")
+    finally:
+        for p in procs:
+            p.interrupt()
+        for p in procs:
+            if not p.log.closed:
+                p.wait(30)
+        coord.interrupt()
+        coord_code = coord.wait(60)
+    summary = _summarise(cfg, status, procs, time.monotonic() - t0)
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot(summary, cfg.out / "reward_curve.png")
+    _print(summary, cfg.out)
+    return 0 if coord_code == 0 and summary["final_version"] == cfg.steps else 1
+
+
+def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: float) -> dict[str, Any] | None:
+    status: dict[str, Any] = {}
+    with Progress(TextColumn("[bold]training[/]"), BarColumn(), TextColumn("v{task.completed}/{task.total}"),
+                  TextColumn("reward {task.fields[reward]:.2f}  held-out {task.fields[acc]}  accepted {task.fields[acc_n]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("train", total=cfg.steps, reward=0.0, acc="-", acc_n=0)
+        stop = threading.Event()
+        while not stop.wait(1.0):
+            if time.monotonic() - t0 > cfg.timeout_s:
+                console.print(f"[red]demo timed out after {cfg.timeout_s:.0f}s[/]")
+                return None
+            if coord.proc.poll() is not None:
+                console.print(f"[red]coordinator exited with code {coord.proc.returncode}; see its log[/]")
+                return None
+            if all(p.proc.poll() not in (None, 0) for p in procs):
+                console.print("[red]every client has failed; see the client logs[/]")
+                return None
+            try:
+                status = _get_json(f"{url}/v1/status")
+            except (urllib.error.URLError, OSError):
+                continue
+            curve = status["reward_curve"]
+            recent = curve[-10:]
+            evals = status["evals"]
+            bar.update(task, completed=status["version"], reward=sum(recent) / len(recent) if recent else 0.0,
+                       acc=f"{evals[-1]['accuracy']:.3f}" if evals else "-", acc_n=status["totals"]["accepted"])
+            if status["finished"] and evals and evals[-1]["version"] == status["version"]:
+                return status
+    return None
+
+
+def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall: float) -> dict[str, Any]:
+    from swarm_client.identity import load_identity
+
+    by_id = {c["client_id"]: c for c in status["clients"]}
+    clients = []
+    for p in procs:
+        ident = load_identity((cfg.out / "clients" / p.name).resolve())
+        row = by_id.get(ident.client_id, {})
+        clients.append({"name": p.name, "pid": p.proc.pid, "client_id": ident.client_id, "exit_code": p.proc.returncode,
+                        "accepted": row.get("accepted", 0), "rejected": row.get("rejected", 0),
+                        "credit": row.get("credit", 0.0)})
+    evals = status["evals"]
+    steps = status["steps"]
+    return {
+        "steps": len(status["reward_curve"]),
+        "final_version": status["version"],
+        "accepted": status["totals"]["accepted"],
+        "rejected": status["totals"]["rejected"],
+        "reissued_jobs": status["totals"]["reissued_jobs"],
+        "reward_curve": status["reward_curve"],
+        "eval_before": evals[0]["accuracy"] if evals else None,
+        "eval_after": evals[-1]["accuracy"] if evals else None,
+        "eval_prompts": evals[-1]["n"] if evals else 0,
+        "eval_curve": [{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
+        "mean_step_s": sum(s["metrics"]["step_s"] for s in steps) / max(1, len(steps)),
+        "learner_busy_s": status["learner"]["busy_s"],
+        "wall_s": round(wall, 1),
+        "clients_count": len(clients),
+        "clients": clients,
+        "run_dir": str((cfg.out / "run").resolve()),
+    }
+
+
+def _print(summary: dict[str, Any], out: Path) -> None:
+    table = Table(title="echo-swarm demo", show_header=False)
+    table.add_row("learner steps", str(summary["steps"]))
+    table.add_row("held-out accuracy", f"{summary['eval_before']:.3f} → {summary['eval_after']:.3f} "
+                                       f"({summary['eval_prompts']} prompts never trained on)")
+    curve = summary["reward_curve"]
+    if curve:
+        head, tail = curve[:10], curve[-10:]
+        table.add_row("mean rollout reward", f"{sum(head) / len(head):.3f} (first 10 steps) → "
+                                             f"{sum(tail) / len(tail):.3f} (last 10)")
+    table.add_row("results accepted / refused", f"{summary['accepted']} / {summary['rejected']}")
+    for c in summary["clients"]:
+        table.add_row(f"  {c['name']} (pid {c['pid']})", f"{c['accepted']} accepted, credit {c['credit']:,.0f}")
+    table.add_row("wall time", f"{summary['wall_s']:.0f} s")
+    console.print(table)
+    console.print(f"wrote {out / 'summary.json'} and {out / 'reward_curve.png'}")

@@ -1,0 +1,95 @@
+"""Typed protocol errors with machine-readable reason codes.
+
+Every refusal the coordinator sends carries one of the reason codes below, an HTTP status, and a message
+written for the volunteer who will read it. Clients map the same codes back to exceptions, so both sides
+agree on what each failure means (see docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Reason(str, Enum):
+    """Machine-readable refusal reasons. The value is what travels on the wire."""
+
+    MALFORMED = "malformed"  # not decodable msgpack, wrong top-level type, duplicate keys, too deep
+    SCHEMA = "schema_invalid"  # decodes, but a field is missing, extra, of the wrong type or out of bounds
+    PROTOCOL_VERSION = "protocol_version"  # the client speaks another protocol version
+    BODY_TOO_LARGE = "body_too_large"
+    UNKNOWN_CLIENT = "unknown_client"  # signed by a key the coordinator has never registered
+    BAD_SIGNATURE = "bad_signature"
+    CLIENT_ID_MISMATCH = "client_id_mismatch"  # client id is not derived from the presented public key
+    STALE_REQUEST = "stale_request"  # timestamp outside the accepted clock-skew window
+    REPLAYED_NONCE = "replayed_nonce"
+    BANNED = "banned"
+    UNKNOWN_JOB = "unknown_job"
+    NOT_LEASE_HOLDER = "not_lease_holder"  # the job is leased to someone else, or the lease id is not current
+    LEASE_EXPIRED = "lease_expired"
+    JOB_COMPLETED = "job_completed"  # a result for this job was already accepted
+    WRONG_VERSION = "wrong_version"
+    BINDING_MISMATCH = "binding_mismatch"  # prompt hash, seed or group size differ from the signed job
+    SHAPE_MISMATCH = "shape_mismatch"  # wrong number of completions, token/logprob lengths differ
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"  # token id outside the vocabulary, or too many tokens
+    FINISH_REASON = "finish_reason_inconsistent"  # "stop" without a stop token, "length" while short
+    LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
+    NO_SUCH_VERSION = "no_such_version"
+    NO_SUCH_BLOB = "no_such_blob"
+    RUN_FINISHED = "run_finished"
+    INTERNAL = "internal_error"
+
+
+HTTP_STATUS: dict[Reason, int] = {
+    Reason.MALFORMED: 400,
+    Reason.SCHEMA: 422,
+    Reason.PROTOCOL_VERSION: 426,
+    Reason.BODY_TOO_LARGE: 413,
+    Reason.UNKNOWN_CLIENT: 401,
+    Reason.BAD_SIGNATURE: 401,
+    Reason.CLIENT_ID_MISMATCH: 401,
+    Reason.STALE_REQUEST: 401,
+    Reason.REPLAYED_NONCE: 409,
+    Reason.BANNED: 403,
+    Reason.UNKNOWN_JOB: 404,
+    Reason.NOT_LEASE_HOLDER: 403,
+    Reason.LEASE_EXPIRED: 410,
+    Reason.JOB_COMPLETED: 409,
+    Reason.WRONG_VERSION: 409,
+    Reason.BINDING_MISMATCH: 422,
+    Reason.SHAPE_MISMATCH: 422,
+    Reason.TOKEN_OUT_OF_RANGE: 422,
+    Reason.FINISH_REASON: 422,
+    Reason.LOGPROB_MISMATCH: 422,
+    Reason.NO_SUCH_VERSION: 404,
+    Reason.NO_SUCH_BLOB: 404,
+    Reason.RUN_FINISHED: 410,
+    Reason.INTERNAL: 500,
+}
+
+
+class EchoSwarmError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ProtocolError(EchoSwarmError):
+    """A message or request was refused. Carries the wire reason code and a human-readable message."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+        self.message = message
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.reason]
+
+
+class SignatureError(ProtocolError):
+    """A signature did not verify (or the key/signature bytes were malformed)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Reason.BAD_SIGNATURE, message)
+
+
+class IntegrityError(EchoSwarmError):
+    """Downloaded content does not match the hash its signed manifest names."""

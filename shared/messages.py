@@ -1,0 +1,211 @@
+"""Every message of the echo-swarm protocol, as a strict bounded schema.
+
+All models are strict (no type coercion), forbid extra fields, bound every string, list and number, and
+refuse NaN/inf. Field bounds here are the *protocol* limits; the coordinator applies tighter, job-specific
+limits on top (a result may not carry more completions or tokens than its signed job allows).
+docs/protocol.md documents each message; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from shared import PROTOCOL_VERSION
+
+# ---- bounds ---------------------------------------------------------------------------------------------
+MAX_PROMPTS_PER_JOB = 256
+MAX_GROUP_SIZE = 64
+MAX_COMPLETIONS = 4096
+MAX_NEW_TOKENS = 4096
+MAX_PROMPT_TOKENS = 8192
+MAX_TEXT_CHARS = 32_768
+MAX_FILES_PER_SNAPSHOT = 256
+MAX_SIGNED_JOB_BYTES = 4 * 1024 * 1024
+
+ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+JobId = Annotated[str, StringConstraints(pattern=r"^[0-9A-Za-z_-]{1,64}$")]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+ShortText = Annotated[str, StringConstraints(max_length=128)]
+Nonce = Annotated[bytes, Field(min_length=16, max_length=32)]
+Signature = Annotated[bytes, Field(min_length=64, max_length=64)]
+PublicKey = Annotated[bytes, Field(min_length=32, max_length=32)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Version = Annotated[int, Field(ge=0, lt=2**31)]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e11)]
+LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-1e4, le=1e-3)]
+ProtocolNumber = Annotated[int, Field(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+# ---- envelope: every client request ---------------------------------------------------------------------
+class SignedRequest(Message):
+    """Outer frame of every client POST. ``signature`` covers all other fields (see shared.crypto)."""
+
+    protocol: ProtocolNumber
+    client_id: ClientId
+    timestamp: Timestamp
+    nonce: Nonce
+    path: Annotated[str, StringConstraints(pattern=r"^/v1/[a-z_/]{1,64}$")]
+    body: Annotated[bytes, Field(max_length=64 * 1024 * 1024)]
+    signature: Signature
+
+
+class ErrorBody(Message):
+    error: ShortText
+    message: Annotated[str, StringConstraints(max_length=2048)]
+
+
+# ---- registration ---------------------------------------------------------------------------------------
+class ClientProfile(Message):
+    """What a volunteer's machine reports about itself (informational; never trusted for security)."""
+
+    name: Annotated[str, StringConstraints(max_length=64)] = ""
+    backend: Literal["torch", "llama"]
+    device: ShortText  # "cpu", "cuda:NVIDIA GeForce RTX 3060", "mps"
+    platform: ShortText
+    cpu_count: Annotated[int, Field(ge=0, le=4096)]
+    memory_gb: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e6)]
+    software: ShortText
+
+
+class RegisterRequest(Message):
+    public_key: PublicKey
+    profile: ClientProfile
+
+
+class RegisterResponse(Message):
+    client_id: ClientId
+    new: bool
+    run_id: ShortText
+
+
+# ---- jobs -----------------------------------------------------------------------------------------------
+class SamplingParams(Message):
+    """Sampling is the full softmax at ``temperature``: no top-k/top-p/min-p truncation, so the reported
+    logprobs are exactly the behaviour policy's (a truncated sampler would make them wrong)."""
+
+    temperature: Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=4.0)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
+    stop_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=16)]
+
+
+class JobPrompt(Message):
+    prompt_id: Annotated[int, Field(ge=0, lt=2**40)]
+    token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    text: Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
+
+
+class Job(Message):
+    """A rollout job, signed by the coordinator and leased to exactly one client."""
+
+    protocol: ProtocolNumber
+    run_id: ShortText
+    job_id: JobId
+    lease_id: JobId
+    client_id: ClientId
+    version: Version
+    manifest_sha256: Sha256Hex  # the snapshot to generate with: sha256 of its signed manifest bytes
+    prompts: Annotated[list[JobPrompt], Field(min_length=1, max_length=MAX_PROMPTS_PER_JOB)]
+    prompt_hash: Sha256Hex
+    group_size: Annotated[int, Field(ge=1, le=MAX_GROUP_SIZE)]
+    sampling: SamplingParams
+    seed: Seed
+    issued_at: Timestamp
+    deadline: Timestamp
+    max_result_bytes: Annotated[int, Field(ge=1, le=64 * 1024 * 1024)]
+
+
+class SignedJob(Message):
+    job: Annotated[bytes, Field(max_length=MAX_SIGNED_JOB_BYTES)]  # msgpack of Job
+    signature: Signature
+
+
+class LeaseRequest(Message):
+    backend: Literal["torch", "llama"]
+    held_version: Annotated[int, Field(ge=-1, lt=2**31)]  # -1: holds no snapshot yet
+
+
+class LeaseResponse(Message):
+    job: SignedJob | None
+    retry_after_s: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=3600.0)]
+    current_version: Version
+    finished: bool
+
+
+class ReleaseRequest(Message):
+    job_id: JobId
+    lease_id: JobId
+
+
+class ReleaseResponse(Message):
+    released: bool
+
+
+# ---- results --------------------------------------------------------------------------------------------
+class Completion(Message):
+    token_ids: Annotated[list[TokenId], Field(max_length=MAX_NEW_TOKENS)]
+    logprobs: Annotated[list[LogProb], Field(max_length=MAX_NEW_TOKENS)]
+    finish_reason: Literal["stop", "length"]
+
+
+class ResultSubmission(Message):
+    """Completions in prompt-major order: prompt 0's group, then prompt 1's group, ..."""
+
+    job_id: JobId
+    lease_id: JobId
+    version: Version
+    prompt_hash: Sha256Hex
+    seed: Seed
+    group_size: Annotated[int, Field(ge=1, le=MAX_GROUP_SIZE)]
+    completions: Annotated[list[Completion], Field(min_length=1, max_length=MAX_COMPLETIONS)]
+    backend: Literal["torch", "llama"]
+    generation_s: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e6)]
+
+
+class SubmitResponse(Message):
+    accepted: bool
+    job_id: JobId
+    mean_reward: FiniteFloat
+    credit: FiniteFloat  # credit granted for this result
+    total_credit: FiniteFloat
+
+
+# ---- snapshots ------------------------------------------------------------------------------------------
+class ManifestFile(Message):
+    path: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+    size: Annotated[int, Field(ge=0, le=2**40)]
+    sha256: Sha256Hex
+
+
+class Manifest(Message):
+    """A policy version: the files of a Hugging Face model folder, each addressed by its sha256."""
+
+    protocol: ProtocolNumber
+    run_id: ShortText
+    version: Version
+    created_at: Timestamp
+    format: Literal["hf-safetensors"]
+    files: Annotated[list[ManifestFile], Field(min_length=1, max_length=MAX_FILES_PER_SNAPSHOT)]
+
+
+class SignedManifest(Message):
+    manifest: Annotated[bytes, Field(max_length=1024 * 1024)]  # msgpack of Manifest
+    signature: Signature
+
+
+class Info(Message):
+    protocol: ProtocolNumber
+    run_id: ShortText
+    coordinator_public_key: PublicKey
+    current_version: Version
+    sync_mode: ShortText
+    task: ShortText
+    finished: bool
+    server_time: Timestamp

@@ -1,0 +1,190 @@
+"""The policy as both sides compute it: loading a Hugging Face model folder, sampling with per-token
+behaviour logprobs, and recomputing those logprobs for training and verification.
+
+The behaviour logprob of a token is ``log_softmax(logits / temperature)[token]`` — the exact distribution it
+was sampled from (no top-k/top-p truncation). The learner's recompute uses the same definition, so an honest
+torch client and the learner agree to float rounding. torch and transformers are imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+def pick_device(requested: str = "auto") -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """Load the folder's tokenizer. A folder whose tokenizer_config names PreTrainedTokenizerFast is loaded
+    with exactly that class: AutoTokenizer would substitute the architecture's own tokenizer class and its
+    pre-tokenizer for a model_type such as qwen2, silently changing tokenisation."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_path = Path(folder) / "tokenizer_config.json"
+    if cfg_path.exists() and json.loads(cfg_path.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_model(folder: Path, device: str = "cpu", dtype: str = "float32") -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers ≥ 5.x names the KV cache ``cache``; earlier releases ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    group_size: int,
+    temperature: float,
+    max_tokens: int,
+    stop_ids: Sequence[int],
+    seed: int | None,
+    pad_id: int,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[Sampled]:
+    """Sample ``group_size`` completions per prompt in one batch (prompt-major order).
+
+    ``seed=None`` means greedy decoding (used for evaluation). Sampling uses a dedicated torch.Generator,
+    so a (model, prompts, seed) triple always gives the same tokens on the same device. Returns early with
+    what it has if ``should_stop()`` becomes true (the caller then discards the partial job).
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    seqs = [list(p) for p in prompts for _ in range(group_size)]
+    ids, mask = _left_pad(seqs, pad_id, str(device))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed) % (2**63))
+    n = len(seqs)
+    cache_kw = _cache_kwarg(model)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    stopped = torch.zeros(n, dtype=torch.bool, device=device)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for _ in range(max_tokens):
+            logits = out.logits[:, -1, :].float()
+            if seed is None:
+                nxt = logits.argmax(-1)
+                lp = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1)
+            else:
+                logp = torch.log_softmax(logits / temperature, -1)
+                nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+                lp = logp.gather(1, nxt[:, None]).squeeze(1)
+            nxt_list, lp_list, done_list = nxt.tolist(), lp.tolist(), done.tolist()
+            for i in range(n):
+                if not done_list[i]:
+                    tokens[i].append(nxt_list[i])
+                    logprobs[i].append(lp_list[i])
+            hit = torch.isin(nxt, stop) & ~done
+            stopped |= hit
+            done |= hit
+            if bool(done.all()) or (should_stop is not None and should_stop()):
+                break
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{cache_kw: _cache_of(out)})
+    stopped_list = stopped.tolist()
+    return [
+        Sampled(tokens[i], logprobs[i], "stop" if stopped_list[i] else "length") for i in range(n)
+    ]
+
+
+def completion_logprobs(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs of each completion given its prompt, as (logprobs [B, T], mask [B, T]).
+
+    Differentiable when called under grad mode (the learner's loss); wrap in no_grad to verify. Prompts are
+    left-padded so every completion starts at the same column.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    p_ids, p_mask = _left_pad(prompts, pad_id, str(device))
+    width = max(1, max(len(c) for c in completions))
+    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long, device=device)
+    c_mask = torch.zeros((len(completions), width), dtype=torch.long, device=device)
+    for i, c in enumerate(completions):
+        if c:
+            c_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long, device=device)
+            c_mask[i, : len(c)] = 1
+    ids = torch.cat([p_ids, c_ids], dim=1)
+    mask = torch.cat([p_mask, c_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    start = p_ids.shape[1] - 1
+    logits = logits[:, start : start + width, :].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(2, c_ids[:, :, None]).squeeze(2)
+    return logp, c_mask.to(logp.dtype)

@@ -1,0 +1,44 @@
+"""Signed records from the coordinator: snapshot manifests (a version = files named by sha256) and jobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared import PROTOCOL_VERSION, crypto, wire
+from shared.hashing import sha256_bytes, sha256_file
+from shared.messages import Job, Manifest, ManifestFile, SignedJob, SignedManifest
+
+
+def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float) -> Manifest:
+    files = [
+        ManifestFile(path=p.name, size=p.stat().st_size, sha256=sha256_file(p))
+        for p in sorted(folder.iterdir())
+        if p.is_file() and not p.name.startswith(".") and p.name != "manifest.msgpack"
+    ]
+    return Manifest(
+        protocol=PROTOCOL_VERSION, run_id=run_id, version=version, created_at=created_at,
+        format="hf-safetensors", files=files,
+    )
+
+
+def sign_manifest(key: Ed25519PrivateKey, manifest: Manifest) -> SignedManifest:
+    payload = wire.encode(manifest)
+    return SignedManifest(manifest=payload, signature=crypto.sign(key, crypto.MANIFEST_DOMAIN, payload))
+
+
+def open_manifest(signed: SignedManifest, coordinator_key: bytes) -> tuple[Manifest, str]:
+    """Verify the signature, then decode. Returns (manifest, manifest_sha256)."""
+    crypto.verify(coordinator_key, crypto.MANIFEST_DOMAIN, signed.manifest, signed.signature)
+    return wire.decode(signed.manifest, Manifest), sha256_bytes(signed.manifest)
+
+
+def sign_job(key: Ed25519PrivateKey, job: Job) -> SignedJob:
+    payload = wire.encode(job)
+    return SignedJob(job=payload, signature=crypto.sign(key, crypto.JOB_DOMAIN, payload))
+
+
+def open_job(signed: SignedJob, coordinator_key: bytes) -> Job:
+    crypto.verify(coordinator_key, crypto.JOB_DOMAIN, signed.job, signed.signature)
+    return wire.decode(signed.job, Job)

@@ -1,0 +1,104 @@
+"""HTTP client for the coordinator protocol: signs every request, decodes every reply strictly, and retries
+transient failures (connection errors, timeouts, 5xx, 429) with bounded exponential backoff."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import aiohttp
+import pydantic
+
+from shared import wire
+from shared.crypto import sign_request
+from shared.errors import EchoSwarmError, ProtocolError, Reason
+from shared.messages import ErrorBody, Info, Message
+
+from swarm_client.identity import Identity
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+
+
+class CoordinatorUnreachable(EchoSwarmError):
+    """The coordinator could not be reached after all retries."""
+
+
+class RetryPolicy(pydantic.BaseModel):
+    attempts: int = 8
+    base_s: float = 0.5
+    max_s: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_s, self.base_s * 2**attempt) * (0.5 + random.random() / 2)
+
+
+def _refusal(status: int, body: bytes) -> ProtocolError:
+    try:
+        err = wire.decode(body, ErrorBody, max_bytes=64 * 1024)
+        reason = Reason(err.error) if err.error in Reason._value2member_map_ else Reason.INTERNAL
+        return ProtocolError(reason, err.message)
+    except (ProtocolError, ValueError):
+        return ProtocolError(Reason.INTERNAL, f"HTTP {status}: {body[:200]!r}")
+
+
+class CoordinatorClient:
+    def __init__(self, base_url: str, identity: Identity, *, timeout_s: float = 30.0,
+                 retry: RetryPolicy | None = None, on_retry: Callable[[str], None] | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.identity = identity
+        self.retry = retry or RetryPolicy()
+        self.on_retry = on_retry or (lambda msg: logger.warning("%s", msg))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10))
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self._session
+
+    async def _request(self, method: str, path: str, body_fn: Callable[[], bytes] | None) -> bytes:
+        last: str = ""
+        for attempt in range(self.retry.attempts):
+            try:
+                data = body_fn() if body_fn else None
+                async with self._session.request(method, self.base_url + path, data=data,
+                                                 headers={"Content-Type": "application/msgpack"}) as resp:
+                    raw = await resp.read()
+                    if resp.status == 200:
+                        return raw
+                    if resp.status < 500 and resp.status != 429:
+                        raise _refusal(resp.status, raw)
+                    last = f"HTTP {resp.status}: {_refusal(resp.status, raw).message}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if attempt + 1 < self.retry.attempts:
+                wait = self.retry.delay(attempt)
+                self.on_retry(f"coordinator at {self.base_url} did not answer {path} ({last}); "
+                              f"retrying in {wait:.1f}s (attempt {attempt + 2}/{self.retry.attempts})")
+                await asyncio.sleep(wait)
+        raise CoordinatorUnreachable(
+            f"gave up on {self.base_url}{path} after {self.retry.attempts} attempts: {last}. Check that the URL is "
+            f"right and the coordinator is running (try: curl {self.base_url}/healthz)")
+
+    async def get(self, path: str, model: type[M]) -> M:
+        return wire.decode(await self._request("GET", path, None), model)
+
+    async def get_raw(self, path: str) -> bytes:
+        return await self._request("GET", path, None)
+
+    async def post(self, path: str, message: Message, reply: type[M]) -> M:
+        body = wire.encode(message)
+
+        def signed() -> bytes:  # fresh timestamp and nonce on every attempt
+            return wire.encode(sign_request(self.identity.key, path, body, timestamp=time.time()))
+
+        return wire.decode(await self._request("POST", path, signed), reply)
+
+    async def info(self) -> Info:
+        return await self.get("/v1/info", Info)

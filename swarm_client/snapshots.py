@@ -1,0 +1,119 @@
+"""Fetching policy snapshots: verify the signed manifest, download each file by sha256 (resuming partial
+downloads with HTTP Range), verify every byte, and assemble a model folder from the content-addressed cache.
+
+Files shared between versions (tokenizer, config) are downloaded once. A file whose hash does not match is
+discarded and fetched again; nothing unverified is ever placed in a model folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import aiohttp
+
+from shared import wire
+from shared.errors import IntegrityError
+from shared.hashing import sha256_file
+from shared.messages import Manifest, SignedManifest
+from shared.records import open_manifest
+
+from swarm_client.api import CoordinatorClient
+
+logger = logging.getLogger(__name__)
+CHUNK = 1 << 20
+
+
+class SnapshotCache:
+    def __init__(self, root: Path, client: CoordinatorClient, coordinator_key: bytes, *, max_attempts: int = 3) -> None:
+        self.root = Path(root)
+        self.blobs = self.root / "blobs"
+        self.models = self.root / "snapshots"
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.models.mkdir(parents=True, exist_ok=True)
+        self.client = client
+        self.coordinator_key = coordinator_key
+        self.max_attempts = max_attempts
+        self.bytes_downloaded = 0
+
+    async def ensure(self, run_id: str, version: int, manifest_sha256: str) -> Path:
+        """Return a verified local model folder for ``version`` (whose manifest must hash to the given sha)."""
+        folder = self.models / run_id / f"v{version:06d}"
+        if (folder / ".complete").exists() and (folder / ".manifest_sha256").read_text() == manifest_sha256:
+            return folder
+        signed = wire.decode(await self.client.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
+        manifest, sha = open_manifest(signed, self.coordinator_key)
+        if sha != manifest_sha256 or manifest.version != version or manifest.run_id != run_id:
+            raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
+        for f in manifest.files:
+            await self._fetch_blob(f.sha256, f.size)
+        self._assemble(folder, manifest, sha)
+        self._prune(run_id, keep=folder)
+        return folder
+
+    async def _fetch_blob(self, sha256: str, size: int) -> Path:
+        final = self.blobs / sha256
+        if final.exists():
+            return final
+        partial = self.blobs / f"{sha256}.partial"
+        for attempt in range(1, self.max_attempts + 1):
+            await self._download(sha256, partial, size)
+            digest = sha256_file(partial)
+            if digest == sha256 and partial.stat().st_size == size:
+                os.replace(partial, final)
+                return final
+            logger.warning("download of %s failed verification (got sha256 %s); fetching again (%d/%d)",
+                           sha256[:12], digest[:12], attempt, self.max_attempts)
+            partial.unlink(missing_ok=True)
+        raise IntegrityError(f"file {sha256} failed sha256 verification {self.max_attempts} times")
+
+    async def _download(self, sha256: str, partial: Path, size: int) -> None:
+        have = partial.stat().st_size if partial.exists() else 0
+        if have > size:
+            partial.unlink()
+            have = 0
+        if have == size:
+            return
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        url = f"{self.client.base_url}/v1/blobs/{sha256}"
+        try:
+            async with self.client.session.get(url, headers=headers) as resp:
+                if resp.status not in (200, 206):
+                    raise IntegrityError(f"coordinator answered HTTP {resp.status} for file {sha256[:12]}")
+                mode = "ab" if resp.status == 206 else "wb"
+                with open(partial, mode) as fh:
+                    async for chunk in resp.content.iter_chunked(CHUNK):
+                        fh.write(chunk)
+                        self.bytes_downloaded += len(chunk)
+                        if fh.tell() > size:
+                            break
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            logger.warning("download of %s interrupted (%s); will resume", sha256[:12], exc)
+
+    def _assemble(self, folder: Path, manifest: Manifest, manifest_sha: str) -> None:
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in manifest.files:
+            src = self.blobs / f.sha256
+            try:
+                os.link(src, tmp / f.path)
+            except OSError:
+                shutil.copyfile(src, tmp / f.path)
+        (tmp / ".manifest_sha256").write_text(manifest_sha)
+        (tmp / ".complete").write_text("")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(tmp, folder)
+
+    def _prune(self, run_id: str, keep: Path, keep_last: int = 2) -> None:
+        """Keep the newest few model folders; drop blobs no remaining folder links to."""
+        run_root = self.models / run_id
+        folders = sorted(p for p in run_root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in folders[:-keep_last]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+        for blob in self.blobs.iterdir():
+            if not blob.name.endswith(".partial") and blob.stat().st_nlink == 1:
+                blob.unlink(missing_ok=True)
