@@ -38,7 +38,6 @@ class Sample:
 class Learner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cfg: LearnerConfig, temperature: float) -> None:
         import torch
-
         from transformers.utils import logging as hf_logging
 
         from shared.policy import load_model, load_tokenizer, pick_device, stop_token_ids

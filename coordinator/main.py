@@ -23,7 +23,7 @@ async def serve(config: CoordinatorConfig) -> int:
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
     await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    sockets = getattr(site._server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else config.server.port
     url = f"http://{config.server.host}:{port}"
     (config.run_dir / "endpoint.json").write_text(json.dumps({"url": url, "port": port}))

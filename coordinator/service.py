@@ -7,6 +7,7 @@ Request handling here parses, calls the pure rules in :mod:`coordinator.core`, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import shutil
@@ -30,8 +31,19 @@ from shared import PROTOCOL_VERSION, crypto, wire
 from shared.errors import ProtocolError, Reason
 from shared.hashing import prompt_hash, sha256_bytes
 from shared.messages import (
-    Info, Job, JobPrompt, LeaseRequest, LeaseResponse, RegisterRequest, RegisterResponse, ReleaseRequest,
-    ReleaseResponse, ResultSubmission, SamplingParams, SignedRequest, SubmitResponse,
+    Info,
+    Job,
+    JobPrompt,
+    LeaseRequest,
+    LeaseResponse,
+    RegisterRequest,
+    RegisterResponse,
+    ReleaseRequest,
+    ReleaseResponse,
+    ResultSubmission,
+    SamplingParams,
+    SignedRequest,
+    SubmitResponse,
 )
 from shared.records import sign_job
 
@@ -197,10 +209,9 @@ class Coordinator:
             remaining = give_up - time.monotonic()
             if resp.job is not None or resp.finished or remaining <= 0:
                 return resp
-            try:  # expired leases make jobs available without an event: re-check at least every second
+            # expired leases make jobs available without an event: re-check at least every second
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
-            except asyncio.TimeoutError:
-                pass
 
     def _try_lease(self, client_id: str) -> LeaseResponse:
         retry = self.config.jobs.retry_after_s

@@ -16,7 +16,7 @@ import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.core.jobs import JobPlan
 from coordinator.core.leases import JobState, LeaseView
@@ -297,7 +297,7 @@ class _Tx:
     def __enter__(self) -> None:
         self.conn.execute("BEGIN IMMEDIATE")
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
             self.conn.execute("COMMIT")
             return False

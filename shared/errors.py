@@ -7,10 +7,10 @@ agree on what each failure means (see docs/protocol.md).
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class Reason(str, Enum):
+class Reason(StrEnum):
     """Machine-readable refusal reasons. The value is what travels on the wire."""
 
     MALFORMED = "malformed"  # not decodable msgpack, wrong top-level type, duplicate keys, too deep

@@ -53,7 +53,7 @@ def load_model(folder: Path, device: str = "cpu", dtype: str = "float32") -> Any
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
     return model.to(device)
 
 

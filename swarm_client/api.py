@@ -17,7 +17,6 @@ from shared import wire
 from shared.crypto import sign_request
 from shared.errors import EchoSwarmError, ProtocolError, Reason
 from shared.messages import ErrorBody, Info, Message
-
 from swarm_client.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class CoordinatorClient:
                     if resp.status < 500 and resp.status != 429:
                         raise _refusal(resp.status, raw)
                     last = f"HTTP {resp.status}: {_refusal(resp.status, raw).message}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if attempt + 1 < self.retry.attempts:
                 wait = self.retry.delay(attempt)

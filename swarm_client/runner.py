@@ -24,11 +24,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared import PROTOCOL_VERSION
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
 from shared.messages import (
-    Completion, LeaseRequest, LeaseResponse, RegisterRequest, RegisterResponse, ReleaseRequest, ReleaseResponse,
-    ResultSubmission, SubmitResponse,
+    Completion,
+    LeaseRequest,
+    LeaseResponse,
+    RegisterRequest,
+    RegisterResponse,
+    ReleaseRequest,
+    ReleaseResponse,
+    ResultSubmission,
+    SubmitResponse,
 )
 from shared.records import open_job
-
 from swarm_client.api import CoordinatorClient, CoordinatorUnreachable
 from swarm_client.identity import CoordinatorKeyChanged, load_identity, pin_coordinator
 from swarm_client.snapshots import SnapshotCache
@@ -233,7 +239,7 @@ class Runner:
         try:
             await asyncio.wait_for(api.post("/v1/release", ReleaseRequest(job_id=job_id, lease_id=lease_id),
                                             ReleaseResponse), timeout=5)
-        except (EchoSwarmError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, EchoSwarmError) as exc:
             self._say(f"could not release job {job_id} ({exc}); it will be reissued after its deadline")
 
 

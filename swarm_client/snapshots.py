@@ -19,7 +19,6 @@ from shared.errors import IntegrityError
 from shared.hashing import sha256_file
 from shared.messages import Manifest, SignedManifest
 from shared.records import open_manifest
-
 from swarm_client.api import CoordinatorClient
 
 logger = logging.getLogger(__name__)

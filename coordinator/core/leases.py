@@ -8,10 +8,10 @@ job is simply leasable again, and the old lease id stops being accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
     OPEN = "open"
     LEASED = "leased"
     DONE = "done"
@@ -52,7 +52,7 @@ def deadline_for(now: float, lease_timeout_s: float) -> float:
     return now + lease_timeout_s
 
 
-class LeaseCheck(str, Enum):
+class LeaseCheck(StrEnum):
     OK = "ok"
     NOT_HOLDER = "not_holder"
     EXPIRED = "expired"
