@@ -24,6 +24,7 @@ LEARNER_TASK = web.AppKey("learner_task", asyncio.Task)
 FATAL = web.AppKey("fatal", asyncio.Event)
 MSGPACK = "application/msgpack"
 _SHA = re.compile(r"^[0-9a-f]{64}$")
+_VERSION = re.compile(r"^[0-9]{1,9}$", re.ASCII)
 
 
 def _packed(data: bytes, status: int = 200) -> web.Response:
@@ -81,7 +82,7 @@ async def results(request: web.Request) -> web.Response:
 async def snapshot_manifest(request: web.Request) -> web.Response:
     raw = request.match_info["version"]
     coord = request.app[COORDINATOR]
-    version = coord.version if raw == "latest" else int(raw) if raw.isdigit() and len(raw) < 10 else -1
+    version = coord.version if raw == "latest" else int(raw) if _VERSION.match(raw) else -1
     signed = coord.snapshots.signed_manifest(version)
     if signed is None:
         raise ProtocolError(Reason.NO_SUCH_VERSION, f"version {raw} is not published (or was pruned); "

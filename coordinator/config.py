@@ -55,11 +55,21 @@ class JsonlTaskConfig(_Strict):
     prompt_template: str = Field("Question: {question}\nAnswer:", description="Must contain '{question}'.")
     split_seed: int = 0
 
+    @field_validator("train_path", "heldout_path")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return v.expanduser() if v is not None else None
+
     @field_validator("prompt_template")
     @classmethod
     def _has_placeholder(cls, v: str) -> str:
         if "{question}" not in v:
             raise ValueError("prompt_template must contain '{question}', e.g. 'Question: {question}\\nAnswer:'")
+        try:
+            v.format(question="")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError("prompt_template may contain only the '{question}' placeholder; write literal braces "
+                             "as '{{' and '}}'") from None
         return v
 
 
@@ -130,6 +140,34 @@ class CoordinatorConfig(_Strict):
     server: ServerConfig = ServerConfig()
     snapshots: SnapshotConfig = SnapshotConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_task_type(cls, data: Any) -> Any:
+        """A [task] table without 'type' means the default arithmetic task."""
+        if isinstance(data, dict) and isinstance(data.get("task"), dict) and "type" not in data["task"]:
+            data = dict(data) | {"task": {"type": "arithmetic"} | data["task"]}
+        return data
+
+    @field_validator("run_dir")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+    @model_validator(mode="after")
+    def _fits_the_protocol(self) -> CoordinatorConfig:
+        from shared.messages import MAX_COMPLETIONS
+
+        per_job = self.jobs.prompts_per_job * self.learner.group_size
+        if per_job > MAX_COMPLETIONS:
+            raise ValueError(f"jobs.prompts_per_job × learner.group_size = {per_job} completions per job; the "
+                             f"protocol allows {MAX_COMPLETIONS}. Lower prompts_per_job")
+        size = 4096 + per_job * (64 + self.sampling.max_tokens * 14)
+        if size > 8 * 1024 * 1024:
+            raise ValueError(f"a job of {per_job} completions × {self.sampling.max_tokens} tokens could need "
+                             f"{size / 2**20:.1f} MiB per result; the limit is 8 MiB. Lower jobs.prompts_per_job "
+                             f"or sampling.max_tokens")
+        return self
+
     @model_validator(mode="after")
     def _jobs_divide_step(self) -> CoordinatorConfig:
         if self.learner.prompts_per_step % self.jobs.prompts_per_job:
@@ -162,6 +200,8 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> C
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)
@@ -171,5 +211,6 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> C
         lines = []
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"])
-            lines.append(f"  {where}: {err['msg']}")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {where}: {msg}" if where else f"  {msg}")
         raise ConfigError("invalid coordinator config:\n" + "\n".join(lines)) from None

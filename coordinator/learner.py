@@ -54,6 +54,9 @@ class Learner:
         self.model.train()
         self.pad_id = pad_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
+        if not self.stop_ids:
+            raise ValueError(f"the tokenizer in {model_dir} defines no end-of-sequence token; set eos_token in its "
+                             f"tokenizer_config.json so completions can stop")
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 

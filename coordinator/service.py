@@ -53,7 +53,8 @@ MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 def result_size_cap(n_completions: int, max_tokens: int) -> int:
-    """Upper bound on an honest result's encoded size: ≤ 5 bytes per token id, 9 per float64, slack."""
+    """Upper bound on an honest result's encoded size: ≤ 5 bytes per token id, 9 per float64, slack.
+    (coordinator.config refuses settings whose cap would exceed the 8 MiB message limit.)"""
     return 4096 + n_completions * (64 + max_tokens * 14)
 
 
@@ -97,8 +98,7 @@ class Coordinator:
             model_dir = await self._run(self._resolve_model_dir)
             self.learner = await self._run(self._make_learner, model_dir)
             manifest_sha = await self._run(self.snapshots.publish, 0, self.learner.save_model, self.clock())
-            plans = plan_jobs(self.config.learner.seed, 0, len(self.task.train), self.config.learner.prompts_per_step,
-                              self.config.jobs.prompts_per_job)
+            plans = self._plan(0)
             self.store.publish_initial(manifest_sha, plans if self.config.learner.max_steps > 0 else [],
                                        self.config.learner.group_size, self.clock())
             self.version = 0
@@ -114,6 +114,13 @@ class Coordinator:
         if not any(e["version"] == self.version for e in self.store.evals()):
             await self._evaluate(self.version)
         self.finished = self.version >= self.config.learner.max_steps
+        if not self.finished and not self.store.jobs_for_version(self.version):
+            # a finished run restarted with a larger max_steps: its last version has no jobs yet
+            self.store.add_jobs(self._plan(self.version), self.config.learner.group_size, self.clock())
+
+    def _plan(self, version: int) -> list[Any]:
+        return plan_jobs(self.config.learner.seed, version, len(self.task.train), self.config.learner.prompts_per_step,
+                         self.config.jobs.prompts_per_job)
 
     async def stop(self) -> None:
         self._executor.shutdown(wait=True)
@@ -150,6 +157,9 @@ class Coordinator:
     # -- authentication -----------------------------------------------------------------------------------
     def _open_envelope(self, raw: bytes, path: str) -> SignedRequest:
         req = wire.decode(raw, SignedRequest, max_bytes=MAX_REQUEST_BYTES)
+        if req.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(Reason.PROTOCOL_VERSION, f"this coordinator speaks protocol {PROTOCOL_VERSION}, the "
+                                                         f"request uses {req.protocol}; upgrade echo-swarm")
         if req.path != path:
             raise ProtocolError(Reason.BAD_SIGNATURE, f"request was signed for {req.path}, sent to {path}")
         return req
@@ -162,7 +172,9 @@ class Coordinator:
             raise ProtocolError(Reason.REPLAYED_NONCE, "this request was already received (replayed nonce)")
 
     def authenticate(self, raw: bytes, path: str) -> SignedRequest:
-        """Envelope → known client → not banned → signature → timestamp → nonce, in that order."""
+        """Envelope (protocol, path) → known client → signature → not banned → timestamp → nonce, in that order.
+
+        The ban check follows the signature so that nobody learns whether an id is banned without its key."""
         req = self._open_envelope(raw, path)
         client = self.store.get_client(req.client_id)
         if client is None:
@@ -271,6 +283,13 @@ class Coordinator:
         try:
             sub = wire.decode(req.body, ResultSubmission)
             job_id = sub.job_id
+            earlier = self.store.accepted_result(sub.job_id)
+            if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
+                # the same client resending the same result (its first reply was lost): answer as before
+                client = self.store.get_client(req.client_id)
+                return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
+                                      credit=float(earlier["n_tokens"]),
+                                      total_credit=float(client["credit"]) if client is not None else 0.0)
             return await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
         except ProtocolError as exc:
             self.store.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha, self.clock())
@@ -323,9 +342,9 @@ class Coordinator:
     # -- learner loop -------------------------------------------------------------------------------------
     async def learner_loop(self) -> None:
         """Sequential pull: wait for every job of the current version, train once, publish the next version."""
-        need = self.config.jobs_per_step
         while not self.finished:
             version = self.version
+            need = len(self.store.jobs_for_version(version))  # as planned, even if the config changed since
             while True:
                 self._wake.clear()
                 if self.store.count_pending(version) >= need:
@@ -358,9 +377,7 @@ class Coordinator:
                         self.run_dir / "checkpoints" / f"v{new_version:06d}" / "optimizer.pt")
         manifest_sha = await self._run(self.snapshots.publish, new_version, self.learner.save_model, self.clock())
         max_steps = self.config.learner.max_steps
-        plans = [] if new_version >= max_steps else plan_jobs(
-            self.config.learner.seed, new_version, len(self.task.train), self.config.learner.prompts_per_step,
-            self.config.jobs.prompts_per_job)
+        plans = [] if new_version >= max_steps else self._plan(new_version)
         mean_reward = sum(rewards_all) / max(1, len(rewards_all))
         metrics["step_s"] = time.monotonic() - t0
         metrics["clients"] = float(len({r.client_id for r in rows}))
@@ -411,6 +428,11 @@ class Coordinator:
                 "open": sum(1 for j in jobs if j.view.state.value == "open"),
                 "leased": sum(1 for j in jobs if j.view.state.value == "leased"),
                 "done": sum(1 for j in jobs if j.view.state.value == "done"),
+                "in_flight": [
+                    {"job_id": j.view.job_id, "client_id": j.view.lease_client, "deadline": j.view.lease_deadline,
+                     "issue_count": j.issue_count}
+                    for j in jobs if j.view.state.value == "leased"
+                ],
             },
             "totals": self.store.totals(),
             "reward_curve": [s["mean_reward"] for s in steps],

@@ -220,6 +220,14 @@ class Store:
             self.conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
                               (credit, now, client_id))
 
+    def accepted_result(self, job_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
+                                 (job_id,)).fetchone()
+
+    def add_jobs(self, plans: Iterable[JobPlan], group_size: int, now: float) -> None:
+        with self._tx():
+            self._insert_jobs(plans, group_size, now)
+
     def record_rejection(self, client_id: str, job_id: str | None, reason: str, message: str,
                          content_sha256: str | None, now: float) -> None:
         with self._tx():

@@ -36,6 +36,8 @@ def join(
     exit_when_finished: Annotated[bool, typer.Option(help="Exit once the coordinator's run has finished.")] = False,
     max_cpu_percent: Annotated[float, typer.Option(help="Use at most this share of time for generation "
                                                         "(1-100): the client idles between decoding steps.")] = 100.0,
+    retries: Annotated[int, typer.Option(help="Attempts per request when the coordinator is unreachable, with "
+                                              "exponential backoff from 0.5 s to 30 s, before giving up.")] = 8,
     coordinator_key: Annotated[Optional[str], typer.Option(help="The coordinator's public key (hex) as published "
                                                                 "by its operator. Without it, the key seen on "
                                                                 "first contact is pinned (trust on first use).")] = None,
@@ -50,7 +52,7 @@ def join(
 
     cfg = JoinConfig(url=url, home=home or default_home(), backend=backend, device=device, threads=threads, name=name,
                      max_jobs=max_jobs, exit_when_finished=exit_when_finished, max_cpu_percent=max_cpu_percent,
-                     coordinator_key=coordinator_key)
+                     retries=retries, coordinator_key=coordinator_key)
     raise typer.Exit(run(cfg))
 
 

@@ -35,7 +35,6 @@ class Reason(StrEnum):
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
     NO_SUCH_VERSION = "no_such_version"
     NO_SUCH_BLOB = "no_such_blob"
-    RUN_FINISHED = "run_finished"
     INTERNAL = "internal_error"
 
 
@@ -62,7 +61,6 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.LOGPROB_MISMATCH: 422,
     Reason.NO_SUCH_VERSION: 404,
     Reason.NO_SUCH_BLOB: 404,
-    Reason.RUN_FINISHED: 410,
     Reason.INTERNAL: 500,
 }
 

@@ -38,6 +38,7 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e11)]
 LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-1e4, le=1e-3)]
 ProtocolNumber = Annotated[int, Field(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
+AnyProtocolNumber = Annotated[int, Field(ge=0, lt=2**16)]  # envelope: checked explicitly → protocol_version
 
 
 class Message(BaseModel):
@@ -48,7 +49,7 @@ class Message(BaseModel):
 class SignedRequest(Message):
     """Outer frame of every client POST. ``signature`` covers all other fields (see shared.crypto)."""
 
-    protocol: ProtocolNumber
+    protocol: AnyProtocolNumber
     client_id: ClientId
     timestamp: Timestamp
     nonce: Nonce

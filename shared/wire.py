@@ -33,6 +33,10 @@ def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not allowed in protocol messages")
+
+
 def _depth(obj: Any, limit: int) -> int:
     """Depth of nested containers, raising once ``limit`` is exceeded (iterative: no recursion bomb)."""
     stack: list[tuple[Any, int]] = [(obj, 1)]
@@ -43,7 +47,7 @@ def _depth(obj: Any, limit: int) -> int:
             raise ValueError(f"nesting deeper than {limit}")
         deepest = max(deepest, level)
         if isinstance(item, dict):
-            stack.extend((v, level + 1) for v in item.values())
+            stack.extend((v, level + 1) for v in item.values() if isinstance(v, (list, dict)))
         elif isinstance(item, list):
             stack.extend((v, level + 1) for v in item if isinstance(v, (list, dict)))
     return deepest
@@ -68,6 +72,7 @@ def unpack(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
             max_array_len=n,
             max_map_len=n,
             max_ext_len=0,
+            ext_hook=_refuse_ext,
         )
         _depth(obj, MAX_DEPTH)
     except ProtocolError:

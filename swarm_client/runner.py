@@ -35,7 +35,7 @@ from shared.messages import (
     SubmitResponse,
 )
 from shared.records import open_job
-from swarm_client.api import CoordinatorClient, CoordinatorUnreachable
+from swarm_client.api import CoordinatorClient, CoordinatorUnreachable, RetryPolicy
 from swarm_client.identity import CoordinatorKeyChanged, load_identity, pin_coordinator
 from swarm_client.snapshots import SnapshotCache
 
@@ -58,6 +58,7 @@ class JoinConfig(BaseModel):
     max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted jobs.")
     exit_when_finished: bool = Field(False, description="Exit when the coordinator's run has finished.")
     max_cpu_percent: float = Field(100.0, gt=0, le=100, description="Duty cycle of generation, in percent.")
+    retries: int = Field(8, ge=1, le=100, description="Attempts per request before giving up (backoff 0.5 s → 30 s).")
     coordinator_key: str | None = Field(None, description="Expected coordinator public key (hex); else pinned on first use.")
 
 
@@ -139,7 +140,8 @@ class Runner:
         from swarm_client.hardware import profile
 
         backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads)
-        api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say)
+        api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say,
+                                retry=RetryPolicy(attempts=self.cfg.retries))
         try:
             return await self._serve(api, identity, backend, profile(backend.name, backend.device, self.cfg.name))
         except CoordinatorUnreachable as exc:
@@ -225,6 +227,8 @@ class Runner:
                 self.stats.rejected += 1
                 self.stats.rejections[exc.reason.value] = self.stats.rejections.get(exc.reason.value, 0) + 1
                 self._say(f"result for {job.job_id} refused ({exc.reason.value}): {exc.message}")
+                if exc.reason not in (Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.NOT_LEASE_HOLDER):
+                    await self._release(api, job.job_id, job.lease_id)
             self.stats.tokens_per_s = n_tok / max(elapsed, 1e-9)
             self.stats.state = "done"
             self._show(self._line())

@@ -7,6 +7,7 @@ discarded and fetched again; nothing unverified is ever placed in a model folder
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -53,34 +54,44 @@ class SnapshotCache:
         return folder
 
     async def _fetch_blob(self, sha256: str, size: int) -> Path:
+        """Download one file into the cache. Interrupted transfers resume (HTTP Range) with backoff; a complete
+        file that fails its hash is discarded and fetched again from scratch, at most ``max_attempts`` times."""
         final = self.blobs / sha256
         if final.exists():
             return final
         partial = self.blobs / f"{sha256}.partial"
-        for attempt in range(1, self.max_attempts + 1):
-            await self._download(sha256, partial, size)
+        corrupt = 0
+        for transfer in range(self.client.retry.attempts):
+            if not await self._download(sha256, partial, size):
+                await asyncio.sleep(self.client.retry.delay(transfer))
+                continue
             digest = sha256_file(partial)
-            if digest == sha256 and partial.stat().st_size == size:
+            if digest == sha256:
                 os.replace(partial, final)
                 return final
-            logger.warning("download of %s failed verification (got sha256 %s); fetching again (%d/%d)",
-                           sha256[:12], digest[:12], attempt, self.max_attempts)
+            corrupt += 1
             partial.unlink(missing_ok=True)
-        raise IntegrityError(f"file {sha256} failed sha256 verification {self.max_attempts} times")
+            logger.warning("file %s failed verification (got sha256 %s); fetching it again (%d/%d)",
+                           sha256[:12], digest[:12], corrupt, self.max_attempts)
+            if corrupt >= self.max_attempts:
+                break
+        raise IntegrityError(f"could not fetch a verified copy of file {sha256[:12]}")
 
-    async def _download(self, sha256: str, partial: Path, size: int) -> None:
+    async def _download(self, sha256: str, partial: Path, size: int) -> bool:
+        """Continue the transfer into ``partial``; True once it holds ``size`` bytes."""
         have = partial.stat().st_size if partial.exists() else 0
         if have > size:
             partial.unlink()
             have = 0
         if have == size:
-            return
+            return True
         headers = {"Range": f"bytes={have}-"} if have else {}
         url = f"{self.client.base_url}/v1/blobs/{sha256}"
         try:
             async with self.client.session.get(url, headers=headers) as resp:
                 if resp.status not in (200, 206):
-                    raise IntegrityError(f"coordinator answered HTTP {resp.status} for file {sha256[:12]}")
+                    logger.warning("coordinator answered HTTP %d for file %s", resp.status, sha256[:12])
+                    return False
                 mode = "ab" if resp.status == 206 else "wb"
                 with open(partial, mode) as fh:
                     async for chunk in resp.content.iter_chunked(CHUNK):
@@ -89,7 +100,8 @@ class SnapshotCache:
                         if fh.tell() > size:
                             break
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            logger.warning("download of %s interrupted (%s); will resume", sha256[:12], exc)
+            logger.warning("download of %s interrupted (%s); resuming", sha256[:12], exc)
+        return partial.exists() and partial.stat().st_size >= size
 
     def _assemble(self, folder: Path, manifest: Manifest, manifest_sha: str) -> None:
         tmp = folder.with_name(folder.name + ".tmp")

@@ -1,7 +1,7 @@
 """Request authentication rules: timestamp window and nonce expiry (the signature check is in shared.crypto).
 
-Checked in this order for every signed request: protocol version → known, unbanned client → signature →
-timestamp within the window → nonce unseen. The nonce is remembered until its request could no longer
+Checked in this order for every signed request: envelope schema and protocol version → path the request
+was signed for → known client → signature → not banned → timestamp within the window → nonce unseen. The nonce is remembered until its request could no longer
 pass the timestamp check, so the nonce store stays bounded.
 """
 

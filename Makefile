@@ -1,0 +1,36 @@
+# Quick start targets. Each one sets up what it needs (a local .venv) and is safe to re-run.
+#   make demo   — coordinator + 2 volunteer clients + learner on the built-in tiny model (a few minutes)
+#   make test   — lint, type check and the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+# The CPU build of torch for the quick start; GPU users can pass e.g. TORCH_SPEC="torch" for their own build.
+TORCH_SPEC ?= torch==2.13.0
+OUT    ?= demo-out
+
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/echo-swarm demo --clients 2 --out $(OUT)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -ra
+
+clean:
+	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,67 @@
+"""Integration fixtures: a real coordinator (aiohttp on 127.0.0.1, real SQLite, real learner) started in a
+background thread with an injectable clock, so lease expiry can be tested without waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from coordinator.app import create_app
+from coordinator.config import load_config
+from coordinator.service import Coordinator
+from tests.integration.helpers import write_config
+
+
+class FakeClock:
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class LiveCoordinator:
+    url: str
+    coordinator: Coordinator
+    clock: FakeClock
+    run_dir: Path
+
+
+@pytest.fixture
+def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
+    run_dir = tmp_path / "run"
+    cfg = load_config(write_config(tmp_path / "run.toml", run_dir, tiny_model_dir,
+                                   jobs={"lease_timeout_s": 30.0, "long_poll_s": 0.0}, learner={"max_steps": 50}))
+    clock = FakeClock(time.time())
+    coord = Coordinator(cfg, clock=clock, model_dir=tiny_model_dir)
+    app = create_app(cfg, coord)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = web.AppRunner(app, handle_signals=False)
+
+    async def start() -> int:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    port = asyncio.run_coroutine_threadsafe(start(), loop).result(180)
+    try:
+        yield LiveCoordinator(f"http://127.0.0.1:{port}", coord, clock, run_dir)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()

@@ -1,0 +1,177 @@
+"""Helpers for integration tests: real coordinator and client processes on 127.0.0.1, a minimal signed
+protocol client written against docs/protocol.md (not the production client), and condition waits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared import crypto, wire
+from shared.messages import ErrorBody, Message
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        tick.wait(interval)
+
+
+class Proc:
+    """A child process with its output captured to a file; optionally waits for a line to appear."""
+
+    def __init__(self, argv: list[str], log: Path, ready: str | None = None, env: dict[str, str] | None = None) -> None:
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 — closed in stop()
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self._ready_text = ready
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     cwd=REPO, env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            self.lines.append(line)
+            if self._ready_text and self._ready_text in line:
+                self.ready.set()
+        self.ready.set()  # also wake waiters when the process ends
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill9(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._pump.join(10)
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+
+def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, **sections: dict[str, Any]) -> Path:
+    """A small, fast run config: 2 jobs of 2 prompts × 4 samples per step, 64 held-out prompts."""
+    base: dict[str, dict[str, Any]] = {
+        "model": {"path": str(model_dir)},
+        "server": {"host": "127.0.0.1", "port": port},
+        "learner": {"max_steps": 4, "prompts_per_step": 4, "group_size": 4, "eval_every": 0, "eval_size": 64,
+                    "threads": 1},
+        "jobs": {"prompts_per_job": 2, "lease_timeout_s": 60.0, "long_poll_s": 2.0},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    lines = [f'run_dir = "{run_dir}"']
+    for name, values in base.items():
+        lines.append(f"\n[{name}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {json.dumps(v) if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else v}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_coordinator(config: Path, log: Path) -> tuple[Proc, str]:
+    proc = Proc([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(config)], log,
+                ready="listening on ")
+    proc.ready.wait(180)
+    out = proc.output()
+    assert "listening on " in out, f"coordinator did not start:\n{out[-3000:]}"
+    url = out.split("listening on ")[1].split()[0]
+    return proc, url
+
+
+def start_client(url: str, home: Path, log: Path, *extra: str) -> Proc:
+    return Proc([sys.executable, "-m", "echo_swarm", "join", url, "--home", str(home), "--threads", "1", *extra], log)
+
+
+def get_status(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def db_rows(run_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Read the coordinator's database (WAL lets a reader in while the coordinator writes)."""
+    conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+class RawClient:
+    """Speaks the protocol with nothing but urllib, msgpack and Ed25519, as a third-party client would."""
+
+    def __init__(self, url: str, key: Ed25519PrivateKey | None = None) -> None:
+        self.url = url
+        self.key = key or crypto.generate_key()
+        self.public_key = crypto.public_bytes(self.key)
+        self.client_id = crypto.client_id_for(self.public_key)
+
+    def envelope(self, path: str, body: Message | bytes, *, timestamp: float | None = None) -> bytes:
+        raw = body if isinstance(body, bytes) else wire.encode(body)
+        return wire.encode(crypto.sign_request(self.key, path, raw, timestamp=timestamp or time.time()))
+
+    def send(self, path: str, data: bytes) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/msgpack"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def post(self, path: str, body: Message | bytes) -> tuple[int, bytes]:
+        return self.send(path, self.envelope(path, body))
+
+    @staticmethod
+    def error(raw: bytes) -> ErrorBody:
+        return wire.decode(raw, ErrorBody)

@@ -1,0 +1,68 @@
+"""`echo-swarm demo` as a newcomer runs it: separate processes, real HTTP, and a model that measurably learns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import REPO
+
+pytestmark = pytest.mark.slow
+
+REQUIRED = {"steps", "final_version", "accepted", "rejected", "reward_curve", "eval_before", "eval_after", "wall_s",
+            "clients"}
+
+
+def test_demo_improves_heldout_accuracy_with_every_client_contributing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "echo_swarm", "demo", "--clients", "2", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary.keys() >= REQUIRED
+    assert summary["final_version"] == summary["steps"] == len(summary["reward_curve"])
+    assert summary["eval_prompts"] >= 256
+    assert summary["eval_after"] - summary["eval_before"] >= 0.10, (summary["eval_before"], summary["eval_after"])
+    assert summary["wall_s"] < 900
+    assert len(summary["clients"]) == 2
+    pids = {c["pid"] for c in summary["clients"]}
+    assert len(pids) == 2 and all(c["accepted"] > 0 for c in summary["clients"]), summary["clients"]
+    assert sum(c["accepted"] for c in summary["clients"]) == summary["accepted"]
+    assert (out / "reward_curve.png").stat().st_size > 10_000
+    assert "held-out accuracy" in proc.stdout
+
+
+def test_cli_help_explains_every_command() -> None:
+    top = subprocess.run([sys.executable, "-m", "echo_swarm", "--help"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0
+    for command in ("join", "coordinator", "demo"):
+        assert command in top.stdout
+        sub = subprocess.run([sys.executable, "-m", "echo_swarm", command, "--help"], capture_output=True, text=True,
+                             timeout=60)
+        assert sub.returncode == 0 and "--" in sub.stdout
+
+
+def test_coordinator_refuses_a_bad_config_with_a_clear_message(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[learner]\nprompts_per_step = 6\nlearning_rate = 0.1\n')
+    proc = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "learner.learning_rate" in proc.stderr and "Extra inputs are not permitted" in proc.stderr
+
+
+def test_join_reports_an_unreachable_coordinator(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "echo_swarm", "join", f"http://127.0.0.1:{port}", "--home",
+                           str(tmp_path / "home"), "--retries", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Check that the URL is right" in proc.stdout
+    assert (tmp_path / "home" / "identity.key").stat().st_mode & 0o777 == 0o600

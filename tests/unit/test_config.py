@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import (
+    ArithmeticTaskConfig,
+    ConfigError,
+    CoordinatorConfig,
+    JsonlTaskConfig,
+    load_config,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    cfg = load_config(None)
+    assert cfg == CoordinatorConfig()
+    assert cfg.run_dir == Path("runs/default")
+    assert cfg.model.path == "tiny"
+    assert isinstance(cfg.task, ArithmeticTaskConfig) and cfg.task.max_operand == 99
+    assert cfg.learner.prompts_per_step == 16 and cfg.jobs.prompts_per_job == 8
+    assert cfg.jobs_per_step == 2
+    assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8470
+    assert cfg.verification.request_window_s == 300.0
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+run_dir = "runs/exp1"
+
+[learner]
+lr = 0.001
+prompts_per_step = 32
+max_steps = 7
+
+[jobs]
+prompts_per_job = 4
+
+[task]
+type = "arithmetic"
+max_operand = 20
+""")
+    cfg = load_config(path)
+    assert cfg.run_dir == Path("runs/exp1")
+    assert cfg.learner.lr == 0.001 and cfg.learner.max_steps == 7
+    assert cfg.jobs_per_step == 8
+    assert isinstance(cfg.task, ArithmeticTaskConfig) and cfg.task.max_operand == 20
+    assert cfg.learner.group_size == 8  # untouched keys keep defaults
+
+
+def test_jsonl_task_from_toml(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, '[task]\ntype = "jsonl"\ntrain_path = "data/train.jsonl"\n'))
+    assert isinstance(cfg.task, JsonlTaskConfig)
+    assert cfg.task.train_path == Path("data/train.jsonl")
+
+
+def test_dotted_overrides_win_over_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[learner]\nmax_steps = 7\nlr = 0.001\n[server]\nport = 9000\n")
+    cfg = load_config(path, {"learner.max_steps": 50, "server.host": "0.0.0.0", "run_dir": "elsewhere"})
+    assert cfg.learner.max_steps == 50
+    assert cfg.learner.lr == 0.001  # sibling key from the file is kept
+    assert cfg.server.host == "0.0.0.0" and cfg.server.port == 9000
+    assert cfg.run_dir == Path("elsewhere")
+
+
+def test_none_overrides_are_ignored(tmp_path: Path) -> None:
+    path = write(tmp_path, "[learner]\nmax_steps = 7\n")
+    cfg = load_config(path, {"learner.max_steps": None, "server.port": None})
+    assert cfg.learner.max_steps == 7 and cfg.server.port == 8470
+
+
+def test_overrides_without_file() -> None:
+    assert load_config(None, {"jobs.lease_timeout_s": 5.0}).jobs.lease_timeout_s == 5.0
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("[learner]\nlearning_rate = 0.1\n", "learner.learning_rate"),
+    ("typo_top = 1\n", "typo_top"),
+    ("[serverr]\nport = 1\n", "serverr"),
+    ('[task]\ntype = "arithmetic"\nmax_operands = 5\n', "max_operands"),
+])
+def test_unknown_key_in_file_names_the_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert key in str(info.value)
+
+
+def test_unknown_override_key_names_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"jobs.lease_timeout": 5})
+    assert "jobs.lease_timeout" in str(info.value)
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"learner.lr": 2.0}, "learner.lr"),
+    ({"server.port": 70000}, "server.port"),
+    ({"learner.group_size": 1}, "learner.group_size"),
+    ({"model.device": "tpu"}, "model.device"),
+    ({"learner.max_steps": "many"}, "learner.max_steps"),
+])
+def test_invalid_values_name_the_key(overrides: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert key in str(info.value)
+
+
+def test_prompts_per_step_not_multiple_of_prompts_per_job() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"learner.prompts_per_step": 10, "jobs.prompts_per_job": 4})
+    message = str(info.value)
+    assert "learner.prompts_per_step (10)" in message
+    assert "jobs.prompts_per_job (4)" in message
+    assert "multiple" in message and "change one of them" in message
+
+
+def test_prompts_per_step_multiple_is_fine() -> None:
+    assert load_config(None, {"learner.prompts_per_step": 12, "jobs.prompts_per_job": 4}).jobs_per_step == 3
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml")
+
+
+@pytest.mark.parametrize("text", ["[learner\nlr = 1", "lr = ", "a = 1\na = 2\n", "x = 'unterminated"])
+def test_invalid_toml(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, text))
+
+
+def test_unreadable_config_path_is_a_config_error(tmp_path: Path) -> None:
+    # `--config runs/` (a directory) must be reported as a ConfigError, not an IsADirectoryError traceback
+    with pytest.raises(ConfigError):
+        load_config(tmp_path)
+
+
+def test_validate_assignment_forbids_bad_values() -> None:
+    cfg = load_config(None)
+    with pytest.raises(ValueError):
+        cfg.learner.lr = -1.0

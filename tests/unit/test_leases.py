@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import pytest
+
+from coordinator.core.leases import (
+    JobState,
+    LeaseCheck,
+    LeaseView,
+    check_lease,
+    choose_job,
+    deadline_for,
+    leasable,
+    lease_live,
+)
+
+T0 = 1000.0
+
+
+def view(job_id: str = "v1-j0", state: JobState = JobState.OPEN, version: int = 1, created_at: float = T0,
+         lease_id: str | None = None, client: str | None = None, deadline: float | None = None) -> LeaseView:
+    return LeaseView(job_id, state, version, created_at, lease_id, client, deadline)
+
+
+def leased(deadline: float = T0 + 60, **kw: object) -> LeaseView:
+    return view(state=JobState.LEASED, lease_id="L1", client="alice", deadline=deadline, **kw)  # type: ignore[arg-type]
+
+
+# ---- lease_live -----------------------------------------------------------------------------------------
+def test_lease_live_until_deadline_exclusive() -> None:
+    job = leased(deadline=T0 + 60)
+    assert lease_live(job, T0)
+    assert lease_live(job, T0 + 59.999)
+    assert not lease_live(job, T0 + 60)  # expires exactly at the deadline
+    assert not lease_live(job, T0 + 61)
+
+
+@pytest.mark.parametrize("job", [view(), view(state=JobState.DONE, lease_id="L", client="c", deadline=T0 + 60),
+                                 view(state=JobState.LEASED, lease_id="L", client="c", deadline=None)])
+def test_lease_not_live_unless_leased_with_deadline(job: LeaseView) -> None:
+    assert not lease_live(job, T0)
+
+
+def test_deadline_for() -> None:
+    assert deadline_for(T0, 120.0) == T0 + 120.0
+
+
+# ---- leasable -------------------------------------------------------------------------------------------
+def test_open_job_of_current_version_is_leasable() -> None:
+    assert leasable(view(), T0, 1)
+
+
+def test_live_lease_not_leasable_until_deadline() -> None:
+    job = leased(deadline=T0 + 60)
+    assert not leasable(job, T0 + 59.9, 1)
+    assert leasable(job, T0 + 60, 1)
+
+
+def test_done_job_never_leasable() -> None:
+    done = view(state=JobState.DONE, lease_id="L1", client="alice", deadline=T0 + 60)
+    for now in (T0, T0 + 60, T0 + 1e6):
+        assert not leasable(done, now, 1)
+
+
+@pytest.mark.parametrize("current", [0, 2, 100])
+def test_other_version_not_leasable(current: int) -> None:
+    assert not leasable(view(version=1), T0, current)
+    assert not leasable(leased(deadline=T0 - 1, version=1), T0, current)
+
+
+# ---- choose_job -----------------------------------------------------------------------------------------
+def test_choose_oldest_leasable() -> None:
+    jobs = [
+        view("v1-j2", created_at=T0 + 2),
+        view("v1-j0", created_at=T0 + 5),
+        view("v1-j1", created_at=T0 + 1),
+    ]
+    chosen = choose_job(jobs, T0 + 10, 1)
+    assert chosen is not None and chosen.job_id == "v1-j1"
+
+
+def test_choose_breaks_created_at_ties_by_job_id() -> None:
+    jobs = [view("v1-j9"), view("v1-j3"), view("v1-j5")]
+    chosen = choose_job(jobs, T0, 1)
+    assert chosen is not None and chosen.job_id == "v1-j3"
+
+
+def test_choose_skips_live_done_and_other_version() -> None:
+    jobs = [
+        view("a", state=JobState.LEASED, lease_id="L", client="c", deadline=T0 + 100, created_at=T0 - 30),
+        view("b", state=JobState.DONE, created_at=T0 - 20),
+        view("c", version=0, created_at=T0 - 10),
+        view("d", created_at=T0),
+    ]
+    chosen = choose_job(jobs, T0 + 1, 1)
+    assert chosen is not None and chosen.job_id == "d"
+
+
+def test_choose_prefers_expired_older_job_over_fresh_work() -> None:
+    expired = view("old", state=JobState.LEASED, lease_id="L", client="c", deadline=T0 + 10, created_at=T0)
+    fresh = view("new", created_at=T0 + 5)
+    assert choose_job([fresh, expired], T0 + 9, 1).job_id == "new"  # type: ignore[union-attr]
+    assert choose_job([fresh, expired], T0 + 10, 1).job_id == "old"  # type: ignore[union-attr]
+
+
+def test_choose_none_when_nothing_leasable() -> None:
+    assert choose_job([], T0, 1) is None
+    assert choose_job([view(state=JobState.DONE), view(version=2), leased()], T0, 1) is None
+
+
+# ---- check_lease ----------------------------------------------------------------------------------------
+def test_holder_ok_before_deadline_expired_at_deadline() -> None:
+    job = leased(deadline=T0 + 60)
+    assert check_lease(job, "alice", "L1", T0) is LeaseCheck.OK
+    assert check_lease(job, "alice", "L1", T0 + 59.999) is LeaseCheck.OK
+    assert check_lease(job, "alice", "L1", T0 + 60) is LeaseCheck.EXPIRED
+    assert check_lease(job, "alice", "L1", T0 + 1000) is LeaseCheck.EXPIRED
+
+
+def test_other_client_or_lease_id_not_holder() -> None:
+    job = leased()
+    assert check_lease(job, "mallory", "L1", T0) is LeaseCheck.NOT_HOLDER
+    assert check_lease(job, "alice", "L0", T0) is LeaseCheck.NOT_HOLDER
+
+
+def test_reissued_lease_makes_old_holder_not_holder() -> None:
+    # alice's lease L1 expired, the job was reissued to alice herself under a new lease id
+    reissued = view(state=JobState.LEASED, lease_id="L2", client="alice", deadline=T0 + 200)
+    assert check_lease(reissued, "alice", "L1", T0 + 100) is LeaseCheck.NOT_HOLDER
+    assert check_lease(reissued, "alice", "L2", T0 + 100) is LeaseCheck.OK
+    # ... or to bob: alice is not the holder, not "expired"
+    to_bob = view(state=JobState.LEASED, lease_id="L2", client="bob", deadline=T0 + 200)
+    assert check_lease(to_bob, "alice", "L1", T0 + 100) is LeaseCheck.NOT_HOLDER
+
+
+def test_done_reported_before_anything_else() -> None:
+    done = view(state=JobState.DONE, lease_id="L1", client="alice", deadline=T0 + 60)
+    assert check_lease(done, "alice", "L1", T0) is LeaseCheck.DONE
+    assert check_lease(done, "mallory", "nope", T0) is LeaseCheck.DONE
+    assert check_lease(done, "alice", "L1", T0 + 1e6) is LeaseCheck.DONE
+
+
+def test_released_lease_is_expired_for_its_holder() -> None:
+    # store.release_lease keeps lease_id/client but reopens the job and clears the deadline
+    released = view(state=JobState.OPEN, lease_id="L1", client="alice", deadline=None)
+    assert check_lease(released, "alice", "L1", T0) is LeaseCheck.EXPIRED
+
+
+def test_never_leased_job_not_holder() -> None:
+    assert check_lease(view(), "alice", "L1", T0) is LeaseCheck.NOT_HOLDER
