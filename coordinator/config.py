@@ -202,6 +202,8 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> C
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path} is not UTF-8 text") from None
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)

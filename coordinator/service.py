@@ -21,7 +21,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.advantages import group_advantages
 from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_jobs
-from coordinator.core.leases import LeaseCheck, check_lease, choose_job, deadline_for
+from coordinator.core.leases import LeaseCheck, check_lease, choose_job, deadline_for, lease_live
 from coordinator.core.verify import JobTerms, check_logprobs, logprob_stats, verify_submission
 from coordinator.learner import Learner, Sample
 from coordinator.snapshots import SnapshotStore
@@ -425,13 +425,13 @@ class Coordinator:
             "uptime_s": now - self.started_at,
             "learner": self.learner.describe() | {"busy_s": self.learner_busy_s, "last_error": self.last_error},
             "jobs": {
-                "open": sum(1 for j in jobs if j.view.state.value == "open"),
-                "leased": sum(1 for j in jobs if j.view.state.value == "leased"),
+                "open": sum(1 for j in jobs if j.view.state.value != "done" and not lease_live(j.view, now)),
+                "leased": sum(1 for j in jobs if lease_live(j.view, now)),
                 "done": sum(1 for j in jobs if j.view.state.value == "done"),
                 "in_flight": [
                     {"job_id": j.view.job_id, "client_id": j.view.lease_client, "deadline": j.view.lease_deadline,
                      "issue_count": j.issue_count}
-                    for j in jobs if j.view.state.value == "leased"
+                    for j in jobs if lease_live(j.view, now)
                 ],
             },
             "totals": self.store.totals(),

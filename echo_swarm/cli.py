@@ -34,9 +34,9 @@ def join(
     name: Annotated[str, typer.Option(help="Display name shown on the coordinator's leaderboard.")] = "",
     max_jobs: Annotated[Optional[int], typer.Option(help="Exit after this many accepted results.")] = None,
     exit_when_finished: Annotated[bool, typer.Option(help="Exit once the coordinator's run has finished.")] = False,
-    max_cpu_percent: Annotated[float, typer.Option(help="Use at most this share of time for generation "
+    max_cpu_percent: Annotated[float, typer.Option(min=1, max=100, help="Use at most this share of time for generation "
                                                         "(1-100): the client idles between decoding steps.")] = 100.0,
-    retries: Annotated[int, typer.Option(help="Attempts per request when the coordinator is unreachable, with "
+    retries: Annotated[int, typer.Option(min=1, max=100, help="Attempts per request when the coordinator is unreachable, with "
                                               "exponential backoff from 0.5 s to 30 s, before giving up.")] = 8,
     coordinator_key: Annotated[Optional[str], typer.Option(help="The coordinator's public key (hex) as published "
                                                                 "by its operator. Without it, the key seen on "

@@ -202,7 +202,7 @@ class SignedManifest(Message):
 
 
 class Info(Message):
-    protocol: ProtocolNumber
+    protocol: AnyProtocolNumber  # any number decodes, so a client can say "upgrade" instead of "invalid"
     run_id: ShortText
     coordinator_public_key: PublicKey
     current_version: Version

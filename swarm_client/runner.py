@@ -194,8 +194,8 @@ class Runner:
             self.stats.last_job, self.stats.state = job.job_id, "fetching"
             try:
                 folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
-            except IntegrityError as exc:
-                self._say(f"snapshot for version {job.version} failed verification: {exc}; releasing the job")
+            except (IntegrityError, ProtocolError) as exc:
+                self._say(f"could not get a verified snapshot of version {job.version} ({exc}); releasing the job")
                 await self._release(api, job.job_id, job.lease_id)
                 continue
             await asyncio.to_thread(backend.load, folder)
