@@ -23,8 +23,8 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 LEARNER_TASK = web.AppKey("learner_task", asyncio.Task)
 FATAL = web.AppKey("fatal", asyncio.Event)
 MSGPACK = "application/msgpack"
-_SHA = re.compile(r"^[0-9a-f]{64}$")
-_VERSION = re.compile(r"^[0-9]{1,9}$", re.ASCII)
+_SHA = re.compile(r"[0-9a-f]{64}")
+_VERSION = re.compile(r"[0-9]{1,9}", re.ASCII)
 
 
 def _packed(data: bytes, status: int = 200) -> web.Response:
@@ -45,6 +45,15 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
         return error_response(exc.reason, exc.message)
     except web.HTTPRequestEntityTooLarge:
         return error_response(Reason.BODY_TOO_LARGE, f"request body exceeds {MAX_REQUEST_BYTES} bytes")
+    except web.HTTPNotFound:  # the router found no route (e.g. a name with characters a route never matches)
+        if request.path.startswith("/v1/blobs/"):
+            return error_response(Reason.NO_SUCH_BLOB, f"no file named {request.path[10:74]!r} is being served")
+        if request.path.startswith("/v1/snapshots/"):
+            return error_response(Reason.NO_SUCH_VERSION, f"{request.path[14:40]!r} is not a published version")
+        return error_response(Reason.NOT_FOUND, f"there is no endpoint {request.path[:200]}; see docs/protocol.md")
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response(Reason.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path[:200]}; "
+                                                         f"use {', '.join(sorted(exc.allowed_methods))}")
     except web.HTTPException:
         raise
     except Exception:
@@ -82,7 +91,7 @@ async def results(request: web.Request) -> web.Response:
 async def snapshot_manifest(request: web.Request) -> web.Response:
     raw = request.match_info["version"]
     coord = request.app[COORDINATOR]
-    version = coord.version if raw == "latest" else int(raw) if _VERSION.match(raw) else -1
+    version = coord.version if raw == "latest" else int(raw) if _VERSION.fullmatch(raw) else -1
     signed = coord.snapshots.signed_manifest(version)
     if signed is None:
         raise ProtocolError(Reason.NO_SUCH_VERSION, f"version {raw} is not published (or was pruned); "
@@ -92,7 +101,7 @@ async def snapshot_manifest(request: web.Request) -> web.Response:
 
 async def blob(request: web.Request) -> web.StreamResponse:
     sha = request.match_info["sha256"]
-    path = request.app[COORDINATOR].snapshots.blob_path(sha) if _SHA.match(sha) else None
+    path = request.app[COORDINATOR].snapshots.blob_path(sha) if _SHA.fullmatch(sha) else None
     if path is None:
         raise ProtocolError(Reason.NO_SUCH_BLOB, f"no file with sha256 {sha[:64]} is being served")
     return web.FileResponse(path, headers={"Cache-Control": "public, max-age=31536000, immutable"})

@@ -1,11 +1,19 @@
 """The GRPO learner: recomputes behaviour logprobs for verification and takes clipped policy-gradient steps.
 
-Loss (token-mean over the batch): ``-min(ρ·A, clip(ρ, 1-ε, 1+ε)·A)`` with ``ρ = exp(logπθ - logπ_old)``,
-where ``logπ_old`` is the learner's own recompute of the behaviour policy at the version that generated the
-rollout (trusted, unlike the client's report) and ``A`` the group-normalised advantage. In sequential-pull
-mode πθ equals π_old at the start of the step, so ρ = 1 up to rounding; the clip matters once rollouts are
-off-policy. All torch work of the coordinator happens on one dedicated thread, so the model is never read
-while it is being updated.
+Loss per token, token-mean over the batch (the decoupled PPO objective, as in AReaL):
+
+    w · min(c, π_prox/π_b) · −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A),   ρ = πθ/π_prox
+
+- π_b: the behaviour policy, i.e. the learner's own recompute at the version that generated the rollout
+  (trusted, unlike the client's report);
+- π_prox: the learner's policy at the start of this step (no gradient);
+- min(c, π_prox/π_b): truncated per-token importance weight correcting stale rollouts (``is_cap`` = c);
+- w = ``staleness_decay`` ** staleness; A: the group-normalised advantage.
+For a fresh rollout π_prox = π_b, the importance weight is 1 and this is plain GRPO. With one optimiser step
+per batch (as here) ρ = 1 when the gradient is taken, so the PPO clip is inert; it is kept so that the
+objective stays correct if several updates per batch are added. All
+torch work of the coordinator happens on one dedicated thread, so the model is never read while it is
+being updated.
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ MICRO_BATCH = 64
 class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
-    old_logprobs: list[float]  # learner recompute at the behaviour version
+    old_logprobs: list[float]  # learner recompute at the behaviour version (π_b)
     behaviour_logprobs: list[float]  # as reported by the client
     advantage: float
+    staleness: int = 0
+    weight: float = 1.0
 
 
 class Learner:
@@ -59,6 +69,9 @@ class Learner:
                              f"tokenizer_config.json so completions can stop")
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.model_version = 0
+        self._behaviour: Any = None  # a second model holding an older version's weights, for stale results
+        self._behaviour_version: int | None = None
 
     # -- prompts ------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -68,16 +81,43 @@ class Learner:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     # -- verification -------------------------------------------------------------------------------------
-    def recompute(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-        """The current policy's logprobs of each completion token (no gradient)."""
+    def _model_at(self, version: int, folder: Path | None) -> Any:
+        """The current model, or a second instance loaded with an older published version's weights."""
+        if version == self.model_version:
+            return self.model
+        if folder is None:
+            raise ValueError(f"version {version} is not the learner's current version ({self.model_version})")
+        if self._behaviour_version != version:
+            import copy
+
+            from safetensors.torch import load_file
+
+            if self._behaviour is None:
+                self._behaviour = copy.deepcopy(self.model).eval()
+            shards = sorted(Path(folder).glob("*.safetensors"))
+            if not shards:
+                raise FileNotFoundError(f"no weights for version {version} in {folder}")
+            state: dict[str, Any] = {}
+            for shard in shards:
+                state.update(load_file(str(shard), device=str(self.device)))
+            self._behaviour_version = None  # until the load below has fully succeeded
+            self._behaviour.load_state_dict(state, strict=False)
+            self._behaviour_version = version
+        return self._behaviour
+
+    def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int | None = None,
+                  folder: Path | None = None) -> list[list[float]]:
+        """Logprobs of each completion token under policy ``version`` (default: current), no gradient.
+        ``folder`` is that version's snapshot, needed when it is not the current version."""
         import torch
 
         from shared.policy import completion_logprobs
 
+        model = self._model_at(self.model_version if version is None else version, folder)
         out: list[list[float]] = []
         with torch.no_grad():
             for s in range(0, len(completions), MICRO_BATCH):
-                lp, _ = completion_logprobs(self.model, prompts[s : s + MICRO_BATCH], completions[s : s + MICRO_BATCH],
+                lp, _ = completion_logprobs(model, prompts[s : s + MICRO_BATCH], completions[s : s + MICRO_BATCH],
                                             temperature=self.temperature, pad_id=self.pad_id)
                 rows = lp.tolist()
                 out.extend(row[: len(c)] for row, c in zip(rows, completions[s : s + MICRO_BATCH], strict=True))
@@ -93,22 +133,31 @@ class Learner:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(s.completion_ids) for s in samples)
-        eps = self.cfg.clip_eps
-        loss_sum = ratio_sum = clipped = 0.0
-        ratio_max = 0.0
+        eps, cap = self.cfg.clip_eps, self.cfg.is_cap
+        loss_sum = ratio_sum = clipped = is_sum = is_truncated = prox_kl = 0.0
+        ratio_max = is_max = 0.0
         for s in range(0, len(samples), MICRO_BATCH):
             chunk = samples[s : s + MICRO_BATCH]
-            logp, mask = completion_logprobs(self.model, [c.prompt_ids for c in chunk],
-                                             [c.completion_ids for c in chunk], temperature=self.temperature,
+            prompts, comps = [c.prompt_ids for c in chunk], [c.completion_ids for c in chunk]
+            logp, mask = completion_logprobs(self.model, prompts, comps, temperature=self.temperature,
                                              pad_id=self.pad_id)
-            old = torch.zeros_like(logp)
+            behaviour = torch.zeros_like(logp)
             for i, c in enumerate(chunk):
-                old[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)
+                behaviour[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)
+            if any(c.staleness > 0 for c in chunk):
+                with torch.no_grad():
+                    prox, _ = completion_logprobs(self.model, prompts, comps, temperature=self.temperature,
+                                                  pad_id=self.pad_id)
+            else:
+                prox = behaviour
             adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
-            ratio = torch.exp((logp - old) * mask)
+            weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
+            log_is = ((prox - behaviour) * mask).detach()
+            is_weight = torch.clamp(torch.exp(log_is), max=cap)
+            ratio = torch.exp((logp - prox.detach()) * mask)
             unclipped = ratio * adv
             clipped_obj = torch.clamp(ratio, 1 - eps, 1 + eps) * adv
-            per_token = -torch.minimum(unclipped, clipped_obj) * mask
+            per_token = -torch.minimum(unclipped, clipped_obj) * is_weight * weight * mask
             loss = per_token.sum() / max(1, total_tokens)
             loss.backward()
             with torch.no_grad():
@@ -116,8 +165,15 @@ class Learner:
                 ratio_sum += float((ratio * mask).sum())
                 ratio_max = max(ratio_max, float((ratio * mask).max()))
                 clipped += float((((ratio < 1 - eps) | (ratio > 1 + eps)).to(mask.dtype) * mask).sum())
+                raw_is = torch.exp(log_is)
+                is_sum += float((raw_is * mask).sum())
+                is_max = max(is_max, float((raw_is * mask).max()))
+                is_truncated += float(((raw_is > cap).to(mask.dtype) * mask).sum())
+                # k3 estimate of KL(π_b ‖ π_prox) from tokens sampled by π_b: r − log r − 1, r = π_prox/π_b
+                prox_kl += float(((raw_is - log_is - 1) * mask).sum())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
         self.optimizer.step()
+        self.model_version += 1
         mismatch = [
             (b - o) for smp in samples for b, o in zip(smp.behaviour_logprobs, smp.old_logprobs, strict=True)
         ]
@@ -129,6 +185,12 @@ class Learner:
             "ratio_mean": ratio_sum / max(1, total_tokens),
             "ratio_max": ratio_max,
             "clipped_fraction": clipped / max(1, total_tokens),
+            "is_ratio_mean": is_sum / max(1, total_tokens),
+            "is_ratio_max": is_max,
+            "is_truncated_fraction": is_truncated / max(1, total_tokens),
+            "behaviour_prox_kl": prox_kl / max(1, total_tokens),
+            "staleness_mean": sum(smp.staleness for smp in samples) / max(1, len(samples)),
+            "staleness_max": float(max((smp.staleness for smp in samples), default=0)),
             "mismatch_kl": kl,
             "tokens": float(total_tokens),
             "samples": float(len(samples)),

@@ -20,8 +20,9 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from coordinator.core.advantages import group_advantages
 from coordinator.core.auth import check_timestamp, nonce_expiry
-from coordinator.core.jobs import plan_jobs
+from coordinator.core.jobs import plan_job
 from coordinator.core.leases import LeaseCheck, check_lease, choose_job, deadline_for, lease_live
+from coordinator.core.scheduling import admits, bind_version, select_batch, staleness_weight
 from coordinator.core.verify import JobTerms, check_logprobs, logprob_stats, verify_submission
 from coordinator.learner import Learner, Sample
 from coordinator.snapshots import SnapshotStore
@@ -31,6 +32,7 @@ from shared import PROTOCOL_VERSION, crypto, wire
 from shared.errors import ProtocolError, Reason
 from shared.hashing import prompt_hash, sha256_bytes
 from shared.messages import (
+    Completion,
     Info,
     Job,
     JobPrompt,
@@ -50,6 +52,7 @@ from shared.records import sign_job
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+LOCAL_CLIENT = "0" * 32  # the co-located baseline's own generator, registered like any client
 
 
 def result_size_cap(n_completions: int, max_tokens: int) -> int:
@@ -98,14 +101,13 @@ class Coordinator:
             model_dir = await self._run(self._resolve_model_dir)
             self.learner = await self._run(self._make_learner, model_dir)
             manifest_sha = await self._run(self.snapshots.publish, 0, self.learner.save_model, self.clock())
-            plans = self._plan(0)
-            self.store.publish_initial(manifest_sha, plans if self.config.learner.max_steps > 0 else [],
-                                       self.config.learner.group_size, self.clock())
+            self.store.publish_initial(manifest_sha, self.clock())
             self.version = 0
             logger.info("run %s: published initial version 0 from %s", run_id, model_dir)
         else:
             self.version = current
             self.learner = await self._run(self._make_learner, self.snapshots.folder(current))
+            self.learner.model_version = current
             opt = self.run_dir / "checkpoints" / f"v{current:06d}" / "optimizer.pt"
             if not await self._run(self.learner.load_optimizer, opt) and current > 0:
                 logger.warning("no optimizer state for version %d; continuing with a fresh optimizer", current)
@@ -114,13 +116,14 @@ class Coordinator:
         if not any(e["version"] == self.version for e in self.store.evals()):
             await self._evaluate(self.version)
         self.finished = self.version >= self.config.learner.max_steps
-        if not self.finished and not self.store.jobs_for_version(self.version):
-            # a finished run restarted with a larger max_steps: its last version has no jobs yet
-            self.store.add_jobs(self._plan(self.version), self.config.learner.group_size, self.clock())
+        if self.config.sync_mode == "colocated":
+            self.store.register_client(LOCAL_CLIENT, b"", {"name": "co-located learner", "backend": "torch",
+                                                           "device": self.learner.device}, self.clock())
 
-    def _plan(self, version: int) -> list[Any]:
-        return plan_jobs(self.config.learner.seed, version, len(self.task.train), self.config.learner.prompts_per_step,
-                         self.config.jobs.prompts_per_job)
+    def _new_job(self) -> JobRow:
+        plan = plan_job(self.config.learner.seed, self.store.next_seq(), len(self.task.train),
+                        self.config.jobs.prompts_per_job)
+        return self.store.create_job(plan, self.config.learner.group_size, self.clock())
 
     async def stop(self) -> None:
         self._executor.shutdown(wait=True)
@@ -213,11 +216,11 @@ class Coordinator:
         """Lease the oldest available job, long-polling up to ``jobs.long_poll_s`` for one to appear, so an
         idle client learns of a new policy version as soon as it is published (push), then fetches it (pull)."""
         req = self.authenticate(raw, "/v1/lease")
-        wire.decode(req.body, LeaseRequest)
+        body = wire.decode(req.body, LeaseRequest)
         give_up = time.monotonic() + self.config.jobs.long_poll_s
         while True:
             event = self._jobs_event
-            resp = self._try_lease(req.client_id)
+            resp = self._try_lease(req.client_id, body.held_version)
             remaining = give_up - time.monotonic()
             if resp.job is not None or resp.finished or remaining <= 0:
                 return resp
@@ -225,23 +228,30 @@ class Coordinator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
 
-    def _try_lease(self, client_id: str) -> LeaseResponse:
+    def _try_lease(self, client_id: str, held_version: int) -> LeaseResponse:
+        """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while
+        the queue (live leases + untrained results) is below B·(S+1); bind the version it is generated with."""
         retry = self.config.jobs.retry_after_s
-        if self.finished:
-            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=True)
+        if self.finished or self.config.sync_mode == "colocated":
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
         now = self.clock()
-        jobs = {j.view.job_id: j for j in self.store.jobs_for_version(self.version)}
-        chosen = choose_job([j.view for j in jobs.values()], now, self.version)
-        if chosen is None:
+        policy = self.config.sync_policy
+        queued = self.store.live_leases(now) + len(self.store.pending())
+        if not admits(queued, policy):
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
-        row = jobs[chosen.job_id]
+        active = {j.view.job_id: j for j in self.store.active_jobs()}
+        chosen = choose_job([j.view for j in active.values()], now)
+        row = active[chosen.job_id] if chosen is not None else self._new_job()
+        version = bind_version(self.version, held_version, queued, policy)
+        if self.store.manifest_sha(version) is None or self.snapshots.signed_manifest(version) is None:
+            version = self.version
         lease_id = secrets.token_hex(8)
         deadline = deadline_for(now, self.config.jobs.lease_timeout_s)
-        if not self.store.lease_job(row.view.job_id, lease_id, client_id, deadline, now):
+        if not self.store.lease_job(row.view.job_id, lease_id, client_id, deadline, version, now):
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         if row.issue_count > 0:
             logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
-        job = self._job_message(row, lease_id, client_id, now, deadline)
+        job = self._job_message(row, version, lease_id, client_id, now, deadline)
         return LeaseResponse(job=sign_job(self.key, job), retry_after_s=retry, current_version=self.version,
                              finished=False)
 
@@ -250,15 +260,16 @@ class Coordinator:
             self._prompt_cache[prompt_id] = self.learner.encode(self.task.train[prompt_id].prompt)
         return self._prompt_cache[prompt_id]
 
-    def _job_message(self, row: JobRow, lease_id: str, client_id: str, now: float, deadline: float) -> Job:
+    def _job_message(self, row: JobRow, version: int, lease_id: str, client_id: str, now: float, deadline: float
+                     ) -> Job:
         prompts = [JobPrompt(prompt_id=i, token_ids=self._prompt_tokens(i), text=self.task.train[i].prompt)
                    for i in row.prompt_ids]
         n = len(prompts) * row.group_size
-        manifest_sha = self.store.manifest_sha(row.view.version)
+        manifest_sha = self.store.manifest_sha(version)
         assert manifest_sha is not None
         return Job(
             protocol=PROTOCOL_VERSION, run_id=self.run_id, job_id=row.view.job_id, lease_id=lease_id,
-            client_id=client_id, version=row.view.version, manifest_sha256=manifest_sha, prompts=prompts,
+            client_id=client_id, version=version, manifest_sha256=manifest_sha, prompts=prompts,
             prompt_hash=prompt_hash([p.token_ids for p in prompts]), group_size=row.group_size,
             sampling=SamplingParams(temperature=self.config.sampling.temperature,
                                     max_tokens=self.config.sampling.max_tokens,
@@ -297,7 +308,7 @@ class Coordinator:
             raise
 
     def _terms(self, row: JobRow) -> JobTerms:
-        return JobTerms(version=row.view.version, prompt_hash=prompt_hash([self._prompt_tokens(i) for i in row.prompt_ids]),
+        return JobTerms(version=-1 if row.view.version is None else row.view.version, prompt_hash=prompt_hash([self._prompt_tokens(i) for i in row.prompt_ids]),
                         seed=row.seed, group_size=row.group_size, n_prompts=len(row.prompt_ids),
                         max_tokens=self.config.sampling.max_tokens, stop_token_ids=frozenset(self.learner.stop_ids),
                         vocab_size=self.vocab_size)
@@ -309,10 +320,11 @@ class Coordinator:
         cap = result_size_cap(len(row.prompt_ids) * row.group_size, self.config.sampling.max_tokens)
         if size > cap:
             raise ProtocolError(Reason.BODY_TOO_LARGE, f"result is {size} bytes; this job allows at most {cap}")
-        verify_submission(sub, row.view, self._terms(row), client_id, self.clock(), self.version)
+        oldest = max(0, self.version - self.config.snapshots.keep_last + 1)
+        verify_submission(sub, row.view, self._terms(row), client_id, self.clock(), oldest)
         prompts = [self._prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
         completions = [list(c.token_ids) for c in sub.completions]
-        recomputed: list[list[float]] = await self._run(self.learner.recompute, prompts, completions)
+        recomputed: list[list[float]] = await self._run(self._recompute_at, prompts, completions, sub.version)
         stats = logprob_stats([c.logprobs for c in sub.completions], recomputed)
         check_logprobs(stats, self.config.verification.logprob_mean_tol, self.config.verification.logprob_max_tol)
         # the learner may have been busy: the lease must still be ours and unexpired now
@@ -339,64 +351,123 @@ class Coordinator:
         return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
                               credit=credit, total_credit=float(client["credit"]) if client else credit)
 
+    def _recompute_at(self, prompts: list[list[int]], completions: list[list[int]], version: int) -> list[list[float]]:
+        """On the learner thread: logprobs under the version that generated the rollout."""
+        gone = ProtocolError(Reason.WRONG_VERSION, f"policy version {version} is no longer kept for verification")
+        if version != self.learner.model_version and self.snapshots.signed_manifest(version) is None:
+            raise gone
+        try:
+            return self.learner.recompute(prompts, completions, version, self.snapshots.folder(version))
+        except FileNotFoundError:  # pruned between the check and the load
+            raise gone from None
+
     # -- learner loop -------------------------------------------------------------------------------------
     async def learner_loop(self) -> None:
-        """Sequential pull: wait for every job of the current version, train once, publish the next version."""
+        """Train whenever B eligible results are buffered (core.scheduling.select_batch), oldest first."""
+        if self.config.sync_mode == "colocated":
+            await self._colocated_loop()
+            return
+        policy = self.config.sync_policy
         while not self.finished:
             version = self.version
-            need = len(self.store.jobs_for_version(version))  # as planned, even if the config changed since
             while True:
                 self._wake.clear()
-                if self.store.count_pending(version) >= need:
+                batch, too_stale = select_batch(self.store.pending(), version, policy)
+                if too_stale:
+                    self.store.mark_stale([p.job_id for p in too_stale], version)
+                    logger.info("set aside %d results older than the staleness bound", len(too_stale))
+                if batch:
                     break
                 await self._wake.wait()
             try:
-                await self._train_and_publish(version)
+                await self._train_and_publish(version, [p.job_id for p in batch])
             except Exception as exc:  # the loop must not die silently; the error is surfaced in status
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("learner step on version %d failed", version)
                 raise
 
-    async def _train_and_publish(self, version: int) -> None:
+    async def _colocated_loop(self) -> None:
+        """Baseline: the same learner, generating its own rollouts in-process (no clients, no network).
+
+        After a restart it first finishes what the interrupted step left: buffered results are trained on and
+        jobs it had leased to itself are generated again, so nothing is planned twice or left behind."""
+        policy = self.config.sync_policy
+        while not self.finished:
+            version = self.version
+            batch, _ = select_batch(self.store.pending(), version, policy)
+            if not batch:
+                unfinished = self.store.active_jobs()
+                row = unfinished[0] if unfinished else self._new_job()
+                await self._generate_locally(row, version)
+                continue
+            await self._train_and_publish(version, [p.job_id for p in batch])
+
+    async def _generate_locally(self, row: JobRow, version: int) -> None:
+        from shared.policy import generate
+
+        prompts = [self._prompt_tokens(i) for i in row.prompt_ids]
+        samples = await self._run(lambda: generate(
+            self.learner.model, prompts, group_size=row.group_size, temperature=self.config.sampling.temperature,
+            max_tokens=self.config.sampling.max_tokens, stop_ids=self.learner.stop_ids, seed=row.seed,
+            pad_id=self.learner.pad_id))
+        now = self.clock()
+        lease_id = secrets.token_hex(8)
+        if not self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline_for(now, 3600.0), version, now):
+            # a lease left by a crash that has not expired yet: take it over (only this process leases here)
+            self.store.release_lease(row.view.job_id, row.view.lease_id or "", LOCAL_CLIENT)
+            self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline_for(now, 3600.0), version, now)
+        completions = [Completion(token_ids=s.token_ids, logprobs=[min(0.0, x) for x in s.logprobs],
+                                  finish_reason=s.finish_reason)  # type: ignore[arg-type]
+                       for s in samples]
+        sub = ResultSubmission(job_id=row.view.job_id, lease_id=lease_id, version=version,
+                               prompt_hash=prompt_hash(prompts), seed=row.seed, group_size=row.group_size,
+                               backend="torch", generation_s=0.0, completions=completions)
+        await self._verify_and_accept(LOCAL_CLIENT, sub, 0, sha256_bytes(wire.encode(sub)))
+
+    async def _train_and_publish(self, version: int, job_ids: list[str]) -> None:
         t0 = time.monotonic()
-        rows = self.store.pending_results(version)
+        rows = self.store.result_rows(job_ids)
         samples: list[Sample] = []
         rewards_all: list[float] = []
+        staleness_hist: dict[str, int] = {}
         for r in rows:
             job = self.store.get_job(r.job_id)
             assert job is not None
             data = wire.unpack(r.payload, max_bytes=len(r.payload))
             advs = group_advantages(r.rewards, job.group_size)
+            stale = version - r.version
+            assert 0 <= stale <= self.config.sync_policy.bound, f"staleness {stale} outside the bound"
+            staleness_hist[str(stale)] = staleness_hist.get(str(stale), 0) + 1
+            weight = staleness_weight(stale, self.config.learner.staleness_decay)
             prompts = [self._prompt_tokens(i) for i in job.prompt_ids for _ in range(job.group_size)]
             for k, (p, c) in enumerate(zip(prompts, data["completions"], strict=True)):
-                samples.append(Sample(p, c, data["recomputed_logprobs"][k], data["behaviour_logprobs"][k], advs[k]))
+                samples.append(Sample(p, c, data["recomputed_logprobs"][k], data["behaviour_logprobs"][k], advs[k],
+                                      stale, weight))
             rewards_all.extend(r.rewards)
-        metrics = await self._run(self.learner.train_step, samples)
+        metrics: dict[str, Any] = await self._run(self.learner.train_step, samples)
         new_version = version + 1
         await self._run(self.learner.save_optimizer,
                         self.run_dir / "checkpoints" / f"v{new_version:06d}" / "optimizer.pt")
         manifest_sha = await self._run(self.snapshots.publish, new_version, self.learner.save_model, self.clock())
         max_steps = self.config.learner.max_steps
-        plans = [] if new_version >= max_steps else self._plan(new_version)
         mean_reward = sum(rewards_all) / max(1, len(rewards_all))
         metrics["step_s"] = time.monotonic() - t0
         metrics["clients"] = float(len({r.client_id for r in rows}))
-        self.store.commit_step(step=new_version, trained_version=version, job_ids=[r.job_id for r in rows],
-                               new_version=new_version, manifest_sha=manifest_sha, mean_reward=mean_reward,
-                               metrics=metrics, plans=plans, group_size=self.config.learner.group_size,
-                               now=self.clock())
+        metrics["staleness_histogram"] = staleness_hist
+        metrics["wall_s"] = self.clock() - self.started_at
+        self.store.commit_step(step=new_version, trained_version=version, job_ids=job_ids, new_version=new_version,
+                               manifest_sha=manifest_sha, mean_reward=mean_reward, metrics=metrics, now=self.clock())
         self.version = new_version
+        self.finished = new_version >= max_steps  # before waking lease requests: no work past the last step
         self._notify_jobs()
         self.learner_busy_s += metrics["train_s"]
         self._prune(new_version)
-        logger.info("step %d: mean reward %.3f, loss %.4f, %d samples, %.2fs", new_version, mean_reward,
-                    metrics["loss"], len(samples), metrics["step_s"])
+        logger.info("step %d: mean reward %.3f, loss %.4f, %d samples, staleness %s, %.2fs", new_version, mean_reward,
+                    metrics["loss"], len(samples), staleness_hist, metrics["step_s"])
         every = self.config.learner.eval_every
         if new_version >= max_steps or (every and new_version % every == 0):
             await self._evaluate(new_version)
-        if new_version >= max_steps:
-            self.finished = True
-            self._notify_jobs()
+        if self.finished:
             logger.info("run finished at version %d", new_version)
 
     def _prune(self, current: int) -> None:
@@ -413,7 +484,7 @@ class Coordinator:
     # -- status -------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         now = self.clock()
-        jobs = self.store.jobs_for_version(self.version)
+        jobs = self.store.active_jobs()
         steps = self.store.steps()
         return {
             "run_id": self.run_id,
@@ -421,16 +492,17 @@ class Coordinator:
             "max_steps": self.config.learner.max_steps,
             "finished": self.finished,
             "sync_mode": self.config.sync_mode,
+            "max_staleness": self.config.sync_policy.bound,
             "task": self.task.name,
             "uptime_s": now - self.started_at,
             "learner": self.learner.describe() | {"busy_s": self.learner_busy_s, "last_error": self.last_error},
             "jobs": {
-                "open": sum(1 for j in jobs if j.view.state.value != "done" and not lease_live(j.view, now)),
+                "open": sum(1 for j in jobs if not lease_live(j.view, now)),
                 "leased": sum(1 for j in jobs if lease_live(j.view, now)),
-                "done": sum(1 for j in jobs if j.view.state.value == "done"),
+                "buffered": len(self.store.pending()),
                 "in_flight": [
                     {"job_id": j.view.job_id, "client_id": j.view.lease_client, "deadline": j.view.lease_deadline,
-                     "issue_count": j.issue_count}
+                     "version": j.view.version, "issue_count": j.issue_count}
                     for j in jobs if lease_live(j.view, now)
                 ],
             },

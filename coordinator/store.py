@@ -5,7 +5,8 @@ Invariants the rest of the coordinator relies on:
 - a job has at most one accepted result (``results.job_id`` is the primary key, and acceptance is a
   compare-and-set on the job's lease);
 - a result is ingested by exactly one learner step: ``ingested_step`` is set in the same transaction that
-  records the new policy version, so the database and the published versions never disagree.
+  records the new policy version, so the database and the published versions never disagree;
+- a result older than the staleness bound is set aside (``stale_at``) and never trained on.
 All access happens from the event-loop thread; nothing here is shared across threads.
 """
 
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from coordinator.core.jobs import JobPlan
 from coordinator.core.leases import JobState, LeaseView
+from coordinator.core.scheduling import Pending
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -31,16 +32,17 @@ CREATE TABLE IF NOT EXISTS clients(
 CREATE TABLE IF NOT EXISTS versions(
   version INTEGER PRIMARY KEY, manifest_sha256 TEXT NOT NULL, created_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs(
-  job_id TEXT PRIMARY KEY, version INTEGER NOT NULL, prompt_ids TEXT NOT NULL, seed INTEGER NOT NULL,
-  group_size INTEGER NOT NULL, created_at REAL NOT NULL,
+  job_id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, version INTEGER, prompt_ids TEXT NOT NULL,
+  seed INTEGER NOT NULL, group_size INTEGER NOT NULL, created_at REAL NOT NULL,
   state TEXT NOT NULL CHECK(state IN ('open','leased','done')),
   lease_id TEXT, lease_client TEXT, lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0);
-CREATE INDEX IF NOT EXISTS jobs_by_version ON jobs(version, state);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS results(
   job_id TEXT PRIMARY KEY REFERENCES jobs(job_id), client_id TEXT NOT NULL, lease_id TEXT NOT NULL,
   version INTEGER NOT NULL, received_at REAL NOT NULL, content_sha256 TEXT NOT NULL, payload BLOB NOT NULL,
-  rewards TEXT NOT NULL, mean_reward REAL NOT NULL, n_tokens INTEGER NOT NULL, ingested_step INTEGER);
-CREATE INDEX IF NOT EXISTS results_pending ON results(version, ingested_step);
+  rewards TEXT NOT NULL, mean_reward REAL NOT NULL, n_tokens INTEGER NOT NULL, ingested_step INTEGER,
+  stale_at INTEGER);
+CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
@@ -149,22 +151,27 @@ class Store:
     def versions(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute("SELECT * FROM versions ORDER BY version").fetchall()]
 
-    def publish_initial(self, manifest_sha: str, plans: Iterable[JobPlan], group_size: int, now: float) -> None:
+    def publish_initial(self, manifest_sha: str, now: float) -> None:
         with self._tx():
             self.conn.execute("INSERT INTO versions(version, manifest_sha256, created_at) VALUES(0,?,?)",
                               (manifest_sha, now))
-            self._insert_jobs(plans, group_size, now)
 
-    def _insert_jobs(self, plans: Iterable[JobPlan], group_size: int, now: float) -> None:
-        self.conn.executemany(
-            "INSERT INTO jobs(job_id, version, prompt_ids, seed, group_size, created_at, state) "
-            "VALUES(?,?,?,?,?,?, 'open')",
-            [(p.job_id, p.version, json.dumps(list(p.prompt_ids)), p.seed, group_size, now) for p in plans],
-        )
+    def next_seq(self) -> int:
+        return int(self.conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 AS n FROM jobs").fetchone()["n"])
+
+    def create_job(self, plan: JobPlan, group_size: int, now: float) -> JobRow:
+        with self._tx():
+            self.conn.execute(
+                "INSERT INTO jobs(job_id, seq, prompt_ids, seed, group_size, created_at, state) VALUES(?,?,?,?,?,?,'open')",
+                (plan.job_id, plan.seq, json.dumps(list(plan.prompt_ids)), plan.seed, group_size, now))
+        row = self.get_job(plan.job_id)
+        assert row is not None
+        return row
 
     @staticmethod
     def _job(row: sqlite3.Row) -> JobRow:
-        view = LeaseView(row["job_id"], JobState(row["state"]), int(row["version"]), float(row["created_at"]),
+        version = None if row["version"] is None else int(row["version"])
+        view = LeaseView(row["job_id"], JobState(row["state"]), version, float(row["created_at"]),
                          row["lease_id"], row["lease_client"], row["lease_deadline"])
         return JobRow(view, tuple(json.loads(row["prompt_ids"])), int(row["seed"]), int(row["group_size"]),
                       int(row["issue_count"]))
@@ -173,17 +180,18 @@ class Store:
         row = self.conn.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return None if row is None else self._job(row)
 
-    def jobs_for_version(self, version: int) -> list[JobRow]:
-        rows = self.conn.execute("SELECT * FROM jobs WHERE version=? ORDER BY created_at, job_id", (version,))
+    def active_jobs(self) -> list[JobRow]:
+        """Jobs not yet done (open, leased, or leased with an expired lease), oldest first."""
+        rows = self.conn.execute("SELECT * FROM jobs WHERE state != 'done' ORDER BY seq")
         return [self._job(r) for r in rows.fetchall()]
 
-    def lease_job(self, job_id: str, lease_id: str, client_id: str, deadline: float, now: float) -> bool:
-        """Compare-and-set: lease the job only if it is open or its previous lease has expired."""
+    def lease_job(self, job_id: str, lease_id: str, client_id: str, deadline: float, version: int, now: float) -> bool:
+        """Compare-and-set: lease the job (bound to ``version``) only if it is open or its lease has expired."""
         with self._tx():
             cur = self.conn.execute(
-                "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, "
+                "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
                 "issue_count=issue_count+1 WHERE job_id=? AND (state='open' OR (state='leased' AND lease_deadline<=?))",
-                (lease_id, client_id, deadline, job_id, now),
+                (lease_id, client_id, deadline, version, job_id, now),
             )
             return cur.rowcount == 1
 
@@ -224,10 +232,6 @@ class Store:
         return self.conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
                                  (job_id,)).fetchone()
 
-    def add_jobs(self, plans: Iterable[JobPlan], group_size: int, now: float) -> None:
-        with self._tx():
-            self._insert_jobs(plans, group_size, now)
-
     def record_rejection(self, client_id: str, job_id: str | None, reason: str, message: str,
                          content_sha256: str | None, now: float) -> None:
         with self._tx():
@@ -235,25 +239,37 @@ class Store:
                               "VALUES(?,?,?,?,?,?)", (client_id, job_id, reason, message, content_sha256, now))
             self.conn.execute("UPDATE clients SET rejected=rejected+1 WHERE client_id=?", (client_id,))
 
-    def pending_results(self, version: int) -> list[ResultRow]:
-        rows = self.conn.execute(
-            "SELECT job_id, client_id, version, payload, rewards FROM results WHERE version=? AND ingested_step IS NULL "
-            "ORDER BY job_id", (version,)).fetchall()
-        return [ResultRow(r["job_id"], r["client_id"], int(r["version"]), bytes(r["payload"]),
-                          json.loads(r["rewards"])) for r in rows]
+    def pending(self) -> list[Pending]:
+        """Accepted results neither trained on nor set aside as too stale."""
+        rows = self.conn.execute("SELECT job_id, version, received_at FROM results WHERE ingested_step IS NULL "
+                                 "AND stale_at IS NULL").fetchall()
+        return [Pending(r["job_id"], int(r["version"]), float(r["received_at"])) for r in rows]
 
-    def count_pending(self, version: int) -> int:
-        row = self.conn.execute("SELECT COUNT(*) AS n FROM results WHERE version=? AND ingested_step IS NULL",
-                                (version,)).fetchone()
+    def live_leases(self, now: float) -> int:
+        row = self.conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_deadline > ?",
+                                (now,)).fetchone()
         return int(row["n"])
 
+    def result_rows(self, job_ids: list[str]) -> list[ResultRow]:
+        marks = ",".join("?" * len(job_ids))
+        rows = self.conn.execute(f"SELECT job_id, client_id, version, payload, rewards FROM results WHERE job_id IN "
+                                 f"({marks})", job_ids).fetchall()
+        by_id = {r["job_id"]: r for r in rows}
+        return [ResultRow(j, by_id[j]["client_id"], int(by_id[j]["version"]), bytes(by_id[j]["payload"]),
+                          json.loads(by_id[j]["rewards"])) for j in job_ids]
+
+    def mark_stale(self, job_ids: list[str], at_version: int) -> None:
+        """Set results aside that are older than the staleness bound: credited, never trained on."""
+        with self._tx():
+            self.conn.executemany("UPDATE results SET stale_at=? WHERE job_id=? AND ingested_step IS NULL",
+                                  [(at_version, j) for j in job_ids])
+
     def commit_step(self, *, step: int, trained_version: int, job_ids: list[str], new_version: int,
-                    manifest_sha: str, mean_reward: float, metrics: dict[str, Any], plans: Iterable[JobPlan],
-                    group_size: int, now: float) -> None:
-        """One transaction: the batch is ingested, the new version exists, and its jobs are open."""
+                    manifest_sha: str, mean_reward: float, metrics: dict[str, Any], now: float) -> None:
+        """One transaction: the batch is ingested and the new version exists — or neither."""
         with self._tx():
             marks = self.conn.executemany(
-                "UPDATE results SET ingested_step=? WHERE job_id=? AND ingested_step IS NULL",
+                "UPDATE results SET ingested_step=? WHERE job_id=? AND ingested_step IS NULL AND stale_at IS NULL",
                 [(step, j) for j in job_ids])
             if marks.rowcount != len(job_ids):
                 raise RuntimeError(f"step {step}: {marks.rowcount} of {len(job_ids)} results were still pending")
@@ -261,7 +277,6 @@ class Store:
                               (new_version, manifest_sha, now))
             self.conn.execute("INSERT INTO steps(step, trained_version, mean_reward, metrics, at) VALUES(?,?,?,?,?)",
                               (step, trained_version, mean_reward, json.dumps(metrics), now))
-            self._insert_jobs(plans, group_size, now)
 
     def record_eval(self, version: int, accuracy: float, n: int, now: float) -> None:
         with self._tx():
@@ -280,7 +295,8 @@ class Store:
         acc = self.conn.execute("SELECT COUNT(*) AS n FROM results").fetchone()["n"]
         rej = self.conn.execute("SELECT COUNT(*) AS n FROM rejections").fetchone()["n"]
         reissued = self.conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE issue_count > 1").fetchone()["n"]
-        return {"accepted": int(acc), "rejected": int(rej), "reissued_jobs": int(reissued)}
+        stale = self.conn.execute("SELECT COUNT(*) AS n FROM results WHERE stale_at IS NOT NULL").fetchone()["n"]
+        return {"accepted": int(acc), "rejected": int(rej), "reissued_jobs": int(reissued), "too_stale": int(stale)}
 
     def results_summary(self) -> list[dict[str, Any]]:
         rows = self.conn.execute("SELECT job_id, client_id, version, content_sha256, mean_reward, ingested_step "

@@ -62,6 +62,11 @@ def coordinator(
                                                                          "Flags below override its keys.")] = None,
     run_dir: Annotated[Optional[Path], typer.Option(help="Run directory: database, keys, snapshots, checkpoints.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Local Hugging Face model folder, or 'tiny'.")] = None,
+    sync_mode: Annotated[Optional[str], typer.Option(help="sequential-pull (every rollout from the current policy), "
+                                                          "async-push-pull (clients never wait; rollouts up to "
+                                                          "--max-staleness versions old, importance-corrected), or "
+                                                          "colocated (the learner generates its own rollouts).")] = None,
+    max_staleness: Annotated[Optional[int], typer.Option(help="S for async-push-pull, in policy versions.")] = None,
     host: Annotated[Optional[str], typer.Option(help="Listen address (0.0.0.0 to accept remote volunteers).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (0: any free port).")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Learner steps (policy versions) to train.")] = None,
@@ -79,6 +84,7 @@ def coordinator(
     try:
         cfg = load_config(config, {
             "run_dir": str(run_dir) if run_dir else None, "model.path": model, "server.host": host,
+            "sync_mode": sync_mode, "max_staleness": max_staleness,
             "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
             "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads,
         })
@@ -95,6 +101,9 @@ def demo(
     steps: Annotated[int, typer.Option(help="Learner steps (policy versions) to train.")] = 200,
     port: Annotated[int, typer.Option(help="Coordinator port on 127.0.0.1 (0: any free port).")] = 0,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 840.0,
+    sync_mode: Annotated[str, typer.Option(help="sequential-pull, async-push-pull or colocated (see `echo-swarm "
+                                                "coordinator --help`).")] = "sequential-pull",
+    max_staleness: Annotated[int, typer.Option(help="S for async-push-pull, in policy versions.")] = 2,
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
@@ -102,7 +111,8 @@ def demo(
     """
     from echo_swarm.demo import DemoConfig, run
 
-    raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout)))
+    raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
+                                    sync_mode=sync_mode, max_staleness=max_staleness)))
 
 
 @app.command("build-tiny-model")

@@ -37,6 +37,10 @@ class DemoConfig:
     learner_threads: int = 2
     client_threads: int = 1
     lr: float = 1e-4
+    sync_mode: str = "sequential-pull"
+    max_staleness: int = 2
+    seed: int = 0
+    eval_every: int = 25
 
 
 def build_model_with_progress(cache_dir: Path | None = None) -> Path:
@@ -96,8 +100,10 @@ def _get_json(url: str) -> dict[str, Any]:
 def _write_config(cfg: DemoConfig, run_dir: Path) -> Path:
     path = cfg.out / "run.toml"
     path.write_text(
-        f'run_dir = "{run_dir}"\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
-        f"[learner]\nmax_steps = {cfg.steps}\neval_every = 25\nthreads = {cfg.learner_threads}\nlr = {cfg.lr}\n"
+        f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
+        f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
+        f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
+        f"lr = {cfg.lr}\nseed = {cfg.seed}\n"
     )
     return path
 
@@ -189,7 +195,7 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
             if coord.proc.poll() is not None:
                 console.print(f"[red]coordinator exited with code {coord.proc.returncode}; see its log[/]")
                 return None
-            if all(p.proc.poll() not in (None, 0) for p in procs):
+            if procs and all(p.proc.poll() not in (None, 0) for p in procs):
                 console.print("[red]every client has failed; see the client logs[/]")
                 return None
             try:

@@ -35,6 +35,8 @@ class Reason(StrEnum):
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
     NO_SUCH_VERSION = "no_such_version"
     NO_SUCH_BLOB = "no_such_blob"
+    NOT_FOUND = "not_found"  # no such endpoint
+    METHOD_NOT_ALLOWED = "method_not_allowed"
     INTERNAL = "internal_error"
 
 
@@ -61,6 +63,8 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.LOGPROB_MISMATCH: 422,
     Reason.NO_SUCH_VERSION: 404,
     Reason.NO_SUCH_BLOB: 404,
+    Reason.NOT_FOUND: 404,
+    Reason.METHOD_NOT_ALLOWED: 405,
     Reason.INTERNAL: 500,
 }
 

@@ -179,9 +179,14 @@ class Runner:
         cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key)
         pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
         held = -1
+        prefetch: asyncio.Task[object] | None = None
         while not self.stop.is_set():
             self.stats.state = "waiting"
             resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=held), LeaseResponse)
+            if resp.current_version > held and (prefetch is None or prefetch.done()):
+                # push-pull: the lease reply announces the newest version; fetch it in the background while
+                # generating with the one we hold (a failed prefetch is retried by the job that needs it)
+                prefetch = asyncio.create_task(self._prefetch(cache, reg.run_id, resp.current_version))
             if resp.job is None:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
@@ -238,6 +243,14 @@ class Runner:
         self._say(f"stopped: {self.stats.accepted} results accepted, {self.stats.rejected} refused, "
                   f"credit {self.stats.credit:,.0f}")
         return EXIT_OK
+
+    @staticmethod
+    async def _prefetch(cache: SnapshotCache, run_id: str, version: int) -> object:
+        try:
+            return await cache.ensure(run_id, version, None)
+        except (EchoSwarmError, OSError) as exc:
+            logger.info("prefetch of version %d failed: %s", version, exc)
+            return None
 
     async def _release(self, api: CoordinatorClient, job_id: str, lease_id: str) -> None:
         try:

@@ -37,21 +37,39 @@ class SnapshotCache:
         self.coordinator_key = coordinator_key
         self.max_attempts = max_attempts
         self.bytes_downloaded = 0
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._in_use: Path | None = None  # the folder the backend generates from: never pruned
+        self._busy = 0  # ensure() calls in progress: unlinked blobs may belong to one of them
 
-    async def ensure(self, run_id: str, version: int, manifest_sha256: str) -> Path:
-        """Return a verified local model folder for ``version`` (whose manifest must hash to the given sha)."""
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    async def ensure(self, run_id: str, version: int, manifest_sha256: str | None) -> Path:
+        """Return a verified local model folder for ``version``. ``manifest_sha256`` (from a signed job) pins the
+        exact manifest; ``None`` (a prefetch) accepts any manifest the coordinator signed for that version."""
         folder = self.models / run_id / f"v{version:06d}"
-        if (folder / ".complete").exists() and (folder / ".manifest_sha256").read_text() == manifest_sha256:
+        if manifest_sha256 is not None:
+            self._in_use = folder
+        self._busy += 1
+        try:
+            return await self._ensure(run_id, version, manifest_sha256, folder)
+        finally:
+            self._busy -= 1
+
+    async def _ensure(self, run_id: str, version: int, manifest_sha256: str | None, folder: Path) -> Path:
+        async with self._lock(str(folder)):
+            if (folder / ".complete").exists() and manifest_sha256 in (None, (folder / ".manifest_sha256").read_text()):
+                return folder
+            signed = wire.decode(await self.client.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
+            manifest, sha = open_manifest(signed, self.coordinator_key)
+            if manifest_sha256 not in (None, sha) or manifest.version != version or manifest.run_id != run_id:
+                raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
+            for f in manifest.files:
+                async with self._lock(f.sha256):
+                    await self._fetch_blob(f.sha256, f.size)
+            self._assemble(folder, manifest, sha)
+            self._prune(run_id, keep=folder)
             return folder
-        signed = wire.decode(await self.client.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
-        manifest, sha = open_manifest(signed, self.coordinator_key)
-        if sha != manifest_sha256 or manifest.version != version or manifest.run_id != run_id:
-            raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
-        for f in manifest.files:
-            await self._fetch_blob(f.sha256, f.size)
-        self._assemble(folder, manifest, sha)
-        self._prune(run_id, keep=folder)
-        return folder
 
     async def _fetch_blob(self, sha256: str, size: int) -> Path:
         """Download one file into the cache. Interrupted transfers resume (HTTP Range) with backoff; a complete
@@ -123,8 +141,10 @@ class SnapshotCache:
         run_root = self.models / run_id
         folders = sorted(p for p in run_root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
         for old in folders[:-keep_last]:
-            if old != keep:
+            if old not in (keep, self._in_use):
                 shutil.rmtree(old, ignore_errors=True)
+        if self._busy > 1:  # another download may still be collecting blobs it has not linked yet
+            return
         for blob in self.blobs.iterdir():
             if not blob.name.endswith(".partial") and blob.stat().st_nlink == 1:
                 blob.unlink(missing_ok=True)

@@ -1,7 +1,8 @@
-"""Planning rollout jobs: which prompts and seeds a policy version's jobs carry.
+"""Planning rollout jobs: which prompts and sampling seed each job carries.
 
-Prompts and sampling seeds are derived from the run seed and the version, never chosen by a client, so a
-client cannot pick easy prompts and any job's sampling can be replayed.
+Jobs form one numbered stream per run; job ``k``'s prompts and seed are derived from the run seed and ``k``
+alone, never chosen by a client, so a client cannot pick easy prompts and any job's sampling can be replayed.
+The policy version a job is generated with is bound later, when it is leased (see core.scheduling).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class JobPlan:
     job_id: str
-    version: int
+    seq: int
     prompt_ids: tuple[int, ...]
     seed: int
 
@@ -24,14 +25,10 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
-def plan_jobs(run_seed: int, version: int, n_train: int, prompts_per_step: int, prompts_per_job: int) -> list[JobPlan]:
-    """The jobs of one policy version: ``prompts_per_step`` distinct training prompts in chunks."""
-    if prompts_per_step % prompts_per_job:
-        raise ValueError("prompts_per_step must be a multiple of prompts_per_job")
-    rng = random.Random(derived_seed("prompts", run_seed, version))
-    prompt_ids = rng.sample(range(n_train), min(prompts_per_step, n_train))
-    plans = []
-    for k, start in enumerate(range(0, len(prompt_ids), prompts_per_job)):
-        chunk = tuple(prompt_ids[start : start + prompts_per_job])
-        plans.append(JobPlan(f"v{version}-j{k}", version, chunk, derived_seed("sampling", run_seed, version, k)))
-    return plans
+def plan_job(run_seed: int, seq: int, n_train: int, prompts_per_job: int) -> JobPlan:
+    """Job number ``seq``: ``prompts_per_job`` distinct training prompts and a sampling seed."""
+    if n_train < 1 or prompts_per_job < 1:
+        raise ValueError("need at least one training prompt and one prompt per job")
+    rng = random.Random(derived_seed("prompts", run_seed, seq))
+    prompt_ids = tuple(rng.sample(range(n_train), min(prompts_per_job, n_train)))
+    return JobPlan(f"j{seq}", seq, prompt_ids, derived_seed("sampling", run_seed, seq))

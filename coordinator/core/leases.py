@@ -23,7 +23,7 @@ class LeaseView:
 
     job_id: str
     state: JobState
-    version: int
+    version: int | None  # bound when leased
     created_at: float
     lease_id: str | None = None
     lease_client: str | None = None
@@ -35,17 +35,16 @@ def lease_live(job: LeaseView, now: float) -> bool:
     return job.state is JobState.LEASED and job.lease_deadline is not None and now < job.lease_deadline
 
 
-def leasable(job: LeaseView, now: float, current_version: int) -> bool:
-    """A job may be handed out if it is for the current version and nobody holds a live lease on it."""
-    if job.version != current_version or job.state is JobState.DONE:
-        return False
-    return not lease_live(job, now)
+def leasable(job: LeaseView, now: float) -> bool:
+    """A job may be handed out if it is not done and nobody holds a live lease on it."""
+    return job.state is not JobState.DONE and not lease_live(job, now)
 
 
-def choose_job(jobs: list[LeaseView], now: float, current_version: int) -> LeaseView | None:
+def choose_job(jobs: list[LeaseView], now: float) -> LeaseView | None:
     """The oldest leasable job, so reissued work is finished before fresh work starts."""
-    candidates = [j for j in jobs if leasable(j, now, current_version)]
-    return min(candidates, key=lambda j: (j.created_at, j.job_id)) if candidates else None
+    candidates = [j for j in jobs if leasable(j, now)]
+    # min() keeps the first of equal keys, so callers that pass jobs in creation order break ties by that order
+    return min(candidates, key=lambda j: j.created_at) if candidates else None
 
 
 def deadline_for(now: float, lease_timeout_s: float) -> float:

@@ -31,7 +31,7 @@ class JobTerms:
 
 
 def verify_submission(
-    sub: ResultSubmission, lease: LeaseView, terms: JobTerms, client_id: str, now: float, current_version: int
+    sub: ResultSubmission, lease: LeaseView, terms: JobTerms, client_id: str, now: float, oldest_version: int
 ) -> None:
     """Raise ProtocolError with the first failing rule's reason; return None if all structural rules pass."""
     verdict = check_lease(lease, client_id, sub.lease_id, now)
@@ -47,9 +47,9 @@ def verify_submission(
     if sub.version != terms.version:
         raise ProtocolError(Reason.WRONG_VERSION,
                             f"job {sub.job_id} is for policy version {terms.version}, result claims {sub.version}")
-    if sub.version != current_version:
+    if sub.version < oldest_version:
         raise ProtocolError(Reason.WRONG_VERSION,
-                            f"policy version {sub.version} is no longer current (now {current_version})")
+                            f"policy version {sub.version} is too old to be verified (oldest kept: {oldest_version})")
     if sub.prompt_hash != terms.prompt_hash:
         raise ProtocolError(Reason.BINDING_MISMATCH, "prompt_hash does not match the signed job's prompts")
     if sub.seed != terms.seed:

@@ -89,8 +89,10 @@ class Proc:
         return self.proc.returncode
 
 
-def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, **sections: dict[str, Any]) -> Path:
-    """A small, fast run config: 2 jobs of 2 prompts × 4 samples per step, 64 held-out prompts."""
+def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, top: dict[str, Any] | None = None,
+                 **sections: dict[str, Any]) -> Path:
+    """A small, fast run config: 2 jobs of 2 prompts × 4 samples per step, 64 held-out prompts.
+    ``top`` holds top-level keys (sync_mode, max_staleness); keyword arguments are [sections]."""
     base: dict[str, dict[str, Any]] = {
         "model": {"path": str(model_dir)},
         "server": {"host": "127.0.0.1", "port": port},
@@ -100,11 +102,13 @@ def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, **se
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
-    lines = [f'run_dir = "{run_dir}"']
+    def toml(v: Any) -> str:
+        return json.dumps(v) if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v)
+
+    lines = [f'run_dir = "{run_dir}"'] + [f"{k} = {toml(v)}" for k, v in (top or {}).items()]
     for name, values in base.items():
         lines.append(f"\n[{name}]")
-        for k, v in values.items():
-            lines.append(f"{k} = {json.dumps(v) if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else v}")
+        lines.extend(f"{k} = {toml(v)}" for k, v in values.items())
     path.write_text("\n".join(lines) + "\n")
     return path
 

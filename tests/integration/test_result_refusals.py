@@ -17,6 +17,7 @@ from shared.messages import (
     LeaseResponse,
     Manifest,
     RegisterRequest,
+    ReleaseRequest,
     ResultSubmission,
     SignedManifest,
     SubmitResponse,
@@ -116,13 +117,19 @@ def test_bad_signature_is_refused(setup: Any) -> None:
 
 def test_result_for_unleased_job_is_refused(setup: Any) -> None:
     live, client, job, result = setup
+    intruder = register(live)
+    # a job that exists but is leased to nobody: another client leases it and gives it back
+    other = lease(intruder, live.coordinator.public_key)
+    status, _ = intruder.post("/v1/release", ReleaseRequest(job_id=other.job_id, lease_id=other.lease_id))
+    assert status == 200
     before = state(live.run_dir)
-    open_job_id = next(r[0] for r in before["jobs"] if r[1] == "open")
-    msg = refused(client, "/v1/results", client.envelope("/v1/results", tamper(result, job_id=open_job_id)),
+    assert (other.job_id, "open") in [(r[0], r[1]) for r in before["jobs"]]
+    msg = refused(client, "/v1/results", client.envelope("/v1/results", tamper(result, job_id=other.job_id)),
                   403, "not_lease_holder")
     assert "lease" in msg
+    refused(client, "/v1/results", client.envelope("/v1/results", tamper(result, job_id="j999999")), 404,
+            "unknown_job")
     # another registered client submitting this client's leased job
-    intruder = register(live)
     refused(intruder, "/v1/results", intruder.envelope("/v1/results", result), 403, "not_lease_holder")
     assert state(live.run_dir) == before
 

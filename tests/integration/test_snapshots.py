@@ -84,3 +84,24 @@ def test_corrupted_download_is_detected_and_never_used(live_coordinator: LiveCoo
 def test_manifest_not_matching_the_job_is_refused(live_coordinator: LiveCoordinator, tmp_path: Path) -> None:
     with pytest.raises(IntegrityError):
         _ensure(live_coordinator, tmp_path / "home", "0" * 64)
+
+
+def test_prefetch_and_job_fetch_of_one_version_share_one_download(live_coordinator: LiveCoordinator,
+                                                                   tmp_path: Path) -> None:
+    _, sha = _manifest(live_coordinator)
+    home = tmp_path / "home"
+
+    async def go() -> tuple[list[Path], int]:
+        client = CoordinatorClient(live_coordinator.url, load_identity(home), retry=RetryPolicy(attempts=2))
+        try:
+            cache = SnapshotCache(home / "cache", client, live_coordinator.coordinator.public_key)
+            run_id = live_coordinator.coordinator.run_id
+            folders = await asyncio.gather(cache.ensure(run_id, 0, None), cache.ensure(run_id, 0, sha))
+            return list(folders), cache.bytes_downloaded
+        finally:
+            await client.close()
+
+    (prefetched, for_job), downloaded = asyncio.run(go())
+    assert prefetched == for_job and (for_job / ".complete").exists()
+    served = live_coordinator.run_dir / "snapshots" / "v000000"
+    assert downloaded == sum(p.stat().st_size for p in served.iterdir() if p.name != "manifest.msgpack")

@@ -11,6 +11,7 @@ from coordinator.config import (
     JsonlTaskConfig,
     load_config,
 )
+from coordinator.core.scheduling import SyncPolicy
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -29,6 +30,9 @@ def test_defaults() -> None:
     assert cfg.jobs_per_step == 2
     assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8470
     assert cfg.verification.request_window_s == 300.0
+    assert cfg.sync_mode == "sequential-pull" and cfg.max_staleness == 2
+    assert cfg.learner.is_cap == 2.0 and cfg.learner.staleness_decay == 1.0
+    assert cfg.snapshots.keep_last == 4
 
 
 def test_toml_file(tmp_path: Path) -> None:
@@ -145,3 +149,95 @@ def test_validate_assignment_forbids_bad_values() -> None:
     cfg = load_config(None)
     with pytest.raises(ValueError):
         cfg.learner.lr = -1.0
+
+
+# ---- synchronisation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["sequential-pull", "async-push-pull", "colocated"])
+def test_sync_modes_accepted(mode: str) -> None:
+    assert load_config(None, {"sync_mode": mode}).sync_mode == mode
+
+
+def test_unknown_sync_mode_names_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"sync_mode": "async"})
+    assert "sync_mode" in str(info.value)
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"max_staleness": 0}, "max_staleness"),
+    ({"max_staleness": 65}, "max_staleness"),
+    ({"learner.is_cap": 0.99}, "learner.is_cap"),
+    ({"learner.staleness_decay": 0.0}, "learner.staleness_decay"),
+    ({"learner.staleness_decay": 1.01}, "learner.staleness_decay"),
+])
+def test_invalid_staleness_settings_name_the_key(overrides: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert key in str(info.value)
+
+
+def test_staleness_bounds_inclusive() -> None:
+    assert load_config(None, {"max_staleness": 1}).max_staleness == 1
+    cfg = load_config(None, {"max_staleness": 64, "snapshots.keep_last": 66, "sync_mode": "async-push-pull"})
+    assert cfg.max_staleness == 64
+    assert load_config(None, {"learner.is_cap": 1.0}).learner.is_cap == 1.0
+    assert load_config(None, {"learner.staleness_decay": 1.0}).learner.staleness_decay == 1.0
+    assert load_config(None, {"learner.staleness_decay": 1e-6}).learner.staleness_decay == 1e-6
+
+
+def test_async_needs_snapshots_for_stale_results() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"sync_mode": "async-push-pull", "max_staleness": 3, "snapshots.keep_last": 4})
+    message = str(info.value)
+    assert "snapshots.keep_last (4) must be at least max_staleness + 2 (5)" in message
+    assert "stale results can still be verified" in message
+
+
+def test_async_keep_last_boundary() -> None:
+    cfg = load_config(None, {"sync_mode": "async-push-pull", "max_staleness": 3, "snapshots.keep_last": 5})
+    assert cfg.snapshots.keep_last == 5
+    assert load_config(None, {"sync_mode": "async-push-pull"}).snapshots.keep_last == 4  # defaults fit (S = 2)
+    with pytest.raises(ConfigError, match=r"keep_last \(3\)"):
+        load_config(None, {"sync_mode": "async-push-pull", "snapshots.keep_last": 3})
+
+
+@pytest.mark.parametrize("mode", ["sequential-pull", "colocated"])
+def test_keep_last_unconstrained_outside_async(mode: str) -> None:
+    cfg = load_config(None, {"sync_mode": mode, "max_staleness": 10, "snapshots.keep_last": 1})
+    assert cfg.snapshots.keep_last == 1
+
+
+def test_keep_last_validator_on_assignment() -> None:
+    cfg = load_config(None, {"sync_mode": "async-push-pull"})
+    with pytest.raises(ValueError, match="max_staleness"):
+        cfg.max_staleness = 5
+
+
+def test_sync_policy_property() -> None:
+    cfg = load_config(None)
+    assert cfg.sync_policy == SyncPolicy("sequential-pull", 2, 2)
+    assert cfg.sync_policy.bound == 0
+    cfg = load_config(None, {"sync_mode": "async-push-pull", "max_staleness": 3, "snapshots.keep_last": 5,
+                             "learner.prompts_per_step": 32, "jobs.prompts_per_job": 4})
+    assert cfg.sync_policy == SyncPolicy("async-push-pull", 3, 8)
+    assert cfg.sync_policy.bound == 3 and cfg.sync_policy.jobs_per_step == cfg.jobs_per_step
+    cfg = load_config(None, {"sync_mode": "colocated", "max_staleness": 7})
+    assert cfg.sync_policy == SyncPolicy("colocated", 7, 2)
+    assert cfg.sync_policy.bound == 0
+
+
+def test_sync_policy_from_toml(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, """
+sync_mode = "async-push-pull"
+max_staleness = 1
+
+[learner]
+prompts_per_step = 12
+is_cap = 1.5
+staleness_decay = 0.9
+
+[jobs]
+prompts_per_job = 4
+"""))
+    assert cfg.sync_policy == SyncPolicy("async-push-pull", 1, 3)
+    assert cfg.learner.is_cap == 1.5 and cfg.learner.staleness_decay == 0.9

@@ -16,7 +16,7 @@ from coordinator.core.leases import (
 T0 = 1000.0
 
 
-def view(job_id: str = "v1-j0", state: JobState = JobState.OPEN, version: int = 1, created_at: float = T0,
+def view(job_id: str = "j0", state: JobState = JobState.OPEN, version: int | None = 1, created_at: float = T0,
          lease_id: str | None = None, client: str | None = None, deadline: float | None = None) -> LeaseView:
     return LeaseView(job_id, state, version, created_at, lease_id, client, deadline)
 
@@ -45,66 +45,89 @@ def test_deadline_for() -> None:
 
 
 # ---- leasable -------------------------------------------------------------------------------------------
-def test_open_job_of_current_version_is_leasable() -> None:
-    assert leasable(view(), T0, 1)
+def test_open_job_is_leasable() -> None:
+    assert leasable(view(), T0)
+
+
+def test_never_leased_job_has_no_version_and_is_leasable() -> None:
+    fresh = view(version=None)
+    assert fresh.version is None
+    assert leasable(fresh, T0)
 
 
 def test_live_lease_not_leasable_until_deadline() -> None:
     job = leased(deadline=T0 + 60)
-    assert not leasable(job, T0 + 59.9, 1)
-    assert leasable(job, T0 + 60, 1)
+    assert not leasable(job, T0)
+    assert not leasable(job, T0 + 59.9)
+    assert leasable(job, T0 + 60)  # expired exactly at the deadline
+    assert leasable(job, T0 + 61)
+
+
+def test_released_job_is_leasable() -> None:
+    released = view(state=JobState.OPEN, lease_id="L1", client="alice", deadline=None)
+    assert leasable(released, T0)
 
 
 def test_done_job_never_leasable() -> None:
     done = view(state=JobState.DONE, lease_id="L1", client="alice", deadline=T0 + 60)
     for now in (T0, T0 + 60, T0 + 1e6):
-        assert not leasable(done, now, 1)
+        assert not leasable(done, now)
 
 
-@pytest.mark.parametrize("current", [0, 2, 100])
-def test_other_version_not_leasable(current: int) -> None:
-    assert not leasable(view(version=1), T0, current)
-    assert not leasable(leased(deadline=T0 - 1, version=1), T0, current)
+@pytest.mark.parametrize("version", [None, 0, 1, 100])
+def test_bound_version_does_not_affect_leasability(version: int | None) -> None:
+    # versions are bound (or re-bound) at lease time, so an expired job of any version can be reissued
+    assert leasable(view(version=version), T0)
+    assert leasable(leased(deadline=T0 - 1, version=version), T0)
+    assert not leasable(leased(deadline=T0 + 1, version=version), T0)
 
 
 # ---- choose_job -----------------------------------------------------------------------------------------
 def test_choose_oldest_leasable() -> None:
     jobs = [
-        view("v1-j2", created_at=T0 + 2),
-        view("v1-j0", created_at=T0 + 5),
-        view("v1-j1", created_at=T0 + 1),
+        view("j2", created_at=T0 + 2),
+        view("j0", created_at=T0 + 5),
+        view("j1", created_at=T0 + 1),
     ]
-    chosen = choose_job(jobs, T0 + 10, 1)
-    assert chosen is not None and chosen.job_id == "v1-j1"
+    chosen = choose_job(jobs, T0 + 10)
+    assert chosen is not None and chosen.job_id == "j1"
 
 
-def test_choose_breaks_created_at_ties_by_job_id() -> None:
-    jobs = [view("v1-j9"), view("v1-j3"), view("v1-j5")]
-    chosen = choose_job(jobs, T0, 1)
-    assert chosen is not None and chosen.job_id == "v1-j3"
+def test_choose_breaks_created_at_ties_by_the_given_order() -> None:
+    # the store lists jobs by sequence number, so equal timestamps go to the earlier job (j9 before j10,
+    # which a comparison of the ids as text would get wrong)
+    jobs = [view("j9"), view("j10"), view("j11")]
+    chosen = choose_job(jobs, T0)
+    assert chosen is not None and chosen.job_id == "j9"
 
 
-def test_choose_skips_live_done_and_other_version() -> None:
+def test_choose_skips_live_and_done() -> None:
     jobs = [
         view("a", state=JobState.LEASED, lease_id="L", client="c", deadline=T0 + 100, created_at=T0 - 30),
         view("b", state=JobState.DONE, created_at=T0 - 20),
-        view("c", version=0, created_at=T0 - 10),
-        view("d", created_at=T0),
+        view("c", created_at=T0),
     ]
-    chosen = choose_job(jobs, T0 + 1, 1)
-    assert chosen is not None and chosen.job_id == "d"
+    chosen = choose_job(jobs, T0 + 1)
+    assert chosen is not None and chosen.job_id == "c"
+
+
+def test_choose_ignores_bound_version() -> None:
+    jobs = [view("new", version=5, created_at=T0 + 1), view("old", version=0, created_at=T0),
+            view("unbound", version=None, created_at=T0 + 2)]
+    chosen = choose_job(jobs, T0 + 10)
+    assert chosen is not None and chosen.job_id == "old"
 
 
 def test_choose_prefers_expired_older_job_over_fresh_work() -> None:
     expired = view("old", state=JobState.LEASED, lease_id="L", client="c", deadline=T0 + 10, created_at=T0)
     fresh = view("new", created_at=T0 + 5)
-    assert choose_job([fresh, expired], T0 + 9, 1).job_id == "new"  # type: ignore[union-attr]
-    assert choose_job([fresh, expired], T0 + 10, 1).job_id == "old"  # type: ignore[union-attr]
+    assert choose_job([fresh, expired], T0 + 9).job_id == "new"  # type: ignore[union-attr]
+    assert choose_job([fresh, expired], T0 + 10).job_id == "old"  # type: ignore[union-attr]
 
 
 def test_choose_none_when_nothing_leasable() -> None:
-    assert choose_job([], T0, 1) is None
-    assert choose_job([view(state=JobState.DONE), view(version=2), leased()], T0, 1) is None
+    assert choose_job([], T0) is None
+    assert choose_job([view(state=JobState.DONE), leased()], T0) is None
 
 
 # ---- check_lease ----------------------------------------------------------------------------------------

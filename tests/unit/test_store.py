@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.core.jobs import JobPlan, plan_jobs
+from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
+from coordinator.core.scheduling import Pending
 from coordinator.store import Store
 
 T0 = 1000.0
@@ -33,15 +34,32 @@ def store(db_path: Path) -> Iterator[Store]:
     s.close()
 
 
-def published(store: Store, n_jobs: int = 3) -> list[JobPlan]:
-    plans = plan_jobs(0, 0, 100, 2 * n_jobs, 2)
-    store.publish_initial("m0", plans, GROUP, T0)
+TABLES = ("versions", "jobs", "results", "steps", "clients")
+
+
+def created(store: Store, n_jobs: int) -> list[JobPlan]:
+    """Plan and create the next ``n_jobs`` jobs of the stream (j<seq>, two prompts each)."""
+    plans = []
+    for _ in range(n_jobs):
+        plan = plan_job(0, store.next_seq(), 100, 2)
+        store.create_job(plan, GROUP, T0)
+        plans.append(plan)
     return plans
+
+
+def published(store: Store, n_jobs: int = 3) -> list[JobPlan]:
+    store.publish_initial("m0", T0)
+    return created(store, n_jobs)
 
 
 def registered(store: Store, *clients: str) -> None:
     for c in clients:
         store.register_client(c, c.encode()[:32], {"name": c}, T0)
+
+
+def lease(store: Store, job_id: str, lease_id: str, client: str, deadline: float = T0 + 60, version: int = 0,
+          now: float = T0) -> bool:
+    return store.lease_job(job_id, lease_id, client, deadline, version, now)
 
 
 def accept(store: Store, job_id: str, lease_id: str, client: str, **kw: Any) -> bool:
@@ -55,13 +73,19 @@ def rows(store: Store, table: str) -> list[dict[str, Any]]:
     return [dict(r) for r in store.conn.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall()]
 
 
-def commit(store: Store, step: int, job_ids: list[str], new_version: int, **kw: Any) -> list[JobPlan]:
-    plans = plan_jobs(0, new_version, 100, 4, 2)
+def snapshot(store: Store) -> dict[str, list[dict[str, Any]]]:
+    return {t: rows(store, t) for t in TABLES}
+
+
+def commit(store: Store, step: int, job_ids: list[str], new_version: int, **kw: Any) -> None:
     args: dict[str, Any] = dict(step=step, trained_version=new_version - 1, job_ids=job_ids, new_version=new_version,
                                 manifest_sha=f"m{new_version}", mean_reward=0.75, metrics={"loss": 0.5},
-                                plans=plans, group_size=GROUP, now=T0 + 100 * new_version)
+                                now=T0 + 100 * new_version)
     store.commit_step(**(args | kw))
-    return plans
+
+
+def pending_ids(store: Store) -> set[str]:
+    return {p.job_id for p in store.pending()}
 
 
 # ---- clients and nonces ---------------------------------------------------------------------------------
@@ -101,197 +125,377 @@ def test_prune_nonces(store: Store) -> None:
 # ---- versions and jobs ----------------------------------------------------------------------------------
 def test_publish_initial(store: Store) -> None:
     assert store.current_version() is None
-    plans = published(store)
+    store.publish_initial("m0", T0)
     assert store.current_version() == 0
     assert store.manifest_sha(0) == "m0" and store.manifest_sha(1) is None
-    jobs = store.jobs_for_version(0)
+    assert store.versions() == [{"version": 0, "manifest_sha256": "m0", "created_at": T0}]
+    assert store.active_jobs() == []  # jobs are planned on demand, not with the version
+    with pytest.raises(sqlite3.IntegrityError):
+        store.publish_initial("other", T0 + 1)
+    assert store.manifest_sha(0) == "m0"
+
+
+def test_next_seq_and_create_job(store: Store) -> None:
+    store.publish_initial("m0", T0)
+    assert store.next_seq() == 0
+    plan = plan_job(0, 0, 100, 2)
+    row = store.create_job(plan, GROUP, T0 + 1)
+    assert store.next_seq() == 1
+    assert row == store.get_job("j0")
+    assert row.view.job_id == "j0" and row.view.state is JobState.OPEN
+    assert row.view.version is None  # bound when leased
+    assert row.view.created_at == T0 + 1
+    assert (row.view.lease_id, row.view.lease_client, row.view.lease_deadline) == (None, None, None)
+    assert row.prompt_ids == plan.prompt_ids and row.seed == plan.seed
+    assert row.group_size == GROUP and row.issue_count == 0
+    assert rows(store, "jobs")[0]["seq"] == 0
+
+
+def test_create_jobs_form_a_stream(store: Store) -> None:
+    plans = published(store, 4)
+    assert [p.job_id for p in plans] == ["j0", "j1", "j2", "j3"]
+    assert store.next_seq() == 4
+    jobs = store.active_jobs()
     assert [j.view.job_id for j in jobs] == [p.job_id for p in plans]
     for job, plan in zip(jobs, plans, strict=True):
-        assert job.view.state is JobState.OPEN and job.view.version == 0 and job.view.created_at == T0
-        assert job.prompt_ids == plan.prompt_ids and job.seed == plan.seed
-        assert job.group_size == GROUP and job.issue_count == 0
+        assert job.prompt_ids == plan.prompt_ids and job.seed == plan.seed and job.view.version is None
+
+
+def test_next_seq_follows_the_highest(store: Store) -> None:
+    store.create_job(plan_job(0, 5, 100, 2), GROUP, T0)
+    store.create_job(plan_job(0, 2, 100, 2), GROUP, T0)
+    assert store.next_seq() == 6
+    assert [j.view.job_id for j in store.active_jobs()] == ["j2", "j5"]  # ordered by seq, not insertion
+
+
+def test_create_job_duplicate_seq_writes_nothing(store: Store) -> None:
+    published(store, 2)
+    before = snapshot(store)
+    with pytest.raises(sqlite3.IntegrityError):
+        store.create_job(plan_job(0, 1, 100, 2), GROUP, T0 + 9)  # same job id and seq
+    with pytest.raises(sqlite3.IntegrityError):
+        store.create_job(JobPlan("other", 1, (0, 1), 7), GROUP, T0 + 9)  # same seq, new id
+    assert snapshot(store) == before
+    assert store.next_seq() == 2
+
+
+def test_active_jobs_excludes_done_only(store: Store) -> None:
+    published(store, 4)
+    registered(store, ALICE)
+    lease(store, "j0", "L0", ALICE)
+    assert accept(store, "j0", "L0", ALICE)
+    lease(store, "j1", "L1", ALICE, deadline=T0 + 1)   # expired later on
+    lease(store, "j2", "L2", ALICE, deadline=T0 + 1e6)  # live
+    assert [j.view.job_id for j in store.active_jobs()] == ["j1", "j2", "j3"]
 
 
 def test_lease_job_compare_and_set(store: Store) -> None:
     published(store)
-    assert store.lease_job("v0-j0", "L1", ALICE, T0 + 60, T0) is True
-    assert store.lease_job("v0-j0", "L2", BOB, T0 + 70, T0 + 10) is False  # live lease
-    job = store.get_job("v0-j0")
+    assert lease(store, "j0", "L1", ALICE, T0 + 60, version=0, now=T0) is True
+    assert lease(store, "j0", "L2", BOB, T0 + 70, version=1, now=T0 + 10) is False  # live lease
+    job = store.get_job("j0")
     assert job is not None
     assert job.view.state is JobState.LEASED
     assert (job.view.lease_id, job.view.lease_client, job.view.lease_deadline) == ("L1", ALICE, T0 + 60)
+    assert job.view.version == 0  # the refused lease did not re-bind it
     assert job.issue_count == 1
 
 
-def test_lease_after_expiry_succeeds_and_counts(store: Store) -> None:
+def test_lease_job_binds_the_version(store: Store) -> None:
     published(store)
-    store.lease_job("v0-j0", "L1", ALICE, T0 + 60, T0)
-    assert store.lease_job("v0-j0", "L2", BOB, T0 + 59.9 + 60, T0 + 59.9) is False
-    assert store.lease_job("v0-j0", "L2", BOB, T0 + 120, T0 + 60) is True  # expired exactly at the deadline
-    job = store.get_job("v0-j0")
+    assert lease(store, "j0", "L1", ALICE, version=3) is True
+    assert lease(store, "j1", "L2", BOB, version=1) is True
+    assert store.get_job("j0").view.version == 3  # type: ignore[union-attr]
+    assert store.get_job("j1").view.version == 1  # type: ignore[union-attr]
+    assert store.get_job("j2").view.version is None  # type: ignore[union-attr]
+
+
+def test_lease_after_expiry_succeeds_counts_and_rebinds(store: Store) -> None:
+    published(store)
+    lease(store, "j0", "L1", ALICE, T0 + 60, version=0, now=T0)
+    assert lease(store, "j0", "L2", BOB, T0 + 59.9 + 60, version=2, now=T0 + 59.9) is False
+    assert store.get_job("j0").view.version == 0  # type: ignore[union-attr]
+    # expired exactly at the deadline; the reissued job is generated with the version named now
+    assert lease(store, "j0", "L2", BOB, T0 + 120, version=2, now=T0 + 60) is True
+    job = store.get_job("j0")
     assert job is not None
-    assert (job.view.lease_id, job.view.lease_client) == ("L2", BOB)
+    assert (job.view.lease_id, job.view.lease_client, job.view.lease_deadline) == ("L2", BOB, T0 + 120)
+    assert job.view.version == 2
     assert job.issue_count == 2
     assert store.totals()["reissued_jobs"] == 1
 
 
 def test_lease_unknown_job(store: Store) -> None:
     published(store)
-    assert store.lease_job("nope", "L1", ALICE, T0 + 60, T0) is False
+    before = snapshot(store)
+    assert lease(store, "nope", "L1", ALICE) is False
     assert store.get_job("nope") is None
+    assert snapshot(store) == before
 
 
 def test_release_lease(store: Store) -> None:
     published(store)
-    store.lease_job("v0-j0", "L1", ALICE, T0 + 60, T0)
-    assert store.release_lease("v0-j0", "L1", BOB) is False   # not the holder
-    assert store.release_lease("v0-j0", "L0", ALICE) is False  # not the lease
-    assert store.release_lease("v0-j0", "L1", ALICE) is True
-    job = store.get_job("v0-j0")
+    lease(store, "j0", "L1", ALICE, version=0)
+    assert store.release_lease("j0", "L1", BOB) is False   # not the holder
+    assert store.release_lease("j0", "L0", ALICE) is False  # not the lease
+    assert store.release_lease("j0", "L1", ALICE) is True
+    job = store.get_job("j0")
     assert job is not None and job.view.state is JobState.OPEN and job.view.lease_deadline is None
-    assert store.release_lease("v0-j0", "L1", ALICE) is False  # already released
-    # the released job is immediately leasable again, and the old lease can no longer be used
-    assert store.lease_job("v0-j0", "L2", BOB, T0 + 100, T0 + 1) is True
-    assert accept(store, "v0-j0", "L1", ALICE) is False
+    assert store.release_lease("j0", "L1", ALICE) is False  # already released
+    # the released job is immediately leasable again (re-bound), and the old lease can no longer be used
+    assert lease(store, "j0", "L2", BOB, T0 + 100, version=1, now=T0 + 1) is True
+    assert store.get_job("j0").view.version == 1  # type: ignore[union-attr]
+    assert accept(store, "j0", "L1", ALICE) is False
+
+
+def test_live_leases_counts_only_unexpired_leases(store: Store) -> None:
+    published(store, 5)
+    registered(store, ALICE)
+    assert store.live_leases(T0) == 0
+    lease(store, "j0", "L0", ALICE, deadline=T0 + 10)
+    lease(store, "j1", "L1", ALICE, deadline=T0 + 20)
+    lease(store, "j2", "L2", ALICE, deadline=T0 + 30)
+    lease(store, "j3", "L3", ALICE, deadline=T0 + 30)
+    assert store.live_leases(T0) == 4
+    assert store.live_leases(T0 + 9.99) == 4
+    assert store.live_leases(T0 + 10) == 3  # expires exactly at the deadline, like leases.lease_live
+    assert store.live_leases(T0 + 20) == 2
+    assert store.live_leases(T0 + 30) == 0
+    # a done job and a released one hold no lease
+    assert accept(store, "j2", "L2", ALICE)
+    assert store.release_lease("j3", "L3", ALICE)
+    assert store.live_leases(T0) == 2
+    # a reissued job counts once
+    assert lease(store, "j0", "L9", ALICE, deadline=T0 + 50, now=T0 + 10)
+    assert store.live_leases(T0 + 10) == 2  # j0 (new lease) and j1
 
 
 # ---- results --------------------------------------------------------------------------------------------
 def test_accept_result_once(store: Store) -> None:
     published(store)
     registered(store, ALICE)
-    store.lease_job("v0-j0", "L1", ALICE, T0 + 60, T0)
-    assert accept(store, "v0-j0", "L1", ALICE) is True
-    job = store.get_job("v0-j0")
+    lease(store, "j0", "L1", ALICE)
+    assert accept(store, "j0", "L1", ALICE) is True
+    job = store.get_job("j0")
     assert job is not None and job.view.state is JobState.DONE
     results = rows(store, "results")
     assert len(results) == 1
-    assert results[0]["job_id"] == "v0-j0" and results[0]["client_id"] == ALICE
+    assert results[0]["job_id"] == "j0" and results[0]["client_id"] == ALICE
     assert results[0]["mean_reward"] == pytest.approx(0.75)
-    assert results[0]["ingested_step"] is None
+    assert results[0]["ingested_step"] is None and results[0]["stale_at"] is None
     client = store.get_client(ALICE)
     assert client is not None and client["accepted"] == 1 and client["credit"] == 2.0
     # a second accept for the same job (same lease, or anyone else's) is refused
-    assert accept(store, "v0-j0", "L1", ALICE) is False
-    assert accept(store, "v0-j0", "L1", ALICE, payload=b"other") is False
+    assert accept(store, "j0", "L1", ALICE) is False
+    assert accept(store, "j0", "L1", ALICE, payload=b"other") is False
     assert len(rows(store, "results")) == 1
     assert store.get_client(ALICE)["accepted"] == 1  # type: ignore[index]
     # ... and a done job can never be leased again
-    assert store.lease_job("v0-j0", "L9", BOB, T0 + 1e6, T0 + 1e5) is False
+    assert lease(store, "j0", "L9", BOB, T0 + 1e6, now=T0 + 1e5) is False
 
 
 def test_accept_with_stale_lease_writes_nothing(store: Store) -> None:
     published(store)
     registered(store, ALICE, BOB)
-    store.lease_job("v0-j0", "L1", ALICE, T0 + 60, T0)
-    store.lease_job("v0-j0", "L2", BOB, T0 + 200, T0 + 61)  # reissued after expiry
+    lease(store, "j0", "L1", ALICE, T0 + 60, now=T0)
+    lease(store, "j0", "L2", BOB, T0 + 200, version=1, now=T0 + 61)  # reissued after expiry
     before = {t: rows(store, t) for t in ("results", "jobs", "clients")}
-    assert accept(store, "v0-j0", "L1", ALICE) is False
+    assert accept(store, "j0", "L1", ALICE) is False
     assert {t: rows(store, t) for t in ("results", "jobs", "clients")} == before
-    assert accept(store, "v0-j0", "L2", BOB) is True
+    assert accept(store, "j0", "L2", BOB, version=1) is True
 
 
 def test_accept_requires_matching_client(store: Store) -> None:
     published(store)
     registered(store, ALICE, BOB)
-    store.lease_job("v0-j0", "L1", ALICE, T0 + 60, T0)
-    assert accept(store, "v0-j0", "L1", BOB) is False
+    lease(store, "j0", "L1", ALICE)
+    assert accept(store, "j0", "L1", BOB) is False
     assert rows(store, "results") == []
-    assert accept(store, "v0-j0", "L1", ALICE) is True
+    assert accept(store, "j0", "L1", ALICE) is True
 
 
 def test_accept_on_open_job_refused(store: Store) -> None:
     published(store)
     registered(store, ALICE)
-    assert accept(store, "v0-j0", "L1", ALICE) is False
+    assert accept(store, "j0", "L1", ALICE) is False
     assert rows(store, "results") == []
 
 
 def test_record_rejection(store: Store) -> None:
     registered(store, ALICE)
-    store.record_rejection(ALICE, "v0-j0", "shape_mismatch", "bad", None, T0)
+    store.record_rejection(ALICE, "j0", "shape_mismatch", "bad", None, T0)
     assert store.get_client(ALICE)["rejected"] == 1  # type: ignore[index]
     assert store.rejections()[0]["reason"] == "shape_mismatch"
     assert store.totals()["rejected"] == 1
 
 
-def test_pending_results(store: Store) -> None:
-    published(store)
-    registered(store, ALICE)
-    for k in (2, 0):
-        store.lease_job(f"v0-j{k}", f"L{k}", ALICE, T0 + 60, T0)
-        accept(store, f"v0-j{k}", f"L{k}", ALICE, rewards=[float(k), 1.0])
-    pending = store.pending_results(0)
-    assert [r.job_id for r in pending] == ["v0-j0", "v0-j2"]
-    assert pending[1].rewards == [2.0, 1.0] and pending[1].payload == b"payload"
-    assert store.count_pending(0) == 2 and store.count_pending(1) == 0
-
-
-# ---- commit_step ----------------------------------------------------------------------------------------
-def accepted_jobs(store: Store, *ks: int) -> list[str]:
+def accepted_jobs(store: Store, *ks: int, version: int = 0, at: float = T0 + 5) -> list[str]:
     registered(store, ALICE)
     ids = []
     for k in ks:
-        store.lease_job(f"v0-j{k}", f"L{k}", ALICE, T0 + 60, T0)
-        assert accept(store, f"v0-j{k}", f"L{k}", ALICE)
-        ids.append(f"v0-j{k}")
+        assert lease(store, f"j{k}", f"L{k}", ALICE, version=version)
+        assert accept(store, f"j{k}", f"L{k}", ALICE, version=version, now=at + k)
+        ids.append(f"j{k}")
     return ids
 
 
+def test_pending(store: Store) -> None:
+    published(store, 4)
+    assert store.pending() == []
+    accepted_jobs(store, 2, version=1, at=T0 + 20)
+    accepted_jobs(store, 0, version=0, at=T0 + 10)
+    lease(store, "j1", "L1", ALICE)  # leased, no result yet: not pending
+    assert sorted(store.pending(), key=lambda p: p.job_id) == [Pending("j0", 0, T0 + 10), Pending("j2", 1, T0 + 22)]
+
+
+def test_pending_excludes_ingested_and_stale(store: Store) -> None:
+    published(store, 4)
+    ids = accepted_jobs(store, 0, 1, 2, 3)
+    assert pending_ids(store) == set(ids)
+    commit(store, 1, ["j0", "j1"], 1)
+    assert pending_ids(store) == {"j2", "j3"}
+    store.mark_stale(["j3"], 3)
+    assert pending_ids(store) == {"j2"}
+    commit(store, 2, ["j2"], 2)
+    assert store.pending() == []
+    assert len(rows(store, "results")) == 4  # nothing is deleted: stale results stay credited
+
+
+def test_result_rows_in_requested_order(store: Store) -> None:
+    published(store, 3)
+    registered(store, ALICE)
+    for k in (0, 1, 2):
+        lease(store, f"j{k}", f"L{k}", ALICE, version=k)
+        accept(store, f"j{k}", f"L{k}", ALICE, version=k, rewards=[float(k), 1.0], payload=b"p%d" % k)
+    got = store.result_rows(["j2", "j0"])
+    assert [r.job_id for r in got] == ["j2", "j0"]
+    assert [r.version for r in got] == [2, 0]
+    assert got[0].rewards == [2.0, 1.0] and got[0].payload == b"p2" and got[0].client_id == ALICE
+
+
+def test_mark_stale(store: Store) -> None:
+    published(store, 3)
+    ids = accepted_jobs(store, 0, 1, 2)
+    commit(store, 1, ["j0"], 1)
+    store.mark_stale(["j1", "j0"], 4)  # j0 was already trained on: it stays ingested, not stale
+    by_id = {r["job_id"]: r for r in rows(store, "results")}
+    assert by_id["j1"]["stale_at"] == 4 and by_id["j1"]["ingested_step"] is None
+    assert by_id["j0"]["stale_at"] is None and by_id["j0"]["ingested_step"] == 1
+    assert by_id["j2"]["stale_at"] is None
+    assert store.totals()["too_stale"] == 1
+    assert pending_ids(store) == {"j2"}
+    # credit is kept
+    assert store.get_client(ALICE)["accepted"] == len(ids)  # type: ignore[index]
+
+
+# ---- commit_step ----------------------------------------------------------------------------------------
 def test_commit_step_ingests_and_publishes(store: Store) -> None:
     published(store)
     ids = accepted_jobs(store, 0, 1, 2)
-    plans = commit(store, 1, ids, 1)
+    jobs_before = rows(store, "jobs")
+    commit(store, 1, ids, 1)
     assert store.current_version() == 1 and store.manifest_sha(1) == "m1"
     assert [r["ingested_step"] for r in rows(store, "results")] == [1, 1, 1]
-    assert store.count_pending(0) == 0
-    assert [j.view.job_id for j in store.jobs_for_version(1)] == [p.job_id for p in plans]
-    assert all(j.view.state is JobState.OPEN for j in store.jobs_for_version(1))
+    assert store.pending() == []
+    assert rows(store, "jobs") == jobs_before  # a step creates no jobs any more
     steps = store.steps()
     assert len(steps) == 1 and steps[0]["metrics"] == {"loss": 0.5} and steps[0]["trained_version"] == 0
+
+
+def test_commit_step_ingests_only_the_batch(store: Store) -> None:
+    published(store, 4)
+    accepted_jobs(store, 0, 1, 2, 3)
+    commit(store, 1, ["j3", "j1"], 1)
+    by_id = {r["job_id"]: r["ingested_step"] for r in rows(store, "results")}
+    assert by_id == {"j0": None, "j1": 1, "j2": None, "j3": 1}
+    assert pending_ids(store) == {"j0", "j2"}
 
 
 def test_commit_step_ingests_exactly_once(store: Store) -> None:
     published(store)
     ids = accepted_jobs(store, 0, 1)
     commit(store, 1, ids, 1)
-    before = {t: rows(store, t) for t in ("versions", "jobs", "results", "steps")}
+    before = snapshot(store)
     with pytest.raises(RuntimeError, match="still pending"):
         commit(store, 2, ids, 2)
-    assert {t: rows(store, t) for t in ("versions", "jobs", "results", "steps")} == before
+    with pytest.raises(RuntimeError, match="still pending"):
+        commit(store, 2, ["j0"], 2)
+    assert snapshot(store) == before
+
+
+def test_commit_step_refuses_a_repeated_job_id(store: Store) -> None:
+    published(store)
+    accepted_jobs(store, 0, 1)
+    before = snapshot(store)
+    with pytest.raises(RuntimeError, match="still pending"):
+        commit(store, 1, ["j0", "j0"], 1)  # one result cannot fill two slots of a batch
+    assert snapshot(store) == before
 
 
 def test_commit_step_with_non_pending_result_rolls_back(store: Store) -> None:
     published(store)
     ids = accepted_jobs(store, 0, 1)
-    before = {t: rows(store, t) for t in ("versions", "jobs", "results", "steps")}
-    # v0-j2 has no accepted result: the whole step must be refused, including the marks on v0-j0/j1
+    before = snapshot(store)
+    # j2 has no accepted result: the whole step must be refused, including the marks on j0/j1
     with pytest.raises(RuntimeError):
-        commit(store, 1, [*ids, "v0-j2"], 1)
-    assert {t: rows(store, t) for t in ("versions", "jobs", "results", "steps")} == before
+        commit(store, 1, [*ids, "j2"], 1)
+    assert snapshot(store) == before
     assert store.current_version() == 0
-    assert store.jobs_for_version(1) == []
-    assert store.count_pending(0) == 2
+    assert pending_ids(store) == set(ids)
     # and a correct commit afterwards still works
     commit(store, 1, ids, 1)
     assert store.current_version() == 1
 
 
+def test_commit_step_refuses_a_stale_result(store: Store) -> None:
+    published(store, 3)
+    ids = accepted_jobs(store, 0, 1, 2)
+    store.mark_stale(["j1"], 0)
+    before = snapshot(store)
+    with pytest.raises(RuntimeError, match="still pending"):
+        commit(store, 1, ids, 1)
+    assert snapshot(store) == before
+    assert store.current_version() == 0 and store.steps() == []
+    assert pending_ids(store) == {"j0", "j2"}
+    with pytest.raises(RuntimeError):
+        commit(store, 1, ["j1"], 1)
+    assert snapshot(store) == before
+    commit(store, 1, ["j0", "j2"], 1)
+    assert {r["job_id"]: (r["ingested_step"], r["stale_at"]) for r in rows(store, "results")} == {
+        "j0": (1, None), "j1": (None, 0), "j2": (1, None)}
+
+
 def test_commit_step_duplicate_version_rolls_back(store: Store) -> None:
     published(store)
     ids = accepted_jobs(store, 0)
+    before = snapshot(store)
     with pytest.raises(sqlite3.IntegrityError):
         commit(store, 1, ids, 0)  # version 0 already exists
-    assert store.count_pending(0) == 1
+    assert snapshot(store) == before
+    assert pending_ids(store) == {"j0"}
     assert store.steps() == []
+
+
+def test_commit_step_duplicate_step_rolls_back(store: Store) -> None:
+    published(store)
+    accepted_jobs(store, 0, 1)
+    commit(store, 1, ["j0"], 1)
+    before = snapshot(store)
+    with pytest.raises(sqlite3.IntegrityError):
+        commit(store, 1, ["j1"], 2)  # step 1 already recorded
+    assert snapshot(store) == before
+    assert pending_ids(store) == {"j1"}
 
 
 # ---- durability -----------------------------------------------------------------------------------------
 def test_data_survives_reopen(db_path: Path) -> None:
     db_path.parent.mkdir(parents=True)
     s = Store(db_path)
-    published(s)
+    published(s, 4)
     ids = accepted_jobs(s, 0, 1)
-    s.lease_job("v0-j2", "L2", BOB, T0 + 60, T0)
+    accepted_jobs(s, 3)
+    s.mark_stale(["j3"], 1)
+    lease(s, "j2", "L2", BOB, T0 + 60, version=1, now=T0)
     commit(s, 1, ids, 1)
     s.remember_nonce(b"n" * 16, T0 + 300)
     s.set_meta("run_id", "run-xyz")
@@ -301,15 +505,19 @@ def test_data_survives_reopen(db_path: Path) -> None:
     s2 = Store(db_path)
     try:
         assert s2.current_version() == 1
+        assert s2.next_seq() == 4
         assert s2.get_meta("run_id") == "run-xyz" and s2.get_meta("absent") is None
         assert s2.get_client(ALICE) is not None
         assert s2.remember_nonce(b"n" * 16, T0 + 300) is False
-        job = s2.get_job("v0-j2")
+        job = s2.get_job("j2")
         assert job is not None and job.view.state is JobState.LEASED and job.view.lease_client == BOB
-        assert [r["ingested_step"] for r in s2.results_summary()] == [1, 1]
-        assert len(s2.jobs_for_version(1)) == 2
+        assert job.view.version == 1
+        assert [j.view.job_id for j in s2.active_jobs()] == ["j2"]
+        assert s2.live_leases(T0) == 1
+        assert {r["job_id"]: r["ingested_step"] for r in s2.results_summary()} == {"j0": 1, "j1": 1, "j3": None}
+        assert s2.pending() == []
         assert s2.evals() == [{"version": 1, "accuracy": 0.5, "n": 64, "at": T0}]
-        assert s2.totals() == {"accepted": 2, "rejected": 0, "reissued_jobs": 0}
+        assert s2.totals() == {"accepted": 3, "rejected": 0, "reissued_jobs": 0, "too_stale": 1}
     finally:
         s2.close()
 

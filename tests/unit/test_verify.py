@@ -24,7 +24,7 @@ def terms(**kw: Any) -> JobTerms:
 
 
 def lease(**kw: Any) -> LeaseView:
-    fields: dict[str, Any] = dict(job_id="v3-j0", state=JobState.LEASED, version=3, created_at=NOW - 100,
+    fields: dict[str, Any] = dict(job_id="j0", state=JobState.LEASED, version=3, created_at=NOW - 100,
                                   lease_id="L1", lease_client=CLIENT, lease_deadline=NOW + 60)
     return LeaseView(**(fields | kw))
 
@@ -39,20 +39,27 @@ def good_completions() -> list[Completion]:
 
 
 def sub(**kw: Any) -> ResultSubmission:
-    fields: dict[str, Any] = dict(job_id="v3-j0", lease_id="L1", version=3, prompt_hash=PHASH, seed=99,
+    fields: dict[str, Any] = dict(job_id="j0", lease_id="L1", version=3, prompt_hash=PHASH, seed=99,
                                   group_size=2, completions=good_completions(), backend="torch", generation_s=0.5)
     return ResultSubmission(**(fields | kw))
 
 
 def refused(s: ResultSubmission, *, lease_view: LeaseView | None = None, job_terms: JobTerms | None = None,
-            client: str = CLIENT, now: float = NOW, current: int = 3) -> ProtocolError:
+            client: str = CLIENT, now: float = NOW, oldest: int = 3) -> ProtocolError:
     with pytest.raises(ProtocolError) as info:
-        verify_submission(s, lease_view or lease(), job_terms or terms(), client, now, current)
+        verify_submission(s, lease_view or lease(), job_terms or terms(), client, now, oldest)
     return info.value
 
 
 def test_accepts_valid_submission() -> None:
     assert verify_submission(sub(), lease(), terms(), CLIENT, NOW, 3) is None
+
+
+@pytest.mark.parametrize("oldest", [0, 1, 2, 3])
+def test_accepts_result_of_any_kept_version(oldest: int) -> None:
+    # async push-pull: the policy may have moved on since the job was leased; the result is still
+    # verified as long as its version (the job's bound version) is still kept
+    verify_submission(sub(), lease(), terms(), CLIENT, NOW, oldest)  # raises on refusal
 
 
 def test_accepts_just_before_deadline() -> None:
@@ -67,7 +74,7 @@ def test_job_completed() -> None:
 
 def test_job_completed_takes_precedence_over_every_other_fault() -> None:
     bad = sub(lease_id="other", version=9, seed=1, completions=[comp([STOP])])
-    err = refused(bad, lease_view=lease(state=JobState.DONE), client="mallory", now=NOW + 1e6, current=7)
+    err = refused(bad, lease_view=lease(state=JobState.DONE), client="mallory", now=NOW + 1e6, oldest=7)
     assert err.reason is Reason.JOB_COMPLETED
 
 
@@ -88,16 +95,39 @@ def test_lease_expired_at_deadline() -> None:
 
 
 # ---- binding --------------------------------------------------------------------------------------------
-def test_wrong_version_vs_job() -> None:
-    err = refused(sub(version=2), current=2)  # current agrees with the claim, the job does not
+@pytest.mark.parametrize("claimed", [2, 4, 0])
+def test_wrong_version_vs_job(claimed: int) -> None:
+    err = refused(sub(version=claimed), oldest=0)  # old enough to be kept, but not the job's bound version
     assert err.reason is Reason.WRONG_VERSION
-    assert "job" in err.message
+    assert "job" in err.message and "version 3" in err.message and f"claims {claimed}" in err.message
 
 
-def test_wrong_version_vs_current() -> None:
-    err = refused(sub(), current=4)  # matches the job, but the policy moved on
+def test_wrong_version_vs_job_checked_before_age() -> None:
+    err = refused(sub(version=1), oldest=2)  # both wrong: the binding is reported
     assert err.reason is Reason.WRONG_VERSION
-    assert "no longer current" in err.message
+    assert "job" in err.message and "too old" not in err.message
+
+
+def test_version_too_old_to_verify() -> None:
+    err = refused(sub(), oldest=4)  # matches the job, but that version's snapshot is no longer kept
+    assert err.reason is Reason.WRONG_VERSION
+    assert "too old to be verified" in err.message
+    assert "3" in err.message and "4" in err.message
+
+
+def test_version_too_old_boundary() -> None:
+    verify_submission(sub(), lease(), terms(), CLIENT, NOW, 3)  # oldest == version: still verifiable
+    assert refused(sub(), oldest=4).reason is Reason.WRONG_VERSION
+
+
+def test_lease_checked_before_version() -> None:
+    assert refused(sub(version=9), now=NOW + 60, oldest=10).reason is Reason.LEASE_EXPIRED
+    assert refused(sub(version=9), client="mallory", oldest=10).reason is Reason.NOT_LEASE_HOLDER
+
+
+def test_version_checked_before_binding() -> None:
+    assert refused(sub(seed=1), oldest=4).reason is Reason.WRONG_VERSION
+    assert refused(sub(seed=1, version=2), oldest=0).reason is Reason.WRONG_VERSION
 
 
 @pytest.mark.parametrize(("field", "value", "word"), [

@@ -1,0 +1,156 @@
+"""Benchmark: Echo's synchronisation protocols against a co-located baseline, side by side in one run.
+
+For each configuration (co-located; sequential pull; async push-pull at S ∈ {1, 2, 4}) and seed, runs the
+full system on this machine — a coordinator and N `join` clients as separate processes on 127.0.0.1 (the
+co-located baseline has no clients) — with the same task, model, hyper-parameters and sample budget, then
+reads the run's database for held-out accuracy against samples consumed and against wall-clock, the learner
+busy fraction (time in optimisation ÷ wall time) and the staleness of every trained batch.
+
+    python bench/sync_modes.py --seeds 3 --steps 200            # the full comparison (about an hour on 2 cores)
+    python bench/sync_modes.py --seeds 1 --steps 60 --modes sequential,async2   # a quick look
+
+Writes ``<out>/sync_modes.json`` and ``<out>/sync_modes.png`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echo_swarm.demo import DemoConfig  # noqa: E402
+from echo_swarm.demo import run as run_demo  # noqa: E402
+
+MODES: dict[str, dict[str, Any]] = {
+    "colocated": {"sync_mode": "colocated", "clients": 0, "max_staleness": 1, "learner_threads": 2},
+    "sequential": {"sync_mode": "sequential-pull", "clients": 2, "max_staleness": 1, "learner_threads": 2},
+    "async1": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 1, "learner_threads": 1},
+    "async2": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 2, "learner_threads": 1},
+    "async4": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 4, "learner_threads": 1},
+}
+SAMPLES_PER_STEP = 16 * 8  # learner.prompts_per_step × learner.group_size (coordinator defaults)
+
+
+def measure(run_dir: Path) -> dict[str, Any]:
+    conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True)
+    try:
+        t0 = conn.execute("SELECT created_at FROM versions WHERE version = 0").fetchone()[0]
+        evals = conn.execute("SELECT version, accuracy, at FROM evals ORDER BY version").fetchall()
+        steps = [(at, json.loads(m)) for at, m in conn.execute("SELECT at, metrics FROM steps ORDER BY step")]
+    finally:
+        conn.close()
+    wall = steps[-1][0] - t0
+    hist: dict[str, int] = {}
+    for _, m in steps:
+        for k, v in m["staleness_histogram"].items():
+            hist[k] = hist.get(k, 0) + v
+    return {
+        "accuracy_by_samples": [[v * SAMPLES_PER_STEP, acc] for v, acc, _ in evals],
+        "accuracy_by_wall_s": [[at - t0, acc] for _, acc, at in evals],
+        "eval_before": evals[0][1],
+        "eval_after": evals[-1][1],
+        "improvement": evals[-1][1] - evals[0][1],
+        "wall_s": wall,
+        "learner_busy_fraction": sum(m["train_s"] for _, m in steps) / wall,
+        "staleness_max": max(int(m["staleness_max"]) for _, m in steps),
+        "staleness_histogram": hist,
+        "mean_is_ratio_max": statistics.fmean(m.get("is_ratio_max", 1.0) for _, m in steps),
+        "mean_is_truncated_fraction": statistics.fmean(m.get("is_truncated_fraction", 0.0) for _, m in steps),
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (learner.seed = 0..N-1)")
+    ap.add_argument("--steps", type=int, default=200, help="learner steps per run (same sample budget for all)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--out", type=Path, default=Path("bench-out/sync_modes"))
+    args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - MODES.keys()
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    started = time.time()
+    for seed in range(args.seeds):  # seeds outermost: every configuration sees the same machine conditions
+        for mode in modes:
+            out = args.out / f"{mode}-seed{seed}"
+            spec = MODES[mode]
+            code = run_demo(DemoConfig(out=out, steps=args.steps, seed=seed, eval_every=args.eval_every,
+                                       timeout_s=3600, **spec))
+            if code != 0:
+                print(f"{mode} seed {seed} failed (exit {code}); see {out}/logs", file=sys.stderr)
+                return 1
+            runs[mode].append(measure(out / "run") | {"seed": seed})
+    summary = {
+        mode: {
+            "config": MODES[mode],
+            "runs": rs,
+            "final_accuracy": spread([r["eval_after"] for r in rs]),
+            "improvement": spread([r["improvement"] for r in rs]),
+            "learner_busy_fraction": spread([r["learner_busy_fraction"] for r in rs]),
+            "wall_s": spread([r["wall_s"] for r in rs]),
+            "staleness_max": max(r["staleness_max"] for r in rs),
+        }
+        for mode, rs in runs.items()
+    }
+    result = {"steps": args.steps, "seeds": args.seeds, "samples_per_step": SAMPLES_PER_STEP,
+              "bench_wall_s": time.time() - started, "modes": summary}
+    (args.out / "sync_modes.json").write_text(json.dumps(result, indent=2))
+    plot(summary, args.out / "sync_modes.png")
+    print(table(result))
+    return 0
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| mode | final held-out acc. | improvement | learner busy | wall (s) | max staleness |",
+             "|---|---|---|---|---|---|"]
+    for mode, s in result["modes"].items():
+        fa, im, busy, wall = s["final_accuracy"], s["improvement"], s["learner_busy_fraction"], s["wall_s"]
+        lines.append(f"| {mode} | {fa['mean']:.3f} ± {fa['std']:.3f} | {im['mean']:+.3f} ± {im['std']:.3f} | "
+                     f"{busy['mean']:.2f} | {wall['mean']:.0f} | {s['staleness_max']} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110, sharey=True)
+    for mode, s in summary.items():
+        for key, ax in (("accuracy_by_samples", ax1), ("accuracy_by_wall_s", ax2)):
+            curves = [r[key] for r in s["runs"]]
+            n = min(len(c) for c in curves)
+            xs = [statistics.fmean(c[i][0] for c in curves) for i in range(n)]
+            ys = [statistics.fmean(c[i][1] for c in curves) for i in range(n)]
+            ax.plot(xs, ys, "o-", ms=3, label=mode)
+    ax1.set_xlabel("rollout samples consumed")
+    ax2.set_xlabel("wall-clock seconds")
+    ax1.set_ylabel("held-out greedy accuracy (mean over seeds)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax2.legend(loc="lower right")
+    fig.suptitle("echo-swarm: synchronisation modes vs co-located baseline (tiny model, 2-core CPU)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
