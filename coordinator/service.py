@@ -21,8 +21,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.advantages import group_advantages
 from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_job
-from coordinator.core.leases import LeaseCheck, check_lease, choose_job, deadline_for, lease_live
-from coordinator.core.scheduling import admits, bind_version, select_batch, staleness_weight
+from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, lease_live
+from coordinator.core.scheduling import decide_lease, select_batch, staleness_weight
 from coordinator.core.verify import JobTerms, check_logprobs, logprob_stats, verify_submission
 from coordinator.learner import Learner, Sample
 from coordinator.snapshots import SnapshotStore
@@ -235,14 +235,13 @@ class Coordinator:
         if self.finished or self.config.sync_mode == "colocated":
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
         now = self.clock()
-        policy = self.config.sync_policy
-        queued = self.store.live_leases(now) + len(self.store.pending())
-        if not admits(queued, policy):
-            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         active = {j.view.job_id: j for j in self.store.active_jobs()}
-        chosen = choose_job([j.view for j in active.values()], now)
-        row = active[chosen.job_id] if chosen is not None else self._new_job()
-        version = bind_version(self.version, held_version, queued, policy)
+        decision = decide_lease([j.view for j in active.values()], len(self.store.pending()), now, self.version,
+                                held_version, self.config.sync_policy)
+        if decision is None:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        row = active[decision.job_id] if decision.job_id is not None else self._new_job()
+        version = decision.version
         if self.store.manifest_sha(version) is None or self.snapshots.signed_manifest(version) is None:
             version = self.version
         lease_id = secrets.token_hex(8)

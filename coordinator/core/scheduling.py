@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from coordinator.core.leases import LeaseView, choose_job, lease_live
+
 SyncMode = Literal["sequential-pull", "async-push-pull", "colocated"]
 
 
@@ -56,6 +58,26 @@ def bind_version(current: int, held: int, queued: int, policy: SyncPolicy) -> in
     if current - held + expected_staleness_at_admission(queued, policy) <= policy.bound:
         return held
     return current
+
+
+@dataclass(frozen=True)
+class LeaseDecision:
+    """Hand out ``job_id`` (an open or expired job), or a newly planned job when ``job_id`` is None, to be
+    generated with policy ``version``."""
+
+    job_id: str | None
+    version: int
+
+
+def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
+                 policy: SyncPolicy) -> LeaseDecision | None:
+    """The whole lease decision: ``active`` are the jobs not yet done (in creation order), ``pending`` the
+    accepted results not yet trained on. None means "no job now" (the queue is full)."""
+    queued = sum(1 for j in active if lease_live(j, now)) + pending
+    if not admits(queued, policy):
+        return None
+    reissue = choose_job(list(active), now)
+    return LeaseDecision(reissue.job_id if reissue is not None else None, bind_version(current, held, queued, policy))
 
 
 @dataclass(frozen=True)
