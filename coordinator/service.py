@@ -32,7 +32,6 @@ from shared import PROTOCOL_VERSION, crypto, wire
 from shared.errors import ProtocolError, Reason
 from shared.hashing import prompt_hash, sha256_bytes
 from shared.messages import (
-    Completion,
     Info,
     Job,
     JobPrompt,
@@ -415,9 +414,7 @@ class Coordinator:
             # a lease left by a crash that has not expired yet: take it over (only this process leases here)
             self.store.release_lease(row.view.job_id, row.view.lease_id or "", LOCAL_CLIENT)
             self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline_for(now, 3600.0), version, now)
-        completions = [Completion(token_ids=s.token_ids, logprobs=[min(0.0, x) for x in s.logprobs],
-                                  finish_reason=s.finish_reason)  # type: ignore[arg-type]
-                       for s in samples]
+        completions = [smp.to_completion() for smp in samples]
         sub = ResultSubmission(job_id=row.view.job_id, lease_id=lease_id, version=version,
                                prompt_hash=prompt_hash(prompts), seed=row.seed, group_size=row.group_size,
                                backend="torch", generation_s=0.0, completions=completions)

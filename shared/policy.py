@@ -17,12 +17,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from shared.messages import Completion
+
 
 @dataclass
 class Sampled:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+
+    def to_completion(self) -> Completion:
+        """The wire form. Float rounding can leave a certain token's logprob a hair above 0; the protocol
+        bounds logprobs at ≤ 0 (plus a tiny margin), so clamp."""
+        from shared.messages import Completion
+
+        return Completion(token_ids=self.token_ids, logprobs=[min(0.0, x) for x in self.logprobs],
+                          finish_reason="stop" if self.finish_reason == "stop" else "length")
 
 
 def pick_device(requested: str = "auto") -> str:

@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared import PROTOCOL_VERSION
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
 from shared.messages import (
-    Completion,
     LeaseRequest,
     LeaseResponse,
     RegisterRequest,
@@ -218,8 +217,7 @@ class Runner:
             sub = ResultSubmission(
                 job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
                 seed=job.seed, group_size=job.group_size, backend="torch", generation_s=elapsed,
-                completions=[Completion(token_ids=s.token_ids, logprobs=[min(0.0, x) for x in s.logprobs],
-                                        finish_reason=s.finish_reason) for s in samples])  # type: ignore[arg-type]
+                completions=[s.to_completion() for s in samples])
             self.stats.state = "submitting"
             try:
                 res = await api.post("/v1/results", sub, SubmitResponse)

@@ -11,7 +11,6 @@ import pytest
 
 from shared import wire
 from shared.messages import (
-    Completion,
     Job,
     LeaseRequest,
     LeaseResponse,
@@ -56,8 +55,7 @@ def honest_result(live: LiveCoordinator, job: Job) -> ResultSubmission:
     return ResultSubmission(
         job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash, seed=job.seed,
         group_size=job.group_size, backend="torch", generation_s=0.1,
-        completions=[Completion(token_ids=s.token_ids, logprobs=[min(0.0, x) for x in s.logprobs],
-                                finish_reason=s.finish_reason) for s in samples],  # type: ignore[arg-type]
+        completions=[s.to_completion() for s in samples],
     )
 
 
