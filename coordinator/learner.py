@@ -144,12 +144,9 @@ class Learner:
             behaviour = torch.zeros_like(logp)
             for i, c in enumerate(chunk):
                 behaviour[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)
-            if any(c.staleness > 0 for c in chunk):
-                with torch.no_grad():
-                    prox, _ = completion_logprobs(self.model, prompts, comps, temperature=self.temperature,
-                                                  pad_id=self.pad_id)
-            else:
-                prox = behaviour
+            # π_prox is this step's starting policy: the weights ``logp`` was just computed with (the
+            # optimiser steps only after every micro-batch), so its values need no second forward pass
+            prox = logp.detach() if any(c.staleness > 0 for c in chunk) else behaviour
             adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             log_is = ((prox - behaviour) * mask).detach()
