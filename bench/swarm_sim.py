@@ -2,16 +2,19 @@
 
 The decisions are the coordinator's own code — ``decide_lease`` (admission, reissue, version binding),
 ``check_lease`` (is a returned result still wanted), ``select_batch`` (oldest-first batches within the
-staleness bound) from ``coordinator.core`` — driven by a discrete-event clock. What is simulated: clients
-whose job times are spread log-uniformly over 100× (fastest 1 s), 5 % of jobs vanish with their client and
-never come back; a learner step of 1 s per batch of B = 2 jobs. Idle clients long-poll: they ask again when
-a new version is published or a lease expires.
+staleness bound), and the speed-aware issuance rules of ``coordinator.core.pacing`` (fastest first, the
+staleness horizon, one exploration lease, overdue leases give their slot back) — driven by a discrete-event
+clock. What is simulated: clients whose job times are spread log-uniformly over 100× (fastest 1 s); each
+client leaves at an exponentially distributed time (mean 3,000 s), mid-job if it holds one, and never comes
+back; 80 % of clients declare a self-benchmark that is off by a log-normal factor (σ = 0.3), the rest are
+unknown until their first result; a learner step takes 1 s per batch of B = 2 jobs. Idle clients long-poll:
+they ask again when a new version is published, a lease expires or falls overdue.
 
-    python bench/swarm_sim.py                          # the sweep: clients × S, writes JSON + PNG
+    python bench/swarm_sim.py                          # the sweep: clients × S, speed-aware and plain
     python bench/swarm_sim.py --clients 50 --staleness 2   # one configuration
 
-Reports, per (clients, S): learner busy fraction, staleness histogram of trained rollouts, results set aside
-as too stale, and reissued jobs.
+Reports, per (clients, S, issuance): learner busy fraction, staleness histogram of trained rollouts, results
+set aside as too stale, reissued jobs; writes JSON and a PNG plot.
 """
 
 from __future__ import annotations
@@ -22,20 +25,30 @@ import json
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.core.leases import JobState, LeaseCheck, LeaseView, check_lease, deadline_for  # noqa: E402
-from coordinator.core.scheduling import Pending, SyncPolicy, decide_lease, select_batch  # noqa: E402
+from coordinator.core.pacing import ClientSpeed, due_at, faster_count, update_pace  # noqa: E402
+from coordinator.core.scheduling import (  # noqa: E402
+    Pending,
+    SyncPolicy,
+    admits,
+    decide_lease,
+    occupies_slot,
+    select_batch,
+)
 
 
 @dataclass
 class SimClient:
     cid: str
     job_s: float
+    leaves_at: float = float("inf")  # the client disappears at this time, mid-job if it holds one
+    pace: float | None = None  # the coordinator's estimate: declared self-benchmark, then observed
     held: int = -1
     gone: bool = False
 
@@ -55,15 +68,23 @@ class SimState:
     too_stale: int = 0
     reissued: int = 0
     refused_late: int = 0
+    version_interval: float | None = None  # recent seconds between policy versions (as the coordinator tracks)
+    version_at: float = 0.0
 
 
 def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s: float = 1.0,
-             fastest_job_s: float = 1.0, spread: float = 100.0, vanish: float = 0.05, lease_timeout_s: float = 300.0,
-             steps: int = 300, seed: int = 0, max_sim_s: float = 20_000.0) -> dict[str, Any]:
+             fastest_job_s: float = 1.0, spread: float = 100.0, lifetime_s: float = 3000.0, lease_timeout_s: float = 300.0,
+             steps: int = 300, seed: int = 0, max_sim_s: float = 20_000.0, speed_aware: bool = True,
+             declared: float = 0.8, declared_noise: float = 0.3) -> dict[str, Any]:
     rng = random.Random(seed)
     mode = "sequential-pull" if staleness == 0 else "async-push-pull"
     policy = SyncPolicy(mode, max(1, staleness), jobs_per_step)
-    clients = [SimClient(f"c{i}", fastest_job_s * spread ** rng.random()) for i in range(n_clients)]
+    clients = [SimClient(f"c{i}", fastest_job_s * spread ** rng.random(), rng.expovariate(1.0 / lifetime_s))
+               for i in range(n_clients)]
+    for c in clients:  # a share of clients declare a self-benchmark, off by a log-normal factor
+        if rng.random() < declared:
+            c.pace = c.job_s * rng.lognormvariate(0.0, declared_noise)
+    by_id = {c.cid: c for c in clients}
     st = SimState()
     events: list[tuple[float, int, str, Any]] = []
     tie = 0
@@ -73,16 +94,38 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         tie += 1
         heapq.heappush(events, (t, tie, kind, data))
 
-    waiting: list[SimClient] = []  # idle clients long-polling for a job
+    waiting: dict[str, SimClient] = {}  # idle clients long-polling for a job
+    leased_at: dict[str, float] = {}
 
-    def try_lease(c: SimClient) -> None:
-        active = [j for j in st.jobs.values() if j.state is not JobState.DONE]
-        active.sort(key=lambda j: int(j.job_id[1:]))
+    def speed_of(c: SimClient, faster: int | None) -> ClientSpeed | None:
+        if not speed_aware:
+            return None
+        exploring = sum(1 for j in st.jobs.values() if j.state is JobState.LEASED and j.lease_deadline is not None
+                        and j.lease_deadline > st.now and by_id[j.lease_client or ""].pace is None)
+        if faster is None:
+            faster = faster_count(c.pace, (w.pace for w in waiting.values() if w is not c))
+        return ClientSpeed(pace_s=c.pace, exploring=exploring, step_s=st.version_interval, faster_waiting=faster)
+
+    def active_jobs() -> list[LeaseView]:
+        active = sorted(st.jobs.values(), key=lambda j: int(j.job_id[1:]))  # st.jobs holds jobs not yet done
+        if speed_aware:  # as the coordinator does: each lease is due back by its holder's pace
+            step_s = st.version_interval
+            active = [replace(j, due_at=due_at(leased_at[j.lease_id], by_id[j.lease_client].pace, step_s))
+                      if j.lease_client is not None and j.lease_id is not None else j for j in active]
+        return active
+
+    def queue_full() -> bool:
+        queued = sum(1 for j in active_jobs() if occupies_slot(j, st.now, st.version, policy))
+        return not admits(queued + len(st.pending) + len(st.training), policy)
+
+    def try_lease(c: SimClient, faster: int | None = None) -> bool:
         # as in the coordinator, results count as queued until the step that trains them has committed
-        decision = decide_lease(active, len(st.pending) + len(st.training), st.now, st.version, c.held, policy)
+        decision = decide_lease(active_jobs(), len(st.pending) + len(st.training), st.now, st.version, c.held,
+                                policy, speed_of(c, faster))
         if decision is None:
-            waiting.append(c)  # long-poll: woken by the next version or lease expiry
-            return
+            waiting[c.cid] = c  # long-poll: woken by the next version, a lease expiring or falling overdue
+            return False
+        waiting.pop(c.cid, None)
         if decision.job_id is None:
             job_id = f"j{st.seq}"
             st.seq += 1
@@ -94,11 +137,16 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         st.jobs[job_id] = LeaseView(job_id, JobState.LEASED, decision.version, st.jobs[job_id].created_at
                                     if job_id in st.jobs else st.now, lease_id, c.cid, deadline)
         push(deadline, "expiry", job_id)
+        leased_at[lease_id] = st.now
+        due = due_at(st.now, c.pace, st.version_interval)
+        if speed_aware and due is not None:
+            push(due, "overdue", job_id)
         c.held = decision.version
-        if rng.random() < vanish:
-            c.gone = True  # never returns: its lease expires and the job is reissued
-            return
+        if c.leaves_at < st.now + c.job_s:
+            c.gone = True  # leaves mid-job and never returns: its lease expires and the job is reissued
+            return True
         push(st.now + c.job_s, "done", (c, job_id, lease_id, decision.version))
+        return True
 
     def learner_try() -> None:
         if st.learner_busy_until > st.now or st.steps >= steps:
@@ -119,6 +167,21 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         st.busy_s += train_s
         push(st.learner_busy_until, "step", None)
 
+    def wake() -> None:
+        # every waiter asks again, fastest first as the coordinator would grant them; each stays registered
+        # as waiting until it holds a job, so slower ones see it as a faster competitor
+        declined = 0
+        order = list(waiting.values())
+        if speed_aware:
+            order.sort(key=lambda w: (w.pace is None, w.pace or 0.0))
+        else:
+            rng.shuffle(order)  # plain issuance: whoever asks first
+        for c in order:
+            if queue_full():
+                break  # every slower waiter would be refused too
+            if not try_lease(c, declined if speed_aware and c.pace is not None else None):
+                declined += 1
+
     for c in clients:
         push(0.0, "poll", c)
     while events and st.steps < steps and st.now < max_sim_s:
@@ -126,17 +189,17 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         if kind == "poll":
             try_lease(data)
         elif kind == "expiry":  # a lease ran out (its client vanished): the job can be reissued now
-            job = st.jobs[data]
-            if job.state is JobState.LEASED and job.lease_deadline is not None and job.lease_deadline <= st.now:
-                woken, waiting[:] = list(waiting), []
-                for c in woken:
-                    try_lease(c)
+            job = st.jobs.get(data)
+            if job is not None and job.state is JobState.LEASED and job.lease_deadline is not None and job.lease_deadline <= st.now:
+                wake()
+        elif kind == "overdue":  # the coordinator's long-poll re-checks every second; here: at the moment
+            wake()
         elif kind == "done":
             c, job_id, lease_id, version = data
-            job = st.jobs[job_id]
-            if check_lease(job, c.cid, lease_id, st.now) is LeaseCheck.OK:
-                st.jobs[job_id] = LeaseView(job_id, JobState.DONE, version, job.created_at, lease_id, c.cid,
-                                            job.lease_deadline)
+            job = st.jobs.get(job_id)
+            c.pace = update_pace(c.pace, st.now - leased_at[lease_id])
+            if job is not None and check_lease(job, c.cid, lease_id, st.now) is LeaseCheck.OK:
+                del st.jobs[job_id]  # done: never leased again
                 st.pending.append(Pending(job_id, version, st.now))
                 learner_try()
             else:
@@ -145,15 +208,16 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         elif kind == "step":
             st.version += 1
             st.steps += 1
+            st.version_interval = update_pace(st.version_interval, st.now - st.version_at)
+            st.version_at = st.now
             st.training = []
             learner_try()
-            woken, waiting[:] = list(waiting), []  # push: a new version wakes every long-polling client
-            for c in woken:
-                try_lease(c)
+            wake()  # push: a new version wakes every long-polling client
     trained = sum(st.staleness.values())
-    capacity = sum(1.0 / c.job_s for c in clients) * (1 - vanish)
+    capacity = sum(1.0 / c.job_s for c in clients)  # jobs/s the whole swarm could return at the start
     return {
-        "clients": n_clients, "staleness_bound": staleness, "steps": st.steps, "sim_s": st.now,
+        "clients": n_clients, "staleness_bound": staleness, "speed_aware": speed_aware, "steps": st.steps,
+        "sim_s": st.now, "departed": sum(1 for c in clients if c.leaves_at <= st.now),
         "learner_busy_fraction": st.busy_s / st.now if st.now else 0.0,
         "capacity_jobs_per_s": capacity, "consumption_jobs_per_s": jobs_per_step / train_s,
         "staleness_histogram": {str(k): v for k, v in sorted(st.staleness.items())},
@@ -167,15 +231,20 @@ def main() -> int:
     ap.add_argument("--clients", type=int, nargs="*", default=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000])
     ap.add_argument("--staleness", type=int, nargs="*", default=[0, 1, 2, 4], help="S; 0 = sequential pull")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--fastest-job-s", type=float, default=1.0, help="job time of the fastest client, seconds")
+    ap.add_argument("--no-plain", action="store_true", help="skip the comparison without speed-aware issuance")
     ap.add_argument("--out", type=Path, default=Path("bench-out/swarm_sim"))
     args = ap.parse_args()
-    rows = [simulate(n, s, steps=args.steps) for s in args.staleness for n in args.clients]
+    modes = [True] if args.no_plain else [True, False]
+    rows = [simulate(n, s, steps=args.steps, speed_aware=a, fastest_job_s=args.fastest_job_s)
+            for a in modes for s in args.staleness for n in args.clients]
     print("SIMULATION — coordinator scheduling code, simulated clients and learner")
-    print("| clients | S | capacity / consumption | learner busy | staleness histogram | too stale | reissued |")
-    print("|---|---|---|---|---|---|---|")
+    print("| issuance | clients | S | capacity / consumption | learner busy | staleness histogram | too stale | reissued |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['clients']} | {r['staleness_bound']} | {r['capacity_jobs_per_s'] / r['consumption_jobs_per_s']:.2f} | "
-              f"{r['learner_busy_fraction']:.3f} | {r['staleness_histogram']} | {r['too_stale']} | {r['reissued']} |")
+        print(f"| {'speed-aware' if r['speed_aware'] else 'plain'} | {r['clients']} | {r['staleness_bound']} | "
+              f"{r['capacity_jobs_per_s'] / r['consumption_jobs_per_s']:.2f} | {r['learner_busy_fraction']:.3f} | "
+              f"{r['staleness_histogram']} | {r['too_stale']} | {r['reissued']} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "swarm_sim.json").write_text(json.dumps({"simulation": True, "rows": rows}, indent=2))
     plot(rows, args.out / "swarm_sim.png")
@@ -188,17 +257,23 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for s in sorted({r["staleness_bound"] for r in rows}):
-        pts = [(r["clients"], r["learner_busy_fraction"]) for r in rows if r["staleness_bound"] == s]
-        ax.plot(*zip(*pts, strict=True), "o-", label="sequential pull" if s == 0 else f"async, S = {s}")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(sorted({r["staleness_bound"] for r in rows})):
+        for aware, style in ((True, "o-"), (False, "x:")):
+            pts = [(r["clients"], r["learner_busy_fraction"]) for r in rows
+                   if r["staleness_bound"] == s and r["speed_aware"] is aware]
+            if pts:
+                name = "sequential pull" if s == 0 else f"async, S = {s}"
+                ax.plot(*zip(*pts, strict=True), style, color=colours[i % len(colours)],
+                        label=name + ("" if aware else " (plain issuance)"))
     ax.set_xscale("log")
-    ax.set_xlabel("simulated clients (job times spread 100×, 5 % vanish mid-job)")
+    ax.set_xlabel("simulated clients (job times spread 100×, clients leave mid-job)")
     ax.set_ylabel("learner busy fraction")
     ax.set_ylim(0, 1.02)
     ax.axhline(0.95, color="grey", lw=0.8, ls="--")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.set_title("SIMULATION: coordinator scheduling vs swarm size")
     fig.tight_layout()
     fig.savefig(path)

@@ -110,6 +110,9 @@ class JobsConfig(_Strict):
     retry_after_s: float = Field(0.5, gt=0, le=60, description="Seconds an idle client is told to wait before asking again.")
     long_poll_s: float = Field(10.0, ge=0, le=25, description="Seconds a lease request waits for a job before "
                                "answering 'none yet' (must stay below the clients' 30 s request timeout).")
+    speed_aware: bool = Field(True, description="Give free queue slots to the clients expected to return soonest, "
+                              "and in async-push-pull only jobs a client can return while they are within "
+                              "max_staleness (core.pacing). Off: first come, first served.")
 
 
 class VerificationConfig(_Strict):

@@ -14,14 +14,16 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
+from coordinator.core import pacing
 from coordinator.core.advantages import group_advantages
 from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_job
-from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, lease_live
+from coordinator.core.leases import LeaseCheck, LeaseView, check_lease, deadline_for, lease_live
 from coordinator.core.scheduling import decide_lease, select_batch, staleness_weight
 from coordinator.core.verify import JobTerms, check_logprobs, logprob_stats, verify_submission
 from coordinator.learner import Learner, Sample
@@ -76,6 +78,11 @@ class Coordinator:
         self.started_at = clock()
         self.learner_busy_s = 0.0
         self.last_error: str | None = None
+        # speed-aware issuance (core.pacing): per-client pace, long-polling clients, how fast versions come
+        self._pace: dict[str, float] = {}
+        self._waiting: dict[str, int] = {}
+        self._version_interval: float | None = None
+        self._version_at = self.started_at
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -217,15 +224,21 @@ class Coordinator:
         req = self.authenticate(raw, "/v1/lease")
         body = wire.decode(req.body, LeaseRequest)
         give_up = time.monotonic() + self.config.jobs.long_poll_s
-        while True:
-            event = self._jobs_event
-            resp = self._try_lease(req.client_id, body.held_version)
-            remaining = give_up - time.monotonic()
-            if resp.job is not None or resp.finished or remaining <= 0:
-                return resp
-            # expired leases make jobs available without an event: re-check at least every second
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
+        self._waiting[req.client_id] = self._waiting.get(req.client_id, 0) + 1
+        try:
+            while True:
+                event = self._jobs_event
+                resp = self._try_lease(req.client_id, body.held_version)
+                remaining = give_up - time.monotonic()
+                if resp.job is not None or resp.finished or remaining <= 0:
+                    return resp
+                # expired or overdue leases free slots without an event: re-check at least every second
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
+        finally:
+            left = self._waiting.pop(req.client_id, 1) - 1
+            if left > 0:
+                self._waiting[req.client_id] = left
 
     def _try_lease(self, client_id: str, held_version: int) -> LeaseResponse:
         """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while
@@ -235,8 +248,13 @@ class Coordinator:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
         now = self.clock()
         active = {j.view.job_id: j for j in self.store.active_jobs()}
-        decision = decide_lease([j.view for j in active.values()], len(self.store.pending()), now, self.version,
-                                held_version, self.config.sync_policy)
+        views = [j.view for j in active.values()]
+        speed = None
+        if self.config.jobs.speed_aware:
+            views = [self._with_due(v) for v in views]
+            speed = self._speed_of(client_id, views, now)
+        decision = decide_lease(views, len(self.store.pending()), now, self.version, held_version,
+                                self.config.sync_policy, speed)
         if decision is None:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         row = active[decision.job_id] if decision.job_id is not None else self._new_job()
@@ -252,6 +270,28 @@ class Coordinator:
         job = self._job_message(row, version, lease_id, client_id, now, deadline)
         return LeaseResponse(job=sign_job(self.key, job), retry_after_s=retry, current_version=self.version,
                              finished=False)
+
+    def _with_due(self, view: LeaseView) -> LeaseView:
+        """The lease with the time its holder is expected back (core.pacing.due_at), if its pace is known."""
+        if view.lease_client is None or view.lease_deadline is None:
+            return view
+        leased_at = view.lease_deadline - self.config.jobs.lease_timeout_s
+        return replace(view, due_at=pacing.due_at(leased_at, self._pace.get(view.lease_client),
+                                                  self._version_interval))
+
+    def _speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
+        mine = self._pace.get(client_id)
+        others = (self._pace.get(c) for c in self._waiting if c != client_id)
+        exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self._pace
+                        and v.lease_client != client_id)
+        return pacing.ClientSpeed(pace_s=mine, faster_waiting=pacing.faster_count(mine, others),
+                                  exploring=exploring, step_s=self._version_interval)
+
+    def _observe_pace(self, client_id: str, view: LeaseView, now: float) -> None:
+        """Lease-to-result seconds of an accepted result update the client's pace."""
+        if view.lease_deadline is not None:
+            leased_at = view.lease_deadline - self.config.jobs.lease_timeout_s
+            self._pace[client_id] = pacing.update_pace(self._pace.get(client_id), now - leased_at)
 
     def _prompt_tokens(self, prompt_id: int) -> list[int]:
         if prompt_id not in self._prompt_cache:
@@ -344,6 +384,7 @@ class Coordinator:
                                         version=sub.version, content_sha256=content_sha, payload=payload,
                                         rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock()):
             raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
+        self._observe_pace(client_id, fresh.view, self.clock())
         self._wake.set()
         client = self.store.get_client(client_id)
         return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
@@ -454,6 +495,9 @@ class Coordinator:
         self.store.commit_step(step=new_version, trained_version=version, job_ids=job_ids, new_version=new_version,
                                manifest_sha=manifest_sha, mean_reward=mean_reward, metrics=metrics, now=self.clock())
         self.version = new_version
+        now = self.clock()
+        self._version_interval = pacing.update_pace(self._version_interval, now - self._version_at)
+        self._version_at = now
         self.finished = new_version >= max_steps  # before waking lease requests: no work past the last step
         self._notify_jobs()
         self.learner_busy_s += metrics["train_s"]

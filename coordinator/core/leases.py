@@ -28,6 +28,7 @@ class LeaseView:
     lease_id: str | None = None
     lease_client: str | None = None
     lease_deadline: float | None = None
+    due_at: float | None = None  # when the holder is expected back (core.pacing); None: not estimated
 
 
 def lease_live(job: LeaseView, now: float) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from coordinator.core.leases import LeaseView, choose_job, lease_live
+from coordinator.core.pacing import ClientSpeed, may_take_slot
 
 SyncMode = Literal["sequential-pull", "async-push-pull", "colocated"]
 
@@ -69,15 +70,39 @@ class LeaseDecision:
     version: int
 
 
+def occupies_slot(job: LeaseView, now: float, current: int, policy: SyncPolicy) -> bool:
+    """A live lease holds a queue slot while its result could still be trained and its holder is not overdue
+    (core.pacing.due_at). Once the policy has moved more than S versions past the lease's version its result
+    can only be credited, and an overdue holder has probably vanished: either way the slot goes back to the
+    queue, while the lease itself stays valid — an honest late result is still accepted."""
+    if not lease_live(job, now) or (job.due_at is not None and now >= job.due_at):
+        return False
+    return job.version is None or current - job.version <= policy.bound
+
+
 def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
-                 policy: SyncPolicy) -> LeaseDecision | None:
+                 policy: SyncPolicy, speed: ClientSpeed | None = None) -> LeaseDecision | None:
     """The whole lease decision: ``active`` are the jobs not yet done (in creation order), ``pending`` the
-    accepted results not yet trained on. None means "no job now" (the queue is full)."""
-    queued = sum(1 for j in active if lease_live(j, now)) + pending
+    accepted results not yet trained on, ``speed`` what is known of the asking client's pace and of the
+    other clients waiting (core.pacing; None: every client alike). None means "no job for you now"."""
+    queued = sum(1 for j in active if occupies_slot(j, now, current, policy)) + pending
     if not admits(queued, policy):
         return None
+    version = bind_version(current, held, queued, policy)
+    if speed is not None:
+        free = policy.jobs_per_step * (policy.bound + 1) - queued
+
+        def fits(v: int) -> bool:
+            left = policy.bound - (current - v) if policy.mode == "async-push-pull" else None
+            return may_take_slot(speed, free=free, queued=queued, jobs_per_step=policy.jobs_per_step,
+                                 versions_left=left)
+
+        if not fits(version):
+            if version == current or not fits(current):
+                return None
+            version = current  # too slow to keep its older version: it must refresh
     reissue = choose_job(list(active), now)
-    return LeaseDecision(reissue.job_id if reissue is not None else None, bind_version(current, held, queued, policy))
+    return LeaseDecision(reissue.job_id if reissue is not None else None, version)
 
 
 @dataclass(frozen=True)

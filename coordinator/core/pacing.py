@@ -1,0 +1,93 @@
+"""Speed-aware issuance: who gets a free slot in the work queue (pure rules, no I/O).
+
+The queue of work in flight is small — B·(S+1) jobs for staleness bound S — so *who* holds its slots decides
+whether the learner is kept busy. A job handed to a client that needs 50 s while the learner steps every
+second is trained many versions later than it was generated (too stale: credited, never trained on), and it
+blocks a slot that a fast client could have turned over fifty times. This is BOINC's deadline check ("will
+this host finish in time?") with the staleness bound as the deadline:
+
+1. **Fastest first.** When several clients are long-polling for a slot, it goes to the one expected to
+   finish soonest: a client declines a slot while at least as many strictly faster clients are waiting as
+   there are free slots.
+2. **Horizon.** In async push-pull, once the learner's next batch is already covered by work in the queue,
+   a client is only given a job it is expected to return while the result is still within S. A learner that
+   is starving takes work from anyone.
+3. **Exploration.** A client whose pace is unknown (no results yet, no self-benchmark) gets a job only while
+   no other unknown client holds one, so a crowd of newcomers cannot fill the queue with work of unknown
+   duration — and each newcomer is measured in turn.
+
+Paces are estimated per client as an exponentially weighted mean of observed lease-to-result seconds, seeded
+by the client's declared self-benchmark (untrusted, corrected by the first observed job).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PACE_WEIGHT = 0.3  # weight of the newest observation in the pace average
+OVERDUE_FACTOR = 3.0  # a lease is overdue after this many times its holder's expected pace (plus a step)
+
+
+@dataclass(frozen=True)
+class ClientSpeed:
+    """What issuance knows about the asking client and the swarm right now.
+
+    ``pace_s``: the client's expected seconds from lease to result (None: unknown).
+    ``faster_waiting``: clients long-polling for work right now that are expected to finish sooner.
+    ``exploring``: live leases held by clients of unknown pace.
+    ``step_s``: recent seconds between policy versions (None: no version yet). This, not the optimisation
+    time alone, is how fast results age: a starved learner publishes slowly, and slow clients' work stays
+    useful for longer.
+    """
+
+    pace_s: float | None = None
+    faster_waiting: int = 0
+    exploring: int = 0
+    step_s: float | None = None
+
+
+def update_pace(previous: float | None, observed_s: float) -> float:
+    """Exponentially weighted pace; the first observation replaces an unknown (or declared) prior fully
+    when there is none, and counts ``PACE_WEIGHT`` otherwise."""
+    if not math.isfinite(observed_s) or observed_s < 0:
+        return previous if previous is not None else 0.0
+    if previous is None:
+        return observed_s
+    return (1 - PACE_WEIGHT) * previous + PACE_WEIGHT * observed_s
+
+
+def due_at(leased_at: float, pace_s: float | None, step_s: float | None) -> float | None:
+    """When a lease's holder is overdue: ``OVERDUE_FACTOR`` × its pace plus one learner step after the lease.
+    An overdue lease stops holding a queue slot (the client has probably vanished or stalled), but stays
+    valid until its hard deadline: an honest late result is still accepted."""
+    if pace_s is None:
+        return None
+    return leased_at + OVERDUE_FACTOR * pace_s + (step_s or 0.0)
+
+
+def faster_count(me: float | None, others: Iterable[float | None]) -> int:
+    """How many of ``others`` are expected to finish strictly sooner than ``me`` (unknown = slowest)."""
+    if me is None:
+        return sum(1 for p in others if p is not None)
+    return sum(1 for p in others if p is not None and p < me)
+
+
+def within_horizon(pace_s: float, step_s: float, versions_left: int) -> bool:
+    """Will a job of ``pace_s`` seconds come back before the learner has moved ``versions_left`` + 1
+    versions past the one it is generated with? Allows half a step of slack for the step in progress."""
+    return pace_s <= (versions_left + 0.5) * step_s
+
+
+def may_take_slot(speed: ClientSpeed, *, free: int, queued: int, jobs_per_step: int, versions_left: int | None
+                  ) -> bool:
+    """Rules 1–3 for one free slot. ``versions_left`` is how many more versions the job's result may lag
+    by and still be trained (None: no horizon applies, as in sequential pull)."""
+    if speed.faster_waiting >= free:
+        return False
+    if speed.pace_s is None:
+        return speed.exploring == 0 or queued < jobs_per_step
+    if versions_left is None or speed.step_s is None or queued < jobs_per_step:
+        return True
+    return within_horizon(speed.pace_s, speed.step_s, versions_left)

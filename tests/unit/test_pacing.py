@@ -1,0 +1,143 @@
+"""coordinator/core/pacing.py and its use in core.scheduling.decide_lease: speed-aware issuance."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.core.leases import JobState, LeaseView
+from coordinator.core.pacing import (
+    OVERDUE_FACTOR,
+    PACE_WEIGHT,
+    ClientSpeed,
+    due_at,
+    faster_count,
+    may_take_slot,
+    update_pace,
+    within_horizon,
+)
+from coordinator.core.scheduling import SyncPolicy, decide_lease, occupies_slot
+
+ASYNC1 = SyncPolicy("async-push-pull", 1, 2)  # B = 2, S = 1: four slots
+SEQ = SyncPolicy("sequential-pull", 1, 2)
+
+
+def lease(job_id: str, version: int, client: str = "x", deadline: float = 1e9, due: float | None = None) -> LeaseView:
+    return LeaseView(job_id, JobState.LEASED, version, 0.0, f"l-{job_id}", client, deadline, due)
+
+
+# ---- pace estimate ----------------------------------------------------------------------------------------
+def test_first_observation_replaces_unknown() -> None:
+    assert update_pace(None, 7.5) == 7.5
+
+
+def test_pace_is_exponentially_weighted_by_hand() -> None:
+    assert update_pace(10.0, 20.0) == pytest.approx(10.0 * (1 - PACE_WEIGHT) + 20.0 * PACE_WEIGHT)
+    assert update_pace(10.0, 20.0) == pytest.approx(13.0)  # with PACE_WEIGHT = 0.3
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_pace_ignores_nonsense_observations(bad: float) -> None:
+    assert update_pace(4.0, bad) == 4.0
+
+
+def test_faster_count_treats_unknown_as_slowest() -> None:
+    assert faster_count(5.0, [1.0, 5.0, 9.0, None]) == 1  # strictly faster only
+    assert faster_count(None, [1.0, None, 30.0]) == 2
+
+
+def test_due_at_hand_value_and_unknown() -> None:
+    assert due_at(100.0, 2.0, 1.5) == pytest.approx(100.0 + OVERDUE_FACTOR * 2.0 + 1.5)
+    assert due_at(100.0, None, 1.5) is None
+
+
+def test_horizon_allows_half_a_step_of_slack() -> None:
+    assert within_horizon(1.5, 1.0, 1)
+    assert not within_horizon(1.51, 1.0, 1)
+    assert not within_horizon(0.6, 1.0, 0)
+
+
+# ---- may_take_slot ------------------------------------------------------------------------------------------
+def test_slot_goes_to_faster_waiters_first() -> None:
+    speed = ClientSpeed(pace_s=3.0, faster_waiting=2, step_s=10.0)
+    assert not may_take_slot(speed, free=2, queued=0, jobs_per_step=2, versions_left=None)
+    assert may_take_slot(speed, free=3, queued=0, jobs_per_step=2, versions_left=None)
+
+
+def test_unknown_clients_explore_one_at_a_time_unless_the_learner_starves() -> None:
+    busy = ClientSpeed(pace_s=None, exploring=1, step_s=1.0)
+    assert not may_take_slot(busy, free=2, queued=2, jobs_per_step=2, versions_left=1)
+    assert may_take_slot(busy, free=3, queued=1, jobs_per_step=2, versions_left=1)  # fewer than B queued
+    assert may_take_slot(ClientSpeed(pace_s=None), free=2, queued=2, jobs_per_step=2, versions_left=1)
+
+
+def test_horizon_applies_only_once_the_next_batch_is_covered() -> None:
+    slow = ClientSpeed(pace_s=50.0, step_s=1.0)
+    assert not may_take_slot(slow, free=2, queued=2, jobs_per_step=2, versions_left=1)
+    assert may_take_slot(slow, free=3, queued=1, jobs_per_step=2, versions_left=1)
+    assert may_take_slot(slow, free=2, queued=2, jobs_per_step=2, versions_left=None)  # sequential: no horizon
+    assert may_take_slot(ClientSpeed(pace_s=50.0), free=2, queued=2, jobs_per_step=2, versions_left=1)  # no step yet
+
+
+# ---- decide_lease with speed --------------------------------------------------------------------------------
+def test_slow_client_is_refused_when_the_batch_is_covered() -> None:
+    active = [lease("j0", 5), lease("j1", 5)]
+    slow = ClientSpeed(pace_s=10.0, step_s=1.0)
+    assert decide_lease(active, 0, 0.0, 5, 5, ASYNC1, slow) is None
+    assert decide_lease(active, 0, 0.0, 5, 5, ASYNC1, None) is not None  # plain issuance would hand it out
+    fast = ClientSpeed(pace_s=1.0, step_s=1.0)
+    assert decide_lease(active, 0, 0.0, 5, 5, ASYNC1, fast) is not None
+
+
+def test_too_slow_for_the_held_version_refreshes_to_current() -> None:
+    policy = SyncPolicy("async-push-pull", 2, 2)
+    speed = ClientSpeed(pace_s=2.0, step_s=1.0)  # fits (2 + .5) steps from current, not (1 + .5) from held
+    decision = decide_lease([lease("j0", 6), lease("j1", 6)], 0, 0.0, 6, 5, policy, speed)
+    assert decision is not None and decision.version == 6
+    quick = decide_lease([lease("j0", 6), lease("j1", 6)], 0, 0.0, 6, 5, policy, ClientSpeed(pace_s=1.0, step_s=1.0))
+    assert quick is not None and quick.version == 5  # keeps the version it holds
+
+
+def test_overdue_and_untrainable_leases_give_their_slot_back() -> None:
+    assert occupies_slot(lease("j", 5, due=10.0), 9.9, 5, ASYNC1)
+    assert not occupies_slot(lease("j", 5, due=10.0), 10.0, 5, ASYNC1)  # overdue
+    assert occupies_slot(lease("j", 4), 0.0, 5, ASYNC1)
+    assert not occupies_slot(lease("j", 3), 0.0, 5, ASYNC1)  # can only be credited now
+    full = [lease(f"j{i}", 5) for i in range(4)]
+    assert decide_lease(full, 0, 0.0, 5, 5, ASYNC1) is None
+    overdue = [*full[:3], lease("j3", 5, due=1.0)]
+    decision = decide_lease(overdue, 0, 2.0, 5, 5, ASYNC1)
+    assert decision is not None and decision.job_id is None  # a new job: the overdue one is still leased
+
+
+def test_sequential_uses_fastest_first_but_no_horizon() -> None:
+    active = [lease("j0", 5)]
+    assert decide_lease(active, 0, 0.0, 5, 5, SEQ, ClientSpeed(pace_s=99.0, step_s=1.0)) is not None
+    assert decide_lease(active, 0, 0.0, 5, 5, SEQ, ClientSpeed(pace_s=99.0, faster_waiting=1)) is None
+
+
+# ---- the simulation that drives this code --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def swarm_sim():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import swarm_sim
+
+    return swarm_sim
+
+
+@pytest.mark.parametrize("staleness", [2, 4])
+def test_simulation_keeps_the_learner_busy_once_capacity_exceeds_consumption(swarm_sim, staleness: int) -> None:  # type: ignore[no-untyped-def]
+    row = swarm_sim.simulate(200, staleness, steps=300)  # the sweep's length: includes the start-up
+    assert row["capacity_jobs_per_s"] > row["consumption_jobs_per_s"]
+    assert row["learner_busy_fraction"] >= 0.95
+    assert row["staleness_max"] <= staleness
+
+
+def test_simulation_speed_aware_beats_first_come_first_served(swarm_sim) -> None:  # type: ignore[no-untyped-def]
+    aware = swarm_sim.simulate(100, 2, steps=150)
+    plain = swarm_sim.simulate(100, 2, steps=150, speed_aware=False)
+    assert aware["learner_busy_fraction"] > 2 * plain["learner_busy_fraction"]
+    assert max(aware["staleness_max"], plain["staleness_max"]) <= 2
