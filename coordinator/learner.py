@@ -34,6 +34,24 @@ logger = logging.getLogger(__name__)
 MICRO_BATCH = 64
 
 
+def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any, mask: Any, eps: float,
+                    cap: float) -> tuple[Any, Any, Any]:
+    """Per-token decoupled-PPO loss (module docstring), plus ρ = πθ/π_prox and log(π_prox/π_b) for metrics.
+
+    All tensors are [sequences, tokens] (``adv`` and ``weight`` broadcast from [sequences, 1]); ``mask`` is 1
+    on real completion tokens. The importance weight min(cap, π_prox/π_b) carries no gradient.
+    """
+    import torch
+
+    log_is = ((prox - behaviour) * mask).detach()
+    is_weight = torch.clamp(torch.exp(log_is), max=cap)
+    ratio = torch.exp((logp - prox.detach()) * mask)
+    unclipped = ratio * adv
+    clipped_obj = torch.clamp(ratio, 1 - eps, 1 + eps) * adv
+    per_token = -torch.minimum(unclipped, clipped_obj) * is_weight * weight * mask
+    return per_token, ratio, log_is
+
+
 @dataclass(frozen=True)
 class Sample:
     prompt_ids: list[int]
@@ -149,12 +167,7 @@ class Learner:
             prox = logp.detach() if any(c.staleness > 0 for c in chunk) else behaviour
             adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
-            log_is = ((prox - behaviour) * mask).detach()
-            is_weight = torch.clamp(torch.exp(log_is), max=cap)
-            ratio = torch.exp((logp - prox.detach()) * mask)
-            unclipped = ratio * adv
-            clipped_obj = torch.clamp(ratio, 1 - eps, 1 + eps) * adv
-            per_token = -torch.minimum(unclipped, clipped_obj) * is_weight * weight * mask
+            per_token, ratio, log_is = token_objective(logp, prox, behaviour, adv, weight, mask, eps, cap)
             loss = per_token.sum() / max(1, total_tokens)
             loss.backward()
             with torch.no_grad():

@@ -4,11 +4,13 @@ background thread with an injectable clock, so lease expiry can be tested withou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -38,13 +40,17 @@ class LiveCoordinator:
     run_dir: Path
 
 
-@pytest.fixture
-def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
+@contextlib.contextmanager
+def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] | None = None,
+                        jobs: dict[str, Any] | None = None, learner: dict[str, Any] | None = None
+                        ) -> Iterator[LiveCoordinator]:
+    """A coordinator in a background thread with a fake clock; config sections override the test defaults."""
     run_dir = tmp_path / "run"
-    cfg = load_config(write_config(tmp_path / "run.toml", run_dir, tiny_model_dir,
-                                   jobs={"lease_timeout_s": 30.0, "long_poll_s": 0.0}, learner={"max_steps": 50}))
+    cfg = load_config(write_config(tmp_path / "run.toml", run_dir, model_dir, top=top,
+                                   jobs={"lease_timeout_s": 30.0, "long_poll_s": 0.0, **(jobs or {})},
+                                   learner={"max_steps": 50, **(learner or {})}))
     clock = FakeClock(time.time())
-    coord = Coordinator(cfg, clock=clock, model_dir=tiny_model_dir)
+    coord = Coordinator(cfg, clock=clock, model_dir=model_dir)
     app = create_app(cfg, coord)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -65,3 +71,9 @@ def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoord
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+@pytest.fixture
+def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
+    with running_coordinator(tmp_path, tiny_model_dir) as live:
+        yield live

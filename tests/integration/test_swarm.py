@@ -49,6 +49,10 @@ def test_run_completes_with_every_client_contributing(tmp_path: Path, tiny_model
     # 2 jobs per step × 6 steps, each ingested by exactly one learner step
     rows = db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results GROUP BY ingested_step ORDER BY 1")
     assert rows == [(step, 2) for step in range(1, 7)]
+    # sequential pull: every trained batch holds rollouts of exactly one version, the one it updated
+    mixed = db_rows(run_dir, "SELECT ingested_step, COUNT(DISTINCT version), MIN(version) FROM results "
+                    "WHERE ingested_step IS NOT NULL GROUP BY ingested_step ORDER BY 1")
+    assert mixed == [(step, 1, step - 1) for step in range(1, 7)]
     assert "joined run" in clients[0].output() and "stopped:" in clients[0].output()
 
 

@@ -1,0 +1,67 @@
+"""Issuance under Echo's protocols against a real coordinator on loopback (fake clock): the queue bound stops
+issuing new work, and a client long-polling for work hears of a new policy version without asking again."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from shared import wire
+from shared.messages import LeaseRequest, LeaseResponse
+from shared.records import open_job
+from tests.integration.conftest import running_coordinator
+from tests.integration.helpers import RawClient, db_rows, wait_until
+from tests.integration.test_result_refusals import honest_result, lease, register
+
+
+def ask(client: RawClient) -> LeaseResponse:
+    status, raw = client.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1))
+    assert status == 200, raw
+    return wire.decode(raw, LeaseResponse)
+
+
+@pytest.mark.parametrize(("mode", "staleness", "slots"), [("sequential-pull", 1, 2), ("async-push-pull", 1, 4),
+                                                          ("async-push-pull", 2, 6)])
+@pytest.mark.parametrize("speed_aware", [True, False])
+def test_issuance_stops_when_in_flight_work_would_exceed_the_bound(tmp_path: Path, tiny_model_dir: Path, mode: str,
+                                                                   staleness: int, slots: int,
+                                                                   speed_aware: bool) -> None:
+    # B = 2 jobs per step (write_config: 4 prompts per step, 2 per job): B·(S+1) slots, B for sequential pull
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": mode, "max_staleness": staleness},
+                             jobs={"speed_aware": speed_aware}) as live:
+        client = register(live)
+        jobs = [lease(client, live.coordinator.public_key) for _ in range(slots)]
+        assert len({j.job_id for j in jobs}) == slots and {j.version for j in jobs} == {0}
+        refused = ask(client)
+        assert refused.job is None and not refused.finished and refused.current_version == 0
+        assert db_rows(live.run_dir, "SELECT COUNT(*) FROM jobs WHERE state='leased'") == [(slots,)]
+        # once the leases expire the oldest job is reissued, not a new one planned
+        live.clock.advance(31.0)
+        again = ask(client)
+        assert again.job is not None
+        assert open_job(again.job, live.coordinator.public_key).job_id == jobs[0].job_id
+
+
+def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
+                             jobs={"long_poll_s": 20.0}) as live:
+        worker, waiter = register(live), register(live)
+        jobs = [lease(worker, live.coordinator.public_key) for _ in range(4)]  # the queue is full
+        results = [honest_result(live, j) for j in jobs[:2]]
+        answer: list[LeaseResponse] = []
+        thread = threading.Thread(target=lambda: answer.append(ask(waiter)), daemon=True)
+        thread.start()
+        wait_until(lambda: waiter.client_id in live.coordinator._waiting, 30, "the waiting client's long-poll")
+        assert not answer  # still waiting: nothing to hand out
+        for r in results:  # two results = one batch: the learner trains and publishes version 1
+            status, raw = worker.post("/v1/results", r)
+            assert status == 200, raw
+        thread.join(60)
+        assert answer, "the long-polling lease request did not return"
+        resp = answer[0]
+        assert resp.current_version == 1 and resp.job is not None  # woken by the new version, with work
+        job = open_job(resp.job, live.coordinator.public_key)
+        assert job.version in (0, 1) and job.job_id not in {j.job_id for j in jobs}
+        assert db_rows(live.run_dir, "SELECT MAX(version) FROM versions") == [(1,)]

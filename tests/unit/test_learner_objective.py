@@ -1,0 +1,76 @@
+"""coordinator/learner.token_objective: the truncated importance weight, the PPO clip and the staleness weight
+against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coordinator.learner import token_objective
+
+
+def t(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(list(rows), dtype=torch.float64)
+
+
+def run(logp: float, prox: float, behaviour: float, adv: float, weight: float = 1.0, eps: float = 0.2,
+        cap: float = 2.0) -> tuple[float, float, float]:
+    per_token, ratio, log_is = token_objective(t([logp]), t([prox]), t([behaviour]), t([adv]), t([weight]),
+                                               t([1.0]), eps, cap)
+    return float(per_token[0, 0]), float(ratio[0, 0]), float(log_is[0, 0])
+
+
+def test_fresh_rollout_is_plain_policy_gradient() -> None:
+    loss, ratio, log_is = run(logp=-1.0, prox=-1.0, behaviour=-1.0, adv=0.5)
+    assert (loss, ratio, log_is) == pytest.approx((-0.5, 1.0, 0.0))
+
+
+def test_importance_weight_below_the_cap_is_used_as_is() -> None:
+    # π_prox/π_b = e^(-0.9 - -1.2) = e^0.3 = 1.3499 < cap 2
+    loss, _, log_is = run(logp=-0.9, prox=-0.9, behaviour=-1.2, adv=1.0)
+    assert log_is == pytest.approx(0.3)
+    assert loss == pytest.approx(-math.exp(0.3))
+
+
+def test_importance_weight_is_truncated_at_the_cap() -> None:
+    # π_prox/π_b = e^(ln 3) = 3 → min(2, 3) = 2
+    loss, _, log_is = run(logp=-0.5, prox=-0.5, behaviour=-0.5 - math.log(3.0), adv=1.0, cap=2.0)
+    assert math.exp(log_is) == pytest.approx(3.0)
+    assert loss == pytest.approx(-2.0)
+    loss, _, _ = run(logp=-0.5, prox=-0.5, behaviour=-0.5 - math.log(3.0), adv=-1.0, cap=2.0)
+    assert loss == pytest.approx(2.0)  # the cap bounds negative advantages too
+
+
+def test_importance_weight_below_one_shrinks_the_token() -> None:
+    loss, _, _ = run(logp=-2.0, prox=-2.0, behaviour=-2.0 + math.log(4.0), adv=1.0)  # ratio 1/4
+    assert loss == pytest.approx(-0.25)
+
+
+def test_ppo_clip_with_positive_and_negative_advantage() -> None:
+    # ρ = e^(ln 1.5) = 1.5; A = +1: min(1.5, clip 1.2) = 1.2 → loss −1.2
+    loss, ratio, _ = run(logp=math.log(1.5) - 1.0, prox=-1.0, behaviour=-1.0, adv=1.0, eps=0.2)
+    assert ratio == pytest.approx(1.5)
+    assert loss == pytest.approx(-1.2)
+    # A = −1: min(−1.5, −1.2) = −1.5 → loss +1.5 (the pessimistic side is not clipped)
+    loss, _, _ = run(logp=math.log(1.5) - 1.0, prox=-1.0, behaviour=-1.0, adv=-1.0, eps=0.2)
+    assert loss == pytest.approx(1.5)
+
+
+def test_staleness_weight_and_mask_multiply() -> None:
+    loss, _, _ = run(logp=-1.0, prox=-1.0, behaviour=-1.0, adv=2.0, weight=0.25)
+    assert loss == pytest.approx(-0.5)
+    per_token, _, _ = token_objective(t([-1.0, -1.0]), t([-1.0, -1.0]), t([-1.0, -1.0]), t([1.0]), t([1.0]),
+                                      t([1.0, 0.0]), 0.2, 2.0)
+    assert per_token.tolist() == [[-1.0, 0.0]]  # padding contributes nothing
+
+
+def test_importance_weight_carries_no_gradient() -> None:
+    prox = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    logp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    per_token, _, _ = token_objective(logp, prox, t([-1.5]), t([1.0]), t([1.0]), t([1.0]), 0.2, 2.0)
+    per_token.sum().backward()
+    assert prox.grad is None  # π_prox is a constant of the step: neither ρ nor the weight pass gradient to it
+    # d/dlogp of −ρ·w with ρ = e^(logp − prox) at ρ = 1: −w = −e^0.5
+    assert float(logp.grad[0, 0]) == pytest.approx(-math.exp(0.5))
