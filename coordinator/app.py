@@ -155,4 +155,7 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app.router.add_get("/v1/blobs/{sha256}", blob)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
+    from coordinator import metrics  # ops surfaces (issue 6): /metrics
+
+    metrics.install(app, app[COORDINATOR])
     return app

@@ -1,0 +1,163 @@
+"""Read-only views over the coordinator's database for operators (admin API), contributors (status page)
+and monitoring (/metrics).
+
+These queries only read; every write still goes through :class:`coordinator.store.Store`. They run on the
+event-loop thread like all other store access. Each listing is bounded by a ``limit`` so that a long run
+cannot make one admin call or one scrape arbitrarily expensive.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coordinator.core.leases import lease_live
+from coordinator.core.ops import active_window_s, client_state, count_by, job_status, throughput_series
+from coordinator.store import Store
+
+_HIDDEN_CLIENT_COLUMNS = {"public_key", "profile"}
+
+
+def live_lease_holders(store: Store, now: float) -> set[str]:
+    return {j.view.lease_client for j in store.active_jobs() if j.view.lease_client and lease_live(j.view, now)}
+
+
+def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_000) -> list[dict[str, Any]]:
+    """Every client with its profile flattened, counters, credit, state — and any extra columns another
+    component keeps on the clients table (e.g. a trust score) passed through unchanged."""
+    holders = live_lease_holders(store, now)
+    window = active_window_s(lease_timeout_s)
+    rows = store.conn.execute("SELECT * FROM clients ORDER BY credit DESC, registered_at LIMIT ?", (limit,)).fetchall()
+    out = []
+    for r in rows:
+        row = dict(r)
+        profile = json.loads(row["profile"])
+        extra = {k: v for k, v in row.items() if k not in _HIDDEN_CLIENT_COLUMNS and not isinstance(v, bytes)}
+        out.append(extra | {
+            "name": profile.get("name", ""), "backend": profile.get("backend", "?"),
+            "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
+            "cpu_count": profile.get("cpu_count"), "memory_gb": profile.get("memory_gb"),
+            "software": profile.get("software", ""), "banned": bool(row["banned"]),
+            "state": client_state(banned=bool(row["banned"]), holds_live_lease=row["client_id"] in holders,
+                                  last_seen=float(row["last_seen"]), now=now, window_s=window),
+        })
+    return out
+
+
+def client_ids(store: Store) -> list[str]:
+    return [str(r[0]) for r in store.conn.execute("SELECT client_id FROM clients").fetchall()]
+
+
+def client_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts of clients by state, and of non-idle, non-banned clients by backend and by platform."""
+    live = [c for c in rows if c["state"] in ("working", "active")]
+    return {
+        "total": len(rows),
+        "by_state": {s: sum(1 for c in rows if c["state"] == s) for s in ("working", "active", "idle", "banned")},
+        "active_by_backend": count_by(c["backend"] for c in live),
+        "active_by_platform": count_by(c["platform"] for c in live),
+    }
+
+
+def leaderboard(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
+    ranked = sorted((c for c in rows if not c["banned"]), key=lambda c: (-c["credit"], c["registered_at"]))[:top]
+    return [{"rank": k + 1, "client_id": c["client_id"], "name": c["name"] or c["client_id"][:8],
+             "backend": c["backend"], "platform": c["platform"], "accepted": c["accepted"], "credit": c["credit"],
+             "state": c["state"]} for k, c in enumerate(ranked)]
+
+
+def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
+    """Jobs not yet done (open, leased, expired) with their holder and deadline; counts over all jobs."""
+    active = store.active_jobs()
+    listed = []
+    for j in active[:limit]:
+        listed.append({"job_id": j.view.job_id, "state": job_status(j.view, now), "client_id": j.view.lease_client,
+                       "version": j.view.version, "deadline": j.view.lease_deadline,
+                       "expires_in_s": None if j.view.lease_deadline is None else j.view.lease_deadline - now,
+                       "issue_count": j.issue_count, "reissued": j.issue_count > 1})
+    row = store.conn.execute("SELECT COUNT(*) AS done, "
+                             "(SELECT COUNT(*) FROM jobs WHERE issue_count > 1) AS reissued, "
+                             "(SELECT COALESCE(SUM(issue_count), 0) FROM jobs) AS leases "
+                             "FROM jobs WHERE state='done'").fetchone()
+    counts = count_by(job_status(j.view, now) for j in active)
+    return {
+        "counts": {s: counts.get(s, 0) for s in ("open", "leased", "expired")} | {"done": int(row["done"])},
+        "reissued": int(row["reissued"]),
+        "leases_issued": int(row["leases"]),
+        "buffered_results": len(store.pending()),
+        "jobs": listed,
+    }
+
+
+def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_id: str | None = None,
+          outcome: str | None = None) -> list[dict[str, Any]]:
+    """Accepted results and refusals, newest first: outcome, client, job, version, reason, content hash."""
+    entries: list[dict[str, Any]] = []
+    where, params = [], []
+    if client_id:
+        where.append("client_id = ?")
+        params.append(client_id)
+    if job_id:
+        where.append("job_id = ?")
+        params.append(job_id)
+    cond = (" WHERE " + " AND ".join(where)) if where else ""
+    if outcome in (None, "accepted"):
+        for r in store.conn.execute(
+                "SELECT job_id, client_id, version, received_at, content_sha256, mean_reward, n_tokens, ingested_step, "
+                f"stale_at FROM results{cond} ORDER BY received_at DESC LIMIT ?", (*params, limit)).fetchall():
+            used = ("trained in step " + str(r["ingested_step"]) if r["ingested_step"] is not None
+                    else "set aside: too stale" if r["stale_at"] is not None else "buffered")
+            entries.append({"at": r["received_at"], "outcome": "accepted", "client_id": r["client_id"],
+                            "job_id": r["job_id"], "version": r["version"], "reason": None, "detail": used,
+                            "content_sha256": r["content_sha256"], "mean_reward": r["mean_reward"],
+                            "n_tokens": r["n_tokens"]})
+    if outcome in (None, "rejected"):
+        for r in store.conn.execute(f"SELECT * FROM rejections{cond} ORDER BY id DESC LIMIT ?",
+                                    (*params, limit)).fetchall():
+            entries.append({"at": r["at"], "outcome": "rejected", "client_id": r["client_id"], "job_id": r["job_id"],
+                            "version": None, "reason": r["reason"], "detail": r["message"],
+                            "content_sha256": r["content_sha256"], "mean_reward": None, "n_tokens": None})
+    entries.sort(key=lambda e: e["at"], reverse=True)
+    return entries[:limit]
+
+
+def versions(store: Store, kept: set[int], limit: int = 50) -> list[dict[str, Any]]:
+    """Published versions, newest first, with the step's mean reward, the held-out accuracy where evaluated,
+    and whether the snapshot is still served (older ones are pruned)."""
+    steps = {r["step"]: r for r in store.conn.execute(
+        "SELECT step, mean_reward, metrics FROM steps ORDER BY step DESC LIMIT ?", (limit,)).fetchall()}
+    evals = {r["version"]: r["accuracy"] for r in store.conn.execute("SELECT version, accuracy FROM evals")}
+    out = []
+    for r in store.conn.execute("SELECT * FROM versions ORDER BY version DESC LIMIT ?", (limit,)).fetchall():
+        v = int(r["version"])
+        step = steps.get(v)
+        metrics = json.loads(step["metrics"]) if step is not None else {}
+        out.append({"version": v, "created_at": r["created_at"], "manifest_sha256": r["manifest_sha256"],
+                    "mean_reward": step["mean_reward"] if step is not None else None,
+                    "heldout_accuracy": evals.get(v), "step_s": metrics.get("step_s"),
+                    "samples": metrics.get("samples"), "served": v in kept})
+    return out
+
+
+def throughput(store: Store, start: float, now: float, bins: int = 60) -> list[dict[str, float]]:
+    points = [(float(r[0]), int(r[1])) for r in store.conn.execute("SELECT received_at, n_tokens FROM results")]
+    if points:
+        start = min(start, min(p[0] for p in points))
+    return throughput_series(points, start, now, bins)
+
+
+def trained_staleness(store: Store) -> dict[int, int]:
+    """How many trained results had each staleness (versions between generation and the step using them)."""
+    rows = store.conn.execute("SELECT ingested_step - 1 - version AS s, COUNT(*) AS n FROM results "
+                              "WHERE ingested_step IS NOT NULL GROUP BY s").fetchall()
+    return {int(r["s"]): int(r["n"]) for r in rows}
+
+
+def rejection_counts(store: Store) -> dict[str, int]:
+    return {str(r[0]): int(r[1]) for r in store.conn.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason")}
+
+
+def result_totals(store: Store) -> dict[str, int]:
+    r = store.conn.execute("SELECT COUNT(*) AS n, COALESCE(SUM(n_tokens), 0) AS tokens, "
+                           "COALESCE(SUM(stale_at IS NOT NULL), 0) AS stale FROM results").fetchone()
+    return {"accepted": int(r["n"]), "tokens": int(r["tokens"]), "too_stale": int(r["stale"])}
