@@ -155,7 +155,8 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app.router.add_get("/v1/blobs/{sha256}", blob)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
-    from coordinator import metrics  # ops surfaces (issue 6): /metrics
+    from coordinator import admin_api, metrics  # ops surfaces (issue 6): /metrics, /v1/admin/*
 
     metrics.install(app, app[COORDINATOR])
+    admin_api.install(app, app[COORDINATOR])
     return app
