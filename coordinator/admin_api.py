@@ -89,9 +89,8 @@ def ban(coord: Coordinator, caller: str, body: AdminBan) -> dict[str, Any]:
 
 
 def versions(coord: Coordinator, caller: str, body: AdminList) -> dict[str, Any]:
-    kept = {v for v in range(coord.version + 1) if coord.snapshots.signed_manifest(v) is not None} \
-        if coord.version < 100_000 else set()
-    return {"current": coord.version, "versions": readmodels.versions(coord.store, kept, body.limit)}
+    return {"current": coord.version,
+            "versions": readmodels.versions(coord.store, coord.snapshots.signed_manifest, body.limit)}
 
 
 def jobs(coord: Coordinator, caller: str, body: AdminList) -> dict[str, Any]:

@@ -9,6 +9,7 @@ cannot make one admin call or one scrape arbitrarily expensive.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.core.leases import lease_live
@@ -121,7 +122,7 @@ def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_i
     return entries[:limit]
 
 
-def versions(store: Store, kept: set[int], limit: int = 50) -> list[dict[str, Any]]:
+def versions(store: Store, served: Callable[[int], object], limit: int = 50) -> list[dict[str, Any]]:
     """Published versions, newest first, with the step's mean reward, the held-out accuracy where evaluated,
     and whether the snapshot is still served (older ones are pruned)."""
     steps = {r["step"]: r for r in store.conn.execute(
@@ -135,7 +136,7 @@ def versions(store: Store, kept: set[int], limit: int = 50) -> list[dict[str, An
         out.append({"version": v, "created_at": r["created_at"], "manifest_sha256": r["manifest_sha256"],
                     "mean_reward": step["mean_reward"] if step is not None else None,
                     "heldout_accuracy": evals.get(v), "step_s": metrics.get("step_s"),
-                    "samples": metrics.get("samples"), "served": v in kept})
+                    "samples": metrics.get("samples"), "served": served(v) is not None})
     return out
 
 

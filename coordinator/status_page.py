@@ -28,15 +28,13 @@ def public_status(coord: Coordinator) -> dict[str, Any]:
     now = coord.clock()
     base = coord.status()
     rows = readmodels.clients(coord.store, now, coord.config.jobs.lease_timeout_s)
-    kept = {v for v in range(max(0, coord.version - 64), coord.version + 1)
-            if coord.snapshots.signed_manifest(v) is not None}
     return base | {
         "server_time": now,
         "issuing_paused": coord.issuing_paused,
         "throughput": readmodels.throughput(coord.store, coord.started_at, now, THROUGHPUT_BINS),
         "clients_summary": readmodels.client_summary(rows),
         "leaderboard": readmodels.leaderboard(rows),
-        "recent_versions": readmodels.versions(coord.store, kept, limit=10),
+        "recent_versions": readmodels.versions(coord.store, coord.snapshots.signed_manifest, limit=10),
     }
 
 
