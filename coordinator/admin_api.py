@@ -60,7 +60,7 @@ def authenticate_admin(coord: Coordinator, raw: bytes, path: str) -> tuple[Signe
 
 def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
     now = coord.clock()
-    rows = readmodels.clients(coord.store, now, coord.config.jobs.lease_timeout_s)
+    rows = readmodels.client_states(coord.store, now, coord.config.jobs.lease_timeout_s)
     jobs = readmodels.jobs(coord.store, now, limit=0)
     evals = coord.store.evals()
     last = coord.store.conn.execute("SELECT step, mean_reward, at FROM steps ORDER BY step DESC LIMIT 1").fetchone()

@@ -108,10 +108,10 @@ async def blob(request: web.Request) -> web.StreamResponse:
 
 
 async def status(request: web.Request) -> web.Response:
-    from coordinator.status_page import public_status  # the base status plus the status page's views
+    from coordinator.status_page import select_status  # the base status plus the status page's views
 
-    return web.json_response(public_status(request.app[COORDINATOR]), dumps=lambda o: json.dumps(o, default=str),
-                             headers={"Cache-Control": "no-store"})
+    body = select_status(request.app[COORDINATOR], request.query.get("view"))
+    return web.json_response(body, dumps=lambda o: json.dumps(o, default=str), headers={"Cache-Control": "no-store"})
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -95,8 +95,8 @@ class StoreCollector(Collector):
         yield state
         yield GaugeMetricFamily("echo_swarm_results_buffered", "Accepted results waiting for a learner step.",
                                 value=jobs["buffered_results"])
-        by_state = readmodels.client_summary(readmodels.clients(coord.store, now,
-                                                                coord.config.jobs.lease_timeout_s))["by_state"]
+        by_state = readmodels.client_summary(readmodels.client_states(coord.store, now,
+                                                                      coord.config.jobs.lease_timeout_s))["by_state"]
         clients = GaugeMetricFamily("echo_swarm_clients", "Registered clients by state (working: holds a live "
                                     "lease; active: seen recently; idle; banned).", labels=["state"])
         for s in CLIENT_STATES:

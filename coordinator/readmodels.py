@@ -13,7 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.core.leases import lease_live
-from coordinator.core.ops import active_window_s, client_state, count_by, job_status, throughput_series
+from coordinator.core.ops import (
+    active_window_s,
+    bucket_width,
+    client_state,
+    count_by,
+    job_status,
+    throughput_series,
+)
 from coordinator.store import Store
 
 _HIDDEN_CLIENT_COLUMNS = {"public_key", "profile"}
@@ -23,12 +30,15 @@ def live_lease_holders(store: Store, now: float) -> set[str]:
     return {j.view.lease_client for j in store.active_jobs() if j.view.lease_client and lease_live(j.view, now)}
 
 
-def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_000) -> list[dict[str, Any]]:
+def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_000, *, exclude_banned: bool = False
+            ) -> list[dict[str, Any]]:
     """Every client with its profile flattened, counters, credit, state — and any extra columns another
     component keeps on the clients table (e.g. a trust score) passed through unchanged."""
     holders = live_lease_holders(store, now)
     window = active_window_s(lease_timeout_s)
-    rows = store.conn.execute("SELECT * FROM clients ORDER BY credit DESC, registered_at LIMIT ?", (limit,)).fetchall()
+    where = " WHERE banned = 0" if exclude_banned else ""
+    rows = store.conn.execute(f"SELECT * FROM clients{where} ORDER BY credit DESC, registered_at LIMIT ?",
+                              (limit,)).fetchall()
     out = []
     for r in rows:
         row = dict(r)
@@ -141,10 +151,31 @@ def versions(store: Store, served: Callable[[int], object], limit: int = 50) -> 
 
 
 def throughput(store: Store, start: float, now: float, bins: int = 60) -> list[dict[str, float]]:
-    points = [(float(r[0]), int(r[1])) for r in store.conn.execute("SELECT received_at, n_tokens FROM results")]
-    if points:
-        start = min(start, min(p[0] for p in points))
-    return throughput_series(points, start, now, bins)
+    """Tokens/s and results/min of accepted results in ``bins`` buckets from ``start`` (or the first result,
+    if earlier) to ``now``; grouped in SQL so a long run costs one indexed-free scan, no Python per row."""
+    first = store.conn.execute("SELECT MIN(received_at) FROM results").fetchone()[0]
+    if first is not None:
+        start = min(start, float(first))
+    width = bucket_width(start, now, bins)
+    rows = store.conn.execute("SELECT CAST((received_at - ?) / ? AS INTEGER) AS k, COUNT(*), SUM(n_tokens) "
+                              "FROM results GROUP BY k", (start, width)).fetchall()
+    return throughput_series([(int(r[0]), int(r[1]), int(r[2])) for r in rows], start, now, bins)
+
+
+def client_states(store: Store, now: float, lease_timeout_s: float) -> list[dict[str, Any]]:
+    """The few fields the status page and /metrics need per client, without decoding whole profiles."""
+    holders = live_lease_holders(store, now)
+    window = active_window_s(lease_timeout_s)
+    rows = store.conn.execute("SELECT client_id, banned, last_seen, json_extract(profile, '$.backend') AS backend, "
+                              "json_extract(profile, '$.platform') AS platform FROM clients").fetchall()
+    return [{"backend": r["backend"] or "?", "platform": r["platform"] or "?",
+             "state": client_state(banned=bool(r["banned"]), holds_live_lease=r["client_id"] in holders,
+                                   last_seen=float(r["last_seen"]), now=now, window_s=window)} for r in rows]
+
+
+def top_clients(store: Store, now: float, lease_timeout_s: float, top: int = 20) -> list[dict[str, Any]]:
+    """The credit leaderboard: the top ``top`` clients that are not banned."""
+    return leaderboard(clients(store, now, lease_timeout_s, limit=top, exclude_banned=True), top)
 
 
 def trained_staleness(store: Store) -> dict[int, int]:

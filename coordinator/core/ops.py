@@ -64,19 +64,23 @@ def resolve_client(text: str, client_ids: Iterable[str]) -> str:
     return matches[0]
 
 
-def throughput_series(points: Iterable[tuple[float, int]], start: float, end: float, bins: int
+def bucket_width(start: float, end: float, bins: int) -> float:
+    return max(end - start, 1e-9) / max(1, bins)
+
+
+def throughput_series(buckets: Iterable[tuple[int, int, int]], start: float, end: float, bins: int
                       ) -> list[dict[str, float]]:
-    """Accepted (time, tokens) points → ``bins`` equal time buckets from ``start`` to ``end`` with tokens/s and
-    results/min per bucket. Points outside [start, end] are clamped into the first/last bucket."""
+    """Per-bucket (index, results, tokens) — index = floor((time − start) / width), as the store groups them —
+    → ``bins`` equal time buckets from ``start`` to ``end`` with tokens/s and results/min. Indices outside
+    0..bins−1 (clock skew, results after ``end``) are clamped into the first/last bucket."""
     bins = max(1, bins)
-    span = max(end - start, 1e-9)
-    width = span / bins
+    width = bucket_width(start, end, bins)
     tokens = [0] * bins
     results = [0] * bins
-    for at, n in points:
-        k = min(bins - 1, max(0, int((at - start) / width)))
-        tokens[k] += n
-        results[k] += 1
+    for k, n_results, n_tokens in buckets:
+        k = min(bins - 1, max(0, k))
+        tokens[k] += n_tokens
+        results[k] += n_results
     return [{"t": start + (k + 1) * width, "tokens_per_s": tokens[k] / width, "results_per_min": results[k] * 60 / width}
             for k in range(bins)]
 

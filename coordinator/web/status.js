@@ -147,7 +147,7 @@ function drawSummary(s) {
 
 async function poll() {
   try {
-    const resp = await fetch("/v1/status", { cache: "no-store" });
+    const resp = await fetch("/v1/status?view=page", { cache: "no-store" });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     const s = await resp.json();
     drawSummary(s); drawReward(s); drawThroughput(s); drawClients(s); drawLeaderboard(s); drawVersions(s);

@@ -94,6 +94,16 @@ def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_d
         assert later["errors"] == 0
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and seen["screenshot_bytes"] > 20_000
 
+        full, page = (json.loads(urllib.request.urlopen(url + q, timeout=30).read())
+                      for q in ("/v1/status", "/v1/status?view=page"))
+        old_keys = {"run_id", "version", "max_steps", "finished", "sync_mode", "max_staleness", "task", "uptime_s",
+                    "learner", "jobs", "totals", "reward_curve", "steps", "evals", "clients"}
+        new_keys = {"server_time", "issuing_paused", "throughput", "clients_summary", "leaderboard", "recent_versions"}
+        assert old_keys | new_keys <= set(full) and "in_flight" in full["jobs"]  # backward compatible
+        assert new_keys <= set(page) and "clients" not in page and "steps" not in page
+        assert [r["credit"] for r in page["leaderboard"]] == sorted((r["credit"] for r in page["leaderboard"]),
+                                                                    reverse=True)
+
         metrics_after = scrape(url)
         key = ("echo_swarm_jobs_leased_total", ())
         assert metrics_after[key] > metrics_before[key]

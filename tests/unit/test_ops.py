@@ -48,10 +48,11 @@ def test_resolve_client_needs_a_unique_prefix() -> None:
 
 
 def test_throughput_series_buckets_tokens_per_second() -> None:
-    series = throughput_series([(0.5, 10), (1.5, 20), (3.9, 40), (99.0, 1)], start=0.0, end=4.0, bins=4)
-    assert [b["tokens_per_s"] for b in series] == [10.0, 20.0, 0.0, 41.0]  # late points clamp into the last bucket
+    series = throughput_series([(0, 1, 10), (1, 1, 20), (3, 1, 40), (97, 1, 1), (-2, 1, 5)], start=0.0, end=4.0,
+                               bins=4)
+    assert [b["tokens_per_s"] for b in series] == [15.0, 20.0, 0.0, 41.0]  # outliers clamp into the end buckets
     assert [b["t"] for b in series] == [1.0, 2.0, 3.0, 4.0]
-    assert series[0]["results_per_min"] == 60.0
+    assert series[0]["results_per_min"] == 120.0
     assert throughput_series([], 5.0, 5.0, 3)[0]["tokens_per_s"] == 0.0
 
 
