@@ -14,6 +14,7 @@ that serves volunteers also serves the page, so many viewers must not cost more 
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ WEB_DIR = Path(__file__).with_name("web")
 STATUS_COORDINATOR = web.AppKey("status_coordinator", Coordinator)
 THROUGHPUT_BINS = 48
 PAGE_CACHE_S = 1.0
-_page_cache: dict[int, tuple[float, dict[str, Any]]] = {}
+_page_cache: weakref.WeakKeyDictionary[Coordinator, tuple[float, dict[str, Any]]] = weakref.WeakKeyDictionary()
 
 
 def page_views(coord: Coordinator) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def public_status(coord: Coordinator) -> dict[str, Any]:
 
 def page_status(coord: Coordinator) -> dict[str, Any]:
     """What the page draws, cached for PAGE_CACHE_S."""
-    hit = _page_cache.get(id(coord))
+    hit = _page_cache.get(coord)
     if hit is not None and time.monotonic() - hit[0] < PAGE_CACHE_S:
         return hit[1]
     now = coord.clock()
@@ -65,7 +66,7 @@ def page_status(coord: Coordinator) -> dict[str, Any]:
         "totals": coord.store.totals(), "reward_curve": curve,
         "evals": [{"version": e["version"], "accuracy": e["accuracy"], "n": e["n"]} for e in evals],
     } | page_views(coord)
-    _page_cache[id(coord)] = (time.monotonic(), body)
+    _page_cache[coord] = (time.monotonic(), body)
     return body
 
 

@@ -45,7 +45,7 @@ class AdminError(EchoSwarmError):
 def resolve_target(url: str | None, run_dir: Path | None, key_path: Path | None) -> tuple[str, Path]:
     """URL: --url, else $ECHO_SWARM_ADMIN_URL, else <run_dir>/endpoint.json (written by a running coordinator).
     Key: --key, else $ECHO_SWARM_ADMIN_KEY, else <run_dir>/admin.key (created with the run)."""
-    url = url or os.environ.get("ECHO_SWARM_ADMIN_URL")
+    url = url or os.environ.get("ECHO_SWARM_ADMIN_URL") or None
     env_key = os.environ.get("ECHO_SWARM_ADMIN_KEY")
     key_path = key_path or (Path(env_key) if env_key else None)
     if url is None and run_dir is not None:

@@ -76,6 +76,17 @@ def test_admin_api_refuses_unauthenticated_requests(live_coordinator: LiveCoordi
     assert result.exit_code == 1 and "cannot read key file" in result.output
 
 
+def test_cli_says_what_to_do_without_a_coordinator(tmp_path: Path) -> None:
+    key = tmp_path / "k.key"
+    assert runner.invoke(app, ["admin", "keys", "generate", str(key)]).exit_code == 0
+    result = runner.invoke(app, ["admin", "--url", "http://127.0.0.1:9", "--key", str(key), "status"])
+    assert result.exit_code == 1 and "cannot reach the coordinator at http://127.0.0.1:9" in result.output
+    result = runner.invoke(app, ["admin", "--run-dir", str(tmp_path), "status"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1 and "endpoint.json is missing" in result.output
+    result = runner.invoke(app, ["admin", "status"], env={"ECHO_SWARM_ADMIN_URL": "", "ECHO_SWARM_ADMIN_KEY": ""})
+    assert result.exit_code == 1 and "--run-dir" in result.output
+
+
 def test_status_clients_versions_jobs_audit(live_coordinator: LiveCoordinator) -> None:
     live = live_coordinator
     client = register(live, name="alice")
