@@ -36,6 +36,7 @@ def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_00
     component keeps on the clients table (e.g. a trust score) passed through unchanged."""
     holders = live_lease_holders(store, now)
     window = active_window_s(lease_timeout_s)
+    trust = trust_by_client(store, now)
     where = " WHERE banned = 0" if exclude_banned else ""
     rows = store.conn.execute(f"SELECT * FROM clients{where} ORDER BY credit DESC, registered_at LIMIT ?",
                               (limit,)).fetchall()
@@ -44,6 +45,8 @@ def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_00
         row = dict(r)
         profile = json.loads(row["profile"])
         extra = {k: v for k, v in row.items() if k not in _HIDDEN_CLIENT_COLUMNS and not isinstance(v, bytes)}
+        if row["client_id"] in trust:
+            extra["trust"] = trust[row["client_id"]]
         out.append(extra | {
             "name": profile.get("name", ""), "backend": profile.get("backend", "?"),
             "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
@@ -100,9 +103,18 @@ def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
     }
 
 
+def _has_table(store: Store, name: str) -> bool:
+    return store.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() is not None
+
+
 def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_id: str | None = None,
           outcome: str | None = None) -> list[dict[str, Any]]:
-    """Accepted results and refusals, newest first: outcome, client, job, version, reason, content hash."""
+    """Accepted results and refusals, newest first: outcome, client, job, version, reason, content hash.
+
+    Where the coordinator keeps a dedicated ``audit`` table (one line per outcome, written in the transaction
+    that makes it durable), that log is the source; otherwise the results and rejections tables are merged."""
+    if _has_table(store, "audit"):
+        return _audit_log(store, limit, client_id, job_id, outcome)
     entries: list[dict[str, Any]] = []
     where, params = [], []
     if client_id:
@@ -130,6 +142,35 @@ def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_i
                             "content_sha256": r["content_sha256"], "mean_reward": None, "n_tokens": None})
     entries.sort(key=lambda e: e["at"], reverse=True)
     return entries[:limit]
+
+
+def _audit_log(store: Store, limit: int, client_id: str | None, job_id: str | None, outcome: str | None
+               ) -> list[dict[str, Any]]:
+    where, params = [], []
+    for col, val in (("client_id", client_id), ("job_id", job_id), ("outcome", outcome)):
+        if val is not None:
+            where.append(f"{col} = ?")
+            params.append(val)
+    cond = (" WHERE " + " AND ".join(where)) if where else ""
+    rows = store.conn.execute(f"SELECT * FROM audit{cond} ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
+    return [{"at": r["at"], "outcome": r["outcome"], "client_id": r["client_id"], "job_id": r["job_id"],
+             "version": r["version"], "reason": r["reason"], "detail": r["detail"],
+             "content_sha256": r["content_sha256"], "mean_reward": None, "n_tokens": None} for r in rows]
+
+
+def trust_by_client(store: Store, now: float) -> dict[str, dict[str, Any]]:
+    """Per-client trust standing where the coordinator keeps one (a ``trust`` table with a row per client and
+    backend class): valid/invalid totals summed over classes, and whether any class is quarantined now."""
+    if not _has_table(store, "trust"):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for r in store.conn.execute("SELECT * FROM trust").fetchall():
+        t = out.setdefault(r["client_id"], {"valid": 0, "invalid": 0, "quarantined": False, "classes": []})
+        t["valid"] += int(r["valid_total"])
+        t["invalid"] += int(r["invalid_total"])
+        t["quarantined"] = t["quarantined"] or float(r["quarantined_until"]) > now
+        t["classes"].append({k: v for k, v in dict(r).items() if k != "client_id"})
+    return out
 
 
 def versions(store: Store, served: Callable[[int], object], limit: int = 50) -> list[dict[str, Any]]:

@@ -150,9 +150,15 @@ def clients(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 100
     colour = {"working": "green", "active": "cyan", "idle": "dim", "banned": "red"}
     for r in rows:
         t.add_row(r["client_id"][:12], r["name"], f"[{colour[r['state']]}]{r['state']}[/]",
-                  *([_num(r.get("trust"), "{:.2f}")] if has_trust else []), r["backend"], r["device"],
+                  *([_trust(r.get("trust"))] if has_trust else []), r["backend"], r["device"],
                   r["platform"], str(r["accepted"]), str(r["rejected"]), f"{r['credit']:,.0f}", _ago(r["last_seen"]))
     console.print(t)
+
+
+def _trust(t: Optional[dict[str, Any]]) -> str:
+    if not t:
+        return "-"
+    return f"{t['valid']}/{t['valid'] + t['invalid']} valid" + (" [red]quarantined[/]" if t["quarantined"] else "")
 
 
 ClientArg = Annotated[str, typer.Argument(help="Client id, or a unique prefix of at least 6 hex digits "
@@ -217,12 +223,12 @@ def audit(
     limit: LimitOpt = 100,
     client: Annotated[Optional[str], typer.Option(help="Only this client (id or unique prefix).")] = None,
     job: Annotated[Optional[str], typer.Option(help="Only this job id.")] = None,
-    outcome: Annotated[Optional[str], typer.Option(help="Only 'accepted' or 'rejected' results.")] = None,
+    outcome: Annotated[Optional[str], typer.Option(help="Only results with this outcome: 'accepted', 'rejected' (and "
+                                                        "any further outcome the coordinator's audit log records, "
+                                                        "e.g. of spot-checks).")] = None,
 ) -> None:
     """The results audit, newest first: every accepted and refused result with its client, job, version,
     reason code and content hash (sha256 of the submitted bytes)."""
-    if outcome not in (None, "accepted", "rejected"):
-        _fail(f"--outcome must be 'accepted' or 'rejected', not {outcome!r}")
     rows = _run(ctx, "audit", limit, client, job, outcome)
     if as_json:
         return _dump(rows)
