@@ -3,6 +3,7 @@ subcommand, through the real CLI, plus the admin API's authentication refusals."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from pathlib import Path
@@ -14,6 +15,7 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 from coordinator.admin_keys import ADMIN_KEY_FILE
+from coordinator.service import Coordinator
 from echo_swarm.cli import app
 from shared import crypto, wire
 from shared.admin import AdminEmpty
@@ -164,7 +166,8 @@ def test_ban_refuses_everything_and_writes_nothing_unban_restores(live_coordinat
     assert "banned" in cli(live, "ban", client.client_id)
 
 
-def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp_path: Path) -> None:
+def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp_path: Path,
+                                          tiny_model_dir: Path) -> None:
     live = live_coordinator
     client = register(live)
     assert cli_json(live, "pause") == {"paused": True, "changed": True}
@@ -172,6 +175,13 @@ def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp
     assert cli_json(live, "status")["issuing_paused"] is True
     assert db_rows(live.run_dir, "SELECT value FROM meta WHERE key='issuing_paused'") == [("1",)]
     assert "already" in cli(live, "pause")
+    # a coordinator started on this run directory (a restart) is still paused
+    restarted = Coordinator(live.coordinator.config, model_dir=tiny_model_dir)
+    asyncio.run(restarted.start())
+    try:
+        assert restarted.issuing_paused is True
+    finally:
+        asyncio.run(restarted.stop())
     assert "resumed" in cli(live, "resume")
     assert try_lease(client, live.coordinator.public_key) is not None
 
