@@ -9,7 +9,7 @@ OUT    ?= demo-out
 
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,17 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint
+# Headless Chromium for the status-page browser test: Debian's package, installed once (needs root and apt;
+# skipped when a chromium is already on PATH or $$ECHO_SWARM_CHROMIUM names one).
+browser:
+	@if [ -n "$$ECHO_SWARM_CHROMIUM" ] || command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	  echo "chromium: present"; \
+	else \
+	  echo "installing Debian's chromium for the status-page browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
+
+test: lint browser
 	$(BIN)/python -m pytest -ra
 
 clean:

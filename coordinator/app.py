@@ -108,7 +108,10 @@ async def blob(request: web.Request) -> web.StreamResponse:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[COORDINATOR].status(), dumps=lambda o: json.dumps(o, default=str))
+    from coordinator.status_page import select_status  # the base status plus the status page's views
+
+    body = select_status(request.app[COORDINATOR], request.query.get("view"))
+    return web.json_response(body, dumps=lambda o: json.dumps(o, default=str), headers={"Cache-Control": "no-store"})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -155,4 +158,9 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app.router.add_get("/v1/blobs/{sha256}", blob)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
+    from coordinator import admin_api, metrics, status_page  # issue 6: /metrics, /v1/admin/*, /
+
+    metrics.install(app, app[COORDINATOR])
+    admin_api.install(app, app[COORDINATOR])
+    status_page.install(app, app[COORDINATOR])
     return app

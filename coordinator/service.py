@@ -83,6 +83,7 @@ class Coordinator:
         self._waiting: dict[str, int] = {}
         self._version_interval: float | None = None
         self._version_at = self.started_at
+        self.issuing_paused = False  # set by the operator (coordinator.admin_api): no new leases while True
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -97,6 +98,7 @@ class Coordinator:
             run_id = secrets.token_hex(6)
             self.store.set_meta("run_id", run_id)
         self.run_id = run_id
+        self.issuing_paused = self.store.get_meta("issuing_paused") == "1"
         self.task: Task = make_task(self.config.task)
         self.snapshots = SnapshotStore(self.run_dir / "snapshots", self.key, run_id)
         committed = [v["version"] for v in self.store.versions()]
@@ -244,7 +246,7 @@ class Coordinator:
         """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while
         the queue (live leases + untrained results) is below B·(S+1); bind the version it is generated with."""
         retry = self.config.jobs.retry_after_s
-        if self.finished or self.config.sync_mode == "colocated":
+        if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
         now = self.clock()
         active = {j.view.job_id: j for j in self.store.active_jobs()}

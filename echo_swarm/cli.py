@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from echo_swarm.admin_cli import admin_app
+
 app = typer.Typer(
     name="echo-swarm",
     help="RL post-training of language models on volunteer hardware.\n\n"
@@ -20,6 +22,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(admin_app, name="admin")
 
 
 @app.command()

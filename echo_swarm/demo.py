@@ -153,7 +153,7 @@ def run(cfg: DemoConfig) -> int:
             console.print(f"[red]coordinator did not start; see {cfg.out / 'logs' / 'coordinator.log'}[/]")
             return 1
         url = coord.line.split("listening on ")[1].split()[0]
-        console.print(f"coordinator up at {url}; starting {cfg.clients} clients")
+        console.print(f"coordinator up at {url} (live status page: {url}/); starting {cfg.clients} clients")
         for k in range(cfg.clients):
             home = (cfg.out / "clients" / f"client{k}").resolve()
             procs.append(_Proc(f"client{k}", py + ["join", url, "--home", str(home), "--threads",

@@ -1,0 +1,166 @@
+// echo-swarm status page: polls /v1/status and redraws in place. No libraries: charts are plain SVG.
+"use strict";
+const POLL_MS = 2000;
+const NS = "http://www.w3.org/2000/svg";
+const $ = (id) => document.getElementById(id);
+window.echoSwarm = { polls: 0, errors: 0, last: null };
+
+function el(tag, attrs, parent) {
+  const n = document.createElementNS(NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) n.setAttribute(k, v);
+  if (parent) parent.appendChild(n);
+  return n;
+}
+
+function fmt(x, digits = 3) { return x === null || x === undefined ? "–" : Number(x).toFixed(digits); }
+function ago(t, now) {
+  const s = Math.max(0, now - t);
+  return s < 120 ? `${s.toFixed(0)} s ago` : s < 7200 ? `${(s / 60).toFixed(0)} min ago` : `${(s / 3600).toFixed(1)} h ago`;
+}
+
+// A line chart: series = [{points: [[x, y]...], cls, dots}], fixed or data-driven y range.
+function lineChart(host, series, opts) {
+  const w = host.clientWidth || 800, h = host.clientHeight || 240;
+  const m = { l: 44, r: 12, t: 10, b: 26 };
+  const all = series.flatMap((s) => s.points);
+  const xs = all.map((p) => p[0]);
+  let x0 = opts.x0 ?? Math.min(...xs, 0), x1 = Math.max(...xs, x0 + 1);
+  let y0 = opts.y0 ?? 0, y1 = opts.y1 ?? Math.max(1e-9, ...all.map((p) => p[1])) * 1.1;
+  const X = (x) => m.l + ((x - x0) / (x1 - x0)) * (w - m.l - m.r);
+  const Y = (y) => h - m.b - ((y - y0) / (y1 - y0)) * (h - m.t - m.b);
+  const svg = el("svg", { viewBox: `0 0 ${w} ${h}`, preserveAspectRatio: "none" });
+  for (let k = 0; k <= 4; k++) {
+    const y = y0 + ((y1 - y0) * k) / 4;
+    el("line", { x1: m.l, x2: w - m.r, y1: Y(y), y2: Y(y), class: "axis" }, svg);
+    el("text", { x: m.l - 6, y: Y(y) + 4, "text-anchor": "end" }, svg).textContent = opts.yfmt ? opts.yfmt(y) : y.toFixed(2);
+  }
+  for (let k = 0; k <= 5; k++) {
+    const x = x0 + ((x1 - x0) * k) / 5;
+    el("text", { x: X(x), y: h - 8, "text-anchor": "middle" }, svg).textContent = opts.xfmt ? opts.xfmt(x) : x.toFixed(0);
+  }
+  for (const s of series) {
+    if (!s.points.length) continue;
+    if (s.line !== false) {
+      const d = s.points.map((p, i) => `${i ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
+      el("path", { d, fill: "none", stroke: s.color, "stroke-width": s.width || 1.5, class: s.cls }, svg);
+    }
+    if (s.dots) for (const p of s.points) el("circle", { cx: X(p[0]), cy: Y(p[1]), r: 3.5, fill: s.color, class: s.cls + "-dot" }, svg);
+  }
+  host.replaceChildren(svg);
+}
+
+function css(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
+
+function drawReward(s) {
+  const curve = s.reward_curve || [];
+  const pts = curve.map((r, i) => [i + 1, r]);
+  const win = 10, smooth = [];
+  for (let i = win; i <= curve.length; i++) smooth.push([i, curve.slice(i - win, i).reduce((a, b) => a + b, 0) / win]);
+  const evals = (s.evals || []).map((e) => [e.version, e.accuracy]);
+  const host = $("reward-chart");
+  lineChart(host, [
+    { points: pts, color: css("--reward"), cls: "reward", width: 1 },
+    { points: smooth, color: css("--smooth"), cls: "smooth", width: 2 },
+    { points: evals, color: css("--acc"), cls: "acc", dots: true },
+  ], { x0: 0, y0: 0, y1: 1 });
+  host.dataset.points = String(pts.length);
+  host.dataset.evals = String(evals.length);
+}
+
+function drawThroughput(s) {
+  const t = s.throughput || [];
+  const start = t.length ? t[0].t - (t.length > 1 ? t[1].t - t[0].t : 0) : 0;
+  const pts = t.map((b) => [b.t - start, b.tokens_per_s]);
+  const host = $("throughput-chart");
+  lineChart(host, [{ points: pts, color: css("--tput"), cls: "tput", width: 2 }],
+    { x0: 0, y0: 0, yfmt: (y) => y.toFixed(0), xfmt: (x) => (x < 120 ? `${x.toFixed(0)}s` : `${(x / 60).toFixed(0)}m`) });
+  host.dataset.points = String(pts.filter((p) => p[1] > 0).length);
+  const tot = s.totals || {};
+  $("totals").textContent = ` · ${tot.accepted ?? 0} results accepted, ${tot.rejected ?? 0} refused, ${tot.reissued_jobs ?? 0} jobs reissued`;
+}
+
+function bars(host, counts) {
+  const entries = Object.entries(counts || {});
+  const max = Math.max(1, ...entries.map((e) => e[1]));
+  host.replaceChildren(...entries.map(([k, v]) => {
+    const row = document.createElement("div");
+    row.className = "bar";
+    row.innerHTML = `<span></span><div class="fill" style="width:${(100 * v) / max}%"></div><span class="num">${v}</span>`;
+    row.firstChild.textContent = k;
+    return row;
+  }));
+  if (!entries.length) host.textContent = "none active";
+}
+
+function drawClients(s) {
+  const c = s.clients_summary || { by_state: {} };
+  $("clients-state").replaceChildren(...Object.entries(c.by_state).map(([k, v]) => {
+    const n = document.createElement("span");
+    n.textContent = `${k}: ${v}`;
+    return n;
+  }));
+  bars($("by-backend"), c.active_by_backend);
+  bars($("by-platform"), c.active_by_platform);
+}
+
+function cell(tr, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  tr.appendChild(td);
+}
+
+function drawLeaderboard(s) {
+  const rows = s.leaderboard || [];
+  $("leaderboard").tBodies[0].replaceChildren(...rows.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.client = r.client_id;
+    tr.dataset.credit = String(r.credit);
+    cell(tr, r.rank); cell(tr, r.name); cell(tr, r.backend); cell(tr, r.platform);
+    cell(tr, r.accepted, "num"); cell(tr, Math.round(r.credit).toLocaleString(), "num");
+    return tr;
+  }));
+  $("leaderboard-empty").style.display = rows.length ? "none" : "";
+}
+
+function drawVersions(s) {
+  $("versions").tBodies[0].replaceChildren(...(s.recent_versions || []).map((v) => {
+    const tr = document.createElement("tr");
+    cell(tr, v.version); cell(tr, ago(v.created_at, s.server_time)); cell(tr, fmt(v.mean_reward), "num");
+    cell(tr, fmt(v.heldout_accuracy), "num"); cell(tr, v.step_s === null ? "–" : `${fmt(v.step_s, 2)} s`, "num");
+    cell(tr, v.manifest_sha256.slice(0, 16));
+    return tr;
+  }));
+}
+
+function drawSummary(s) {
+  $("version").textContent = s.version;
+  $("max-steps").textContent = ` / ${s.max_steps}`;
+  $("sync-mode").textContent = s.sync_mode + (s.sync_mode === "async-push-pull" ? ` (S=${s.max_staleness})` : "");
+  $("task").textContent = s.task;
+  const st = $("run-state");
+  const [text, cls] = s.finished ? ["finished", "finished"] : s.issuing_paused ? ["paused by operator", "paused"] : ["training", "running"];
+  st.textContent = text;
+  st.className = "pill " + cls;
+  $("updated").textContent = new Date().toLocaleTimeString();
+}
+
+async function poll() {
+  try {
+    const resp = await fetch("/v1/status?view=page", { cache: "no-store" });
+    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    const s = await resp.json();
+    drawSummary(s); drawReward(s); drawThroughput(s); drawClients(s); drawLeaderboard(s); drawVersions(s);
+    window.echoSwarm.polls += 1;
+    window.echoSwarm.last = { version: s.version, points: (s.reward_curve || []).length };
+  } catch (err) {
+    window.echoSwarm.errors += 1;
+    const st = $("run-state");
+    st.textContent = "coordinator unreachable — retrying";
+    st.className = "pill offline";
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+poll();

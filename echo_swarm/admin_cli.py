@@ -1,0 +1,354 @@
+"""`echo-swarm admin ...`: the operator's console for a running coordinator.
+
+Every command signs its request with an operator key (see `echo-swarm admin --help`) and prints a rich table,
+or the coordinator's JSON reply with ``--json`` (for scripts). Commands only parse flags and render; the
+protocol lives in :mod:`echo_swarm.admin_client`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from echo_swarm.admin_client import AdminClient
+
+console = Console()
+
+admin_app = typer.Typer(
+    name="admin",
+    help="Administer a running coordinator: status, clients, bans, versions, jobs, the results audit, "
+    "checkpoints, pausing job issue, and operator keys.\n\n"
+    "Requests are signed with an operator key listed in the run directory's `admin_keys` file. On the "
+    "coordinator's machine `--run-dir DIR` is enough (the URL comes from DIR/endpoint.json, the key from "
+    "DIR/admin.key, both created by the coordinator). From elsewhere pass --url and --key.",
+    no_args_is_help=True,
+)
+keys_app = typer.Typer(help="Operator keys: list them (and the coordinator's own signing key), add, remove, "
+                            "rotate, or generate a key file for a new operator.", no_args_is_help=True)
+admin_app.add_typer(keys_app, name="keys")
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the coordinator's reply as JSON instead of a table "
+                                                      "(stable field names, for scripts).")]
+LimitOpt = Annotated[int, typer.Option(min=1, max=10_000, help="Show at most this many rows.")]
+
+
+@dataclass
+class _Target:
+    url: Optional[str]
+    run_dir: Optional[Path]
+    key: Optional[Path]
+    timeout: float
+
+    def client(self) -> AdminClient:
+        from echo_swarm.admin_client import AdminClient, AdminError
+
+        try:
+            return AdminClient.open(self.url, self.run_dir, self.key, self.timeout)
+        except AdminError as exc:
+            _fail(str(exc))
+
+
+def _fail(message: str) -> NoReturn:
+    console.print(f"[red]error:[/] {message}", highlight=False)
+    raise typer.Exit(1)
+
+
+@admin_app.callback()
+def _options(
+    ctx: typer.Context,
+    run_dir: Annotated[Optional[Path], typer.Option(help="The coordinator's run directory (on its machine): the "
+                                                         "URL is read from DIR/endpoint.json and the operator key "
+                                                         "from DIR/admin.key.")] = None,
+    url: Annotated[Optional[str], typer.Option(help="Coordinator URL, e.g. http://10.0.0.5:8470 (overrides "
+                                                    "--run-dir; or set $ECHO_SWARM_ADMIN_URL).")] = None,
+    key: Annotated[Optional[Path], typer.Option(help="Operator private key file (mode 0600) whose public key is "
+                                                     "listed in the run's admin_keys (overrides --run-dir; or set "
+                                                     "$ECHO_SWARM_ADMIN_KEY).")] = None,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for each reply (a checkpoint of a large "
+                                                       "model can take a while).")] = 60.0,
+) -> None:
+    ctx.obj = _Target(url, run_dir, key, timeout)
+
+
+def _run(ctx: typer.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from pydantic import ValidationError
+
+    from echo_swarm.admin_client import AdminError
+
+    client = ctx.obj.client()
+    try:
+        return getattr(client, fn)(*args, **kwargs)
+    except AdminError as exc:
+        _fail(str(exc))
+    except ValidationError as exc:
+        _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+
+
+def _dump(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def _ago(at: Optional[float]) -> str:
+    if at is None:
+        return "-"
+    s = max(0.0, time.time() - at)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
+
+
+def _num(v: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+@admin_app.command()
+def status(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """The run at a glance: version, sync mode, learner, jobs, clients, totals, and whether issuing is paused."""
+    s = _run(ctx, "status")
+    if as_json:
+        return _dump(s)
+    t = Table(title=f"run {s['run_id']}", show_header=False)
+    t.add_row("policy version", f"{s['version']} / {s['max_steps']}" + ("  (finished)" if s["finished"] else ""))
+    t.add_row("sync mode", f"{s['sync_mode']} (max staleness {s['max_staleness']})")
+    t.add_row("issuing", "[yellow]PAUSED[/]" if s["issuing_paused"] else "running")
+    t.add_row("held-out accuracy", _num(s["heldout_accuracy"]))
+    if s["last_step"]:
+        t.add_row("last step", f"{s['last_step']['step']}: mean reward {s['last_step']['mean_reward']:.3f}, "
+                               f"{_ago(s['last_step']['at'])}")
+    j = s["jobs"]
+    t.add_row("jobs", ", ".join(f"{k} {v}" for k, v in j["counts"].items()) + f"; reissued {j['reissued']}; "
+              f"buffered results {j['buffered_results']}")
+    c = s["clients"]
+    t.add_row("clients", f"{c['total']} registered: " + ", ".join(f"{k} {v}" for k, v in c["by_state"].items()))
+    tot = s["totals"]
+    t.add_row("results", f"{tot['accepted']} accepted, {tot['rejected']} refused, {tot['too_stale']} too stale, "
+                         f"{tot['tokens']:,} tokens")
+    if s["rejections_by_reason"]:
+        t.add_row("refusals", ", ".join(f"{k} {v}" for k, v in s["rejections_by_reason"].items()))
+    if s["learner"].get("last_error"):
+        t.add_row("learner error", f"[red]{s['learner']['last_error']}[/]")
+    console.print(t)
+
+
+@admin_app.command()
+def clients(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 1000) -> None:
+    """Every registered client: state, trust (when the coordinator keeps one), backend, platform, counts, credit."""
+    rows = _run(ctx, "clients", limit)
+    if as_json:
+        return _dump(rows)
+    has_trust = any("trust" in r for r in rows)
+    t = Table(title=f"{len(rows)} clients")
+    for col in ["client", "name", "state", *(["trust"] if has_trust else []), "backend", "device", "platform",
+                "accepted", "rejected", "credit", "last seen"]:
+        t.add_column(col, justify="right" if col in ("accepted", "rejected", "credit", "trust") else "left")
+    colour = {"working": "green", "active": "cyan", "idle": "dim", "banned": "red"}
+    for r in rows:
+        t.add_row(r["client_id"][:12], r["name"], f"[{colour[r['state']]}]{r['state']}[/]",
+                  *([_trust(r.get("trust"))] if has_trust else []), r["backend"], r["device"],
+                  r["platform"], str(r["accepted"]), str(r["rejected"]), f"{r['credit']:,.0f}", _ago(r["last_seen"]))
+    console.print(t)
+
+
+def _trust(t: Optional[dict[str, Any]]) -> str:
+    if not t:
+        return "-"
+    return f"{t['valid']}/{t['valid'] + t['invalid']} valid" + (" [red]quarantined[/]" if t["quarantined"] else "")
+
+
+ClientArg = Annotated[str, typer.Argument(help="Client id, or a unique prefix of at least 6 hex digits "
+                                               "(see `echo-swarm admin clients`).")]
+NoteOpt = Annotated[str, typer.Option(help="Why (kept in the run's admin.log audit trail).")]
+
+
+@admin_app.command()
+def ban(ctx: typer.Context, client: ClientArg, note: NoteOpt = "", as_json: JsonFlag = False) -> None:
+    """Ban a client: all its requests are refused (403 'banned') and its current leases are released for
+    others. Its credit and history stay."""
+    r = _run(ctx, "ban", client, note)
+    if as_json:
+        return _dump(r)
+    console.print(f"banned {r['client_id']}; released {len(r['released_jobs'])} leased job(s)")
+
+
+@admin_app.command()
+def unban(ctx: typer.Context, client: ClientArg, note: NoteOpt = "", as_json: JsonFlag = False) -> None:
+    """Lift a ban: the client may register, lease and submit again."""
+    r = _run(ctx, "unban", client, note)
+    if as_json:
+        return _dump(r)
+    console.print(f"unbanned {r['client_id']}")
+
+
+@admin_app.command()
+def versions(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 50) -> None:
+    """Published policy versions, newest first: step reward, held-out accuracy, and whether still served."""
+    r = _run(ctx, "versions", limit)
+    if as_json:
+        return _dump(r)
+    t = Table(title=f"policy versions (current {r['current']})")
+    for col in ("version", "published", "mean reward", "held-out acc", "step s", "served", "manifest"):
+        t.add_column(col)
+    for v in r["versions"]:
+        t.add_row(str(v["version"]), _ago(v["created_at"]), _num(v["mean_reward"]), _num(v["heldout_accuracy"]),
+                  _num(v["step_s"], "{:.2f}"), "yes" if v["served"] else "pruned", v["manifest_sha256"][:16])
+    console.print(t)
+
+
+@admin_app.command()
+def jobs(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 200) -> None:
+    """Jobs not yet done — open, leased (in flight) and expired (waiting to be reissued) — and totals."""
+    r = _run(ctx, "jobs", limit)
+    if as_json:
+        return _dump(r)
+    counts = ", ".join(f"{k} {v}" for k, v in r["counts"].items())
+    t = Table(title=f"jobs: {counts}; reissued {r['reissued']}; {r['leases_issued']} leases issued")
+    for col in ("job", "state", "client", "version", "expires in", "issues"):
+        t.add_column(col)
+    for j in r["jobs"]:
+        t.add_row(j["job_id"], j["state"], (j["client_id"] or "-")[:12], _num(j["version"], "{}"),
+                  _num(j["expires_in_s"], "{:.0f}s"), str(j["issue_count"]) + (" (reissued)" if j["reissued"] else ""))
+    console.print(t)
+
+
+@admin_app.command()
+def audit(
+    ctx: typer.Context,
+    as_json: JsonFlag = False,
+    limit: LimitOpt = 100,
+    client: Annotated[Optional[str], typer.Option(help="Only this client (id or unique prefix).")] = None,
+    job: Annotated[Optional[str], typer.Option(help="Only this job id.")] = None,
+    outcome: Annotated[Optional[str], typer.Option(help="Only results with this outcome: 'accepted', 'rejected' (and "
+                                                        "any further outcome the coordinator's audit log records, "
+                                                        "e.g. of spot-checks).")] = None,
+) -> None:
+    """The results audit, newest first: every accepted and refused result with its client, job, version,
+    reason code and content hash (sha256 of the submitted bytes)."""
+    rows = _run(ctx, "audit", limit, client, job, outcome)
+    if as_json:
+        return _dump(rows)
+    t = Table(title=f"results audit ({len(rows)} entries)")
+    for col in ("when", "outcome", "client", "job", "version", "reason / use", "content sha256"):
+        t.add_column(col)
+    for e in rows:
+        mark = "[green]accepted[/]" if e["outcome"] == "accepted" else "[red]rejected[/]"
+        t.add_row(_ago(e["at"]), mark, e["client_id"][:12], e["job_id"] or "-", _num(e["version"], "{}"),
+                  e["reason"] or e["detail"], (e["content_sha256"] or "-")[:16])
+    console.print(t)
+
+
+@admin_app.command()
+def checkpoint(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Export the current version now: model folder, optimizer state and a database backup, under
+    <run dir>/exports/. (Every version is also checkpointed automatically when it is published.)"""
+    r = _run(ctx, "checkpoint")
+    if as_json:
+        return _dump(r)
+    console.print(f"checkpoint of version {r['version']}: {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['files']} files)")
+
+
+@admin_app.command()
+def pause(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Stop issuing jobs: lease requests are told to retry later. Jobs already leased may still be returned and
+    are credited. Survives a coordinator restart until `resume`."""
+    r = _run(ctx, "pause")
+    if as_json:
+        return _dump(r)
+    console.print("job issuing paused" + ("" if r["changed"] else " (it already was)"))
+
+
+@admin_app.command()
+def resume(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Issue jobs again; waiting clients are woken at once."""
+    r = _run(ctx, "resume")
+    if as_json:
+        return _dump(r)
+    console.print("job issuing resumed" + ("" if r["changed"] else " (it was not paused)"))
+
+
+@keys_app.command("list")
+def keys_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Operator keys allowed to use the admin API, and the coordinator's own public key (the one volunteers
+    pin; publish it so they can pass --coordinator-key)."""
+    r = _run(ctx, "keys")
+    if as_json:
+        return _dump(r)
+    t = Table(title=f"operator keys ({r['keys_file']})", caption=f"coordinator signing key: {r['coordinator_public_key']}")
+    for col in ("key id", "public key", "comment", ""):
+        t.add_column(col)
+    for k in r["admin_keys"]:
+        t.add_row(k["key_id"][:12], k["public_key"], k["comment"], "← you" if k["you"] else "")
+    console.print(t)
+
+
+@keys_app.command("add")
+def keys_add(
+    ctx: typer.Context,
+    public_key: Annotated[str, typer.Argument(help="The new operator's Ed25519 public key, 64 hex digits (printed "
+                                                   "by `echo-swarm admin keys generate`).")],
+    comment: Annotated[str, typer.Option(help="Who or what the key is for.")] = "",
+    as_json: JsonFlag = False,
+) -> None:
+    """Allow another operator key."""
+    try:
+        raw = bytes.fromhex(public_key.strip())
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        _fail("the public key must be 64 hex digits (32 bytes)")
+    r = _run(ctx, "add_key", raw, comment)
+    if as_json:
+        return _dump(r)
+    console.print(f"added operator key {r['key_id']}" if r["added"] else f"key {r['key_id']} was already listed")
+
+
+@keys_app.command("remove")
+def keys_remove(
+    ctx: typer.Context,
+    key_id: Annotated[str, typer.Argument(help="Key id (or a unique prefix of at least 6 hex digits) from "
+                                                "`echo-swarm admin keys list`.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Revoke an operator key (the last one cannot be removed)."""
+    r = _run(ctx, "remove_key", key_id)
+    if as_json:
+        return _dump(r)
+    console.print(f"removed operator key {r['key_id']}; {r['remaining']} remain")
+
+
+@keys_app.command("rotate")
+def keys_rotate(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Replace the key you are using with a new one: the new key is listed, the old one revoked, and the
+    key file (--key, or <run dir>/admin.key) rewritten."""
+    from echo_swarm.admin_client import resolve_target
+
+    target: _Target = ctx.obj
+    _, key_path = resolve_target(target.url, target.run_dir, target.key)
+    r = _run(ctx, "rotate_key", key_path)
+    if as_json:
+        return _dump(r)
+    console.print(f"rotated: {r['old_key_id'][:12]} → {r['new_key_id'][:12]} (saved to {r['key_file']})")
+
+
+@keys_app.command("generate")
+def keys_generate(
+    path: Annotated[Path, typer.Argument(help="Where to write the new private key (mode 0600; never overwritten).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Create an operator key file locally (no coordinator needed) and print its public key, which an existing
+    operator then allows with `echo-swarm admin keys add`."""
+    from echo_swarm.admin_client import AdminError, generate_key_file
+
+    try:
+        r = generate_key_file(path)
+    except AdminError as exc:
+        _fail(str(exc))
+    if as_json:
+        return _dump(r)
+    console.print(f"wrote {r['key_file']}\npublic key: {r['public_key']}\n"
+                  f"an operator allows it with: echo-swarm admin keys add {r['public_key']}", highlight=False)

@@ -1,0 +1,238 @@
+"""`echo-swarm admin` against a real coordinator (aiohttp on loopback, real SQLite, real learner): every
+subcommand, through the real CLI, plus the admin API's authentication refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from coordinator.admin_keys import ADMIN_KEY_FILE
+from coordinator.service import Coordinator
+from echo_swarm.cli import app
+from shared import crypto, wire
+from shared.admin import AdminEmpty
+from shared.messages import ResultSubmission
+from tests.integration.conftest import LiveCoordinator
+from tests.integration.helpers import RawClient, db_rows
+from tests.integration.ops_helpers import honest_result, lease, register, try_lease
+
+runner = CliRunner()
+
+
+def cli(live: LiveCoordinator, *args: str, key: Path | None = None, ok: bool = True) -> str:
+    result = runner.invoke(app, ["admin", "--url", live.url, "--key", str(key or live.run_dir / ADMIN_KEY_FILE),
+                                 *args], catch_exceptions=False, env={"COLUMNS": "200"})
+    assert (result.exit_code == 0) == ok, result.output
+    return result.output
+
+
+def cli_json(live: LiveCoordinator, *args: str, key: Path | None = None) -> Any:
+    return json.loads(cli(live, *args, "--json", key=key))
+
+
+def admin_envelope(key: Any, path: str, body: bytes | None = None) -> bytes:
+    import time
+
+    return wire.encode(crypto.sign_request(key, path, body if body is not None else wire.encode(AdminEmpty()),
+                                           timestamp=time.time()))
+
+
+def test_admin_api_refuses_unauthenticated_requests(live_coordinator: LiveCoordinator) -> None:
+    live = live_coordinator
+    raw = RawClient(live.url)
+    status, body = raw.send("/v1/admin/status", b"")
+    assert (status, RawClient.error(body).error) == (401, "not_admin")
+    # a registered volunteer's valid signature is not an operator's
+    volunteer = register(live)
+    status, body = volunteer.post("/v1/admin/status", AdminEmpty())
+    assert (status, RawClient.error(body).error) == (401, "not_admin")
+    assert "admin_keys" in RawClient.error(body).message
+    operator = crypto.load_private_key(live.run_dir / ADMIN_KEY_FILE)
+    # signed for another endpoint
+    status, body = raw.send("/v1/admin/clients", admin_envelope(operator, "/v1/admin/status"))
+    assert (status, RawClient.error(body).error) == (401, "bad_signature")
+    # replayed
+    env = admin_envelope(operator, "/v1/admin/status")
+    assert raw.send("/v1/admin/status", env)[0] == 200
+    status, body = raw.send("/v1/admin/status", env)
+    assert (status, RawClient.error(body).error) == (409, "replayed_nonce")
+    # a forged signature
+    forged = bytearray(admin_envelope(operator, "/v1/admin/status"))
+    forged[-5] ^= 0xFF
+    status, body = raw.send("/v1/admin/status", bytes(forged))
+    assert (status, RawClient.error(body).error) == (401, "bad_signature")
+    # a strict body: unknown parameters are refused
+    status, body = raw.send("/v1/admin/ban", admin_envelope(operator, "/v1/admin/ban", wire.pack({"client": "abc"})))
+    assert (status, RawClient.error(body).error) == (422, "schema_invalid")
+    assert raw.get("/v1/admin/status")[0] == 405
+    # no CLI key → a clear message, exit 1
+    result = runner.invoke(app, ["admin", "--url", live.url, "--key", str(live.run_dir / "nope.key"), "status"])
+    assert result.exit_code == 1 and "cannot read key file" in result.output
+
+
+def test_cli_says_what_to_do_without_a_coordinator(tmp_path: Path) -> None:
+    key = tmp_path / "k.key"
+    assert runner.invoke(app, ["admin", "keys", "generate", str(key)]).exit_code == 0
+    result = runner.invoke(app, ["admin", "--url", "http://127.0.0.1:9", "--key", str(key), "status"])
+    assert result.exit_code == 1 and "cannot reach the coordinator at http://127.0.0.1:9" in result.output
+    result = runner.invoke(app, ["admin", "--run-dir", str(tmp_path), "status"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1 and "endpoint.json is missing" in result.output
+    result = runner.invoke(app, ["admin", "status"], env={"ECHO_SWARM_ADMIN_URL": "", "ECHO_SWARM_ADMIN_KEY": ""})
+    assert result.exit_code == 1 and "--run-dir" in result.output
+
+
+def test_status_clients_versions_jobs_audit(live_coordinator: LiveCoordinator) -> None:
+    live = live_coordinator
+    client = register(live, name="alice")
+    job_a = lease(client, live.coordinator.public_key)
+    good = honest_result(live, job_a)
+    bad = ResultSubmission.model_validate(good.model_dump() | {"seed": good.seed + 1})
+    assert client.post("/v1/results", wire.encode(bad))[0] == 422
+    assert client.post("/v1/results", wire.encode(good))[0] == 200
+    job_b = lease(client, live.coordinator.public_key)
+
+    s = cli_json(live, "status")
+    assert s["version"] == 0 and s["issuing_paused"] is False and s["sync_mode"] == "sequential-pull"
+    assert s["totals"]["accepted"] == 1 and s["totals"]["rejected"] == 1
+    assert s["rejections_by_reason"] == {"binding_mismatch": 1}
+    assert s["clients"]["by_state"]["working"] == 1
+    assert "policy version" in cli(live, "status")
+
+    rows = cli_json(live, "clients")
+    (row,) = rows
+    assert row["client_id"] == client.client_id and row["name"] == "alice" and row["backend"] == "torch"
+    assert row["platform"] and row["state"] == "working" and row["credit"] > 0 and row["accepted"] == 1
+    assert client.client_id[:12] in cli(live, "clients")
+
+    v = cli_json(live, "versions")
+    assert v["current"] == 0 and v["versions"][0]["version"] == 0 and v["versions"][0]["served"] is True
+    assert "policy versions" in cli(live, "versions")
+
+    j = cli_json(live, "jobs")
+    assert j["counts"]["leased"] == 1 and j["counts"]["done"] == 1 and j["leases_issued"] == 2
+    assert [x["job_id"] for x in j["jobs"] if x["state"] == "leased"] == [job_b.job_id]
+    live.clock.advance(31)  # past the 30 s lease timeout: the job is expired, waiting to be reissued
+    j = cli_json(live, "jobs")
+    assert j["counts"]["expired"] == 1 and j["jobs"][0]["state"] == "expired"
+    other = register(live, name="bob")
+    assert lease(other, live.coordinator.public_key).job_id == job_b.job_id
+    j = cli_json(live, "jobs")
+    assert j["reissued"] == 1 and j["jobs"][0]["reissued"] is True
+    assert job_b.job_id in cli(live, "jobs")
+
+    entries = cli_json(live, "audit")
+    assert [e["outcome"] for e in entries] == ["accepted", "rejected"]
+    acc, rej = entries
+    assert acc["job_id"] == job_a.job_id and acc["client_id"] == client.client_id and acc["version"] == 0
+    assert len(acc["content_sha256"]) == 64 and acc["detail"] == "buffered"
+    assert rej["reason"] == "binding_mismatch" and rej["job_id"] == job_a.job_id and len(rej["content_sha256"]) == 64
+    assert acc["content_sha256"] != rej["content_sha256"]
+    assert [e["outcome"] for e in cli_json(live, "audit", "--outcome", "rejected")] == ["rejected"]
+    assert cli_json(live, "audit", "--client", other.client_id[:8]) == []
+    assert "binding_mismatch" in cli(live, "audit")
+    assert "outcome" in cli(live, "audit", "--outcome", "Not Valid", ok=False)
+
+
+def test_ban_refuses_everything_and_writes_nothing_unban_restores(live_coordinator: LiveCoordinator) -> None:
+    live = live_coordinator
+    client = register(live)
+    job = lease(client, live.coordinator.public_key)
+    r = cli_json(live, "ban", client.client_id[:10], "--note", "sent garbage")
+    assert r == {"client_id": client.client_id, "banned": True, "released_jobs": [job.job_id]}
+    assert db_rows(live.run_dir, "SELECT state FROM jobs WHERE job_id=?", (job.job_id,)) == [("open",)]
+    tables = ("jobs", "results", "rejections", "nonces", "clients")
+    before = {t: db_rows(live.run_dir, f"SELECT * FROM {t}") for t in tables}
+    status, body = client.post("/v1/results", wire.encode(honest_result(live, job)))
+    err = RawClient.error(body)
+    assert (status, err.error) == (403, "banned") and "banned" in err.message
+    status, body = client.send("/v1/lease", client.envelope("/v1/lease", wire.pack({"backend": "torch",
+                                                                                       "held_version": -1})))
+    assert (status, RawClient.error(body).error) == (403, "banned")
+    assert {t: db_rows(live.run_dir, f"SELECT * FROM {t}") for t in tables} == before
+    assert cli_json(live, "clients")[0]["state"] == "banned"
+    assert "sent garbage" in (live.run_dir / "admin.log").read_text()
+    assert "no client id starts with 'ffffff'" in cli(live, "ban", "ffffff", ok=False)
+
+    assert "unbanned" in cli(live, "unban", client.client_id)
+    assert lease(client, live.coordinator.public_key).job_id == job.job_id
+    assert "banned" in cli(live, "ban", client.client_id)
+
+
+def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp_path: Path,
+                                          tiny_model_dir: Path) -> None:
+    live = live_coordinator
+    client = register(live)
+    assert cli_json(live, "pause") == {"paused": True, "changed": True}
+    assert try_lease(client, live.coordinator.public_key) is None
+    assert cli_json(live, "status")["issuing_paused"] is True
+    assert db_rows(live.run_dir, "SELECT value FROM meta WHERE key='issuing_paused'") == [("1",)]
+    assert "already" in cli(live, "pause")
+    # a coordinator started on this run directory (a restart) is still paused
+    restarted = Coordinator(live.coordinator.config, model_dir=tiny_model_dir)
+    asyncio.run(restarted.start())
+    try:
+        assert restarted.issuing_paused is True
+    finally:
+        asyncio.run(restarted.stop())
+    assert "resumed" in cli(live, "resume")
+    assert try_lease(client, live.coordinator.public_key) is not None
+
+    cp = cli_json(live, "checkpoint")
+    folder = Path(cp["path"])
+    assert cp["version"] == 0 and folder.parent == live.run_dir / "exports" and cp["bytes"] > 0
+    assert (folder / "model" / "config.json").exists() and (folder / "checkpoint.json").exists()
+    db = sqlite3.connect(folder / "coordinator.sqlite")
+    assert db.execute("SELECT version FROM versions").fetchall() == [(0,)]
+    db.close()
+    assert "checkpoint of version 0" in cli(live, "checkpoint")
+
+    keys = cli_json(live, "keys", "list")
+    (mine,) = keys["admin_keys"]
+    assert mine["you"] is True and keys["coordinator_public_key"] == live.coordinator.public_key.hex()
+    assert live.coordinator.public_key.hex() in cli(live, "keys", "list")
+    new_key = tmp_path / "ops.key"
+    gen = json.loads(runner.invoke(app, ["admin", "keys", "generate", str(new_key), "--json"]).output)
+    assert new_key.stat().st_mode & 0o777 == 0o600
+    assert runner.invoke(app, ["admin", "keys", "generate", str(new_key)]).exit_code == 1  # never overwritten
+    assert "not an operator key" in cli(live, "status", key=new_key, ok=False)
+    assert cli_json(live, "keys", "add", gen["public_key"], "--comment", "ops laptop")["added"] is True
+    assert cli_json(live, "status", key=new_key)["version"] == 0
+    assert cli_json(live, "keys", "remove", mine["key_id"][:8], key=new_key)["remaining"] == 1
+    assert "not an operator key" in cli(live, "status", ok=False)
+    assert "only operator key" in cli(live, "keys", "remove", gen["key_id"], key=new_key, ok=False)
+
+    rotated = cli_json(live, "keys", "rotate", key=new_key)
+    assert rotated["old_key_id"] == gen["key_id"] and rotated["new_key_id"] != gen["key_id"]
+    listed = cli_json(live, "keys", "list", key=new_key)["admin_keys"]
+    assert [k["key_id"] for k in listed] == [rotated["new_key_id"]] and listed[0]["you"] is True
+    assert crypto.client_id_for(crypto.public_bytes(crypto.load_private_key(new_key))) == rotated["new_key_id"]
+
+
+def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:
+    out: list[tuple[str, click.Command]] = [] if prefix else [("", group)]
+    for name, cmd in group.commands.items():
+        out.append((prefix + name, cmd))
+        if isinstance(cmd, click.Group):
+            out.extend(_commands(cmd, prefix + name + " "))
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _commands(get_command(app).commands["admin"])])  # type: ignore[attr-defined]
+def test_every_admin_command_and_option_has_help(name: str) -> None:
+    cmd = dict(_commands(get_command(app).commands["admin"]))[name]  # type: ignore[attr-defined]
+    assert cmd.help and len(cmd.help) > 20, f"`admin {name}` has no help text"
+    for param in cmd.params:
+        if isinstance(param, click.Option) and param.name != "help":
+            assert param.help and len(param.help) > 10, f"`admin {name}` option {param.opts} has no help"
+        if isinstance(param, click.Argument):
+            assert getattr(param, "help", None), f"`admin {name}` argument {param.name} has no help"
+    result = runner.invoke(app, ["admin", *name.split(), "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "Usage" in result.output

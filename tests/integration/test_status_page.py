@@ -1,0 +1,122 @@
+"""End to end: a running swarm (coordinator + 2 volunteer client processes on loopback) and a real headless
+Chromium on its status page. The page must draw the reward/accuracy plot, the throughput plot and the
+credit leaderboard, then update them as training proceeds — without a reload — and a screenshot is saved to
+test-artifacts/. The same run checks that /metrics counters move and that `echo-swarm admin --run-dir` finds
+the coordinator by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from typer.testing import CliRunner
+
+from echo_swarm.cli import app
+from tests.integration.browser import Chromium, Page, open_page
+from tests.integration.helpers import REPO, Proc, start_client, start_coordinator, write_config
+from tests.integration.ops_helpers import scrape
+
+ARTIFACTS = REPO / "test-artifacts"
+
+
+async def wait_for(page: Page, expression: str, timeout: float, what: str) -> Any:
+    """Poll a JavaScript expression until it is truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await page.evaluate(expression)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            state = await page.evaluate("JSON.stringify(window.echoSwarm)")
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; page state {state}")
+        await asyncio.sleep(0.25)
+
+
+CREDIT = "[...document.querySelectorAll('#leaderboard tbody tr')].reduce((a, r) => a + Number(r.dataset.credit), 0)"
+POINTS = "Number(document.getElementById('reward-chart').dataset.points)"
+
+
+async def watch_page(url: str, browser: Chromium, shot: Path) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session:
+        page = await open_page(session, browser)
+        await page.send("Page.navigate", url=url + "/")
+        await wait_for(page, "window.echoSwarm && window.echoSwarm.polls >= 1", 60, "the first status poll")
+        await page.evaluate("window.__sameDocument = 'yes'")  # gone if the page reloads
+        await wait_for(page, f"{POINTS} >= 1 && {CREDIT} > 0", 240, "a plotted step and a leaderboard entry")
+        first = {"points": await page.evaluate(POINTS), "credit": await page.evaluate(CREDIT)}
+        await wait_for(page, f"{POINTS} > {first['points']} && {CREDIT} > {first['credit']}", 240,
+                       "the plot and the leaderboard to update")
+        later = await page.evaluate(f"""({{
+            points: {POINTS}, credit: {CREDIT}, same: window.__sameDocument,
+            rows: document.querySelectorAll('#leaderboard tbody tr').length,
+            paths: document.querySelectorAll('#reward-chart svg path').length,
+            evalDots: document.querySelectorAll('#reward-chart circle').length,
+            throughput: Number(document.getElementById('throughput-chart').dataset.points),
+            backends: document.getElementById('by-backend').textContent,
+            versions: document.querySelectorAll('#versions tbody tr').length,
+            version: document.getElementById('version').textContent,
+            errors: window.echoSwarm.errors,
+        }})""")
+        size = await page.screenshot(shot)
+        await page.ws.close()
+    return {"first": first, "later": later, "screenshot_bytes": size}
+
+
+@pytest.mark.slow
+def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir,
+                          learner={"max_steps": 60, "eval_every": 2, "eval_size": 32})
+    coord, url = start_coordinator(config, tmp_path / "coordinator.log")
+    procs: list[Proc] = [coord]
+    browser: Chromium | None = None
+    try:
+        with urllib.request.urlopen(url + "/", timeout=10) as resp:
+            html = resp.read().decode()
+        assert "/static/status.js" in html and "cdn" not in html.lower()
+        metrics_before = scrape(url)
+        for k in range(2):
+            procs.append(start_client(url, tmp_path / f"client{k}", tmp_path / f"client{k}.log", "--name", f"vol-{k}"))
+        browser = Chromium(tmp_path / "chromium-profile", tmp_path / "chromium.log")
+        shot = ARTIFACTS / "status-page.png"
+        seen = asyncio.run(watch_page(url, browser, shot))
+        later = seen["later"]
+        assert later["same"] == "yes", "the page reloaded instead of updating in place"
+        assert later["points"] > seen["first"]["points"] and later["credit"] > seen["first"]["credit"]
+        assert later["rows"] == 2 and later["paths"] >= 1 and later["evalDots"] >= 1
+        assert later["throughput"] >= 1 and "torch" in later["backends"] and later["versions"] >= 2
+        assert later["errors"] == 0
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and seen["screenshot_bytes"] > 20_000
+
+        full, page = (json.loads(urllib.request.urlopen(url + q, timeout=30).read())
+                      for q in ("/v1/status", "/v1/status?view=page"))
+        old_keys = {"run_id", "version", "max_steps", "finished", "sync_mode", "max_staleness", "task", "uptime_s",
+                    "learner", "jobs", "totals", "reward_curve", "steps", "evals", "clients"}
+        new_keys = {"server_time", "issuing_paused", "throughput", "clients_summary", "leaderboard", "recent_versions"}
+        assert old_keys | new_keys <= set(full) and "in_flight" in full["jobs"]  # backward compatible
+        assert new_keys <= set(page) and "clients" not in page and "steps" not in page
+        assert [r["credit"] for r in page["leaderboard"]] == sorted((r["credit"] for r in page["leaderboard"]),
+                                                                    reverse=True)
+
+        metrics_after = scrape(url)
+        key = ("echo_swarm_jobs_leased_total", ())
+        assert metrics_after[key] > metrics_before[key]
+        assert metrics_after[("echo_swarm_results_accepted_total", ())] > 0
+        assert metrics_after[("echo_swarm_learner_step_seconds_count", ())] >= 2
+
+        # the operator CLI finds the URL (endpoint.json) and key (admin.key) from the run directory alone
+        result = CliRunner().invoke(app, ["admin", "--run-dir", str(run_dir), "status", "--json"])
+        assert result.exit_code == 0, result.output
+        status = json.loads(result.output)
+        assert status["version"] >= 2 and status["clients"]["total"] == 2
+    finally:
+        if browser is not None:
+            browser.stop()
+        for p in reversed(procs):
+            p.stop()

@@ -1,0 +1,76 @@
+"""coordinator/readmodels.py against a real SQLite store: the audit view merges results and refusals, or reads
+a dedicated audit log where the coordinator keeps one; trust standings are attached where they exist."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator import readmodels
+from coordinator.core.jobs import plan_job
+from coordinator.store import Store
+
+T0 = 1000.0
+ALICE = "a" * 32
+PROFILE = {"name": "alice", "backend": "torch", "device": "cpu", "platform": "Linux x86_64", "cpu_count": 4,
+           "memory_gb": 8.0, "software": "t"}
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "coordinator.sqlite")
+    s.register_client(ALICE, b"k" * 32, PROFILE, T0)
+    plan = plan_job(0, 0, 100, 2)
+    s.create_job(plan, 4, T0)
+    s.lease_job(plan.job_id, "lease", ALICE, T0 + 60, 0, T0)
+    s.accept_result(job_id=plan.job_id, lease_id="lease", client_id=ALICE, version=0, content_sha256="1" * 64,
+                    payload=b"", rewards=[1.0, 0.0], n_tokens=10, credit=10.0, now=T0 + 5)
+    s.record_rejection(ALICE, "other-job", "logprob_mismatch", "logprobs disagree", "2" * 64, T0 + 9)
+    yield s
+    s.close()
+
+
+def test_audit_merges_results_and_rejections_newest_first(store: Store) -> None:
+    entries = readmodels.audit(store)
+    assert [(e["outcome"], e["reason"], e["content_sha256"][0]) for e in entries] == [
+        ("rejected", "logprob_mismatch", "2"), ("accepted", None, "1")]
+    assert entries[1]["detail"] == "buffered" and entries[1]["n_tokens"] == 10
+    assert readmodels.audit(store, outcome="accepted", limit=5)[0]["outcome"] == "accepted"
+    assert readmodels.audit(store, job_id="other-job")[0]["reason"] == "logprob_mismatch"
+    assert readmodels.audit(store, client_id="b" * 32) == []
+
+
+def test_a_dedicated_audit_log_and_trust_table_are_used_when_present(store: Store) -> None:
+    store.conn.executescript("""
+        CREATE TABLE audit(id INTEGER PRIMARY KEY, at REAL NOT NULL, client_id TEXT NOT NULL, job_id TEXT,
+          version INTEGER, outcome TEXT NOT NULL, reason TEXT NOT NULL, content_sha256 TEXT,
+          detail TEXT NOT NULL DEFAULT '');
+        CREATE TABLE trust(client_id TEXT NOT NULL, backend_class TEXT NOT NULL, consecutive_valid INTEGER NOT NULL
+          DEFAULT 0, consecutive_invalid INTEGER NOT NULL DEFAULT 0, quarantines INTEGER NOT NULL DEFAULT 0,
+          quarantined_until REAL NOT NULL DEFAULT 0, valid_total INTEGER NOT NULL DEFAULT 0,
+          invalid_total INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(client_id, backend_class));
+    """)
+    store.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256) "
+                       "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "invalidated", "replica_mismatch", "3" * 64))
+    store.conn.execute("INSERT INTO trust(client_id, backend_class, valid_total, invalid_total, quarantined_until) "
+                       "VALUES(?,?,?,?,?)", (ALICE, "torch-cpu", 7, 2, T0 + 100))
+    (entry,) = readmodels.audit(store)
+    assert (entry["outcome"], entry["reason"], entry["job_id"]) == ("invalidated", "replica_mismatch", "j-r")
+    assert readmodels.audit(store, outcome="accepted") == []
+    (row,) = readmodels.clients(store, T0 + 50, 30.0)
+    assert row["trust"]["valid"] == 7 and row["trust"]["invalid"] == 2 and row["trust"]["quarantined"] is True
+    assert readmodels.clients(store, T0 + 500, 30.0)[0]["trust"]["quarantined"] is False
+
+
+def test_client_views(store: Store) -> None:
+    (row,) = readmodels.clients(store, T0 + 10, 30.0)
+    assert (row["name"], row["backend"], row["platform"], row["state"], row["credit"]) == (
+        "alice", "torch", "Linux x86_64", "active", 10.0)
+    assert "public_key" not in row and "profile" not in row
+    summary = readmodels.client_summary(readmodels.client_states(store, T0 + 10, 30.0))
+    assert summary["by_state"]["active"] == 1 and summary["active_by_backend"] == {"torch": 1}
+    assert readmodels.client_summary(readmodels.client_states(store, T0 + 1000, 30.0))["by_state"]["idle"] == 1
+    store.set_banned(ALICE, True)
+    assert readmodels.top_clients(store, T0, 30.0) == []
