@@ -7,6 +7,7 @@ Detection is best effort and never fails the client: CPU cores and RAM from the 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import shutil
@@ -66,9 +67,11 @@ def parse_nvidia_smi(text: str) -> tuple[Gpu, ...]:
         if not sep or not name.strip():
             continue
         try:
-            gpus.append(Gpu(name.strip()[:96], round(float(mem.strip()) / 1024, 2)))
+            mib = float(mem.strip())
         except ValueError:
             continue
+        if math.isfinite(mib) and 0 <= mib < 1e8:
+            gpus.append(Gpu(name.strip()[:96], round(mib / 1024, 2)))
     return tuple(gpus)
 
 

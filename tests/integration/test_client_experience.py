@@ -5,6 +5,7 @@ self-benchmark figures stored at registration."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from swarm_client.control import read_status
 from tests.integration.conftest import LiveCoordinator
-from tests.integration.helpers import REPO, start_client, wait_until
+from tests.integration.helpers import REPO, db_rows, start_client, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +28,7 @@ def _cli(*args: str) -> str:
 
 def _leases(live: LiveCoordinator) -> int:
     """Leases the coordinator has handed out (every job's issue count; one client in these tests)."""
-    row = live.coordinator.store.conn.execute("SELECT COALESCE(SUM(issue_count), 0) FROM jobs").fetchone()
-    return int(row[0])
+    return int(db_rows(live.run_dir, "SELECT COALESCE(SUM(issue_count), 0) FROM jobs")[0][0])
 
 
 def _status(home: Path) -> dict[str, Any]:
@@ -100,6 +100,16 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     (row,) = live_coordinator.coordinator.store.clients()
     assert row["profile"]["name"] == "from-file" and row["accepted"] == 1
+
+    # banned by the operator: the client stops at once and says why, instead of retrying
+    conn = sqlite3.connect(live_coordinator.run_dir / "coordinator.sqlite", timeout=10)
+    with conn:
+        conn.execute("UPDATE clients SET banned=1 WHERE client_id=?", (row["client_id"],))
+    conn.close()
+    banned = subprocess.run(argv + ["--max-memory-gb", "64", "--no-benchmark"], capture_output=True, text=True,
+                            cwd=REPO, timeout=180, env=_env(env))
+    assert banned.returncode == 3, banned.stdout + banned.stderr
+    assert "has banned this client" in banned.stdout and "contact the coordinator's operator" in banned.stdout
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
