@@ -81,21 +81,22 @@ class Display:
     def __rich__(self) -> Any:
         from rich.panel import Panel
         from rich.table import Table
+        from rich.text import Text
 
         s = self.stats
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold cyan", justify="right")
         grid.add_column()
         state_style = {"generating": "green", "paused": "yellow", "stopped": "red"}.get(s.state, "white")
-        grid.add_row("state", f"[{state_style}]{s.state}[/]")
-        grid.add_row("coordinator", self.url)
+        grid.add_row("state", Text(s.state, style=state_style))  # Text, not markup: values are never parsed
+        grid.add_row("coordinator", Text(self.url))
         grid.add_row("client", s.client_id[:16])
         grid.add_row("policy version", str(s.version) if s.version >= 0 else "-")
-        grid.add_row("current job", s.last_job or "-")
+        grid.add_row("current job", Text(s.last_job or "-"))
         grid.add_row("tokens/s", f"{s.tokens_per_s:,.1f}")
-        grid.add_row("accepted / rejected", f"[green]{s.accepted}[/] / [red]{s.rejected}[/]")
+        grid.add_row("accepted / rejected", Text.assemble((str(s.accepted), "green"), " / ", (str(s.rejected), "red")))
         grid.add_row("credit", f"{s.credit:,.1f}")
         if self.hardware:
-            grid.add_row("machine", self.hardware)
+            grid.add_row("machine", Text(self.hardware))
         return Panel(grid, title=f"echo-swarm {self.software}",
                      subtitle="Ctrl-C: stop · `echo-swarm client pause`: pause", border_style="blue")

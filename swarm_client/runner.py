@@ -13,6 +13,7 @@ is swarm_client/panel.py, the pause/status files swarm_client/control.py, the co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -151,6 +152,7 @@ class Runner:
         self.windows = [parse_window(w) for w in cfg.windows]
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100) if cfg.idle_only else None
         self.hardware: Hardware | None = None
+        self.prefetch: asyncio.Task[object] | None = None
 
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -206,6 +208,10 @@ class Runner:
             self._say(f"error: {disk_full_message(exc.filename or self.cfg.home)}")
             return EXIT_RESOURCES
         finally:
+            if self.prefetch is not None and not self.prefetch.done():
+                self.prefetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.prefetch
             self.stats.state = "stopped"
             self._write_status()
             self.display.stop()
@@ -288,7 +294,6 @@ class Runner:
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
         pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
         held = -1
-        prefetch: asyncio.Task[object] | None = None
         gated: str | None = None
         while not self.stop.is_set():
             gate = await self._gate()
@@ -303,10 +308,10 @@ class Runner:
                 continue
             self._set_state("waiting")
             resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=held), LeaseResponse)
-            if resp.current_version > held and (prefetch is None or prefetch.done()):
+            if resp.current_version > held and (self.prefetch is None or self.prefetch.done()):
                 # push-pull: the lease reply announces the newest version; fetch it in the background while
                 # generating with the one we hold (a failed prefetch is retried by the job that needs it)
-                prefetch = asyncio.create_task(self._prefetch(cache, reg.run_id, resp.current_version))
+                self.prefetch = asyncio.create_task(self._prefetch(cache, reg.run_id, resp.current_version))
             if resp.job is None:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
@@ -367,6 +372,7 @@ class Runner:
             self._write_status()
             if self.cfg.max_jobs and self.stats.accepted >= self.cfg.max_jobs:
                 break
+        self.stats.state = "stopped"
         self.display.stop()
         self._say(f"stopped: {self.stats.accepted} results accepted, {self.stats.rejected} refused, "
                   f"credit {self.stats.credit:,.0f}")
