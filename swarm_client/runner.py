@@ -159,7 +159,10 @@ class Runner:
         self.display.say(text)
 
     def _write_status(self) -> None:
-        write_status(self.cfg.home, asdict(self.stats))
+        try:
+            write_status(self.cfg.home, asdict(self.stats))
+        except OSError as exc:  # e.g. disk full: the status file is a convenience, never a reason to stop
+            logger.warning("could not write %s: %s", self.cfg.home / "status.json", exc)
 
     def _set_state(self, state: str) -> None:
         if state != self.stats.state:
@@ -251,9 +254,19 @@ class Runner:
         return work_gate(datetime.now(), paused=paused, windows=self.windows, idle_only=self.cfg.idle_only,
                          idle=idle)
 
+    async def _wait_unless_paused(self, seconds: float) -> None:
+        """Wait as the coordinator asked, but notice a pause (or Ctrl-C) within one poll."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not self.stop.is_set() and not is_paused(self.cfg.home):
+            await asyncio.to_thread(self.stop.wait, min(left, GATE_POLL_S))
+
     async def _benchmark(self, cache: SnapshotCache, backend: Backend, info: Info) -> None:
         self._set_state("benchmarking")
-        folder = await cache.ensure(info.run_id, info.current_version, None)
+        try:
+            folder = await cache.ensure(info.run_id, info.current_version, None)
+        except (IntegrityError, ProtocolError) as exc:  # not fatal: jobs fetch their own versions later
+            self._say(f"self-benchmark skipped: no verified snapshot of version {info.current_version} ({exc})")
+            return
         await asyncio.to_thread(backend.load, folder)
         self.stats.benchmark_tokens_per_s = await asyncio.to_thread(run_benchmark, backend)
         if self.stats.benchmark_tokens_per_s is not None:
@@ -316,7 +329,7 @@ class Runner:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
                     break
-                await asyncio.to_thread(self.stop.wait, min(resp.retry_after_s, GATE_POLL_S * 5))
+                await self._wait_unless_paused(resp.retry_after_s)
                 continue
             job = open_job(resp.job, info.coordinator_public_key)
             if job.client_id != identity.client_id:

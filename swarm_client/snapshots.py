@@ -13,6 +13,7 @@ model too big for the machine's memory or disk (swarm_client/resources.py) inste
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -141,6 +142,8 @@ class SnapshotCache:
                         if fh.tell() > size:
                             break
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise  # disk full: retrying cannot help; the client says what to do
             logger.warning("download of %s interrupted (%s); resuming", sha256[:12], exc)
         return partial.exists() and partial.stat().st_size >= size
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from shared.hashing import sha256_file
 from swarm_client.control import read_status
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import REPO, db_rows, start_client, wait_until
@@ -41,8 +42,8 @@ def test_pause_stops_new_leases_within_one_poll_and_resume_restarts_them(
     client = start_client(live_coordinator.url, home, tmp_path / "client.log", "--no-panel")
     try:
         wait_until(lambda: _status(home).get("accepted", 0) >= 1, 240, "the client's first accepted result")
-        before_pause = _leases(live_coordinator)
         assert "paused" in _cli("client", "pause", "--home", str(home))
+        before_pause = _leases(live_coordinator)  # the pause file is written before the command returns
         wait_until(lambda: _status(home).get("state") == "paused", 120, "the client to report 'paused'")
         at_pause = _leases(live_coordinator)
         # the job being generated is finished; at most one lease already in flight arrives (and is released)
@@ -93,6 +94,16 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     assert no_disk.returncode == 4, no_disk.stdout + no_disk.stderr
     assert "not enough free disk" in no_disk.stdout and "--min-free-disk-gb" in no_disk.stdout
     assert _blobs(home) == []
+
+    # the disk fills up during a download (the weights' partial file is /dev/full): stop and say what to do
+    weights = live_coordinator.run_dir / "snapshots" / "v000000" / "model.safetensors"
+    full_home = tmp_path / "full"
+    (full_home / "cache" / "blobs").mkdir(parents=True)
+    (full_home / "cache" / "blobs" / f"{sha256_file(weights)}.partial").symlink_to("/dev/full")
+    disk_full = subprocess.run(argv[:5] + [str(full_home)] + argv[6:] + ["--max-memory-gb", "64"],
+                               capture_output=True, text=True, cwd=REPO, timeout=180, env=_env(env))
+    assert disk_full.returncode == 4, disk_full.stdout + disk_full.stderr
+    assert "disk full while writing" in disk_full.stdout and "free some disk space" in disk_full.stdout
 
     # the flag overrides the file's too-small ceiling; the file's url and name still apply
     ok = subprocess.run(argv + ["--max-memory-gb", "64", "--max-jobs", "1"], capture_output=True, text=True,
