@@ -57,6 +57,16 @@ def check_memory(model_bytes: int, limits: Limits, version: int) -> None:
             f"about {need / GIB:.2f} GiB of memory, but the memory ceiling is {ceiling / GIB:.2f} GiB; {how}.")
 
 
+def check_gpu_memory(model_bytes: int, gpu_memory_bytes: int, gpu_name: str, version: int) -> None:
+    """A model placed wholly on a GPU must fit its memory (same estimate, whole GPU memory as the ceiling)."""
+    need = memory_needed(model_bytes)
+    if need > gpu_memory_bytes:
+        raise ResourceRefusal(
+            f"model too big for this machine's GPU: policy version {version} needs about {need / GIB:.2f} GiB of "
+            f"GPU memory, {gpu_name} has {gpu_memory_bytes / GIB:.2f} GiB; run on the CPU instead with "
+            f"--gpu-layers 0 (or --device cpu), or join a run with a smaller model.")
+
+
 def check_disk(missing_bytes: int, free_bytes: int, limits: Limits, version: int) -> None:
     """``missing_bytes``: what must still be downloaded (files not already in the cache)."""
     if limits.cache_max_bytes is not None and missing_bytes > limits.cache_max_bytes:

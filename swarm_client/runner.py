@@ -49,7 +49,15 @@ from swarm_client.control import is_paused, write_status
 from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
 from swarm_client.panel import Display
-from swarm_client.resources import GIB, Limits, ResourceRefusal, check_disk, check_memory, disk_full_message
+from swarm_client.resources import (
+    GIB,
+    Limits,
+    ResourceRefusal,
+    check_disk,
+    check_gpu_memory,
+    check_memory,
+    disk_full_message,
+)
 from swarm_client.schedule import work_gate
 from swarm_client.snapshots import SnapshotCache
 
@@ -153,6 +161,7 @@ class Runner:
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100) if cfg.idle_only else None
         self.hardware: Hardware | None = None
         self.prefetch: asyncio.Task[object] | None = None
+        self.device = "cpu"  # the backend's device, once created
 
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -189,6 +198,7 @@ class Runner:
 
         backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
                                gpu_layers=self.cfg.gpu_layers)
+        self.device = str(backend.device)
         api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say,
                                 retry=RetryPolicy(attempts=self.cfg.retries))
         try:
@@ -242,7 +252,11 @@ class Runner:
             total_memory_bytes=int(total_memory_gb() * GIB),
             min_free_disk_bytes=int(self.cfg.min_free_disk_gb * GIB),
             cache_max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB))
-        check_memory(sum(f.size for f in manifest.files), limits, manifest.version)
+        model_bytes = sum(f.size for f in manifest.files)
+        check_memory(model_bytes, limits, manifest.version)
+        gpus = self.hardware.gpus if self.hardware else ()
+        if self.device.startswith("cuda") and gpus:
+            check_gpu_memory(model_bytes, int(gpus[0].memory_gb * GIB), gpus[0].name, manifest.version)
         check_disk(missing_bytes, int(free_disk_gb(self.cfg.home) * GIB), limits, manifest.version)
 
     async def _gate(self) -> str | None:

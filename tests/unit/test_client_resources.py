@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from swarm_client.hardware import parse_nvidia_smi
-from swarm_client.resources import GIB, Limits, ResourceRefusal, check_disk, check_memory, memory_needed
+from swarm_client.resources import (
+    GIB,
+    Limits,
+    ResourceRefusal,
+    check_disk,
+    check_gpu_memory,
+    check_memory,
+    memory_needed,
+)
 
 
 def limits(**kw: object) -> Limits:
@@ -49,3 +57,9 @@ def test_nvidia_smi_parsing() -> None:
     gpus = parse_nvidia_smi("NVIDIA GeForce RTX 3060, 12288\nNVIDIA H200, 143771\ngarbage\n, 5\nX, nan-ish\nY, nan\nZ, inf\n")
     assert [(g.name, g.memory_gb) for g in gpus] == [("NVIDIA GeForce RTX 3060", 12.0), ("NVIDIA H200", 140.4)]
     assert parse_nvidia_smi("") == ()
+
+
+def test_gpu_memory_check_suggests_the_cpu() -> None:
+    check_gpu_memory(10 * GIB, 24 * GIB, "NVIDIA RTX 4090", version=2)
+    with pytest.raises(ResourceRefusal, match="GPU memory.*RTX 3060 has 12.00 GiB.*--gpu-layers 0"):
+        check_gpu_memory(10 * GIB, 12 * GIB, "NVIDIA GeForce RTX 3060", version=2)
