@@ -127,3 +127,20 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     import os
 
     return os.environ | {"PYTHONUNBUFFERED": "1"} | extra
+
+
+def test_outside_its_time_window_the_client_leases_nothing(tmp_path: Path,
+                                                           live_coordinator: LiveCoordinator) -> None:
+    from datetime import datetime, timedelta
+
+    now = datetime.now()
+    window = f"{now + timedelta(hours=2):%H:%M}-{now + timedelta(hours=3):%H:%M}"
+    home = tmp_path / "client"
+    client = start_client(live_coordinator.url, home, tmp_path / "client.log", "--no-benchmark", "--window", window)
+    try:
+        wait_until(lambda: _status(home).get("gated_polls", 0) >= 3, 120, "three polls outside the window")
+        assert _status(home)["state"] == f"outside {window}"
+        assert _leases(live_coordinator) == 0
+    finally:
+        assert client.stop() == 0, client.output()[-3000:]
+    assert f"not fetching new work: outside {window}" in client.output()
