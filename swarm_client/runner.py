@@ -162,6 +162,7 @@ class Runner:
         self.hardware: Hardware | None = None
         self.prefetch: asyncio.Task[object] | None = None
         self.device = "cpu"  # the backend's device, once created
+        self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
 
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -293,13 +294,12 @@ class Runner:
             async with api.session.get(f"{api.base_url}/v1/status", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 data = await r.json() if r.status == 200 else {}
             mine = next((c for c in data.get("clients", []) if c.get("client_id") == client_id), None)
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            if mine:
+                self.stats.accepted = self.accepted_before = int(mine.get("accepted", 0))
+                self.stats.rejected = self.rejected_before = int(mine.get("rejected", 0))
+                self.stats.credit = float(mine.get("credit", 0.0))
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError) as exc:
             logger.info("could not read earlier credit: %s", exc)
-            return
-        if mine:
-            self.stats.accepted = int(mine.get("accepted", 0))
-            self.stats.rejected = int(mine.get("rejected", 0))
-            self.stats.credit = float(mine.get("credit", 0.0))
 
     async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend) -> int:
         info = await api.info()
@@ -397,12 +397,12 @@ class Runner:
             self.stats.state = "done"
             self.display.update(line=True)
             self._write_status()
-            if self.cfg.max_jobs and self.stats.accepted >= self.cfg.max_jobs:
+            if self.cfg.max_jobs and self.stats.accepted - self.accepted_before >= self.cfg.max_jobs:
                 break
         self.stats.state = "stopped"
         self.display.stop()
-        self._say(f"stopped: {self.stats.accepted} results accepted, {self.stats.rejected} refused, "
-                  f"credit {self.stats.credit:,.0f}")
+        self._say(f"stopped: {self.stats.accepted - self.accepted_before} results accepted, "
+                  f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
         return EXIT_OK
 
     @staticmethod

@@ -112,6 +112,14 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     (row,) = live_coordinator.coordinator.store.clients()
     assert row["profile"]["name"] == "from-file" and row["accepted"] == 1
 
+    # a restart shows the credit earned before; --max-jobs counts this session's results only
+    again = subprocess.run(argv + ["--max-memory-gb", "64", "--max-jobs", "1", "--no-benchmark"],
+                           capture_output=True, text=True, cwd=REPO, timeout=300, env=_env(env))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "accepted 2 rejected 0" in again.stdout and "stopped: 1 results accepted" in again.stdout
+    (row,) = live_coordinator.coordinator.store.clients()
+    assert row["accepted"] == 2
+
     # banned by the operator: the client stops at once and says why, instead of retrying
     conn = sqlite3.connect(live_coordinator.run_dir / "coordinator.sqlite", timeout=10)
     with conn:
