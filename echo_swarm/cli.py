@@ -122,7 +122,18 @@ client_app = typer.Typer(help="Control a running `echo-swarm join` on this machi
                               "when it starts).", no_args_is_help=True)
 app.add_typer(client_app, name="client")
 HomeOption = Annotated[Optional[Path], typer.Option(help="The client home (as given to `join --home`). Default: "
-                                                         "your user config dir (or $ECHO_SWARM_HOME).")]
+                                                         "`home` in the client config file, else your user config "
+                                                         "dir (or $ECHO_SWARM_HOME).")]
+
+
+def _client_home(home: Optional[Path]) -> Path:
+    from swarm_client.config import ClientConfigError, resolve_home
+
+    try:
+        return resolve_home(home)
+    except ClientConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @client_app.command()
@@ -130,9 +141,8 @@ def pause(home: HomeOption = None) -> None:
     """Stop fetching new work within one poll (about a second). The job being generated, if any, is
     finished and submitted first. The pause lasts, across restarts, until `echo-swarm client resume`."""
     from swarm_client.control import set_paused
-    from swarm_client.identity import default_home
 
-    set_paused(home or default_home(), True)
+    set_paused(_client_home(home), True)
     typer.echo("paused: the client fetches no new work (a job in progress is finished first)")
 
 
@@ -140,9 +150,8 @@ def pause(home: HomeOption = None) -> None:
 def resume(home: HomeOption = None) -> None:
     """Start fetching work again within one poll."""
     from swarm_client.control import set_paused
-    from swarm_client.identity import default_home
 
-    set_paused(home or default_home(), False)
+    set_paused(_client_home(home), False)
     typer.echo("resumed: the client fetches work again")
 
 
@@ -155,9 +164,8 @@ def status(
     import json
 
     from swarm_client.control import describe
-    from swarm_client.identity import default_home
 
-    info = describe(home or default_home())
+    info = describe(_client_home(home))
     if json_out:
         typer.echo(json.dumps(info, indent=2))
         return

@@ -82,3 +82,14 @@ def build(flags: dict[str, Any], config_path: Path | None = None) -> Any:
         if any(e["type"] == "extra_forbidden" for e in exc.errors()):
             problems += f" (valid keys: {', '.join(sorted(set(JoinConfig.model_fields) | {'window'}))})"
         raise ClientConfigError(f"invalid client settings (from flags or {path}): {problems}") from None
+
+
+def resolve_home(flag: Path | None, config_path: Path | None = None) -> Path:
+    """The client home as `join` would pick it (flag → config file's ``home`` → default), so that
+    `echo-swarm client pause` finds a client whose home was set only in the config file."""
+    from swarm_client.identity import default_home
+
+    if flag is not None:
+        return flag
+    home = load_file(config_path or default_config_path(), required=config_path is not None).get("home")
+    return Path(home) if isinstance(home, str) else default_home()

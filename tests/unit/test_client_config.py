@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm_client.config import ClientConfigError, build, default_config_path, merge
+from swarm_client.config import ClientConfigError, build, default_config_path, merge, resolve_home
 
 
 def flags(**given: object) -> dict[str, object]:
@@ -66,3 +66,13 @@ def test_bad_values_name_the_key(tmp_path: Path, text: str, match: str) -> None:
 
 def test_merge_ignores_flags_not_given() -> None:
     assert merge({"a": 1, "w": ["x"]}, {"a": None, "w": [], "b": 2}) == {"a": 1, "w": ["x"], "b": 2}
+
+
+def test_client_commands_find_the_home_set_in_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg_file = tmp_path / "client.toml"
+    monkeypatch.setenv("ECHO_SWARM_CONFIG", str(cfg_file))
+    monkeypatch.setenv("ECHO_SWARM_HOME", str(tmp_path / "env-home"))
+    assert resolve_home(None) == tmp_path / "env-home"  # no file: the default
+    cfg_file.write_text(f'home = "{tmp_path / "file-home"}"\n')
+    assert resolve_home(None) == tmp_path / "file-home"
+    assert resolve_home(tmp_path / "flag-home") == tmp_path / "flag-home"
