@@ -32,6 +32,13 @@ def _leases(live: LiveCoordinator) -> int:
     return int(db_rows(live.run_dir, "SELECT COALESCE(SUM(issue_count), 0) FROM jobs")[0][0])
 
 
+def _clients(live: LiveCoordinator) -> list[dict[str, Any]]:
+    """The coordinator's clients table, read through a connection of our own (the server thread owns its)."""
+    rows = db_rows(live.run_dir, "SELECT client_id, profile, accepted, benchmark_tokens_per_s FROM clients")
+    return [{"client_id": r[0], "profile": json.loads(r[1]), "accepted": r[2], "benchmark_tokens_per_s": r[3]}
+            for r in rows]
+
+
 def _status(home: Path) -> dict[str, Any]:
     return read_status(home) or {}
 
@@ -64,7 +71,7 @@ def test_pause_stops_new_leases_within_one_poll_and_resume_restarts_them(
     out = client.output()
     assert "self-benchmark:" in out and "this machine:" in out
     # hardware and the self-benchmark are stored with the client, the benchmark in its own column
-    (row,) = [c for c in live_coordinator.coordinator.store.clients() if c["client_id"] == _status(home)["client_id"]]
+    (row,) = [c for c in _clients(live_coordinator) if c["client_id"] == _status(home)["client_id"]]
     assert row["benchmark_tokens_per_s"] is not None and row["benchmark_tokens_per_s"] > 0
     assert row["profile"]["benchmark_tokens_per_s"] == row["benchmark_tokens_per_s"]
     assert row["profile"]["disk_free_gb"] > 0 and row["profile"]["cpu_count"] >= 1
@@ -87,7 +94,7 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     assert too_small.returncode == 4, too_small.stdout + too_small.stderr
     assert "model too big for this machine" in too_small.stdout and "--max-memory-gb" in too_small.stdout
     assert _blobs(home) == [], "bytes were downloaded before the memory check"
-    assert len(live_coordinator.coordinator.store.clients()) == 0, "a refused client registered"
+    assert len(_clients(live_coordinator)) == 0, "a refused client registered"
 
     no_disk = subprocess.run(argv + ["--max-memory-gb", "64", "--min-free-disk-gb", "1000000"], capture_output=True,
                              text=True, cwd=REPO, timeout=180, env=_env(env))
@@ -109,7 +116,7 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     ok = subprocess.run(argv + ["--max-memory-gb", "64", "--max-jobs", "1"], capture_output=True, text=True,
                         cwd=REPO, timeout=300, env=_env(env))
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
-    (row,) = live_coordinator.coordinator.store.clients()
+    (row,) = _clients(live_coordinator)
     assert row["profile"]["name"] == "from-file" and row["accepted"] == 1
 
     # a restart shows the credit earned before; --max-jobs counts this session's results only
@@ -117,7 +124,7 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
                            capture_output=True, text=True, cwd=REPO, timeout=300, env=_env(env))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "accepted 2 rejected 0" in again.stdout and "stopped: 1 results accepted" in again.stdout
-    (row,) = live_coordinator.coordinator.store.clients()
+    (row,) = _clients(live_coordinator)
     assert row["accepted"] == 2
 
     # banned by the operator: the client stops at once and says why, instead of retrying
