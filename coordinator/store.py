@@ -83,6 +83,7 @@ class Store:
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.execute("PRAGMA busy_timeout=5000")
         self.conn.executescript(SCHEMA)
+        self._add_client_columns()
 
     def close(self) -> None:
         self.conn.close()
@@ -102,16 +103,25 @@ class Store:
                               (key, value))
 
     # -- clients ------------------------------------------------------------------------------------------
+    def _add_client_columns(self) -> None:
+        """Columns added after the first release, added in place to databases created before them."""
+        have = {r["name"] for r in self.conn.execute("PRAGMA table_info(clients)")}
+        if "benchmark_tokens_per_s" not in have:  # self-benchmark reported at registration (NULL: none)
+            self.conn.execute("ALTER TABLE clients ADD COLUMN benchmark_tokens_per_s REAL")
+
     def register_client(self, client_id: str, public_key: bytes, profile: dict[str, Any], now: float) -> bool:
-        """Insert or refresh a client. Returns True if it is new."""
+        """Insert or refresh a client. Returns True if it is new. The profile's self-benchmark (tokens/s, if
+        reported) is also kept in its own column, ``benchmark_tokens_per_s``, for the scheduler."""
+        bench = profile.get("benchmark_tokens_per_s")
         with self._tx():
             cur = self.conn.execute(
-                "INSERT OR IGNORE INTO clients(client_id, public_key, profile, registered_at, last_seen) VALUES(?,?,?,?,?)",
-                (client_id, public_key, json.dumps(profile), now, now),
+                "INSERT OR IGNORE INTO clients(client_id, public_key, profile, registered_at, last_seen, "
+                "benchmark_tokens_per_s) VALUES(?,?,?,?,?,?)",
+                (client_id, public_key, json.dumps(profile), now, now, bench),
             )
             if cur.rowcount == 0:
-                self.conn.execute("UPDATE clients SET profile=?, last_seen=? WHERE client_id=?",
-                                  (json.dumps(profile), now, client_id))
+                self.conn.execute("UPDATE clients SET profile=?, last_seen=?, benchmark_tokens_per_s=? WHERE client_id=?",
+                                  (json.dumps(profile), now, bench, client_id))
                 return False
             return True
 
@@ -125,7 +135,7 @@ class Store:
 
     def clients(self) -> list[dict[str, Any]]:
         rows = self.conn.execute("SELECT client_id, profile, registered_at, last_seen, accepted, rejected, credit, "
-                                 "banned FROM clients ORDER BY credit DESC, registered_at").fetchall()
+                                 "banned, benchmark_tokens_per_s FROM clients ORDER BY credit DESC, registered_at").fetchall()
         return [dict(r) | {"profile": json.loads(r["profile"])} for r in rows]
 
     # -- nonces -------------------------------------------------------------------------------------------

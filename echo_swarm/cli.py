@@ -25,38 +25,162 @@ app = typer.Typer(
 app.add_typer(admin_app, name="admin")
 
 
-@app.command()
+JOIN_HELP = """Contribute this machine's compute to a coordinator's training run.
+
+Creates an identity on first use, detects this machine's hardware, runs a few-second self-benchmark,
+registers, then loops: lease a signed job, fetch and verify the policy version it names, generate, submit.
+Ctrl-C releases the current job and exits. `echo-swarm client pause|resume|status` controls a running client.
+
+Settings come from, highest precedence first: the flags given here, then the config file (TOML; default
+client.toml in your user config dir, or $ECHO_SWARM_CONFIG, or --config), then the built-in defaults. Config
+keys are the option names with underscores, e.g.:
+
+    url = "http://coordinator.example:8470"\n
+    threads = 4\n
+    max_memory_gb = 6\n
+    window = ["22:00-07:00"]\n
+    idle_only = true
+
+Exit codes: 0 done, 2 coordinator unreachable, 3 refused by the coordinator (e.g. banned), 4 this machine
+lacks the memory or disk for the run's model.
+"""
+
+
+@app.command(help=JOIN_HELP)
 def join(
-    url: Annotated[str, typer.Argument(help="Coordinator URL, e.g. http://127.0.0.1:8470")],
+    url: Annotated[Optional[str], typer.Argument(help="Coordinator URL, e.g. http://127.0.0.1:8470 (or `url` in "
+                                                     "the config file).", show_default=False)] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="Client config file (TOML). Default: "
+                                                   "client.toml in your user config dir, or $ECHO_SWARM_CONFIG.")] = None,
     home: Annotated[Optional[Path], typer.Option(help="Folder for this client's identity key, pinned coordinator "
-                                                      "keys and snapshot cache. Default: your user config dir "
-                                                      "(or $ECHO_SWARM_HOME).")] = None,
-    backend: Annotated[str, typer.Option(help="Generation backend: 'auto' or 'torch'.")] = "auto",
-    device: Annotated[str, typer.Option(help="'auto' picks CUDA, then Apple MPS, then CPU.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for generation (default: torch's choice).")] = None,
-    name: Annotated[str, typer.Option(help="Display name shown on the coordinator's leaderboard.")] = "",
+                                                      "keys, snapshot cache and pause/status files. Default: your "
+                                                      "user config dir (or $ECHO_SWARM_HOME).")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="Generation backend: 'auto' or 'torch'. (default: auto)")] = None,
+    device: Annotated[Optional[str], typer.Option(help="'auto' picks CUDA, then Apple MPS, then CPU. "
+                                                       "(default: auto)")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for generation (default: the "
+                                                               "backend's choice).")] = None,
+    gpu_layers: Annotated[Optional[int], typer.Option(min=0, help="Model layers to put on the GPU; 0 turns the GPU "
+                                                                  "off (CPU only). The torch backend puts all or "
+                                                                  "nothing on the GPU. [default: all, if a GPU is "
+                                                                  "found]")] = None,
+    max_memory_gb: Annotated[Optional[float], typer.Option(help="Memory ceiling in GiB. Before downloading a "
+                                                               "model the client estimates its memory need "
+                                                               "(file sizes × 1.2 + 0.5 GiB) and refuses one that "
+                                                               "does not fit. (default: 80% of RAM)")] = None,
+    min_free_disk_gb: Annotated[Optional[float], typer.Option(help="Refuse a download that would leave less free "
+                                                                  "disk than this, in GiB. (default: 1)")] = None,
+    cache_max_gb: Annotated[Optional[float], typer.Option(help="Cap on the snapshot cache, in GiB; the least "
+                                                              "recently used versions are pruned. [default: no cap "
+                                                              "beyond keeping the newest two versions]")] = None,
+    idle_only: Annotated[Optional[bool], typer.Option("--idle-only/--always", help="Start a job only while the "
+                                                      "machine is otherwise idle: at least --idle-min-percent of "
+                                                      "CPU time idle over a 1 s sample between jobs (Linux "
+                                                      "/proc/stat; elsewhere the load average). [default: "
+                                                      "always]", show_default=False)] = None,
+    idle_min_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help="CPU idle share that counts as "
+                                                                                  "idle. (default: 80)")] = None,
+    window: Annotated[Optional[list[str]], typer.Option(help="Daily local-time window HH:MM-HH:MM in which new "
+                                                             "jobs may start, e.g. 22:00-07:00 (repeat for "
+                                                             "several). (default: any time)")] = None,
+    benchmark: Annotated[Optional[bool], typer.Option("--benchmark/--no-benchmark", help="Run a few-second "
+                                                      "self-benchmark at startup and report its tokens/s at "
+                                                      "registration. (default: on)", show_default=False)] = None,
+    panel: Annotated[Optional[bool], typer.Option("--panel/--no-panel", help="Live terminal panel, or plain log "
+                                                  "lines. (default: panel when stdout is a terminal)",
+                                                  show_default=False)] = None,
+    name: Annotated[Optional[str], typer.Option(help="Display name shown on the coordinator's leaderboard.")] = None,
     max_jobs: Annotated[Optional[int], typer.Option(help="Exit after this many accepted results.")] = None,
-    exit_when_finished: Annotated[bool, typer.Option(help="Exit once the coordinator's run has finished.")] = False,
-    max_cpu_percent: Annotated[float, typer.Option(min=1, max=100, help="Use at most this share of time for generation "
-                                                        "(1-100): the client idles between decoding steps.")] = 100.0,
-    retries: Annotated[int, typer.Option(min=1, max=100, help="Attempts per request when the coordinator is unreachable, with "
-                                              "exponential backoff from 0.5 s to 30 s, before giving up.")] = 8,
+    exit_when_finished: Annotated[Optional[bool], typer.Option("--exit-when-finished", help="Exit once the "
+                                                               "coordinator's run has finished.")] = None,
+    max_cpu_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help="Use at most this share of time "
+                                                             "for generation (1-100): the client idles between "
+                                                             "decoding steps. (default: 100)")] = None,
+    retries: Annotated[Optional[int], typer.Option(min=1, max=100, help="Attempts per request when the coordinator "
+                                                   "is unreachable, with exponential backoff from 0.5 s to 30 s, "
+                                                   "before giving up. (default: 8)")] = None,
     coordinator_key: Annotated[Optional[str], typer.Option(help="The coordinator's public key (hex) as published "
                                                                 "by its operator. Without it, the key seen on "
                                                                 "first contact is pinned (trust on first use).")] = None,
 ) -> None:
-    """Contribute this machine's compute to a coordinator's training run.
+    from swarm_client.config import ClientConfigError, build
+    from swarm_client.runner import run
 
-    Creates an identity on first use, registers, then loops: lease a signed job, fetch and verify the policy
-    version it names, generate, submit. Ctrl-C releases the current job and exits.
-    """
-    from swarm_client.identity import default_home
-    from swarm_client.runner import JoinConfig, run
-
-    cfg = JoinConfig(url=url, home=home or default_home(), backend=backend, device=device, threads=threads, name=name,
-                     max_jobs=max_jobs, exit_when_finished=exit_when_finished, max_cpu_percent=max_cpu_percent,
-                     retries=retries, coordinator_key=coordinator_key)
+    flags = dict(url=url, home=home, backend=backend, device=device, threads=threads, gpu_layers=gpu_layers,
+                 max_memory_gb=max_memory_gb, min_free_disk_gb=min_free_disk_gb, cache_max_gb=cache_max_gb,
+                 idle_only=idle_only, idle_min_percent=idle_min_percent, windows=window, benchmark=benchmark,
+                 panel=panel, name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished,
+                 max_cpu_percent=max_cpu_percent, retries=retries, coordinator_key=coordinator_key)
+    try:
+        cfg = build(flags, config)
+    except ClientConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     raise typer.Exit(run(cfg))
+
+
+client_app = typer.Typer(help="Control a running `echo-swarm join` on this machine: pause, resume, status.\n\n"
+                              "Works through small files in the client home, so it needs no network and works "
+                              "whether or not the client is running (a pause set while it is stopped applies "
+                              "when it starts).", no_args_is_help=True)
+app.add_typer(client_app, name="client")
+HomeOption = Annotated[Optional[Path], typer.Option(help="The client home (as given to `join --home`). Default: "
+                                                         "`home` in the client config file, else your user config "
+                                                         "dir (or $ECHO_SWARM_HOME).")]
+
+
+def _client_home(home: Optional[Path]) -> Path:
+    from swarm_client.config import ClientConfigError, resolve_home
+
+    try:
+        return resolve_home(home)
+    except ClientConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@client_app.command()
+def pause(home: HomeOption = None) -> None:
+    """Stop fetching new work within one poll (about a second). The job being generated, if any, is
+    finished and submitted first. The pause lasts, across restarts, until `echo-swarm client resume`."""
+    from swarm_client.control import set_paused
+
+    set_paused(_client_home(home), True)
+    typer.echo("paused: the client fetches no new work (a job in progress is finished first)")
+
+
+@client_app.command()
+def resume(home: HomeOption = None) -> None:
+    """Start fetching work again within one poll."""
+    from swarm_client.control import set_paused
+
+    set_paused(_client_home(home), False)
+    typer.echo("resumed: the client fetches work again")
+
+
+@client_app.command()
+def status(
+    home: HomeOption = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """Show whether the client runs, whether it is paused, its state, counters and credit."""
+    import json
+
+    from swarm_client.control import describe
+
+    info = describe(_client_home(home))
+    if json_out:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    if not info.get("client_id"):
+        typer.echo(f"no client has run with home {info['home']} yet" + (" (paused)" if info["paused"] else ""))
+        return
+    state = info.get("state", "?") if info["running"] else "not running"
+    typer.echo(f"client {info['client_id']}: {state}{' (paused)' if info['paused'] else ''}\n"
+               f"  policy version {info.get('version')}, last job {info.get('last_job') or '-'}, "
+               f"{info.get('tokens_per_s', 0):,.1f} tokens/s\n"
+               f"  accepted {info.get('accepted', 0)}, rejected {info.get('rejected', 0)}, "
+               f"credit {info.get('credit', 0):,.1f}")
 
 
 @app.command()

@@ -74,6 +74,11 @@ class ClientProfile(Message):
     cpu_count: Annotated[int, Field(ge=0, le=4096)]
     memory_gb: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e6)]
     software: ShortText
+    # hardware detection and self-benchmark (optional: clients before these fields stay valid)
+    gpu: ShortText | None = None  # "NVIDIA GeForce RTX 3060" (nvidia-smi), "Apple silicon", or None
+    gpu_memory_gb: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e5)] | None = None
+    disk_free_gb: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e9)] | None = None
+    benchmark_tokens_per_s: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e7)] | None = None
 
 
 class RegisterRequest(Message):

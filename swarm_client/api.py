@@ -36,13 +36,27 @@ class RetryPolicy(pydantic.BaseModel):
         return min(self.max_s, self.base_s * 2**attempt) * (0.5 + random.random() / 2)
 
 
+class Refused(ProtocolError):
+    """A refusal as the coordinator sent it. ``code`` is the raw reason code, which may be one this client
+    version does not know (then ``reason`` is INTERNAL): callers print the server's message as is."""
+
+    def __init__(self, reason: Reason, message: str, *, code: str, status: int) -> None:
+        super().__init__(reason, message)
+        self.code = code
+        self.status = status
+
+
+def refusal_code(exc: ProtocolError) -> str:
+    return getattr(exc, "code", exc.reason.value)
+
+
 def _refusal(status: int, body: bytes) -> ProtocolError:
     try:
         err = wire.decode(body, ErrorBody, max_bytes=64 * 1024)
         reason = Reason(err.error) if err.error in Reason._value2member_map_ else Reason.INTERNAL
-        return ProtocolError(reason, err.message)
+        return Refused(reason, err.message, code=err.error, status=status)
     except (ProtocolError, ValueError):
-        return ProtocolError(Reason.INTERNAL, f"HTTP {status}: {body[:200]!r}")
+        return Refused(Reason.INTERNAL, f"HTTP {status}: {body[:200]!r}", code=Reason.INTERNAL.value, status=status)
 
 
 class CoordinatorClient:

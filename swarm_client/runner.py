@@ -4,28 +4,36 @@ Sequential pull: every job names the policy version it must be generated with, a
 that version (verified against the signed manifest) before generating. Ctrl-C (or SIGTERM) finishes the
 current decoding step, releases the lease so the job is reissued at once, and exits cleanly; a second
 Ctrl-C exits immediately.
+
+Before every lease the client asks swarm_client/schedule.py whether it may start work (pause, time windows,
+`--idle-only`); before downloading a version it checks memory and disk (swarm_client/resources.py). The panel
+is swarm_client/panel.py, the pause/status files swarm_client/control.py, the config file swarm_client/config.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
+import errno
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared import PROTOCOL_VERSION
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
 from shared.messages import (
+    Info,
     LeaseRequest,
     LeaseResponse,
+    Manifest,
     RegisterRequest,
     RegisterResponse,
     ReleaseRequest,
@@ -34,13 +42,29 @@ from shared.messages import (
     SubmitResponse,
 )
 from shared.records import open_job
-from swarm_client.api import CoordinatorClient, CoordinatorUnreachable, RetryPolicy
-from swarm_client.identity import CoordinatorKeyChanged, load_identity, pin_coordinator
+from swarm_client.api import CoordinatorClient, CoordinatorUnreachable, RetryPolicy, refusal_code
+from swarm_client.backends import Backend
+from swarm_client.benchmark import run_benchmark
+from swarm_client.control import is_paused, write_status
+from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
+from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
+from swarm_client.panel import Display
+from swarm_client.resources import (
+    GIB,
+    Limits,
+    ResourceRefusal,
+    check_disk,
+    check_gpu_memory,
+    check_memory,
+    disk_full_message,
+)
+from swarm_client.schedule import work_gate
 from swarm_client.snapshots import SnapshotCache
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_UNREACHABLE, EXIT_REFUSED = 0, 2, 3
+EXIT_OK, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_RESOURCES = 0, 2, 3, 4
+STOP_CODES = {"banned", "quarantined"}  # refusals that end the client: retrying cannot help
 
 
 class JoinConfig(BaseModel):
@@ -59,6 +83,30 @@ class JoinConfig(BaseModel):
     max_cpu_percent: float = Field(100.0, gt=0, le=100, description="Duty cycle of generation, in percent.")
     retries: int = Field(8, ge=1, le=100, description="Attempts per request before giving up (backoff 0.5 s → 30 s).")
     coordinator_key: str | None = Field(None, description="Expected coordinator public key (hex); else pinned on first use.")
+    # volunteer experience: resource caps, when to work, cache, benchmark (see swarm_client/schedule.py)
+    gpu_layers: int | None = Field(None, ge=0, le=10_000, description="Layers to put on the GPU; 0 = GPU off "
+                                   "(CPU only), None = the backend's default (all layers when a GPU is found).")
+    max_memory_gb: float | None = Field(None, gt=0, le=1e6, description="Memory ceiling in GiB checked against "
+                                        "each model before download; None = 80 % of RAM.")
+    min_free_disk_gb: float = Field(1.0, ge=0, le=1e6, description="GiB of disk that must stay free after a download.")
+    cache_max_gb: float | None = Field(None, gt=0, le=1e6, description="Snapshot cache cap in GiB (least recently "
+                                       "used versions are pruned); None = no cap beyond the newest two versions.")
+    idle_only: bool = Field(False, description="Start jobs only while the machine is otherwise idle.")
+    idle_min_percent: float = Field(80.0, gt=0, le=100, description="CPU idle share, in percent, that counts as "
+                                    "idle for --idle-only.")
+    windows: list[str] = Field(default_factory=list, max_length=16, description="Daily local-time windows "
+                               "HH:MM-HH:MM in which new jobs may start; empty = any time.")
+    benchmark: bool = Field(True, description="Run a short self-benchmark at startup and report it at registration.")
+    panel: bool | None = Field(None, description="Live terminal panel; None = when stdout is a terminal.")
+
+    @field_validator("windows")
+    @classmethod
+    def _windows_parse(cls, v: list[str]) -> list[str]:
+        from swarm_client.schedule import parse_window
+
+        for w in v:
+            parse_window(w)  # ValueError says the expected form
+        return v
 
 
 @dataclass
@@ -74,6 +122,9 @@ class ClientStats:
     tokens_per_s: float = 0.0
     state: str = "starting"
     rejections: dict[str, int] = field(default_factory=dict)
+    leases: int = 0  # jobs received from the coordinator
+    gated_polls: int = 0  # polls spent not fetching work (paused, outside a window, not idle)
+    benchmark_tokens_per_s: float | None = None
 
 
 class Pacer:
@@ -95,36 +146,39 @@ class Pacer:
         return self.stop.is_set()
 
 
+GATE_POLL_S = 1.0  # how often a paused / waiting client re-reads its control file and the clock
+
+
 class Runner:
     def __init__(self, cfg: JoinConfig) -> None:
+        from swarm_client.schedule import IdleProbe, parse_window
+
         self.cfg = cfg
         self.stop = threading.Event()
         self.stats = ClientStats()
-        self.tty = sys.stdout.isatty()
+        self.display = Display(self.stats, live=cfg.panel, url=cfg.url)
+        self.windows = [parse_window(w) for w in cfg.windows]
+        self.idle_probe = IdleProbe(cfg.idle_min_percent / 100) if cfg.idle_only else None
+        self.hardware: Hardware | None = None
+        self.prefetch: asyncio.Task[object] | None = None
+        self.device = "cpu"  # the backend's device, once created
+        self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
 
     # -- output -------------------------------------------------------------------------------------------
-    def _show(self, text: str) -> None:
-        if self.tty:
-            sys.stdout.write("\r\033[K" + text)
-            sys.stdout.flush()
-        else:
-            print(text, flush=True)
-
     def _say(self, text: str) -> None:
-        if self.tty:
-            sys.stdout.write("\r\033[K")
-        print(text, flush=True)
-
-    def _line(self) -> str:
-        s = self.stats
-        return (f"[echo-swarm {s.client_id[:8]}] v{s.version} {s.state} {s.last_job} | {s.tokens_per_s:,.0f} tok/s | "
-                f"accepted {s.accepted} rejected {s.rejected} | credit {s.credit:,.0f}")
+        self.display.say(text)
 
     def _write_status(self) -> None:
-        path = self.cfg.home / "status.json"
-        tmp = path.with_name("status.json.tmp")
-        tmp.write_text(json.dumps(asdict(self.stats)))
-        tmp.replace(path)
+        try:
+            write_status(self.cfg.home, asdict(self.stats))
+        except OSError as exc:  # e.g. disk full: the status file is a convenience, never a reason to stop
+            logger.warning("could not write %s: %s", self.cfg.home / "status.json", exc)
+
+    def _set_state(self, state: str) -> None:
+        if state != self.stats.state:
+            self.stats.state = state
+            self.display.update()
+            self._write_status()
 
     # -- main loop ----------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -133,29 +187,58 @@ class Runner:
             loop.add_signal_handler(sig, self._on_signal)
         identity = load_identity(self.cfg.home)
         self.stats.client_id = identity.client_id
+        self.hardware = detect(self.cfg.home)
+        self.display.hardware = self.hardware.summary()
+        self.display.start()
         if identity.created:
             self._say(f"created a new identity {identity.client_id} in {self.cfg.home}")
+        self._say(f"this machine: {self.hardware.summary()}")
+        if is_paused(self.cfg.home):
+            self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
         from swarm_client.backends import make_backend
-        from swarm_client.hardware import profile
 
-        backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads)
+        backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
+                               gpu_layers=self.cfg.gpu_layers)
+        self.device = str(backend.device)
         api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say,
                                 retry=RetryPolicy(attempts=self.cfg.retries))
         try:
-            return await self._serve(api, identity, backend, profile(backend.name, backend.device, self.cfg.name))
+            return await self._serve(api, identity, backend)
         except CoordinatorUnreachable as exc:
             self._say(f"error: {exc}")
             return EXIT_UNREACHABLE
         except CoordinatorKeyChanged as exc:
             self._say(f"error: {exc}")
             return EXIT_REFUSED
+        except ResourceRefusal as exc:
+            self._say(f"error: {exc}")
+            return EXIT_RESOURCES
         except ProtocolError as exc:
-            self._say(f"error: the coordinator refused this client ({exc.reason.value}): {exc.message}")
+            self._say(self._refusal_text(exc, identity.client_id))
             return EXIT_REFUSED
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            self._say(f"error: {disk_full_message(exc.filename or self.cfg.home)}")
+            return EXIT_RESOURCES
         finally:
+            if self.prefetch is not None and not self.prefetch.done():
+                self.prefetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.prefetch
             self.stats.state = "stopped"
             self._write_status()
+            self.display.stop()
             await api.close()
+
+    @staticmethod
+    def _refusal_text(exc: ProtocolError, client_id: str) -> str:
+        code = refusal_code(exc)
+        if code in STOP_CODES:
+            return (f"error: the coordinator has {code} this client ({client_id}): {exc.message}\n"
+                    f"It will not accept work from this client, so it stops here; retrying will not help. If you "
+                    f"think this is a mistake, contact the coordinator's operator and quote the client id above.")
+        return f"error: the coordinator refused this client ({code}): {exc.message}"
 
     def _on_signal(self) -> None:
         if self.stop.is_set():
@@ -163,7 +246,62 @@ class Runner:
         self._say("stopping: finishing the current step and releasing the lease (Ctrl-C again to quit now)")
         self.stop.set()
 
-    async def _serve(self, api: CoordinatorClient, identity, backend, prof) -> int:  # type: ignore[no-untyped-def]
+    def _precheck(self, manifest: Manifest, missing_bytes: int) -> None:
+        """Before downloading a version: does it fit this machine's memory ceiling and disk?"""
+        limits = Limits(
+            memory_bytes=None if self.cfg.max_memory_gb is None else int(self.cfg.max_memory_gb * GIB),
+            total_memory_bytes=int(total_memory_gb() * GIB),
+            min_free_disk_bytes=int(self.cfg.min_free_disk_gb * GIB),
+            cache_max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB))
+        model_bytes = sum(f.size for f in manifest.files)
+        check_memory(model_bytes, limits, manifest.version)
+        gpus = self.hardware.gpus if self.hardware else ()
+        if self.device.startswith("cuda") and gpus:
+            check_gpu_memory(model_bytes, int(gpus[0].memory_gb * GIB), gpus[0].name, manifest.version)
+        check_disk(missing_bytes, int(free_disk_gb(self.cfg.home) * GIB), limits, manifest.version)
+
+    async def _gate(self) -> str | None:
+        """Why no new work may start now (paused, outside the time windows, machine busy), or None."""
+        paused = is_paused(self.cfg.home)
+        idle = True
+        if self.idle_probe is not None and not paused:
+            idle = await asyncio.to_thread(self.idle_probe.measure, GATE_POLL_S, self.stop.wait)
+        return work_gate(datetime.now(), paused=paused, windows=self.windows, idle_only=self.cfg.idle_only,
+                         idle=idle)
+
+    async def _wait_unless_paused(self, seconds: float) -> None:
+        """Wait as the coordinator asked, but notice a pause (or Ctrl-C) within one poll."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not self.stop.is_set() and not is_paused(self.cfg.home):
+            await asyncio.to_thread(self.stop.wait, min(left, GATE_POLL_S))
+
+    async def _benchmark(self, cache: SnapshotCache, backend: Backend, info: Info) -> None:
+        self._set_state("benchmarking")
+        try:
+            folder = await cache.ensure(info.run_id, info.current_version, None)
+        except (IntegrityError, ProtocolError) as exc:  # not fatal: jobs fetch their own versions later
+            self._say(f"self-benchmark skipped: no verified snapshot of version {info.current_version} ({exc})")
+            return
+        await asyncio.to_thread(backend.load, folder)
+        self.stats.benchmark_tokens_per_s = await asyncio.to_thread(run_benchmark, backend)
+        if self.stats.benchmark_tokens_per_s is not None:
+            self._say(f"self-benchmark: {self.stats.benchmark_tokens_per_s:,.1f} tokens/s ({backend.name} on "
+                      f"{backend.device})")
+
+    async def _load_totals(self, api: CoordinatorClient, client_id: str) -> None:
+        """Show the credit already earned (from the coordinator's public status), best effort."""
+        try:
+            async with api.session.get(f"{api.base_url}/v1/status", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                data = await r.json() if r.status == 200 else {}
+            mine = next((c for c in data.get("clients", []) if c.get("client_id") == client_id), None)
+            if mine:
+                self.stats.accepted = self.accepted_before = int(mine.get("accepted", 0))
+                self.stats.rejected = self.rejected_before = int(mine.get("rejected", 0))
+                self.stats.credit = float(mine.get("credit", 0.0))
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError) as exc:
+            logger.info("could not read earlier credit: %s", exc)
+
+    async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend) -> int:
         info = await api.info()
         if info.protocol != PROTOCOL_VERSION:
             raise ProtocolError(Reason.PROTOCOL_VERSION, f"coordinator speaks protocol {info.protocol}, "
@@ -171,41 +309,63 @@ class Runner:
         expected = bytes.fromhex(self.cfg.coordinator_key) if self.cfg.coordinator_key else None
         if pin_coordinator(self.cfg.home, self.cfg.url, info.coordinator_public_key, expected=expected):
             self._say(f"pinned coordinator key {info.coordinator_public_key.hex()[:16]}… for {self.cfg.url}")
+        cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key, precheck=self._precheck,
+                              max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB))
+        if self.cfg.benchmark:
+            await self._benchmark(cache, backend, info)  # also refuses a model too big, before registering
+        prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
         reg = await api.post("/v1/register", RegisterRequest(public_key=identity.public_key, profile=prof),
                              RegisterResponse)
+        await self._load_totals(api, reg.client_id)
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
-        cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key)
         pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
         held = -1
-        prefetch: asyncio.Task[object] | None = None
+        gated: str | None = None
         while not self.stop.is_set():
-            self.stats.state = "waiting"
+            gate = await self._gate()
+            if gate != gated:
+                self._say(f"not fetching new work: {gate}" if gate else "fetching work again")
+                gated = gate
+            if gate is not None:
+                self.stats.gated_polls += 1
+                self._set_state(gate)
+                self._write_status()
+                await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
+                continue
+            self._set_state("waiting")
             resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=held), LeaseResponse)
-            if resp.current_version > held and (prefetch is None or prefetch.done()):
+            if resp.current_version > held and (self.prefetch is None or self.prefetch.done()):
                 # push-pull: the lease reply announces the newest version; fetch it in the background while
                 # generating with the one we hold (a failed prefetch is retried by the job that needs it)
-                prefetch = asyncio.create_task(self._prefetch(cache, reg.run_id, resp.current_version))
+                self.prefetch = asyncio.create_task(self._prefetch(cache, reg.run_id, resp.current_version))
             if resp.job is None:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
                     break
-                await asyncio.to_thread(self.stop.wait, resp.retry_after_s)
+                await self._wait_unless_paused(resp.retry_after_s)
                 continue
             job = open_job(resp.job, info.coordinator_public_key)
             if job.client_id != identity.client_id:
                 raise ProtocolError(Reason.NOT_LEASE_HOLDER, "coordinator sent a job leased to another client")
-            self.stats.last_job, self.stats.state = job.job_id, "fetching"
+            self.stats.leases += 1
+            if is_paused(self.cfg.home):  # paused while this lease request was in flight: hand the job back
+                await self._release(api, job.job_id, job.lease_id)
+                continue
+            self.stats.last_job = job.job_id
+            self._set_state("fetching")
             try:
                 folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
             except (IntegrityError, ProtocolError) as exc:
                 self._say(f"could not get a verified snapshot of version {job.version} ({exc}); releasing the job")
                 await self._release(api, job.job_id, job.lease_id)
                 continue
+            except (ResourceRefusal, OSError):
+                await self._release(api, job.job_id, job.lease_id)
+                raise
             await asyncio.to_thread(backend.load, folder)
             held = self.stats.version = job.version
-            self.stats.state = "generating"
-            self._show(self._line())
+            self._set_state("generating")
             t0 = time.monotonic()
             pacer.reset()
             samples = await asyncio.to_thread(backend.generate, job, pacer)
@@ -218,28 +378,31 @@ class Runner:
                 job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
                 seed=job.seed, group_size=job.group_size, backend="torch", generation_s=elapsed,
                 completions=[s.to_completion() for s in samples])
-            self.stats.state = "submitting"
+            self._set_state("submitting")
             try:
                 res = await api.post("/v1/results", sub, SubmitResponse)
                 self.stats.accepted += 1
                 self.stats.credit = res.total_credit
                 self.stats.tokens += n_tok
             except ProtocolError as exc:
-                if exc.reason is Reason.BANNED:
+                if refusal_code(exc) in STOP_CODES:
                     raise
                 self.stats.rejected += 1
-                self.stats.rejections[exc.reason.value] = self.stats.rejections.get(exc.reason.value, 0) + 1
-                self._say(f"result for {job.job_id} refused ({exc.reason.value}): {exc.message}")
+                code = refusal_code(exc)
+                self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1
+                self._say(f"result for {job.job_id} refused ({code}): {exc.message}")
                 if exc.reason not in (Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.NOT_LEASE_HOLDER):
                     await self._release(api, job.job_id, job.lease_id)
             self.stats.tokens_per_s = n_tok / max(elapsed, 1e-9)
             self.stats.state = "done"
-            self._show(self._line())
+            self.display.update(line=True)
             self._write_status()
-            if self.cfg.max_jobs and self.stats.accepted >= self.cfg.max_jobs:
+            if self.cfg.max_jobs and self.stats.accepted - self.accepted_before >= self.cfg.max_jobs:
                 break
-        self._say(f"stopped: {self.stats.accepted} results accepted, {self.stats.rejected} refused, "
-                  f"credit {self.stats.credit:,.0f}")
+        self.stats.state = "stopped"
+        self.display.stop()
+        self._say(f"stopped: {self.stats.accepted - self.accepted_before} results accepted, "
+                  f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
         return EXIT_OK
 
     @staticmethod

@@ -3,14 +3,21 @@ downloads with HTTP Range), verify every byte, and assemble a model folder from 
 
 Files shared between versions (tokenizer, config) are downloaded once. A file whose hash does not match is
 discarded and fetched again; nothing unverified is ever placed in a model folder.
+
+Size: the newest two versions of a run are kept; with a cap (``max_bytes``) the least recently used model
+folders (any run) are also removed until the blobs fit, never the one in use. Before any byte is downloaded
+the ``precheck`` hook sees the signed manifest and how many bytes are missing, so the client can refuse a
+model too big for the machine's memory or disk (swarm_client/resources.py) instead of failing half-way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -27,7 +34,8 @@ CHUNK = 1 << 20
 
 
 class SnapshotCache:
-    def __init__(self, root: Path, client: CoordinatorClient, coordinator_key: bytes, *, max_attempts: int = 3) -> None:
+    def __init__(self, root: Path, client: CoordinatorClient, coordinator_key: bytes, *, max_attempts: int = 3,
+                 max_bytes: int | None = None, precheck: Callable[[Manifest, int], None] | None = None) -> None:
         self.root = Path(root)
         self.blobs = self.root / "blobs"
         self.models = self.root / "snapshots"
@@ -40,6 +48,8 @@ class SnapshotCache:
         self._locks: dict[str, asyncio.Lock] = {}
         self._in_use: Path | None = None  # the folder the backend generates from: never pruned
         self._busy = 0  # ensure() calls in progress: unlinked blobs may belong to one of them
+        self.max_bytes = max_bytes
+        self.precheck = precheck
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -59,17 +69,31 @@ class SnapshotCache:
     async def _ensure(self, run_id: str, version: int, manifest_sha256: str | None, folder: Path) -> Path:
         async with self._lock(str(folder)):
             if (folder / ".complete").exists() and manifest_sha256 in (None, (folder / ".manifest_sha256").read_text()):
+                _touch(folder)
                 return folder
             signed = wire.decode(await self.client.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
             manifest, sha = open_manifest(signed, self.coordinator_key)
             if manifest_sha256 not in (None, sha) or manifest.version != version or manifest.run_id != run_id:
                 raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
+            if self.precheck is not None:
+                self.precheck(manifest, self.missing_bytes(manifest))
             for f in manifest.files:
                 async with self._lock(f.sha256):
                     await self._fetch_blob(f.sha256, f.size)
             self._assemble(folder, manifest, sha)
+            _touch(folder)
             self._prune(run_id, keep=folder)
             return folder
+
+    def missing_bytes(self, manifest: Manifest) -> int:
+        """Bytes still to download for ``manifest`` (files already cached, or partly downloaded, count less)."""
+        total = 0
+        for f in {f.sha256: f for f in manifest.files}.values():
+            if (self.blobs / f.sha256).exists():
+                continue
+            partial = self.blobs / f"{f.sha256}.partial"
+            total += max(0, f.size - (partial.stat().st_size if partial.exists() else 0))
+        return total
 
     async def _fetch_blob(self, sha256: str, size: int) -> Path:
         """Download one file into the cache. Interrupted transfers resume (HTTP Range) with backoff; a complete
@@ -118,6 +142,8 @@ class SnapshotCache:
                         if fh.tell() > size:
                             break
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise  # disk full: retrying cannot help; the client says what to do
             logger.warning("download of %s interrupted (%s); resuming", sha256[:12], exc)
         return partial.exists() and partial.stat().st_size >= size
 
@@ -145,6 +171,48 @@ class SnapshotCache:
                 shutil.rmtree(old, ignore_errors=True)
         if self._busy > 1:  # another download may still be collecting blobs it has not linked yet
             return
-        for blob in self.blobs.iterdir():
-            if not blob.name.endswith(".partial") and blob.stat().st_nlink == 1:
-                blob.unlink(missing_ok=True)
+        _drop_orphans(self.blobs)
+        if self.max_bytes is not None:
+            removed = prune_to_cap(self.models, self.blobs, self.max_bytes,
+                                   keep={p for p in (keep, self._in_use) if p is not None})
+            if removed:
+                logger.info("snapshot cache over %d bytes: removed %s", self.max_bytes,
+                            ", ".join(p.name for p in removed))
+
+
+def _touch(folder: Path) -> None:
+    """Mark a model folder as used now (its ``.last_used`` mtime orders LRU pruning)."""
+    (folder / ".last_used").touch()
+
+
+def _drop_orphans(blobs: Path) -> None:
+    for blob in blobs.iterdir():
+        if not blob.name.endswith(".partial") and blob.stat().st_nlink == 1:
+            blob.unlink(missing_ok=True)
+
+
+def cache_bytes(blobs: Path) -> int:
+    """Bytes the cache holds on disk: every blob (model folders are hard links to them) and partial download."""
+    return sum(p.stat().st_size for p in blobs.iterdir() if p.is_file())
+
+
+def last_used(folder: Path) -> float:
+    marker = folder / ".last_used"
+    return (marker if marker.exists() else folder).stat().st_mtime
+
+
+def prune_to_cap(models: Path, blobs: Path, max_bytes: int, keep: set[Path]) -> list[Path]:
+    """Remove least recently used model folders (of any run) until the blobs total at most ``max_bytes``;
+    folders in ``keep`` (the one just fetched, the one in use) stay even if the cap cannot then be met."""
+    folders = sorted((f for run in models.iterdir() if run.is_dir() for f in run.iterdir()
+                      if f.is_dir() and (f / ".complete").exists()), key=last_used)
+    removed = []
+    for folder in folders:
+        if cache_bytes(blobs) <= max_bytes:
+            break
+        if folder in keep:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+        _drop_orphans(blobs)
+    return removed

@@ -20,8 +20,13 @@ class Backend(Protocol):
     def generate(self, job: Job, should_stop: Callable[[], bool]) -> list[Sampled]: ...
 
 
-def make_backend(name: str, *, device: str = "auto", threads: int | None = None) -> Backend:
+def make_backend(name: str, *, device: str = "auto", threads: int | None = None,
+                 gpu_layers: int | None = None) -> Backend:
+    """``gpu_layers``: layers to offload to a GPU (None: the backend's default; 0: GPU off). The torch
+    backend cannot split a model, so for it any value but 0 means "all layers on the GPU if there is one"."""
     if name in ("torch", "auto"):
+        if gpu_layers == 0:
+            device = "cpu"
         from swarm_client.backends.torch_backend import TorchBackend
 
         return TorchBackend(device=device, threads=threads)

@@ -105,3 +105,40 @@ def test_prefetch_and_job_fetch_of_one_version_share_one_download(live_coordinat
     assert prefetched == for_job and (for_job / ".complete").exists()
     served = live_coordinator.run_dir / "snapshots" / "v000000"
     assert downloaded == sum(p.stat().st_size for p in served.iterdir() if p.name != "manifest.msgpack")
+
+
+def test_cache_cap_prunes_least_recently_used_and_precheck_runs_before_download(
+        live_coordinator: LiveCoordinator, tmp_path: Path) -> None:
+    import os
+
+    from shared.messages import Manifest
+
+    _, sha = _manifest(live_coordinator)
+    home = tmp_path / "home"
+    blobs, models = home / "cache" / "blobs", home / "cache" / "snapshots"
+    old = models / "an-older-run" / "v000003"  # left over from another run, used long ago
+    old.mkdir(parents=True)
+    blobs.mkdir(parents=True)
+    (blobs / ("f" * 64)).write_bytes(b"x" * 4096)
+    os.link(blobs / ("f" * 64), old / "model.safetensors")
+    (old / ".complete").write_text("")
+    seen: list[tuple[int, int]] = []
+
+    def precheck(manifest: Manifest, missing: int) -> None:
+        assert not any(p.name.endswith(".partial") for p in blobs.iterdir())  # nothing fetched yet
+        seen.append((sum(f.size for f in manifest.files), missing))
+
+    async def go() -> Path:
+        client = CoordinatorClient(live_coordinator.url, load_identity(home), retry=RetryPolicy(attempts=2))
+        try:
+            cache = SnapshotCache(home / "cache", client, live_coordinator.coordinator.public_key,
+                                  max_bytes=1, precheck=precheck)
+            return await cache.ensure(live_coordinator.coordinator.run_id, 0, sha)
+        finally:
+            await client.close()
+
+    folder = asyncio.run(go())
+    ((total, missing),) = seen
+    assert missing == total > 0  # nothing of this version was cached
+    assert not old.exists() and not (blobs / ("f" * 64)).exists()  # over the cap: the LRU folder went
+    assert (folder / ".complete").exists()  # the folder just fetched stays even though it exceeds the cap

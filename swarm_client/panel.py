@@ -1,0 +1,102 @@
+"""What the volunteer sees: a live rich panel on a terminal, plain log lines otherwise (a service, a pipe, CI).
+
+The runner only calls :meth:`Display.say` (an event worth a line of its own) and :meth:`Display.update`
+(the counters changed). On a terminal the panel redraws twice a second and events scroll above it; without
+a terminal each finished job gives one line, so logs stay greppable.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+
+class StatsView(Protocol):
+    client_id: str
+    version: int
+    accepted: int
+    rejected: int
+    credit: float
+    last_job: str
+    tokens_per_s: float
+    state: str
+
+
+def software_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("echo-swarm")
+    except PackageNotFoundError:
+        return "source"
+
+
+def status_line(s: StatsView) -> str:
+    return (f"[echo-swarm {s.client_id[:8]}] v{s.version} {s.state} {s.last_job} | {s.tokens_per_s:,.0f} tok/s | "
+            f"accepted {s.accepted} rejected {s.rejected} | credit {s.credit:,.0f}")
+
+
+class Display:
+    def __init__(self, stats: StatsView, *, live: bool | None = None, url: str = "", hardware: str = "") -> None:
+        self.stats = stats
+        self.live = sys.stdout.isatty() if live is None else live
+        self.url = url
+        self.hardware = hardware
+        self.software = software_version()
+        self._live: Any = None
+        self._console: Any = None
+        self._last_line = ""
+
+    def start(self) -> None:
+        if not self.live:
+            return
+        from rich.console import Console
+        from rich.live import Live
+
+        self._console = Console()
+        self._live = Live(self, console=self._console, refresh_per_second=2, transient=False)
+        self._live.start()
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def say(self, text: str) -> None:
+        if self._console is not None:
+            self._console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def update(self, *, line: bool = False) -> None:
+        """Counters changed; ``line``: also worth a log line when there is no panel (a job finished)."""
+        if self._live is not None:
+            self._live.refresh()
+        elif line:
+            text = status_line(self.stats)
+            if text != self._last_line:
+                print(text, flush=True)
+                self._last_line = text
+
+    def __rich__(self) -> Any:
+        from rich.panel import Panel
+        from rich.table import Table
+        from rich.text import Text
+
+        s = self.stats
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold cyan", justify="right")
+        grid.add_column()
+        state_style = {"generating": "green", "paused": "yellow", "stopped": "red"}.get(s.state, "white")
+        grid.add_row("state", Text(s.state, style=state_style))  # Text, not markup: values are never parsed
+        grid.add_row("coordinator", Text(self.url))
+        grid.add_row("client", s.client_id[:16])
+        grid.add_row("policy version", str(s.version) if s.version >= 0 else "-")
+        grid.add_row("current job", Text(s.last_job or "-"))
+        grid.add_row("tokens/s", f"{s.tokens_per_s:,.1f}")
+        grid.add_row("accepted / rejected", Text.assemble((str(s.accepted), "green"), " / ", (str(s.rejected), "red")))
+        grid.add_row("credit", f"{s.credit:,.1f}")
+        if self.hardware:
+            grid.add_row("machine", Text(self.hardware))
+        return Panel(grid, title=f"echo-swarm {self.software}",
+                     subtitle="Ctrl-C: stop · `echo-swarm client pause`: pause", border_style="blue")
