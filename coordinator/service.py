@@ -80,6 +80,7 @@ class Coordinator:
         self.last_error: str | None = None
         # speed-aware issuance (core.pacing): per-client pace, long-polling clients, how fast versions come
         self._pace: dict[str, float] = {}
+        self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
         self._waiting: dict[str, int] = {}
         self._version_interval: float | None = None
         self._version_at = self.started_at
@@ -211,6 +212,11 @@ class Coordinator:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
         self._check_fresh(req)
         new = self.store.register_client(req.client_id, body.public_key, body.profile.model_dump(), self.clock())
+        if req.client_id not in self._pace:  # a declared self-benchmark seeds the pace until a result is seen
+            per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size * self.config.sampling.max_tokens
+            prior = pacing.declared_pace(body.profile.benchmark_tokens_per_s, per_job)
+            if prior is not None:
+                self._pace[req.client_id] = prior
         if new:
             logger.info("registered client %s (%s, %s)", req.client_id[:8], body.profile.backend, body.profile.device)
         return RegisterResponse(client_id=req.client_id, new=new, run_id=self.run_id)
@@ -293,7 +299,10 @@ class Coordinator:
         """Lease-to-result seconds of an accepted result update the client's pace."""
         if view.lease_deadline is not None:
             leased_at = view.lease_deadline - self.config.jobs.lease_timeout_s
-            self._pace[client_id] = pacing.update_pace(self._pace.get(client_id), now - leased_at)
+            # the first observation replaces a declared (untrusted, optimistic) self-benchmark outright
+            previous = self._pace.get(client_id) if client_id in self._pace_observed else None
+            self._pace[client_id] = pacing.update_pace(previous, now - leased_at)
+            self._pace_observed.add(client_id)
 
     def _prompt_tokens(self, prompt_id: int) -> list[int]:
         if prompt_id not in self._prompt_cache:

@@ -67,6 +67,14 @@ def due_at(leased_at: float, pace_s: float | None, step_s: float | None) -> floa
     return leased_at + OVERDUE_FACTOR * pace_s + (step_s or 0.0)
 
 
+def declared_pace(tokens_per_s: float | None, tokens_per_job: int) -> float | None:
+    """A prior pace from a client's self-benchmark: seconds to generate a job's worth of tokens at the
+    declared rate. Untrusted and optimistic (no fetch or network time): the first observed result corrects it."""
+    if tokens_per_s is None or not math.isfinite(tokens_per_s) or tokens_per_s <= 0:
+        return None
+    return tokens_per_job / tokens_per_s
+
+
 def faster_count(me: float | None, others: Iterable[float | None]) -> int:
     """How many of ``others`` are expected to finish strictly sooner than ``me`` (unknown = slowest)."""
     if me is None:

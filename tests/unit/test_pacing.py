@@ -141,3 +141,12 @@ def test_simulation_speed_aware_beats_first_come_first_served(swarm_sim) -> None
     plain = swarm_sim.simulate(100, 2, steps=150, speed_aware=False)
     assert aware["learner_busy_fraction"] > 2 * plain["learner_busy_fraction"]
     assert max(aware["staleness_max"], plain["staleness_max"]) <= 2
+
+
+def test_declared_pace_from_self_benchmark() -> None:
+    from coordinator.core.pacing import declared_pace
+
+    assert declared_pace(500.0, 1000) == pytest.approx(2.0)
+    assert declared_pace(None, 1000) is None
+    assert declared_pace(0.0, 1000) is None
+    assert declared_pace(math.inf, 1000) is None
