@@ -7,7 +7,7 @@ reads the run's database for held-out accuracy against samples consumed and agai
 busy fraction (time in optimisation ÷ wall time) and the staleness of every trained batch.
 
 The ``trl`` row is a peer, not an echo-swarm mode: Hugging Face TRL's GRPOTrainer on the same model, task, reward
-and hyper-parameters, in-process with the co-located row's thread count, evaluated by the same held-out code
+and hyper-parameters, in a child process with the co-located row's thread count, evaluated by the same held-out code
 (``bench/trl_peer.py``; needs the ``bench`` extra). Leave it out with ``--modes`` when TRL is not installed.
 
     python bench/sync_modes.py --seeds 3 --steps 200            # the full comparison (about an hour on 2 cores)
