@@ -6,6 +6,10 @@ co-located baseline has no clients) — with the same task, model, hyper-paramet
 reads the run's database for held-out accuracy against samples consumed and against wall-clock, the learner
 busy fraction (time in optimisation ÷ wall time) and the staleness of every trained batch.
 
+The ``trl`` row is a peer, not an echo-swarm mode: Hugging Face TRL's GRPOTrainer on the same model, task, reward
+and hyper-parameters, in a child process with the co-located row's thread count, evaluated by the same held-out code
+(``bench/trl_peer.py``; needs the ``bench`` extra). Leave it out with ``--modes`` when TRL is not installed.
+
     python bench/sync_modes.py --seeds 3 --steps 200            # the full comparison (about an hour on 2 cores)
     python bench/sync_modes.py --seeds 1 --steps 60 --modes sequential,async2   # a quick look
 
@@ -15,9 +19,11 @@ Writes ``<out>/sync_modes.json`` and ``<out>/sync_modes.png`` and prints a markd
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sqlite3
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +40,7 @@ MODES: dict[str, dict[str, Any]] = {
     "async1": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 1, "learner_threads": 1},
     "async2": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 2, "learner_threads": 1},
     "async4": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 4, "learner_threads": 1},
+    "trl": {"peer": "trl.GRPOTrainer", "clients": 0, "learner_threads": 2},  # see bench/trl_peer.py
 }
 SAMPLES_PER_STEP = 16 * 8  # learner.prompts_per_step × learner.group_size (coordinator defaults)
 
@@ -66,6 +73,19 @@ def measure(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def run_peer(out: Path, seed: int, steps: int, eval_every: int, threads: int) -> dict[str, Any] | None:
+    """The TRL peer row in a child process (its own torch threads, RNG and accelerate state); None on failure."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, str(Path(__file__).with_name("trl_peer.py")), "--seed", str(seed), "--steps", str(steps),
+            "--eval-every", str(eval_every), "--threads", str(threads), "--out", str(out)]
+    with open(out / "trl.log", "w") as log:
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=3600, check=False).returncode
+    if code != 0:
+        return None
+    result: dict[str, Any] = json.loads((out / "trl_peer.json").read_text())
+    return result
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
             "min": min(values), "max": max(values)}
@@ -83,6 +103,9 @@ def main() -> int:
     unknown = set(modes) - MODES.keys()
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    if "trl" in modes and importlib.util.find_spec("trl") is None:
+        ap.error("mode 'trl' needs Hugging Face TRL: install the 'bench' extra (see pyproject.toml; keep torch as it "
+                 "is with pip install 'trl>=1.16,<2' --no-deps), or leave 'trl' out of --modes")
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     started = time.time()
@@ -90,6 +113,13 @@ def main() -> int:
         for mode in modes:
             out = args.out / f"{mode}-seed{seed}"
             spec = MODES[mode]
+            if "peer" in spec:
+                peer = run_peer(out, seed, args.steps, args.eval_every, spec["learner_threads"])
+                if peer is None:
+                    print(f"{mode} seed {seed} failed; see {out}/trl.log", file=sys.stderr)
+                    return 1
+                runs[mode].append(peer | {"seed": seed})
+                continue
             code = run_demo(DemoConfig(out=out, steps=args.steps, seed=seed, eval_every=args.eval_every,
                                        timeout_s=3600, **spec))
             if code != 0:
@@ -104,7 +134,8 @@ def main() -> int:
             "improvement": spread([r["improvement"] for r in rs]),
             "learner_busy_fraction": spread([r["learner_busy_fraction"] for r in rs]),
             "wall_s": spread([r["wall_s"] for r in rs]),
-            "staleness_max": max(r["staleness_max"] for r in rs),
+            # the peer has no staleness: it generates and trains in one loop
+            "staleness_max": max(r["staleness_max"] for r in rs) if all("staleness_max" in r for r in rs) else None,
         }
         for mode, rs in runs.items()
     }
@@ -122,7 +153,7 @@ def table(result: dict[str, Any]) -> str:
     for mode, s in result["modes"].items():
         fa, im, busy, wall = s["final_accuracy"], s["improvement"], s["learner_busy_fraction"], s["wall_s"]
         lines.append(f"| {mode} | {fa['mean']:.3f} ± {fa['std']:.3f} | {im['mean']:+.3f} ± {im['std']:.3f} | "
-                     f"{busy['mean']:.2f} | {wall['mean']:.0f} | {s['staleness_max']} |")
+                     f"{busy['mean']:.2f} | {wall['mean']:.0f} | {'–' if s['staleness_max'] is None else s['staleness_max']} |")
     return "\n".join(lines)
 
 
@@ -139,14 +170,15 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             n = min(len(c) for c in curves)
             xs = [statistics.fmean(c[i][0] for c in curves) for i in range(n)]
             ys = [statistics.fmean(c[i][1] for c in curves) for i in range(n)]
-            ax.plot(xs, ys, "o-", ms=3, label=mode)
+            ax.plot(xs, ys, "o--" if "peer" in s["config"] else "o-", ms=3,
+                    label=f"{mode} (peer)" if "peer" in s["config"] else mode)
     ax1.set_xlabel("rollout samples consumed")
     ax2.set_xlabel("wall-clock seconds")
     ax1.set_ylabel("held-out greedy accuracy (mean over seeds)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     ax2.legend(loc="lower right")
-    fig.suptitle("echo-swarm: synchronisation modes vs co-located baseline (tiny model, 2-core CPU)")
+    fig.suptitle("echo-swarm: synchronisation modes vs co-located baseline and TRL peer (tiny model, 2-core CPU)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
