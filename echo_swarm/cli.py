@@ -28,7 +28,11 @@ def join(
     home: Annotated[Optional[Path], typer.Option(help="Folder for this client's identity key, pinned coordinator "
                                                       "keys and snapshot cache. Default: your user config dir "
                                                       "(or $ECHO_SWARM_HOME).")] = None,
-    backend: Annotated[str, typer.Option(help="Generation backend: 'auto' or 'torch'.")] = "auto",
+    backend: Annotated[str, typer.Option(help="Generation backend: 'llama' (llama.cpp, fastest per sequence; "
+                                              "needs llama-cpp-python, built for Metal/CUDA/CPU as the README "
+                                              "explains), 'torch', or 'auto' (llama where installed, else torch).")] = "auto",
+    n_gpu_layers: Annotated[Optional[int], typer.Option(help="llama backend: layers to offload to the GPU "
+                                                             "(-1: all). Default: all, or none with --device cpu.")] = None,
     device: Annotated[str, typer.Option(help="'auto' picks CUDA, then Apple MPS, then CPU.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for generation (default: torch's choice).")] = None,
     name: Annotated[str, typer.Option(help="Display name shown on the coordinator's leaderboard.")] = "",
@@ -52,7 +56,7 @@ def join(
 
     cfg = JoinConfig(url=url, home=home or default_home(), backend=backend, device=device, threads=threads, name=name,
                      max_jobs=max_jobs, exit_when_finished=exit_when_finished, max_cpu_percent=max_cpu_percent,
-                     retries=retries, coordinator_key=coordinator_key)
+                     retries=retries, coordinator_key=coordinator_key, n_gpu_layers=n_gpu_layers)
     raise typer.Exit(run(cfg))
 
 
@@ -104,6 +108,8 @@ def demo(
     sync_mode: Annotated[str, typer.Option(help="sequential-pull, async-push-pull or colocated (see `echo-swarm "
                                                 "coordinator --help`).")] = "sequential-pull",
     max_staleness: Annotated[int, typer.Option(help="S for async-push-pull, in policy versions.")] = 2,
+    backend: Annotated[str, typer.Option(help="Client backend: torch, llama (llama.cpp on GGUF snapshots), auto, "
+                                              "or mixed (clients alternate torch and llama).")] = "torch",
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
@@ -112,7 +118,7 @@ def demo(
     from echo_swarm.demo import DemoConfig, run
 
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
-                                    sync_mode=sync_mode, max_staleness=max_staleness)))
+                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend)))
 
 
 @app.command("build-tiny-model")

@@ -50,7 +50,10 @@ class JoinConfig(BaseModel):
 
     url: str = Field(description="Coordinator base URL, e.g. http://127.0.0.1:8470")
     home: Path = Field(description="Identity, pinned coordinator keys and snapshot cache live here.")
-    backend: str = Field("auto", description="Generation backend: auto | torch.")
+    backend: str = Field("auto", description="Generation backend: auto (llama where llama-cpp-python is installed) "
+                         "| torch | llama.")
+    n_gpu_layers: int | None = Field(None, ge=-1, description="llama backend: layers offloaded to the GPU "
+                                     "(-1: all; default: all unless --device cpu).")
     device: str = Field("auto", description="auto | cpu | cuda | mps.")
     threads: int | None = Field(None, ge=1, description="CPU threads for generation.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
@@ -138,7 +141,8 @@ class Runner:
         from swarm_client.backends import make_backend
         from swarm_client.hardware import profile
 
-        backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads)
+        backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
+                               n_gpu_layers=self.cfg.n_gpu_layers)
         api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say,
                                 retry=RetryPolicy(attempts=self.cfg.retries))
         try:
@@ -175,13 +179,16 @@ class Runner:
                              RegisterResponse)
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
-        cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key)
+        from swarm_client.backends import backend_forms, backend_kind
+
+        kind = backend_kind(backend)
+        cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key, forms=backend_forms(backend))
         pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
         held = -1
         prefetch: asyncio.Task[object] | None = None
         while not self.stop.is_set():
             self.stats.state = "waiting"
-            resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=held), LeaseResponse)
+            resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=held), LeaseResponse)
             if resp.current_version > held and (prefetch is None or prefetch.done()):
                 # push-pull: the lease reply announces the newest version; fetch it in the background while
                 # generating with the one we hold (a failed prefetch is retried by the job that needs it)
@@ -216,7 +223,7 @@ class Runner:
             n_tok = sum(len(s.token_ids) for s in samples)
             sub = ResultSubmission(
                 job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
-                seed=job.seed, group_size=job.group_size, backend="torch", generation_s=elapsed,
+                seed=job.seed, group_size=job.group_size, backend=kind, generation_s=elapsed,
                 completions=[s.to_completion() for s in samples])
             self.stats.state = "submitting"
             try:

@@ -18,7 +18,7 @@ import aiohttp
 from shared import wire
 from shared.errors import IntegrityError
 from shared.hashing import sha256_file
-from shared.messages import Manifest, SignedManifest
+from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
 from swarm_client.api import CoordinatorClient
 
@@ -27,8 +27,10 @@ CHUNK = 1 << 20
 
 
 class SnapshotCache:
-    def __init__(self, root: Path, client: CoordinatorClient, coordinator_key: bytes, *, max_attempts: int = 3) -> None:
+    def __init__(self, root: Path, client: CoordinatorClient, coordinator_key: bytes, *, max_attempts: int = 3,
+                 forms: frozenset[str] | None = None) -> None:
         self.root = Path(root)
+        self.forms = forms  # the file forms this client's backend needs (None: all); see ManifestFile.form
         self.blobs = self.root / "blobs"
         self.models = self.root / "snapshots"
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -64,12 +66,15 @@ class SnapshotCache:
             manifest, sha = open_manifest(signed, self.coordinator_key)
             if manifest_sha256 not in (None, sha) or manifest.version != version or manifest.run_id != run_id:
                 raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
-            for f in manifest.files:
+            for f in self._wanted(manifest):
                 async with self._lock(f.sha256):
                     await self._fetch_blob(f.sha256, f.size)
             self._assemble(folder, manifest, sha)
             self._prune(run_id, keep=folder)
             return folder
+
+    def _wanted(self, manifest: Manifest) -> list[ManifestFile]:
+        return [f for f in manifest.files if self.forms is None or f.form in self.forms]
 
     async def _fetch_blob(self, sha256: str, size: int) -> Path:
         """Download one file into the cache. Interrupted transfers resume (HTTP Range) with backoff; a complete
@@ -125,7 +130,7 @@ class SnapshotCache:
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for f in manifest.files:
+        for f in self._wanted(manifest):
             src = self.blobs / f.sha256
             try:
                 os.link(src, tmp / f.path)

@@ -1,14 +1,21 @@
 """Generation backends. Each loads a verified model folder and generates a job's completions with the
-job's sampling parameters and seed, returning the per-token logprobs of the sampled tokens."""
+job's sampling parameters and seed, returning the per-token logprobs of the sampled tokens.
+
+``forms`` names the snapshot files a backend needs (see shared.records.file_form): the snapshot cache fetches
+only those, so a llama.cpp client never downloads safetensors and a torch client never downloads GGUF.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from shared.messages import Job
 from shared.policy import Sampled
+
+BACKENDS = ("auto", "torch", "llama")
 
 
 class Backend(Protocol):
@@ -20,9 +27,41 @@ class Backend(Protocol):
     def generate(self, job: Job, should_stop: Callable[[], bool]) -> list[Sampled]: ...
 
 
-def make_backend(name: str, *, device: str = "auto", threads: int | None = None) -> Backend:
-    if name in ("torch", "auto"):
-        from swarm_client.backends.torch_backend import TorchBackend
+def llama_available() -> bool:
+    """True when llama-cpp-python is installed (it is imported only when the backend is made)."""
+    return importlib.util.find_spec("llama_cpp") is not None
 
-        return TorchBackend(device=device, threads=threads)
-    raise ValueError(f"unknown backend {name!r}; this build supports: torch")
+
+def resolve_backend(name: str) -> str:
+    """'auto' → 'llama' where llama-cpp-python is installed, else 'torch'."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "llama" if llama_available() else "torch"
+    return name
+
+
+def make_backend(name: str, *, device: str = "auto", threads: int | None = None,
+                 n_gpu_layers: int | None = None) -> Backend:
+    chosen = resolve_backend(name)
+    if chosen == "llama":
+        if not llama_available():
+            raise ValueError("the llama backend needs llama-cpp-python: pip install 'echo-swarm[llama]' "
+                             "(see README, 'llama.cpp clients'), or join with --backend torch")
+        from swarm_client.backends.llama_backend import LlamaBackend
+
+        return LlamaBackend(device=device, threads=threads, n_gpu_layers=n_gpu_layers)
+    from swarm_client.backends.torch_backend import TorchBackend
+
+    return TorchBackend(device=device, threads=threads)
+
+
+def backend_forms(backend: object) -> frozenset[str] | None:
+    """The snapshot file forms a backend needs (None: every file)."""
+    forms = getattr(backend, "forms", None)
+    return frozenset(forms) if forms is not None else None
+
+
+def backend_kind(backend: object) -> Literal["torch", "llama"]:
+    """'llama' or 'torch': what the lease and result messages carry."""
+    return "llama" if getattr(backend, "name", "torch") == "llama" else "torch"
