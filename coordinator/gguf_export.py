@@ -158,6 +158,14 @@ def _add_tokenizer(writer: Any, folder: Path, config: Mapping[str, Any]) -> None
     writer.add_tokenizer_pre(_pre_tokenizer_name(tok))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
+    if not merges:
+        # llama.cpp refuses a "gpt2" vocabulary without the merges key, and GGUF cannot store an empty array.
+        # One merge of a control token with itself never fires (BPE works on byte symbols; a control token's
+        # text is never a single symbol), so tokenisation stays one byte per token.
+        control = next((tokens[i] for i in sorted(special)), None)
+        if control is None:
+            raise GGUFExportError(f"{path}: a tokenizer without merges needs a special token (e.g. eos)")
+        merges = [f"{control} {control}"]
     writer.add_token_merges(merges)
     tcfg_path = folder / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.exists() else {}
@@ -272,6 +280,7 @@ def export_folder(folder: Path, out: Path, precision: str = "f16") -> None:
     """Export a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) to one GGUF file."""
     from safetensors.numpy import load_file
 
+    gguf_arch(json.loads((Path(folder) / "config.json").read_text()))  # refuse unsupported models first
     state: dict[str, np.ndarray] = {}
     shards = sorted(Path(folder).glob("*.safetensors"))
     if not shards:
