@@ -95,28 +95,38 @@ async def client_run(url: str, home: Path, backend_name: str, jobs: int, threads
                        RegisterResponse)
         cache = SnapshotCache(home / "cache", api, info.coordinator_public_key, forms=backend_forms(backend))
         tokens, t_start, job_example = 0, 0.0, None
+        phases = {"lease": 0.0, "snapshot": 0.0, "generate": 0.0, "submit": 0.0}
         for k in range(jobs + 1):
             if k == 1:
                 t_start = time.perf_counter()
+                phases = dict.fromkeys(phases, 0.0)
+            t0 = time.perf_counter()
             resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=0), LeaseResponse)  # type: ignore[arg-type]
             assert resp.job is not None, "no job leased"
             job = open_job(resp.job, info.coordinator_public_key)
+            t1 = time.perf_counter()
             folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
             await asyncio.to_thread(backend.load, folder)
+            t2 = time.perf_counter()
             samples = await asyncio.to_thread(backend.generate, job, lambda: False)
+            t3 = time.perf_counter()
+            phases["lease"] += t1 - t0
+            phases["snapshot"] += t2 - t1
+            phases["generate"] += t3 - t2
             sub = ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
                                    prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
                                    backend=kind, generation_s=0.0,  # type: ignore[arg-type]
                                    completions=[s.to_completion() for s in samples])
             res = await api.post("/v1/results", sub, SubmitResponse)
             assert res.accepted
+            phases["submit"] += time.perf_counter() - t3
             if k >= 1:
                 tokens += sum(len(s.token_ids) for s in samples)
             job_example = job
         wall = time.perf_counter() - t_start
     finally:
         await api.close()
-    return {"tokens": tokens, "wall_s": wall, "job": job_example, "backend": backend}
+    return {"tokens": tokens, "wall_s": wall, "job": job_example, "backend": backend, "phases": phases}
 
 
 def raw_rate(backend: Any, job: Any, jobs: int) -> float:
@@ -193,8 +203,9 @@ def main() -> None:
                 e2e.append(rate)
                 raws.append(raw)
                 ratios.append(rate / raw)
-                print(f"{name} run {r}: end-to-end {rate:,.0f} tok/s, raw {raw:,.0f} tok/s, ratio {rate / raw:.3f}",
-                      flush=True)
+                share = ", ".join(f"{k} {v / got['wall_s']:.1%}" for k, v in got["phases"].items())
+                print(f"{name} run {r}: end-to-end {rate:,.0f} tok/s, raw {raw:,.0f} tok/s, ratio {rate / raw:.3f} "
+                      f"(wall: {share})", flush=True)
             results[name] = {"ratio_median": statistics.median(ratios), "ratios": ratios,
                              "end_to_end_tok_s": e2e, "raw_tok_s": raws}
         results["snapshot_bytes"] = snapshot_bytes(model, tmp)

@@ -26,6 +26,8 @@ from typing import Any, Literal
 import numpy as np
 
 logger = logging.getLogger(__name__)
+# the writer logs every file it writes at INFO: one line per tensor file per published version
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 Precision = Literal["f32", "f16", "q8_0"]
 PRECISIONS: tuple[str, ...] = ("f32", "f16", "q8_0")
