@@ -141,8 +141,12 @@ class Runner:
         from swarm_client.backends import make_backend
         from swarm_client.hardware import profile
 
-        backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
-                               n_gpu_layers=self.cfg.n_gpu_layers)
+        try:
+            backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
+                                   n_gpu_layers=self.cfg.n_gpu_layers)
+        except ValueError as exc:  # unknown backend, or llama-cpp-python not installed: the message says what to do
+            self._say(f"error: {exc}")
+            return EXIT_REFUSED
         api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say,
                                 retry=RetryPolicy(attempts=self.cfg.retries))
         try:
@@ -209,7 +213,12 @@ class Runner:
                 self._say(f"could not get a verified snapshot of version {job.version} ({exc}); releasing the job")
                 await self._release(api, job.job_id, job.lease_id)
                 continue
-            await asyncio.to_thread(backend.load, folder)
+            try:
+                await asyncio.to_thread(backend.load, folder)
+            except FileNotFoundError as exc:  # e.g. a llama client and a coordinator that publishes no GGUF
+                self._say(f"error: {exc}")
+                await self._release(api, job.job_id, job.lease_id)
+                return EXIT_REFUSED
             held = self.stats.version = job.version
             self.stats.state = "generating"
             self._show(self._line())
