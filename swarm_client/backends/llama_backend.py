@@ -116,8 +116,10 @@ class LlamaBackend:
         kwargs: dict[str, Any] = {}
         if self.kv_f32:
             kwargs.update(type_k=0, type_v=0)  # GGML_TYPE_F32: removes the f16 KV cache rounding
+        # logits_all=False: the logits of each sampled step are read from the context right after sampling
+        # (llama_get_logits_ith), so no n_ctx × n_vocab score matrix is allocated (1.2 GB for a 150k vocabulary)
         self.llm = self._lib.Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=min(512, self.n_ctx),
-                                   logits_all=True, n_gpu_layers=self.n_gpu_layers, n_threads=self.threads,
+                                   logits_all=False, n_gpu_layers=self.n_gpu_layers, n_threads=self.threads,
                                    n_threads_batch=self.threads, seed=0, verbose=False, **kwargs)
         self._base_id = ident
         self.precision = gguf_precision(path)
@@ -158,29 +160,35 @@ class LlamaBackend:
                              f"window n_ctx={self.n_ctx}")
         llm.set_seed(seed)
         tokens: list[int] = []
+        logprobs: list[float] = []
         finish = "length"
         for tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
                                 repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, reset=True):
+            # the generator is paused right after sampling: the context still holds the logits it sampled from
             tokens.append(int(tok))
+            logprobs.append(float(log_softmax(self._last_logits(), temperature)[0, tok]))
             if tok in stop_ids:
                 finish = "stop"
                 break
             if len(tokens) >= max_tokens or (should_stop is not None and should_stop()):
                 break
-        n = len(prompt)
-        logits = np.asarray(llm.scores[n - 1 : n - 1 + len(tokens)])
-        logp = log_softmax(logits, temperature)
-        lps = logp[np.arange(len(tokens)), tokens].tolist()
-        return Sampled(tokens, [float(x) for x in lps], finish)
+        return Sampled(tokens, logprobs, finish)
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(1, self.llm.n_vocab()))
 
     def score(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
-        """Logprobs of ``completion`` given ``prompt`` (teacher-forced): for parity measurements and tests."""
+        """Logprobs of ``completion`` given ``prompt`` (teacher-forced, one token at a time as in decoding): for
+        parity measurements and tests."""
         llm = self.llm
         llm.reset()
-        llm.eval(list(prompt) + list(completion))
-        n = len(prompt)
-        logits = np.asarray(llm.scores[n - 1 : n - 1 + len(completion)])
-        return [float(x) for x in log_softmax(logits, temperature)[np.arange(len(completion)), completion]]
+        llm.eval(list(prompt))
+        out: list[float] = []
+        for tok in completion:
+            out.append(float(log_softmax(self._last_logits(), temperature)[0, tok]))
+            llm.eval([tok])
+        return out
 
     def generate(self, job: Job, should_stop: Callable[[], bool]) -> list[Sampled]:
         if self.llm is None:
