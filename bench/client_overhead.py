@@ -191,8 +191,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="client generation threads")
-    ap.add_argument("--pipelined", action="store_true", help="also measure a loop that overlaps submission with "
-                    "the next job's generation")
+    ap.add_argument("--modes", default="serial", help="serial (the join loop: submit, wait, lease again) and/or "
+                    "pipelined (submission overlapped with the next job's generation), comma-separated")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the coordinator
@@ -200,14 +200,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         model = build_model(tmp / "model")
-        modes = [(n, False) for n in args.backends.split(",")]
-        if args.pipelined:
-            modes += [(n, True) for n in args.backends.split(",")]
+        modes = [(n, m == "pipelined") for m in args.modes.split(",") for n in args.backends.split(",")]
         for name, pipelined in modes:
             label = f"{name} (pipelined submit)" if pipelined else name
             ratios, e2e, raws = [], [], []
             for r in range(args.runs):
-                run_tmp = tmp / f"{name}-{r}"
+                run_tmp = tmp / f"{name}-{int(pipelined)}-{r}"
                 run_tmp.mkdir()
                 proc, url = start_coordinator(run_tmp, model, args.prompts_per_job, args.group, args.max_tokens,
                                               "f16")
