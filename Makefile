@@ -15,9 +15,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# llama-cpp-python compiles llama.cpp (~4 min on 2 cores; pip caches the wheel). CPU build here, portable
+# (no -march=native); for a GPU pass e.g. LLAMA_CMAKE_ARGS="-DGGML_CUDA=on" or "-DGGML_METAL=on".
+LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	@command -v cc >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 || { \
+	  echo "installing a C/C++ compiler for llama-cpp-python (apt-get install build-essential)"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential; \
+	  else echo "error: no C/C++ compiler; install build-essential (Debian/Ubuntu) or Xcode tools" >&2; exit 1; fi; }
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e ".[dev,llama]"
 	touch $@
 
 setup: $(VENV)/.installed

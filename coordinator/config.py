@@ -95,6 +95,13 @@ class LearnerConfig(_Strict):
     eval_every: int = Field(25, ge=0, description="Held-out evaluation every N steps (0: only first and last).")
     eval_size: int = Field(512, ge=1, description="Held-out prompts per evaluation (capped by the task's held-out set).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads for the learner (default: torch's choice).")
+    lora_rank: int = Field(0, ge=0, le=1024, description="0: train all weights. r > 0: train rank-r LoRA adapters "
+                           "(peft) on lora_targets with the base frozen; llama.cpp clients then fetch the base GGUF "
+                           "once and a small adapter per version. 4 is a sensible start (adapter ≈ 0.7 % of the "
+                           "tiny model, far less for larger ones).")
+    lora_alpha: float = Field(8.0, gt=0, description="LoRA scale numerator: the update is alpha/r · B·A.")
+    lora_targets: list[str] = Field(["q_proj", "v_proj"], min_length=1, max_length=16,
+                                    description="Linear modules that get adapters (Qwen2/Llama names).")
 
 
 class SamplingConfig(_Strict):
@@ -115,12 +122,43 @@ class JobsConfig(_Strict):
                               "max_staleness (core.pacing). Off: first come, first served.")
 
 
+class BackendTolerance(_Strict):
+    mean_tol: float = Field(gt=0, description="Max mean |Δ logprob| per token over a result (nats).")
+    max_tol: float = Field(gt=0, description="Max |Δ logprob| of any single token (nats).")
+
+
+# Source: bench/llama_parity.py (docs/benchmarks.md, "llama.cpp parity with the learner"), llama-cpp-python
+# 0.3.36 on x86_64 CPU, llama.cpp's default f16 KV cache, the tiny model at version 0 and after 183 RL steps
+# (512 prompts × 8 samples). Worst per-result mean |Δ| / worst single token |Δ| measured:
+#   f32 8.2e-4 / 2.6e-2,   f16 1.0e-3 / 2.8e-2 (one token of 0.113 seen in a 200-step demo),   q8_0 1.1e-2 / 0.67.
+# The per-token maximum is heavy-tailed and grows as training sharpens the policy; the tolerances leave
+# ≥ 4x headroom over everything measured (more on the mean, the statistic that catches a wrong policy).
+LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
+    "llama-f32": BackendTolerance(mean_tol=0.01, max_tol=0.5),
+    "llama-f16": BackendTolerance(mean_tol=0.01, max_tol=0.5),
+    "llama-q8_0": BackendTolerance(mean_tol=0.05, max_tol=2.0),
+}
+
+
 class VerificationConfig(_Strict):
     """Tolerances for reported behaviour logprobs against the learner's recompute (torch backend)."""
 
     logprob_mean_tol: float = Field(0.05, gt=0, description="Max mean |Δ logprob| per token over a result (nats).")
     logprob_max_tol: float = Field(1.0, gt=0, description="Max |Δ logprob| of any single token (nats).")
     request_window_s: float = Field(300.0, gt=0, description="Accepted clock skew of signed requests (seconds).")
+    backend_tolerances: dict[str, BackendTolerance] = Field(
+        default_factory=lambda: dict(LLAMA_TOLERANCES),
+        description="Per backend class ('llama-f32', 'llama-f16', 'llama-q8_0'): tolerances that replace the two "
+        "above for results from llama.cpp clients. The class is derived from snapshots.gguf, which the "
+        "coordinator controls, never from the client's word.")
+
+    def tolerances(self, backend: str, gguf: str) -> tuple[float, float]:
+        """(mean, max) |Δ logprob| allowed for a result from ``backend`` when GGUFs are published at ``gguf``."""
+        if backend == "llama":
+            tol = self.backend_tolerances.get(f"llama-{gguf}")
+            if tol is not None:
+                return tol.mean_tol, tol.max_tol
+        return self.logprob_mean_tol, self.logprob_max_tol
 
 
 class ServerConfig(_Strict):
@@ -130,6 +168,10 @@ class ServerConfig(_Strict):
 
 class SnapshotConfig(_Strict):
     keep_last: int = Field(4, ge=1, description="Published versions kept on disk (older ones are pruned).")
+    gguf: Literal["off", "f32", "f16", "q8_0"] = Field(
+        "f16", description="Also publish every version as GGUF for llama.cpp clients, at this precision "
+        "(off: safetensors only, torch clients). f16 halves the bytes of f32 at ~1e-2 nats of logprob drift; "
+        "q8_0 quarters them (docs/benchmarks.md, 'llama.cpp parity').")
 
 
 class CoordinatorConfig(_Strict):

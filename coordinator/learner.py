@@ -64,7 +64,8 @@ class Sample:
 
 
 class Learner:
-    def __init__(self, model_dir: Path, model_cfg: ModelConfig, cfg: LearnerConfig, temperature: float) -> None:
+    def __init__(self, model_dir: Path, model_cfg: ModelConfig, cfg: LearnerConfig, temperature: float,
+                 gguf: str = "off") -> None:
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -79,6 +80,12 @@ class Learner:
         self.device = pick_device(model_cfg.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, self.device, model_cfg.dtype)
+        self.gguf = gguf  # precision of the GGUF form published with every version ("off": none)
+        self.lora = cfg.lora_rank > 0
+        if self.lora:
+            from coordinator import lora
+
+            self.model = lora.wrap(self.model, cfg)
         self.model.train()
         self.pad_id = pad_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -86,7 +93,8 @@ class Learner:
             raise ValueError(f"the tokenizer in {model_dir} defines no end-of-sequence token; set eos_token in its "
                              f"tokenizer_config.json so completions can stop")
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           weight_decay=cfg.weight_decay)
         self.model_version = 0
         self._behaviour: Any = None  # a second model holding an older version's weights, for stale results
         self._behaviour_version: int | None = None
@@ -110,6 +118,15 @@ class Learner:
 
             from safetensors.torch import load_file
 
+            if self.lora:  # a LoRA run publishes merged weights under plain names: verify with a plain model
+                from shared.policy import load_model
+
+                if not any(Path(folder).glob("*.safetensors")):
+                    raise FileNotFoundError(f"no weights for version {version} in {folder}")
+                self._behaviour_version = None
+                self._behaviour = load_model(Path(folder), self.device).eval()
+                self._behaviour_version = version
+                return self._behaviour
             if self._behaviour is None:
                 self._behaviour = copy.deepcopy(self.model).eval()
             shards = sorted(Path(folder).glob("*.safetensors"))
@@ -209,8 +226,23 @@ class Learner:
 
     # -- persistence --------------------------------------------------------------------------------------
     def save_model(self, folder: Path) -> None:
+        """Write a version: the Hugging Face folder, plus its GGUF form(s) when ``gguf`` is not "off"."""
+        if self.lora:
+            from coordinator import lora
+            from coordinator.gguf_export import write_lora_gguf, write_model_gguf
+
+            lora.save_merged(self.model, self.tokenizer, folder)
+            if self.gguf != "off":
+                write_model_gguf(folder / "base.gguf", folder, lora.base_state(self.model), self.gguf)
+                pairs, alpha = lora.adapter_pairs(self.model)
+                write_lora_gguf(folder / "adapter.gguf", folder, pairs, alpha, "f32" if self.gguf == "f32" else "f16")
+            return
         self.model.save_pretrained(str(folder), safe_serialization=True)
         self.tokenizer.save_pretrained(str(folder))
+        if self.gguf != "off":
+            from coordinator.gguf_export import write_model_gguf
+
+            write_model_gguf(folder / "model.gguf", folder, self.model.state_dict(), self.gguf)
 
     def save_optimizer(self, path: Path) -> None:
         import torch

@@ -153,7 +153,8 @@ class Coordinator:
         return path
 
     def _make_learner(self, model_dir: Path) -> Learner:
-        return Learner(model_dir, self.config.model, self.config.learner, self.config.sampling.temperature)
+        return Learner(model_dir, self.config.model, self.config.learner, self.config.sampling.temperature,
+                       gguf=self.config.snapshots.gguf)
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -375,7 +376,7 @@ class Coordinator:
         completions = [list(c.token_ids) for c in sub.completions]
         recomputed: list[list[float]] = await self._run(self._recompute_at, prompts, completions, sub.version)
         stats = logprob_stats([c.logprobs for c in sub.completions], recomputed)
-        check_logprobs(stats, self.config.verification.logprob_mean_tol, self.config.verification.logprob_max_tol)
+        check_logprobs(stats, *self.config.verification.tolerances(sub.backend, self.config.snapshots.gguf))
         # the learner may have been busy: the lease must still be ours and unexpired now
         fresh = self.store.get_job(sub.job_id)
         if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) is not LeaseCheck.OK:

@@ -55,7 +55,10 @@ def join(
     home: Annotated[Optional[Path], typer.Option(help="Folder for this client's identity key, pinned coordinator "
                                                       "keys, snapshot cache and pause/status files. Default: your "
                                                       "user config dir (or $ECHO_SWARM_HOME).")] = None,
-    backend: Annotated[Optional[str], typer.Option(help="Generation backend: 'auto' or 'torch'. (default: auto)")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="Generation backend: 'llama' (llama.cpp, fastest per "
+                                                        "sequence; needs llama-cpp-python, built for Metal/CUDA/CPU "
+                                                        "as the README explains), 'torch', or 'auto' (llama where "
+                                                        "installed, else torch). (default: auto)")] = None,
     device: Annotated[Optional[str], typer.Option(help="'auto' picks CUDA, then Apple MPS, then CPU. "
                                                        "(default: auto)")] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for generation (default: the "
@@ -231,6 +234,8 @@ def demo(
     sync_mode: Annotated[str, typer.Option(help="sequential-pull, async-push-pull or colocated (see `echo-swarm "
                                                 "coordinator --help`).")] = "sequential-pull",
     max_staleness: Annotated[int, typer.Option(help="S for async-push-pull, in policy versions.")] = 2,
+    backend: Annotated[str, typer.Option(help="Client backend: torch, llama (llama.cpp on GGUF snapshots), auto, "
+                                              "or mixed (clients alternate torch and llama).")] = "torch",
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
@@ -239,7 +244,7 @@ def demo(
     from echo_swarm.demo import DemoConfig, run
 
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
-                                    sync_mode=sync_mode, max_staleness=max_staleness)))
+                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend)))
 
 
 @app.command("build-tiny-model")

@@ -41,6 +41,12 @@ class DemoConfig:
     max_staleness: int = 2
     seed: int = 0
     eval_every: int = 25
+    backend: str = "torch"  # torch | llama | auto | mixed (clients alternate torch, llama, torch, ...)
+
+    def client_backend(self, k: int) -> str:
+        if self.backend == "mixed":
+            return ("torch", "llama")[k % 2]
+        return self.backend
 
 
 def build_model_with_progress(cache_dir: Path | None = None) -> Path:
@@ -158,7 +164,7 @@ def run(cfg: DemoConfig) -> int:
             home = (cfg.out / "clients" / f"client{k}").resolve()
             procs.append(_Proc(f"client{k}", py + ["join", url, "--home", str(home), "--threads",
                                                    str(cfg.client_threads), "--name", f"demo-{k}",
-                                                   "--exit-when-finished"],
+                                                   "--exit-when-finished", "--backend", cfg.client_backend(k)],
                                cfg.out / "logs" / f"client{k}.log"))
         status = _follow(url, cfg, coord, procs, t0)
         if status is None:
@@ -217,10 +223,10 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
 
     by_id = {c["client_id"]: c for c in status["clients"]}
     clients = []
-    for p in procs:
+    for k, p in enumerate(procs):
         ident = load_identity((cfg.out / "clients" / p.name).resolve())
         row = by_id.get(ident.client_id, {})
-        clients.append({"name": p.name, "pid": p.proc.pid, "client_id": ident.client_id, "exit_code": p.proc.returncode,
+        clients.append({"name": p.name, "backend": cfg.client_backend(k), "pid": p.proc.pid, "client_id": ident.client_id, "exit_code": p.proc.returncode,
                         "accepted": row.get("accepted", 0), "rejected": row.get("rejected", 0),
                         "credit": row.get("credit", 0.0)})
     evals = status["evals"]
@@ -257,7 +263,7 @@ def _print(summary: dict[str, Any], out: Path) -> None:
                                              f"{sum(tail) / len(tail):.3f} (last 10)")
     table.add_row("results accepted / refused", f"{summary['accepted']} / {summary['rejected']}")
     for c in summary["clients"]:
-        table.add_row(f"  {c['name']} (pid {c['pid']})", f"{c['accepted']} accepted, credit {c['credit']:,.0f}")
+        table.add_row(f"  {c['name']} ({c['backend']}, pid {c['pid']})", f"{c['accepted']} accepted, credit {c['credit']:,.0f}")
     table.add_row("wall time", f"{summary['wall_s']:.0f} s")
     console.print(table)
     console.print(f"wrote {out / 'summary.json'} and {out / 'reward_curve.png'}")

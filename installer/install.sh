@@ -151,8 +151,10 @@ Options:
   --from-pypi            Install echo-swarm from PyPI instead of a local checkout.
   --bin-dir DIR          Where to symlink the echo-swarm command. Default: ~/.local/bin
   --no-link              Do not create the symlink; print the executable's full path instead.
-  --with-llama           Reserved for the llama.cpp backend (llama-cpp-python). Not supported yet: the
-                         installer prints a note and exits with status 2.
+  --with-llama           Also install the llama.cpp backend (llama-cpp-python, which compiles llama.cpp:
+                         a few minutes, needs a C/C++ compiler). Built for the GPU found: Metal on Apple
+                         silicon (CMAKE_ARGS=-DGGML_METAL=on), CUDA on NVIDIA (-DGGML_CUDA=on, needs the
+                         CUDA toolkit's nvcc), else the CPU. Set CMAKE_ARGS yourself to override.
   --dry-run              Detect the machine and print the plan and the commands it would run, without
                          creating, downloading or changing anything.
   -h, --help             Show this help and exit.
@@ -164,18 +166,8 @@ After installing, join a swarm with:
   echo-swarm join <COORDINATOR_URL>
 
 Exit status: 0 installed (or dry run done), 1 a step failed (the message says what to do),
-2 bad usage or an unsupported option such as --with-llama.
+2 bad usage.
 EOF
-}
-
-llama_not_supported() {
-    cat >&2 <<'EOF'
-note: --with-llama is not supported yet.
-The llama.cpp generation backend (llama-cpp-python) is a planned feature of echo-swarm; this installer
-sets up the torch backend only, which runs on NVIDIA GPUs (CUDA), Apple silicon (MPS) and CPUs.
-Re-run without --with-llama.
-EOF
-    exit 2
 }
 
 DRY_RUN=0
@@ -188,6 +180,8 @@ SOURCE=""
 FROM_PYPI=0
 BIN_DIR=""
 NO_LINK=0
+WITH_LLAMA=0
+readonly LLAMA_REQ="llama-cpp-python>=0.3.36,<0.4"
 
 while [ $# -gt 0 ]; do
     opt=$1
@@ -234,7 +228,7 @@ while [ $# -gt 0 ]; do
         --from-pypi) FROM_PYPI=1 ;;
         --bin-dir) BIN_DIR=$val ;;
         --no-link) NO_LINK=1 ;;
-        --with-llama) llama_not_supported ;;
+        --with-llama) WITH_LLAMA=1 ;;
         -*) usage_error "unknown option: $opt" ;;
         *) usage_error "unexpected argument: $opt (this installer takes options only)" ;;
     esac
@@ -487,6 +481,21 @@ else
     torch_why="the macOS build from PyPI (CPU only on an Intel Mac)"
 fi
 
+# llama.cpp is compiled for the accelerator found (CMAKE_ARGS reaches llama-cpp-python's CMake build).
+if [ -n "${CMAKE_ARGS:-}" ]; then
+    LLAMA_CMAKE=$CMAKE_ARGS
+    llama_why="CMAKE_ARGS from the environment"
+elif [ "$GPU_KIND" = nvidia ]; then
+    LLAMA_CMAKE="-DGGML_CUDA=on"
+    llama_why="CUDA build for the NVIDIA GPU (needs the CUDA toolkit: nvcc)"
+elif [ "$GPU_KIND" = mps ]; then
+    LLAMA_CMAKE="-DGGML_METAL=on"
+    llama_why="Metal build for Apple silicon"
+else
+    LLAMA_CMAKE="-DLLAVA_BUILD=OFF"
+    llama_why="CPU build"
+fi
+
 VENV_PY="$PREFIX/bin/python"
 EXE="$PREFIX/bin/echo-swarm"
 LINK="$BIN_DIR/echo-swarm"
@@ -507,6 +516,11 @@ if [ "$FROM_PYPI" = 1 ]; then
     info "echo-swarm:          from PyPI"
 else
     info "echo-swarm:          from the checkout $SOURCE"
+fi
+if [ "$WITH_LLAMA" = 1 ]; then
+    info "llama.cpp backend:   $LLAMA_REQ, $llama_why (CMAKE_ARGS=$LLAMA_CMAKE)"
+else
+    info "llama.cpp backend:   not installed (add --with-llama for llama.cpp clients)"
 fi
 if [ "$NO_LINK" = 1 ]; then
     info "command:             $EXE (no link: --no-link)"
@@ -613,6 +627,20 @@ else
     fi
     run "check that $SOURCE is a complete echo-swarm checkout and that PyPI is reachable (dependencies come from there)" \
         "$VENV_PY" -m pip install --upgrade --upgrade-strategy only-if-needed "$BUILD_SRC"
+fi
+
+if [ "$WITH_LLAMA" = 1 ]; then
+    info "building llama.cpp for the llama backend ($llama_why); this compiles C++ for a few minutes"
+    if [ "$DRY_RUN" = 0 ] && ! command -v c++ >/dev/null 2>&1; then
+        die "no C++ compiler found; llama-cpp-python compiles llama.cpp" \
+            "install one (Debian/Ubuntu: sudo apt-get install build-essential; macOS: xcode-select --install), then re-run"
+    fi
+    if [ "$GPU_KIND" = nvidia ] && [ -z "${CMAKE_ARGS:-}" ] && ! command -v nvcc >/dev/null 2>&1; then
+        warn "nvcc (the CUDA toolkit) is not on PATH: the CUDA build of llama.cpp will fail without it."
+        warn "Install the CUDA toolkit, or set CMAKE_ARGS=-DLLAVA_BUILD=OFF for a CPU build."
+    fi
+    run "check the compiler output above; for a CPU-only build set CMAKE_ARGS=-DLLAVA_BUILD=OFF and re-run" \
+        env "CMAKE_ARGS=$LLAMA_CMAKE" "$VENV_PY" -m pip install "$LLAMA_REQ"
 fi
 
 # ---------------------------------------------------------------------------------------------- 6. self-check

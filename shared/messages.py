@@ -185,9 +185,14 @@ class SubmitResponse(Message):
 
 # ---- snapshots ------------------------------------------------------------------------------------------
 class ManifestFile(Message):
+    """One file of a version. ``form`` says which client needs it: "hf" (the Hugging Face safetensors folder,
+    torch clients), "gguf" (a whole-model GGUF), "gguf-base" + "gguf-lora" (a base GGUF shared by every
+    version of a LoRA run, plus this version's LoRA adapter): llama.cpp clients."""
+
     path: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     size: Annotated[int, Field(ge=0, le=2**40)]
     sha256: Sha256Hex
+    form: Literal["hf", "gguf", "gguf-base", "gguf-lora"] = "hf"
 
 
 class Manifest(Message):

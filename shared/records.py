@@ -10,10 +10,17 @@ from shared import PROTOCOL_VERSION, crypto, wire
 from shared.hashing import sha256_bytes, sha256_file
 from shared.messages import Job, Manifest, ManifestFile, SignedJob, SignedManifest
 
+GGUF_FILES = {"model.gguf": "gguf", "base.gguf": "gguf-base", "adapter.gguf": "gguf-lora"}
+
+
+def file_form(name: str) -> str:
+    """Which client form a snapshot file belongs to (see ManifestFile.form)."""
+    return GGUF_FILES.get(name, "hf")
+
 
 def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float) -> Manifest:
     files = [
-        ManifestFile(path=p.name, size=p.stat().st_size, sha256=sha256_file(p))
+        ManifestFile(path=p.name, size=p.stat().st_size, sha256=sha256_file(p), form=file_form(p.name))  # type: ignore[arg-type]
         for p in sorted(folder.iterdir())
         if p.is_file() and not p.name.startswith(".") and p.name != "manifest.msgpack"
     ]

@@ -74,7 +74,8 @@ class JoinConfig(BaseModel):
 
     url: str = Field(description="Coordinator base URL, e.g. http://127.0.0.1:8470")
     home: Path = Field(description="Identity, pinned coordinator keys and snapshot cache live here.")
-    backend: str = Field("auto", description="Generation backend: auto | torch.")
+    backend: str = Field("auto", description="Generation backend: auto (llama where llama-cpp-python is installed) "
+                         "| torch | llama.")
     device: str = Field("auto", description="auto | cpu | cuda | mps.")
     threads: int | None = Field(None, ge=1, description="CPU threads for generation.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
@@ -162,6 +163,7 @@ class Runner:
         self.hardware: Hardware | None = None
         self.prefetch: asyncio.Task[object] | None = None
         self.device = "cpu"  # the backend's device, once created
+        self._forms: frozenset[str] | None = None  # the snapshot file forms the backend needs (None: all)
         self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
 
     # -- output -------------------------------------------------------------------------------------------
@@ -197,9 +199,16 @@ class Runner:
             self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
         from swarm_client.backends import make_backend
 
-        backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
-                               gpu_layers=self.cfg.gpu_layers)
+        try:
+            backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
+                                   gpu_layers=self.cfg.gpu_layers)
+        except ValueError as exc:  # unknown backend, or llama-cpp-python not installed: the message says what to do
+            self._say(f"error: {exc}")
+            return EXIT_REFUSED
         self.device = str(backend.device)
+        from swarm_client.backends import backend_forms
+
+        self._forms = backend_forms(backend)
         api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say,
                                 retry=RetryPolicy(attempts=self.cfg.retries))
         try:
@@ -253,7 +262,8 @@ class Runner:
             total_memory_bytes=int(total_memory_gb() * GIB),
             min_free_disk_bytes=int(self.cfg.min_free_disk_gb * GIB),
             cache_max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB))
-        model_bytes = sum(f.size for f in manifest.files)
+        forms = self._forms
+        model_bytes = sum(f.size for f in manifest.files if forms is None or f.form in forms)
         check_memory(model_bytes, limits, manifest.version)
         gpus = self.hardware.gpus if self.hardware else ()
         if self.device.startswith("cuda") and gpus:
@@ -310,7 +320,8 @@ class Runner:
         if pin_coordinator(self.cfg.home, self.cfg.url, info.coordinator_public_key, expected=expected):
             self._say(f"pinned coordinator key {info.coordinator_public_key.hex()[:16]}… for {self.cfg.url}")
         cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key, precheck=self._precheck,
-                              max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB))
+                              max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB),
+                              forms=self._forms)
         if self.cfg.benchmark:
             await self._benchmark(cache, backend, info)  # also refuses a model too big, before registering
         prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
@@ -319,6 +330,9 @@ class Runner:
         await self._load_totals(api, reg.client_id)
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
+        from swarm_client.backends import backend_kind
+
+        kind = backend_kind(backend)
         pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
         held = -1
         gated: str | None = None
@@ -334,7 +348,7 @@ class Runner:
                 await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
                 continue
             self._set_state("waiting")
-            resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=held), LeaseResponse)
+            resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=held), LeaseResponse)
             if resp.current_version > held and (self.prefetch is None or self.prefetch.done()):
                 # push-pull: the lease reply announces the newest version; fetch it in the background while
                 # generating with the one we hold (a failed prefetch is retried by the job that needs it)
@@ -363,7 +377,12 @@ class Runner:
             except (ResourceRefusal, OSError):
                 await self._release(api, job.job_id, job.lease_id)
                 raise
-            await asyncio.to_thread(backend.load, folder)
+            try:
+                await asyncio.to_thread(backend.load, folder)
+            except FileNotFoundError as exc:  # e.g. a llama client and a coordinator that publishes no GGUF
+                self._say(f"error: {exc}")
+                await self._release(api, job.job_id, job.lease_id)
+                return EXIT_REFUSED
             held = self.stats.version = job.version
             self._set_state("generating")
             t0 = time.monotonic()
@@ -376,7 +395,7 @@ class Runner:
             n_tok = sum(len(s.token_ids) for s in samples)
             sub = ResultSubmission(
                 job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
-                seed=job.seed, group_size=job.group_size, backend="torch", generation_s=elapsed,
+                seed=job.seed, group_size=job.group_size, backend=kind, generation_s=elapsed,
                 completions=[s.to_completion() for s in samples])
             self._set_state("submitting")
             try:

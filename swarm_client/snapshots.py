@@ -25,7 +25,7 @@ import aiohttp
 from shared import wire
 from shared.errors import IntegrityError
 from shared.hashing import sha256_file
-from shared.messages import Manifest, SignedManifest
+from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
 from swarm_client.api import CoordinatorClient
 
@@ -35,8 +35,10 @@ CHUNK = 1 << 20
 
 class SnapshotCache:
     def __init__(self, root: Path, client: CoordinatorClient, coordinator_key: bytes, *, max_attempts: int = 3,
-                 max_bytes: int | None = None, precheck: Callable[[Manifest, int], None] | None = None) -> None:
+                 max_bytes: int | None = None, precheck: Callable[[Manifest, int], None] | None = None,
+                 forms: frozenset[str] | None = None) -> None:
         self.root = Path(root)
+        self.forms = forms  # the file forms this client's backend needs (None: all); see ManifestFile.form
         self.blobs = self.root / "blobs"
         self.models = self.root / "snapshots"
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,7 @@ class SnapshotCache:
                 raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
             if self.precheck is not None:
                 self.precheck(manifest, self.missing_bytes(manifest))
-            for f in manifest.files:
+            for f in self._wanted(manifest):
                 async with self._lock(f.sha256):
                     await self._fetch_blob(f.sha256, f.size)
             self._assemble(folder, manifest, sha)
@@ -85,10 +87,14 @@ class SnapshotCache:
             self._prune(run_id, keep=folder)
             return folder
 
+    def _wanted(self, manifest: Manifest) -> list[ManifestFile]:
+        return [f for f in manifest.files if self.forms is None or f.form in self.forms]
+
     def missing_bytes(self, manifest: Manifest) -> int:
-        """Bytes still to download for ``manifest`` (files already cached, or partly downloaded, count less)."""
+        """Bytes still to download for ``manifest`` (files already cached, or partly downloaded, count less);
+        only the files of the forms this client's backend needs."""
         total = 0
-        for f in {f.sha256: f for f in manifest.files}.values():
+        for f in {f.sha256: f for f in self._wanted(manifest)}.values():
             if (self.blobs / f.sha256).exists():
                 continue
             partial = self.blobs / f"{f.sha256}.partial"
@@ -151,7 +157,7 @@ class SnapshotCache:
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for f in manifest.files:
+        for f in self._wanted(manifest):
             src = self.blobs / f.sha256
             try:
                 os.link(src, tmp / f.path)

@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 class TorchBackend:
     name = "torch"
+    forms = frozenset({"hf"})  # the safetensors model folder; GGUF files are not fetched
 
     def __init__(self, device: str = "auto", threads: int | None = None) -> None:
         import torch

@@ -149,10 +149,30 @@ def test_bad_usage_exits_non_zero_with_a_message(tmp_path: Path, home: Path, arg
     assert "--help" in res.stderr
 
 
-def test_with_llama_is_not_supported_yet(tmp_path: Path, home: Path) -> None:
-    res = run_installer("--with-llama", "--dry-run", env=installer_env(home), cwd=tmp_path)
-    assert res.returncode == 2
-    assert "--with-llama is not supported yet" in res.stderr
+@pytest.mark.parametrize(("uname", "gpu", "cmake"), [
+    ("Linux x86_64", None, "-DLLAVA_BUILD=OFF"),
+    ("Linux x86_64", "nvidia", "-DGGML_CUDA=on"),
+    ("Darwin arm64", "apple", "-DGGML_METAL=on"),
+])
+def test_with_llama_plans_the_build_for_the_accelerator(tmp_path: Path, home: Path, uname: str, gpu: str | None,
+                                                        cmake: str) -> None:
+    fakes = tmp_path / "fakes"
+    os_name, arch = uname.split()
+    fake_command(fakes, "uname", f'case "$1" in -m) echo {arch} ;; *) echo {os_name} ;; esac\n')
+    if gpu == "nvidia":
+        fake_command(fakes, "nvidia-smi", """case "$1" in
+  --query-gpu=*) echo 'NVIDIA H200, 550.54.15' ;;
+  *) echo '| NVIDIA-SMI 550.54.15    Driver Version: 550.54.15    CUDA Version: 12.4 |' ;;
+esac
+""")
+    if gpu == "apple":
+        fake_command(fakes, "sysctl", 'case "$2" in machdep.cpu.brand_string) echo "Apple M2" ;; *) echo 0 ;; esac\n')
+    env = installer_env(home, fakes)
+    env.pop("CMAKE_ARGS", None)
+    res = run_installer("--with-llama", "--dry-run", "--no-link", env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"CMAKE_ARGS={cmake}" in res.stdout
+    assert "llama-cpp-python>=0.3.36,<0.4" in res.stdout
     assert tree(home) == []
 
 

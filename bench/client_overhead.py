@@ -1,0 +1,246 @@
+"""Client overhead: end-to-end tokens/s of a volunteer (lease → fetch/verify snapshot → generate → submit,
+including the coordinator's verification round trip) divided by the raw tokens/s of the generation library
+on the same prompts, group size and lengths. Also: snapshot bytes per version, full weights vs LoRA adapter.
+
+    PYTHONPATH=. python bench/client_overhead.py [--runs 3] [--jobs 4] [--backends llama,torch]
+
+The coordinator runs as its own process (as in production) on a randomly initialised tiny Qwen2 (rarely
+samples end-of-text, so completions run to max_tokens and the token count is the job size). One learner
+step needs more jobs than the bench leases, so no training competes for the CPU while it measures. The first
+job of each run (snapshot download and model load) is excluded: the ratio is the steady state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_model(folder: Path) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from coordinator.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=256, eos_token_id=256, pad_token_id=256,
+                      use_sliding_window=False, initializer_range=0.02)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(folder), safe_serialization=True)
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def start_coordinator(tmp: Path, model: Path, prompts_per_job: int, group: int, max_tokens: int,
+                      gguf: str, lora_rank: int = 0, steps: int = 1) -> tuple[subprocess.Popen[str], str]:
+    cfg = tmp / "run.toml"
+    cfg.write_text(
+        f'run_dir = "{tmp / "run"}"\n[model]\npath = "{model}"\n[server]\nport = 0\n'
+        f"[learner]\nmax_steps = {steps}\nprompts_per_step = {prompts_per_job * 64}\ngroup_size = {group}\n"
+        f"eval_every = 0\neval_size = 16\nthreads = 1\nlora_rank = {lora_rank}\n"
+        f"[jobs]\nprompts_per_job = {prompts_per_job}\nlong_poll_s = 0.0\n"
+        f'[sampling]\nmax_tokens = {max_tokens}\n[snapshots]\ngguf = "{gguf}"\n')
+    log = open(tmp / "coordinator.log", "w")  # noqa: SIM115 — lives as long as the process
+    proc = subprocess.Popen([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(cfg)],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        text = (tmp / "coordinator.log").read_text()
+        if "listening on " in text:
+            return proc, text.split("listening on ")[1].split()[0]
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"coordinator did not start:\n{(tmp / 'coordinator.log').read_text()[-2000:]}")
+
+
+async def client_run(url: str, home: Path, backend_name: str, jobs: int, threads: int,
+                     pipelined: bool = False) -> dict[str, Any]:
+    """The join loop's steps, timed: returns tokens and wall seconds over jobs 2..N, plus the prompts seen.
+    ``pipelined``: submit each result in the background while the next job is leased and generated (the join
+    loop today submits and waits for the coordinator's verification before leasing again)."""
+    from shared.messages import (
+        LeaseRequest,
+        LeaseResponse,
+        RegisterRequest,
+        RegisterResponse,
+        ResultSubmission,
+        SubmitResponse,
+    )
+    from shared.records import open_job
+    from swarm_client.api import CoordinatorClient
+    from swarm_client.backends import backend_forms, backend_kind, make_backend
+    from swarm_client.hardware import profile
+    from swarm_client.identity import load_identity
+    from swarm_client.snapshots import SnapshotCache
+
+    identity = load_identity(home)
+    backend = make_backend(backend_name, device="cpu", threads=threads)
+    kind = backend_kind(backend)
+    api = CoordinatorClient(url, identity)
+    try:
+        info = await api.info()
+        await api.post("/v1/register", RegisterRequest(public_key=identity.public_key,
+                                                       profile=profile(backend.name, backend.device)),
+                       RegisterResponse)
+        cache = SnapshotCache(home / "cache", api, info.coordinator_public_key, forms=backend_forms(backend))
+        tokens, t_start, job_example = 0, 0.0, None
+        phases = {"lease": 0.0, "snapshot": 0.0, "generate": 0.0, "submit": 0.0}
+        pending: Any = None
+        for k in range(jobs + 1):
+            if k == 1:
+                t_start = time.perf_counter()
+                phases = dict.fromkeys(phases, 0.0)
+            t0 = time.perf_counter()
+            resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=0), LeaseResponse)  # type: ignore[arg-type]
+            assert resp.job is not None, "no job leased"
+            job = open_job(resp.job, info.coordinator_public_key)
+            t1 = time.perf_counter()
+            folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+            await asyncio.to_thread(backend.load, folder)
+            t2 = time.perf_counter()
+            samples = await asyncio.to_thread(backend.generate, job, lambda: False)
+            t3 = time.perf_counter()
+            phases["lease"] += t1 - t0
+            phases["snapshot"] += t2 - t1
+            phases["generate"] += t3 - t2
+            sub = ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
+                                   prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
+                                   backend=kind, generation_s=0.0,  # type: ignore[arg-type]
+                                   completions=[s.to_completion() for s in samples])
+            if pending is not None:
+                assert (await pending).accepted
+            pending = asyncio.ensure_future(api.post("/v1/results", sub, SubmitResponse))
+            if not pipelined:
+                assert (await pending).accepted
+                pending = None
+            phases["submit"] += time.perf_counter() - t3
+            if k >= 1:
+                tokens += sum(len(s.token_ids) for s in samples)
+            job_example = job
+        if pending is not None:
+            assert (await pending).accepted
+        wall = time.perf_counter() - t_start
+    finally:
+        await api.close()
+    return {"tokens": tokens, "wall_s": wall, "job": job_example, "backend": backend, "phases": phases}
+
+
+def raw_rate(backend: Any, job: Any, jobs: int) -> float:
+    """Tokens/s of the bare library on the job's prompts, group size and lengths, as many times as measured."""
+    prompts = [list(p.token_ids) for p in job.prompts]
+    t, max_tokens, stop = job.sampling.temperature, job.sampling.max_tokens, set(job.sampling.stop_token_ids)
+    tokens = 0
+    t0 = time.perf_counter()
+    for j in range(jobs):
+        if backend.name == "llama":
+            llm = backend.llm
+            for i, p in enumerate(prompts):
+                for g in range(job.group_size):
+                    llm.set_seed(1000 * j + 10 * i + g)
+                    n = 0
+                    for tok in llm.generate(p, temp=t, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+                        n += 1
+                        if tok in stop or n >= max_tokens:
+                            break
+                    tokens += n
+        else:
+            from shared.policy import generate
+
+            out = generate(backend.model, prompts, group_size=job.group_size, temperature=t, max_tokens=max_tokens,
+                           stop_ids=sorted(stop), seed=j, pad_id=256)
+            tokens += sum(len(s.token_ids) for s in out)
+    return tokens / (time.perf_counter() - t0)
+
+
+def snapshot_bytes(model: Path, tmp: Path) -> dict[str, int]:
+    from coordinator.config import LearnerConfig, ModelConfig
+    from coordinator.learner import Learner
+
+    out: dict[str, int] = {}
+    for precision in ("f32", "f16", "q8_0"):
+        for rank in (0, 4):
+            folder = tmp / f"snap-{precision}-{rank}"
+            folder.mkdir()
+            Learner(model, ModelConfig(device="cpu"), LearnerConfig(lora_rank=rank), 1.0, gguf=precision).save_model(folder)
+            for f in folder.iterdir():
+                out[f"{precision}/r{rank}/{f.name}"] = f.stat().st_size
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="llama,torch")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=3, help="measured jobs per run (after one warm-up job)")
+    ap.add_argument("--prompts-per-job", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="client generation threads")
+    ap.add_argument("--modes", default="serial", help="serial (the join loop: submit, wait, lease again) and/or "
+                    "pipelined (submission overlapped with the next job's generation), comma-separated")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the coordinator
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        model = build_model(tmp / "model")
+        modes = [(n, m == "pipelined") for m in args.modes.split(",") for n in args.backends.split(",")]
+        for name, pipelined in modes:
+            label = f"{name} (pipelined submit)" if pipelined else name
+            ratios, e2e, raws = [], [], []
+            for r in range(args.runs):
+                run_tmp = tmp / f"{name}-{int(pipelined)}-{r}"
+                run_tmp.mkdir()
+                proc, url = start_coordinator(run_tmp, model, args.prompts_per_job, args.group, args.max_tokens,
+                                              "f16")
+                try:
+                    got = asyncio.run(client_run(url, run_tmp / "home", name, args.jobs, args.threads, pipelined))
+                    raw = raw_rate(got["backend"], got["job"], args.jobs)  # coordinator up (idle), as during the run
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+                rate = got["tokens"] / got["wall_s"]
+                e2e.append(rate)
+                raws.append(raw)
+                ratios.append(rate / raw)
+                share = ", ".join(f"{k} {v / got['wall_s']:.1%}" for k, v in got["phases"].items())
+                print(f"{label} run {r}: end-to-end {rate:,.0f} tok/s, raw {raw:,.0f} tok/s, ratio {rate / raw:.3f} "
+                      f"(wall: {share})", flush=True)
+            results[label] = {"ratio_median": statistics.median(ratios), "ratios": ratios,
+                             "end_to_end_tok_s": e2e, "raw_tok_s": raws}
+        results["snapshot_bytes"] = snapshot_bytes(model, tmp)
+    print("\n| backend | end-to-end tok/s (median) | raw tok/s (median) | overhead ratio (median of runs) |")
+    print("|---|---|---|---|")
+    for label in [k for k in results if k != "snapshot_bytes"]:
+        r = results[label]
+        print(f"| {label} | {statistics.median(r['end_to_end_tok_s']):,.0f} | {statistics.median(r['raw_tok_s']):,.0f} "
+              f"| {r['ratio_median']:.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) |")
+    sizes = results["snapshot_bytes"]
+    print("\n| precision | full GGUF per version | LoRA r=4: base GGUF (once) | adapter GGUF per version | adapter / full |")
+    print("|---|---|---|---|---|")
+    for p in ("f32", "f16", "q8_0"):
+        full, base, ad = sizes[f"{p}/r0/model.gguf"], sizes[f"{p}/r4/base.gguf"], sizes[f"{p}/r4/adapter.gguf"]
+        print(f"| {p} | {full:,} | {base:,} | {ad:,} | {100 * ad / full:.2f} % |")
+    print(f"safetensors per version (torch clients): {sizes['f32/r0/model.safetensors']:,} bytes")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

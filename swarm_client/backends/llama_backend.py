@@ -1,0 +1,205 @@
+"""llama.cpp backend (llama-cpp-python): generates a job's completions from the version's GGUF snapshot.
+
+A version is either one full GGUF (``model.gguf``) or a base GGUF plus a per-version LoRA adapter
+(``base.gguf`` + ``adapter.gguf``). The base is loaded once; a new version's adapter is swapped in with the
+low-level adapter API without reloading it, and the context is reset afterwards (otherwise the KV cache built
+under the old adapter is reused).
+
+Three pitfalls are handled here (measured in ../shared/notes/llama-cpp.md):
+- sampling is the full softmax at the job's temperature: ``top_k=0, top_p=1, min_p=0, repeat_penalty=1``
+  (the library's defaults truncate the distribution, so its logprobs would not be the behaviour policy's);
+- ``generate`` re-seeds its sampler with the instance seed on every call: ``set_seed`` before every rollout;
+- behaviour logprobs are computed here as ``log_softmax(logits / T)`` of the sampled token from the logits
+  llama.cpp sampled from, not taken from ``create_completion`` (raw, untempered, and misaligned by BOS).
+Prompts arrive as token ids from the signed job, so llama.cpp's tokenizer is never used to encode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.messages import Job
+from shared.policy import Sampled
+
+logger = logging.getLogger(__name__)
+
+GGUF_FORMS = frozenset({"gguf", "gguf-base", "gguf-lora"})
+
+
+def rollout_seed(job_seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 32-bit sampler seed per rollout (llama.cpp seeds are uint32), derived from the signed job seed."""
+    digest = hashlib.sha256(f"{job_seed}:{prompt_index}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def log_softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    z = logits.astype(np.float64) / temperature
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def gguf_precision(path: Path) -> str:
+    """The precision class of a GGUF file ("f32", "f16", "q8_0", ...), from its general.file_type."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.file_type")
+    names = {0: "f32", 1: "f16", 7: "q8_0", 2: "q4_0", 3: "q4_1", 32: "bf16"}
+    return names.get(int(field.parts[-1][0]), "other") if field is not None else "f32"
+
+
+class LlamaBackend:
+    name = "llama"
+    kind = "llama"
+    forms = GGUF_FORMS
+
+    def __init__(self, device: str = "auto", threads: int | None = None, n_gpu_layers: int | None = None,
+                 n_ctx: int = 2048, kv_f32: bool = False) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.threads = threads
+        # -1 offloads every layer to the GPU llama.cpp was built for (Metal, CUDA); CPU builds ignore it
+        if n_gpu_layers is None:
+            n_gpu_layers = 0 if device == "cpu" else -1
+        self.n_gpu_layers = n_gpu_layers
+        self.device = "cpu" if n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload() else "gpu"
+        self.n_ctx = n_ctx
+        self.kv_f32 = kv_f32
+        self.llm: Any = None
+        self.precision = "unknown"
+        self._base_id: tuple[int, int, int] | None = None
+        self._adapter: Any = None
+        self._adapter_id: tuple[int, int, int] | None = None
+        self.folder: Path | None = None
+
+    @property
+    def backend_class(self) -> str:
+        """What the verifier's tolerance depends on: the library and the GGUF precision, e.g. ``llama-f16``."""
+        return f"llama-{self.precision}"
+
+    @staticmethod
+    def _file_id(path: Path) -> tuple[int, int, int]:
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino, st.st_size)
+
+    def load(self, folder: Path) -> None:
+        folder = Path(folder)
+        if folder == self.folder:
+            return
+        full, base, adapter = folder / "model.gguf", folder / "base.gguf", folder / "adapter.gguf"
+        if full.exists():
+            self._load_base(full)
+            self._set_adapter(None)
+        elif base.exists() and adapter.exists():
+            self._load_base(base)
+            self._set_adapter(adapter)
+        else:
+            raise FileNotFoundError(
+                f"snapshot {folder} has no GGUF form (model.gguf, or base.gguf + adapter.gguf): the coordinator "
+                f"publishes safetensors only. Ask its operator to set snapshots.gguf, or join with --backend torch")
+        self.folder = folder
+
+    def _load_base(self, path: Path) -> None:
+        ident = self._file_id(path)
+        if self.llm is not None and ident == self._base_id:
+            return
+        self._set_adapter(None)
+        self.llm = None
+        kwargs: dict[str, Any] = {}
+        if self.kv_f32:
+            kwargs.update(type_k=0, type_v=0)  # GGML_TYPE_F32: removes the f16 KV cache rounding
+        # logits_all=False: the logits of each sampled step are read from the context right after sampling
+        # (llama_get_logits_ith), so no n_ctx × n_vocab score matrix is allocated (1.2 GB for a 150k vocabulary)
+        self.llm = self._lib.Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=min(512, self.n_ctx),
+                                   logits_all=False, n_gpu_layers=self.n_gpu_layers, n_threads=self.threads,
+                                   n_threads_batch=self.threads, seed=0, verbose=False, **kwargs)
+        self._base_id = ident
+        self.precision = gguf_precision(path)
+        logger.info("loaded %s (%s, %s)", path, self.precision, self.device)
+
+    def _set_adapter(self, path: Path | None) -> None:
+        """Swap the LoRA adapter (None: the bare base) without reloading the base; then reset the context."""
+        if self.llm is None:
+            return
+        ident = self._file_id(path) if path is not None else None
+        if ident == self._adapter_id and (path is None or self._adapter is not None):
+            return
+        lib = self._lib
+        if path is not None:
+            new = lib.llama_adapter_lora_init(self.llm.model, str(path).encode())
+            if not new:
+                raise ValueError(f"llama.cpp could not load the LoRA adapter {path}")
+            arr = (lib.llama_adapter_lora_p_ctypes * 1)(new)
+            scales = (ctypes.c_float * 1)(1.0)
+            rc = lib.llama_set_adapters_lora(self.llm.ctx, arr, 1, scales)
+        else:
+            new = None
+            rc = lib.llama_set_adapters_lora(self.llm.ctx, None, 0, None)
+        if rc != 0:
+            raise ValueError(f"llama.cpp refused the LoRA adapter {path} (code {rc})")
+        if self._adapter is not None:
+            lib.llama_adapter_lora_free(self._adapter)
+        self._adapter, self._adapter_id = new, ident
+        self.llm.reset()
+
+    # -- generation ---------------------------------------------------------------------------------------
+    def sample(self, prompt: list[int], *, temperature: float, max_tokens: int, stop_ids: frozenset[int],
+               seed: int, should_stop: Callable[[], bool] | None = None) -> Sampled:
+        """One rollout from the full softmax at ``temperature``, with its behaviour logprobs."""
+        llm = self.llm
+        if len(prompt) + max_tokens > self.n_ctx:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context "
+                             f"window n_ctx={self.n_ctx}")
+        llm.set_seed(seed)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish = "length"
+        for tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
+                                repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, reset=True):
+            # the generator is paused right after sampling: the context still holds the logits it sampled from
+            tokens.append(int(tok))
+            logprobs.append(float(log_softmax(self._last_logits(), temperature)[0, tok]))
+            if tok in stop_ids:
+                finish = "stop"
+                break
+            if len(tokens) >= max_tokens or (should_stop is not None and should_stop()):
+                break
+        return Sampled(tokens, logprobs, finish)
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(1, self.llm.n_vocab()))
+
+    def score(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
+        """Logprobs of ``completion`` given ``prompt`` (teacher-forced, one token at a time as in decoding): for
+        parity measurements and tests."""
+        llm = self.llm
+        llm.reset()
+        llm.eval(list(prompt))
+        out: list[float] = []
+        for tok in completion:
+            out.append(float(log_softmax(self._last_logits(), temperature)[0, tok]))
+            llm.eval([tok])
+        return out
+
+    def generate(self, job: Job, should_stop: Callable[[], bool]) -> list[Sampled]:
+        if self.llm is None:
+            raise RuntimeError("no model loaded")
+        stops = frozenset(job.sampling.stop_token_ids)
+        out: list[Sampled] = []
+        for i, p in enumerate(job.prompts):
+            for g in range(job.group_size):
+                out.append(self.sample(list(p.token_ids), temperature=job.sampling.temperature,
+                                       max_tokens=job.sampling.max_tokens, stop_ids=stops,
+                                       seed=rollout_seed(job.seed, i, g), should_stop=should_stop))
+                if should_stop():
+                    return out
+        return out
