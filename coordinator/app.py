@@ -40,6 +40,8 @@ def error_response(reason: Reason, message: str, status: int | None = None) -> w
 async def errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                             ) -> web.StreamResponse:
     try:
+        if request.method == "POST":  # per-address budget before reading a byte of the body (coordinator.guard)
+            request.app[COORDINATOR].guard.check_address(request.remote or "", request.app[COORDINATOR].clock())
         return await handler(request)
     except ProtocolError as exc:
         return error_response(exc.reason, exc.message)
@@ -73,7 +75,7 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def register(request: web.Request) -> web.Response:
-    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request))))
+    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request), request.remote or "")))
 
 
 async def lease(request: web.Request) -> web.Response:

@@ -46,6 +46,11 @@ CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS audit(
+  id INTEGER PRIMARY KEY, at REAL NOT NULL, client_id TEXT NOT NULL, job_id TEXT, version INTEGER,
+  outcome TEXT NOT NULL, reason TEXT NOT NULL, content_sha256 TEXT, detail TEXT NOT NULL DEFAULT '');
+CREATE INDEX IF NOT EXISTS audit_by_client ON audit(client_id, id);
+CREATE INDEX IF NOT EXISTS audit_by_job ON audit(job_id, id);
 CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS steps(
   step INTEGER PRIMARY KEY, trained_version INTEGER NOT NULL, mean_reward REAL NOT NULL, metrics TEXT NOT NULL,
@@ -227,17 +232,41 @@ class Store:
                  sum(rewards) / max(1, len(rewards)), n_tokens))
             self.conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
                               (credit, now, client_id))
+            self.audit_write(now, client_id, job_id, version, "accepted", "ok", content_sha256)
 
     def accepted_result(self, job_id: str) -> sqlite3.Row | None:
         return self.conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
                                  (job_id,)).fetchone()
 
     def record_rejection(self, client_id: str, job_id: str | None, reason: str, message: str,
-                         content_sha256: str | None, now: float) -> None:
+                         content_sha256: str | None, now: float, version: int | None = None) -> None:
         with self._tx():
             self.conn.execute("INSERT INTO rejections(client_id, job_id, reason, message, content_sha256, at) "
                               "VALUES(?,?,?,?,?,?)", (client_id, job_id, reason, message, content_sha256, now))
             self.conn.execute("UPDATE clients SET rejected=rejected+1 WHERE client_id=?", (client_id,))
+            self.audit_write(now, client_id, job_id, version, "rejected", reason, content_sha256, message)
+
+    def audit_write(self, at: float, client_id: str, job_id: str | None, version: int | None, outcome: str,
+                    reason: str, content_sha256: str | None, detail: str = "") -> None:
+        """One audit line; callers run it inside the transaction that makes the outcome durable."""
+        self.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256, detail) "
+                          "VALUES(?,?,?,?,?,?,?,?)", (at, client_id, job_id, version, outcome, reason,
+                                                      content_sha256, detail[:2048]))
+
+    def audit(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
+              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Audit lines matching every given filter, newest first (at most ``limit``, capped at 10,000)."""
+        where: list[str] = []
+        args: list[Any] = []
+        for col, val in (("client_id", client_id), ("job_id", job_id), ("outcome", outcome), ("reason", reason)):
+            if val is not None:
+                where.append(f"{col}=?")
+                args.append(val)
+        if since is not None:
+            where.append("at>=?")
+            args.append(since)
+        sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY id DESC LIMIT ?"
+        return [dict(r) for r in self.conn.execute(sql, (*args, max(1, min(limit, 10_000)))).fetchall()]
 
     def pending(self) -> list[Pending]:
         """Accepted results neither trained on nor set aside as too stale."""
