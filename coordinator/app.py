@@ -64,10 +64,15 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
 
 
 async def _body(request: web.Request) -> bytes:
-    if request.content_length is not None and request.content_length > MAX_REQUEST_BYTES:
+    cap = min(MAX_REQUEST_BYTES, request.app[COORDINATOR].body_cap(request.path))  # per endpoint
+    if request.content_length is not None and request.content_length > cap:
         raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {request.content_length} bytes; "
-                                                   f"the limit is {MAX_REQUEST_BYTES}")
-    return await request.read()
+                                                   f"the limit for {request.path} is {cap}")
+    data = await request.read()
+    if len(data) > cap:  # chunked uploads carry no Content-Length
+        raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {len(data)} bytes; the limit for "
+                                                   f"{request.path} is {cap}")
+    return data
 
 
 async def info(request: web.Request) -> web.Response:

@@ -132,6 +132,11 @@ class TrustConfig(_Strict):
                                 "as long.")
     spot_checks: bool = Field(True, description="Re-issue sampled jobs (same seed and version) to another client "
                               "and compare the outcomes.")
+    hold_s: float = Field(60.0, ge=0, description="Seconds a result awaiting its spot-check replay is kept out of "
+                          "training; if no other client replays it by then it is trained on unverified (results "
+                          "are not held at all while no other client is active).")
+    active_window_s: float = Field(30.0, gt=0, description="A client counts as active (able to replay another's "
+                                   "job) for this many seconds after its last request.")
     replica_min_agreement: float = Field(0.95, gt=0.0, le=1.0, description="Fraction of sampled tokens two "
                                          "same-class replays of one seeded job must share to agree.")
 

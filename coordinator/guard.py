@@ -16,6 +16,7 @@ import hmac
 import logging
 import math
 import sqlite3
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +35,7 @@ CREATE TABLE IF NOT EXISTS trust(
   consecutive_invalid INTEGER NOT NULL DEFAULT 0, quarantines INTEGER NOT NULL DEFAULT 0,
   quarantined_until REAL NOT NULL DEFAULT 0, valid_total INTEGER NOT NULL DEFAULT 0,
   invalid_total INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(client_id, backend_class));
-CREATE TABLE IF NOT EXISTS replicas(
-  replica_id TEXT PRIMARY KEY, job_id TEXT NOT NULL REFERENCES jobs(job_id), version INTEGER NOT NULL,
-  original_client TEXT NOT NULL, original_class TEXT NOT NULL, created_at REAL NOT NULL,
-  state TEXT NOT NULL CHECK(state IN ('open','leased','done')), lease_id TEXT, lease_client TEXT,
-  lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0, outcome TEXT);
-CREATE INDEX IF NOT EXISTS replicas_by_state ON replicas(state, created_at);
-"""
+"""  # the replicas table is in coordinator.store: Store.pending() must see which results are held
 REPLICA_SUFFIX = "-r"
 
 
@@ -69,6 +64,7 @@ class Guard:
         lim = config.limits
         self.per_identity = Limiter(Rate(lim.per_identity_rps, lim.per_identity_burst))
         self.per_address = Limiter(Rate(lim.per_address_rps, lim.per_address_burst))
+        self._seen: OrderedDict[str, float] = OrderedDict()
         self.registrations = Limiter(Rate(lim.registrations_per_address_per_min / 60.0, lim.registration_burst))
 
     # -- rate limits and registration ---------------------------------------------------------------------
@@ -149,13 +145,15 @@ class Guard:
         return [dict(r) for r in self.conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]
 
     # -- spot-check replicas ------------------------------------------------------------------------------
-    def add_replica(self, job_id: str, version: int, original_client: str, original_class: str, now: float) -> None:
+    def add_replica(self, job_id: str, version: int, original_client: str, original_class: str, now: float,
+                    hold: bool) -> None:
+        """Queue a replay of ``job_id``; ``hold`` keeps the original out of training until it is judged."""
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             self.conn.execute(
                 "INSERT OR IGNORE INTO replicas(replica_id, job_id, version, original_client, original_class, "
-                "created_at, state) VALUES(?,?,?,?,?,?,'open')",
-                (replica_id_for(job_id), job_id, version, original_client, original_class, now))
+                "created_at, state, hold) VALUES(?,?,?,?,?,?,'open',?)",
+                (replica_id_for(job_id), job_id, version, original_client, original_class, now, int(hold)))
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
@@ -172,12 +170,16 @@ class Guard:
         row = self.conn.execute("SELECT * FROM replicas WHERE replica_id=?", (replica_id,)).fetchone()
         return None if row is None else self._replica(row)
 
-    def expire_replicas(self, oldest_version: int, now: float) -> int:
-        """Replicas whose version can no longer be verified are closed as 'unverified'."""
+    def expire_replicas(self, oldest_version: int, now: float, hold_s: float) -> int:
+        """Replicas whose version can no longer be verified are closed as 'unverified'; a held original whose
+        replay nobody took within ``hold_s`` seconds is released to training (its replica stays queued).
+        Returns how many held results were released."""
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             n = self.conn.execute("UPDATE replicas SET state='done', outcome='unverified' WHERE state!='done' AND "
                                   "version<?", (oldest_version,)).rowcount
+            n += self.conn.execute("UPDATE replicas SET hold=0 WHERE hold=1 AND state!='done' AND created_at<=?",
+                                   (now - hold_s,)).rowcount
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
@@ -254,6 +256,26 @@ class Guard:
             self.conn.execute("ROLLBACK")
             raise
         return True
+
+    def held_count(self) -> int:
+        row = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE hold=1 AND state!='done'").fetchone()
+        return int(row["n"])
+
+    def seen(self, client_id: str, now: float) -> None:
+        """Note a client's signed request (in memory): who could take a replica right now."""
+        self._seen[client_id] = now
+        self._seen.move_to_end(client_id)
+        while len(self._seen) > 100_000:
+            self._seen.popitem(last=False)
+
+    def others_active(self, client_id: str, now: float, window_s: float) -> bool:
+        """Is any other client active (a request within ``window_s``)? If not, nobody could replay its job."""
+        for other, at in reversed(self._seen.items()):
+            if at < now - window_s:
+                return False
+            if other != client_id:
+                return True
+        return False
 
     def replicas_summary(self) -> dict[str, int]:
         rows = self.conn.execute("SELECT COALESCE(outcome, state) AS k, COUNT(*) AS n FROM replicas GROUP BY k")

@@ -55,6 +55,8 @@ from shared.records import sign_job
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+SMALL_REQUEST_BYTES = 64 * 1024  # register, lease, release
+ENVELOPE_BYTES = 1024  # signed-request frame around a body: ids, nonce, signature, msgpack headers
 LOCAL_CLIENT = "0" * 32  # the co-located baseline's own generator, registered like any client
 
 
@@ -191,6 +193,7 @@ class Coordinator:
         if client["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
         self.guard.check_identity(req.client_id, self.clock())
+        self.guard.seen(req.client_id, self.clock())
         self._check_fresh(req)
         return req
 
@@ -242,13 +245,16 @@ class Coordinator:
         retry = self.config.jobs.retry_after_s
         if self.finished or self.config.sync_mode == "colocated":
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
+        replica = self._lease_replica(client_id)  # spot-checks first: they release held results
+        if replica is not None:
+            return replica
         now = self.clock()
         active = {j.view.job_id: j for j in self.store.active_jobs()}
-        decision = decide_lease([j.view for j in active.values()], len(self.store.pending()), now, self.version,
+        queued = len(self.store.pending()) + self.guard.held_count()
+        decision = decide_lease([j.view for j in active.values()], queued, now, self.version,
                                 held_version, self.config.sync_policy)
         if decision is None:
-            return self._lease_replica(client_id) or LeaseResponse(job=None, retry_after_s=retry,
-                                                                   current_version=self.version, finished=False)
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         row = active[decision.job_id] if decision.job_id is not None else self._new_job()
         version = decision.version
         if self.store.manifest_sha(version) is None or self.snapshots.signed_manifest(version) is None:
@@ -333,6 +339,14 @@ class Coordinator:
         client = self.store.get_client(client_id)
         device = json.loads(client["profile"]).get("device", "cpu") if client is not None else "cpu"
         return backend_class(backend, str(device))
+
+    def body_cap(self, path: str) -> int:
+        """Largest request body accepted on ``path``: results are capped by the largest job this run signs
+        (its max_result_bytes plus the signed envelope), every other request by SMALL_REQUEST_BYTES."""
+        if path == "/v1/results":
+            per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size
+            return ENVELOPE_BYTES + result_size_cap(per_job, self.config.sampling.max_tokens)
+        return SMALL_REQUEST_BYTES
 
     def _lease_replica(self, client_id: str) -> LeaseResponse | None:
         return spotcheck.lease_replica(self, client_id)

@@ -2,8 +2,11 @@
 
 After a result is accepted, :func:`after_accept` raises the client's trust and, with the probability its
 trust allows (:func:`coordinator.core.trust.should_replicate`), queues a replica: the same prompts, seed and
-policy version, leased (when no regular work is waiting, so replication never starves the learner) to a
-*different* client under the job id ``<job>-r``. The replay is verified like any result (binding, tokens,
+policy version, leased before regular work to a *different* client under the job id ``<job>-r``. Like
+BOINC's quorum, the original is *held* out of training until the replay is judged, so a lazy or
+cherry-picked result never reaches the learner; to stay live, nothing is held while no other client is
+active, and a hold lapses after ``trust.hold_s`` (the result is then trained on unverified, and the replay
+still judges it later). The replay is verified like any result (binding, tokens,
 logprob plausibility), then compared with the original (:mod:`coordinator.core.replicas`); on a same-class
 disagreement the learner replays the job itself and the outlier is invalid:
 
@@ -49,7 +52,9 @@ def after_accept(coord: Coordinator, client_id: str, sub: ResultSubmission, bcla
     """Credit trust for an accepted result and maybe queue its replica."""
     state = coord.guard.record_valid(client_id, bclass)
     if coord.config.trust.spot_checks and should_replicate(state, coord.guard.policy, sub.job_id, _secret(coord)):
-        coord.guard.add_replica(sub.job_id, sub.version, client_id, bclass, coord.clock())
+        now = coord.clock()
+        hold = coord.guard.others_active(client_id, now, coord.config.trust.active_window_s)
+        coord.guard.add_replica(sub.job_id, sub.version, client_id, bclass, now, hold)
 
 
 def lease_replica(coord: Coordinator, client_id: str) -> LeaseResponse | None:
@@ -57,7 +62,8 @@ def lease_replica(coord: Coordinator, client_id: str) -> LeaseResponse | None:
     if not coord.config.trust.spot_checks:
         return None
     now = coord.clock()
-    coord.guard.expire_replicas(_oldest(coord), now)
+    if coord.guard.expire_replicas(_oldest(coord), now, coord.config.trust.hold_s):
+        coord._wake.set()  # held results were released (or closed): the learner may have a batch now
     lease_id = secrets.token_hex(8)
     deadline = deadline_for(now, coord.config.jobs.lease_timeout_s)
     rep = coord.guard.lease_replica(client_id, lease_id, deadline, now)
@@ -138,6 +144,7 @@ async def submit_replica(coord: Coordinator, client_id: str, sub: ResultSubmissi
                                      in_training=rep.job_id in coord.in_training):
         raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
     logger.info("spot-check of %s by %s: %s", rep.job_id, client_id[:8], detail)
+    coord._wake.set()  # a held original is released (or gone): the learner may have a batch now
     if verdict is Verdict.ORIGINAL_INVALID:
         coord.guard.record_invalid(rep.original_client, rep.original_class, now)
         coord._notify_jobs()  # the job reopened

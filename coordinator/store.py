@@ -51,6 +51,12 @@ CREATE TABLE IF NOT EXISTS audit(
   outcome TEXT NOT NULL, reason TEXT NOT NULL, content_sha256 TEXT, detail TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS audit_by_client ON audit(client_id, id);
 CREATE INDEX IF NOT EXISTS audit_by_job ON audit(job_id, id);
+CREATE TABLE IF NOT EXISTS replicas(
+  replica_id TEXT PRIMARY KEY, job_id TEXT NOT NULL REFERENCES jobs(job_id), version INTEGER NOT NULL,
+  original_client TEXT NOT NULL, original_class TEXT NOT NULL, created_at REAL NOT NULL,
+  state TEXT NOT NULL CHECK(state IN ('open','leased','done')), lease_id TEXT, lease_client TEXT,
+  lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0, outcome TEXT, hold INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS replicas_by_state ON replicas(state, created_at);
 CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS steps(
   step INTEGER PRIMARY KEY, trained_version INTEGER NOT NULL, mean_reward REAL NOT NULL, metrics TEXT NOT NULL,
@@ -269,9 +275,10 @@ class Store:
         return [dict(r) for r in self.conn.execute(sql, (*args, max(1, min(limit, 10_000)))).fetchall()]
 
     def pending(self) -> list[Pending]:
-        """Accepted results neither trained on nor set aside as too stale."""
+        """Accepted results neither trained on, set aside as too stale, nor held for a spot-check replay."""
         rows = self.conn.execute("SELECT job_id, version, received_at FROM results WHERE ingested_step IS NULL "
-                                 "AND stale_at IS NULL").fetchall()
+                                 "AND stale_at IS NULL AND job_id NOT IN (SELECT job_id FROM replicas WHERE hold=1 "
+                                 "AND state!='done')").fetchall()
         return [Pending(r["job_id"], int(r["version"]), float(r["received_at"])) for r in rows]
 
     def live_leases(self, now: float) -> int:

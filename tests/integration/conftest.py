@@ -42,7 +42,12 @@ class LiveCoordinator:
 def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
     run_dir = tmp_path / "run"
     cfg = load_config(write_config(tmp_path / "run.toml", run_dir, tiny_model_dir,
-                                   jobs={"lease_timeout_s": 30.0, "long_poll_s": 0.0}, learner={"max_steps": 50}))
+                                   jobs={"lease_timeout_s": 30.0, "long_poll_s": 0.0}, learner={"max_steps": 50},
+                                   # rate limits off: fuzzing sends thousands of requests from one identity
+                                   limits={"per_identity_rps": 0.0, "per_address_rps": 0.0,
+                                           "registrations_per_address_per_min": 0.0},
+                                   # and so many refusals that a quarantine would stop the fuzzing client
+                                   trust={"quarantine_after": 1000}))
     clock = FakeClock(time.time())
     coord = Coordinator(cfg, clock=clock, model_dir=tiny_model_dir)
     app = create_app(cfg, coord)
