@@ -174,6 +174,10 @@ class Guard:
         """Replicas whose version can no longer be verified are closed as 'unverified'; a held original whose
         replay nobody took within ``hold_s`` seconds is released to training (its replica stays queued).
         Returns how many held results were released."""
+        due = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE state!='done' AND (version<? OR "
+                                "(hold=1 AND created_at<=?))", (oldest_version, now - hold_s)).fetchone()
+        if not due["n"]:  # the common case, on every lease: no write transaction
+            return 0
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             n = self.conn.execute("UPDATE replicas SET state='done', outcome='unverified' WHERE state!='done' AND "

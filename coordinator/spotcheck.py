@@ -59,11 +59,11 @@ def after_accept(coord: Coordinator, client_id: str, sub: ResultSubmission, bcla
 
 def lease_replica(coord: Coordinator, client_id: str) -> LeaseResponse | None:
     """A replica job for ``client_id`` (never its own result's), or None."""
-    if not coord.config.trust.spot_checks:
-        return None
     now = coord.clock()
     if coord.guard.expire_replicas(_oldest(coord), now, coord.config.trust.hold_s):
         coord._wake.set()  # held results were released (or closed): the learner may have a batch now
+    if not coord.config.trust.spot_checks:
+        return None
     lease_id = secrets.token_hex(8)
     deadline = deadline_for(now, coord.config.jobs.lease_timeout_s)
     rep = coord.guard.lease_replica(client_id, lease_id, deadline, now)

@@ -299,6 +299,16 @@ class Adversary:
         await self.send(api, "/v1/lease", self.envelope(api.identity, "/v1/lease", body), "lease while quarantined")
         await self.identity("new")  # a fresh key: registers fine, but with no trust and no credit
 
+    async def own_seed(self) -> None:
+        """A lazy or cherry-picking sampler: the real policy and its true logprobs, but not the job's seed (as if
+        it had drawn several groups and kept the one it liked). Every per-result check passes; the seeded
+        spot-check replay by another client catches it."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        own = job.model_copy(update={"seed": (job.seed + 1) % 2**63})
+        sub = await self.honest(api, own)
+        await self.submit(api, self.tamper(sub, seed=job.seed), "sampled with its own seed, claims the job's")
+
     async def request_flood(self) -> None:
         """One identity sending far more requests than anyone needs (cheap ones: releases of no job)."""
         api = await self.identity("a")
@@ -308,7 +318,7 @@ class Adversary:
 
     KINDS = ("forged_signature", "replayed_result", "other_clients_lease", "late_result", "wrong_version",
              "inflated_reward", "fabricated_logprobs", "other_model", "truncated_output", "padded_output",
-             "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood")
+             "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed")
 
 
 async def main_async(kind: str, url: str, home: Path) -> dict[str, Any]:

@@ -108,6 +108,8 @@ EXPECTED: dict[str, Callable[[Attempts], None]] = {
     "unauthenticated_admin": _admin,
     "sybil_rotation": _sybil,
     "request_flood": _request_flood,
+    # passes every per-result check, so it is accepted (200) — and then caught by the seeded spot-check below
+    "own_seed": _exact((200, None)),
     "registration_flood": _flood,  # last: it spends the address's registration budget
 }
 
@@ -140,6 +142,10 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
             for report in pool.map(lambda k: _run_adversary(k, url, tmp_path), kinds):
                 reports[report["kind"]] = report
         reports["registration_flood"] = _run_adversary("registration_flood", url, tmp_path)
+        (cheat,) = reports["own_seed"]["identities"]
+        wait_until(lambda: db_rows(run_dir, "SELECT outcome FROM audit WHERE client_id=? AND outcome LIKE "
+                                            "'invalidated%'", (cheat,)), 240,
+                   "the spot-check replay to expose the result sampled with the wrong seed")
         version_after_attacks = (get_status(url) or {})["version"]
         wait_until(lambda: (s := get_status(url)) and s["version"] >= version_after_attacks + 2, 240,
                    "training to go on after the attacks")
@@ -167,7 +173,7 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
     for kind, report in reports.items():
         for cid in report["identities"]:
             rows = db_rows(run_dir, "SELECT job_id FROM results WHERE client_id=?", (cid,))
-            done = db_rows(run_dir, "SELECT outcome FROM replicas WHERE lease_client=? AND state='done'", (cid,))
+            done = db_rows(run_dir, "SELECT job_id FROM audit WHERE client_id=? AND outcome='replica_accepted'", (cid,))
             # only the replayer's one honest result (a job, or a spot-check replay if it was offered one)
             assert len(rows) + len(done) == (1 if cid == replayer else 0), (kind, rows, done)
     trained = {r[0] for r in db_rows(run_dir, "SELECT client_id FROM results WHERE ingested_step IS NOT NULL")}
@@ -196,6 +202,12 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
         invalidated = db_rows(run_dir, "SELECT job_id FROM audit WHERE client_id=? AND outcome LIKE 'invalidated%'",
                               (cid,))
         assert not invalidated
+
+    # the wrong-seed result was held until its replay, judged invalid against the learner's own replay, removed
+    # before any learner step used it, and its credit revoked
+    assert db_rows(run_dir, "SELECT outcome, reason FROM audit WHERE client_id=? AND outcome LIKE 'invalidated%'",
+                   (cheat,)) == [("invalidated", "replica_mismatch")]
+    assert db_rows(run_dir, "SELECT credit FROM clients WHERE client_id=?", (cheat,)) == [(0.0,)]
 
     # sybils gain nothing: the quarantine stands, and the rotated key starts untrusted with no credit
     old, new = reports["sybil_rotation"]["identities"]
