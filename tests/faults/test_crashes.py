@@ -35,30 +35,31 @@ def _stop_all(*procs: Proc) -> None:
 def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_lease(tmp_path: Path,
                                                                                      tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    lease_s = 15.0
+    lease_s = 20.0
     coord, url = start_coordinator(
-        write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 3},
+        write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 2},
                      jobs={"lease_timeout_s": lease_s, "prompts_per_job": 4}, sampling={"max_tokens": 8},
-                     trust={"active_window_s": 5.0, "hold_s": 10.0}),
+                     trust={"spot_checks": False}),  # one job per step, no replays: the victim job is the only work
         tmp_path / "coord.log")
-    # both clients run from the start, so the healthy one is warm when the job is reissued; the throttled one
-    # (2 % duty cycle) takes many seconds per job, so it is reliably killed mid-job
+    # a throttled client (2 % duty cycle) takes many seconds per job, so it is reliably killed mid-job; the
+    # healthy client starts while the job is still leased, so it is warm (and long-polling) when it is reissued
     slow_id = load_identity(tmp_path / "slow").client_id
     slow = start_client(url, tmp_path / "slow", tmp_path / "slow.log", "--max-cpu-percent", "2")
-    fast = start_client(url, tmp_path / "fast", tmp_path / "fast.log", "--exit-when-finished")
+    fast: Proc | None = None
     try:
         held = wait_until(lambda: (s := get_status(url)) and [j for j in s["jobs"]["in_flight"]
                                                                if j["client_id"] == slow_id], 180,
                           "the slow client to lease a job")
+        fast = start_client(url, tmp_path / "fast", tmp_path / "fast.log", "--exit-when-finished")
         victim_job, deadline = held[0]["job_id"], held[0]["deadline"]
-        slow.kill9()
+        slow.kill9()  # mid-job: it has had the job for a moment, at 2 % speed
         assert db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(0,)]
         wait_until(lambda: db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(1,)],
                    deadline - time.time() + lease_s + 30, "the killed client's job to be completed")
         wait_until(lambda: (s := get_status(url)) and s["finished"], 180, "the run to finish after the kill")
         assert fast.proc.wait(60) == 0
     finally:
-        _stop_all(fast, slow, coord)
+        _stop_all(*(p for p in (fast, slow, coord) if p is not None))
     (holder, issues, received), = db_rows(
         run_dir, "SELECT r.client_id, j.issue_count, r.received_at FROM results r JOIN jobs j USING(job_id) "
                  "WHERE job_id=?", (victim_job,))
