@@ -192,6 +192,8 @@ class Guard:
 
     def lease_replica(self, client_id: str, lease_id: str, deadline: float, now: float) -> ReplicaRow | None:
         """Lease the oldest open (or expired) replica that someone other than ``client_id`` produced."""
+        if self.conn.execute("SELECT 1 FROM replicas WHERE state!='done' LIMIT 1").fetchone() is None:
+            return None  # the common case on every lease: no write lock taken
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             row = self.conn.execute(
