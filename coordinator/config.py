@@ -152,6 +152,9 @@ class LimitsConfig(_Strict):
     registrations_per_address_per_min: float = Field(30.0, ge=0, description="New registrations per minute per "
                                                      "remote address (stops identity floods).")
     registration_burst: float = Field(20.0, ge=1, description="Registrations one address may make at once.")
+    max_leases_per_client: int = Field(2, ge=1, le=1024, description="Live leases one identity may hold at once "
+                                       "(jobs and spot-check replays); beyond it a lease request gets no job, so "
+                                       "nobody can hoard the queue.")
 
 
 class RegistrationConfig(_Strict):

@@ -263,6 +263,14 @@ class Guard:
             raise
         return True
 
+    def leases_held(self, client_id: str, now: float) -> int:
+        """Live (unexpired) leases of one client, on jobs and on replicas."""
+        jobs = self.conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_client=? AND "
+                                 "lease_deadline>?", (client_id, now)).fetchone()["n"]
+        reps = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE state='leased' AND lease_client=? AND "
+                                 "lease_deadline>?", (client_id, now)).fetchone()["n"]
+        return int(jobs) + int(reps)
+
     def held_count(self) -> int:
         row = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE hold=1 AND state!='done'").fetchone()
         return int(row["n"])

@@ -245,6 +245,8 @@ class Coordinator:
         retry = self.config.jobs.retry_after_s
         if self.finished or self.config.sync_mode == "colocated":
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
+        if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         replica = self._lease_replica(client_id)  # spot-checks first: they release held results
         if replica is not None:
             return replica

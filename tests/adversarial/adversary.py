@@ -102,7 +102,9 @@ class Adversary:
                 reason, message = err.error, err.message
             except ProtocolError:
                 message = raw[:200].decode(errors="replace")
-        entry = {"what": what, "status": status, "reason": reason, "message": message}
+        entry: dict[str, Any] = {"what": what, "status": status, "reason": reason, "message": message}
+        if path == "/v1/lease" and status == 200:
+            entry["raw"] = raw
         self.attempts.append(entry)
         return entry
 
@@ -309,6 +311,15 @@ class Adversary:
         sub = await self.honest(api, own)
         await self.submit(api, self.tamper(sub, seed=job.seed), "sampled with its own seed, claims the job's")
 
+    async def lease_hoarder(self) -> None:
+        """Lease as many jobs as it can without returning any, to starve everyone else."""
+        api = await self.identity("a")
+        body = wire.encode(LeaseRequest(backend="torch", held_version=-1))
+        for i in range(10):
+            entry = await self.send(api, "/v1/lease", self.envelope(api.identity, "/v1/lease", body), f"lease {i}")
+            if entry["status"] == 200:
+                entry["got_job"] = wire.decode(entry.pop("raw"), LeaseResponse).job is not None
+
     async def request_flood(self) -> None:
         """One identity sending far more requests than anyone needs (cheap ones: releases of no job)."""
         api = await self.identity("a")
@@ -318,7 +329,7 @@ class Adversary:
 
     KINDS = ("forged_signature", "replayed_result", "other_clients_lease", "late_result", "wrong_version",
              "inflated_reward", "fabricated_logprobs", "other_model", "truncated_output", "padded_output",
-             "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed")
+             "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed", "lease_hoarder")
 
 
 async def main_async(kind: str, url: str, home: Path) -> dict[str, Any]:
@@ -330,7 +341,8 @@ async def main_async(kind: str, url: str, home: Path) -> dict[str, Any]:
         error = f"{type(exc).__name__}: {exc}"
     finally:
         await adv.close()
-    return {"kind": kind, "identities": adv.identities, "attempts": adv.attempts, "error": error}
+    attempts = [{k: v for k, v in a.items() if k != "raw"} for a in adv.attempts]
+    return {"kind": kind, "identities": adv.identities, "attempts": attempts, "error": error}
 
 
 def main() -> None:

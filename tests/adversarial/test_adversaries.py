@@ -81,6 +81,12 @@ def _request_flood(attempts: Attempts) -> None:
     assert codes.count((200, None)) < len(codes) and (429, "rate_limited") in codes, codes  # burst 60 + refill
 
 
+def _hoarder(attempts: Attempts) -> None:
+    assert _codes(attempts) == [(200, None)] * 10, attempts
+    got = sum(1 for a in attempts if a.get("got_job"))
+    assert 1 <= got <= 2, attempts  # limits.max_leases_per_client = 2: the rest of the queue stays available
+
+
 def _admin(attempts: Attempts) -> None:
     assert len(attempts) == 10
     for a in attempts:  # route absent (404) or refused without admin credentials (401/403): never served
@@ -108,6 +114,7 @@ EXPECTED: dict[str, Callable[[Attempts], None]] = {
     "unauthenticated_admin": _admin,
     "sybil_rotation": _sybil,
     "request_flood": _request_flood,
+    "lease_hoarder": _hoarder,
     # passes every per-result check, so it is accepted (200) — and then caught by the seeded spot-check below
     "own_seed": _exact((200, None)),
     "registration_flood": _flood,  # last: it spends the address's registration budget
