@@ -238,7 +238,8 @@ class Guard:
                                  (outcome, replica.replica_id, lease_id, client_id)).rowcount != 1:
                 self.conn.execute("ROLLBACK")
                 return False
-            self.conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
+            # credit for the replay; clients.accepted keeps counting result rows (replays are not trained on)
+            self.conn.execute("UPDATE clients SET credit=credit+?, last_seen=? WHERE client_id=?",
                               (credit, now, client_id))
             self.store.audit_write(now, client_id, replica.replica_id, replica.version, "replica_accepted", outcome,
                                    content_sha, detail)
@@ -246,15 +247,14 @@ class Guard:
                 orig = self.conn.execute("SELECT n_tokens, ingested_step, content_sha256 FROM results WHERE job_id=?",
                                          (replica.job_id,)).fetchone()
                 if orig is not None:
-                    if orig["ingested_step"] is None and not in_training:
+                    removed = orig["ingested_step"] is None and not in_training
+                    if removed:
                         self.conn.execute("DELETE FROM results WHERE job_id=?", (replica.job_id,))
                         self.conn.execute("UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=?",
                                           (replica.job_id,))
-                        outcome_orig = "invalidated"
-                    else:
-                        outcome_orig = "invalidated_after_training"
-                    self.conn.execute("UPDATE clients SET credit=credit-?, accepted=accepted-1, rejected=rejected+1 "
-                                      "WHERE client_id=?", (float(orig["n_tokens"]), replica.original_client))
+                    outcome_orig = "invalidated" if removed else "invalidated_after_training"
+                    self.conn.execute("UPDATE clients SET credit=credit-?, accepted=accepted-? WHERE client_id=?",
+                                      (float(orig["n_tokens"]), int(removed), replica.original_client))
                     self.store.audit_write(now, replica.original_client, replica.job_id, replica.version, outcome_orig,
                                            Reason.REPLICA_MISMATCH.value, orig["content_sha256"], detail)
             self.conn.execute("COMMIT")
