@@ -40,6 +40,8 @@ def error_response(reason: Reason, message: str, status: int | None = None) -> w
 async def errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                             ) -> web.StreamResponse:
     try:
+        if request.method == "POST":  # per-address budget before reading a byte of the body (coordinator.guard)
+            request.app[COORDINATOR].guard.check_address(request.remote or "", request.app[COORDINATOR].clock())
         return await handler(request)
     except ProtocolError as exc:
         return error_response(exc.reason, exc.message)
@@ -62,10 +64,15 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
 
 
 async def _body(request: web.Request) -> bytes:
-    if request.content_length is not None and request.content_length > MAX_REQUEST_BYTES:
+    cap = min(MAX_REQUEST_BYTES, request.app[COORDINATOR].body_cap(request.path))  # per endpoint
+    if request.content_length is not None and request.content_length > cap:
         raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {request.content_length} bytes; "
-                                                   f"the limit is {MAX_REQUEST_BYTES}")
-    return await request.read()
+                                                   f"the limit for {request.path} is {cap}")
+    data = await request.read()
+    if len(data) > cap:  # chunked uploads carry no Content-Length
+        raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {len(data)} bytes; the limit for "
+                                                   f"{request.path} is {cap}")
+    return data
 
 
 async def info(request: web.Request) -> web.Response:
@@ -73,7 +80,7 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def register(request: web.Request) -> web.Response:
-    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request))))
+    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request), request.remote or "")))
 
 
 async def lease(request: web.Request) -> web.Response:

@@ -161,6 +161,61 @@ class VerificationConfig(_Strict):
         return self.logprob_mean_tol, self.logprob_max_tol
 
 
+class TrustConfig(_Strict):
+    """Adaptive trust and spot-check replication (coordinator.core.trust), per client and backend class."""
+
+    trusted_after: int = Field(10, ge=0, le=10_000, description="Consecutive valid results before a client's "
+                               "results stop being spot-checked every time (then: probability 1/consecutive).")
+    min_replication_rate: float = Field(0.05, ge=0.0, le=1.0, description="Floor of the spot-check probability "
+                                        "for fully trusted clients (0: trusted clients are never checked).")
+    quarantine_after: int = Field(3, ge=1, le=1000, description="Invalid results in a row that quarantine a client.")
+    quarantine_s: float = Field(600.0, ge=0, description="Seconds of the first quarantine; the n-th lasts n times "
+                                "as long.")
+    spot_checks: bool = Field(True, description="Re-issue sampled jobs (same seed and version) to another client "
+                              "and compare the outcomes.")
+    hold_s: float = Field(60.0, ge=0, description="Seconds a result awaiting its spot-check replay is kept out of "
+                          "training; if no other client replays it by then it is trained on unverified (results "
+                          "are not held at all while no other client is active).")
+    active_window_s: float = Field(30.0, gt=0, description="A client counts as active (able to replay another's "
+                                   "job) for this many seconds after its last request.")
+    replica_min_agreement: float = Field(0.95, gt=0.0, le=1.0, description="Fraction of sampled tokens two "
+                                         "same-class replays of one seeded job must share to agree.")
+
+
+class LimitsConfig(_Strict):
+    """Request rate limits (token buckets). A rate of 0 turns that limit off."""
+
+    per_identity_rps: float = Field(20.0, ge=0, description="Signed requests per second per client identity.")
+    per_identity_burst: float = Field(60.0, ge=1, description="Requests one identity may send at once.")
+    per_address_rps: float = Field(200.0, ge=0, description="Requests per second per remote address (all "
+                                   "identities behind one address together; raise it for NATed labs).")
+    per_address_burst: float = Field(400.0, ge=1, description="Requests one address may send at once.")
+    registrations_per_address_per_min: float = Field(30.0, ge=0, description="New registrations per minute per "
+                                                     "remote address (stops identity floods).")
+    registration_burst: float = Field(20.0, ge=1, description="Registrations one address may make at once.")
+    max_leases_per_client: int = Field(2, ge=1, le=1024, description="Live leases one identity may hold at once "
+                                       "(jobs and spot-check replays); beyond it a lease request gets no job, so "
+                                       "nobody can hoard the queue.")
+
+
+class RegistrationConfig(_Strict):
+    """Who may join: anyone (open), or holders of an invite token (private swarms)."""
+
+    mode: Literal["open", "invite"] = Field("open", description="'invite': registering needs a token whose "
+                                            "sha256 is listed in invite_sha256.")
+    invite_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(
+        default_factory=list, description="sha256 (hex) of each valid invite token; only hashes are stored. "
+        "Make one with: python -c \"import secrets,hashlib;t=secrets.token_urlsafe(32);print(t, "
+        "hashlib.sha256(t.encode()).hexdigest())\"")
+
+    @model_validator(mode="after")
+    def _invites_exist(self) -> RegistrationConfig:
+        if self.mode == "invite" and not self.invite_sha256:
+            raise ValueError("registration.mode is 'invite' but registration.invite_sha256 is empty; add the "
+                             "sha256 of at least one token, or set mode = 'open'")
+        return self
+
+
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept volunteers from the network.")
     port: int = Field(8470, ge=0, le=65535, description="Listen port (0: pick a free one).")
@@ -196,6 +251,9 @@ class CoordinatorConfig(_Strict):
     verification: VerificationConfig = VerificationConfig()
     server: ServerConfig = ServerConfig()
     snapshots: SnapshotConfig = SnapshotConfig()
+    trust: TrustConfig = TrustConfig()
+    limits: LimitsConfig = LimitsConfig()
+    registration: RegistrationConfig = RegistrationConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import shutil
@@ -18,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from coordinator import spotcheck
 from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.advantages import group_advantages
@@ -25,7 +27,9 @@ from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_job
 from coordinator.core.leases import LeaseCheck, LeaseView, check_lease, deadline_for, lease_live
 from coordinator.core.scheduling import decide_lease, select_batch, staleness_weight
+from coordinator.core.trust import backend_class, is_invalidating
 from coordinator.core.verify import JobTerms, check_logprobs, logprob_stats, verify_submission
+from coordinator.guard import REPLICA_SUFFIX, Guard
 from coordinator.learner import Learner, Sample
 from coordinator.snapshots import SnapshotStore
 from coordinator.store import JobRow, Store
@@ -53,6 +57,8 @@ from shared.records import sign_job
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+SMALL_REQUEST_BYTES = 64 * 1024  # register, lease, release
+ENVELOPE_BYTES = 1024  # signed-request frame around a body: ids, nonce, signature, msgpack headers
 LOCAL_CLIENT = "0" * 32  # the co-located baseline's own generator, registered like any client
 
 
@@ -85,6 +91,7 @@ class Coordinator:
         self._version_interval: float | None = None
         self._version_at = self.started_at
         self.issuing_paused = False  # set by the operator (coordinator.admin_api): no new leases while True
+        self.in_training: frozenset[str] = frozenset()  # job ids of the step being trained (spot-checks)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -100,6 +107,7 @@ class Coordinator:
             self.store.set_meta("run_id", run_id)
         self.run_id = run_id
         self.issuing_paused = self.store.get_meta("issuing_paused") == "1"
+        self.guard = Guard(self.config, self.store)
         self.task: Task = make_task(self.config.task)
         self.snapshots = SnapshotStore(self.run_dir / "snapshots", self.key, run_id)
         committed = [v["version"] for v in self.store.versions()]
@@ -195,6 +203,8 @@ class Coordinator:
         crypto.verify_request(req, bytes(client["public_key"]))
         if client["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+        self.guard.check_identity(req.client_id, self.clock())
+        self.guard.seen(req.client_id, self.clock())
         self._check_fresh(req)
         return req
 
@@ -204,13 +214,14 @@ class Coordinator:
                     current_version=self.version, sync_mode=self.config.sync_mode, task=self.task.name,
                     finished=self.finished, server_time=self.clock())
 
-    def register(self, raw: bytes) -> RegisterResponse:
+    def register(self, raw: bytes, peer: str = "") -> RegisterResponse:
         req = self._open_envelope(raw, "/v1/register")
         body = wire.decode(req.body, RegisterRequest)
         crypto.verify_request(req, body.public_key)
         existing = self.store.get_client(req.client_id)
         if existing is not None and existing["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+        self.guard.check_registration(peer, body.invite, self.clock(), is_new=existing is None)
         self._check_fresh(req)
         new = self.store.register_client(req.client_id, body.public_key, body.profile.model_dump(), self.clock())
         if req.client_id not in self._pace:  # a declared self-benchmark seeds the pace until a result is seen
@@ -232,6 +243,7 @@ class Coordinator:
         idle client learns of a new policy version as soon as it is published (push), then fetches it (pull)."""
         req = self.authenticate(raw, "/v1/lease")
         body = wire.decode(req.body, LeaseRequest)
+        self.guard.check_quarantine(req.client_id, self.backend_class(req.client_id, body.backend), self.clock())
         give_up = time.monotonic() + self.config.jobs.long_poll_s
         self._waiting[req.client_id] = self._waiting.get(req.client_id, 0) + 1
         try:
@@ -255,6 +267,11 @@ class Coordinator:
         retry = self.config.jobs.retry_after_s
         if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
+        if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        replica = self._lease_replica(client_id)  # spot-checks first: they release held results
+        if replica is not None:
+            return replica
         now = self.clock()
         active = {j.view.job_id: j for j in self.store.active_jobs()}
         views = [j.view for j in active.values()]
@@ -262,8 +279,8 @@ class Coordinator:
         if self.config.jobs.speed_aware:
             views = [self._with_due(v) for v in views]
             speed = self._speed_of(client_id, views, now)
-        decision = decide_lease(views, len(self.store.pending()), now, self.version, held_version,
-                                self.config.sync_policy, speed)
+        queued = len(self.store.pending()) + self.guard.held_count()
+        decision = decide_lease(views, queued, now, self.version, held_version, self.config.sync_policy, speed)
         if decision is None:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         row = active[decision.job_id] if decision.job_id is not None else self._new_job()
@@ -331,6 +348,8 @@ class Coordinator:
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.authenticate(raw, "/v1/release")
         body = wire.decode(req.body, ReleaseRequest)
+        if body.job_id.endswith(REPLICA_SUFFIX):
+            return ReleaseResponse(released=self.guard.release_replica(body.job_id, body.lease_id, req.client_id))
         released = self.store.release_lease(body.job_id, body.lease_id, req.client_id)
         if released:
             logger.info("client %s released job %s", req.client_id[:8], body.job_id)
@@ -341,9 +360,15 @@ class Coordinator:
         req = self.authenticate(raw, "/v1/results")
         content_sha = sha256_bytes(req.body)
         job_id: str | None = None
+        version: int | None = None
+        bclass = self.backend_class(req.client_id, "torch")
         try:
             sub = wire.decode(req.body, ResultSubmission)
-            job_id = sub.job_id
+            job_id, version = sub.job_id, sub.version
+            bclass = self.backend_class(req.client_id, sub.backend)
+            self.guard.check_quarantine(req.client_id, bclass, self.clock())
+            if sub.job_id.endswith(REPLICA_SUFFIX):
+                return await self._submit_replica(req.client_id, sub, len(req.body), content_sha, bclass)
             earlier = self.store.accepted_result(sub.job_id)
             if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
                 # the same client resending the same result (its first reply was lost): answer as before
@@ -351,11 +376,47 @@ class Coordinator:
                 return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
                                       credit=float(earlier["n_tokens"]),
                                       total_credit=float(client["credit"]) if client is not None else 0.0)
-            return await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
+            resp = await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
+            self._after_accept(req.client_id, sub, bclass)
+            return resp
         except ProtocolError as exc:
-            self.store.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha, self.clock())
+            self.store.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha, self.clock(),
+                                        version)
+            if is_invalidating(exc.reason):
+                self.guard.record_invalid(req.client_id, bclass, self.clock())
             logger.info("rejected result from %s for %s: %s", req.client_id[:8], job_id, exc)
             raise
+
+    # -- trust boundary (logic in coordinator.guard and coordinator.spotcheck) ------------------------------
+    def backend_class(self, client_id: str, backend: str) -> str:
+        client = self.store.get_client(client_id)
+        device = json.loads(client["profile"]).get("device", "cpu") if client is not None else "cpu"
+        return backend_class(backend, str(device))
+
+    def body_cap(self, path: str) -> int:
+        """Largest request body accepted on ``path``: results are capped by the largest job this run signs
+        (its max_result_bytes plus the signed envelope), every other request by SMALL_REQUEST_BYTES."""
+        if path == "/v1/results":
+            per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size
+            return ENVELOPE_BYTES + result_size_cap(per_job, self.config.sampling.max_tokens)
+        return SMALL_REQUEST_BYTES
+
+    def _lease_replica(self, client_id: str) -> LeaseResponse | None:
+        return spotcheck.lease_replica(self, client_id)
+
+    async def _submit_replica(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str,
+                              bclass: str) -> SubmitResponse:
+        return await spotcheck.submit_replica(self, client_id, sub, size, content_sha, bclass)
+
+    def _after_accept(self, client_id: str, sub: ResultSubmission, bclass: str) -> None:
+        spotcheck.after_accept(self, client_id, sub, bclass)
+
+    def audit(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
+              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """The audit log: every result's outcome (accepted, rejected, replica_accepted, invalidated…) with
+        client, job, version, reason and content hash, newest first. For the admin API and CLI."""
+        return self.store.audit(client_id=client_id, job_id=job_id, outcome=outcome, reason=reason, since=since,
+                                limit=limit)
 
     def _terms(self, row: JobRow) -> JobTerms:
         return JobTerms(version=-1 if row.view.version is None else row.view.version, prompt_hash=prompt_hash([self._prompt_tokens(i) for i in row.prompt_ids]),
@@ -474,6 +535,13 @@ class Coordinator:
         await self._verify_and_accept(LOCAL_CLIENT, sub, 0, sha256_bytes(wire.encode(sub)))
 
     async def _train_and_publish(self, version: int, job_ids: list[str]) -> None:
+        self.in_training = frozenset(job_ids)
+        try:
+            await self._train_and_publish_batch(version, job_ids)
+        finally:
+            self.in_training = frozenset()
+
+    async def _train_and_publish_batch(self, version: int, job_ids: list[str]) -> None:
         t0 = time.monotonic()
         rows = self.store.result_rows(job_ids)
         samples: list[Sample] = []
@@ -563,4 +631,5 @@ class Coordinator:
             "steps": steps[-200:],
             "evals": self.store.evals(),
             "clients": self.store.clients(),
+            "trust": {"standings": self.guard.standings(), "spot_checks": self.guard.replicas_summary()},
         }

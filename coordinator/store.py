@@ -46,6 +46,17 @@ CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS audit(
+  id INTEGER PRIMARY KEY, at REAL NOT NULL, client_id TEXT NOT NULL, job_id TEXT, version INTEGER,
+  outcome TEXT NOT NULL, reason TEXT NOT NULL, content_sha256 TEXT, detail TEXT NOT NULL DEFAULT '');
+CREATE INDEX IF NOT EXISTS audit_by_client ON audit(client_id, id);
+CREATE INDEX IF NOT EXISTS audit_by_job ON audit(job_id, id);
+CREATE TABLE IF NOT EXISTS replicas(
+  replica_id TEXT PRIMARY KEY, job_id TEXT NOT NULL REFERENCES jobs(job_id), version INTEGER NOT NULL,
+  original_client TEXT NOT NULL, original_class TEXT NOT NULL, created_at REAL NOT NULL,
+  state TEXT NOT NULL CHECK(state IN ('open','leased','done')), lease_id TEXT, lease_client TEXT,
+  lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0, outcome TEXT, hold INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS replicas_by_state ON replicas(state, created_at);
 CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS steps(
   step INTEGER PRIMARY KEY, trained_version INTEGER NOT NULL, mean_reward REAL NOT NULL, metrics TEXT NOT NULL,
@@ -84,8 +95,18 @@ class Store:
         self.conn.execute("PRAGMA busy_timeout=5000")
         self.conn.executescript(SCHEMA)
         self._add_client_columns()
+        # Nonces go through a second connection with synchronous=NORMAL: a commit there is written to the WAL
+        # (the OS page cache) without an fsync. That survives a kill -9 of the coordinator exactly (the OS still
+        # has the bytes), and the next synchronous=FULL commit on self.conn (any accepted result or step)
+        # fsyncs those WAL frames too; only a power loss can drop the last unsynced nonces, reopening a replay
+        # window of at most request_window_s for requests captured just before it. That is the cost of not
+        # paying an fsync (~5 ms here) on every signed request, which made nonces the throughput ceiling.
+        self.nonce_conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.nonce_conn.execute("PRAGMA synchronous=NORMAL")
+        self.nonce_conn.execute("PRAGMA busy_timeout=5000")
 
     def close(self) -> None:
+        self.nonce_conn.close()
         self.conn.close()
 
     # -- transactions -------------------------------------------------------------------------------------
@@ -140,14 +161,15 @@ class Store:
 
     # -- nonces -------------------------------------------------------------------------------------------
     def remember_nonce(self, nonce: bytes, expires: float) -> bool:
-        """Record a nonce; False if it was already seen (a replay)."""
-        with self._tx():
-            return self.conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
-                                     (nonce, expires)).rowcount == 1
+        """Record a nonce; False if it was already seen (a replay). Durable across a process crash, not a power
+        loss (see __init__)."""
+        with _Tx(self.nonce_conn):
+            return self.nonce_conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
+                                           (nonce, expires)).rowcount == 1
 
     def prune_nonces(self, now: float) -> int:
-        with self._tx():
-            return self.conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
+        with _Tx(self.nonce_conn):
+            return self.nonce_conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
 
     # -- versions and jobs --------------------------------------------------------------------------------
     def current_version(self) -> int | None:
@@ -237,22 +259,47 @@ class Store:
                  sum(rewards) / max(1, len(rewards)), n_tokens))
             self.conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
                               (credit, now, client_id))
+            self.audit_write(now, client_id, job_id, version, "accepted", "ok", content_sha256)
 
     def accepted_result(self, job_id: str) -> sqlite3.Row | None:
         return self.conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
                                  (job_id,)).fetchone()
 
     def record_rejection(self, client_id: str, job_id: str | None, reason: str, message: str,
-                         content_sha256: str | None, now: float) -> None:
+                         content_sha256: str | None, now: float, version: int | None = None) -> None:
         with self._tx():
             self.conn.execute("INSERT INTO rejections(client_id, job_id, reason, message, content_sha256, at) "
                               "VALUES(?,?,?,?,?,?)", (client_id, job_id, reason, message, content_sha256, now))
             self.conn.execute("UPDATE clients SET rejected=rejected+1 WHERE client_id=?", (client_id,))
+            self.audit_write(now, client_id, job_id, version, "rejected", reason, content_sha256, message)
+
+    def audit_write(self, at: float, client_id: str, job_id: str | None, version: int | None, outcome: str,
+                    reason: str, content_sha256: str | None, detail: str = "") -> None:
+        """One audit line; callers run it inside the transaction that makes the outcome durable."""
+        self.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256, detail) "
+                          "VALUES(?,?,?,?,?,?,?,?)", (at, client_id, job_id, version, outcome, reason,
+                                                      content_sha256, detail[:2048]))
+
+    def audit(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
+              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Audit lines matching every given filter, newest first (at most ``limit``, capped at 10,000)."""
+        where: list[str] = []
+        args: list[Any] = []
+        for col, val in (("client_id", client_id), ("job_id", job_id), ("outcome", outcome), ("reason", reason)):
+            if val is not None:
+                where.append(f"{col}=?")
+                args.append(val)
+        if since is not None:
+            where.append("at>=?")
+            args.append(since)
+        sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY id DESC LIMIT ?"
+        return [dict(r) for r in self.conn.execute(sql, (*args, max(1, min(limit, 10_000)))).fetchall()]
 
     def pending(self) -> list[Pending]:
-        """Accepted results neither trained on nor set aside as too stale."""
+        """Accepted results neither trained on, set aside as too stale, nor held for a spot-check replay."""
         rows = self.conn.execute("SELECT job_id, version, received_at FROM results WHERE ingested_step IS NULL "
-                                 "AND stale_at IS NULL").fetchall()
+                                 "AND stale_at IS NULL AND job_id NOT IN (SELECT job_id FROM replicas WHERE hold=1 "
+                                 "AND state!='done')").fetchall()
         return [Pending(r["job_id"], int(r["version"]), float(r["received_at"])) for r in rows]
 
     def live_leases(self, now: float) -> int:

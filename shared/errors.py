@@ -35,6 +35,10 @@ class Reason(StrEnum):
     TOKEN_OUT_OF_RANGE = "token_out_of_range"  # token id outside the vocabulary, or too many tokens
     FINISH_REASON = "finish_reason_inconsistent"  # "stop" without a stop token, "length" while short
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
+    REPLICA_MISMATCH = "replica_mismatch"  # a spot-check replay of the same seed and version disagreed
+    QUARANTINED = "quarantined"  # too many invalid results in a row; no work until the quarantine ends
+    RATE_LIMITED = "rate_limited"  # too many requests from this identity or address; slow down
+    REGISTRATION_CLOSED = "registration_closed"  # private swarm: a valid invite token is needed to register
     NO_SUCH_VERSION = "no_such_version"
     NO_SUCH_BLOB = "no_such_blob"
     NOT_FOUND = "not_found"  # no such endpoint
@@ -65,6 +69,10 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.TOKEN_OUT_OF_RANGE: 422,
     Reason.FINISH_REASON: 422,
     Reason.LOGPROB_MISMATCH: 422,
+    Reason.REPLICA_MISMATCH: 422,
+    Reason.QUARANTINED: 403,
+    Reason.RATE_LIMITED: 429,
+    Reason.REGISTRATION_CLOSED: 403,
     Reason.NO_SUCH_VERSION: 404,
     Reason.NO_SUCH_BLOB: 404,
     Reason.NOT_FOUND: 404,

@@ -84,6 +84,7 @@ class ClientProfile(Message):
 class RegisterRequest(Message):
     public_key: PublicKey
     profile: ClientProfile
+    invite: Annotated[str, StringConstraints(max_length=128)] = ""  # token for private swarms (registration.mode)
 
 
 class RegisterResponse(Message):

@@ -88,7 +88,8 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     config.write_text(f'url = "{live_coordinator.url}"\nmax-memory-gb = 0.001\nname = "from-file"\n')
     env = {"ECHO_SWARM_CONFIG": str(config)}
     home = tmp_path / "client"
-    argv = [sys.executable, "-m", "echo_swarm", "join", "--home", str(home), "--threads", "1"]
+    # torch: the disk-full trap below is the safetensors file, which a llama.cpp client never fetches
+    argv = [sys.executable, "-m", "echo_swarm", "join", "--home", str(home), "--threads", "1", "--backend", "torch"]
 
     too_small = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=180, env=_env(env))
     assert too_small.returncode == 4, too_small.stdout + too_small.stderr

@@ -30,7 +30,7 @@ def test_issuance_stops_when_in_flight_work_would_exceed_the_bound(tmp_path: Pat
                                                                    speed_aware: bool) -> None:
     # B = 2 jobs per step (write_config: 4 prompts per step, 2 per job): B·(S+1) slots, B for sequential pull
     with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": mode, "max_staleness": staleness},
-                             jobs={"speed_aware": speed_aware}) as live:
+                             jobs={"speed_aware": speed_aware}, limits={"max_leases_per_client": 16}) as live:
         client = register(live)
         jobs = [lease(client, live.coordinator.public_key) for _ in range(slots)]
         assert len({j.job_id for j in jobs}) == slots and {j.version for j in jobs} == {0}
@@ -46,7 +46,7 @@ def test_issuance_stops_when_in_flight_work_would_exceed_the_bound(tmp_path: Pat
 
 def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_model_dir: Path) -> None:
     with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
-                             jobs={"long_poll_s": 20.0}) as live:
+                             jobs={"long_poll_s": 20.0}, limits={"max_leases_per_client": 16}) as live:
         worker, waiter = register(live), register(live)
         jobs = [lease(worker, live.coordinator.public_key) for _ in range(4)]  # the queue is full
         results = [honest_result(live, j) for j in jobs[:2]]

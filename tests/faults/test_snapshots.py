@@ -1,4 +1,5 @@
-"""Snapshot downloads by a client: signed manifest, sha256 per file, resumable transfers, corruption caught."""
+"""Snapshot downloads by a client: signed manifest, sha256 per file, resumable transfers, corruption caught
+(moved from tests/integration: the interrupted and corrupted downloads are fault cases)."""
 
 from __future__ import annotations
 

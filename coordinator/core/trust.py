@@ -1,0 +1,95 @@
+"""Adaptive trust, after BOINC's adaptive replication: slow to earn, quick to lose.
+
+Trust is kept per (client, backend class), because a client's torch results say nothing about its llama.cpp
+results. A new identity starts untrusted, so rotating keys (a sybil) only ever buys the untrusted treatment:
+
+- every accepted result that later survives any spot-check raises ``consecutive_valid`` by one;
+- while ``consecutive_valid < trusted_after`` every result is spot-checked (replication probability 1);
+  after that, a result is replicated with probability ``1 / consecutive_valid`` (never below ``min_rate``);
+- any invalid result (a refusal for cheating-class reasons, or a lost spot-check) resets it to 0 and counts
+  a failure; ``quarantine_after`` failures in a row quarantine the client for ``quarantine_s`` seconds
+  (the n-th quarantine lasts n times longer), during which it is refused work with a clear message.
+
+Only refusals that say something about the *result* count as failures: a late or duplicate submission,
+a rate limit or a network-level problem is bad luck or a bug, not evidence of a cheat.
+Everything here is pure: state in, decision out, with ``now`` passed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+from shared.errors import Reason
+
+# refusals that are evidence about the result itself (poisoned, lazy, forged or broken hardware)
+INVALIDATING: frozenset[Reason] = frozenset({
+    Reason.WRONG_VERSION, Reason.BINDING_MISMATCH, Reason.SHAPE_MISMATCH, Reason.TOKEN_OUT_OF_RANGE,
+    Reason.FINISH_REASON, Reason.LOGPROB_MISMATCH, Reason.REPLICA_MISMATCH, Reason.SCHEMA, Reason.MALFORMED,
+    Reason.BODY_TOO_LARGE,
+})
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """Parameters of the trust rules (see coordinator.config.TrustConfig for units and defaults)."""
+
+    trusted_after: int = 10
+    min_rate: float = 0.05
+    quarantine_after: int = 3
+    quarantine_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class TrustState:
+    """One client's standing for one backend class."""
+
+    consecutive_valid: int = 0
+    consecutive_invalid: int = 0
+    quarantines: int = 0
+    quarantined_until: float = 0.0
+
+
+def is_invalidating(reason: Reason) -> bool:
+    return reason in INVALIDATING
+
+
+def on_valid(state: TrustState) -> TrustState:
+    """An accepted result (or a spot-check it passed) raises trust by one and clears the failure streak."""
+    return replace(state, consecutive_valid=state.consecutive_valid + 1, consecutive_invalid=0)
+
+
+def on_invalid(state: TrustState, now: float, policy: TrustPolicy) -> TrustState:
+    """An invalid result resets trust; enough of them in a row quarantine the client (longer each time)."""
+    failures = state.consecutive_invalid + 1
+    if failures >= policy.quarantine_after:
+        n = state.quarantines + 1
+        return TrustState(0, 0, n, now + policy.quarantine_s * n)
+    return replace(state, consecutive_valid=0, consecutive_invalid=failures)
+
+
+def quarantined(state: TrustState, now: float) -> bool:
+    return now < state.quarantined_until
+
+
+def replication_rate(state: TrustState, policy: TrustPolicy) -> float:
+    """Probability that a result from this client is spot-checked by replaying its job elsewhere."""
+    if state.consecutive_valid < policy.trusted_after:
+        return 1.0
+    return max(policy.min_rate, 1.0 / state.consecutive_valid)
+
+
+def should_replicate(state: TrustState, policy: TrustPolicy, job_id: str, secret: bytes) -> bool:
+    """Deterministic per (job, coordinator secret) draw: a client cannot tell or influence which of its
+    results are checked, and a restarted coordinator makes the same decision for the same job."""
+    rate = replication_rate(state, policy)
+    if rate >= 1.0:
+        return True
+    draw = int.from_bytes(hashlib.sha256(secret + job_id.encode()).digest()[:8], "big") / 2**64
+    return draw < rate
+
+
+def backend_class(backend: str, device: str) -> str:
+    """The class whose results are comparable bit-for-bit: backend plus the accelerator kind."""
+    kind = device.split(":", 1)[0].strip().lower() or "cpu"
+    return f"{backend}/{kind}"

@@ -1,0 +1,361 @@
+"""A malicious or broken volunteer, as a real client process: its own Ed25519 identity (swarm_client.identity),
+the production HTTP client (swarm_client.api), the real snapshot cache and torch backend — and one corruption.
+
+    python -m tests.adversarial.adversary KIND --url URL --home DIR --out report.json
+
+It does what an honest client does (register, lease, fetch the signed snapshot, generate with the job's
+seed), then corrupts one thing and sends it. The report (JSON) lists every attempt's HTTP status and reason
+code and every identity it used, so the test can check the refusals and that nothing reached training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from shared import crypto, wire
+from shared.errors import ProtocolError
+from shared.messages import (
+    ErrorBody,
+    Info,
+    Job,
+    LeaseRequest,
+    LeaseResponse,
+    RegisterRequest,
+    RegisterResponse,
+    ReleaseRequest,
+    ReleaseResponse,
+    ResultSubmission,
+)
+from shared.records import open_job
+from swarm_client.api import CoordinatorClient, RetryPolicy
+from swarm_client.backends.torch_backend import TorchBackend
+from swarm_client.hardware import profile
+from swarm_client.identity import Identity, load_identity
+from swarm_client.snapshots import SnapshotCache
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+class Adversary:
+    def __init__(self, url: str, home: Path) -> None:
+        self.url = url.rstrip("/")
+        self.home = home
+        self.attempts: list[dict[str, Any]] = []
+        self.identities: list[str] = []
+        self.apis: list[CoordinatorClient] = []
+        self.info: Info | None = None
+        self.backend: TorchBackend | None = None
+
+    # -- plumbing -----------------------------------------------------------------------------------------
+    async def identity(self, name: str, *, register: bool = True) -> CoordinatorClient:
+        ident = load_identity(self.home / name)
+        api = CoordinatorClient(self.url, ident, retry=NO_RETRY)
+        self.apis.append(api)
+        self.identities.append(ident.client_id)
+        if self.info is None:
+            self.info = await api.info()
+        if register:
+            await api.post("/v1/register", RegisterRequest(public_key=ident.public_key,
+                                                           profile=profile("torch", "cpu", f"adversary-{name}")),
+                           RegisterResponse)
+            await self.warm(api)
+        return api
+
+    async def warm(self, api: CoordinatorClient) -> None:
+        """Load torch and the current snapshot before leasing, so the lease does not run out while loading."""
+        assert self.info is not None
+        if self.backend is None:
+            self.backend = TorchBackend(device="cpu", threads=1)
+        info = await api.info()
+        cache = SnapshotCache(self.home / "cache", api, info.coordinator_public_key)
+        self.backend.load(await cache.ensure(info.run_id, info.current_version, None))
+
+    async def close(self) -> None:
+        for api in self.apis:
+            await api.close()
+
+    def envelope(self, ident: Identity, path: str, body: bytes, timestamp: float | None = None) -> bytes:
+        return wire.encode(crypto.sign_request(ident.key, path, body, timestamp=timestamp or time.time()))
+
+    async def send(self, api: CoordinatorClient, path: str, data: bytes, what: str, method: str = "POST",
+                   headers: dict[str, str] | None = None) -> dict[str, Any]:
+        try:
+            async with api.session.request(method, self.url + path, data=data,
+                                           headers=headers or {"Content-Type": "application/msgpack"}) as resp:
+                raw, status = await resp.read(), resp.status
+        except aiohttp.ClientError as exc:  # the server may close the connection on a body it will not read
+            entry = {"what": what, "status": 0, "reason": None, "message": f"{type(exc).__name__}: {exc}"}
+            self.attempts.append(entry)
+            return entry
+        reason, message = None, ""
+        if status != 200:
+            try:
+                err = wire.decode(raw, ErrorBody, max_bytes=64 * 1024)
+                reason, message = err.error, err.message
+            except ProtocolError:
+                message = raw[:200].decode(errors="replace")
+        entry: dict[str, Any] = {"what": what, "status": status, "reason": reason, "message": message}
+        if path == "/v1/lease" and status == 200:
+            entry["raw"] = raw
+        self.attempts.append(entry)
+        return entry
+
+    async def submit(self, api: CoordinatorClient, body: bytes | ResultSubmission, what: str) -> dict[str, Any]:
+        raw = body if isinstance(body, bytes) else wire.encode(body)
+        return await self.send(api, "/v1/results", self.envelope(api.identity, "/v1/results", raw), what)
+
+    async def lease(self, api: CoordinatorClient, timeout: float = 120.0) -> Job:
+        assert self.info is not None
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1), LeaseResponse)
+            if resp.job is not None:
+                return open_job(resp.job, self.info.coordinator_public_key)
+            await asyncio.sleep(min(resp.retry_after_s, 1.0))
+        raise TimeoutError("no job was offered")
+
+    async def release(self, api: CoordinatorClient, job: Job) -> None:
+        await api.post("/v1/release", ReleaseRequest(job_id=job.job_id, lease_id=job.lease_id), ReleaseResponse)
+
+    async def honest(self, api: CoordinatorClient, job: Job, backend: TorchBackend | None = None) -> ResultSubmission:
+        """What an honest client would send for this job (the real cache, backend and seeded sampler)."""
+        assert self.info is not None
+        cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
+        folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+        backend = backend or self.backend or TorchBackend(device="cpu", threads=1)
+        backend.load(folder)
+        samples = backend.generate(job, lambda: False)
+        return ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
+                                prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
+                                backend="torch", generation_s=0.1, completions=[s.to_completion() for s in samples])
+
+    @staticmethod
+    def tamper(sub: ResultSubmission, **changes: Any) -> bytes:
+        data = copy.deepcopy(sub.model_dump())
+        data.update(changes)
+        return wire.pack(data)
+
+    # -- the kinds ----------------------------------------------------------------------------------------
+    async def forged_signature(self) -> None:
+        api = await self.identity("a")
+        victim = await self.identity("victim")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        env = bytearray(self.envelope(api.identity, "/v1/results", wire.encode(sub)))
+        env[-5] ^= 0xFF  # inside the trailing signature
+        await self.send(api, "/v1/results", bytes(env), "flipped signature byte")
+        req = wire.unpack(self.envelope(api.identity, "/v1/results", wire.encode(sub)))
+        req["client_id"] = victim.identity.client_id  # claim to be someone else, signed with our key
+        await self.send(api, "/v1/results", wire.pack(req), "signed as another client")
+        await self.release(api, job)
+
+    async def replayed_result(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        data = self.envelope(api.identity, "/v1/results", wire.encode(sub))
+        first = await self.send(api, "/v1/results", data, "honest submission (the one to replay)")
+        assert first["status"] == 200, first
+        await self.send(api, "/v1/results", data, "byte-identical replay")
+
+    async def other_clients_lease(self) -> None:
+        holder = await self.identity("holder")
+        thief = await self.identity("thief")
+        job = await self.lease(holder)
+        sub = await self.honest(holder, job)
+        await self.submit(thief, sub, "result for another client's lease")
+        await self.release(holder, job)
+
+    async def late_result(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        assert self.info is not None
+        wait = job.deadline - time.time() + 1.0
+        await asyncio.sleep(max(0.0, wait))  # hold the job past its lease deadline
+        await self.submit(api, sub, f"result {wait:.1f}s after it was due")
+
+    async def wrong_version(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        await self.submit(api, self.tamper(sub, version=job.version + 1), "claims a newer policy version")
+        await self.release(api, job)
+
+    async def inflated_reward(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        data = sub.model_dump()
+        data["rewards"] = [1.0] * len(sub.completions)  # rewards are recomputed by the coordinator, never read
+        await self.submit(api, wire.pack(data), "self-reported perfect rewards")
+        await self.release(api, job)
+
+    async def fabricated_logprobs(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        comps = [c.model_dump() | {"logprobs": [-0.01] * len(c.token_ids)} for c in sub.completions]
+        await self.submit(api, self.tamper(sub, completions=comps), "logprobs made up")
+        await self.release(api, job)
+
+    async def other_model(self) -> None:
+        import torch
+
+        api = await self.identity("a")
+        job = await self.lease(api)
+        backend = self.backend or TorchBackend(device="cpu", threads=1)
+        await self.honest(api, job, backend)  # loads the snapshot; then swap in a different model
+        torch.manual_seed(1234)
+        with torch.no_grad():
+            for p in backend.model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        samples = backend.generate(job, lambda: False)  # its own, self-consistent tokens and logprobs
+        sub = ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
+                               prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
+                               backend="torch", generation_s=0.1, completions=[s.to_completion() for s in samples])
+        await self.submit(api, sub, "tokens and logprobs from a different model")
+        await self.release(api, job)
+
+    async def truncated_output(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        comps = [c.model_dump() for c in sub.completions]
+        k = next(i for i, c in enumerate(comps) if len(c["token_ids"]) >= 2)
+        comps[k]["token_ids"] = comps[k]["token_ids"][:-1]
+        comps[k]["logprobs"] = comps[k]["logprobs"][:-1]
+        await self.submit(api, self.tamper(sub, completions=comps), "a completion cut short")
+        await self.release(api, job)
+
+    async def padded_output(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        comps = [c.model_dump() for c in sub.completions]
+        extra = job.sampling.max_tokens + 4 - len(comps[0]["token_ids"])
+        comps[0] = {"token_ids": comps[0]["token_ids"] + [17] * extra,
+                    "logprobs": comps[0]["logprobs"] + [-1.0] * extra, "finish_reason": "length"}
+        await self.submit(api, self.tamper(sub, completions=comps), "a completion padded past max_tokens")
+        await self.release(api, job)
+
+    async def oversized_body(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        big = [{"token_ids": [17] * 4096, "logprobs": [-1.0] * 4096, "finish_reason": "length"}] * 64
+        await self.submit(api, self.tamper(sub, completions=big), "result far larger than the signed job allows")
+        await self.send(api, "/v1/results", b"\x00" * (17 * 1024 * 1024), "17 MiB request")
+        await self.release(api, job)
+
+    async def malformed_msgpack(self) -> None:
+        api = await self.identity("a")
+        job = await self.lease(api)
+        await self.send(api, "/v1/results", b"\xc1\x00not msgpack", "garbage envelope")
+        await self.submit(api, b"\xdd\xff\xff\xff\xff", "signed body declaring 2^32 items")
+        await self.submit(api, b"\x82\xa6job_id\xa1x\xa6job_id\xa1y", "signed body with duplicate keys")
+        await self.submit(api, b"\x91" * 5000 + b"\xc0", "signed body nested 5000 deep")
+        await self.release(api, job)
+
+    async def registration_flood(self) -> None:
+        for i in range(60):
+            ident = load_identity(self.home / f"sybil{i}")
+            api = CoordinatorClient(self.url, ident, retry=NO_RETRY)
+            self.apis.append(api)
+            self.identities.append(ident.client_id)
+            if self.info is None:
+                self.info = await api.info()
+            body = wire.encode(RegisterRequest(public_key=ident.public_key, profile=profile("torch", "cpu", "sybil")))
+            await self.send(api, "/v1/register", self.envelope(ident, "/v1/register", body), f"registration {i}")
+
+    async def unauthenticated_admin(self) -> None:
+        api = await self.identity("a")
+        victim = self.identities[0]
+        for method, path, body in (("GET", "/admin/clients", b""), ("GET", "/v1/admin/clients", b""),
+                                   ("POST", f"/admin/clients/{victim}/ban", b""),
+                                   ("POST", "/admin/ban", json.dumps({"client_id": victim}).encode()),
+                                   ("GET", "/admin/audit", b"")):
+            await self.send(api, path, body, f"{method} {path} without credentials", method=method,
+                            headers={"Content-Type": "application/json"})
+            await self.send(api, path, body, f"{method} {path} with a made-up token", method=method,
+                            headers={"Content-Type": "application/json", "Authorization": "Bearer not-a-token"})
+
+    async def sybil_rotation(self) -> None:
+        """Earn a quarantine with bad results, then rotate to a fresh key: the new identity starts untrusted."""
+        api = await self.identity("old")
+        for _ in range(3):
+            job = await self.lease(api)
+            sub = await self.honest(api, job)
+            comps = [c.model_dump() | {"logprobs": [-0.01] * len(c.token_ids)} for c in sub.completions]
+            await self.submit(api, self.tamper(sub, completions=comps), "fabricated logprobs")
+            await self.release(api, job)
+        body = wire.encode(LeaseRequest(backend="torch", held_version=-1))
+        await self.send(api, "/v1/lease", self.envelope(api.identity, "/v1/lease", body), "lease while quarantined")
+        await self.identity("new")  # a fresh key: registers fine, but with no trust and no credit
+
+    async def own_seed(self) -> None:
+        """A lazy or cherry-picking sampler: the real policy and its true logprobs, but not the job's seed (as if
+        it had drawn several groups and kept the one it liked). Every per-result check passes; the seeded
+        spot-check replay by another client catches it."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        own = job.model_copy(update={"seed": (job.seed + 1) % 2**63})
+        sub = await self.honest(api, own)
+        await self.submit(api, self.tamper(sub, seed=job.seed), "sampled with its own seed, claims the job's")
+
+    async def lease_hoarder(self) -> None:
+        """Lease as many jobs as it can without returning any, to starve everyone else."""
+        api = await self.identity("a")
+        body = wire.encode(LeaseRequest(backend="torch", held_version=-1))
+        for i in range(10):
+            entry = await self.send(api, "/v1/lease", self.envelope(api.identity, "/v1/lease", body), f"lease {i}")
+            if entry["status"] == 200:
+                entry["got_job"] = wire.decode(entry.pop("raw"), LeaseResponse).job is not None
+
+    async def request_flood(self) -> None:
+        """One identity sending far more requests than anyone needs (cheap ones: releases of no job)."""
+        api = await self.identity("a")
+        body = wire.encode(ReleaseRequest(job_id="j-none", lease_id="none"))
+        envelopes = [self.envelope(api.identity, "/v1/release", body) for _ in range(300)]
+        await asyncio.gather(*(self.send(api, "/v1/release", env, f"request {i}") for i, env in enumerate(envelopes)))
+
+    KINDS = ("forged_signature", "replayed_result", "other_clients_lease", "late_result", "wrong_version",
+             "inflated_reward", "fabricated_logprobs", "other_model", "truncated_output", "padded_output",
+             "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed", "lease_hoarder")
+
+
+async def main_async(kind: str, url: str, home: Path) -> dict[str, Any]:
+    adv = Adversary(url, home)
+    error = None
+    try:
+        await getattr(adv, kind)()
+    except (ProtocolError, TimeoutError, aiohttp.ClientError, AssertionError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        await adv.close()
+    attempts = [{k: v for k, v in a.items() if k != "raw"} for a in adv.attempts]
+    return {"kind": kind, "identities": adv.identities, "attempts": attempts, "error": error}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=Adversary.KINDS)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--home", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    report = asyncio.run(main_async(args.kind, args.url, args.home))
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"adversary {args.kind}: {len(report['attempts'])} attempts, error={report['error']}")
+
+
+if __name__ == "__main__":
+    main()

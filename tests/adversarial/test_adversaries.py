@@ -1,0 +1,227 @@
+"""Malicious and broken clients against a real coordinator, with honest volunteers working alongside.
+
+One coordinator process (async push-pull, so several jobs are open at once), two honest `echo-swarm join`
+processes, and one adversary process per kind (tests/adversarial/adversary.py: its own Ed25519 identity, the
+production HTTP client and backend, one corruption). Each kind must be refused with its reason code; nothing
+an adversary sent may reach the training data (result rows, learner batches); the honest clients must lose
+nothing (no refusals, no lost trust, still earning credit) and the run must keep training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.helpers import (
+    Proc,
+    db_rows,
+    get_status,
+    start_client,
+    start_coordinator,
+    wait_until,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+Attempts = list[dict[str, Any]]
+
+
+def _codes(attempts: Attempts) -> list[tuple[int, str | None]]:
+    return [(a["status"], a["reason"]) for a in attempts]
+
+
+def _all(status: int, reason: str, n: int) -> Callable[[Attempts], None]:
+    def check(attempts: Attempts) -> None:
+        assert _codes(attempts) == [(status, reason)] * n, attempts
+
+    return check
+
+
+def _exact(*codes: tuple[int, str | None]) -> Callable[[Attempts], None]:
+    def check(attempts: Attempts) -> None:
+        assert _codes(attempts) == list(codes), attempts
+
+    return check
+
+
+def _late(attempts: Attempts) -> None:
+    # past its deadline the job is reissued; depending on how far the new holder got, the late result meets an
+    # expired lease, someone else's lease or a completed job — refused every time
+    (a,) = attempts
+    assert (a["status"], a["reason"]) in {(410, "lease_expired"), (403, "not_lease_holder"), (409, "job_completed")}, a
+
+
+def _oversized(attempts: Attempts) -> None:
+    first, second = attempts
+    assert (first["status"], first["reason"]) == (413, "body_too_large"), first
+    assert "limit" in first["message"]
+    # the server answers 413 from Content-Length without reading the body; the client may see it or a reset
+    assert (second["status"], second["reason"]) in {(413, "body_too_large"), (0, None)}, second
+
+
+def _flood(attempts: Attempts) -> None:
+    codes = _codes(attempts)
+    ok = sum(1 for c in codes if c == (200, None))
+    assert set(codes) <= {(200, None), (429, "rate_limited")}, codes
+    assert 1 <= ok <= 45 and (429, "rate_limited") in codes, codes  # burst 40 (+ a little refill)
+    assert "slow down" in next(a["message"] for a in attempts if a["status"] == 429)
+
+
+def _request_flood(attempts: Attempts) -> None:
+    codes = _codes(attempts)
+    assert set(codes) <= {(200, None), (429, "rate_limited")}, codes
+    assert codes.count((200, None)) < len(codes) and (429, "rate_limited") in codes, codes  # burst 60 + refill
+
+
+def _hoarder(attempts: Attempts) -> None:
+    assert _codes(attempts) == [(200, None)] * 10, attempts
+    got = sum(1 for a in attempts if a.get("got_job"))
+    assert 1 <= got <= 2, attempts  # limits.max_leases_per_client = 2: the rest of the queue stays available
+
+
+def _admin(attempts: Attempts) -> None:
+    assert len(attempts) == 10
+    for a in attempts:  # route absent (404) or refused without admin credentials (401/403): never served
+        assert a["status"] in {401, 403, 404}, a
+
+
+def _sybil(attempts: Attempts) -> None:
+    assert _codes(attempts) == [(422, "logprob_mismatch")] * 3 + [(403, "quarantined")], attempts
+    assert "in a row" in attempts[-1]["message"]
+
+
+EXPECTED: dict[str, Callable[[Attempts], None]] = {
+    "forged_signature": _all(401, "bad_signature", 2),
+    "replayed_result": _exact((200, None), (409, "replayed_nonce")),
+    "other_clients_lease": _all(403, "not_lease_holder", 1),
+    "late_result": _late,
+    "wrong_version": _all(409, "wrong_version", 1),
+    "inflated_reward": _all(422, "schema_invalid", 1),
+    "fabricated_logprobs": _all(422, "logprob_mismatch", 1),
+    "other_model": _all(422, "logprob_mismatch", 1),
+    "truncated_output": _all(422, "finish_reason_inconsistent", 1),
+    "padded_output": _all(422, "token_out_of_range", 1),
+    "oversized_body": _oversized,
+    "malformed_msgpack": _all(400, "malformed", 4),
+    "unauthenticated_admin": _admin,
+    "sybil_rotation": _sybil,
+    "request_flood": _request_flood,
+    "lease_hoarder": _hoarder,
+    # passes every per-result check, so it is accepted (200) — and then caught by the seeded spot-check below
+    "own_seed": _exact((200, None)),
+    "registration_flood": _flood,  # last: it spends the address's registration budget
+}
+
+
+def _run_adversary(kind: str, url: str, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{kind}.json"
+    proc = Proc([sys.executable, "-m", "tests.adversarial.adversary", kind, "--url", url, "--home",
+                 str(tmp / f"adv-{kind}"), "--out", str(out)], tmp / f"adv-{kind}.log")
+    rc = proc.proc.wait(300)
+    proc.stop()
+    assert rc == 0 and out.exists(), f"adversary {kind} crashed (rc {rc}):\n{proc.output()[-3000:]}"
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 2},
+        learner={"max_steps": 5000}, jobs={"lease_timeout_s": 20.0, "long_poll_s": 1.0},
+        limits={"registration_burst": 40, "registrations_per_address_per_min": 6.0},
+        trust={"quarantine_s": 3600.0, "hold_s": 20.0})
+    coord, url = start_coordinator(cfg, tmp_path / "coord.log")
+    honest = [start_client(url, tmp_path / f"honest{k}", tmp_path / f"honest{k}.log") for k in range(2)]
+    reports: dict[str, dict[str, Any]] = {}
+    try:
+        wait_until(lambda: (s := get_status(url)) and s["version"] >= 1, 240, "honest clients to train a version")
+        kinds = [k for k in EXPECTED if k != "registration_flood"]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for report in pool.map(lambda k: _run_adversary(k, url, tmp_path), kinds):
+                reports[report["kind"]] = report
+        reports["registration_flood"] = _run_adversary("registration_flood", url, tmp_path)
+        (cheat,) = reports["own_seed"]["identities"]
+        wait_until(lambda: db_rows(run_dir, "SELECT outcome FROM audit WHERE client_id=? AND outcome LIKE "
+                                            "'invalidated%'", (cheat,)), 240,
+                   "the spot-check replay to expose the result sampled with the wrong seed")
+        version_after_attacks = (get_status(url) or {})["version"]
+        wait_until(lambda: (s := get_status(url)) and s["version"] >= version_after_attacks + 2, 240,
+                   "training to go on after the attacks")
+        for p in honest:
+            assert p.proc.poll() is None, f"an honest client died:\n{p.output()[-3000:]}"
+    finally:
+        for p in (*honest, coord):
+            p.stop()
+
+    failures = []
+    for kind, check in EXPECTED.items():
+        report = reports[kind]
+        try:
+            assert report["error"] is None, report["error"]
+            check(report["attempts"])
+        except AssertionError as exc:
+            failures.append(f"{kind}: {exc}")
+    assert not failures, "\n".join(failures)
+
+    # no effect on training data: no adversary result row, no adversary sample in any learner batch
+    honest_ids = {r[0] for r in db_rows(run_dir, "SELECT client_id FROM clients WHERE profile NOT LIKE '%adversary%' "
+                                                 "AND profile NOT LIKE '%sybil%'")}
+    assert len(honest_ids) == 2
+    replayer = reports["replayed_result"]["identities"][0]
+    for kind, report in reports.items():
+        for cid in report["identities"]:
+            rows = db_rows(run_dir, "SELECT job_id FROM results WHERE client_id=?", (cid,))
+            done = db_rows(run_dir, "SELECT job_id FROM audit WHERE client_id=? AND outcome='replica_accepted'", (cid,))
+            # only the replayer's one honest result (a job, or a spot-check replay if it was offered one)
+            assert len(rows) + len(done) == (1 if cid == replayer else 0), (kind, rows, done)
+    trained = {r[0] for r in db_rows(run_dir, "SELECT client_id FROM results WHERE ingested_step IS NOT NULL")}
+    assert trained <= honest_ids | {replayer}
+    for (step, n) in db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results WHERE ingested_step IS NOT NULL "
+                                      "GROUP BY ingested_step"):
+        assert n == 2, (step, n)  # every learner batch complete: B = 2 jobs
+
+    # every refusal is in the audit log with its reason and the content hash of what was sent
+    audited = db_rows(run_dir, "SELECT reason FROM audit WHERE outcome='rejected'")
+    for reason in ("bad_signature",):
+        assert (reason,) not in audited  # unauthenticated requests never reach the log: nothing is written
+    for reason in ("logprob_mismatch", "wrong_version", "finish_reason_inconsistent", "token_out_of_range",
+                   "schema_invalid", "malformed", "not_lease_holder"):
+        assert (reason,) in audited, reason
+
+    # honest clients lose nothing: no refusal for cause, trust intact, credit earned
+    for cid in honest_ids:
+        reasons = db_rows(run_dir, "SELECT reason FROM rejections WHERE client_id=?", (cid,))
+        assert not [r for (r,) in reasons if r not in ("lease_expired", "not_lease_holder", "job_completed")], reasons
+        (credit, accepted), = db_rows(run_dir, "SELECT credit, accepted FROM clients WHERE client_id=?", (cid,))
+        assert credit > 0 and accepted > 0
+        for (cv, ci, q) in db_rows(run_dir, "SELECT consecutive_valid, consecutive_invalid, quarantines FROM trust "
+                                            "WHERE client_id=?", (cid,)):
+            assert ci == 0 and q == 0 and cv > 0
+        invalidated = db_rows(run_dir, "SELECT job_id FROM audit WHERE client_id=? AND outcome LIKE 'invalidated%'",
+                              (cid,))
+        assert not invalidated
+
+    # the wrong-seed result was held until its replay, judged invalid against the learner's own replay, removed
+    # before any learner step used it, and its credit revoked
+    assert db_rows(run_dir, "SELECT outcome, reason FROM audit WHERE client_id=? AND outcome LIKE 'invalidated%'",
+                   (cheat,)) == [("invalidated", "replica_mismatch")]
+    assert db_rows(run_dir, "SELECT credit FROM clients WHERE client_id=?", (cheat,)) == [(0.0,)]
+
+    # sybils gain nothing: the quarantine stands, and the rotated key starts untrusted with no credit
+    old, new = reports["sybil_rotation"]["identities"]
+    (until,), = db_rows(run_dir, "SELECT MAX(quarantined_until) FROM trust WHERE client_id=?", (old,))
+    assert until > time.time() + 3000
+    assert db_rows(run_dir, "SELECT consecutive_valid FROM trust WHERE client_id=? AND consecutive_valid > 0",
+                   (new,)) == []
+    assert db_rows(run_dir, "SELECT credit FROM clients WHERE client_id=?", (new,)) == [(0.0,)]
+    # unauthenticated admin calls changed nothing
+    assert db_rows(run_dir, "SELECT COUNT(*) FROM clients WHERE banned=1") == [(0,)]

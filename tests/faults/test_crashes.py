@@ -1,0 +1,100 @@
+"""Crash safety with real OS processes on 127.0.0.1 (moved here from tests/integration/test_swarm.py).
+
+- a client killed with SIGKILL mid-job: its job is reissued after the lease deadline and completed by another
+  client within one more lease period;
+- the coordinator killed with SIGKILL while results stream in, then restarted: every acknowledged result is
+  still there exactly once, each ingested by exactly one learner step, and the learner resumes at the version
+  it had published."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm_client.identity import load_identity
+from tests.integration.helpers import (
+    Proc,
+    db_rows,
+    get_status,
+    start_client,
+    start_coordinator,
+    wait_until,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _stop_all(*procs: Proc) -> None:
+    for p in procs:
+        p.stop()
+
+
+def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_lease(tmp_path: Path,
+                                                                                     tiny_model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    lease_s = 20.0
+    coord, url = start_coordinator(
+        write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 2},
+                     jobs={"lease_timeout_s": lease_s, "prompts_per_job": 4}, sampling={"max_tokens": 8},
+                     trust={"spot_checks": False}),  # one job per step, no replays: the victim job is the only work
+        tmp_path / "coord.log")
+    # a throttled client (2 % duty cycle) takes many seconds per job, so it is reliably killed mid-job; the
+    # healthy client starts while the job is still leased, so it is warm (and long-polling) when it is reissued
+    slow_id = load_identity(tmp_path / "slow").client_id
+    slow = start_client(url, tmp_path / "slow", tmp_path / "slow.log", "--max-cpu-percent", "2")
+    fast: Proc | None = None
+    try:
+        held = wait_until(lambda: (s := get_status(url)) and [j for j in s["jobs"]["in_flight"]
+                                                               if j["client_id"] == slow_id], 180,
+                          "the slow client to lease a job")
+        fast = start_client(url, tmp_path / "fast", tmp_path / "fast.log", "--exit-when-finished")
+        victim_job, deadline = held[0]["job_id"], held[0]["deadline"]
+        slow.kill9()  # mid-job: it has had the job for a moment, at 2 % speed
+        assert db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(0,)]
+        wait_until(lambda: db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(1,)],
+                   deadline - time.time() + lease_s + 30, "the killed client's job to be completed")
+        wait_until(lambda: (s := get_status(url)) and s["finished"], 180, "the run to finish after the kill")
+        assert fast.proc.wait(60) == 0
+    finally:
+        _stop_all(*(p for p in (fast, slow, coord) if p is not None))
+    (holder, issues, received), = db_rows(
+        run_dir, "SELECT r.client_id, j.issue_count, r.received_at FROM results r JOIN jobs j USING(job_id) "
+                 "WHERE job_id=?", (victim_job,))
+    assert holder != slow_id and issues >= 2
+    assert received <= deadline + lease_s, f"completed {received - deadline:.1f}s after the dead client's deadline"
+    assert db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE client_id=?", (slow_id,)) == [(0,)]
+
+
+def test_coordinator_killed_and_restarted_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 8})
+    coord, url = start_coordinator(cfg, tmp_path / "coord1.log")
+    port = int(url.rsplit(":", 1)[1])
+    client = start_client(url, tmp_path / "c", tmp_path / "c.log", "--exit-when-finished")
+    coord2: Proc | None = None
+    try:
+        wait_until(lambda: (s := get_status(url)) and s["version"] >= 3 and s["totals"]["accepted"] >= 7, 180,
+                   "a few versions and accepted results")
+        coord.kill9()
+        accepted = set(db_rows(run_dir, "SELECT job_id, client_id, content_sha256 FROM results"))
+        (version,), = db_rows(run_dir, "SELECT MAX(version) FROM versions")
+        assert accepted and version >= 3
+        write_config(cfg, run_dir, tiny_model_dir, port=port, learner={"max_steps": 8})
+        coord2, url2 = start_coordinator(cfg, tmp_path / "coord2.log")
+        assert url2 == url
+        first = get_status(url)
+        assert first is not None and first["version"] == version  # resumed at the same policy version
+        final = wait_until(lambda: (s := get_status(url)) and s["finished"] and s, 240,
+                           "the resumed run to finish (the client reconnects by itself)")
+        assert client.proc.wait(60) == 0, client.output()[-2000:]
+    finally:
+        _stop_all(*(p for p in (client, coord2, coord) if p is not None))
+    assert final["version"] == 8
+    after = set(db_rows(run_dir, "SELECT job_id, client_id, content_sha256 FROM results"))
+    assert accepted <= after  # every result acknowledged before the kill is still there
+    ingested = db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results GROUP BY ingested_step ORDER BY 1")
+    assert ingested == [(step, 2) for step in range(1, 9)]  # each exactly once
+    assert "resumed at version" in (tmp_path / "coord2.log").read_text()
