@@ -109,39 +109,9 @@ def _has_table(store: Store, name: str) -> bool:
 
 def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_id: str | None = None,
           outcome: str | None = None) -> list[dict[str, Any]]:
-    """Accepted results and refusals, newest first: outcome, client, job, version, reason, content hash.
-
-    Where the coordinator keeps a dedicated ``audit`` table (one line per outcome, written in the transaction
-    that makes it durable), that log is the source; otherwise the results and rejections tables are merged."""
-    if _has_table(store, "audit"):
-        return _audit_log(store, limit, client_id, job_id, outcome)
-    entries: list[dict[str, Any]] = []
-    where, params = [], []
-    if client_id:
-        where.append("client_id = ?")
-        params.append(client_id)
-    if job_id:
-        where.append("job_id = ?")
-        params.append(job_id)
-    cond = (" WHERE " + " AND ".join(where)) if where else ""
-    if outcome in (None, "accepted"):
-        for r in store.conn.execute(
-                "SELECT job_id, client_id, version, received_at, content_sha256, mean_reward, n_tokens, ingested_step, "
-                f"stale_at FROM results{cond} ORDER BY received_at DESC LIMIT ?", (*params, limit)).fetchall():
-            used = ("trained in step " + str(r["ingested_step"]) if r["ingested_step"] is not None
-                    else "set aside: too stale" if r["stale_at"] is not None else "buffered")
-            entries.append({"at": r["received_at"], "outcome": "accepted", "client_id": r["client_id"],
-                            "job_id": r["job_id"], "version": r["version"], "reason": None, "detail": used,
-                            "content_sha256": r["content_sha256"], "mean_reward": r["mean_reward"],
-                            "n_tokens": r["n_tokens"]})
-    if outcome in (None, "rejected"):
-        for r in store.conn.execute(f"SELECT * FROM rejections{cond} ORDER BY id DESC LIMIT ?",
-                                    (*params, limit)).fetchall():
-            entries.append({"at": r["at"], "outcome": "rejected", "client_id": r["client_id"], "job_id": r["job_id"],
-                            "version": None, "reason": r["reason"], "detail": r["message"],
-                            "content_sha256": r["content_sha256"], "mean_reward": None, "n_tokens": None})
-    entries.sort(key=lambda e: e["at"], reverse=True)
-    return entries[:limit]
+    """Every result's outcome, newest first: client, job, version, outcome, reason, content hash — from the
+    ``audit`` table, written in the same transaction that makes each outcome durable (coordinator.store)."""
+    return _audit_log(store, limit, client_id, job_id, outcome)
 
 
 def _audit_log(store: Store, limit: int, client_id: str | None, job_id: str | None, outcome: str | None

@@ -32,26 +32,21 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s.close()
 
 
-def test_audit_merges_results_and_rejections_newest_first(store: Store) -> None:
+def test_audit_reads_the_log_written_with_each_outcome_newest_first(store: Store) -> None:
     entries = readmodels.audit(store)
     assert [(e["outcome"], e["reason"], e["content_sha256"][0]) for e in entries] == [
-        ("rejected", "logprob_mismatch", "2"), ("accepted", None, "1")]
-    assert entries[1]["detail"] == "buffered" and entries[1]["n_tokens"] == 10
+        ("rejected", "logprob_mismatch", "2"), ("accepted", "ok", "1")]
+    assert entries[1]["job_id"] == "j0" and entries[1]["version"] == 0
     assert readmodels.audit(store, outcome="accepted", limit=5)[0]["outcome"] == "accepted"
     assert readmodels.audit(store, job_id="other-job")[0]["reason"] == "logprob_mismatch"
     assert readmodels.audit(store, client_id="b" * 32) == []
 
 
-def test_a_dedicated_audit_log_and_trust_table_are_used_when_present(store: Store) -> None:
-    store.conn.executescript("""
-        CREATE TABLE audit(id INTEGER PRIMARY KEY, at REAL NOT NULL, client_id TEXT NOT NULL, job_id TEXT,
-          version INTEGER, outcome TEXT NOT NULL, reason TEXT NOT NULL, content_sha256 TEXT,
-          detail TEXT NOT NULL DEFAULT '');
-        CREATE TABLE trust(client_id TEXT NOT NULL, backend_class TEXT NOT NULL, consecutive_valid INTEGER NOT NULL
-          DEFAULT 0, consecutive_invalid INTEGER NOT NULL DEFAULT 0, quarantines INTEGER NOT NULL DEFAULT 0,
-          quarantined_until REAL NOT NULL DEFAULT 0, valid_total INTEGER NOT NULL DEFAULT 0,
-          invalid_total INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(client_id, backend_class));
-    """)
+def test_replay_outcomes_and_trust_standings_are_reported(store: Store) -> None:
+    from coordinator.guard import SCHEMA as TRUST_SCHEMA
+
+    store.conn.executescript(TRUST_SCHEMA)
+    store.conn.execute("DELETE FROM audit")
     store.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256) "
                        "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "invalidated", "replica_mismatch", "3" * 64))
     store.conn.execute("INSERT INTO trust(client_id, backend_class, valid_total, invalid_total, quarantined_until) "
