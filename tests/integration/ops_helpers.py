@@ -1,5 +1,5 @@
-"""Protocol steps shared by the operator-surface tests (admin API, /metrics, status page): register a raw
-client, lease a job, generate an honest result with the real torch backend, submit it."""
+"""Protocol steps shared by the integration tests (refusals, issuance, admin API, /metrics, status page):
+register a raw client, lease a job, generate an honest result with the real torch backend, submit it."""
 
 from __future__ import annotations
 
@@ -61,6 +61,11 @@ def fetch_snapshot(live: LiveCoordinator, version: int) -> int:
 
 
 def honest_result(live: LiveCoordinator, job: Job) -> ResultSubmission:
+    """What an honest torch client returns for ``job``: the version's signed manifest is checked first."""
+    status, raw = RawClient(live.url).get(f"/v1/snapshots/{job.version}")
+    assert status == 200
+    manifest, _ = open_manifest(wire.decode(raw, SignedManifest), live.coordinator.public_key)
+    assert isinstance(manifest, Manifest)
     backend = TorchBackend(device="cpu", threads=1)
     backend.load(live.run_dir / "snapshots" / f"v{job.version:06d}")
     samples = backend.generate(job, lambda: False)

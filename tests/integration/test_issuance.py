@@ -13,7 +13,7 @@ from shared.messages import LeaseRequest, LeaseResponse
 from shared.records import open_job
 from tests.integration.conftest import running_coordinator
 from tests.integration.helpers import RawClient, db_rows, wait_until
-from tests.integration.test_result_refusals import honest_result, lease, register
+from tests.integration.ops_helpers import honest_result, lease, register
 
 
 def ask(client: RawClient) -> LeaseResponse:
@@ -46,7 +46,9 @@ def test_issuance_stops_when_in_flight_work_would_exceed_the_bound(tmp_path: Pat
 
 def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_model_dir: Path) -> None:
     with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
-                             jobs={"long_poll_s": 20.0}, limits={"max_leases_per_client": 16}) as live:
+                             jobs={"long_poll_s": 20.0}, limits={"max_leases_per_client": 16},
+                             # no spot-check replays: the waiting client would be handed one before the step
+                             trust={"spot_checks": False}) as live:
         worker, waiter = register(live), register(live)
         jobs = [lease(worker, live.coordinator.public_key) for _ in range(4)]  # the queue is full
         results = [honest_result(live, j) for j in jobs[:2]]

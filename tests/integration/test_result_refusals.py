@@ -12,51 +12,13 @@ import pytest
 from shared import wire
 from shared.messages import (
     Job,
-    LeaseRequest,
-    LeaseResponse,
-    Manifest,
-    RegisterRequest,
     ReleaseRequest,
     ResultSubmission,
-    SignedManifest,
     SubmitResponse,
 )
-from shared.records import open_job, open_manifest
-from swarm_client.backends.torch_backend import TorchBackend
-from swarm_client.hardware import profile
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import RawClient, db_rows
-
-
-def register(live: LiveCoordinator) -> RawClient:
-    client = RawClient(live.url)
-    status, raw = client.post("/v1/register", RegisterRequest(public_key=client.public_key,
-                                                              profile=profile("torch", "cpu", "test")))
-    assert status == 200, raw
-    return client
-
-
-def lease(client: RawClient, coordinator_key: bytes) -> Job:
-    status, raw = client.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1))
-    assert status == 200, raw
-    resp = wire.decode(raw, LeaseResponse)
-    assert resp.job is not None, "expected a job to be available"
-    return open_job(resp.job, coordinator_key)
-
-
-def honest_result(live: LiveCoordinator, job: Job) -> ResultSubmission:
-    status, raw = RawClient(live.url).get(f"/v1/snapshots/{job.version}")
-    assert status == 200
-    manifest, _ = open_manifest(wire.decode(raw, SignedManifest), live.coordinator.public_key)
-    assert isinstance(manifest, Manifest)
-    backend = TorchBackend(device="cpu", threads=1)
-    backend.load(live.run_dir / "snapshots" / f"v{job.version:06d}")
-    samples = backend.generate(job, lambda: False)
-    return ResultSubmission(
-        job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash, seed=job.seed,
-        group_size=job.group_size, backend="torch", generation_s=0.1,
-        completions=[s.to_completion() for s in samples],
-    )
+from tests.integration.ops_helpers import honest_result, lease, register
 
 
 def state(run_dir: Path) -> dict[str, Any]:
