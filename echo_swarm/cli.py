@@ -105,6 +105,9 @@ def join(
     coordinator_key: Annotated[Optional[str], typer.Option(help="The coordinator's public key (hex) as published "
                                                                 "by its operator. Without it, the key seen on "
                                                                 "first contact is pinned (trust on first use).")] = None,
+    invite: Annotated[Optional[str], typer.Option(help="Invite token from the operator of a private swarm (one "
+                                                       "whose coordinator runs registration.mode = 'invite'). "
+                                                       "Not needed for open swarms.", show_default=False)] = None,
 ) -> None:
     from swarm_client.config import ClientConfigError, build
     from swarm_client.runner import run
@@ -113,7 +116,8 @@ def join(
                  max_memory_gb=max_memory_gb, min_free_disk_gb=min_free_disk_gb, cache_max_gb=cache_max_gb,
                  idle_only=idle_only, idle_min_percent=idle_min_percent, windows=window, benchmark=benchmark,
                  panel=panel, name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished,
-                 max_cpu_percent=max_cpu_percent, retries=retries, coordinator_key=coordinator_key)
+                 max_cpu_percent=max_cpu_percent, retries=retries, coordinator_key=coordinator_key,
+                 invite=invite)
     try:
         cfg = build(flags, config)
     except ClientConfigError as exc:

@@ -84,6 +84,8 @@ class JoinConfig(BaseModel):
     max_cpu_percent: float = Field(100.0, gt=0, le=100, description="Duty cycle of generation, in percent.")
     retries: int = Field(8, ge=1, le=100, description="Attempts per request before giving up (backoff 0.5 s → 30 s).")
     coordinator_key: str | None = Field(None, description="Expected coordinator public key (hex); else pinned on first use.")
+    invite: str = Field("", max_length=128, description="Invite token for a private swarm (registration.mode = "
+                        "'invite' on the coordinator); empty for open swarms.")
     # volunteer experience: resource caps, when to work, cache, benchmark (see swarm_client/schedule.py)
     gpu_layers: int | None = Field(None, ge=0, le=10_000, description="Layers to put on the GPU; 0 = GPU off "
                                    "(CPU only), None = the backend's default (all layers when a GPU is found).")
@@ -325,7 +327,8 @@ class Runner:
         if self.cfg.benchmark:
             await self._benchmark(cache, backend, info)  # also refuses a model too big, before registering
         prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
-        reg = await api.post("/v1/register", RegisterRequest(public_key=identity.public_key, profile=prof),
+        reg = await api.post("/v1/register", RegisterRequest(public_key=identity.public_key, profile=prof,
+                                                             invite=self.cfg.invite),
                              RegisterResponse)
         await self._load_totals(api, reg.client_id)
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "

@@ -43,8 +43,8 @@ class LiveCoordinator:
 @contextlib.contextmanager
 def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] | None = None,
                         jobs: dict[str, Any] | None = None, learner: dict[str, Any] | None = None,
-                        limits: dict[str, Any] | None = None, trust: dict[str, Any] | None = None
-                        ) -> Iterator[LiveCoordinator]:
+                        limits: dict[str, Any] | None = None, trust: dict[str, Any] | None = None,
+                        sections: dict[str, dict[str, Any]] | None = None) -> Iterator[LiveCoordinator]:
     """A coordinator in a background thread with a fake clock; config sections override the test defaults."""
     run_dir = tmp_path / "run"
     cfg = load_config(write_config(tmp_path / "run.toml", run_dir, model_dir, top=top,
@@ -54,7 +54,7 @@ def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] 
                                    limits={"per_identity_rps": 0.0, "per_address_rps": 0.0,
                                            "registrations_per_address_per_min": 0.0, **(limits or {})},
                                    # and so many refusals that a quarantine would stop the fuzzing client
-                                   trust={"quarantine_after": 1000, **(trust or {})}))
+                                   trust={"quarantine_after": 1000, **(trust or {})}, **(sections or {})))
     clock = FakeClock(time.time())
     coord = Coordinator(cfg, clock=clock, model_dir=model_dir)
     app = create_app(cfg, coord)
