@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from echo_swarm.cli import app
 from shared import crypto, wire
 from shared.admin import AdminEmpty
 from shared.messages import ResultSubmission
-from tests.integration.conftest import LiveCoordinator
+from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import RawClient, db_rows
 from tests.integration.ops_helpers import honest_result, lease, register, try_lease
 
@@ -89,8 +90,15 @@ def test_cli_says_what_to_do_without_a_coordinator(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "--run-dir" in result.output
 
 
-def test_status_clients_versions_jobs_audit(live_coordinator: LiveCoordinator) -> None:
-    live = live_coordinator
+@pytest.fixture
+def live_without_spot_checks(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
+    """Spot-check replays would take the first lease of a second client; this test follows plain reissue."""
+    with running_coordinator(tmp_path, tiny_model_dir, trust={"spot_checks": False}) as live:
+        yield live
+
+
+def test_status_clients_versions_jobs_audit(live_without_spot_checks: LiveCoordinator) -> None:
+    live = live_without_spot_checks
     client = register(live, name="alice")
     job_a = lease(client, live.coordinator.public_key)
     good = honest_result(live, job_a)
@@ -132,7 +140,7 @@ def test_status_clients_versions_jobs_audit(live_coordinator: LiveCoordinator) -
     assert [e["outcome"] for e in entries] == ["accepted", "rejected"]
     acc, rej = entries
     assert acc["job_id"] == job_a.job_id and acc["client_id"] == client.client_id and acc["version"] == 0
-    assert len(acc["content_sha256"]) == 64 and acc["detail"] == "buffered"
+    assert len(acc["content_sha256"]) == 64 and acc["reason"] == "ok"
     assert rej["reason"] == "binding_mismatch" and rej["job_id"] == job_a.job_id and len(rej["content_sha256"]) == 64
     assert acc["content_sha256"] != rej["content_sha256"]
     assert [e["outcome"] for e in cli_json(live, "audit", "--outcome", "rejected")] == ["rejected"]
