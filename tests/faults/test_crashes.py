@@ -37,9 +37,12 @@ def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_le
     run_dir = tmp_path / "run"
     lease_s = 20.0
     coord, url = start_coordinator(
-        write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 2},
+        # a run long enough to still be going at the dead client's deadline: with speed-aware issuance the
+        # overdue lease stops holding the queue slot within seconds (fresh work flows meanwhile) and the job
+        # itself is reissued when its lease runs out
+        write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 10_000},
                      jobs={"lease_timeout_s": lease_s, "prompts_per_job": 4}, sampling={"max_tokens": 8},
-                     trust={"spot_checks": False}),  # one job per step, no replays: the victim job is the only work
+                     trust={"spot_checks": False}),  # one job per step, no replays
         tmp_path / "coord.log")
     # a throttled client (2 % duty cycle) takes many seconds per job, so it is reliably killed mid-job; the
     # healthy client starts while the job is still leased, so it is warm (and long-polling) when it is reissued
@@ -56,8 +59,7 @@ def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_le
         assert db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(0,)]
         wait_until(lambda: db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(1,)],
                    deadline - time.time() + lease_s + 30, "the killed client's job to be completed")
-        wait_until(lambda: (s := get_status(url)) and s["finished"], 180, "the run to finish after the kill")
-        assert fast.proc.wait(60) == 0
+        assert get_status(url) is not None and fast.proc.poll() is None  # the healthy client kept working
     finally:
         _stop_all(*(p for p in (fast, slow, coord) if p is not None))
     (holder, issues, received), = db_rows(
