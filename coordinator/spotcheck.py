@@ -115,7 +115,7 @@ async def submit_replica(coord: Coordinator, client_id: str, sub: ResultSubmissi
     mine = [list(c.token_ids) for c in sub.completions]
     recomputed: list[list[float]] = await coord._run(coord._recompute_at, expanded, mine, sub.version)
     check_logprobs(logprob_stats([c.logprobs for c in sub.completions], recomputed),
-                   coord.config.verification.logprob_mean_tol, coord.config.verification.logprob_max_tol)
+                   *coord.config.verification.tolerances(sub.backend, coord.config.snapshots.gguf))
     original = coord.store.result_rows([rep.job_id]) if coord.store.accepted_result(rep.job_id) else []
     min_agree = coord.config.trust.replica_min_agreement
     if not original:

@@ -218,6 +218,19 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
     return None
 
 
+def _rejection_reasons(db: Path) -> dict[str, int]:
+    """Refusals by reason code, read from the run's database (read-only) so a demo says why anything was refused."""
+    import sqlite3
+
+    if not db.exists():
+        return {}
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return dict(conn.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall())
+    finally:
+        conn.close()
+
+
 def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall: float) -> dict[str, Any]:
     from swarm_client.identity import load_identity
 
@@ -236,6 +249,7 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
         "final_version": status["version"],
         "accepted": status["totals"]["accepted"],
         "rejected": status["totals"]["rejected"],
+        "rejections_by_reason": _rejection_reasons(cfg.out / "run" / "coordinator.sqlite"),
         "reissued_jobs": status["totals"]["reissued_jobs"],
         "reward_curve": status["reward_curve"],
         "eval_before": evals[0]["accuracy"] if evals else None,

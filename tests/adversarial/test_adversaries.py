@@ -52,6 +52,12 @@ def _exact(*codes: tuple[int, str | None]) -> Callable[[Attempts], None]:
     return check
 
 
+def _own_seed(attempts: Attempts) -> None:
+    # leased an original job: passes every per-result check (200) and is caught later by another client's
+    # replay; leased a spot-check replay (they are handed out first): caught at once against the original
+    assert _codes(attempts) in ([(200, None)], [(422, "replica_mismatch")]), attempts
+
+
 def _late(attempts: Attempts) -> None:
     # past its deadline the job is reissued; depending on how far the new holder got, the late result meets an
     # expired lease, someone else's lease or a completed job — refused every time
@@ -116,7 +122,7 @@ EXPECTED: dict[str, Callable[[Attempts], None]] = {
     "request_flood": _request_flood,
     "lease_hoarder": _hoarder,
     # passes every per-result check, so it is accepted (200) — and then caught by the seeded spot-check below
-    "own_seed": _exact((200, None)),
+    "own_seed": _own_seed,
     "registration_flood": _flood,  # last: it spends the address's registration budget
 }
 
@@ -140,7 +146,9 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
         limits={"registration_burst": 40, "registrations_per_address_per_min": 6.0},
         trust={"quarantine_s": 3600.0, "hold_s": 20.0})
     coord, url = start_coordinator(cfg, tmp_path / "coord.log")
-    honest = [start_client(url, tmp_path / f"honest{k}", tmp_path / f"honest{k}.log") for k in range(2)]
+    # torch, like the adversaries: a spot-check replay is only judged against a client of the same backend class
+    honest = [start_client(url, tmp_path / f"honest{k}", tmp_path / f"honest{k}.log", "--backend", "torch")
+              for k in range(2)]
     reports: dict[str, dict[str, Any]] = {}
     try:
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 1, 240, "honest clients to train a version")
@@ -150,8 +158,8 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
                 reports[report["kind"]] = report
         reports["registration_flood"] = _run_adversary("registration_flood", url, tmp_path)
         (cheat,) = reports["own_seed"]["identities"]
-        wait_until(lambda: db_rows(run_dir, "SELECT outcome FROM audit WHERE client_id=? AND outcome LIKE "
-                                            "'invalidated%'", (cheat,)), 240,
+        wait_until(lambda: db_rows(run_dir, "SELECT outcome FROM audit WHERE client_id=? AND (outcome LIKE "
+                                            "'invalidated%' OR reason='replica_mismatch')", (cheat,)), 240,
                    "the spot-check replay to expose the result sampled with the wrong seed")
         version_after_attacks = (get_status(url) or {})["version"]
         wait_until(lambda: (s := get_status(url)) and s["version"] >= version_after_attacks + 2, 240,
@@ -210,10 +218,12 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
                               (cid,))
         assert not invalidated
 
-    # the wrong-seed result was held until its replay, judged invalid against the learner's own replay, removed
-    # before any learner step used it, and its credit revoked
-    assert db_rows(run_dir, "SELECT outcome, reason FROM audit WHERE client_id=? AND outcome LIKE 'invalidated%'",
-                   (cheat,)) == [("invalidated", "replica_mismatch")]
+    # the wrong-seed result was either an original — held until its replay, judged invalid against the learner's
+    # own replay, removed before any learner step used it, its credit revoked — or itself a replay, refused at
+    # once; either way it earned nothing and trained nothing
+    outcomes = db_rows(run_dir, "SELECT outcome, reason FROM audit WHERE client_id=? AND outcome != 'accepted'",
+                       (cheat,))
+    assert outcomes in ([("invalidated", "replica_mismatch")], [("rejected", "replica_mismatch")]), outcomes
     assert db_rows(run_dir, "SELECT credit FROM clients WHERE client_id=?", (cheat,)) == [(0.0,)]
 
     # sybils gain nothing: the quarantine stands, and the rotated key starts untrusted with no credit
