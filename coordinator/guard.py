@@ -190,6 +190,11 @@ class Guard:
             raise
         return n
 
+    def has_valid_work(self, client_id: str) -> bool:
+        """Has ``client_id`` had at least one result judged valid (any backend class)?"""
+        return self.conn.execute("SELECT 1 FROM trust WHERE client_id=? AND valid_total > 0 LIMIT 1",
+                                 (client_id,)).fetchone() is not None
+
     def lease_replica(self, client_id: str, lease_id: str, deadline: float, now: float) -> ReplicaRow | None:
         """Lease the oldest open (or expired) replica that someone other than ``client_id`` produced."""
         if self.conn.execute("SELECT 1 FROM replicas WHERE state!='done' LIMIT 1").fetchone() is None:

@@ -64,6 +64,10 @@ def lease_replica(coord: Coordinator, client_id: str) -> LeaseResponse | None:
         coord._wake.set()  # held results were released (or closed): the learner may have a batch now
     if not coord.config.trust.spot_checks:
         return None
+    # replays go only to clients with valid work behind them: a brand-new identity (a sybil, a lease hoarder)
+    # could otherwise take the replay of its own accomplice's result, or sit on it until the hold expires
+    if not coord.guard.has_valid_work(client_id):
+        return None
     lease_id = secrets.token_hex(8)
     deadline = deadline_for(now, coord.config.jobs.lease_timeout_s)
     rep = coord.guard.lease_replica(client_id, lease_id, deadline, now)

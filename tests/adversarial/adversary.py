@@ -277,16 +277,18 @@ class Adversary:
             await self.send(api, "/v1/register", self.envelope(ident, "/v1/register", body), f"registration {i}")
 
     async def unauthenticated_admin(self) -> None:
+        """Call the operator's admin API (coordinator/admin_api.py) without an operator key: once unsigned with a
+        made-up bearer token, once signed with this volunteer's own (registered, but not listed) key."""
         api = await self.identity("a")
         victim = self.identities[0]
-        for method, path, body in (("GET", "/admin/clients", b""), ("GET", "/v1/admin/clients", b""),
-                                   ("POST", f"/admin/clients/{victim}/ban", b""),
-                                   ("POST", "/admin/ban", json.dumps({"client_id": victim}).encode()),
-                                   ("GET", "/admin/audit", b"")):
-            await self.send(api, path, body, f"{method} {path} without credentials", method=method,
-                            headers={"Content-Type": "application/json"})
-            await self.send(api, path, body, f"{method} {path} with a made-up token", method=method,
-                            headers={"Content-Type": "application/json", "Authorization": "Bearer not-a-token"})
+        for path, body in (("/v1/admin/clients", {}), ("/v1/admin/ban", {"client_id": victim}),
+                           ("/v1/admin/audit", {}), ("/v1/admin/checkpoint", {}), ("/v1/admin/issuing",
+                                                                                   {"paused": True})):
+            packed = wire.pack(body)
+            await self.send(api, path, packed, f"POST {path} unsigned, with a made-up token",
+                            headers={"Content-Type": "application/msgpack", "Authorization": "Bearer not-a-token"})
+            await self.send(api, path, self.envelope(api.identity, path, packed),
+                            f"POST {path} signed with a volunteer's key")
 
     async def sybil_rotation(self) -> None:
         """Earn a quarantine with bad results, then rotate to a fresh key: the new identity starts untrusted."""

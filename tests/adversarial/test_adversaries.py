@@ -95,8 +95,11 @@ def _hoarder(attempts: Attempts) -> None:
 
 def _admin(attempts: Attempts) -> None:
     assert len(attempts) == 10
-    for a in attempts:  # route absent (404) or refused without admin credentials (401/403): never served
-        assert a["status"] in {401, 403, 404}, a
+    for a in attempts:  # refused without an operator key, before anything is read or changed
+        if "signed with a volunteer's key" in a["what"]:
+            assert (a["status"], a["reason"]) == (401, "not_admin"), a
+        else:  # not even a signed envelope: refused as such
+            assert (a["status"], a["reason"]) in {(401, "not_admin"), (422, "schema_invalid")}, a
 
 
 def _sybil(attempts: Attempts) -> None:
