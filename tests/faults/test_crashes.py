@@ -20,16 +20,12 @@ from tests.integration.helpers import (
     get_status,
     start_client,
     start_coordinator,
+    stop_all,
     wait_until,
     write_config,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _stop_all(*procs: Proc) -> None:
-    for p in procs:
-        p.stop()
 
 
 def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_lease(tmp_path: Path,
@@ -61,7 +57,7 @@ def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_le
                    deadline - time.time() + lease_s + 30, "the killed client's job to be completed")
         assert get_status(url) is not None and fast.proc.poll() is None  # the healthy client kept working
     finally:
-        _stop_all(*(p for p in (fast, slow, coord) if p is not None))
+        stop_all(*(p for p in (fast, slow, coord) if p is not None))
     (holder, issues, received), = db_rows(
         run_dir, "SELECT r.client_id, j.issue_count, r.received_at FROM results r JOIN jobs j USING(job_id) "
                  "WHERE job_id=?", (victim_job,))
@@ -93,7 +89,7 @@ def test_coordinator_killed_and_restarted_loses_nothing(tmp_path: Path, tiny_mod
                            "the resumed run to finish (the client reconnects by itself)")
         assert client.proc.wait(60) == 0, client.output()[-2000:]
     finally:
-        _stop_all(*(p for p in (client, coord2, coord) if p is not None))
+        stop_all(*(p for p in (client, coord2, coord) if p is not None))
     assert final["version"] == 8
     after = set(db_rows(run_dir, "SELECT job_id, client_id, content_sha256 FROM results"))
     assert accepted <= after  # every result acknowledged before the kill is still there

@@ -89,6 +89,12 @@ class Proc:
         return self.proc.returncode
 
 
+def stop_all(*procs: Proc) -> None:
+    """Stop every process a test started (each by its own PID), in the order given."""
+    for p in procs:
+        p.stop()
+
+
 def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, top: dict[str, Any] | None = None,
                  **sections: dict[str, Any]) -> Path:
     """A small, fast run config: 2 jobs of 2 prompts × 4 samples per step, 64 held-out prompts.

@@ -11,21 +11,16 @@ from typing import Any
 import pytest
 
 from tests.integration.helpers import (
-    Proc,
     db_rows,
     get_status,
     start_client,
     start_coordinator,
+    stop_all,
     wait_until,
     write_config,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _stop_all(*procs: Proc) -> None:
-    for p in procs:
-        p.stop()
 
 
 def test_run_completes_with_every_client_contributing(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -40,7 +35,7 @@ def test_run_completes_with_every_client_contributing(tmp_path: Path, tiny_model
         for c in clients:
             assert c.proc.wait(60) == 0, c.output()[-2000:]
     finally:
-        _stop_all(*clients, coord)
+        stop_all(*clients, coord)
     assert coord.proc.returncode == 0, coord.output()[-3000:]
     assert status["version"] == 6
     per_client = {c["client_id"]: c["accepted"] for c in status["clients"]}
