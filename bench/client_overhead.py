@@ -2,7 +2,13 @@
 including the coordinator's verification round trip) divided by the raw tokens/s of the generation library
 on the same prompts, group size and lengths. Also: snapshot bytes per version, full weights vs LoRA adapter.
 
-    PYTHONPATH=. python bench/client_overhead.py [--runs 3] [--jobs 4] [--backends llama,torch]
+    PYTHONPATH=. python bench/client_overhead.py [--runs 5] [--jobs 4] [--backends llama,torch]
+
+The client is the real join loop (``swarm_client.runner.Runner``), which submits each result in the
+background while it leases and generates the next job. By default (``--pin auto``) the coordinator runs on
+CPU 0 and the client and the raw baseline share the remaining CPUs, as if the coordinator had its own machine:
+its verification forward passes would otherwise compete with the client for the same cores, which measures
+the machine, not the client.
 
 The coordinator runs as its own process (as in production) on a randomly initialised tiny Qwen2 (rarely
 samples end-of-text, so completions run to max_tokens and the token count is the job size). One learner
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -45,7 +52,8 @@ def build_model(folder: Path) -> Path:
 
 
 def start_coordinator(tmp: Path, model: Path, prompts_per_job: int, group: int, max_tokens: int,
-                      gguf: str, lora_rank: int = 0, steps: int = 1) -> tuple[subprocess.Popen[str], str]:
+                      gguf: str, lora_rank: int = 0, steps: int = 1,
+                      cpus: set[int] | None = None) -> tuple[subprocess.Popen[str], str]:
     cfg = tmp / "run.toml"
     cfg.write_text(
         f'run_dir = "{tmp / "run"}"\n[model]\npath = "{model}"\n[server]\nport = 0\n'
@@ -55,7 +63,8 @@ def start_coordinator(tmp: Path, model: Path, prompts_per_job: int, group: int, 
         f'[sampling]\nmax_tokens = {max_tokens}\n[snapshots]\ngguf = "{gguf}"\n')
     log = open(tmp / "coordinator.log", "w")  # noqa: SIM115 — lives as long as the process
     proc = subprocess.Popen([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(cfg)],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         text = (tmp / "coordinator.log").read_text()
@@ -68,76 +77,25 @@ def start_coordinator(tmp: Path, model: Path, prompts_per_job: int, group: int, 
     raise RuntimeError(f"coordinator did not start:\n{(tmp / 'coordinator.log').read_text()[-2000:]}")
 
 
-async def client_run(url: str, home: Path, backend_name: str, jobs: int, threads: int,
-                     pipelined: bool = False) -> dict[str, Any]:
-    """The join loop's steps, timed: returns tokens and wall seconds over jobs 2..N, plus the prompts seen.
-    ``pipelined``: submit each result in the background while the next job is leased and generated (the join
-    loop today submits and waits for the coordinator's verification before leasing again)."""
-    from shared.messages import (
-        LeaseRequest,
-        LeaseResponse,
-        RegisterRequest,
-        RegisterResponse,
-        ResultSubmission,
-        SubmitResponse,
-    )
-    from shared.records import open_job
-    from swarm_client.api import CoordinatorClient
-    from swarm_client.backends import backend_forms, backend_kind, make_backend
-    from swarm_client.hardware import profile
-    from swarm_client.identity import load_identity
-    from swarm_client.snapshots import SnapshotCache
+def client_run(url: str, home: Path, backend_name: str, jobs: int, threads: int, warmup: int = 2) -> dict[str, Any]:
+    """The real join loop (swarm_client.runner.Runner, as `echo-swarm join` runs it) for ``warmup`` + ``jobs``
+    accepted jobs. The rate is the accepted tokens of the last ``jobs`` over the time from the last warm-up
+    job's acceptance to the last job's: the steady state a volunteer sees, with lease, snapshot check,
+    generation, submission and verification all in. The warm-up jobs absorb the snapshot download, the model
+    load and the coordinator's first (slower) verification."""
+    from swarm_client.runner import JoinConfig, Runner
 
-    identity = load_identity(home)
-    backend = make_backend(backend_name, device="cpu", threads=threads)
-    kind = backend_kind(backend)
-    api = CoordinatorClient(url, identity)
-    try:
-        info = await api.info()
-        await api.post("/v1/register", RegisterRequest(public_key=identity.public_key,
-                                                       profile=profile(backend.name, backend.device)),
-                       RegisterResponse)
-        cache = SnapshotCache(home / "cache", api, info.coordinator_public_key, forms=backend_forms(backend))
-        tokens, t_start, job_example = 0, 0.0, None
-        phases = {"lease": 0.0, "snapshot": 0.0, "generate": 0.0, "submit": 0.0}
-        pending: Any = None
-        for k in range(jobs + 1):
-            if k == 1:
-                t_start = time.perf_counter()
-                phases = dict.fromkeys(phases, 0.0)
-            t0 = time.perf_counter()
-            resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=0), LeaseResponse)  # type: ignore[arg-type]
-            assert resp.job is not None, "no job leased"
-            job = open_job(resp.job, info.coordinator_public_key)
-            t1 = time.perf_counter()
-            folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
-            await asyncio.to_thread(backend.load, folder)
-            t2 = time.perf_counter()
-            samples = await asyncio.to_thread(backend.generate, job, lambda: False)
-            t3 = time.perf_counter()
-            phases["lease"] += t1 - t0
-            phases["snapshot"] += t2 - t1
-            phases["generate"] += t3 - t2
-            sub = ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
-                                   prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
-                                   backend=kind, generation_s=0.0,  # type: ignore[arg-type]
-                                   completions=[s.to_completion() for s in samples])
-            if pending is not None:
-                assert (await pending).accepted
-            pending = asyncio.ensure_future(api.post("/v1/results", sub, SubmitResponse))
-            if not pipelined:
-                assert (await pending).accepted
-                pending = None
-            phases["submit"] += time.perf_counter() - t3
-            if k >= 1:
-                tokens += sum(len(s.token_ids) for s in samples)
-            job_example = job
-        if pending is not None:
-            assert (await pending).accepted
-        wall = time.perf_counter() - t_start
-    finally:
-        await api.close()
-    return {"tokens": tokens, "wall_s": wall, "job": job_example, "backend": backend, "phases": phases}
+    runner = Runner(JoinConfig(url=url, home=home, backend=backend_name, device="cpu", threads=threads,
+                               max_jobs=warmup + jobs, benchmark=False, panel=False))
+    accepted: list[tuple[float, int]] = []
+    example: list[Any] = []
+    runner.on_result = lambda now, job, n_tok: (accepted.append((now, n_tok)), example.append(job))
+    code = asyncio.run(runner.run())
+    if code != 0 or len(accepted) != warmup + jobs:
+        raise RuntimeError(f"join loop exited {code} with {len(accepted)} of {warmup + jobs} jobs accepted; see {home}")
+    tokens = sum(n for _, n in accepted[warmup:])
+    return {"tokens": tokens, "wall_s": accepted[-1][0] - accepted[warmup - 1][0], "job": example[-1],
+            "backend": runner.backend}
 
 
 def raw_rate(backend: Any, job: Any, jobs: int) -> float:
@@ -185,32 +143,38 @@ def snapshot_bytes(model: Path, tmp: Path) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="llama,torch")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--jobs", type=int, default=3, help="measured jobs per run (after one warm-up job)")
+    ap.add_argument("--runs", type=int, default=5, help="runs per backend; the table quotes their median")
+    ap.add_argument("--jobs", type=int, default=6, help="measured jobs per run (after two warm-up jobs)")
     ap.add_argument("--prompts-per-job", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="client generation threads")
-    ap.add_argument("--modes", default="serial", help="serial (the join loop: submit, wait, lease again) and/or "
-                    "pipelined (submission overlapped with the next job's generation), comma-separated")
+    ap.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
+                    help="on: coordinator on CPU 0, this client (and the raw baseline) on the other CPUs, as if the "
+                    "coordinator ran on its own machine; auto: on where there are at least 2 CPUs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the coordinator
-    results: dict[str, Any] = {}
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = args.pin == "on" or (args.pin == "auto" and len(cpus) >= 2)
+    coordinator_cpus = {cpus[0]} if pin else None
+    if pin:  # before torch or llama.cpp start their thread pools: threads inherit the mask
+        os.sched_setaffinity(0, set(cpus[1:]))
+    print(f"coordinator on CPUs {sorted(coordinator_cpus) if pin else cpus}, client and raw baseline on "
+          f"{sorted(os.sched_getaffinity(0))}, {args.threads} generation thread(s)", flush=True)
+    results: dict[str, Any] = {"pinned": pin}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         model = build_model(tmp / "model")
-        modes = [(n, m == "pipelined") for m in args.modes.split(",") for n in args.backends.split(",")]
-        for name, pipelined in modes:
-            label = f"{name} (pipelined submit)" if pipelined else name
+        for name in args.backends.split(","):
             ratios, e2e, raws = [], [], []
             for r in range(args.runs):
-                run_tmp = tmp / f"{name}-{int(pipelined)}-{r}"
+                run_tmp = tmp / f"{name}-{r}"
                 run_tmp.mkdir()
                 proc, url = start_coordinator(run_tmp, model, args.prompts_per_job, args.group, args.max_tokens,
-                                              "f16")
+                                              "f16", cpus=coordinator_cpus)
                 try:
-                    got = asyncio.run(client_run(url, run_tmp / "home", name, args.jobs, args.threads, pipelined))
+                    got = client_run(url, run_tmp / "home", name, args.jobs, args.threads)
                     raw = raw_rate(got["backend"], got["job"], args.jobs)  # coordinator up (idle), as during the run
                 finally:
                     proc.terminate()
@@ -219,15 +183,14 @@ def main() -> None:
                 e2e.append(rate)
                 raws.append(raw)
                 ratios.append(rate / raw)
-                share = ", ".join(f"{k} {v / got['wall_s']:.1%}" for k, v in got["phases"].items())
-                print(f"{label} run {r}: end-to-end {rate:,.0f} tok/s, raw {raw:,.0f} tok/s, ratio {rate / raw:.3f} "
-                      f"(wall: {share})", flush=True)
-            results[label] = {"ratio_median": statistics.median(ratios), "ratios": ratios,
+                print(f"{name} run {r}: end-to-end {rate:,.0f} tok/s, raw {raw:,.0f} tok/s, ratio {rate / raw:.3f}",
+                      flush=True)
+            results[name] = {"ratio_median": statistics.median(ratios), "ratios": ratios,
                              "end_to_end_tok_s": e2e, "raw_tok_s": raws}
         results["snapshot_bytes"] = snapshot_bytes(model, tmp)
     print("\n| backend | end-to-end tok/s (median) | raw tok/s (median) | overhead ratio (median of runs) |")
     print("|---|---|---|---|")
-    for label in [k for k in results if k != "snapshot_bytes"]:
+    for label in [k for k in results if k not in ("snapshot_bytes", "pinned")]:
         r = results[label]
         print(f"| {label} | {statistics.median(r['end_to_end_tok_s']):,.0f} | {statistics.median(r['raw_tok_s']):,.0f} "
               f"| {r['ratio_median']:.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) |")

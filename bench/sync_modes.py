@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import sqlite3
 import statistics
 import subprocess
@@ -98,6 +99,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("bench-out/sync_modes"))
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse every run that already finished under --out (its result.json) instead of rerunning it")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - MODES.keys()
@@ -113,12 +116,19 @@ def main() -> int:
         for mode in modes:
             out = args.out / f"{mode}-seed{seed}"
             spec = MODES[mode]
+            done = out / "result.json"
+            if args.resume and done.exists():
+                runs[mode].append(json.loads(done.read_text()))
+                continue
+            if out.exists():  # a run from an earlier invocation: start it afresh, never mix two runs' databases
+                shutil.rmtree(out)
             if "peer" in spec:
                 peer = run_peer(out, seed, args.steps, args.eval_every, spec["learner_threads"])
                 if peer is None:
                     print(f"{mode} seed {seed} failed; see {out}/trl.log", file=sys.stderr)
                     return 1
                 runs[mode].append(peer | {"seed": seed})
+                done.write_text(json.dumps(runs[mode][-1]))
                 continue
             code = run_demo(DemoConfig(out=out, steps=args.steps, seed=seed, eval_every=args.eval_every,
                                        timeout_s=3600, **spec))
@@ -126,6 +136,9 @@ def main() -> int:
                 print(f"{mode} seed {seed} failed (exit {code}); see {out}/logs", file=sys.stderr)
                 return 1
             runs[mode].append(measure(out / "run") | {"seed": seed})
+            done.write_text(json.dumps(runs[mode][-1]))  # kept per run, so an interrupted bench can --resume
+            print(f"{mode} seed {seed}: {runs[mode][-1]['eval_before']:.3f} -> {runs[mode][-1]['eval_after']:.3f}, "
+                  f"busy {runs[mode][-1]['learner_busy_fraction']:.2f}, {runs[mode][-1]['wall_s']:.0f} s", flush=True)
     summary = {
         mode: {
             "config": MODES[mode],
@@ -140,11 +153,45 @@ def main() -> int:
         for mode, rs in runs.items()
     }
     result = {"steps": args.steps, "seeds": args.seeds, "samples_per_step": SAMPLES_PER_STEP,
-              "bench_wall_s": time.time() - started, "modes": summary}
+              "bench_wall_s": time.time() - started, "modes": summary, "checks": checks(summary)}
     (args.out / "sync_modes.json").write_text(json.dumps(result, indent=2))
     plot(summary, args.out / "sync_modes.png")
     print(table(result))
+    print(json.dumps(result["checks"], indent=2))
     return 0
+
+
+def checks(summary: dict[str, Any]) -> dict[str, Any]:
+    """The issue's claims, computed from the runs so that the JSON states each one and whether it held.
+
+    "Within seed noise" is judged per seed pair (both modes share seed k's prompts and checkpoint): the mean of
+    the paired differences must lie within two standard errors of that mean, or be exactly zero.
+    """
+    out: dict[str, Any] = {}
+    base = summary.get("colocated")
+    if base is None:
+        return out
+    base_imp = base["improvement"]["mean"]
+    if "sequential" in summary:
+        diffs = [s["eval_after"] - c["eval_after"] for s, c in
+                 zip(summary["sequential"]["runs"], base["runs"], strict=True)]
+        mean = statistics.fmean(diffs)
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+        out["sequential_vs_colocated_final_accuracy"] = {
+            "paired_differences": diffs, "mean": mean, "standard_error": se,
+            "within_seed_noise": mean == 0.0 or abs(mean) <= 2 * se}
+    for mode, s in summary.items():
+        if s["config"].get("sync_mode") == "async-push-pull":
+            ratio = s["improvement"]["mean"] / base_imp if base_imp > 0 else None
+            out[f"{mode}_improvement_vs_colocated"] = {
+                "ratio": ratio, "at_least_0.95": ratio is not None and ratio >= 0.95,
+                "staleness_max": s["staleness_max"], "max_staleness_S": s["config"]["max_staleness"],
+                "staleness_within_S": s["staleness_max"] is not None
+                and s["staleness_max"] <= s["config"]["max_staleness"]}
+            if "sequential" in summary:
+                out[f"{mode}_busier_than_sequential"] = (
+                    s["learner_busy_fraction"]["mean"] > summary["sequential"]["learner_busy_fraction"]["mean"])
+    return out
 
 
 def table(result: dict[str, Any]) -> str:

@@ -280,7 +280,9 @@ class Coordinator:
             views = [self._with_due(v) for v in views]
             speed = self._speed_of(client_id, views, now)
         queued = len(self.store.pending()) + self.guard.held_count()
-        decision = decide_lease(views, queued, now, self.version, held_version, self.config.sync_policy, speed)
+        refused = self.store.refused_jobs(client_id, [v.job_id for v in views if not lease_live(v, now)])
+        decision = decide_lease(views, queued, now, self.version, held_version, self.config.sync_policy, speed,
+                                refused)
         if decision is None:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         row = active[decision.job_id] if decision.job_id is not None else self._new_job()

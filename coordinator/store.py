@@ -46,6 +46,7 @@ CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS rejections_by_client_job ON rejections(client_id, job_id);
 CREATE TABLE IF NOT EXISTS audit(
   id INTEGER PRIMARY KEY, at REAL NOT NULL, client_id TEXT NOT NULL, job_id TEXT, version INTEGER,
   outcome TEXT NOT NULL, reason TEXT NOT NULL, content_sha256 TEXT, detail TEXT NOT NULL DEFAULT '');
@@ -272,6 +273,15 @@ class Store:
                               "VALUES(?,?,?,?,?,?)", (client_id, job_id, reason, message, content_sha256, now))
             self.conn.execute("UPDATE clients SET rejected=rejected+1 WHERE client_id=?", (client_id,))
             self.audit_write(now, client_id, job_id, version, "rejected", reason, content_sha256, message)
+
+    def refused_jobs(self, client_id: str, job_ids: list[str]) -> frozenset[str]:
+        """Which of ``job_ids`` this client already had a result refused for (reissue them to someone else)."""
+        if not job_ids:
+            return frozenset()
+        marks = ",".join("?" * len(job_ids))
+        rows = self.conn.execute(f"SELECT DISTINCT job_id FROM rejections WHERE client_id=? AND job_id IN ({marks})",
+                                 (client_id, *job_ids)).fetchall()
+        return frozenset(r["job_id"] for r in rows)
 
     def audit_write(self, at: float, client_id: str, job_id: str | None, version: int | None, outcome: str,
                     reason: str, content_sha256: str | None, detail: str = "") -> None:

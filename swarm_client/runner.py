@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +32,7 @@ from shared import PROTOCOL_VERSION
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
 from shared.messages import (
     Info,
+    Job,
     LeaseRequest,
     LeaseResponse,
     Manifest,
@@ -167,6 +169,11 @@ class Runner:
         self.device = "cpu"  # the backend's device, once created
         self._forms: frozenset[str] | None = None  # the snapshot file forms the backend needs (None: all)
         self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
+        self._submitting: asyncio.Task[None] | None = None  # the previous job's result, submitted in the background
+        # called with (monotonic seconds, job, tokens) for each accepted result: bench/client_overhead.py times
+        # the real loop with it
+        self.on_result: Callable[[float, Job, int], None] | None = None
+        self.backend: Backend | None = None
 
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -207,6 +214,7 @@ class Runner:
         except ValueError as exc:  # unknown backend, or llama-cpp-python not installed: the message says what to do
             self._say(f"error: {exc}")
             return EXIT_REFUSED
+        self.backend = backend
         self.device = str(backend.device)
         from swarm_client.backends import backend_forms
 
@@ -233,6 +241,9 @@ class Runner:
             self._say(f"error: {disk_full_message(exc.filename or self.cfg.home)}")
             return EXIT_RESOURCES
         finally:
+            if self._submitting is not None:  # a finished job's result is still on its way: deliver it if it can
+                with contextlib.suppress(EchoSwarmError, OSError, TimeoutError):
+                    await asyncio.wait_for(self._settle(), timeout=60)
             if self.prefetch is not None and not self.prefetch.done():
                 self.prefetch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -400,32 +411,50 @@ class Runner:
                 job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
                 seed=job.seed, group_size=job.group_size, backend=kind, generation_s=elapsed,
                 completions=[s.to_completion() for s in samples])
-            self._set_state("submitting")
-            try:
-                res = await api.post("/v1/results", sub, SubmitResponse)
-                self.stats.accepted += 1
-                self.stats.credit = res.total_credit
-                self.stats.tokens += n_tok
-            except ProtocolError as exc:
-                if refusal_code(exc) in STOP_CODES:
-                    raise
-                self.stats.rejected += 1
-                code = refusal_code(exc)
-                self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1
-                self._say(f"result for {job.job_id} refused ({code}): {exc.message}")
-                if exc.reason not in (Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.NOT_LEASE_HOLDER):
-                    await self._release(api, job.job_id, job.lease_id)
-            self.stats.tokens_per_s = n_tok / max(elapsed, 1e-9)
-            self.stats.state = "done"
-            self.display.update(line=True)
-            self._write_status()
-            if self.cfg.max_jobs and self.stats.accepted - self.accepted_before >= self.cfg.max_jobs:
-                break
+            # Submit in the background and go on to the next lease: the coordinator's verification (a forward
+            # pass over every completion) overlaps this client's next generation instead of idling it. At most
+            # one submission is in flight, so a refusal is seen one job later at worst.
+            await self._settle()
+            self._submitting = asyncio.create_task(self._submit(api, job, sub, n_tok, elapsed))
+            if self.cfg.max_jobs and self.stats.accepted - self.accepted_before + 1 >= self.cfg.max_jobs:
+                await self._settle()  # the last job needed: know whether it counted before leasing another
+                if self.stats.accepted - self.accepted_before >= self.cfg.max_jobs:
+                    break
+        await self._settle()
         self.stats.state = "stopped"
         self.display.stop()
         self._say(f"stopped: {self.stats.accepted - self.accepted_before} results accepted, "
                   f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
         return EXIT_OK
+
+    async def _submit(self, api: CoordinatorClient, job: Job, sub: ResultSubmission, n_tok: int,
+                      elapsed: float) -> None:
+        job_id, lease_id = job.job_id, job.lease_id
+        try:
+            res = await api.post("/v1/results", sub, SubmitResponse)
+            self.stats.accepted += 1
+            self.stats.credit = res.total_credit
+            self.stats.tokens += n_tok
+            if self.on_result is not None:
+                self.on_result(time.monotonic(), job, n_tok)
+        except ProtocolError as exc:
+            if refusal_code(exc) in STOP_CODES:
+                raise
+            self.stats.rejected += 1
+            code = refusal_code(exc)
+            self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1
+            self._say(f"result for {job_id} refused ({code}): {exc.message}")
+            if exc.reason not in (Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.NOT_LEASE_HOLDER):
+                await self._release(api, job_id, lease_id)
+        self.stats.tokens_per_s = n_tok / max(elapsed, 1e-9)
+        self.display.update(line=True)
+        self._write_status()
+
+    async def _settle(self) -> None:
+        """Wait for the submission in flight, if any; a refusal that ends the client propagates from here."""
+        task, self._submitting = self._submitting, None
+        if task is not None:
+            await task
 
     @staticmethod
     async def _prefetch(cache: SnapshotCache, run_id: str, version: int) -> object:

@@ -46,6 +46,15 @@ def log_softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
+def token_logprobs(logits: np.ndarray, tokens: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T)[i, tokens[i]] for each row i, in float64."""
+    lp = log_softmax(logits, temperature)
+    return [float(x) for x in lp[np.arange(len(tokens)), tokens]]
+
+
+LOGIT_BUFFER_BYTES = 64 * 2**20
+
+
 def gguf_precision(path: Path) -> str:
     """The precision class of a GGUF file ("f32", "f16", "q8_0", ...), from its general.file_type."""
     from gguf import GGUFReader
@@ -79,6 +88,7 @@ class LlamaBackend:
         self._adapter: Any = None
         self._adapter_id: tuple[int, int, int] | None = None
         self.folder: Path | None = None
+        self._rows: np.ndarray | None = None  # per-step logits of the rollout being sampled (see sample)
 
     @property
     def backend_class(self) -> str:
@@ -153,30 +163,55 @@ class LlamaBackend:
     # -- generation ---------------------------------------------------------------------------------------
     def sample(self, prompt: list[int], *, temperature: float, max_tokens: int, stop_ids: frozenset[int],
                seed: int, should_stop: Callable[[], bool] | None = None) -> Sampled:
-        """One rollout from the full softmax at ``temperature``, with its behaviour logprobs."""
+        """One rollout from the full softmax at ``temperature``, with its behaviour logprobs.
+
+        Per token, only the logits llama.cpp sampled from are copied (one memmove into a preallocated row);
+        the log-softmax runs vectorised over many steps at once. Converting and normalising each step's logits
+        on its own cost a quarter of the decoding time of a small model (measured: bench/client_overhead.py)."""
         llm = self.llm
         if len(prompt) + max_tokens > self.n_ctx:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context "
                              f"window n_ctx={self.n_ctx}")
+        rows = self._logit_rows(max_tokens)
+        n_vocab, row_bytes = rows.shape[1], rows.shape[1] * rows.itemsize
+        base, memmove, logits_ith, ctx = rows.ctypes.data, ctypes.memmove, self._lib.llama_get_logits_ith, llm.ctx
         llm.set_seed(seed)
         tokens: list[int] = []
         logprobs: list[float] = []
         finish = "length"
+        filled = 0
         for tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
                                 repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, reset=True):
             # the generator is paused right after sampling: the context still holds the logits it sampled from
+            memmove(base + filled * row_bytes, logits_ith(ctx, -1), row_bytes)
+            filled += 1
             tokens.append(int(tok))
-            logprobs.append(float(log_softmax(self._last_logits(), temperature)[0, tok]))
+            if filled == len(rows):
+                logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
+                filled = 0
             if tok in stop_ids:
                 finish = "stop"
                 break
             if len(tokens) >= max_tokens or (should_stop is not None and should_stop()):
                 break
+        if filled:
+            logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
+        assert len(logprobs) == len(tokens) and n_vocab == llm.n_vocab()
         return Sampled(tokens, logprobs, finish)
 
+    def _logit_rows(self, max_tokens: int) -> np.ndarray:
+        """A reusable float32 buffer for up to ``max_tokens`` steps of logits, capped at 64 MiB (a 150k-token
+        vocabulary gets ~110 rows, flushed whenever full)."""
+        n_vocab = self.llm.n_vocab()
+        want = max(1, min(max_tokens, LOGIT_BUFFER_BYTES // (4 * n_vocab)))
+        if self._rows is None or self._rows.shape[1] != n_vocab or self._rows.shape[0] < want:
+            self._rows = np.empty((want, n_vocab), dtype=np.float32)
+        return self._rows
+
     def _last_logits(self) -> np.ndarray:
-        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(1, self.llm.n_vocab()))
+        out = np.empty((1, self.llm.n_vocab()), dtype=np.float32)
+        ctypes.memmove(out.ctypes.data, self._lib.llama_get_logits_ith(self.llm.ctx, -1), out.nbytes)
+        return out
 
     def score(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
         """Logprobs of ``completion`` given ``prompt`` (teacher-forced, one token at a time as in decoding): for

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shared import wire
-from shared.messages import LeaseRequest, LeaseResponse
+from shared.messages import LeaseRequest, LeaseResponse, ReleaseRequest
 from shared.records import open_job
 from tests.integration.conftest import running_coordinator
 from tests.integration.helpers import RawClient, db_rows, wait_until
@@ -67,3 +67,23 @@ def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_mo
         job = open_job(resp.job, live.coordinator.public_key)
         assert job.version in (0, 1) and job.job_id not in {j.job_id for j in jobs}
         assert db_rows(live.run_dir, "SELECT MAX(version) FROM versions") == [(1,)]
+
+
+def test_a_refused_job_is_reissued_to_another_client(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A client whose result for a job was refused is not handed that job again (same seed, same version: an
+    honest deterministic client would be refused again); the next client is."""
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
+                             trust={"spot_checks": False}) as live:
+        first, second = register(live), register(live)
+        job = lease(first, live.coordinator.public_key)
+        bad = honest_result(live, job)
+        c0 = bad.completions[0]
+        bad = bad.model_copy(update={"completions": [
+            c0.model_copy(update={"logprobs": [lp - 1.0 for lp in c0.logprobs]}), *bad.completions[1:]]})
+        status, raw = first.post("/v1/results", bad)
+        assert status == 422, raw
+        status, _ = first.post("/v1/release", ReleaseRequest(job_id=job.job_id, lease_id=job.lease_id))
+        assert status == 200
+        other = lease(first, live.coordinator.public_key)
+        assert other.job_id != job.job_id  # fresh work for the refused client ...
+        assert lease(second, live.coordinator.public_key).job_id == job.job_id  # ... its job to the next one
