@@ -88,6 +88,9 @@ class Coordinator:
         self._pace: dict[str, float] = {}
         self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
         self._waiting: dict[str, int] = {}
+        # jobs whose result is being verified (job id → submissions in verification): never reissued meanwhile,
+        # so a lease that runs out while the coordinator is busy verifying does not cost the honest holder
+        self._verifying: dict[str, int] = {}
         self._version_interval: float | None = None
         self._version_at = self.started_at
         self.issuing_paused = False  # set by the operator (coordinator.admin_api): no new leases while True
@@ -280,9 +283,10 @@ class Coordinator:
             views = [self._with_due(v) for v in views]
             speed = self._speed_of(client_id, views, now)
         queued = len(self.store.pending()) + self.guard.held_count()
-        refused = self.store.refused_jobs(client_id, [v.job_id for v in views if not lease_live(v, now)])
+        reissuable = [v.job_id for v in views if not lease_live(v, now)]
+        withheld = self.store.refused_jobs(client_id, reissuable) | self._verifying.keys()
         decision = decide_lease(views, queued, now, self.version, held_version, self.config.sync_policy, speed,
-                                refused)
+                                frozenset(withheld))
         if decision is None:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         row = active[decision.job_id] if decision.job_id is not None else self._new_job()
@@ -427,6 +431,16 @@ class Coordinator:
                         vocab_size=self.vocab_size)
 
     async def _verify_and_accept(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str) -> SubmitResponse:
+        self._verifying[sub.job_id] = self._verifying.get(sub.job_id, 0) + 1
+        try:
+            return await self._verify_and_accept_held(client_id, sub, size, content_sha)
+        finally:
+            left = self._verifying.pop(sub.job_id) - 1
+            if left > 0:
+                self._verifying[sub.job_id] = left
+
+    async def _verify_and_accept_held(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
+                                      ) -> SubmitResponse:
         row = self.store.get_job(sub.job_id)
         if row is None:
             raise ProtocolError(Reason.UNKNOWN_JOB, f"there is no job {sub.job_id}")
@@ -440,10 +454,12 @@ class Coordinator:
         recomputed: list[list[float]] = await self._run(self._recompute_at, prompts, completions, sub.version)
         stats = logprob_stats([c.logprobs for c in sub.completions], recomputed)
         check_logprobs(stats, *self.config.verification.tolerances(sub.backend, self.config.snapshots.gguf))
-        # the learner may have been busy: the lease must still be ours and unexpired now
+        # the result arrived within its lease (verify_submission); if the lease ran out while the learner kept the
+        # verification waiting, that delay was the coordinator's, and the job was not reissued meanwhile
         fresh = self.store.get_job(sub.job_id)
-        if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) is not LeaseCheck.OK:
-            raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} expired while it was verified")
+        if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) not in (
+                LeaseCheck.OK, LeaseCheck.EXPIRED):
+            raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} changed while it was verified")
         items = [self.task.train[i] for i in row.prompt_ids for _ in range(row.group_size)]
         rewards = [self.task.reward(it, self.learner.decode(c)) for it, c in zip(items, completions, strict=True)]
         n_tokens = sum(len(c) for c in completions)

@@ -82,13 +82,13 @@ def occupies_slot(job: LeaseView, now: float, current: int, policy: SyncPolicy) 
 
 def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
                  policy: SyncPolicy, speed: ClientSpeed | None = None,
-                 refused: frozenset[str] = frozenset()) -> LeaseDecision | None:
+                 withheld: frozenset[str] = frozenset()) -> LeaseDecision | None:
     """The whole lease decision: ``active`` are the jobs not yet done (in creation order), ``pending`` the
     accepted results not yet trained on, ``speed`` what is known of the asking client's pace and of the
-    other clients waiting (core.pacing; None: every client alike), ``refused`` the jobs this client already
-    had a result refused for. Those go to another client: a deterministic honest client (same seed, same
-    version, same numerics) would only be refused again, so it gets other work meanwhile. None means "no job
-    for you now"."""
+    other clients waiting (core.pacing; None: every client alike), ``withheld`` jobs not to reissue to this
+    client: those it already had a result refused for (a deterministic honest client — same seed, same
+    version, same numerics — would only be refused again, so the job waits for another client and this one
+    gets other work), and those whose result is being verified right now. None means "no job for you now"."""
     queued = sum(1 for j in active if occupies_slot(j, now, current, policy)) + pending
     if not admits(queued, policy):
         return None
@@ -105,7 +105,7 @@ def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current:
             if version == current or not fits(current):
                 return None
             version = current  # too slow to keep its older version: it must refresh
-    reissue = choose_job([j for j in active if j.job_id not in refused], now)
+    reissue = choose_job([j for j in active if j.job_id not in withheld], now)
     return LeaseDecision(reissue.job_id if reissue is not None else None, version)
 
 

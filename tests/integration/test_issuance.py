@@ -87,3 +87,29 @@ def test_a_refused_job_is_reissued_to_another_client(tmp_path: Path, tiny_model_
         other = lease(first, live.coordinator.public_key)
         assert other.job_id != job.job_id  # fresh work for the refused client ...
         assert lease(second, live.coordinator.public_key).job_id == job.job_id  # ... its job to the next one
+
+
+def test_a_lease_that_runs_out_during_verification_is_honoured(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A result that arrived within its lease is accepted even if the lease ran out while the coordinator was
+    verifying it (the delay was the coordinator's), and the job is not reissued to anyone meanwhile."""
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
+                             trust={"spot_checks": False}) as live:
+        holder, other = register(live), register(live)
+        job = lease(holder, live.coordinator.public_key)
+        result = honest_result(live, job)
+        service = live.coordinator
+        recompute = service._recompute_at
+        during: list[LeaseResponse] = []
+
+        def slow_recompute(*args: object) -> list[list[float]]:  # on the learner thread, while verifying
+            live.clock.advance(service.config.jobs.lease_timeout_s + 1.0)  # the lease has now run out
+            during.append(ask(other))  # served by the event loop meanwhile
+            return recompute(*args)  # type: ignore[arg-type]
+
+        service._recompute_at = slow_recompute  # type: ignore[method-assign]
+        status, raw = holder.post("/v1/results", result)
+        assert status == 200, raw
+        assert during and during[0].job is not None
+        assert open_job(during[0].job, service.public_key).job_id != job.job_id  # not reissued while verified
+        assert db_rows(live.run_dir, f"SELECT state, lease_client FROM jobs WHERE job_id='{job.job_id}'") == [
+            ("done", holder.client_id)]

@@ -157,6 +157,6 @@ def test_a_job_refused_from_a_client_goes_to_someone_else() -> None:
     it gets the next reissuable job, or fresh work, and the refused one waits for another client."""
     released = [LeaseView("j0", JobState.OPEN, None, 0.0), LeaseView("j1", JobState.OPEN, None, 1.0)]
     assert decide_lease(released, 0, 0.0, 5, 5, SEQ).job_id == "j0"  # type: ignore[union-attr]
-    assert decide_lease(released, 0, 0.0, 5, 5, SEQ, refused=frozenset({"j0"})).job_id == "j1"  # type: ignore[union-attr]
-    fresh = decide_lease(released, 0, 0.0, 5, 5, SEQ, refused=frozenset({"j0", "j1"}))
+    assert decide_lease(released, 0, 0.0, 5, 5, SEQ, withheld=frozenset({"j0"})).job_id == "j1"  # type: ignore[union-attr]
+    fresh = decide_lease(released, 0, 0.0, 5, 5, SEQ, withheld=frozenset({"j0", "j1"}))
     assert fresh is not None and fresh.job_id is None  # a newly planned job instead
