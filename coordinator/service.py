@@ -269,7 +269,8 @@ class Coordinator:
         the queue (live leases + untrained results) is below B·(S+1); bind the version it is generated with."""
         retry = self.config.jobs.retry_after_s
         if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
-            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished)
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished,
+                                 paused=self.issuing_paused and not self.finished)
         if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         replica = self._lease_replica(client_id)  # spot-checks first: they release held results

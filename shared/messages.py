@@ -144,6 +144,7 @@ class LeaseResponse(Message):
     retry_after_s: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=3600.0)]
     current_version: Version
     finished: bool
+    paused: bool = False  # the operator has paused issuing (`echo-swarm admin pause`): no job until resumed
 
 
 class ReleaseRequest(Message):

@@ -350,6 +350,7 @@ class Runner:
         pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
         held = -1
         gated: str | None = None
+        coordinator_paused = False
         while not self.stop.is_set():
             gate = await self._gate()
             if gate != gated:
@@ -367,10 +368,15 @@ class Runner:
                 # push-pull: the lease reply announces the newest version; fetch it in the background while
                 # generating with the one we hold (a failed prefetch is retried by the job that needs it)
                 self.prefetch = asyncio.create_task(self._prefetch(cache, reg.run_id, resp.current_version))
+            if resp.paused != coordinator_paused:
+                coordinator_paused = resp.paused
+                self._say("the coordinator's operator has paused issuing work; waiting for it to resume"
+                          if resp.paused else "the coordinator issues work again")
             if resp.job is None:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
                     break
+                self._set_state("coordinator paused" if resp.paused else "waiting")
                 await self._wait_unless_paused(resp.retry_after_s)
                 continue
             job = open_job(resp.job, info.coordinator_public_key)

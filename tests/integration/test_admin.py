@@ -20,7 +20,7 @@ from coordinator.service import Coordinator
 from echo_swarm.cli import app
 from shared import crypto, wire
 from shared.admin import AdminEmpty
-from shared.messages import ResultSubmission
+from shared.messages import LeaseRequest, LeaseResponse, ResultSubmission
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import RawClient, db_rows
 from tests.integration.ops_helpers import honest_result, lease, register, try_lease
@@ -180,6 +180,8 @@ def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp
     client = register(live)
     assert cli_json(live, "pause") == {"paused": True, "changed": True}
     assert try_lease(client, live.coordinator.public_key) is None
+    status, raw = client.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1))
+    assert status == 200 and wire.decode(raw, LeaseResponse).paused  # the client is told why it gets no work
     assert cli_json(live, "status")["issuing_paused"] is True
     assert db_rows(live.run_dir, "SELECT value FROM meta WHERE key='issuing_paused'") == [("1",)]
     assert "already" in cli(live, "pause")
