@@ -50,6 +50,7 @@ class SimClient:
     leaves_at: float = float("inf")  # the client disappears at this time, mid-job if it holds one
     pace: float | None = None  # the coordinator's estimate: declared self-benchmark, then observed
     held: int = -1
+    announced: int = -1  # the newest version a lease reply told it of: prefetched by its next lease
     gone: bool = False
 
 
@@ -119,9 +120,12 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         return not admits(queued + len(st.pending) + len(st.training), policy)
 
     def try_lease(c: SimClient, faster: int | None = None) -> bool:
-        # as in the coordinator, results count as queued until the step that trains them has committed
+        # as in the coordinator, results count as queued until the step that trains them has committed; as in
+        # the join client, a version announced by an earlier lease reply has been prefetched by now
+        c.held = max(c.held, c.announced)
         decision = decide_lease(active_jobs(), len(st.pending) + len(st.training), st.now, st.version, c.held,
                                 policy, speed_of(c, faster))
+        c.announced = st.version
         if decision is None:
             waiting[c.cid] = c  # long-poll: woken by the next version, a lease expiring or falling overdue
             return False

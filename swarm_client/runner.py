@@ -169,6 +169,7 @@ class Runner:
         self.device = "cpu"  # the backend's device, once created
         self._forms: frozenset[str] | None = None  # the snapshot file forms the backend needs (None: all)
         self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
+        self.ready_version = -1  # the newest version fetched and verified ahead of need (push-pull prefetch)
         self._submitting: asyncio.Task[None] | None = None  # the previous job's result, submitted in the background
         # called with (monotonic seconds, job, tokens) for each accepted result: bench/client_overhead.py times
         # the real loop with it
@@ -363,6 +364,10 @@ class Runner:
                 await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
                 continue
             self._set_state("waiting")
+            # "held": the newest version this client can generate with without waiting — the one it last used,
+            # or a newer one already prefetched. Async push-pull binds the job to it while it is within the
+            # staleness bound, so prefetching keeps rollouts as fresh as the swarm allows
+            held = max(held, self.ready_version)
             resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=held), LeaseResponse)
             if resp.current_version > held and (self.prefetch is None or self.prefetch.done()):
                 # push-pull: the lease reply announces the newest version; fetch it in the background while
@@ -462,13 +467,14 @@ class Runner:
         if task is not None:
             await task
 
-    @staticmethod
-    async def _prefetch(cache: SnapshotCache, run_id: str, version: int) -> object:
+    async def _prefetch(self, cache: SnapshotCache, run_id: str, version: int) -> object:
         try:
-            return await cache.ensure(run_id, version, None)
+            folder = await cache.ensure(run_id, version, None)
         except (EchoSwarmError, OSError) as exc:
             logger.info("prefetch of version %d failed: %s", version, exc)
             return None
+        self.ready_version = max(self.ready_version, version)
+        return folder
 
     async def _release(self, api: CoordinatorClient, job_id: str, lease_id: str) -> None:
         try:

@@ -28,7 +28,7 @@ class LeaseView:
     lease_id: str | None = None
     lease_client: str | None = None
     lease_deadline: float | None = None
-    due_at: float | None = None  # when the holder is expected back (core.pacing); None: not estimated
+    due_at: float | None = None  # when the holder is overdue (core.pacing.due_at); None: not estimated
 
 
 def lease_live(job: LeaseView, now: float) -> bool:

@@ -15,6 +15,14 @@ this host finish in time?") with the staleness bound as the deadline:
 3. **Exploration.** A client whose pace is unknown (no results yet, no self-benchmark) gets a job only while
    no other unknown client holds one, so a crowd of newcomers cannot fill the queue with work of unknown
    duration — and each newcomer is measured in turn.
+4. **Just in time.** In async push-pull, a job is not handed out earlier than the learner needs it: once the
+   results already accepted and waiting for the learner cover what it will consume before this client could
+   return the job (this client's pace in learner steps, plus one batch of margin), the client waits. Leases
+   in flight are not counted: their holders may vanish, and a learner starved by that is worse than a
+   fresher queue is good. Issuing it now would not make the learner any
+   busier — the result would only sit in the queue and be trained staler than if it were issued later. When
+   the learner is the bottleneck this keeps staleness near 1 instead of at S; when generation is, the
+   queue never reaches this depth and nothing changes.
 
 Paces are estimated per client as an exponentially weighted mean of observed lease-to-result seconds, seeded
 by the client's declared self-benchmark (untrusted, corrected by the first observed job).
@@ -88,14 +96,26 @@ def within_horizon(pace_s: float, step_s: float, versions_left: int) -> bool:
     return pace_s <= (versions_left + 0.5) * step_s
 
 
-def may_take_slot(speed: ClientSpeed, *, free: int, queued: int, jobs_per_step: int, versions_left: int | None
-                  ) -> bool:
-    """Rules 1–3 for one free slot. ``versions_left`` is how many more versions the job's result may lag
-    by and still be trained (None: no horizon applies, as in sequential pull)."""
+def may_take_slot(speed: ClientSpeed, *, free: int, queued: int, jobs_per_step: int, versions_left: int | None,
+                  ahead: int | None = None) -> bool:
+    """Rules 1–4 for one free slot. ``versions_left`` is how many more versions the job's result may lag
+    by and still be trained (None: no horizon applies, as in sequential pull). ``ahead``: results already in
+    the learner's hands (accepted, not yet trained)
+    (None: not known, rule 4 does not apply)."""
     if speed.faster_waiting >= free:
         return False
     if speed.pace_s is None:
         return speed.exploring == 0 or queued < jobs_per_step
     if versions_left is None or speed.step_s is None or queued < jobs_per_step:
         return True
-    return within_horizon(speed.pace_s, speed.step_s, versions_left)
+    if not within_horizon(speed.pace_s, speed.step_s, versions_left):
+        return False
+    return ahead is None or ahead < needed_ahead(speed.pace_s, speed.step_s, jobs_per_step)
+
+
+def needed_ahead(pace_s: float, step_s: float, jobs_per_step: int) -> int:
+    """Results the learner consumes while a client of ``pace_s`` generates one job (B per step), plus one
+    batch of margin: if at least this many will be in hand by the time this job could be back, the learner
+    does not need it yet."""
+    return jobs_per_step * (math.ceil(pace_s / max(step_s, 1e-9)) + 1)
+

@@ -160,3 +160,22 @@ def test_a_job_refused_from_a_client_goes_to_someone_else() -> None:
     assert decide_lease(released, 0, 0.0, 5, 5, SEQ, withheld=frozenset({"j0"})).job_id == "j1"  # type: ignore[union-attr]
     fresh = decide_lease(released, 0, 0.0, 5, 5, SEQ, withheld=frozenset({"j0", "j1"}))
     assert fresh is not None and fresh.job_id is None  # a newly planned job instead
+
+
+def test_just_in_time_waits_while_accepted_results_cover_the_learner() -> None:
+    """Rule 4: a client of pace 2 steps is not needed while B·(2 + 1) = 6 accepted results wait for the
+    learner; handing it a job now would only make that job staler."""
+    from coordinator.core.pacing import needed_ahead
+
+    assert needed_ahead(2.0, 1.0, 2) == 6 and needed_ahead(2.1, 1.0, 2) == 8 and needed_ahead(0.5, 1.0, 2) == 4
+    speed = ClientSpeed(pace_s=2.0, step_s=1.0)
+    kw = {"free": 4, "queued": 6, "jobs_per_step": 2, "versions_left": 4}
+    assert may_take_slot(speed, **kw, ahead=5)  # type: ignore[arg-type]
+    assert not may_take_slot(speed, **kw, ahead=6)  # type: ignore[arg-type]
+    assert may_take_slot(speed, **kw, ahead=None)  # type: ignore[arg-type]
+    # through decide_lease: S = 4, B = 2 (10 slots); 6 accepted results waiting, 2 leases out
+    policy = SyncPolicy("async-push-pull", 4, 2)
+    active = [lease("j0", 5), lease("j1", 5)]
+    assert decide_lease(active, 6, 0.0, 5, 5, policy, speed) is None
+    assert decide_lease(active, 5, 0.0, 5, 5, policy, speed) is not None
+    assert decide_lease(active, 6, 0.0, 5, 5, policy, None) is not None  # plain issuance fills the queue
