@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def build_model(folder: Path) -> Path:
+def build_model(folder: Path, hidden: int = 128, layers: int = 4) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -42,8 +42,8 @@ def build_model(folder: Path) -> Path:
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(4, hidden // 64), num_key_value_heads=2, max_position_embeddings=512,
                       tie_word_embeddings=True, bos_token_id=256, eos_token_id=256, pad_token_id=256,
                       use_sliding_window=False, initializer_range=0.02)
     Qwen2ForCausalLM(cfg).save_pretrained(str(folder), safe_serialization=True)
@@ -152,6 +152,9 @@ def main() -> None:
     ap.add_argument("--pin", choices=("auto", "on", "off"), default="auto",
                     help="on: coordinator on CPU 0, this client (and the raw baseline) on the other CPUs, as if the "
                     "coordinator ran on its own machine; auto: on where there are at least 2 CPUs")
+    ap.add_argument("--hidden", type=int, default=128, help="model width (128: the 1 M-parameter tiny model, where "
+                    "per-token Python work weighs most; 384 with --layers 6: ~11 M parameters)")
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the coordinator
@@ -165,10 +168,11 @@ def main() -> None:
     results: dict[str, Any] = {"pinned": pin}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        model = build_model(tmp / "model")
-        for name in args.backends.split(","):
-            ratios, e2e, raws = [], [], []
-            for r in range(args.runs):
+        model = build_model(tmp / "model", args.hidden, args.layers)
+        names = args.backends.split(",")
+        per: dict[str, dict[str, list[float]]] = {n: {"ratios": [], "e2e": [], "raw": []} for n in names}
+        for r in range(args.runs):  # backends interleaved run by run: both see the same machine conditions
+            for name in names:
                 run_tmp = tmp / f"{name}-{r}"
                 run_tmp.mkdir()
                 proc, url = start_coordinator(run_tmp, model, args.prompts_per_job, args.group, args.max_tokens,
@@ -180,13 +184,14 @@ def main() -> None:
                     proc.terminate()
                     proc.wait(60)
                 rate = got["tokens"] / got["wall_s"]
-                e2e.append(rate)
-                raws.append(raw)
-                ratios.append(rate / raw)
+                per[name]["e2e"].append(rate)
+                per[name]["raw"].append(raw)
+                per[name]["ratios"].append(rate / raw)
                 print(f"{name} run {r}: end-to-end {rate:,.0f} tok/s, raw {raw:,.0f} tok/s, ratio {rate / raw:.3f}",
                       flush=True)
-            results[name] = {"ratio_median": statistics.median(ratios), "ratios": ratios,
-                             "end_to_end_tok_s": e2e, "raw_tok_s": raws}
+        for name in names:
+            results[name] = {"ratio_median": statistics.median(per[name]["ratios"]), "ratios": per[name]["ratios"],
+                             "end_to_end_tok_s": per[name]["e2e"], "raw_tok_s": per[name]["raw"]}
         results["snapshot_bytes"] = snapshot_bytes(model, tmp)
     print("\n| backend | end-to-end tok/s (median) | raw tok/s (median) | overhead ratio (median of runs) |")
     print("|---|---|---|---|")

@@ -89,6 +89,9 @@ class LearnerConfig(_Strict):
     max_steps: int = Field(200, ge=0, description="Optimiser steps (= policy versions) before the run finishes.")
     is_cap: float = Field(2.0, ge=1.0, description="Truncation of the per-token importance weight π_prox/π_behaviour "
                           "that corrects stale rollouts (async mode); 1 means ratios above 1 are cut to 1.")
+    is_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance weight per token (π_prox/π_b of that token) or per sequence (the product "
+        "over the whole completion, the same weight on every token of it, truncated at is_cap).")
     staleness_decay: float = Field(1.0, gt=0, le=1, description="Loss weight decay^staleness per rollout "
                                    "(1: stale rollouts count fully, relying on the importance correction).")
     seed: int = Field(0, description="Seeds prompt selection and per-job sampling seeds.")
@@ -119,7 +122,8 @@ class JobsConfig(_Strict):
                                "answering 'none yet' (must stay below the clients' 30 s request timeout).")
     speed_aware: bool = Field(True, description="Give free queue slots to the clients expected to return soonest, "
                               "and in async-push-pull only jobs a client can return while they are within "
-                              "max_staleness (core.pacing). Off: first come, first served.")
+                              "max_staleness, no earlier than the learner needs them (core.pacing). Off: first "
+                              "come, first served, filling the queue to max_staleness.")
 
 
 class BackendTolerance(_Strict):

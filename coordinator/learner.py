@@ -35,7 +35,7 @@ MICRO_BATCH = 64
 
 
 def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any, mask: Any, eps: float,
-                    cap: float) -> tuple[Any, Any, Any]:
+                    cap: float, level: str = "token") -> tuple[Any, Any, Any]:
     """Per-token decoupled-PPO loss (module docstring), plus ρ = πθ/π_prox and log(π_prox/π_b) for metrics.
 
     All tensors are [sequences, tokens] (``adv`` and ``weight`` broadcast from [sequences, 1]); ``mask`` is 1
@@ -44,7 +44,10 @@ def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any,
     import torch
 
     log_is = ((prox - behaviour) * mask).detach()
-    is_weight = torch.clamp(torch.exp(log_is), max=cap)
+    if level == "sequence":  # one weight per rollout: the probability ratio of the whole completion
+        is_weight = torch.clamp(torch.exp(log_is.sum(dim=-1, keepdim=True)), max=cap)
+    else:
+        is_weight = torch.clamp(torch.exp(log_is), max=cap)
     ratio = torch.exp((logp - prox.detach()) * mask)
     unclipped = ratio * adv
     clipped_obj = torch.clamp(ratio, 1 - eps, 1 + eps) * adv
@@ -184,7 +187,8 @@ class Learner:
             prox = logp.detach() if any(c.staleness > 0 for c in chunk) else behaviour
             adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
-            per_token, ratio, log_is = token_objective(logp, prox, behaviour, adv, weight, mask, eps, cap)
+            per_token, ratio, log_is = token_objective(logp, prox, behaviour, adv, weight, mask, eps, cap,
+                                                       self.cfg.is_level)
             loss = per_token.sum() / max(1, total_tokens)
             loss.backward()
             with torch.no_grad():

@@ -87,7 +87,7 @@ class Display:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold cyan", justify="right")
         grid.add_column()
-        state_style = {"generating": "green", "paused": "yellow", "stopped": "red"}.get(s.state, "white")
+        state_style = {"generating": "green", "paused": "yellow", "coordinator paused": "yellow", "stopped": "red"}.get(s.state, "white")
         grid.add_row("state", Text(s.state, style=state_style))  # Text, not markup: values are never parsed
         grid.add_row("coordinator", Text(self.url))
         grid.add_row("client", s.client_id[:16])

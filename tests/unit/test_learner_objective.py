@@ -74,3 +74,20 @@ def test_importance_weight_carries_no_gradient() -> None:
     assert prox.grad is None  # π_prox is a constant of the step: neither ρ nor the weight pass gradient to it
     # d/dlogp of −ρ·w with ρ = e^(logp − prox) at ρ = 1: −w = −e^0.5
     assert float(logp.grad[0, 0]) == pytest.approx(-math.exp(0.5))
+
+
+def test_sequence_level_weight_is_the_truncated_product_over_the_completion() -> None:
+    # two tokens with π_prox/π_b = e^0.3 and e^0.2 (and a padding slot): one weight e^0.5 = 1.6487 on both
+    logp = prox = t([-0.9, -0.4, 0.0])
+    behaviour = t([-1.2, -0.6, 0.0])
+    mask = t([1.0, 1.0, 0.0])
+    per_token, _, log_is = token_objective(logp, prox, behaviour, t([1.0]), t([1.0]), mask, 0.2, 2.0, "sequence")
+    assert [float(x) for x in log_is[0]] == pytest.approx([0.3, 0.2, 0.0])
+    assert [float(x) for x in per_token[0]] == pytest.approx([-math.exp(0.5), -math.exp(0.5), 0.0])
+    # a product past the cap is cut to it on every token: e^(0.3 + 0.8) = 3.0 → 2
+    per_token, _, _ = token_objective(logp, prox, t([-1.2, -1.2, 0.0]), t([1.0]), t([1.0]), mask, 0.2, 2.0,
+                                      "sequence")
+    assert [float(x) for x in per_token[0]] == pytest.approx([-2.0, -2.0, 0.0])
+    # per token the same inputs give two different weights
+    per_token, _, _ = token_objective(logp, prox, behaviour, t([1.0]), t([1.0]), mask, 0.2, 2.0, "token")
+    assert [float(x) for x in per_token[0]] == pytest.approx([-math.exp(0.3), -math.exp(0.2), 0.0])
