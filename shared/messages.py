@@ -38,6 +38,10 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e11)]
 LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-1e4, le=1e-3)]
 ProtocolNumber = Annotated[int, Field(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
+# Manifests are stored in the run directory and re-served after an upgrade: their layout has not changed since
+# protocol 1 (protocol 2 only added LeaseResponse.paused), so a snapshot published under protocol 1 stays valid.
+MANIFEST_PROTOCOLS = (1, PROTOCOL_VERSION)
+ManifestProtocolNumber = Annotated[int, Field(ge=MANIFEST_PROTOCOLS[0], le=MANIFEST_PROTOCOLS[1])]
 AnyProtocolNumber = Annotated[int, Field(ge=0, lt=2**16)]  # envelope: checked explicitly → protocol_version
 
 
@@ -200,7 +204,7 @@ class ManifestFile(Message):
 class Manifest(Message):
     """A policy version: the files of a Hugging Face model folder, each addressed by its sha256."""
 
-    protocol: ProtocolNumber
+    protocol: ManifestProtocolNumber
     run_id: ShortText
     version: Version
     created_at: Timestamp

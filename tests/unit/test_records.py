@@ -165,3 +165,15 @@ def test_open_manifest_returns_manifest_type(model_dir: Path, key: Ed25519Privat
     m = records.build_manifest(model_dir, run_id="r", version=1, created_at=1.0)
     opened, _ = records.open_manifest(records.sign_manifest(key, m), crypto.public_bytes(key))
     assert isinstance(opened, Manifest)
+
+
+def test_a_snapshot_published_under_protocol_1_still_opens(model_dir: Path, key: Ed25519PrivateKey) -> None:
+    """Manifests live in the run directory and are re-served after an upgrade; their layout is unchanged since
+    protocol 1, so an older one still opens, and a newer one than this build knows does not."""
+    old = records.build_manifest(model_dir, run_id="r", version=1, created_at=1.0).model_copy(update={"protocol": 1})
+    signed = records.sign_manifest(key, old)
+    opened, _ = records.open_manifest(wire.decode(wire.encode(signed), SignedManifest), crypto.public_bytes(key))
+    assert opened.protocol == 1
+    future = old.model_copy(update={"protocol": PROTOCOL_VERSION + 1})
+    with pytest.raises(ProtocolError):
+        records.open_manifest(records.sign_manifest(key, future), crypto.public_bytes(key))
