@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
 
-from shared import crypto, wire
+from shared import PROTOCOL_VERSION, crypto, wire
 from shared.errors import HTTP_STATUS, ProtocolError, Reason
 from shared.messages import (
     ClientProfile,
@@ -350,7 +350,7 @@ MESSAGES: dict[str, st.SearchStrategy[Message]] = {
 }
 OTHER_MESSAGES: list[st.SearchStrategy[Message]] = [
     st.builds(ErrorBody, error=st.sampled_from(sorted(REASON_VALUES)), message=st.text(max_size=100)),
-    st.builds(SignedRequest, protocol=st.just(1), client_id=CLIENT_IDS, timestamp=st.floats(0, 1e11),
+    st.builds(SignedRequest, protocol=st.just(PROTOCOL_VERSION), client_id=CLIENT_IDS, timestamp=st.floats(0, 1e11),
               nonce=st.binary(min_size=16, max_size=32), path=st.sampled_from(ENDPOINTS), body=st.binary(max_size=64),
               signature=st.binary(min_size=64, max_size=64)),
 ]
@@ -686,7 +686,7 @@ def test_envelope_checks_follow_the_documented_order(harness: Harness, endpoint:
     reply is the first failing check in the documented order (or, with none, the body's own fate)."""
     me, window = harness.client.client_id, harness.live.coordinator.config.verification.request_window_s
     draw = data.draw
-    protocol = 1
+    protocol = PROTOCOL_VERSION
     if "protocol" in faults:
         protocol = draw(st.integers(0, 65535), label="protocol")
     if "protocol_range" in faults:
@@ -717,7 +717,7 @@ def test_envelope_checks_follow_the_documented_order(harness: Harness, endpoint:
     def expected() -> Reason | None:
         if protocol > 65535 or not PATH_PATTERN.fullmatch(signed_path) or not 16 <= len(nonce) <= 32:
             return Reason.SCHEMA
-        if protocol != 1:
+        if protocol != PROTOCOL_VERSION:
             return Reason.PROTOCOL_VERSION
         if signed_path != endpoint:
             return Reason.BAD_SIGNATURE

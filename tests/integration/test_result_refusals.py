@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from shared import wire
+from shared import PROTOCOL_VERSION, wire
 from shared.messages import (
     Job,
     ReleaseRequest,
@@ -189,7 +189,7 @@ def test_other_protocol_version_is_refused(setup: Any) -> None:
     live, client, job, result = setup
     before = state(live.run_dir)
     req = wire.unpack(client.envelope("/v1/results", result))
-    req["protocol"] = 2
+    req["protocol"] = PROTOCOL_VERSION + 1
     msg = refused(client, "/v1/results", wire.pack(req), 426, "protocol_version")
     assert "upgrade" in msg
     assert state(live.run_dir) == before
