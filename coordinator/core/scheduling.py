@@ -95,12 +95,12 @@ def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current:
     version = bind_version(current, held, queued, policy)
     if speed is not None:
         free = policy.jobs_per_step * (policy.bound + 1) - queued
-        ahead = pending  # rule 4 counts results in hand only: a lease may never come back (clients vanish)
 
         def fits(v: int) -> bool:
             left = policy.bound - (current - v) if policy.mode == "async-push-pull" else None
+            # rule 4 counts the results in hand only: a lease in flight may never come back (clients vanish)
             return may_take_slot(speed, free=free, queued=queued, jobs_per_step=policy.jobs_per_step,
-                                 versions_left=left, ahead=ahead)
+                                 versions_left=left, ahead=pending)
 
         if not fits(version):
             if version == current or not fits(current):

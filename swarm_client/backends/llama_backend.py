@@ -173,7 +173,7 @@ class LlamaBackend:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context "
                              f"window n_ctx={self.n_ctx}")
         rows = self._logit_rows(max_tokens)
-        n_vocab, row_bytes = rows.shape[1], rows.shape[1] * rows.itemsize
+        row_bytes = rows.shape[1] * rows.itemsize
         base, memmove, logits_ith, ctx = rows.ctypes.data, ctypes.memmove, self._lib.llama_get_logits_ith, llm.ctx
         llm.set_seed(seed)
         tokens: list[int] = []
@@ -196,7 +196,6 @@ class LlamaBackend:
                 break
         if filled:
             logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
-        assert len(logprobs) == len(tokens) and n_vocab == llm.n_vocab()
         return Sampled(tokens, logprobs, finish)
 
     def _logit_rows(self, max_tokens: int) -> np.ndarray:
