@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.core.leases import JobState, LeaseCheck, LeaseView, check_lease, deadline_for  # noqa: E402
-from coordinator.core.pacing import ClientSpeed, due_at, faster_count, update_pace  # noqa: E402
+from coordinator.core.pacing import ClientSpeed, due_at, expected_back, faster_count, update_pace  # noqa: E402
 from coordinator.core.scheduling import (  # noqa: E402
     Pending,
     SyncPolicy,
@@ -111,7 +111,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         active = sorted(st.jobs.values(), key=lambda j: int(j.job_id[1:]))  # st.jobs holds jobs not yet done
         if speed_aware:  # as the coordinator does: each lease is due back by its holder's pace
             step_s = st.version_interval
-            active = [replace(j, due_at=due_at(leased_at[j.lease_id], by_id[j.lease_client].pace, step_s))
+            active = [replace(j, due_at=due_at(leased_at[j.lease_id], by_id[j.lease_client].pace, step_s),
+                              expected_at=expected_back(leased_at[j.lease_id], by_id[j.lease_client].pace))
                       if j.lease_client is not None and j.lease_id is not None else j for j in active]
         return active
 

@@ -87,11 +87,17 @@ class LearnerConfig(_Strict):
     prompts_per_step: int = Field(16, ge=1, le=4096, description="GRPO groups per optimiser step.")
     group_size: int = Field(8, ge=2, le=64, description="Samples per prompt; advantages are normalised within a group.")
     max_steps: int = Field(200, ge=0, description="Optimiser steps (= policy versions) before the run finishes.")
-    is_cap: float = Field(2.0, ge=1.0, description="Truncation of the per-token importance weight π_prox/π_behaviour "
-                          "that corrects stale rollouts (async mode); 1 means ratios above 1 are cut to 1.")
+    correction: Literal["behaviour-clip", "decoupled"] = Field(
+        "behaviour-clip", description="Off-policy correction of stale rollouts (async mode; fresh ones train as "
+        "plain GRPO either way). behaviour-clip: PPO's clipped ratio πθ/π_b anchored at the version that "
+        "generated the rollout, so tokens earlier steps already moved past 1±clip_eps get no further push. "
+        "decoupled (AReaL): the clip around this step's policy, times the truncated weight min(is_cap, π_prox/π_b).")
+    is_cap: float = Field(2.0, ge=1.0, description="Bound on the importance ratio: behaviour-clip cuts πθ/π_b at "
+                          "is_cap for negative advantages (dual clip); decoupled truncates π_prox/π_b at is_cap "
+                          "(1 means ratios above 1 are cut to 1).")
     is_level: Literal["token", "sequence"] = Field(
-        "token", description="Importance weight per token (π_prox/π_b of that token) or per sequence (the product "
-        "over the whole completion, the same weight on every token of it, truncated at is_cap).")
+        "token", description="Decoupled correction only: importance weight per token (π_prox/π_b of that token) or "
+        "per sequence (the product over the whole completion, the same weight on every token, truncated at is_cap).")
     staleness_decay: float = Field(1.0, gt=0, le=1, description="Loss weight decay^staleness per rollout "
                                    "(1: stale rollouts count fully, relying on the importance correction).")
     seed: int = Field(0, description="Seeds prompt selection and per-job sampling seeds.")
@@ -105,6 +111,13 @@ class LearnerConfig(_Strict):
     lora_alpha: float = Field(8.0, gt=0, description="LoRA scale numerator: the update is alpha/r · B·A.")
     lora_targets: list[str] = Field(["q_proj", "v_proj"], min_length=1, max_length=16,
                                     description="Linear modules that get adapters (Qwen2/Llama names).")
+
+    @model_validator(mode="after")
+    def _sequence_weight_needs_decoupled(self) -> LearnerConfig:
+        if self.is_level == "sequence" and self.correction != "decoupled":
+            raise ValueError("learner.is_level = 'sequence' weights the decoupled correction only; set "
+                             "learner.correction = 'decoupled' as well, or leave is_level at 'token'")
+        return self
 
 
 class SamplingConfig(_Strict):

@@ -1,19 +1,26 @@
 """The GRPO learner: recomputes behaviour logprobs for verification and takes clipped policy-gradient steps.
 
-Loss per token, token-mean over the batch (the decoupled PPO objective, as in AReaL):
+Loss per token, token-mean over the batch. Two off-policy corrections (``learner.correction``):
 
-    w · min(c, π_prox/π_b) · −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A),   ρ = πθ/π_prox
+- ``behaviour-clip`` (default), PPO anchored at the behaviour policy:
+      w · −dualclip(min(r·A, clip(r, 1−ε, 1+ε)·A)),   r = πθ/π_b
+  The importance ratio r multiplies the gradient, and PPO's trust region is centred on the policy that
+  generated the rollout: a token the learner has already moved past 1±ε since that version (by training on
+  other batches) gets no further push in the same direction. For a negative advantage the ratio is cut at
+  c = ``is_cap`` (dual clip), so one unlikely token cannot dominate the batch.
+- ``decoupled`` (as in AReaL), the trust region around this step's policy π_prox, a truncated weight for
+  the behaviour gap:
+      w · min(c, π_prox/π_b) · −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A),   ρ = πθ/π_prox
+  With one optimiser step per batch ρ = 1 when the gradient is taken, so nothing bounds how far earlier steps
+  have already moved a stale token: measured in bench/sync_modes.py (3 seeds, rollouts 3 versions old), this
+  lost a quarter of co-located's improvement where ``behaviour-clip`` lost none.
 
-- π_b: the behaviour policy, i.e. the learner's own recompute at the version that generated the rollout
-  (trusted, unlike the client's report);
-- π_prox: the learner's policy at the start of this step (no gradient);
-- min(c, π_prox/π_b): truncated per-token importance weight correcting stale rollouts (``is_cap`` = c);
-- w = ``staleness_decay`` ** staleness; A: the group-normalised advantage.
-For a fresh rollout π_prox = π_b, the importance weight is 1 and this is plain GRPO. With one optimiser step
-per batch (as here) ρ = 1 when the gradient is taken, so the PPO clip is inert; it is kept so that the
-objective stays correct if several updates per batch are added. All
-torch work of the coordinator happens on one dedicated thread, so the model is never read while it is
-being updated.
+π_b is the learner's own recompute at the version that generated the rollout (trusted, unlike the client's
+report); π_prox the learner's policy at the start of this step (no gradient); w = ``staleness_decay`` **
+staleness; A the group-normalised advantage. For a fresh rollout π_b = π_prox = πθ when the gradient is
+taken, both corrections are plain GRPO, and co-located or sequential-pull training is unaffected by the
+choice. All torch work of the coordinator happens on one dedicated thread, so the model is never read while
+it is being updated.
 """
 
 from __future__ import annotations
@@ -35,15 +42,22 @@ MICRO_BATCH = 64
 
 
 def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any, mask: Any, eps: float,
-                    cap: float, level: str = "token") -> tuple[Any, Any, Any]:
-    """Per-token decoupled-PPO loss (module docstring), plus ρ = πθ/π_prox and log(π_prox/π_b) for metrics.
+                    cap: float, level: str = "token", correction: str = "behaviour-clip") -> tuple[Any, Any, Any]:
+    """Per-token loss (module docstring), plus the clipped ratio (πθ/π_b for ``behaviour-clip``, πθ/π_prox
+    for ``decoupled``) and log(π_prox/π_b) for metrics.
 
     All tensors are [sequences, tokens] (``adv`` and ``weight`` broadcast from [sequences, 1]); ``mask`` is 1
-    on real completion tokens. The importance weight min(cap, π_prox/π_b) carries no gradient.
+    on real completion tokens. ``level`` ("token" or "sequence") applies to the decoupled importance weight,
+    which carries no gradient.
     """
     import torch
 
     log_is = ((prox - behaviour) * mask).detach()
+    if correction == "behaviour-clip":
+        ratio = torch.exp((logp - behaviour.detach()) * mask)
+        objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+        objective = torch.where(adv < 0, torch.maximum(objective, cap * adv), objective)  # dual clip
+        return -objective * weight * mask, ratio, log_is
     if level == "sequence":  # one weight per rollout: the probability ratio of the whole completion
         is_weight = torch.clamp(torch.exp(log_is.sum(dim=-1, keepdim=True)), max=cap)
     else:
@@ -188,7 +202,7 @@ class Learner:
             adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             per_token, ratio, log_is = token_objective(logp, prox, behaviour, adv, weight, mask, eps, cap,
-                                                       self.cfg.is_level)
+                                                       self.cfg.is_level, self.cfg.correction)
             loss = per_token.sum() / max(1, total_tokens)
             loss.backward()
             with torch.no_grad():

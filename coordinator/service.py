@@ -243,18 +243,23 @@ class Coordinator:
 
     async def lease(self, raw: bytes) -> LeaseResponse:
         """Lease the oldest available job, long-polling up to ``jobs.long_poll_s`` for one to appear, so an
-        idle client learns of a new policy version as soon as it is published (push), then fetches it (pull)."""
+        idle client learns of a new policy version as soon as it is published (push), then fetches it (pull).
+
+        A version published while the client waits ends the wait at once, with or without a job: a client
+        with nothing to do should spend the time pulling the newest weights, not sit on old ones and later be
+        handed a job bound to them (async push-pull lets a job keep the client's version while within S)."""
         req = self.authenticate(raw, "/v1/lease")
         body = wire.decode(req.body, LeaseRequest)
         self.guard.check_quarantine(req.client_id, self.backend_class(req.client_id, body.backend), self.clock())
         give_up = time.monotonic() + self.config.jobs.long_poll_s
+        announced = max(self.version, body.held_version)  # what the client knows of once this request began
         self._waiting[req.client_id] = self._waiting.get(req.client_id, 0) + 1
         try:
             while True:
                 event = self._jobs_event
                 resp = self._try_lease(req.client_id, body.held_version)
                 remaining = give_up - time.monotonic()
-                if resp.job is not None or resp.finished or remaining <= 0:
+                if resp.job is not None or resp.finished or remaining <= 0 or resp.current_version > announced:
                     return resp
                 # expired or overdue leases free slots without an event: re-check at least every second
                 with contextlib.suppress(TimeoutError):
@@ -305,12 +310,13 @@ class Coordinator:
                              finished=False)
 
     def _with_due(self, view: LeaseView) -> LeaseView:
-        """The lease with the time its holder is expected back (core.pacing.due_at), if its pace is known."""
+        """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known."""
         if view.lease_client is None or view.lease_deadline is None:
             return view
         leased_at = view.lease_deadline - self.config.jobs.lease_timeout_s
-        return replace(view, due_at=pacing.due_at(leased_at, self._pace.get(view.lease_client),
-                                                  self._version_interval))
+        pace = self._pace.get(view.lease_client)
+        return replace(view, due_at=pacing.due_at(leased_at, pace, self._version_interval),
+                       expected_at=pacing.expected_back(leased_at, pace))
 
     def _speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
         mine = self._pace.get(client_id)

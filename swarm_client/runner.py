@@ -152,6 +152,7 @@ class Pacer:
 
 
 GATE_POLL_S = 1.0  # how often a paused / waiting client re-reads its control file and the clock
+PULL_WAIT_S = 30.0  # longest an idle client waits for an announced version to arrive before asking again
 
 
 class Runner:
@@ -381,6 +382,8 @@ class Runner:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
                     break
+                if not resp.paused and resp.current_version > held and await self._pulled(resp.current_version):
+                    continue  # a version announced while idle: pulled it, so ask again with it in hand
                 self._set_state("coordinator paused" if resp.paused else "waiting")
                 await self._wait_unless_paused(resp.retry_after_s)
                 continue
@@ -466,6 +469,14 @@ class Runner:
         task, self._submitting = self._submitting, None
         if task is not None:
             await task
+
+    async def _pulled(self, version: int) -> bool:
+        """Wait (at most ``PULL_WAIT_S``) for the prefetch of an announced version; True once it is in hand.
+        An idle client pulls before asking again, so its next job is generated with the newest weights."""
+        if self.prefetch is not None and not self.prefetch.done():
+            self._set_state("fetching")
+            await asyncio.wait([self.prefetch], timeout=PULL_WAIT_S)
+        return self.ready_version >= version
 
     async def _prefetch(self, cache: SnapshotCache, run_id: str, version: int) -> object:
         try:

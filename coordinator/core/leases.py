@@ -29,6 +29,7 @@ class LeaseView:
     lease_client: str | None = None
     lease_deadline: float | None = None
     due_at: float | None = None  # when the holder is overdue (core.pacing.due_at); None: not estimated
+    expected_at: float | None = None  # when the holder is expected back (core.pacing.expected_back); None: unknown
 
 
 def lease_live(job: LeaseView, now: float) -> bool:

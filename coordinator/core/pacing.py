@@ -15,14 +15,19 @@ this host finish in time?") with the staleness bound as the deadline:
 3. **Exploration.** A client whose pace is unknown (no results yet, no self-benchmark) gets a job only while
    no other unknown client holds one, so a crowd of newcomers cannot fill the queue with work of unknown
    duration — and each newcomer is measured in turn.
-4. **Just in time.** In async push-pull, a job is not handed out earlier than the learner needs it: once the
-   results already accepted and waiting for the learner cover what it will consume before this client could
-   return the job (this client's pace in learner steps, plus one batch of margin), the client waits. Issuing
-   it now would not make the learner any busier — the result would only sit in the queue and be trained
-   staler than if it were issued later. Leases in flight are not counted: their holders may vanish, and a
-   starved learner costs more than a fresher queue gains. When the learner is the bottleneck this keeps
-   staleness below S (mean 2.9 instead of 4.0 at S = 4 in bench/sync_modes.py); when generation is, accepted
-   results never pile up this deep and nothing changes.
+4. **Just in time.** In async push-pull, a job is not handed out earlier than the learner needs it. The
+   supply this client's job would join — results accepted and not yet trained (the batch in training
+   included), plus leases in flight whose holders are expected back before this client could be — is
+   compared with what the learner takes until then: the batch in training and every batch it starts before
+   this job could be back, ``B·(⌈pace/step⌉ + 1)``. If the supply already covers that, the client waits:
+   issuing now would not make the learner any busier, the result would only sit in the queue and be trained
+   staler than if it were issued later. Only leases expected back at least half a learner step sooner
+   count (a slow holder's work does not feed the next batches; the half step absorbs a late arrival), and
+   none already past its expected time (its holder may be slow or gone). In bench/swarm_sim.py, counting
+   late leases too starved the learner at 1,000 clients (busy 0.68), and counting them with no slack cost
+   0.06 busy at 50 clients. When the
+   learner is the bottleneck this keeps staleness near the one version a pipeline needs, whatever S allows;
+   when generation is the bottleneck the supply never covers the demand and nothing changes.
 
 Paces are estimated per client as an exponentially weighted mean of observed lease-to-result seconds, seeded
 by the client's declared self-benchmark (untrusted, corrected by the first observed job).
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 
 PACE_WEIGHT = 0.3  # weight of the newest observation in the pace average
 OVERDUE_FACTOR = 3.0  # a lease is overdue after this many times its holder's expected pace (plus a step)
+SUPPLY_SLACK_STEPS = 0.5  # rule 4: a lease in flight counts as supply if expected back this many steps early
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,11 @@ def due_at(leased_at: float, pace_s: float | None, step_s: float | None) -> floa
     return leased_at + OVERDUE_FACTOR * pace_s + (step_s or 0.0)
 
 
+def expected_back(leased_at: float, pace_s: float | None) -> float | None:
+    """When a lease's holder is expected to return its result: ``pace_s`` after the lease (None: unknown)."""
+    return None if pace_s is None else leased_at + pace_s
+
+
 def declared_pace(tokens_per_s: float | None, tokens_per_job: int) -> float | None:
     """A prior pace from a client's self-benchmark: seconds to generate a job's worth of tokens at the
     declared rate. Untrusted and optimistic (no fetch or network time): the first observed result corrects it."""
@@ -99,8 +110,9 @@ def within_horizon(pace_s: float, step_s: float, versions_left: int) -> bool:
 def may_take_slot(speed: ClientSpeed, *, free: int, queued: int, jobs_per_step: int, versions_left: int | None,
                   ahead: int | None = None) -> bool:
     """Rules 1–4 for one free slot. ``versions_left`` is how many more versions the job's result may lag
-    by and still be trained (None: no horizon applies, as in sequential pull). ``ahead``: results already in
-    the learner's hands, accepted and not yet trained (None: not known, rule 4 does not apply)."""
+    by and still be trained (None: no horizon applies, as in sequential pull). ``ahead``: the supply rule 4
+    weighs — results accepted and not yet trained, plus leases in flight expected back before this client's
+    job (None: not known, rule 4 does not apply)."""
     if speed.faster_waiting >= free:
         return False
     if speed.pace_s is None:
@@ -113,7 +125,7 @@ def may_take_slot(speed: ClientSpeed, *, free: int, queued: int, jobs_per_step: 
 
 
 def needed_ahead(pace_s: float, step_s: float, jobs_per_step: int) -> int:
-    """Results the learner consumes while a client of ``pace_s`` generates one job (B per step), plus one
-    batch of margin: if at least this many will be in hand by the time this job could be back, the learner
-    does not need it yet."""
+    """Results the learner takes until a job of ``pace_s`` seconds could be back: the batch in training plus
+    every batch it starts in the meantime (B per step). If the supply already covers this many, the learner
+    does not need the job yet."""
     return jobs_per_step * (math.ceil(pace_s / max(step_s, 1e-9)) + 1)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from coordinator.core.leases import LeaseView, choose_job, lease_live
-from coordinator.core.pacing import ClientSpeed, may_take_slot
+from coordinator.core.pacing import SUPPLY_SLACK_STEPS, ClientSpeed, may_take_slot
 
 SyncMode = Literal["sequential-pull", "async-push-pull", "colocated"]
 
@@ -80,6 +80,17 @@ def occupies_slot(job: LeaseView, now: float, current: int, policy: SyncPolicy) 
     return job.version is None or current - job.version <= policy.bound
 
 
+def supply_before(active: Sequence[LeaseView], pending: int, now: float, current: int, policy: SyncPolicy,
+                  back_at: float, step_s: float) -> int:
+    """What the learner will have in hand by ``back_at`` without a new job (core.pacing rule 4): the
+    ``pending`` results accepted and not yet trained, plus the leases in flight that hold a slot and whose
+    holders are expected back ``SUPPLY_SLACK_STEPS`` learner steps before then. A lease of unknown pace, one
+    expected later, or one already late (its holder may be gone) is not counted."""
+    by = back_at - SUPPLY_SLACK_STEPS * step_s
+    return pending + sum(1 for j in active if occupies_slot(j, now, current, policy)
+                         and j.expected_at is not None and now <= j.expected_at <= by)
+
+
 def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
                  policy: SyncPolicy, speed: ClientSpeed | None = None,
                  withheld: frozenset[str] = frozenset()) -> LeaseDecision | None:
@@ -96,11 +107,14 @@ def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current:
     if speed is not None:
         free = policy.jobs_per_step * (policy.bound + 1) - queued
 
+        ahead = None
+        if speed.pace_s is not None and speed.step_s is not None:
+            ahead = supply_before(active, pending, now, current, policy, now + speed.pace_s, speed.step_s)
+
         def fits(v: int) -> bool:
             left = policy.bound - (current - v) if policy.mode == "async-push-pull" else None
-            # rule 4 counts the results in hand only: a lease in flight may never come back (clients vanish)
             return may_take_slot(speed, free=free, queued=queued, jobs_per_step=policy.jobs_per_step,
-                                 versions_left=left, ahead=pending)
+                                 versions_left=left, ahead=ahead)
 
         if not fits(version):
             if version == current or not fits(current):

@@ -69,6 +69,34 @@ def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_mo
         assert db_rows(live.run_dir, "SELECT MAX(version) FROM versions") == [(1,)]
 
 
+def test_a_new_version_reaches_a_waiting_client_that_gets_no_job(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Push without work: a version published while a client long-polls ends the wait at once even when there
+    is still no job for it (here the operator has paused issuing), so an idle client pulls the newest weights
+    instead of sitting on old ones until the long-poll runs out (25 s here)."""
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
+                             jobs={"long_poll_s": 25.0}, trust={"spot_checks": False}) as live:
+        worker, waiter = register(live), register(live)
+        jobs = [lease(worker, live.coordinator.public_key) for _ in range(2)]
+        results = [honest_result(live, j) for j in jobs]
+        live.coordinator.issuing_paused = True
+        answer: list[LeaseResponse] = []
+
+        def wait_for_work() -> None:
+            status, raw = waiter.post("/v1/lease", LeaseRequest(backend="torch", held_version=0))
+            assert status == 200, raw
+            answer.append(wire.decode(raw, LeaseResponse))
+
+        thread = threading.Thread(target=wait_for_work, daemon=True)
+        thread.start()
+        wait_until(lambda: waiter.client_id in live.coordinator._waiting, 30, "the waiting client's long-poll")
+        for r in results:  # one batch: the learner trains and publishes version 1
+            status, raw = worker.post("/v1/results", r)
+            assert status == 200, raw
+        thread.join(20)  # well before the long-poll's own 25 s
+        assert answer, "the long-poll did not end when version 1 was published"
+        assert answer[0].current_version == 1 and answer[0].job is None and answer[0].paused
+
+
 def test_a_refused_job_is_reissued_to_another_client(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A client whose result for a job was refused is not handed that job again (same seed, same version: an
     honest deterministic client would be refused again); the next client is."""

@@ -14,19 +14,21 @@ from coordinator.core.pacing import (
     PACE_WEIGHT,
     ClientSpeed,
     due_at,
+    expected_back,
     faster_count,
     may_take_slot,
     update_pace,
     within_horizon,
 )
-from coordinator.core.scheduling import SyncPolicy, decide_lease, occupies_slot
+from coordinator.core.scheduling import SyncPolicy, decide_lease, occupies_slot, supply_before
 
 ASYNC1 = SyncPolicy("async-push-pull", 1, 2)  # B = 2, S = 1: four slots
 SEQ = SyncPolicy("sequential-pull", 1, 2)
 
 
-def lease(job_id: str, version: int, client: str = "x", deadline: float = 1e9, due: float | None = None) -> LeaseView:
-    return LeaseView(job_id, JobState.LEASED, version, 0.0, f"l-{job_id}", client, deadline, due)
+def lease(job_id: str, version: int, client: str = "x", deadline: float = 1e9, due: float | None = None,
+          expected: float | None = None) -> LeaseView:
+    return LeaseView(job_id, JobState.LEASED, version, 0.0, f"l-{job_id}", client, deadline, due, expected)
 
 
 # ---- pace estimate ----------------------------------------------------------------------------------------
@@ -179,3 +181,35 @@ def test_just_in_time_waits_while_accepted_results_cover_the_learner() -> None:
     assert decide_lease(active, 6, 0.0, 5, 5, policy, speed) is None
     assert decide_lease(active, 5, 0.0, 5, 5, policy, speed) is not None
     assert decide_lease(active, 6, 0.0, 5, 5, policy, None) is not None  # plain issuance fills the queue
+
+
+def test_expected_back_hand_value_and_unknown() -> None:
+    assert expected_back(100.0, 2.5) == 102.5
+    assert expected_back(100.0, None) is None
+
+
+def test_supply_counts_only_leases_expected_back_half_a_step_before_the_asking_client() -> None:
+    """Rule 4's supply at t = 10, for a job that would be back at 12 with steps of 1 s: the 3 accepted results
+    plus the in-flight leases expected back in [10, 11.5]. Not counted: one expected at 11.8 (too close to
+    be relied on), one at 20 (a slow holder), one already late (9: its holder may be gone), one of unknown pace,
+    and one overdue."""
+    policy = SyncPolicy("async-push-pull", 4, 2)
+    active = [lease("a", 5, expected=10.5), lease("b", 5, expected=11.5), lease("c", 5, expected=11.8),
+              lease("d", 5, expected=20.0), lease("e", 5, expected=9.0), lease("f", 5),
+              lease("g", 5, expected=10.2, due=9.5)]
+    assert supply_before(active, 3, 10.0, 5, policy, back_at=12.0, step_s=1.0) == 3 + 2
+    # a lease whose version can no longer be trained holds no slot, so it is no supply either
+    assert supply_before([lease("h", 0, expected=10.5)], 0, 10.0, 5, policy, back_at=12.0, step_s=1.0) == 0
+
+
+def test_just_in_time_counts_work_in_flight_that_returns_first() -> None:
+    """S = 4, B = 2, a client of pace 0.8 s with steps of 1 s: the learner takes B·(⌈0.8⌉ + 1) = 4 results
+    before its job could be back. Two accepted results and two leases expected back within 0.3 s cover that,
+    so it waits; if those leases were expected later than its own job, it is given one."""
+    policy = SyncPolicy("async-push-pull", 4, 2)
+    speed = ClientSpeed(pace_s=0.8, step_s=1.0)
+    soon = [lease("j0", 5, expected=100.2), lease("j1", 5, expected=100.3)]
+    late = [lease("j0", 5, expected=105.0), lease("j1", 5, expected=105.0)]
+    assert decide_lease(soon, 2, 100.0, 5, 5, policy, speed) is None
+    assert decide_lease(late, 2, 100.0, 5, 5, policy, speed) is not None
+    assert decide_lease(soon, 1, 100.0, 5, 5, policy, speed) is not None  # one short of the demand
