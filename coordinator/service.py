@@ -88,6 +88,8 @@ class Coordinator:
         self._pace: dict[str, float] = {}
         self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
         self._waiting: dict[str, int] = {}
+        self._woken: set[str] = set()  # clients a new version woke to pull it (_next_in_line), for that version
+        self._woken_version = -1
         # jobs whose result is being verified (job id → submissions in verification): never reissued meanwhile,
         # so a lease that runs out while the coordinator is busy verifying does not cost the honest holder
         self._verifying: dict[str, int] = {}
@@ -245,9 +247,10 @@ class Coordinator:
         """Lease the oldest available job, long-polling up to ``jobs.long_poll_s`` for one to appear, so an
         idle client learns of a new policy version as soon as it is published (push), then fetches it (pull).
 
-        A version published while the client waits ends the wait at once, with or without a job: a client
-        with nothing to do should spend the time pulling the newest weights, not sit on old ones and later be
-        handed a job bound to them (async push-pull lets a job keep the client's version while within S)."""
+        A version published while the client waits ends the wait at once, with or without a job, if the
+        client is next in line for work (``_next_in_line``): it should spend the idle time pulling the newest
+        weights, not sit on old ones and later be handed a job bound to them (async push-pull lets a job keep
+        the client's version while within S)."""
         req = self.authenticate(raw, "/v1/lease")
         body = wire.decode(req.body, LeaseRequest)
         self.guard.check_quarantine(req.client_id, self.backend_class(req.client_id, body.backend), self.clock())
@@ -259,8 +262,10 @@ class Coordinator:
                 event = self._jobs_event
                 resp = self._try_lease(req.client_id, body.held_version)
                 remaining = give_up - time.monotonic()
-                if resp.job is not None or resp.finished or remaining <= 0 or resp.current_version > announced:
+                if resp.job is not None or resp.finished or remaining <= 0:
                     return resp
+                if resp.current_version > announced and self._next_in_line(req.client_id):
+                    return resp  # push: pull the new version now, then ask again holding it
                 # expired or overdue leases free slots without an event: re-check at least every second
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
@@ -268,6 +273,21 @@ class Coordinator:
             left = self._waiting.pop(req.client_id, 1) - 1
             if left > 0:
                 self._waiting[req.client_id] = left
+
+    def _next_in_line(self, client_id: str) -> bool:
+        """Is this client among the B fastest of those waiting for work when the current version appeared
+        (unknown pace counts as slowest)? Only they are woken by a new version to pull it: in a large idle
+        swarm the others would download every version for nothing while faster clients take the work, so
+        pulls per version stay bounded by B. Clients already woken for this version still count as ahead, so
+        the outcome does not depend on the order in which the waiting requests re-check."""
+        if self._woken_version != self.version:
+            self._woken_version, self._woken = self.version, set()
+        b = self.config.sync_policy.jobs_per_step
+        ahead = (self._pace.get(c) for c in self._waiting.keys() | self._woken if c != client_id)
+        if len(self._woken - {client_id}) >= b or pacing.faster_count(self._pace.get(client_id), ahead) >= b:
+            return False  # the B woken so far (ties, unknown paces) or B faster ones waiting are ahead of it
+        self._woken.add(client_id)
+        return True
 
     def _try_lease(self, client_id: str, held_version: int) -> LeaseResponse:
         """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while

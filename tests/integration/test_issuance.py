@@ -69,32 +69,45 @@ def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_mo
         assert db_rows(live.run_dir, "SELECT MAX(version) FROM versions") == [(1,)]
 
 
-def test_a_new_version_reaches_a_waiting_client_that_gets_no_job(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Push without work: a version published while a client long-polls ends the wait at once even when there
-    is still no job for it (here the operator has paused issuing), so an idle client pulls the newest weights
-    instead of sitting on old ones until the long-poll runs out (25 s here)."""
+def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_path: Path,
+                                                                           tiny_model_dir: Path) -> None:
+    """Push without work: a version published while clients long-poll ends the wait at once for the B = 2
+    fastest of them even though there is still no job (here the operator has paused issuing), so they pull the
+    newest weights instead of sitting on old ones until the long-poll runs out (25 s here). The slowest keeps
+    waiting: in a large idle swarm, waking everyone would have every client download every version."""
     with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
                              jobs={"long_poll_s": 25.0}, trust={"spot_checks": False}) as live:
-        worker, waiter = register(live), register(live)
+        worker = register(live)
+        waiters = [register(live) for _ in range(3)]
+        for pace, w in zip((1.0, 2.0, 3.0), waiters, strict=True):
+            live.coordinator._pace[w.client_id] = pace  # as if measured from earlier results
         jobs = [lease(worker, live.coordinator.public_key) for _ in range(2)]
         results = [honest_result(live, j) for j in jobs]
         live.coordinator.issuing_paused = True
-        answer: list[LeaseResponse] = []
+        answers: dict[str, LeaseResponse] = {}
 
-        def wait_for_work() -> None:
-            status, raw = waiter.post("/v1/lease", LeaseRequest(backend="torch", held_version=0))
+        def wait_for_work(client: RawClient) -> None:
+            status, raw = client.post("/v1/lease", LeaseRequest(backend="torch", held_version=0))
             assert status == 200, raw
-            answer.append(wire.decode(raw, LeaseResponse))
+            answers[client.client_id] = wire.decode(raw, LeaseResponse)
 
-        thread = threading.Thread(target=wait_for_work, daemon=True)
-        thread.start()
-        wait_until(lambda: waiter.client_id in live.coordinator._waiting, 30, "the waiting client's long-poll")
+        threads = [threading.Thread(target=wait_for_work, args=(w,), daemon=True) for w in waiters]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: all(w.client_id in live.coordinator._waiting for w in waiters), 30, "three long-polls")
         for r in results:  # one batch: the learner trains and publishes version 1
             status, raw = worker.post("/v1/results", r)
             assert status == 200, raw
-        thread.join(20)  # well before the long-poll's own 25 s
-        assert answer, "the long-poll did not end when version 1 was published"
-        assert answer[0].current_version == 1 and answer[0].job is None and answer[0].paused
+        for thread in threads[:2]:
+            thread.join(20)  # well before the long-poll's own 25 s
+        fast = [answers.get(w.client_id) for w in waiters[:2]]
+        assert all(a is not None and a.current_version == 1 and a.job is None and a.paused for a in fast), fast
+        status, _ = worker.get("/v1/status")  # served after the wake-up the version caused
+        assert status == 200
+        assert threads[2].is_alive() and waiters[2].client_id in live.coordinator._waiting  # not next in line
+        live.coordinator.issuing_paused = False
+        threads[2].join(30)
+        assert waiters[2].client_id in answers
 
 
 def test_a_refused_job_is_reissued_to_another_client(tmp_path: Path, tiny_model_dir: Path) -> None:
