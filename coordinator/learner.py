@@ -12,8 +12,8 @@ Loss per token, token-mean over the batch. Two off-policy corrections (``learner
   the behaviour gap:
       w · min(c, π_prox/π_b) · −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A),   ρ = πθ/π_prox
   With one optimiser step per batch ρ = 1 when the gradient is taken, so nothing bounds how far earlier steps
-  have already moved a stale token: measured in bench/sync_modes.py (3 seeds, rollouts 3 versions old), this
-  lost a quarter of co-located's improvement where ``behaviour-clip`` lost none.
+  have already moved a stale token. With rollouts 3 versions old (bench/policy_lag.py, 3 seeds) it kept 74 % of
+  on-policy GRPO's improvement in held-out accuracy, ``behaviour-clip`` 97 %.
 
 π_b is the learner's own recompute at the version that generated the rollout (trusted, unlike the client's
 report); π_prox the learner's policy at the start of this step (no gradient); w = ``staleness_decay`` **

@@ -32,6 +32,7 @@ def test_defaults() -> None:
     assert cfg.verification.request_window_s == 300.0
     assert cfg.sync_mode == "sequential-pull" and cfg.max_staleness == 2
     assert cfg.learner.is_cap == 2.0 and cfg.learner.staleness_decay == 1.0
+    assert cfg.learner.correction == "behaviour-clip" and cfg.learner.is_level == "token"
     assert cfg.snapshots.keep_last == 4
 
 
@@ -174,6 +175,17 @@ def test_invalid_staleness_settings_name_the_key(overrides: dict[str, object], k
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert key in str(info.value)
+
+
+def test_sequence_level_weight_needs_the_decoupled_correction() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"learner.is_level": "sequence"})
+    assert "learner.correction = 'decoupled'" in str(info.value)  # the message says how to fix it
+    cfg = load_config(None, {"learner.is_level": "sequence", "learner.correction": "decoupled"})
+    assert cfg.learner.is_level == "sequence"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"learner.correction": "vtrace"})
+    assert "learner.correction" in str(info.value)
 
 
 def test_staleness_bounds_inclusive() -> None:
