@@ -25,9 +25,9 @@ this host finish in time?") with the staleness bound as the deadline:
    count (a slow holder's work does not feed the next batches; the half step absorbs a late arrival), and
    none already past its expected time (its holder may be slow or gone). In bench/swarm_sim.py, counting
    late leases too starved the learner at 1,000 clients (busy 0.68), and counting them with no slack cost
-   0.06 busy at 50 clients. When the
-   learner is the bottleneck this keeps staleness near the one version a pipeline needs, whatever S allows;
-   when generation is the bottleneck the supply never covers the demand and nothing changes.
+   0.06 busy at 50 clients. When the learner is the bottleneck this keeps staleness near the one version a
+   pipeline needs, whatever S allows; when generation is the bottleneck the supply never covers the demand
+   and nothing changes.
 
 Paces are estimated per client as an exponentially weighted mean of observed lease-to-result seconds, seeded
 by the client's declared self-benchmark (untrusted, corrected by the first observed job).
