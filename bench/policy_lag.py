@@ -91,11 +91,17 @@ def run_one(lag: int, correction: str, seed: int, steps: int, eval_every: int) -
             "late_reward": statistics.fmean(late), "initial": evals[0][1], "wall_s": time.monotonic() - t0}
 
 
-def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and standard deviation per (lag, correction), and improvements as a share of lag 0's."""
+def by_config(runs: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """The runs grouped by (lag, correction), one entry per seed."""
     groups: dict[tuple[int, str], list[dict[str, Any]]] = collections.defaultdict(list)
     for r in runs:
         groups[(r["lag"], r["correction"])].append(r)
+    return groups
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and standard deviation per (lag, correction), and improvements as a share of lag 0's."""
+    groups = by_config(runs)
 
     def stats(rs: list[dict[str, Any]], key: str) -> tuple[float, float]:
         xs = [r[key] for r in rs]
@@ -122,9 +128,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    groups: dict[tuple[int, str], list[dict[str, Any]]] = collections.defaultdict(list)
-    for r in runs:
-        groups[(r["lag"], r["correction"])].append(r)
+    groups = by_config(runs)
     for (lag, corr), rs in sorted(groups.items()):
         steps = [s for s, _ in rs[0]["evals"]]
         mean = [statistics.fmean(r["evals"][i][1] for r in rs) for i in range(len(steps))]
