@@ -7,6 +7,13 @@ polls every 2 s), GET /metrics (one Prometheus scrape) and POST /v1/admin/client
 
 Prints the median and max latency of each endpoint over --repeats calls, and the reply sizes. The status page
 polls ``?view=page``, which is computed at most once a second (the "cached" row) however many pages are open.
+
+    python bench/ops_endpoints.py --pollers 8          # /healthz under 8 connections polling status + metrics
+
+``--pollers N`` measures instead what N connections polling ``GET /v1/status`` and ``GET /metrics`` in a loop
+(from another process) do to ``GET /healthz`` latency, side by side: with the public-read cache and per-address
+rate limit off (``server.public_cache_s = 0``, ``server.public_reads_per_address_rps = 0``: every poll builds
+its reply, as before issue 13) and with the defaults; plus /healthz with nobody polling. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from coordinator import status_page  # noqa: E402
 from coordinator.admin_keys import ADMIN_KEY_FILE  # noqa: E402
 from coordinator.app import create_app  # noqa: E402
 from coordinator.config import load_config  # noqa: E402
+from coordinator.main import start_site  # noqa: E402
+from coordinator.public_reads import PUBLIC_READS  # noqa: E402
 from coordinator.service import Coordinator  # noqa: E402
 from shared import crypto, wire  # noqa: E402
 from shared.admin import AdminList  # noqa: E402
@@ -77,9 +85,10 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cfg = load_config(None, {"run_dir": str(run_dir), "server.port": 0, "learner.eval_size": 16,
-                                 "learner.max_steps": 1_000_000})
+                                 "learner.max_steps": 1_000_000, "server.public_reads_per_address_rps": 0.0})
         coord = Coordinator(cfg)
-        runner = web.AppRunner(create_app(cfg, coord), access_log=None)
+        app = create_app(cfg, coord)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -96,8 +105,8 @@ async def main(args: argparse.Namespace) -> None:
                                        ("POST /v1/admin/clients", "POST", "/v1/admin/clients")):
                 times, size = [], 0
                 for _ in range(args.repeats):
-                    if name.startswith("GET /v1/status?"):
-                        status_page._page_cache.clear()  # measure the computation, not the cache
+                    if not name.startswith("  same"):
+                        app[PUBLIC_READS].cache.clear()  # measure the computation, not the cache
                     data = None
                     if method == "POST":
                         data = wire.encode(crypto.sign_request(key, path, wire.encode(AdminList(limit=10_000)),
@@ -109,10 +118,76 @@ async def main(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
+async def poll_child(url: str, pollers: int, seconds: float) -> None:
+    """Runs in its own process: ``pollers`` connections read status and metrics in a loop while a separate
+    connection times GET /healthz every 50 ms. Prints one JSON line."""
+    healthz: list[float] = []
+    codes: dict[int, int] = {}
+    end = time.monotonic() + seconds
+
+    async def poller() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            while time.monotonic() < end:
+                for path in ("/v1/status", "/metrics"):
+                    async with session.get(url + path) as resp:
+                        await resp.read()
+                        codes[resp.status] = codes.get(resp.status, 0) + 1
+
+    async def prober() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            while time.monotonic() < end:
+                dt, _ = await timed(session, "GET", url + "/healthz")
+                healthz.append(dt)
+                await asyncio.sleep(0.05)
+
+    await asyncio.gather(prober(), *(poller() for _ in range(pollers)))
+    print(json.dumps({"healthz": healthz, "codes": codes}))
+
+
+async def under_polling(args: argparse.Namespace) -> None:
+    """/healthz latency while ``--pollers`` connections poll status and metrics: before vs after issue 13."""
+    rows = []
+    for label, pollers, server in (("nobody polling", 0, {}),
+                                   (f"{args.pollers} pollers, cache and limit off", args.pollers,
+                                    {"server.public_cache_s": 0.0, "server.public_reads_per_address_rps": 0.0}),
+                                   (f"{args.pollers} pollers, defaults", args.pollers, {})):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(None, {"run_dir": str(Path(tmp) / "run"), "server.port": 0, "learner.eval_size": 16,
+                                     "learner.max_steps": 1_000_000, **server})
+            coord = Coordinator(cfg)
+            app = create_app(cfg, coord)
+            runner, site = await start_site(app, cfg)
+            fill(coord, args.clients, args.results, args.steps, random.Random(0))
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, __file__, "--poll-child", f"http://127.0.0.1:{site.port}", "--pollers", str(pollers),
+                "--seconds", str(args.seconds), stdout=asyncio.subprocess.PIPE)
+            out, _ = await child.communicate()
+            await runner.cleanup()
+        got = json.loads(out.decode().strip().splitlines()[-1])
+        lat = sorted(got["healthz"])
+        builds = sum(app[PUBLIC_READS].cache.builds.values())
+        rows.append(f"| {label} | {statistics.median(lat) * 1000:.1f} | {lat[int(0.95 * (len(lat) - 1))] * 1000:.1f} | "
+                    f"{got['codes'].get('200', 0)} | {got['codes'].get('429', 0)} | {builds} |")
+    print(f"{args.clients} clients, {args.results} results, {args.steps} steps; {args.seconds:.0f} s each\n")
+    print("| status/metrics polling | /healthz median ms | /healthz p95 ms | polls answered 200 | polls 429 | "
+          "replies built |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=2000)
     p.add_argument("--results", type=int, default=20000)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=10)
-    asyncio.run(main(p.parse_args()))
+    p.add_argument("--pollers", type=int, default=0, help="measure /healthz under this many status/metrics pollers")
+    p.add_argument("--seconds", type=float, default=15.0, help="with --pollers: how long each configuration runs")
+    p.add_argument("--poll-child", metavar="URL", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.poll_child:
+        asyncio.run(poll_child(a.poll_child, a.pollers, a.seconds))
+    elif a.pollers:
+        asyncio.run(under_polling(a))
+    else:
+        asyncio.run(main(a))

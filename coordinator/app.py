@@ -1,5 +1,11 @@
 """HTTP surface of the coordinator (aiohttp). Handlers parse, call the Coordinator, and encode; every
-domain error becomes an HTTP status plus a msgpack ``{error, message}`` body in one middleware."""
+domain error becomes an HTTP status plus a msgpack ``{error, message}`` body in one middleware.
+
+Availability (issue 13): the outer middleware tells the connection guard (coordinator.netguard) what each
+connection is doing, and every POST body is capped at its endpoint's limit *while it streams*; a client that hangs
+up mid-request is answered 499 (counted, never logged as an internal error); every response carries nosniff
+and a strict Content-Security-Policy; ``/v1/status`` is shared and rate-limited (coordinator.public_reads).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from coordinator import netguard
 from coordinator.config import CoordinatorConfig
+from coordinator.core.connections import Phase
+from coordinator.public_reads import PUBLIC_READS, PublicReads
 from coordinator.service import MAX_REQUEST_BYTES, Coordinator
 from shared import wire
 from shared.errors import ProtocolError, Reason
@@ -22,7 +31,19 @@ logger = logging.getLogger(__name__)
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 LEARNER_TASK = web.AppKey("learner_task", asyncio.Task)
 FATAL = web.AppKey("fatal", asyncio.Event)
+CONN_GUARD = web.AppKey("conn_guard", netguard.ConnectionGuard)
 MSGPACK = "application/msgpack"
+#: The status page loads only its own script, stylesheet and JSON; nothing inline, no frames, no forms.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": CSP,
+                    "Referrer-Policy": "no-referrer"}
+#: nginx's code for "client closed the request": counted under its own status, not as a server error.
+CLIENT_CLOSED = 499
+BODY_CHUNK = 64 * 1024
+#: Body bytes still read (and discarded) after a request was answered without reading all of its body, so the
+#: client sees the answer instead of a reset; beyond it the connection is closed.
+DRAIN_AFTER_REFUSAL = 256 * 1024
 _SHA = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r"[0-9]{1,9}", re.ASCII)
 
@@ -36,6 +57,26 @@ def error_response(reason: Reason, message: str, status: int | None = None) -> w
     return _packed(wire.encode(ErrorBody(error=reason.value, message=message[:2048])), status or err.http_status)
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its request was read: nothing to answer, nothing wrong here."""
+
+
+@web.middleware
+async def connection_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Outermost: marks the connection busy for the guard (netguard.ReplyWritten marks it idle once the
+    reply is out), caps any POST body at its endpoint's limit (aiohttp's own ``read()`` then stops there
+    too), and bounds what is still read of a body the answer did not need."""
+    netguard.mark(request, Phase.HANDLING)
+    if request.method == "POST":
+        request = request.clone(client_max_size=request.app[COORDINATOR].body_cap(request.path))
+    try:
+        return await handler(request)
+    finally:
+        if not request.content.is_eof():  # answered before its body was read: discard a little, then close
+            netguard.limit_drain(request, DRAIN_AFTER_REFUSAL)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                             ) -> web.StreamResponse:
@@ -44,9 +85,18 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
             request.app[COORDINATOR].guard.check_address(request.remote or "", request.app[COORDINATOR].clock())
         return await handler(request)
     except ProtocolError as exc:
-        return error_response(exc.reason, exc.message)
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(Reason.BODY_TOO_LARGE, f"request body exceeds {MAX_REQUEST_BYTES} bytes")
+        response = error_response(exc.reason, exc.message)
+        if exc.reason is Reason.BODY_TOO_LARGE:
+            response.force_close()
+        return response
+    except ClientGone:
+        logger.info("client %s hung up during %s %s", request.remote, request.method, request.path[:200])
+        return web.Response(status=CLIENT_CLOSED)
+    except web.HTTPRequestEntityTooLarge:  # a handler's own request.read() passed the cap set above
+        response = error_response(Reason.BODY_TOO_LARGE, f"request body exceeds {request.client_max_size} bytes, "
+                                                          f"the limit for {request.path[:200]}")
+        response.force_close()
+        return response
     except web.HTTPNotFound:  # the router found no route (e.g. a name with characters a route never matches)
         if request.path.startswith("/v1/blobs/"):
             return error_response(Reason.NO_SUCH_BLOB, f"no file named {request.path[10:74]!r} is being served")
@@ -63,16 +113,32 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
         return error_response(Reason.INTERNAL, "the coordinator hit an internal error; it has been logged")
 
 
-async def _body(request: web.Request) -> bytes:
-    cap = min(MAX_REQUEST_BYTES, request.app[COORDINATOR].body_cap(request.path))  # per endpoint
+async def read_body(request: web.Request, cap: int) -> bytes:
+    """The request body, refused (413) as soon as it passes ``cap`` — from Content-Length before a byte is
+    read, or while it streams (chunked uploads carry no length): at most ``cap`` + one chunk is ever held.
+    A client that hangs up meanwhile raises :class:`ClientGone`."""
     if request.content_length is not None and request.content_length > cap:
         raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {request.content_length} bytes; "
                                                    f"the limit for {request.path} is {cap}")
-    data = await request.read()
-    if len(data) > cap:  # chunked uploads carry no Content-Length
-        raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {len(data)} bytes; the limit for "
-                                                   f"{request.path} is {cap}")
-    return data
+    netguard.mark(request, Phase.BODY)
+    body = bytearray()
+    try:
+        while chunk := await request.content.read(BODY_CHUNK):
+            body += chunk
+            if len(body) > cap:
+                raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body passed {cap} bytes, the limit for "
+                                                           f"{request.path[:200]}; reading stopped there")
+    except ConnectionError as exc:  # aiohttp sets ConnectionResetError("Connection lost") on the payload
+        raise ClientGone(str(exc)) from None
+    except web.RequestPayloadError as exc:  # e.g. a broken chunked encoding
+        raise ProtocolError(Reason.MALFORMED, f"the request body could not be read: {exc}") from None
+    finally:
+        netguard.mark(request, Phase.HANDLING)
+    return bytes(body)
+
+
+async def _body(request: web.Request) -> bytes:
+    return await read_body(request, min(MAX_REQUEST_BYTES, request.app[COORDINATOR].body_cap(request.path)))
 
 
 async def info(request: web.Request) -> web.Response:
@@ -117,8 +183,18 @@ async def blob(request: web.Request) -> web.StreamResponse:
 async def status(request: web.Request) -> web.Response:
     from coordinator.status_page import select_status  # the base status plus the status page's views
 
-    body = select_status(request.app[COORDINATOR], request.query.get("view"))
-    return web.json_response(body, dumps=lambda o: json.dumps(o, default=str), headers={"Cache-Control": "no-store"})
+    public = request.app[PUBLIC_READS]
+    public.check(request)
+    coord = request.app[COORDINATOR]
+    view = "page" if request.query.get("view") == "page" else "full"
+    data = public.cache.get(f"status-{view}", coord.version, coord.store.conn.total_changes,
+                            lambda: json.dumps(select_status(coord, view), default=str).encode())
+    return web.Response(body=data, content_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -152,9 +228,12 @@ async def _prune_nonces(coord: Coordinator) -> None:
 
 
 def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None) -> web.Application:
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[errors_middleware])
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[connection_middleware, errors_middleware])
     app[COORDINATOR] = coordinator or Coordinator(config)
     app[FATAL] = asyncio.Event()
+    app[CONN_GUARD] = netguard.ConnectionGuard(config.server)
+    app[PUBLIC_READS] = PublicReads(config.server)
+    app.on_response_prepare.append(_security_headers)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_get("/v1/info", info)
     app.router.add_post("/v1/register", register)
@@ -167,7 +246,7 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app.router.add_get("/healthz", healthz)
     from coordinator import admin_api, metrics, status_page  # issue 6: /metrics, /v1/admin/*, /
 
-    metrics.install(app, app[COORDINATOR])
+    metrics.install(app, app[COORDINATOR], app[CONN_GUARD])
     admin_api.install(app, app[COORDINATOR])
     status_page.install(app, app[COORDINATOR])
     return app

@@ -105,12 +105,25 @@ class LearnerConfig(_Strict):
     eval_size: int = Field(512, ge=1, description="Held-out prompts per evaluation (capped by the task's held-out set).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads for the learner (default: torch's choice).")
     lora_rank: int = Field(0, ge=0, le=1024, description="0: train all weights. r > 0: train rank-r LoRA adapters "
-                           "(peft) on lora_targets with the base frozen; llama.cpp clients then fetch the base GGUF "
-                           "once and a small adapter per version. 4 is a sensible start (adapter ≈ 0.7 % of the "
-                           "tiny model, far less for larger ones).")
+                           "(peft) on lora_targets with the base frozen; the base is published once per run and "
+                           "clients (torch and llama.cpp) then fetch only a small adapter per version. 4 is a "
+                           "sensible start (adapter ≈ 0.7 % of the tiny model, far less for larger ones).")
     lora_alpha: float = Field(8.0, gt=0, description="LoRA scale numerator: the update is alpha/r · B·A.")
     lora_targets: list[str] = Field(["q_proj", "v_proj"], min_length=1, max_length=16,
                                     description="Linear modules that get adapters (Qwen2/Llama names).")
+    checkpoint_every_steps: int = Field(10, ge=0, description="Write a learner checkpoint (trainable weights and "
+                                        "optimizer state) every N steps (0: no step-count trigger). A restart "
+                                        "resumes from the newest checkpoint and replays the steps recorded since "
+                                        "(docs/run-dir.md); fewer checkpoints cost less disk and I/O, more replay.")
+    checkpoint_every_s: float = Field(600.0, ge=0, description="Also write a checkpoint when this many seconds "
+                                      "have passed since the last one (0: no time trigger).")
+
+    @model_validator(mode="after")
+    def _some_checkpoint_trigger(self) -> LearnerConfig:
+        if self.checkpoint_every_steps == 0 and self.checkpoint_every_s == 0:
+            raise ValueError("learner.checkpoint_every_steps and learner.checkpoint_every_s are both 0, so a restart "
+                             "would replay the whole run; set either (e.g. checkpoint_every_steps = 10)")
+        return self
 
     @model_validator(mode="after")
     def _sequence_weight_needs_decoupled(self) -> LearnerConfig:
@@ -162,20 +175,51 @@ class VerificationConfig(_Strict):
 
     logprob_mean_tol: float = Field(0.05, gt=0, description="Max mean |Δ logprob| per token over a result (nats).")
     logprob_max_tol: float = Field(1.0, gt=0, description="Max |Δ logprob| of any single token (nats).")
+    # Source: bench/sampling_calibration.py (docs/benchmarks.md, "Sampling test calibration"): 0 of 5,136 honest torch
+    # and 5,012 llama.cpp (f16, q8_0) results refused at these defaults; honest |z| ≤ 4.08, |z_top| ≤ 3.39 seen.
+    sampling_check: bool = Field(True, description="Refuse results whose tokens are far more or less surprising "
+                                 "under the policy than sampling at the job's temperature makes them "
+                                 "(reason sampling_mismatch; coordinator.core.verify.check_sampling).")
+    sampling_z_low: float = Field(-6.0, lt=0, description="Lowest accepted z of a result's summed surprisal minus "
+                                  "summed entropy (in standard deviations). Below it: greedy or cherry-picked.")
+    sampling_z_high: float = Field(8.0, gt=0, description="Highest accepted z. Above it: tokens the policy would "
+                                   "rarely sample (forced or junk). Higher than |z_low| because the surprisal of "
+                                   "a sampled token has a long upper tail.")
+    sampling_top_z: float = Field(6.0, gt=0, description="Largest accepted |z| of how often a result's tokens are "
+                                  "the policy's likeliest, against how often sampling picks them. Above: greedy "
+                                  "or cherry-picked; below minus it: forced tokens.")
+    sampling_min_tokens: int = Field(64, ge=1, description="Results with fewer completion tokens are not judged by "
+                                     "the sampling test (z is only near-normal over many tokens).")
+    sampling_var_floor: float = Field(0.02, ge=0, description="Per-token variance added to the denominators of "
+                                      "both z-scores (nats² for surprisal), so near-deterministic positions and "
+                                      "float rounding across backends cannot produce a large z from nothing.")
     request_window_s: float = Field(300.0, gt=0, description="Accepted clock skew of signed requests (seconds).")
+    device: str = Field("auto", description="Device of the verifier's model replica ('cpu', 'cuda:1', ...); "
+                        "'auto' uses model.device. Put it on another GPU than the learner's to keep the learner's "
+                        "device for training only.")
+    cached_versions: int = Field(1, ge=1, le=8, description="Policy versions the verifier keeps loaded at once "
+                                 "(each a full model replica). 1 reloads a version's weights whenever results of "
+                                 "another version arrive; 2 suits async push-pull with results of two versions.")
     backend_tolerances: dict[str, BackendTolerance] = Field(
         default_factory=lambda: dict(LLAMA_TOLERANCES),
         description="Per backend class ('llama-f32', 'llama-f16', 'llama-q8_0'): tolerances that replace the two "
         "above for results from llama.cpp clients. The class is derived from snapshots.gguf, which the "
         "coordinator controls, never from the client's word.")
 
-    def tolerances(self, backend: str, gguf: str) -> tuple[float, float]:
-        """(mean, max) |Δ logprob| allowed for a result from ``backend`` when GGUFs are published at ``gguf``."""
-        if backend == "llama":
+    def tolerances(self, backend_class: str, gguf: str) -> tuple[float, float]:
+        """(mean, max) |Δ logprob| allowed for a result from an identity of ``backend_class`` (the class the
+        coordinator pinned at registration, e.g. 'llama/cpu'; never the result's own claim) when GGUFs are
+        published at ``gguf``. A bare backend name ('llama') is read as its class."""
+        if backend_class.split("/", 1)[0] == "llama":
             tol = self.backend_tolerances.get(f"llama-{gguf}")
             if tol is not None:
                 return tol.mean_tol, tol.max_tol
         return self.logprob_mean_tol, self.logprob_max_tol
+
+
+# A held result waits for a replica's lease (lease_timeout_s) and one reissue of it: at least twice the lease.
+MIN_HOLD_PER_LEASE = 2.0
+HOLD_PER_LEASE = 2.5  # the default: the minimum plus slack for the replay's verification
 
 
 class TrustConfig(_Strict):
@@ -188,15 +232,27 @@ class TrustConfig(_Strict):
     quarantine_after: int = Field(3, ge=1, le=1000, description="Invalid results in a row that quarantine a client.")
     quarantine_s: float = Field(600.0, ge=0, description="Seconds of the first quarantine; the n-th lasts n times "
                                 "as long.")
-    spot_checks: bool = Field(True, description="Re-issue sampled jobs (same seed and version) to another client "
-                              "and compare the outcomes.")
-    hold_s: float = Field(60.0, ge=0, description="Seconds a result awaiting its spot-check replay is kept out of "
-                          "training; if no other client replays it by then it is trained on unverified (results "
-                          "are not held at all while no other client is active).")
+    spot_checks: bool = Field(True, description="Spot-check sampled results: the coordinator's verifier replays "
+                              "jobs of its own backend class itself; a job of another class is re-issued (same "
+                              "seed and version, under a fresh job id) to an independent identity of that class.")
+    hold_s: float | None = Field(None, gt=0, description="Seconds a result awaiting a conclusive spot-check is "
+                                 "kept out of training; if none is had by then it is dropped uncredited (its job "
+                                 "reopens). Must cover a replica's lease and one reissue: at least 2 × "
+                                 "jobs.lease_timeout_s. Unset: 2.5 × jobs.lease_timeout_s.")
     active_window_s: float = Field(30.0, gt=0, description="A client counts as active (able to replay another's "
                                    "job) for this many seconds after its last request.")
     replica_min_agreement: float = Field(0.95, gt=0.0, le=1.0, description="Fraction of sampled tokens two "
                                          "same-class replays of one seeded job must share to agree.")
+    replicator_min_valid: int = Field(3, ge=1, le=10_000, description="Results of its own an identity must have "
+                                      "had conclusively verified before it may replay another's job (an idle or "
+                                      "brand-new identity is never handed a replica, nor makes results wait).")
+    registration_burst_s: float = Field(60.0, ge=0, description="Identities first registered within this many "
+                                        "seconds of each other are not independent: one never replays the other's "
+                                        "job (nor do identities that registered from a common address).")
+
+    def hold_for(self, lease_timeout_s: float) -> float:
+        """Seconds a held result waits for its conclusive judgement (hold_s, or derived from the lease)."""
+        return self.hold_s if self.hold_s is not None else HOLD_PER_LEASE * lease_timeout_s
 
 
 class LimitsConfig(_Strict):
@@ -236,10 +292,49 @@ class RegistrationConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept volunteers from the network.")
     port: int = Field(8470, ge=0, le=65535, description="Listen port (0: pick a free one).")
+    # Bounded connections (coordinator.core.connections, coordinator.netguard; docs/operations.md)
+    max_connections: int = Field(0, ge=0, le=1_000_000, description="Open connections at most, all clients "
+                                 "together. 0: derived from the file limit (raised to its hard limit at start): "
+                                 "(limit - reserved_fds - 512 for accepts in flight) / 2. When full, an idle or stalled connection gives up its "
+                                 "place to a newcomer; if none can, the newcomer is answered 503.")
+    reserved_fds: int = Field(256, ge=32, le=100_000, description="File descriptors kept free of connections for "
+                              "the database, snapshots, checkpoints and the learner.")
+    max_connections_per_address: int = Field(64, ge=1, le=1_000_000, description="Open connections per remote IPv4 "
+                                             "address or IPv6 /64 (raise it when many volunteers share one NAT). "
+                                             "Over it, that address's own idle or stalled connection makes room, "
+                                             "else the newcomer is answered 429.")
+    header_timeout_s: float = Field(10.0, gt=0, le=600, description="Seconds a connection has from connecting (or "
+                                    "from the first byte of a request) to deliver the request's headers.")
+    body_timeout_s: float = Field(120.0, gt=0, le=3600, description="Seconds a request body may take to arrive in "
+                                  "full (8 MiB, the largest result, at 70 KB/s).")
+    keepalive_timeout_s: float = Field(30.0, gt=0, le=3600, description="Seconds an idle keep-alive connection is "
+                                       "kept open between requests (above the clients' own 15 s).")
+    send_timeout_s: float = Field(60.0, gt=0, le=3600, description="Seconds a reply may wait on a client that does "
+                                  "not read it before the connection is closed.")
+    public_reads_per_address_rps: float = Field(10.0, ge=0, description="GET /v1/status and /metrics per second per "
+                                                "address (0: unlimited); over it: 429.")
+    public_reads_burst: float = Field(30.0, ge=1, description="Status/metrics reads one address may make at once.")
+    public_cache_s: float = Field(1.0, ge=0, le=60, description="Seconds a built /v1/status or /metrics reply is "
+                                  "reused for every reader (rebuilt sooner when the policy version changes).")
+
+    @model_validator(mode="after")
+    def _address_cap_within_total(self) -> ServerConfig:
+        if self.max_connections and self.max_connections_per_address > self.max_connections:
+            raise ValueError(f"server.max_connections_per_address ({self.max_connections_per_address}) exceeds "
+                             f"server.max_connections ({self.max_connections}); lower it, or raise max_connections "
+                             f"(0 derives it from the file limit)")
+        return self
 
 
 class SnapshotConfig(_Strict):
     keep_last: int = Field(4, ge=1, description="Published versions kept on disk (older ones are pruned).")
+    dtype: Literal["training", "float32", "bfloat16", "float16"] = Field(
+        "training", description="Precision of the published safetensors weights: 'training' is model.dtype. "
+        "bfloat16 halves the bytes every client downloads and the coordinator writes per version; clients and "
+        "the verifier then compute with the rounded weights, which differ from the learner's float32 ones "
+        "(docs/benchmarks.md, 'Real model size', measures the logprob gap). Recommended at real model size.")
+    keep_exports: int = Field(3, ge=1, description="Operator exports (`echo-swarm admin checkpoint`, exports/) "
+                              "kept; older ones are deleted when a version is published.")
     gguf: Literal["off", "f32", "f16", "q8_0"] = Field(
         "f16", description="Also publish every version as GGUF for llama.cpp clients, at this precision "
         "(off: safetensors only, torch clients). f16 halves the bytes of f32 at ~1e-2 nats of logprob drift; "
@@ -298,6 +393,16 @@ class CoordinatorConfig(_Strict):
             raise ValueError(f"a job of {per_job} completions × {self.sampling.max_tokens} tokens could need "
                              f"{size / 2**20:.1f} MiB per result; the limit is 8 MiB. Lower jobs.prompts_per_job "
                              f"or sampling.max_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _hold_covers_a_replica_lease(self) -> CoordinatorConfig:
+        hold, lease = self.trust.hold_s, self.jobs.lease_timeout_s
+        if hold is not None and hold < MIN_HOLD_PER_LEASE * lease:
+            raise ValueError(f"trust.hold_s ({hold:g}) is shorter than a spot-check replica's lease and one reissue "
+                             f"({MIN_HOLD_PER_LEASE:g} × jobs.lease_timeout_s = {MIN_HOLD_PER_LEASE * lease:g}); "
+                             f"raise trust.hold_s to at least {MIN_HOLD_PER_LEASE * lease:g}, or unset it (default "
+                             f"{HOLD_PER_LEASE:g} × jobs.lease_timeout_s)")
         return self
 
     @model_validator(mode="after")

@@ -238,14 +238,16 @@ def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precisio
     _finish(writer)
 
 
-def write_lora_gguf(out: Path, folder: Path, lora: Mapping[str, tuple[Any, Any]], alpha: float,
+def write_lora_gguf(out: Path, config: Path | Mapping[str, Any], lora: Mapping[str, tuple[Any, Any]], alpha: float,
                     precision: str = "f32") -> None:
-    """Write a LoRA adapter as GGUF. ``lora`` maps an HF weight name (``model.layers.0.self_attn.q_proj.weight``)
-    to its (A [r, in], B [out, r]) pair, as peft stores them; llama.cpp applies ``W + alpha/r · B·A``."""
+    """Write a LoRA adapter as GGUF. ``config`` is the base model's HF config (a dict, or a folder holding its
+    config.json: only the architecture and head counts are read); ``lora`` maps an HF weight name
+    (``model.layers.0.self_attn.q_proj.weight``) to its (A [r, in], B [out, r]) pair, as peft stores them;
+    llama.cpp applies ``W + alpha/r · B·A``."""
     import gguf
 
-    config = json.loads((folder / "config.json").read_text())
-    arch = gguf_arch(config)
+    hf: Mapping[str, Any] = json.loads((config / "config.json").read_text()) if isinstance(config, Path) else config
+    arch = gguf_arch(hf)
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
@@ -257,7 +259,7 @@ def write_lora_gguf(out: Path, folder: Path, lora: Mapping[str, tuple[Any, Any]]
         if gname is None:
             continue
         b_arr = _as_numpy(b)
-        heads = _permute_heads(arch, gname, config)
+        heads = _permute_heads(arch, gname, hf)
         if heads is not None:
             b_arr = llama_permute(b_arr, heads)
         writer.add_tensor(f"{gname}.lora_a", np.ascontiguousarray(_as_numpy(a), dtype=dtype), raw_dtype=raw)

@@ -1,5 +1,5 @@
-"""The trust boundary's state and gates, next to the Store: adaptive trust per (client, backend class),
-spot-check replicas, rate limits and the registration gate.
+"""The trust boundary's state and gates, next to the Store: each identity's pinned backend class, adaptive
+trust and quarantine per identity, spot-check replicas, rate limits and the registration gate.
 
 The rules are pure (:mod:`coordinator.core.trust`, :mod:`coordinator.core.ratelimit`,
 :mod:`coordinator.core.replicas`); this module only keeps their state (SQLite tables created on the
@@ -13,17 +13,28 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import math
 import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.ratelimit import Limiter, Rate
-from coordinator.core.trust import TrustPolicy, TrustState, on_invalid, on_valid, quarantined
+from coordinator.core.replicas import Party, independent
+from coordinator.core.trust import (
+    TrustPolicy,
+    TrustState,
+    backend_class,
+    describe_classes,
+    known_class,
+    on_invalid,
+    on_valid,
+    quarantined,
+)
 from coordinator.store import Store
 from shared.errors import ProtocolError, Reason
 
@@ -36,7 +47,8 @@ CREATE TABLE IF NOT EXISTS trust(
   quarantined_until REAL NOT NULL DEFAULT 0, valid_total INTEGER NOT NULL DEFAULT 0,
   invalid_total INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(client_id, backend_class));
 """  # the replicas table is in coordinator.store: Store.pending() must see which results are held
-REPLICA_SUFFIX = "-r"
+Judge = Literal["arbiter", "peer"]
+RECENT_PEERS = 1000  # at most this many recently active identities are looked at for an independent replayer
 
 
 @dataclass(frozen=True)
@@ -47,10 +59,8 @@ class ReplicaRow:
     original_client: str
     original_class: str
     view: LeaseView
-
-
-def replica_id_for(job_id: str) -> str:
-    return job_id[: 64 - len(REPLICA_SUFFIX)] + REPLICA_SUFFIX
+    judge: Judge = "peer"
+    tried: frozenset[str] = frozenset()
 
 
 class Guard:
@@ -65,6 +75,7 @@ class Guard:
         self.per_identity = Limiter(Rate(lim.per_identity_rps, lim.per_identity_burst))
         self.per_address = Limiter(Rate(lim.per_address_rps, lim.per_address_burst))
         self._seen: OrderedDict[str, float] = OrderedDict()
+        self.arbitrating: set[str] = set()  # replicas whose coordinator replay is under way (coordinator.spotcheck)
         self.registrations = Limiter(Rate(lim.registrations_per_address_per_min / 60.0, lim.registration_burst))
 
     # -- rate limits and registration ---------------------------------------------------------------------
@@ -93,129 +104,258 @@ class Guard:
             self._limited(self.registrations.check(address, now), f"address {address} (new identities)")
 
     # -- trust --------------------------------------------------------------------------------------------
-    def trust(self, client_id: str, backend_class: str) -> TrustState:
+    def trust(self, client_id: str) -> TrustState:
+        """The identity's standing. Kept per identity first: one row, under the class pinned to it (rows of
+        other classes exist only in databases from before classes were pinned)."""
         row = self.conn.execute("SELECT * FROM trust WHERE client_id=? AND backend_class=?",
-                                (client_id, backend_class)).fetchone()
+                                (client_id, self.pinned_class(client_id))).fetchone()
         if row is None:
             return TrustState()
         return TrustState(int(row["consecutive_valid"]), int(row["consecutive_invalid"]), int(row["quarantines"]),
                           float(row["quarantined_until"]))
 
-    def _put(self, client_id: str, backend_class: str, state: TrustState, valid: bool) -> None:
+    def _put(self, client_id: str, state: TrustState, valid: bool) -> None:
+        bclass = self.pinned_class(client_id)
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             self.conn.execute(
                 "INSERT INTO trust(client_id, backend_class) VALUES(?,?) ON CONFLICT DO NOTHING",
-                (client_id, backend_class))
+                (client_id, bclass))
             self.conn.execute(
                 "UPDATE trust SET consecutive_valid=?, consecutive_invalid=?, quarantines=?, quarantined_until=?, "
                 f"{'valid_total=valid_total+1' if valid else 'invalid_total=invalid_total+1'} "
                 "WHERE client_id=? AND backend_class=?",
                 (state.consecutive_valid, state.consecutive_invalid, state.quarantines, state.quarantined_until,
-                 client_id, backend_class))
+                 client_id, bclass))
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
 
-    def record_valid(self, client_id: str, backend_class: str) -> TrustState:
-        state = on_valid(self.trust(client_id, backend_class))
-        self._put(client_id, backend_class, state, True)
+    def record_valid(self, client_id: str) -> TrustState:
+        """A result of this identity was conclusively verified (or its replay decided a spot-check)."""
+        state = on_valid(self.trust(client_id))
+        self._put(client_id, state, True)
         return state
 
-    def record_invalid(self, client_id: str, backend_class: str, now: float) -> TrustState:
-        before = self.trust(client_id, backend_class)
+    def record_invalid(self, client_id: str, now: float) -> TrustState:
+        """Evidence against a result of this identity, whatever backend the request claimed."""
+        before = self.trust(client_id)
         state = on_invalid(before, now, self.policy)
-        self._put(client_id, backend_class, state, False)
+        self._put(client_id, state, False)
         if state.quarantines > before.quarantines:
             logger.warning("client %s (%s) quarantined until %.0f after %d invalid results in a row",
-                           client_id[:8], backend_class, state.quarantined_until, self.policy.quarantine_after)
+                           client_id[:8], self.pinned_class(client_id), state.quarantined_until,
+                           self.policy.quarantine_after)
         return state
 
-    def check_quarantine(self, client_id: str, backend_class: str, now: float) -> None:
-        state = self.trust(client_id, backend_class)
-        if quarantined(state, now):
+    def quarantined_until(self, client_id: str) -> float:
+        """The end of the identity's quarantine, whichever class the evidence was recorded under (0: none)."""
+        row = self.conn.execute("SELECT MAX(quarantined_until) AS q FROM trust WHERE client_id=?",
+                                (client_id,)).fetchone()
+        return float(row["q"] or 0.0)
+
+    def check_quarantine(self, client_id: str, now: float) -> None:
+        """Per identity first: a quarantined identity gets nothing, whatever backend it claims."""
+        until = self.quarantined_until(client_id)
+        if quarantined(TrustState(quarantined_until=until), now):
             raise ProtocolError(
                 Reason.QUARANTINED,
-                f"this client's {backend_class} results were refused {self.policy.quarantine_after} times in a row, "
-                f"so it gets no work for {state.quarantined_until - now:.0f}s more. Check that echo-swarm is "
-                f"unmodified and up to date and that the hardware is healthy (see the refusal reasons it logged)")
+                f"this client's results were refused {self.policy.quarantine_after} times in a row, so it gets no "
+                f"work for {until - now:.0f}s more. Check that echo-swarm is unmodified and up to date and that the "
+                f"hardware is healthy (see the refusal reasons it logged)")
+
+    # -- backend class: established by the coordinator, pinned to the identity ------------------------------
+    def pinned_class(self, client_id: str) -> str:
+        """The backend class the coordinator pinned to ``client_id`` at its first registration. Identities
+        registered before classes were pinned (or the co-located learner) get the class of their stored
+        profile; an unknown identity, the most common class."""
+        row = self.conn.execute("SELECT backend_class, profile FROM clients WHERE client_id=?",
+                                (client_id,)).fetchone()
+        if row is None:
+            return "torch/cpu"
+        if row["backend_class"]:
+            return str(row["backend_class"])
+        profile = json.loads(row["profile"])
+        return backend_class(str(profile.get("backend", "torch")), str(profile.get("device", "cpu")))
+
+    def class_for_registration(self, client_id: str, backend: str, device: str, is_new: bool) -> str:
+        """The class a registration's (backend, device) claim establishes. Refused (schema_invalid, nothing
+        written) when the claim is not one of the fixed classes, or when a known identity claims another class
+        than the one pinned at its first registration: its trust, quarantine, tolerance and replica pairing
+        all belong to that class, so switching would escape them. A new identity (another --home) may join
+        with another backend — it starts untrusted, which is what a change of class must mean."""
+        bclass = known_class(backend, device)
+        if bclass is None:
+            raise ProtocolError(Reason.SCHEMA,
+                                f"backend {backend!r} on device {device[:40]!r} is not a backend class this "
+                                f"coordinator verifies ({describe_classes()}); join with one of those "
+                                f"(--backend, --device)")
+        if not is_new:
+            pinned = self.pinned_class(client_id)
+            if pinned != bclass:
+                raise ProtocolError(Reason.SCHEMA,
+                                    f"this identity is pinned to backend class {pinned} since its first "
+                                    f"registration and cannot change to {bclass}; join with that backend and "
+                                    f"device again, or with a new identity (another --home) for {bclass}")
+        return bclass
 
     def standings(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]
 
     # -- spot-check replicas ------------------------------------------------------------------------------
     def add_replica(self, job_id: str, version: int, original_client: str, original_class: str, now: float,
-                    hold: bool) -> None:
-        """Queue a replay of ``job_id``; ``hold`` keeps the original out of training until it is judged."""
+                    hold_until: float | None, judge: Judge) -> str:
+        """Queue a spot-check of ``job_id``'s accepted result and return the replica's job id.
+
+        The id is the next number of the job stream, in the same form as a fresh job's (core.jobs.plan_job:
+        ``j<seq>``), so nothing in it marks a replica or links it to the original. ``hold_until`` (None: not
+        held) keeps the original out of training until a conclusive judgement, or until it is dropped."""
         self.conn.execute("BEGIN IMMEDIATE")
         try:
+            seq = self.store.next_seq()
+            replica_id = f"j{seq}"  # core.jobs.plan_job's form
             self.conn.execute(
-                "INSERT OR IGNORE INTO replicas(replica_id, job_id, version, original_client, original_class, "
-                "created_at, state, hold) VALUES(?,?,?,?,?,?,'open',?)",
-                (replica_id_for(job_id), job_id, version, original_client, original_class, now, int(hold)))
+                "INSERT INTO replicas(replica_id, job_id, version, original_client, original_class, created_at, "
+                "state, hold, judge, hold_until, seq) VALUES(?,?,?,?,?,?,'open',?,?,?,?)",
+                (replica_id, job_id, version, original_client, original_class, now, int(hold_until is not None),
+                 judge, hold_until, seq))
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
+        return replica_id
 
     @staticmethod
     def _replica(row: sqlite3.Row) -> ReplicaRow:
         view = LeaseView(row["replica_id"], JobState(row["state"]), int(row["version"]), float(row["created_at"]),
                          row["lease_id"], row["lease_client"], row["lease_deadline"])
+        judge: Judge = "arbiter" if row["judge"] == "arbiter" else "peer"
+        tried = frozenset(t for t in str(row["tried"] or "").split(",") if t)
         return ReplicaRow(row["replica_id"], row["job_id"], int(row["version"]), row["original_client"],
-                          row["original_class"], view)
+                          row["original_class"], view, judge, tried)
 
     def get_replica(self, replica_id: str) -> ReplicaRow | None:
         row = self.conn.execute("SELECT * FROM replicas WHERE replica_id=?", (replica_id,)).fetchone()
         return None if row is None else self._replica(row)
 
-    def expire_replicas(self, oldest_version: int, now: float, hold_s: float) -> int:
-        """Replicas whose version can no longer be verified are closed as 'unverified'; a held original whose
-        replay nobody took within ``hold_s`` seconds is released to training (its replica stays queued).
-        Returns how many held results were released."""
-        due = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE state!='done' AND (version<? OR "
-                                "(hold=1 AND created_at<=?))", (oldest_version, now - hold_s)).fetchone()
-        if not due["n"]:  # the common case, on every lease: no write transaction
+    def awaiting_arbiter(self) -> list[ReplicaRow]:
+        """Open replicas the coordinator's own replay must judge (after a restart, none is in progress)."""
+        rows = self.conn.execute("SELECT * FROM replicas WHERE judge='arbiter' AND state='open' ORDER BY created_at")
+        return [self._replica(r) for r in rows.fetchall()]
+
+    def expire_replicas(self, oldest_version: int, now: float, in_progress: frozenset[str] = frozenset()) -> int:
+        """Replicas that can no longer be judged: a held original whose conclusive judgement did not come by its
+        ``hold_until`` (and is not being judged right now: ``in_progress``), or whose version was pruned, is
+        dropped uncredited — never released to training unverified. An unheld one whose version was pruned is
+        closed as 'unverified'. Returns how many replicas changed."""
+        due = self.conn.execute(
+            "SELECT * FROM replicas WHERE state!='done' AND (version<? OR (hold=1 AND hold_until<=?))",
+            (oldest_version, now)).fetchall()
+        due = [r for r in due if r["replica_id"] not in in_progress or int(r["version"]) < oldest_version]
+        if not due:  # the common case, on every lease: no write transaction
             return 0
         self.conn.execute("BEGIN IMMEDIATE")
         try:
-            n = self.conn.execute("UPDATE replicas SET state='done', outcome='unverified' WHERE state!='done' AND "
-                                  "version<?", (oldest_version,)).rowcount
-            n += self.conn.execute("UPDATE replicas SET hold=0 WHERE hold=1 AND state!='done' AND created_at<=?",
-                                   (now - hold_s,)).rowcount
+            for row in due:
+                rep = self._replica(row)
+                if row["hold"]:
+                    self.conn.execute("UPDATE replicas SET state='done', outcome='dropped' WHERE replica_id=?",
+                                      (rep.replica_id,))
+                    self._take_back(rep, now, "dropped_unverified", "no_conclusive_check",
+                                    "no conclusive spot-check before the hold ran out (or its version was pruned): "
+                                    "dropped uncredited, the job is done again", in_training=False)
+                else:
+                    self.conn.execute("UPDATE replicas SET state='done', outcome='unverified' WHERE replica_id=?",
+                                      (rep.replica_id,))
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
-        return n
+        dropped = sum(1 for r in due if r["hold"])
+        if dropped:
+            logger.warning("dropped %d held results uncredited: no conclusive spot-check in time", dropped)
+        return len(due)
 
-    def has_valid_work(self, client_id: str) -> bool:
-        """Has ``client_id`` had at least one result judged valid (any backend class)?"""
-        return self.conn.execute("SELECT 1 FROM trust WHERE client_id=? AND valid_total > 0 LIMIT 1",
-                                 (client_id,)).fetchone() is not None
+    def established(self, client_id: str) -> bool:
+        """Has ``client_id`` had at least trust.replicator_min_valid results conclusively verified, with no
+        failure since? Only such an identity replays others' jobs or makes results wait for it."""
+        row = self.conn.execute("SELECT COALESCE(SUM(valid_total), 0) AS v, COALESCE(SUM(consecutive_invalid), 0) "
+                                "AS bad FROM trust WHERE client_id=?", (client_id,)).fetchone()
+        return int(row["v"]) >= self.config.trust.replicator_min_valid and int(row["bad"]) == 0
+
+    def party(self, client_id: str) -> Party | None:
+        """What the coordinator observed of an identity (registration addresses and time), for independence."""
+        row = self.conn.execute("SELECT address, last_address, registered_at FROM clients WHERE client_id=?",
+                                (client_id,)).fetchone()
+        if row is None:
+            return None
+        addresses = frozenset(a for a in (row["address"], row["last_address"]) if a is not None)
+        return Party(client_id, addresses, float(row["registered_at"]))
+
+    def may_judge(self, replayer: str, original: Party, bclass: str, now: float) -> bool:
+        """Could ``replayer`` conclusively judge ``original``'s result of class ``bclass``: same pinned class,
+        established trust, not quarantined, and independent of it by what the coordinator observed?"""
+        me = self.party(replayer)
+        if me is None or self.pinned_class(replayer) != bclass or not self.established(replayer):
+            return False
+        if quarantined(TrustState(quarantined_until=self.quarantined_until(replayer)), now):
+            return False
+        return independent(original, me, self.config.trust.registration_burst_s)
+
+    def peer_available(self, original_client: str, bclass: str, now: float, window_s: float) -> bool:
+        """Is an identity that may judge ``original_client``'s result active now (a signed request within
+        ``window_s``)? If not, no replica could be judged in time and holding the result would only drop it.
+        Identities without verified work, of another class, or not independent do not count."""
+        original = self.party(original_client)
+        if original is None:
+            return False
+        recent: list[str] = []
+        for other, at in reversed(self._seen.items()):
+            if at < now - window_s or len(recent) >= RECENT_PEERS:
+                break
+            if other != original_client:
+                recent.append(other)
+        if not recent:
+            return False
+        marks = ",".join("?" * len(recent))
+        # one query narrows the active identities to those with enough verified work; may_judge decides the rest
+        rows = self.conn.execute(
+            f"SELECT client_id FROM trust WHERE client_id IN ({marks}) GROUP BY client_id HAVING SUM(valid_total) "
+            f">= ? AND SUM(consecutive_invalid) = 0", (*recent, self.config.trust.replicator_min_valid)).fetchall()
+        return any(self.may_judge(r["client_id"], original, bclass, now) for r in rows)
 
     def lease_replica(self, client_id: str, lease_id: str, deadline: float, now: float) -> ReplicaRow | None:
-        """Lease the oldest open (or expired) replica that someone other than ``client_id`` produced."""
-        if self.conn.execute("SELECT 1 FROM replicas WHERE state!='done' LIMIT 1").fetchone() is None:
+        """Lease the oldest open (or expired) peer replica that ``client_id`` may judge (coordinator-judged ones
+        never leave the coordinator; see may_judge), or None."""
+        if self.conn.execute("SELECT 1 FROM replicas WHERE state!='done' AND judge='peer' LIMIT 1").fetchone() is None:
             return None  # the common case on every lease: no write lock taken
+        mine = self.pinned_class(client_id)
+        rows = self.conn.execute(
+            "SELECT * FROM replicas WHERE judge='peer' AND original_client!=? AND original_class=? AND "
+            "(state='open' OR (state='leased' AND lease_deadline<=?)) ORDER BY created_at LIMIT 50",
+            (client_id, mine, now)).fetchall()
+        chosen = None
+        for row in rows:
+            rep = self._replica(row)
+            original = self.party(rep.original_client)
+            if client_id not in rep.tried and original is not None and \
+                    self.may_judge(client_id, original, mine, now):
+                chosen = rep
+                break
+        if chosen is None:
+            return None
         self.conn.execute("BEGIN IMMEDIATE")
         try:
-            row = self.conn.execute(
-                "SELECT * FROM replicas WHERE original_client!=? AND (state='open' OR (state='leased' AND "
-                "lease_deadline<=?)) ORDER BY created_at LIMIT 1", (client_id, now)).fetchone()
-            if row is None:
-                self.conn.execute("COMMIT")
-                return None
-            self.conn.execute("UPDATE replicas SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, "
-                              "issue_count=issue_count+1 WHERE replica_id=?",
-                              (lease_id, client_id, deadline, row["replica_id"]))
+            n = self.conn.execute(
+                "UPDATE replicas SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, "
+                "issue_count=issue_count+1 WHERE replica_id=? AND (state='open' OR (state='leased' AND "
+                "lease_deadline<=?))", (lease_id, client_id, deadline, chosen.replica_id, now)).rowcount
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
-        got = self.get_replica(row["replica_id"])
-        return got
+        return self.get_replica(chosen.replica_id) if n == 1 else None
 
     def release_replica(self, replica_id: str, lease_id: str, client_id: str) -> bool:
         self.conn.execute("BEGIN IMMEDIATE")
@@ -229,13 +369,31 @@ class Guard:
             raise
         return n == 1
 
+    def _take_back(self, replica: ReplicaRow, now: float, outcome: str, reason: str, detail: str,
+                   in_training: bool) -> None:
+        """Inside a transaction: the original leaves the buffer if not trained on yet (its job reopens and is
+        done again) and its credit is revoked (``in_training``: the learner already holds it in the step it is
+        computing, so it stays and is marked as taken back after training)."""
+        orig = self.conn.execute("SELECT n_tokens, ingested_step, content_sha256 FROM results WHERE job_id=?",
+                                 (replica.job_id,)).fetchone()
+        if orig is None:
+            return
+        removed = orig["ingested_step"] is None and not in_training
+        if removed:
+            self.conn.execute("DELETE FROM results WHERE job_id=?", (replica.job_id,))
+            self.conn.execute("UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=?", (replica.job_id,))
+        self.conn.execute("UPDATE clients SET credit=credit-?, accepted=accepted-? WHERE client_id=?",
+                          (float(orig["n_tokens"]), int(removed), replica.original_client))
+        self.store.audit_write(now, replica.original_client, replica.job_id, replica.version,
+                               outcome if removed else f"{outcome}_after_training", reason, orig["content_sha256"],
+                               detail)
+
     def close_replica(self, replica: ReplicaRow, lease_id: str, client_id: str, outcome: str, content_sha: str,
                       credit: float, now: float, original_invalid: bool, detail: str, in_training: bool = False
                       ) -> bool:
-        """One transaction: the replica is done with ``outcome``; the replaying client is credited; if the
-        original was the outlier it is taken out of training (when not trained on yet: the job reopens) and
-        its credit revoked (``in_training``: the learner already holds it in the step it is computing, so it
-        stays and is marked as invalidated after training). False if the replica's lease changed meanwhile."""
+        """One transaction: a peer's conclusive replay closes the replica with ``outcome``; the replaying client
+        is credited; if the original was the outlier it is taken out of training and its credit revoked
+        (:meth:`_take_back`). False if the replica's lease changed meanwhile."""
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND lease_id=? AND "
@@ -249,19 +407,47 @@ class Guard:
             self.store.audit_write(now, client_id, replica.replica_id, replica.version, "replica_accepted", outcome,
                                    content_sha, detail)
             if original_invalid:
-                orig = self.conn.execute("SELECT n_tokens, ingested_step, content_sha256 FROM results WHERE job_id=?",
-                                         (replica.job_id,)).fetchone()
-                if orig is not None:
-                    removed = orig["ingested_step"] is None and not in_training
-                    if removed:
-                        self.conn.execute("DELETE FROM results WHERE job_id=?", (replica.job_id,))
-                        self.conn.execute("UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=?",
-                                          (replica.job_id,))
-                    outcome_orig = "invalidated" if removed else "invalidated_after_training"
-                    self.conn.execute("UPDATE clients SET credit=credit-?, accepted=accepted-? WHERE client_id=?",
-                                      (float(orig["n_tokens"]), int(removed), replica.original_client))
-                    self.store.audit_write(now, replica.original_client, replica.job_id, replica.version, outcome_orig,
-                                           Reason.REPLICA_MISMATCH.value, orig["content_sha256"], detail)
+                self._take_back(replica, now, "invalidated", Reason.REPLICA_MISMATCH.value, detail, in_training)
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        return True
+
+    def reopen_replica(self, replica: ReplicaRow, lease_id: str, client_id: str, content_sha: str, now: float,
+                       detail: str) -> bool:
+        """A peer's replay that settles nothing (it disagrees and no arbiter of the class exists): the replica
+        goes back to the queue for another independent identity (never this one again); the original stays
+        held. False if the replica's lease changed meanwhile."""
+        tried = ",".join(sorted(replica.tried | {client_id}))
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            if self.conn.execute("UPDATE replicas SET state='open', lease_deadline=NULL, tried=? WHERE replica_id=? "
+                                 "AND lease_id=? AND lease_client=? AND state='leased'",
+                                 (tried, replica.replica_id, lease_id, client_id)).rowcount != 1:
+                self.conn.execute("ROLLBACK")
+                return False
+            self.store.audit_write(now, client_id, replica.replica_id, replica.version, "replica_inconclusive",
+                                   "inconclusive", content_sha, detail)
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        return True
+
+    def close_arbitrated(self, replica: ReplicaRow, original_invalid: bool, now: float, detail: str,
+                         in_training: bool = False) -> bool:
+        """One transaction: the coordinator's own replay judged the original (agree, or invalid: taken back).
+        False if the replica was closed meanwhile (e.g. dropped because its version was pruned)."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            outcome = "original_invalid" if original_invalid else "agree"
+            if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND state!='done'",
+                                 (outcome, replica.replica_id)).rowcount != 1:
+                self.conn.execute("ROLLBACK")
+                return False
+            if original_invalid:
+                self._take_back(replica, now, "invalidated", Reason.REPLICA_MISMATCH.value, detail, in_training)
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
@@ -286,15 +472,6 @@ class Guard:
         self._seen.move_to_end(client_id)
         while len(self._seen) > 100_000:
             self._seen.popitem(last=False)
-
-    def others_active(self, client_id: str, now: float, window_s: float) -> bool:
-        """Is any other client active (a request within ``window_s``)? If not, nobody could replay its job."""
-        for other, at in reversed(self._seen.items()):
-            if at < now - window_s:
-                return False
-            if other != client_id:
-                return True
-        return False
 
     def replicas_summary(self) -> dict[str, int]:
         rows = self.conn.execute("SELECT COALESCE(outcome, state) AS k, COUNT(*) AS n FROM replicas GROUP BY k")

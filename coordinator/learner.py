@@ -27,14 +27,20 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from coordinator.checkpoints import CheckpointState
 from coordinator.config import LearnerConfig, ModelConfig
+from coordinator.core.verify import TokenStats
 from coordinator.evaluation import greedy_accuracy, pad_id
 from coordinator.tasks import Task, TaskItem
+
+if TYPE_CHECKING:
+    from coordinator.snapshots import SnapshotFiles
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +92,7 @@ class Learner:
         import torch
         from transformers.utils import logging as hf_logging
 
+        from coordinator import lora
         from shared.policy import load_model, load_tokenizer, pick_device, stop_token_ids
 
         hf_logging.disable_progress_bar()
@@ -95,14 +102,23 @@ class Learner:
         self.cfg = cfg
         self.temperature = temperature
         self.device = pick_device(model_cfg.device)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, self.device, model_cfg.dtype)
         self.gguf = gguf  # precision of the GGUF form published with every version ("off": none)
         self.lora = cfg.lora_rank > 0
+        # a LoRA version folder (resuming a run) holds an adapter: the model is its base plus that adapter
+        adapter_dir = Path(model_dir) if lora.is_adapter_folder(Path(model_dir)) else None
+        if adapter_dir is not None:
+            model_dir = lora.base_folder_for(adapter_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        if adapter_dir is not None and not self.lora:  # LoRA switched off mid-run: train the merged policy
+            self.model = lora.load_version_model(model_dir, adapter_dir, self.device, model_cfg.dtype)
+        elif adapter_dir is not None:
+            self.model = lora.load_base_model(model_dir, self.device, model_cfg.dtype)
+        else:
+            self.model = load_model(model_dir, self.device, model_cfg.dtype)
         if self.lora:
-            from coordinator import lora
-
             self.model = lora.wrap(self.model, cfg)
+            if adapter_dir is not None:
+                lora.load_adapter(self.model, adapter_dir)
         self.model.train()
         self.pad_id = pad_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -113,6 +129,9 @@ class Learner:
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
         self.model_version = 0
+        # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
+        self._checkpoint_gate: threading.Event | None = None
+        self._static_files: dict[str, bytes] | None = None  # config and tokenizer files of every snapshot
         self._behaviour: Any = None  # a second model holding an older version's weights, for stale results
         self._behaviour_version: int | None = None
 
@@ -135,13 +154,9 @@ class Learner:
 
             from safetensors.torch import load_file
 
-            if self.lora:  # a LoRA run publishes merged weights under plain names: verify with a plain model
-                from shared.policy import load_model
-
-                if not any(Path(folder).glob("*.safetensors")):
-                    raise FileNotFoundError(f"no weights for version {version} in {folder}")
-                self._behaviour_version = None
-                self._behaviour = load_model(Path(folder), self.device).eval()
+            if self.lora:  # a plain model of the shared base, with the version's adapter applied in place
+                self._behaviour_version = None  # until the load below has fully succeeded
+                self._behaviour = self._lora_behaviour(Path(folder), version)
                 self._behaviour_version = version
                 return self._behaviour
             if self._behaviour is None:
@@ -155,6 +170,21 @@ class Learner:
             self._behaviour_version = None  # until the load below has fully succeeded
             self._behaviour.load_state_dict(state, strict=False)
             self._behaviour_version = version
+        return self._behaviour
+
+    def _lora_behaviour(self, folder: Path, version: int) -> Any:
+        """A LoRA run's older version as a plain model: one model of the shared base, kept, onto which each
+        version's adapter is applied in place (coordinator.lora.VersionLoader). A version folder of an older
+        run directory (merged weights, no adapter) is loaded whole."""
+        from coordinator import lora
+
+        if not any(Path(folder).glob("*.safetensors")):
+            raise FileNotFoundError(f"no weights for version {version} in {folder}")
+        loader = lora.VersionLoader(lora.base_folder_for(folder))
+        if self._behaviour is None or not lora.is_adapter_folder(folder):
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            return loader.load_first(folder, str(self.device), dtype)
+        loader.load_into(self._behaviour, folder)
         return self._behaviour
 
     def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int | None = None,
@@ -174,6 +204,28 @@ class Learner:
                 rows = lp.tolist()
                 out.extend(row[: len(c)] for row, c in zip(rows, completions[s : s + MICRO_BATCH], strict=True))
         return out
+
+    def recompute_with_stats(self, prompts: list[list[int]], completions: list[list[int]],
+                             version: int | None = None, folder: Path | None = None) -> TokenStats:
+        """:meth:`recompute` plus each position's entropy and surprisal variance from the same forward pass,
+        for the sampling test (coordinator.core.verify.sampling_stats). The logprobs equal recompute's."""
+        import torch
+
+        from shared.policy import completion_stats
+
+        model = self._model_at(self.model_version if version is None else version, folder)
+        lps: list[list[float]] = []
+        ents: list[list[float]] = []
+        vars_: list[list[float]] = []
+        tops: list[list[float]] = []
+        with torch.no_grad():
+            for s in range(0, len(completions), MICRO_BATCH):
+                chunk = completions[s : s + MICRO_BATCH]
+                lp, ent, var, top, _ = completion_stats(model, prompts[s : s + MICRO_BATCH], chunk,
+                                                        temperature=self.temperature, pad_id=self.pad_id)
+                for dst, t in ((lps, lp), (ents, ent), (vars_, var), (tops, top)):
+                    dst.extend(row[: len(c)] for row, c in zip(t.tolist(), chunk, strict=True))
+        return TokenStats(lps, ents, vars_, tops)
 
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -217,6 +269,7 @@ class Learner:
                 # k3 estimate of KL(π_b ‖ π_prox) from tokens sampled by π_b: r − log r − 1, r = π_prox/π_b
                 prox_kl += float(((raw_is - log_is - 1) * mask).sum())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        gate_s = self._await_checkpoint()
         self.optimizer.step()
         self.model_version += 1
         mismatch = [
@@ -240,20 +293,17 @@ class Learner:
             "tokens": float(total_tokens),
             "samples": float(len(samples)),
             "train_s": time.monotonic() - t0,
+            "checkpoint_gate_s": gate_s,  # part of train_s spent waiting for a checkpoint write to finish
         }
 
     # -- persistence --------------------------------------------------------------------------------------
     def save_model(self, folder: Path) -> None:
         """Write a version: the Hugging Face folder, plus its GGUF form(s) when ``gguf`` is not "off"."""
-        if self.lora:
-            from coordinator import lora
-            from coordinator.gguf_export import write_lora_gguf, write_model_gguf
-
-            lora.save_merged(self.model, self.tokenizer, folder)
-            if self.gguf != "off":
-                write_model_gguf(folder / "base.gguf", folder, lora.base_state(self.model), self.gguf)
-                pairs, alpha = lora.adapter_pairs(self.model)
-                write_lora_gguf(folder / "adapter.gguf", folder, pairs, alpha, "f32" if self.gguf == "f32" else "f16")
+        if self.lora:  # a self-contained LoRA version: the base files and this version's adapter in one folder
+            files = self._lora_snapshot_files("training")
+            for name, write_shared in files.shared.items():
+                write_shared(folder / name)
+            files.write(folder)
             return
         self.model.save_pretrained(str(folder), safe_serialization=True)
         self.tokenizer.save_pretrained(str(folder))
@@ -262,17 +312,117 @@ class Learner:
 
             write_model_gguf(folder / "model.gguf", folder, self.model.state_dict(), self.gguf)
 
-    def save_optimizer(self, path: Path) -> None:
+    # -- publication (coordinator.publisher) -----------------------------------------------------------
+    def publish_dtype(self, configured: str) -> str:
+        """The dtype snapshots are written in: ``snapshots.dtype``, where "training" means the model's own."""
+        if configured != "training":
+            return configured
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    def snapshot_files(self, dtype: str = "training") -> SnapshotFiles:
+        """On the learner thread, right after a step: what the publisher needs to write this version while the
+        learner goes on training. Full weights: one CPU copy of the state dict in the publish dtype (the copy
+        is the dtype conversion); safetensors, config/tokenizer files and GGUF are written from it later."""
         import torch
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(self.optimizer.state_dict(), tmp)
-        with open(tmp, "rb") as fh:
-            import os
+        from coordinator.snapshots import SnapshotFiles
 
-            os.fsync(fh.fileno())
-        tmp.replace(path)
+        if self.lora:
+            return self._lora_snapshot_files(dtype)
+        target = getattr(torch, self.publish_dtype(dtype))
+        state = {k: v.detach().to("cpu", dtype=target if v.is_floating_point() else v.dtype, copy=True)
+                 for k, v in self.model.state_dict().items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied to the embeddings, stored once (as save_pretrained does)
+        static = self._snapshot_static_files(self.publish_dtype(dtype))
+        gguf = self.gguf
+
+        def write(folder: Path) -> None:
+            from safetensors.torch import save_file
+
+            save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            for name, data in static.items():
+                (folder / name).write_bytes(data)
+            if gguf != "off":
+                from coordinator.gguf_export import write_model_gguf
+
+                write_model_gguf(folder / "model.gguf", folder, state, gguf)
+
+        return SnapshotFiles(write)
+
+    def _lora_snapshot_files(self, dtype: str) -> SnapshotFiles:
+        """A LoRA version (coordinator.lora has the layout): its own files are the adapter, copied here (a few
+        MB at most); the frozen base (HF files and base.gguf) is a run-level shared file set, written once."""
+        import json
+
+        import torch
+
+        from coordinator import lora
+        from coordinator.snapshots import SnapshotFiles
+
+        snap = lora.adapter_snapshot(self.model)
+        publish = self.publish_dtype(dtype)
+        static = self._snapshot_static_files(publish)
+        hf_config = json.loads(static["config.json"])
+        gguf = self.gguf
+        shared = lora.base_writers(self.model, static, getattr(torch, publish), gguf)
+
+        def write(folder: Path) -> None:
+            lora.write_adapter(folder, snap, hf_config, gguf)
+
+        return SnapshotFiles(write, shared)
+
+    def _snapshot_static_files(self, dtype: str) -> dict[str, bytes]:
+        """config.json (its dtype set to the publish dtype), generation config and tokenizer files, once."""
+        if self._static_files is None:
+            import json
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="echo-swarm-static-") as tmp:
+                self.model.config.save_pretrained(tmp)
+                if getattr(self.model, "generation_config", None) is not None:
+                    self.model.generation_config.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+            config = json.loads(files["config.json"])
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = dtype
+            files["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+            self._static_files = files
+        return self._static_files
+
+    # -- checkpoints (coordinator.checkpoints) ----------------------------------------------------------
+    def checkpoint_state(self) -> CheckpointState:
+        """References to the trainable weights and the optimizer state at this version, for the publisher to
+        write while the next step's forward and backward passes run; that step's optimizer update waits until
+        the publisher calls ``release`` (:meth:`_await_checkpoint`), so nothing is copied."""
+        gate = threading.Event()
+        self._checkpoint_gate = gate
+        weights = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        return CheckpointState(self.model_version, weights, self.optimizer.state_dict(), gate.set)
+
+    def _await_checkpoint(self) -> float:
+        gate, self._checkpoint_gate = self._checkpoint_gate, None
+        if gate is None or gate.is_set():
+            return 0.0
+        t0 = time.monotonic()
+        gate.wait()
+        return time.monotonic() - t0
+
+    def load_checkpoint(self, weights: dict[str, Any], optimizer: dict[str, Any], version: int) -> None:
+        """Restore a checkpoint's trainable weights and optimizer state; the learner is then at ``version``."""
+        import torch
+
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(weights) - set(params))
+        if unknown:
+            raise ValueError(f"the checkpoint of version {version} has weights this model lacks: {unknown[:3]}")
+        with torch.no_grad():
+            for name, value in weights.items():
+                params[name].copy_(value.to(params[name].device, params[name].dtype))
+        self.optimizer.load_state_dict(optimizer)
+        self.model_version = version
 
     def load_optimizer(self, path: Path) -> bool:
         import torch

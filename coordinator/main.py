@@ -10,7 +10,8 @@ import sys
 
 from aiohttp import web
 
-from coordinator.app import FATAL, create_app
+from coordinator import netguard
+from coordinator.app import CONN_GUARD, FATAL, create_app
 from coordinator.config import CoordinatorConfig
 
 logger = logging.getLogger(__name__)
@@ -19,12 +20,8 @@ logger = logging.getLogger(__name__)
 async def serve(config: CoordinatorConfig) -> int:
     """Run the coordinator until SIGINT/SIGTERM (exit 0) or a learner failure (exit 1)."""
     app = create_app(config)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
-    await site.start()
-    sockets = getattr(site._server, "sockets", None) or []
-    port = sockets[0].getsockname()[1] if sockets else config.server.port
+    runner, site = await start_site(app, config)
+    port = site.port
     url = f"http://{config.server.host}:{port}"
     (config.run_dir / "endpoint.json").write_text(json.dumps({"url": url, "port": port}))
     print(f"echo-swarm coordinator listening on {url} (run dir {config.run_dir})", flush=True)
@@ -43,7 +40,23 @@ async def serve(config: CoordinatorConfig) -> int:
     return 1 if fatal else 0
 
 
+async def start_site(app: web.Application, config: CoordinatorConfig) -> tuple[web.AppRunner, netguard.GuardedSite]:
+    """Serve ``app`` on server.host:port with bounded connections: the soft file limit raised to the hard
+    one, and the connection cap derived from it (coordinator.netguard)."""
+    guard = app[CONN_GUARD]
+    guard.set_fd_limit(netguard.raise_fd_limit())
+    runner = web.AppRunner(app, handle_signals=False, keepalive_timeout=config.server.keepalive_timeout_s,
+                           access_log=logger, access_log_class=netguard.ReplyWritten)  # marks replies done
+    await runner.setup()
+    site = netguard.GuardedSite(runner, guard, config.server.host, config.server.port)
+    await site.start()
+    logger.info("connections: at most %d open (%d per address); file limit %d", guard.caps.total,
+                guard.caps.per_address, guard.fd_limit)
+    return runner, site
+
+
 def run(config: CoordinatorConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    from shared import safe_text  # every record one line, client text escaped (issue 13)
+
+    safe_text.configure_logging(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s", sys.stderr)
     return asyncio.run(serve(config))

@@ -7,6 +7,8 @@ the database does not record — bytes of snapshots served and HTTP requests by 
 in-process (reset on restart, which Prometheus' ``rate()`` handles).
 
 Each app gets its own :class:`CollectorRegistry`, so several coordinators in one process (tests) never clash.
+A scrape is built at most once per ``server.public_cache_s`` and rate-limited per address like ``/v1/status``
+(coordinator.public_reads); the connection guard's counters (coordinator.netguard) are exported too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from prometheus_client.registry import Collector
 from coordinator import readmodels
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import CLIENT_STATES
+from coordinator.netguard import ConnectionGuard
+from coordinator.public_reads import PUBLIC_READS, ReplyCache
 from coordinator.service import Coordinator
 
 logger = logging.getLogger(__name__)
@@ -133,12 +137,54 @@ class StoreCollector(Collector):
                                     value=last["mean_reward"])
 
 
+class ServingCollector(Collector):
+    """The listener's own figures: open connections, refusals, evictions, timeouts, reply-cache builds."""
+
+    def __init__(self, guard: ConnectionGuard | None, cache: ReplyCache | None) -> None:
+        self.guard = guard
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        if self.guard is not None:
+            g, st = self.guard, self.guard.stats
+            yield GaugeMetricFamily("echo_swarm_connections_open", "Client connections open now.", value=len(g.open))
+            yield GaugeMetricFamily("echo_swarm_connections_limit", "Cap on open connections (server.max_connections "
+                                    "or derived from the file limit).", value=g.caps.total)
+            yield GaugeMetricFamily("echo_swarm_connections_peak", "Most connections open at once since start.",
+                                    value=st.peak)
+            yield CounterMetricFamily("echo_swarm_connections_accepted", "Connections admitted.", value=st.accepted)
+            refused = CounterMetricFamily("echo_swarm_connections_refused", "Connections refused at accept: their "
+                                          "address (per_address) or the server (total) at its cap with nothing "
+                                          "idle to evict.", labels=["cap"])
+            for cap, n in st.refused.items():
+                refused.add_metric([cap], n)
+            yield refused
+            yield CounterMetricFamily("echo_swarm_connections_evicted", "Idle or stalled connections closed to make "
+                                      "room for a newcomer.", value=st.evicted)
+            expired = CounterMetricFamily("echo_swarm_connections_timed_out", "Connections closed for exceeding a "
+                                          "bound: header, body, idle (keep-alive) or send.", labels=["phase"])
+            for phase, n in st.expired.items():
+                expired.add_metric([phase], n)
+            yield expired
+            yield CounterMetricFamily("echo_swarm_http_received_bytes", "Bytes read from client connections.",
+                                      value=st.bytes_received)
+        if self.cache is not None:
+            builds = CounterMetricFamily("echo_swarm_public_reply_builds", "Times a /v1/status or /metrics reply was "
+                                         "built (each is shared by every reader for server.public_cache_s).",
+                                         labels=["reply"])
+            for key, n in sorted(self.cache.builds.items()):
+                builds.add_metric([key], n)
+            yield builds
+
+
 class Metrics:
     """The registry of one app plus the in-process counters that the request path feeds."""
 
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Coordinator, guard: ConnectionGuard | None = None, cache: ReplyCache | None = None
+                 ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(coord))
+        self.registry.register(ServingCollector(guard, cache))
         self.snapshot_bytes = Counter("echo_swarm_snapshot_bytes_served", "Bytes of snapshot files and signed "
                                       "manifests sent to clients (since this process started).", ["kind"],
                                       registry=self.registry)
@@ -162,12 +208,21 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    data = generate_latest(request.app[METRICS].registry)
+    public = request.app[PUBLIC_READS]
+    public.check(request)
+    registry = request.app[METRICS].registry
+    coord = request.app[METRICS_COORDINATOR]
+    changes = coord.store.conn.total_changes if hasattr(coord, "store") else 0
+    data = public.cache.get("metrics", coord.version, changes, lambda: generate_latest(registry))
     return web.Response(body=data, headers={"Content-Type": PROM_CONTENT_TYPE})
 
 
-def install(app: web.Application, coord: Coordinator) -> None:
+METRICS_COORDINATOR = web.AppKey("metrics_coordinator", Coordinator)
+
+
+def install(app: web.Application, coord: Coordinator, guard: ConnectionGuard | None = None) -> None:
     """Add ``GET /metrics`` and the response hook that counts requests and snapshot bytes."""
-    app[METRICS] = Metrics(coord)
+    app[METRICS] = Metrics(coord, guard, app[PUBLIC_READS].cache)
+    app[METRICS_COORDINATOR] = coord
     app.on_response_prepare.append(_on_prepare)
     app.router.add_get("/metrics", metrics_handler)

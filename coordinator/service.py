@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import spotcheck
+from coordinator.checkpoints import CheckpointState, CheckpointStore
 from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.advantages import group_advantages
@@ -27,13 +27,25 @@ from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_job
 from coordinator.core.leases import LeaseCheck, LeaseView, check_lease, deadline_for, lease_live
 from coordinator.core.scheduling import decide_lease, select_batch, staleness_weight
-from coordinator.core.trust import backend_class, is_invalidating
-from coordinator.core.verify import JobTerms, check_logprobs, logprob_stats, verify_submission
-from coordinator.guard import REPLICA_SUFFIX, Guard
+from coordinator.core.trust import class_backend, is_invalidating
+from coordinator.core.verify import (
+    JobTerms,
+    TokenStats,
+    check_logprobs,
+    check_sampling,
+    logprob_stats,
+    sampling_stats,
+    verify_submission,
+)
+from coordinator.evaluation import EvalOutcome, Evaluator
+from coordinator.guard import Guard
 from coordinator.learner import Learner, Sample
-from coordinator.snapshots import SnapshotStore
+from coordinator.lora import VersionLoader
+from coordinator.publisher import Publication, Published, Publisher
+from coordinator.snapshots import SnapshotFiles, SnapshotStore
 from coordinator.store import JobRow, Store
 from coordinator.tasks import Task, make_task
+from coordinator.verifier import Verifier, VersionGone
 from shared import PROTOCOL_VERSION, crypto, wire
 from shared.errors import ProtocolError, Reason
 from shared.hashing import prompt_hash, sha256_bytes
@@ -96,7 +108,14 @@ class Coordinator:
         self._version_interval: float | None = None
         self._version_at = self.started_at
         self.issuing_paused = False  # set by the operator (coordinator.admin_api): no new leases while True
-        self.in_training: frozenset[str] = frozenset()  # job ids of the step being trained (spot-checks)
+        self.in_training: frozenset[str] = frozenset()  # job ids of the steps trained, not yet recorded (spot-checks)
+        # learner critical path (coordinator.publisher): steps trained but not yet published → their job ids
+        self._unpublished: dict[int, frozenset[str]] = {}
+        self._publishing: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # publications and evaluations in flight
+        self._last_checkpoint_version = 0
+        self._last_checkpoint_at = time.monotonic()
+        self._verify_s_seen = self._eval_s_seen = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,26 +136,33 @@ class Coordinator:
         self.snapshots = SnapshotStore(self.run_dir / "snapshots", self.key, run_id)
         committed = [v["version"] for v in self.store.versions()]
         self.snapshots.reconcile(committed)
-        self._drop_uncommitted_checkpoints(set(committed))
+        self.checkpoints = CheckpointStore(self.run_dir / "checkpoints")
         current = self.store.current_version()
+        self.checkpoints.prune(-1 if current is None else current, startup=True)
+        self.publisher = Publisher(self.snapshots, self.checkpoints)
         if current is None:
             model_dir = await self._run(self._resolve_model_dir)
             self.learner = await self._run(self._make_learner, model_dir)
-            manifest_sha = await self._run(self.snapshots.publish, 0, self.learner.save_model, self.clock())
-            self.store.publish_initial(manifest_sha, self.clock())
+            files, checkpoint = await self._run(self._hand_over, True)
+            published = await asyncio.wrap_future(self.publisher.submit(
+                Publication(0, files, self.clock(), checkpoint)))
+            self.store.publish_initial(published.manifest_sha, self.clock())
             self.version = 0
             logger.info("run %s: published initial version 0 from %s", run_id, model_dir)
         else:
             self.version = current
-            self.learner = await self._run(self._make_learner, self.snapshots.folder(current))
-            self.learner.model_version = current
-            opt = self.run_dir / "checkpoints" / f"v{current:06d}" / "optimizer.pt"
-            if not await self._run(self.learner.load_optimizer, opt) and current > 0:
-                logger.warning("no optimizer state for version %d; continuing with a fresh optimizer", current)
+            await self._resume_learner(current)
             logger.info("run %s: resumed at version %d", run_id, current)
+        self._last_checkpoint_at = time.monotonic()
+        newest = self.checkpoints.latest(self.version)
+        self._last_checkpoint_version = self.version if newest is None else newest
         self.vocab_size = self.learner.vocab_size
+        self.verifier = self._make_verifier()
+        lora_eval = VersionLoader(self.snapshots.base_dir).load_eval if self.config.learner.lora_rank > 0 else None
+        self.evaluator = Evaluator(self.task, self.task.heldout[: self.config.learner.eval_size],
+                                   self.config.sampling.max_tokens, load=lora_eval)
         if not any(e["version"] == self.version for e in self.store.evals()):
-            await self._evaluate(self.version)
+            self._evaluate(self.version)
         self.finished = self.version >= self.config.learner.max_steps
         if self.config.sync_mode == "colocated":
             self.store.register_client(LOCAL_CLIENT, b"", {"name": "co-located learner", "backend": "torch",
@@ -148,6 +174,14 @@ class Coordinator:
         return self.store.create_job(plan, self.config.learner.group_size, self.clock())
 
     async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if hasattr(self, "evaluator"):
+            self.evaluator.close()
+        if hasattr(self, "verifier"):
+            self.verifier.close()
+        if hasattr(self, "publisher"):
+            self.publisher.close()
         self._executor.shutdown(wait=True)
         self.store.close()
 
@@ -172,13 +206,40 @@ class Coordinator:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _drop_uncommitted_checkpoints(self, committed: set[int]) -> None:
-        root = self.run_dir / "checkpoints"
-        if not root.exists():
+    async def _resume_learner(self, current: int) -> None:
+        """Rebuild the learner at ``current``: the newest checkpoint's weights and optimizer state, then the steps
+        recorded since it replayed from their ingested results in training order (coordinator.checkpoints).
+        Run directories without such a checkpoint resume from the published weights with a fresh optimizer
+        (or the per-version optimizer state older releases wrote)."""
+        ckpt = self.checkpoints.latest(current)
+        # a LoRA checkpoint holds the adapter only: it goes on top of the base model (the run's shared base folder
+        # of snapshots, else model.path), never on merged weights
+        start_dir = self.snapshots.folder(current)
+        if self.config.learner.lora_rank > 0 and ckpt is not None:
+            base = self.snapshots.base_dir
+            start_dir = base if (base / "config.json").exists() else await self._run(self._resolve_model_dir)
+        self.learner = await self._run(self._make_learner, start_dir)
+        if ckpt is None:
+            self.learner.model_version = current
+            legacy = self.checkpoints.folder(current) / "optimizer.pt"
+            if not await self._run(self.learner.load_optimizer, legacy) and current > 0:
+                logger.warning("no checkpoint for version %d; continuing with a fresh optimizer", current)
             return
-        for entry in root.iterdir():
-            if not (entry.name.startswith("v") and entry.name[1:].isdigit() and int(entry.name[1:]) in committed):
-                shutil.rmtree(entry, ignore_errors=True)
+        weights, optimizer = await self._run(self.checkpoints.load, ckpt, self.learner.device)
+        await self._run(self.learner.load_checkpoint, weights, optimizer, ckpt)
+        del weights, optimizer
+        by_step: dict[int, list[str]] = {}
+        for r in self.store.results_summary():
+            if r["ingested_step"] is not None and r["ingested_step"] > ckpt:
+                by_step.setdefault(int(r["ingested_step"]), []).append(r["job_id"])
+        trained_from = {int(s["step"]): int(s["trained_version"]) for s in self.store.steps() if s["step"] > ckpt}
+        t0 = time.monotonic()
+        for step in range(ckpt + 1, current + 1):
+            samples, _, _, _ = self._batch_samples(trained_from[step], sorted(by_step[step]))
+            await self._run(self.learner.train_step, samples)
+        assert self.learner.model_version == current, (self.learner.model_version, current)
+        logger.info("restored the checkpoint of version %d and replayed %d steps in %.1fs", ckpt, current - ckpt,
+                    time.monotonic() - t0)
 
     # -- authentication -----------------------------------------------------------------------------------
     def _open_envelope(self, raw: bytes, path: str) -> SignedRequest:
@@ -227,8 +288,12 @@ class Coordinator:
         if existing is not None and existing["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
         self.guard.check_registration(peer, body.invite, self.clock(), is_new=existing is None)
+        # the class is the coordinator's to establish: one of a fixed set, pinned at the first registration
+        bclass = self.guard.class_for_registration(req.client_id, body.profile.backend, body.profile.device,
+                                                   is_new=existing is None)
         self._check_fresh(req)
-        new = self.store.register_client(req.client_id, body.public_key, body.profile.model_dump(), self.clock())
+        new = self.store.register_client(req.client_id, body.public_key, body.profile.model_dump(), self.clock(),
+                                         backend_class=bclass, address=peer or None)
         if req.client_id not in self._pace:  # a declared self-benchmark seeds the pace until a result is seen
             per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size * self.config.sampling.max_tokens
             prior = pacing.declared_pace(body.profile.benchmark_tokens_per_s, per_job)
@@ -253,7 +318,7 @@ class Coordinator:
         the client's version while within S)."""
         req = self.authenticate(raw, "/v1/lease")
         body = wire.decode(req.body, LeaseRequest)
-        self.guard.check_quarantine(req.client_id, self.backend_class(req.client_id, body.backend), self.clock())
+        self.guard.check_quarantine(req.client_id, self.clock())  # per identity, whatever backend it claims
         give_up = time.monotonic() + self.config.jobs.long_poll_s
         announced = max(self.version, body.held_version)  # what the client knows of once this request began
         self._waiting[req.client_id] = self._waiting.get(req.client_id, 0) + 1
@@ -381,7 +446,7 @@ class Coordinator:
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.authenticate(raw, "/v1/release")
         body = wire.decode(req.body, ReleaseRequest)
-        if body.job_id.endswith(REPLICA_SUFFIX):
+        if self.guard.get_replica(body.job_id) is not None:
             return ReleaseResponse(released=self.guard.release_replica(body.job_id, body.lease_id, req.client_id))
         released = self.store.release_lease(body.job_id, body.lease_id, req.client_id)
         if released:
@@ -394,13 +459,17 @@ class Coordinator:
         content_sha = sha256_bytes(req.body)
         job_id: str | None = None
         version: int | None = None
-        bclass = self.backend_class(req.client_id, "torch")
+        bclass = self.backend_class(req.client_id)
         try:
             sub = wire.decode(req.body, ResultSubmission)
             job_id, version = sub.job_id, sub.version
-            bclass = self.backend_class(req.client_id, sub.backend)
-            self.guard.check_quarantine(req.client_id, bclass, self.clock())
-            if sub.job_id.endswith(REPLICA_SUFFIX):
+            self.guard.check_quarantine(req.client_id, self.clock())
+            if sub.backend != class_backend(bclass):
+                raise ProtocolError(Reason.BINDING_MISMATCH,
+                                    f"this result says backend {sub.backend!r}, but this identity registered as "
+                                    f"{bclass}; results are verified as the registered class. Send results from "
+                                    f"the backend it registered with (or use a new identity for another backend)")
+            if self.guard.get_replica(sub.job_id) is not None:
                 return await self._submit_replica(req.client_id, sub, len(req.body), content_sha, bclass)
             earlier = self.store.accepted_result(sub.job_id)
             if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
@@ -416,15 +485,14 @@ class Coordinator:
             self.store.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha, self.clock(),
                                         version)
             if is_invalidating(exc.reason):
-                self.guard.record_invalid(req.client_id, bclass, self.clock())
+                self.guard.record_invalid(req.client_id, self.clock())
             logger.info("rejected result from %s for %s: %s", req.client_id[:8], job_id, exc)
             raise
 
     # -- trust boundary (logic in coordinator.guard and coordinator.spotcheck) ------------------------------
-    def backend_class(self, client_id: str, backend: str) -> str:
-        client = self.store.get_client(client_id)
-        device = json.loads(client["profile"]).get("device", "cpu") if client is not None else "cpu"
-        return backend_class(backend, str(device))
+    def backend_class(self, client_id: str) -> str:
+        """The class the coordinator pinned to this identity (never what a request claims)."""
+        return self.guard.pinned_class(client_id)
 
     def body_cap(self, path: str) -> int:
         """Largest request body accepted on ``path``: results are capped by the largest job this run signs
@@ -478,9 +546,16 @@ class Coordinator:
         verify_submission(sub, row.view, self._terms(row), client_id, self.clock(), oldest)
         prompts = [self._prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
         completions = [list(c.token_ids) for c in sub.completions]
-        recomputed: list[list[float]] = await self._run(self._recompute_at, prompts, completions, sub.version)
+        token_stats = await self._recompute_stats_at(prompts, completions, sub.version)
+        recomputed = token_stats.logprobs
         stats = logprob_stats([c.logprobs for c in sub.completions], recomputed)
-        check_logprobs(stats, *self.config.verification.tolerances(sub.backend, self.config.snapshots.gguf))
+        check_logprobs(stats, *self.config.verification.tolerances(self.backend_class(client_id),
+                                                                   self.config.snapshots.gguf))
+        vcfg = self.config.verification
+        if vcfg.sampling_check:  # same recompute: are the tokens as surprising as sampling makes them?
+            check_sampling(sampling_stats(token_stats, vcfg.sampling_var_floor), z_low=vcfg.sampling_z_low,
+                           z_high=vcfg.sampling_z_high, top_z=vcfg.sampling_top_z, min_tokens=vcfg.sampling_min_tokens,
+                           temperature=self.config.sampling.temperature)
         # the result arrived within its lease (verify_submission); if the lease ran out while the learner kept the
         # verification waiting, that delay was the coordinator's, and the job was not reissued meanwhile
         fresh = self.store.get_job(sub.job_id)
@@ -508,56 +583,96 @@ class Coordinator:
         return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
                               credit=credit, total_credit=float(client["credit"]) if client else credit)
 
-    def _recompute_at(self, prompts: list[list[int]], completions: list[list[int]], version: int) -> list[list[float]]:
-        """On the learner thread: logprobs under the version that generated the rollout."""
-        gone = ProtocolError(Reason.WRONG_VERSION, f"policy version {version} is no longer kept for verification")
-        if version != self.learner.model_version and self.snapshots.signed_manifest(version) is None:
-            raise gone
+    def _make_verifier(self) -> Verifier:
+        """The verifier role (coordinator.verifier): recompute and replay from published snapshots, on its own
+        thread and model replica, so verification never runs on the learner's thread or model."""
+        vcfg = self.config.verification
+
+        def folder_of(version: int) -> Path | None:
+            return self.snapshots.folder(version) if self.snapshots.signed_manifest(version) is not None else None
+
+        device = self.learner.device if vcfg.device == "auto" else vcfg.device
+        loaders: dict[str, Any] = {}
+        if self.config.learner.lora_rank > 0:  # a version is the shared base + its adapter (coordinator.lora)
+            lora_versions = VersionLoader(self.snapshots.base_dir)
+            loaders = {"load_first": lora_versions.load_first, "load_into": lora_versions.load_into,
+                       "load_state": lora_versions.load_state}
+        return Verifier(folder_of, device=device, dtype=self.config.model.dtype,
+                        temperature=self.config.sampling.temperature, pad_id=self.learner.pad_id,
+                        stop_ids=self.learner.stop_ids, cached_versions=vcfg.cached_versions, **loaders)
+
+    async def _recompute_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                            ) -> list[list[float]]:
+        """Logprobs under the version that generated the rollout, by the verifier."""
+        return (await self._recompute_stats_at(prompts, completions, version)).logprobs
+
+    async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                                  ) -> TokenStats:
+        """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass)."""
         try:
-            return self.learner.recompute(prompts, completions, version, self.snapshots.folder(version))
-        except FileNotFoundError:  # pruned between the check and the load
-            raise gone from None
+            return await self.verifier.recompute_stats(prompts, completions, version)
+        except VersionGone:
+            raise ProtocolError(Reason.WRONG_VERSION,
+                                f"policy version {version} is no longer kept for verification") from None
 
     # -- learner loop -------------------------------------------------------------------------------------
     async def learner_loop(self) -> None:
-        """Train whenever B eligible results are buffered (core.scheduling.select_batch), oldest first."""
+        """Train whenever B eligible results are buffered (core.scheduling.select_batch), oldest first.
+
+        Each step is handed to the publisher (coordinator.publisher) and the loop goes on at once: in async
+        push-pull the next batch trains while the last version is written. The results of a step that is
+        still being published are kept out of the next batch (``_unpublished``); the step, its ingestion marks
+        and the new version are recorded in one transaction once the version is fully published."""
         if self.config.sync_mode == "colocated":
             await self._colocated_loop()
             return
         policy = self.config.sync_policy
-        while not self.finished:
-            version = self.version
-            while True:
-                self._wake.clear()
-                batch, too_stale = select_batch(self.store.pending(), version, policy)
-                if too_stale:
-                    self.store.mark_stale([p.job_id for p in too_stale], version)
-                    logger.info("set aside %d results older than the staleness bound", len(too_stale))
-                if batch:
-                    break
-                await self._wake.wait()
-            try:
-                await self._train_and_publish(version, [p.job_id for p in batch])
-            except Exception as exc:  # the loop must not die silently; the error is surfaced in status
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                logger.exception("learner step on version %d failed", version)
-                raise
+        try:
+            while not self.finished and self.learner.model_version < self.config.learner.max_steps:
+                version = self.learner.model_version  # the version this batch updates (may be unpublished yet)
+                waited_from = time.monotonic()
+                while True:
+                    self._wake.clear()
+                    self._check_publication()
+                    in_flight = self.in_training
+                    pending = [p for p in self.store.pending() if p.job_id not in in_flight]
+                    batch, too_stale = select_batch(pending, version, policy)
+                    if too_stale:
+                        self.store.mark_stale([p.job_id for p in too_stale], version)
+                        logger.info("set aside %d results older than the staleness bound", len(too_stale))
+                    if batch:
+                        break
+                    await self._wake.wait()
+                await self._train_step(version, [p.job_id for p in batch], waited_from)
+            await self._await_publication()
+        except Exception as exc:  # the loop must not die silently; the error is surfaced in status
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("learner step on version %d failed", self.learner.model_version)
+            raise
 
     async def _colocated_loop(self) -> None:
         """Baseline: the same learner, generating its own rollouts in-process (no clients, no network).
+
+        Generation needs the learner's version published (its results are verified against that snapshot and
+        bound to it), so here the loop waits for each publication before generating.
 
         After a restart it first finishes what the interrupted step left: buffered results are trained on and
         jobs it had leased to itself are generated again, so nothing is planned twice or left behind."""
         policy = self.config.sync_policy
         while not self.finished:
+            await self._await_publication()
+            if self.finished:
+                break
             version = self.version
+            waited_from = time.monotonic()
             batch, _ = select_batch(self.store.pending(), version, policy)
             if not batch:
                 unfinished = self.store.active_jobs()
                 row = unfinished[0] if unfinished else self._new_job()
                 await self._generate_locally(row, version)
                 continue
-            await self._train_and_publish(version, [p.job_id for p in batch])
+            await self._train_step(version, [p.job_id for p in batch], waited_from)
+        await self._await_publication()
 
     async def _generate_locally(self, row: JobRow, version: int) -> None:
         from shared.policy import generate
@@ -579,15 +694,10 @@ class Coordinator:
                                backend="torch", generation_s=0.0, completions=completions)
         await self._verify_and_accept(LOCAL_CLIENT, sub, 0, sha256_bytes(wire.encode(sub)))
 
-    async def _train_and_publish(self, version: int, job_ids: list[str]) -> None:
-        self.in_training = frozenset(job_ids)
-        try:
-            await self._train_and_publish_batch(version, job_ids)
-        finally:
-            self.in_training = frozenset()
-
-    async def _train_and_publish_batch(self, version: int, job_ids: list[str]) -> None:
-        t0 = time.monotonic()
+    def _batch_samples(self, version: int, job_ids: list[str]
+                       ) -> tuple[list[Sample], list[float], dict[str, int], list[Any]]:
+        """The training samples of a batch of accepted results, for a step that updates ``version`` (also used
+        to replay recorded steps after a restart): (samples, rewards, staleness histogram, result rows)."""
         rows = self.store.result_rows(job_ids)
         samples: list[Sample] = []
         rewards_all: list[float] = []
@@ -606,19 +716,91 @@ class Coordinator:
                 samples.append(Sample(p, c, data["recomputed_logprobs"][k], data["behaviour_logprobs"][k], advs[k],
                                       stale, weight))
             rewards_all.extend(r.rewards)
-        metrics: dict[str, Any] = await self._run(self.learner.train_step, samples)
+        return samples, rewards_all, staleness_hist, rows
+
+    def _checkpoint_due(self, new_version: int) -> bool:
+        cfg = self.config.learner
+        return (new_version >= cfg.max_steps
+                or (cfg.checkpoint_every_steps > 0
+                    and new_version - self._last_checkpoint_version >= cfg.checkpoint_every_steps)
+                or (cfg.checkpoint_every_s > 0
+                    and time.monotonic() - self._last_checkpoint_at >= cfg.checkpoint_every_s))
+
+    def _hand_over(self, checkpoint: bool) -> tuple[SnapshotFiles, CheckpointState | None]:
+        """On the learner thread: what the publisher needs to write this version (and a checkpoint)."""
+        files = self.learner.snapshot_files(self.config.snapshots.dtype)
+        return files, self.learner.checkpoint_state() if checkpoint else None
+
+    def _learn(self, samples: list[Sample], checkpoint: bool
+               ) -> tuple[dict[str, Any], SnapshotFiles, CheckpointState | None]:
+        """On the learner thread: one optimizer step, then the hand-over to the publisher."""
+        metrics: dict[str, Any] = self.learner.train_step(samples)
+        t0 = time.monotonic()
+        files, state = self._hand_over(checkpoint)
+        metrics["handover_s"] = time.monotonic() - t0  # the weight copy in the publish dtype
+        return metrics, files, state
+
+    async def _train_step(self, version: int, job_ids: list[str], waited_from: float) -> None:
+        """Train one batch and hand the new version to the publisher; returns as soon as the learner may take
+        the next batch (after the previous version's publication was recorded, so versions commit in order)."""
+        t0 = time.monotonic()
+        job_ids = sorted(job_ids)  # the training order, which a replay after a restart reproduces
+        samples, rewards_all, staleness_hist, rows = self._batch_samples(version, job_ids)
         new_version = version + 1
-        await self._run(self.learner.save_optimizer,
-                        self.run_dir / "checkpoints" / f"v{new_version:06d}" / "optimizer.pt")
-        manifest_sha = await self._run(self.snapshots.publish, new_version, self.learner.save_model, self.clock())
-        max_steps = self.config.learner.max_steps
-        mean_reward = sum(rewards_all) / max(1, len(rewards_all))
-        metrics["step_s"] = time.monotonic() - t0
+        checkpoint = self._checkpoint_due(new_version)
+        self._unpublished[new_version] = frozenset(job_ids)
+        self.in_training = frozenset().union(*self._unpublished.values())
+        state: CheckpointState | None = None
+        try:
+            metrics, files, state = await self._run(self._learn, samples, checkpoint)
+            t1 = time.monotonic()
+            await self._await_publication()  # versions are recorded in order
+            metrics["publish_wait_s"] = time.monotonic() - t1
+        except BaseException:
+            if state is not None:
+                state.release()
+            self._unpublished.pop(new_version, None)
+            self.in_training = frozenset().union(*self._unpublished.values())
+            raise
+        if checkpoint:
+            self._last_checkpoint_version, self._last_checkpoint_at = new_version, time.monotonic()
+        metrics["wait_s"] = t0 - waited_from
+        metrics["learner_s"] = time.monotonic() - waited_from  # this step's learner wall time, waiting included
+        metrics["mean_reward"] = sum(rewards_all) / max(1, len(rewards_all))
         metrics["clients"] = float(len({r.client_id for r in rows}))
         metrics["staleness_histogram"] = staleness_hist
+        future = self.publisher.submit(Publication(new_version, files, self.clock(), state))
+        task = asyncio.create_task(self._record_step(version, job_ids, future, metrics, t0),
+                                   name=f"publish-v{new_version}")
+        self._publishing = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _record_step(self, version: int, job_ids: list[str], future: Any, metrics: dict[str, Any],
+                           t0: float) -> None:
+        """When the publisher is done: record the step (ingestion marks, new version, metrics) in one
+        transaction, make the version current and wake the clients waiting for it."""
+        new_version = version + 1
+        try:
+            published: Published = await asyncio.wrap_future(future)
+        finally:
+            self._wake.set()  # the learner loop re-checks (and surfaces a failed publication)
+        metrics["publish_s"] = published.publish_s
+        metrics["checkpoint_s"] = published.checkpoint_s
+        metrics["snapshot_bytes"] = float(published.snapshot_bytes)
+        metrics["step_s"] = time.monotonic() - t0  # train start → version leasable
         metrics["wall_s"] = self.clock() - self.started_at
+        verify_total = self.verifier.stats.recompute_s  # verification runs in the verifier, off the learner
+        metrics["verify_s"], self._verify_s_seen = verify_total - self._verify_s_seen, verify_total
+        eval_total = self.evaluator.eval_s_total  # held-out evaluations finished since the previous step
+        metrics["eval_s"], self._eval_s_seen = eval_total - self._eval_s_seen, eval_total
+        mean_reward = metrics.pop("mean_reward")
         self.store.commit_step(step=new_version, trained_version=version, job_ids=job_ids, new_version=new_version,
-                               manifest_sha=manifest_sha, mean_reward=mean_reward, metrics=metrics, now=self.clock())
+                               manifest_sha=published.manifest_sha, mean_reward=mean_reward, metrics=metrics,
+                               now=self.clock())
+        self._unpublished.pop(new_version, None)
+        self.in_training = frozenset().union(*self._unpublished.values())
+        max_steps = self.config.learner.max_steps
         self.version = new_version
         now = self.clock()
         self._version_interval = pacing.update_pace(self._version_interval, now - self._version_at)
@@ -627,24 +809,59 @@ class Coordinator:
         self._notify_jobs()
         self.learner_busy_s += metrics["train_s"]
         self._prune(new_version)
-        logger.info("step %d: mean reward %.3f, loss %.4f, %d samples, staleness %s, %.2fs", new_version, mean_reward,
-                    metrics["loss"], len(samples), staleness_hist, metrics["step_s"])
+        logger.info("step %d: mean reward %.3f, loss %.4f, %d samples, staleness %s, train %.2fs, publish %.2fs "
+                    "(background), %.2fs to leasable", new_version, mean_reward, metrics["loss"],
+                    int(metrics["samples"]), metrics["staleness_histogram"], metrics["train_s"],
+                    published.publish_s, metrics["step_s"])
         every = self.config.learner.eval_every
         if new_version >= max_steps or (every and new_version % every == 0):
-            await self._evaluate(new_version)
+            self._evaluate(new_version)
         if self.finished:
             logger.info("run finished at version %d", new_version)
 
+    def _check_publication(self) -> None:
+        """Raise here, in the learner loop, if the background publication failed."""
+        if self._publishing is not None and self._publishing.done():
+            task, self._publishing = self._publishing, None
+            task.result()
+
+    async def _await_publication(self) -> None:
+        if self._publishing is not None:
+            task, self._publishing = self._publishing, None
+            await task
+
     def _prune(self, current: int) -> None:
+        """Bound the run directory: keep_last versions, the newest checkpoint, keep_exports exports."""
         keep = set(range(max(0, current - self.config.snapshots.keep_last + 1), current + 1))
         self.snapshots.prune(keep)
-        self._drop_uncommitted_checkpoints(keep)
+        self.checkpoints.prune(current)
+        exports = self.run_dir / "exports"
+        if exports.exists():
+            done = sorted(p for p in exports.iterdir() if p.is_dir() and not p.name.endswith(".partial"))
+            for old in done[: max(0, len(done) - self.config.snapshots.keep_exports)]:
+                logger.info("removing old export %s (snapshots.keep_exports)", old)
+                shutil.rmtree(old, ignore_errors=True)
 
-    async def _evaluate(self, version: int) -> None:
-        items = self.task.heldout[: self.config.learner.eval_size]
-        acc = await self._run(self.learner.evaluate, self.task, items, self.config.sampling.max_tokens)
-        self.store.record_eval(version, acc, len(items), self.clock())
-        logger.info("version %d: held-out greedy accuracy %.3f on %d prompts", version, acc, len(items))
+    def _evaluate(self, version: int) -> None:
+        """Queue a held-out evaluation of a published version (coordinator.evaluation.Evaluator, off the
+        learner); its result is recorded when it is done."""
+        future = self.evaluator.submit(version, self.snapshots.folder(version))
+        task = asyncio.create_task(self._record_eval(version, future), name=f"eval-v{version}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _record_eval(self, version: int, future: Any) -> None:
+        try:
+            out: EvalOutcome = await asyncio.wrap_future(future)
+        except OSError as exc:  # the version was pruned before the evaluator loaded it
+            logger.warning("held-out evaluation of version %d skipped: %s", version, exc)
+            return
+        except Exception:
+            logger.exception("held-out evaluation of version %d failed", version)
+            return
+        self.store.record_eval(out.version, out.accuracy, out.n, self.clock())
+        logger.info("version %d: held-out greedy accuracy %.3f on %d prompts (%.1fs, off the learner)", version,
+                    out.accuracy, out.n, out.seconds)
 
     # -- status -------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -660,7 +877,13 @@ class Coordinator:
             "max_staleness": self.config.sync_policy.bound,
             "task": self.task.name,
             "uptime_s": now - self.started_at,
-            "learner": self.learner.describe() | {"busy_s": self.learner_busy_s, "last_error": self.last_error},
+            "learner": self.learner.describe() | {
+                "busy_s": self.learner_busy_s, "last_error": self.last_error,
+                "trained_version": self.learner.model_version,  # ahead of "version" while it is being published
+                "publishing": sorted(self._unpublished),
+                "last_checkpoint": self.checkpoints.latest(self.version),
+                "snapshot_dtype": self.learner.publish_dtype(self.config.snapshots.dtype),
+            },
             "jobs": {
                 "open": sum(1 for j in jobs if not lease_live(j.view, now)),
                 "leased": sum(1 for j in jobs if lease_live(j.view, now)),

@@ -4,6 +4,11 @@ A version is written into a temporary folder, fsynced, renamed to ``snapshots/vN
 its signed manifest written (also via rename). Readers treat a folder without a manifest as not there. A
 version becomes *current* only when the database records it (after publication), so a crash at any point
 leaves either the old version current with a stray folder (removed at restart) or the new one complete.
+
+Run-level shared files (``snapshots/base/``): a file that is identical in every version (the frozen base of
+a LoRA run) is written once per run and listed, by name, size and sha256, in each version's manifest. Clients
+fetch files by sha256, so they neither know nor care where the coordinator keeps it; the version folder holds
+only what changes. The sha256 is kept in a sidecar so a restart does not hash gigabytes again.
 """
 
 from __future__ import annotations
@@ -12,19 +17,36 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared import wire
-from shared.hashing import sha256_bytes
-from shared.messages import Manifest, SignedManifest
-from shared.records import build_manifest, sign_manifest
+from shared.hashing import sha256_bytes, sha256_file
+from shared.messages import Manifest, ManifestFile, SignedManifest
+from shared.records import build_manifest, file_form, sign_manifest
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.msgpack"
+BASE_DIR = "base"  # run-level files shared by every version's manifest (written once)
+
+FileWriter = Callable[[Path], None]
+
+
+@dataclass(frozen=True)
+class SnapshotFiles:
+    """What one version consists of, as the learner hands it over for publication.
+
+    ``write(folder)`` writes the version's own files into ``folder``; ``shared`` maps a manifest file name to a
+    writer of a run-level file (``writer(path)`` writes exactly that file) that is the same in every version:
+    it is written into ``snapshots/base/`` the first time and reused afterwards. Both run on the publisher's
+    thread, after the learner has moved on, so they must read copies (or weights that never change)."""
+
+    write: FileWriter
+    shared: Mapping[str, FileWriter] = field(default_factory=dict)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -67,14 +89,53 @@ class SnapshotStore:
     def folder(self, version: int) -> Path:
         return self.root / f"v{version:06d}"
 
-    def publish(self, version: int, write_files: Callable[[Path], None], now: float) -> str:
-        """Write a version's files via ``write_files(tmp_folder)``; return the signed manifest's sha256."""
+    @property
+    def base_dir(self) -> Path:
+        return self.root / BASE_DIR
+
+    def base_file(self, name: str, write: FileWriter) -> ManifestFile:
+        """The run-level file ``snapshots/base/<name>``, written by ``write(path)`` (atomically, fsynced) only if
+        it does not exist yet; its manifest entry (sha256 from the sidecar, computed once)."""
+        if "/" in name or name.startswith(".") or name == MANIFEST_FILE:
+            raise ValueError(f"bad shared file name {name!r}: a plain file name, not hidden, not the manifest")
+        self.base_dir.mkdir(exist_ok=True)
+        path = self.base_dir / name
+        sidecar = self.base_dir / f".{name}.sha256"
+        if not (path.exists() and sidecar.exists()):
+            tmp = self.base_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+            try:
+                write(tmp)
+                with open(tmp, "rb") as fh:
+                    os.fsync(fh.fileno())
+                digest = sha256_file(tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            write_atomic(sidecar, digest.encode())
+        digest = sidecar.read_text().strip()
+        entry = ManifestFile(path=name, size=path.stat().st_size, sha256=digest, form=file_form(name))  # type: ignore[arg-type]
+        self._blobs.setdefault(digest, path)
+        return entry
+
+    def publish(self, version: int, write_files: FileWriter | SnapshotFiles, now: float) -> str:
+        """Write a version's files via ``write_files(tmp_folder)`` (or a :class:`SnapshotFiles`, whose shared
+        files are listed from ``snapshots/base/``); return the signed manifest's sha256."""
+        files = write_files if isinstance(write_files, SnapshotFiles) else SnapshotFiles(write_files)
         tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            write_files(tmp)
+            files.write(tmp)
             _fsync_tree(tmp)
             manifest = build_manifest(tmp, run_id=self.run_id, version=version, created_at=now)
+            if files.shared:
+                own = {f.path for f in manifest.files}
+                extra = [self.base_file(name, w) for name, w in sorted(files.shared.items())]
+                clash = own & {f.path for f in extra}
+                if clash:
+                    raise ValueError(f"version {version} writes {sorted(clash)} itself and as a shared file")
+                manifest = manifest.model_copy(update={"files": sorted([*manifest.files, *extra],
+                                                                       key=lambda f: f.path)})
             final = self.folder(version)
             if final.exists():  # left over by a crash before the database recorded this version
                 shutil.rmtree(final)
@@ -89,10 +150,18 @@ class SnapshotStore:
         return sha256_bytes(wire.decode(signed, SignedManifest).manifest)
 
     def _index(self, version: int, manifest: Manifest, signed: bytes) -> None:
-        folder = self.folder(version)
         for f in manifest.files:
-            self._blobs.setdefault(f.sha256, folder / f.path)
+            self._blobs.setdefault(f.sha256, self._file_of(version, f.path))
         self._signed[version] = signed
+
+    def _file_of(self, version: int, name: str) -> Path:
+        """Where a version's manifest entry lives: its own folder, else the run-level base folder."""
+        own = self.folder(version) / name
+        return own if own.exists() or not (self.base_dir / name).exists() else self.base_dir / name
+
+    def disk_bytes(self) -> int:
+        """Bytes under ``snapshots/`` (every kept version plus the shared base), for status and benches."""
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
 
     def signed_manifest(self, version: int) -> bytes | None:
         return self._signed.get(version)
@@ -106,6 +175,10 @@ class SnapshotStore:
         keep = set(committed)
         for entry in sorted(self.root.iterdir()):
             name = entry.name
+            if name == BASE_DIR:
+                for tmp in entry.glob(".*.tmp"):  # a shared file whose writing a crash interrupted
+                    tmp.unlink(missing_ok=True)
+                continue
             version = int(name[1:]) if name.startswith("v") and name[1:].isdigit() else None
             manifest_file = entry / MANIFEST_FILE
             if version is None or version not in keep or not manifest_file.exists():
@@ -127,4 +200,4 @@ class SnapshotStore:
         for version, signed in self._signed.items():
             manifest = wire.decode(wire.decode(signed, SignedManifest).manifest, Manifest)
             for f in manifest.files:
-                self._blobs.setdefault(f.sha256, self.folder(version) / f.path)
+                self._blobs.setdefault(f.sha256, self._file_of(version, f.path))

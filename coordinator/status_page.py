@@ -7,14 +7,16 @@ itself, so it works with no internet access. It polls ``/v1/status?view=page`` e
 ``issuing_paused``, ``throughput`` (tokens/s and results/min over the run, in equal time buckets),
 ``clients_summary`` (clients by state, active ones by backend and platform), ``leaderboard`` (top credit),
 ``recent_versions`` and ``server_time``. ``?view=page`` is the same minus the heavy full lists (``clients``,
-``steps``, ``jobs.in_flight``), computed at most once per second however many pages are open — the event loop
-that serves volunteers also serves the page, so many viewers must not cost more than one.
+``steps``, ``jobs.in_flight``). Either view is built at most once per second however many pages are open
+(coordinator.public_reads caches the encoded reply) — the event loop that serves volunteers also serves the
+page, so many viewers must not cost more than one.
+
+The page's HTML loads one script and one stylesheet of its own and has no inline script or style, so it works
+under the strict Content-Security-Policy that coordinator.app sends with every response.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,6 @@ from coordinator.service import Coordinator
 WEB_DIR = Path(__file__).with_name("web")
 STATUS_COORDINATOR = web.AppKey("status_coordinator", Coordinator)
 THROUGHPUT_BINS = 48
-PAGE_CACHE_S = 1.0
-_page_cache: weakref.WeakKeyDictionary[Coordinator, tuple[float, dict[str, Any]]] = weakref.WeakKeyDictionary()
 
 
 def page_views(coord: Coordinator) -> dict[str, Any]:
@@ -49,10 +49,7 @@ def public_status(coord: Coordinator) -> dict[str, Any]:
 
 
 def page_status(coord: Coordinator) -> dict[str, Any]:
-    """What the page draws, cached for PAGE_CACHE_S."""
-    hit = _page_cache.get(coord)
-    if hit is not None and time.monotonic() - hit[0] < PAGE_CACHE_S:
-        return hit[1]
+    """What the page draws."""
     now = coord.clock()
     jobs = readmodels.jobs(coord.store, now, limit=0)
     evals = coord.store.evals()
@@ -66,7 +63,6 @@ def page_status(coord: Coordinator) -> dict[str, Any]:
         "totals": coord.store.totals(), "reward_curve": curve,
         "evals": [{"version": e["version"], "accuracy": e["accuracy"], "n": e["n"]} for e in evals],
     } | page_views(coord)
-    _page_cache[coord] = (time.monotonic(), body)
     return body
 
 

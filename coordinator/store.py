@@ -130,20 +130,39 @@ class Store:
         have = {r["name"] for r in self.conn.execute("PRAGMA table_info(clients)")}
         if "benchmark_tokens_per_s" not in have:  # self-benchmark reported at registration (NULL: none)
             self.conn.execute("ALTER TABLE clients ADD COLUMN benchmark_tokens_per_s REAL")
+        # the trust boundary's observations (coordinator.guard): the backend class pinned at first registration
+        # (NULL for identities registered before it: derived from the profile) and the addresses it registered
+        # from, first and latest (spot-check replicas only go to identities with none in common)
+        for col in ("backend_class", "address", "last_address"):
+            if col not in have:
+                self.conn.execute(f"ALTER TABLE clients ADD COLUMN {col} TEXT")
+        have = {r["name"] for r in self.conn.execute("PRAGMA table_info(replicas)")}
+        # replicas: who judges ('arbiter': the coordinator's verifier; 'peer': an independent identity), until
+        # when the original is held, who replayed it inconclusively (never asked again), and the job-stream
+        # number its fresh job id was drawn from
+        for col, decl in (("judge", "TEXT NOT NULL DEFAULT 'peer'"), ("hold_until", "REAL"),
+                          ("tried", "TEXT NOT NULL DEFAULT ''"), ("seq", "INTEGER")):
+            if col not in have:
+                self.conn.execute(f"ALTER TABLE replicas ADD COLUMN {col} {decl}")
 
-    def register_client(self, client_id: str, public_key: bytes, profile: dict[str, Any], now: float) -> bool:
+    def register_client(self, client_id: str, public_key: bytes, profile: dict[str, Any], now: float, *,
+                        backend_class: str | None = None, address: str | None = None) -> bool:
         """Insert or refresh a client. Returns True if it is new. The profile's self-benchmark (tokens/s, if
-        reported) is also kept in its own column, ``benchmark_tokens_per_s``, for the scheduler."""
+        reported) is also kept in its own column, ``benchmark_tokens_per_s``, for the scheduler.
+        ``backend_class`` is pinned by the first registration that gives one (a refresh never changes it);
+        ``address`` is the first registration's remote address, ``last_address`` the latest one's."""
         bench = profile.get("benchmark_tokens_per_s")
         with self._tx():
             cur = self.conn.execute(
                 "INSERT OR IGNORE INTO clients(client_id, public_key, profile, registered_at, last_seen, "
-                "benchmark_tokens_per_s) VALUES(?,?,?,?,?,?)",
-                (client_id, public_key, json.dumps(profile), now, now, bench),
+                "benchmark_tokens_per_s, backend_class, address, last_address) VALUES(?,?,?,?,?,?,?,?,?)",
+                (client_id, public_key, json.dumps(profile), now, now, bench, backend_class, address, address),
             )
             if cur.rowcount == 0:
-                self.conn.execute("UPDATE clients SET profile=?, last_seen=?, benchmark_tokens_per_s=? WHERE client_id=?",
-                                  (json.dumps(profile), now, bench, client_id))
+                self.conn.execute("UPDATE clients SET profile=?, last_seen=?, benchmark_tokens_per_s=?, "
+                                  "backend_class=COALESCE(backend_class, ?), address=COALESCE(address, ?), "
+                                  "last_address=COALESCE(?, last_address) WHERE client_id=?",
+                                  (json.dumps(profile), now, bench, backend_class, address, address, client_id))
                 return False
             return True
 
@@ -190,7 +209,10 @@ class Store:
                               (manifest_sha, now))
 
     def next_seq(self) -> int:
-        return int(self.conn.execute("SELECT COALESCE(MAX(seq), -1) + 1 AS n FROM jobs").fetchone()["n"])
+        """The next number of the job stream. Spot-check replicas draw their job ids from the same stream
+        (coordinator.guard), so a replica's id looks like any fresh job's and says nothing of its original."""
+        return int(self.conn.execute("SELECT MAX(COALESCE((SELECT MAX(seq) FROM jobs), -1), "
+                                     "COALESCE((SELECT MAX(seq) FROM replicas), -1)) + 1 AS n").fetchone()["n"])
 
     def create_job(self, plan: JobPlan, group_size: int, now: float) -> JobRow:
         with self._tx():

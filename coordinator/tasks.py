@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -13,8 +14,16 @@ from typing import Protocol
 from coordinator.config import ArithmeticTaskConfig, JsonlTaskConfig, TaskConfig
 from shared.errors import EchoSwarmError
 
+# Numbers are ASCII digits only. Python's \d (and int(), float()) also take Arabic-Indic, Devanagari, fullwidth
+# and every other Unicode decimal digit; the answer a reward counts is written in ASCII digits, so "٤٢" or "４２" is
+# not 42. A run of digits is found with the Unicode \d (so "4٢" is one run, not "4" followed by text) and a run
+# holding any non-ASCII digit is not a number at all: it counts as text, like a word. The sign is the ASCII "-".
 _INT = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _ascii_numbers(pattern: re.Pattern[str], text: str) -> Iterator[str]:
+    return (m.group() for m in pattern.finditer(text) if m.group().isascii())
 
 
 class TaskError(EchoSwarmError):
@@ -36,12 +45,15 @@ class Task(Protocol):
 
 
 def first_integer(text: str) -> int | None:
-    match = _INT.search(text)
-    return int(match.group()) if match else None
+    """The first integer written in ASCII digits in ``text`` (with a directly preceding ``-``), or None. A run of
+    digits that holds any other Unicode digit ("٤٢", "４2") is not an integer: it is skipped like a word."""
+    first = next(_ascii_numbers(_INT, text), None)
+    return None if first is None else int(first)
 
 
 class ArithmeticTask:
-    """'Q: {a}+{b}= A:' with target ' {a+b}'. Reward 1 iff the first integer in the completion is a+b."""
+    """'Q: {a}+{b}= A:' with target ' {a+b}'. Reward 1 iff the first integer in the completion, written in ASCII
+    digits (:func:`first_integer`), is a+b."""
 
     name = "arithmetic"
 
@@ -63,13 +75,14 @@ class ArithmeticTask:
 
 
 def parse_final_number(text: str) -> float | None:
-    """GSM8K convention: the number after '####' if present, else the last number in the text."""
+    """GSM8K convention: the number after '####' if present, else the last number in the text. Numbers are ASCII
+    digits with optional ``,`` grouping, a ``.`` fraction and a leading ``-``; a number holding any other Unicode
+    digit is text, as in :func:`first_integer`."""
     if "####" in text:
         text = text.split("####")[-1]
-        numbers = _NUMBER.findall(text)
-        candidate = numbers[0] if numbers else None
+        candidate = next(_ascii_numbers(_NUMBER, text), None)
     else:
-        numbers = _NUMBER.findall(text)
+        numbers = list(_ascii_numbers(_NUMBER, text))
         candidate = numbers[-1] if numbers else None
     if candidate is None:
         return None

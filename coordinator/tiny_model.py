@@ -11,6 +11,7 @@ builds never leave a half-written model behind.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -164,14 +165,28 @@ def ensure_tiny_model(
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Path:
     """Return the folder of the built tiny model, building it first if the cache lacks it (~1 minute)."""
-    import torch
-
     recipe = recipe or TinyRecipe()
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     final = cache_dir / "models" / f"tiny-qwen2-arith-{recipe.key()}"
-    if (final / "model.safetensors").exists() and (final / "echo_swarm_recipe.json").exists():
+    if _built(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    # one build at a time per cache: concurrent callers (parallel test runs, a demo beside a test) wait for the
+    # first build instead of each paying a minute of CPU for the same bytes
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _built(final):
+            return final
+        return _build(final, recipe, progress)
+
+
+def _built(final: Path) -> bool:
+    return (final / "model.safetensors").exists() and (final / "echo_swarm_recipe.json").exists()
+
+
+def _build(final: Path, recipe: TinyRecipe, progress: Callable[[int, int, float], None] | None) -> Path:
+    import torch
+
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
         t0 = time.monotonic()

@@ -3,6 +3,11 @@
 Every command signs its request with an operator key (see `echo-swarm admin --help`) and prints a rich table,
 or the coordinator's JSON reply with ``--json`` (for scripts). Commands only parse flags and render; the
 protocol lives in :mod:`echo_swarm.admin_client`.
+
+Every string in a reply is data, never markup: names, devices and platforms come from volunteers (an old database
+may hold any text), so each value is rendered as a rich ``Text`` (markup such as ``[/]`` or ``[link=...]`` is
+printed as written) with control characters shown escaped (shared.safe_text), so that no escape sequence from a
+reply reaches the terminal. ``--json`` output is JSON-escaped by ``json.dumps``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+from shared.safe_text import escape
 
 if TYPE_CHECKING:
     from echo_swarm.admin_client import AdminClient
@@ -57,8 +65,22 @@ class _Target:
 
 
 def _fail(message: str) -> NoReturn:
-    console.print(f"[red]error:[/] {message}", highlight=False)
+    console.print(Text.assemble(("error:", "red"), " ", _text(message)), highlight=False)
     raise typer.Exit(1)
+
+
+def _text(value: Any, style: str = "") -> Text:
+    """A value from a reply as a rich Text: never parsed as markup, control characters escaped."""
+    return Text(escape("-" if value is None else str(value)), style=style)
+
+
+def _say(message: str) -> None:
+    """One line of output built from reply values: printed as plain text, never as markup."""
+    console.print(_text(message))
+
+
+def _row(table: Table, *cells: Any) -> None:
+    table.add_row(*(c if isinstance(c, Text) else _text(c) for c in cells))
 
 
 @admin_app.callback()
@@ -113,26 +135,26 @@ def status(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     s = _run(ctx, "status")
     if as_json:
         return _dump(s)
-    t = Table(title=f"run {s['run_id']}", show_header=False)
-    t.add_row("policy version", f"{s['version']} / {s['max_steps']}" + ("  (finished)" if s["finished"] else ""))
-    t.add_row("sync mode", f"{s['sync_mode']} (max staleness {s['max_staleness']})")
-    t.add_row("issuing", "[yellow]PAUSED[/]" if s["issuing_paused"] else "running")
-    t.add_row("held-out accuracy", _num(s["heldout_accuracy"]))
+    t = Table(title=_text(f"run {s['run_id']}"), show_header=False)
+    _row(t, "policy version", f"{s['version']} / {s['max_steps']}" + ("  (finished)" if s["finished"] else ""))
+    _row(t, "sync mode", f"{s['sync_mode']} (max staleness {s['max_staleness']})")
+    _row(t, "issuing", _text("PAUSED", "yellow") if s["issuing_paused"] else "running")
+    _row(t, "held-out accuracy", _num(s["heldout_accuracy"]))
     if s["last_step"]:
-        t.add_row("last step", f"{s['last_step']['step']}: mean reward {s['last_step']['mean_reward']:.3f}, "
-                               f"{_ago(s['last_step']['at'])}")
+        _row(t, "last step", f"{s['last_step']['step']}: mean reward {s['last_step']['mean_reward']:.3f}, "
+                             f"{_ago(s['last_step']['at'])}")
     j = s["jobs"]
-    t.add_row("jobs", ", ".join(f"{k} {v}" for k, v in j["counts"].items()) + f"; reissued {j['reissued']}; "
-              f"buffered results {j['buffered_results']}")
+    _row(t, "jobs", ", ".join(f"{k} {v}" for k, v in j["counts"].items()) + f"; reissued {j['reissued']}; "
+                    f"buffered results {j['buffered_results']}")
     c = s["clients"]
-    t.add_row("clients", f"{c['total']} registered: " + ", ".join(f"{k} {v}" for k, v in c["by_state"].items()))
+    _row(t, "clients", f"{c['total']} registered: " + ", ".join(f"{k} {v}" for k, v in c["by_state"].items()))
     tot = s["totals"]
-    t.add_row("results", f"{tot['accepted']} accepted, {tot['rejected']} refused, {tot['too_stale']} too stale, "
-                         f"{tot['tokens']:,} tokens")
+    _row(t, "results", f"{tot['accepted']} accepted, {tot['rejected']} refused, {tot['too_stale']} too stale, "
+                       f"{tot['tokens']:,} tokens")
     if s["rejections_by_reason"]:
-        t.add_row("refusals", ", ".join(f"{k} {v}" for k, v in s["rejections_by_reason"].items()))
+        _row(t, "refusals", ", ".join(f"{k} {v}" for k, v in s["rejections_by_reason"].items()))
     if s["learner"].get("last_error"):
-        t.add_row("learner error", f"[red]{s['learner']['last_error']}[/]")
+        _row(t, "learner error", _text(s["learner"]["last_error"], "red"))
     console.print(t)
 
 
@@ -149,16 +171,17 @@ def clients(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 100
         t.add_column(col, justify="right" if col in ("accepted", "rejected", "credit", "trust") else "left")
     colour = {"working": "green", "active": "cyan", "idle": "dim", "banned": "red"}
     for r in rows:
-        t.add_row(r["client_id"][:12], r["name"], f"[{colour[r['state']]}]{r['state']}[/]",
-                  *([_trust(r.get("trust"))] if has_trust else []), r["backend"], r["device"],
-                  r["platform"], str(r["accepted"]), str(r["rejected"]), f"{r['credit']:,.0f}", _ago(r["last_seen"]))
+        _row(t, r["client_id"][:12], r["name"], _text(r["state"], colour.get(r["state"], "")),
+             *([_trust(r.get("trust"))] if has_trust else []), r["backend"], r["device"],
+             r["platform"], r["accepted"], r["rejected"], f"{r['credit']:,.0f}", _ago(r["last_seen"]))
     console.print(t)
 
 
-def _trust(t: Optional[dict[str, Any]]) -> str:
+def _trust(t: Optional[dict[str, Any]]) -> Text:
     if not t:
-        return "-"
-    return f"{t['valid']}/{t['valid'] + t['invalid']} valid" + (" [red]quarantined[/]" if t["quarantined"] else "")
+        return _text("-")
+    cell = _text(f"{t['valid']}/{t['valid'] + t['invalid']} valid")
+    return cell.append(" quarantined", "red") if t["quarantined"] else cell
 
 
 ClientArg = Annotated[str, typer.Argument(help="Client id, or a unique prefix of at least 6 hex digits "
@@ -173,7 +196,7 @@ def ban(ctx: typer.Context, client: ClientArg, note: NoteOpt = "", as_json: Json
     r = _run(ctx, "ban", client, note)
     if as_json:
         return _dump(r)
-    console.print(f"banned {r['client_id']}; released {len(r['released_jobs'])} leased job(s)")
+    _say(f"banned {r['client_id']}; released {len(r['released_jobs'])} leased job(s)")
 
 
 @admin_app.command()
@@ -182,7 +205,7 @@ def unban(ctx: typer.Context, client: ClientArg, note: NoteOpt = "", as_json: Js
     r = _run(ctx, "unban", client, note)
     if as_json:
         return _dump(r)
-    console.print(f"unbanned {r['client_id']}")
+    _say(f"unbanned {r['client_id']}")
 
 
 @admin_app.command()
@@ -191,12 +214,12 @@ def versions(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 50
     r = _run(ctx, "versions", limit)
     if as_json:
         return _dump(r)
-    t = Table(title=f"policy versions (current {r['current']})")
+    t = Table(title=_text(f"policy versions (current {r['current']})"))
     for col in ("version", "published", "mean reward", "held-out acc", "step s", "served", "manifest"):
         t.add_column(col)
     for v in r["versions"]:
-        t.add_row(str(v["version"]), _ago(v["created_at"]), _num(v["mean_reward"]), _num(v["heldout_accuracy"]),
-                  _num(v["step_s"], "{:.2f}"), "yes" if v["served"] else "pruned", v["manifest_sha256"][:16])
+        _row(t, v["version"], _ago(v["created_at"]), _num(v["mean_reward"]), _num(v["heldout_accuracy"]),
+             _num(v["step_s"], "{:.2f}"), "yes" if v["served"] else "pruned", v["manifest_sha256"][:16])
     console.print(t)
 
 
@@ -207,12 +230,12 @@ def jobs(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 200) -
     if as_json:
         return _dump(r)
     counts = ", ".join(f"{k} {v}" for k, v in r["counts"].items())
-    t = Table(title=f"jobs: {counts}; reissued {r['reissued']}; {r['leases_issued']} leases issued")
+    t = Table(title=_text(f"jobs: {counts}; reissued {r['reissued']}; {r['leases_issued']} leases issued"))
     for col in ("job", "state", "client", "version", "expires in", "issues"):
         t.add_column(col)
     for j in r["jobs"]:
-        t.add_row(j["job_id"], j["state"], (j["client_id"] or "-")[:12], _num(j["version"], "{}"),
-                  _num(j["expires_in_s"], "{:.0f}s"), str(j["issue_count"]) + (" (reissued)" if j["reissued"] else ""))
+        _row(t, j["job_id"], j["state"], (j["client_id"] or "-")[:12], _num(j["version"], "{}"),
+             _num(j["expires_in_s"], "{:.0f}s"), str(j["issue_count"]) + (" (reissued)" if j["reissued"] else ""))
     console.print(t)
 
 
@@ -236,9 +259,9 @@ def audit(
     for col in ("when", "outcome", "client", "job", "version", "reason / use", "content sha256"):
         t.add_column(col)
     for e in rows:
-        mark = "[green]accepted[/]" if e["outcome"] == "accepted" else "[red]rejected[/]"
-        t.add_row(_ago(e["at"]), mark, e["client_id"][:12], e["job_id"] or "-", _num(e["version"], "{}"),
-                  e["reason"] or e["detail"], (e["content_sha256"] or "-")[:16])
+        mark = _text(e["outcome"], "green" if e["outcome"] == "accepted" else "red")
+        _row(t, _ago(e["at"]), mark, e["client_id"][:12], e["job_id"] or "-", _num(e["version"], "{}"),
+             e["reason"] or e["detail"], (e["content_sha256"] or "-")[:16])
     console.print(t)
 
 
@@ -249,7 +272,7 @@ def checkpoint(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     r = _run(ctx, "checkpoint")
     if as_json:
         return _dump(r)
-    console.print(f"checkpoint of version {r['version']}: {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['files']} files)")
+    _say(f"checkpoint of version {r['version']}: {r['path']} ({r['bytes'] / 2**20:.1f} MiB, {r['files']} files)")
 
 
 @admin_app.command()
@@ -259,7 +282,7 @@ def pause(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     r = _run(ctx, "pause")
     if as_json:
         return _dump(r)
-    console.print("job issuing paused" + ("" if r["changed"] else " (it already was)"))
+    _say("job issuing paused" + ("" if r["changed"] else " (it already was)"))
 
 
 @admin_app.command()
@@ -268,7 +291,7 @@ def resume(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     r = _run(ctx, "resume")
     if as_json:
         return _dump(r)
-    console.print("job issuing resumed" + ("" if r["changed"] else " (it was not paused)"))
+    _say("job issuing resumed" + ("" if r["changed"] else " (it was not paused)"))
 
 
 @keys_app.command("list")
@@ -278,11 +301,12 @@ def keys_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     r = _run(ctx, "keys")
     if as_json:
         return _dump(r)
-    t = Table(title=f"operator keys ({r['keys_file']})", caption=f"coordinator signing key: {r['coordinator_public_key']}")
+    t = Table(title=_text(f"operator keys ({r['keys_file']})"),
+              caption=_text(f"coordinator signing key: {r['coordinator_public_key']}"))
     for col in ("key id", "public key", "comment", ""):
         t.add_column(col)
     for k in r["admin_keys"]:
-        t.add_row(k["key_id"][:12], k["public_key"], k["comment"], "← you" if k["you"] else "")
+        _row(t, k["key_id"][:12], k["public_key"], k["comment"], "← you" if k["you"] else "")
     console.print(t)
 
 
@@ -304,7 +328,7 @@ def keys_add(
     r = _run(ctx, "add_key", raw, comment)
     if as_json:
         return _dump(r)
-    console.print(f"added operator key {r['key_id']}" if r["added"] else f"key {r['key_id']} was already listed")
+    _say(f"added operator key {r['key_id']}" if r["added"] else f"key {r['key_id']} was already listed")
 
 
 @keys_app.command("remove")
@@ -318,7 +342,7 @@ def keys_remove(
     r = _run(ctx, "remove_key", key_id)
     if as_json:
         return _dump(r)
-    console.print(f"removed operator key {r['key_id']}; {r['remaining']} remain")
+    _say(f"removed operator key {r['key_id']}; {r['remaining']} remain")
 
 
 @keys_app.command("rotate")
@@ -332,7 +356,7 @@ def keys_rotate(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     r = _run(ctx, "rotate_key", key_path)
     if as_json:
         return _dump(r)
-    console.print(f"rotated: {r['old_key_id'][:12]} → {r['new_key_id'][:12]} (saved to {r['key_file']})")
+    _say(f"rotated: {r['old_key_id'][:12]} → {r['new_key_id'][:12]} (saved to {r['key_file']})")
 
 
 @keys_app.command("generate")
@@ -350,5 +374,6 @@ def keys_generate(
         _fail(str(exc))
     if as_json:
         return _dump(r)
-    console.print(f"wrote {r['key_file']}\npublic key: {r['public_key']}\n"
-                  f"an operator allows it with: echo-swarm admin keys add {r['public_key']}", highlight=False)
+    for line in (f"wrote {r['key_file']}", f"public key: {r['public_key']}",
+                 f"an operator allows it with: echo-swarm admin keys add {r['public_key']}"):
+        _say(line)

@@ -262,6 +262,12 @@ def build_tiny_model(
 
 
 def main() -> None:
+    import logging
+
+    from shared.safe_text import configure_logging
+
+    # escaped, one line per record; the coordinator and join reconfigure it with their own level and format
+    configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
     app()
 
 

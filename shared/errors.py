@@ -36,6 +36,7 @@ class Reason(StrEnum):
     FINISH_REASON = "finish_reason_inconsistent"  # "stop" without a stop token, "length" while short
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
     REPLICA_MISMATCH = "replica_mismatch"  # a spot-check replay of the same seed and version disagreed
+    SAMPLING_MISMATCH = "sampling_mismatch"  # tokens far more or less surprising than sampling the policy gives
     QUARANTINED = "quarantined"  # too many invalid results in a row; no work until the quarantine ends
     RATE_LIMITED = "rate_limited"  # too many requests from this identity or address; slow down
     REGISTRATION_CLOSED = "registration_closed"  # private swarm: a valid invite token is needed to register
@@ -70,6 +71,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.FINISH_REASON: 422,
     Reason.LOGPROB_MISMATCH: 422,
     Reason.REPLICA_MISMATCH: 422,
+    Reason.SAMPLING_MISMATCH: 422,
     Reason.QUARANTINED: 403,
     Reason.RATE_LIMITED: 429,
     Reason.REGISTRATION_CLOSED: 403,

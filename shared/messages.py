@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from shared import PROTOCOL_VERSION
+from shared.safe_text import check_printable
 
 # ---- bounds ---------------------------------------------------------------------------------------------
 MAX_PROMPTS_PER_JOB = 256
@@ -27,7 +28,10 @@ MAX_SIGNED_JOB_BYTES = 4 * 1024 * 1024
 ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 JobId = Annotated[str, StringConstraints(pattern=r"^[0-9A-Za-z_-]{1,64}$")]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-ShortText = Annotated[str, StringConstraints(max_length=128)]
+# Text a peer supplies that is shown to people (names, devices, run ids): no control, bidi-override or
+# line-separator characters (shared.safe_text), so that it cannot forge log lines or act on a terminal.
+ShortText = Annotated[str, StringConstraints(max_length=128), AfterValidator(check_printable)]
+DisplayName = Annotated[str, StringConstraints(max_length=64), AfterValidator(check_printable)]
 Nonce = Annotated[bytes, Field(min_length=16, max_length=32)]
 Signature = Annotated[bytes, Field(min_length=64, max_length=64)]
 PublicKey = Annotated[bytes, Field(min_length=32, max_length=32)]
@@ -71,7 +75,7 @@ class ErrorBody(Message):
 class ClientProfile(Message):
     """What a volunteer's machine reports about itself (informational; never trusted for security)."""
 
-    name: Annotated[str, StringConstraints(max_length=64)] = ""
+    name: DisplayName = ""
     backend: Literal["torch", "llama"]
     device: ShortText  # "cpu", "cuda:NVIDIA GeForce RTX 3060", "mps"
     platform: ShortText
@@ -88,7 +92,7 @@ class ClientProfile(Message):
 class RegisterRequest(Message):
     public_key: PublicKey
     profile: ClientProfile
-    invite: Annotated[str, StringConstraints(max_length=128)] = ""  # token for private swarms (registration.mode)
+    invite: ShortText = ""  # token for private swarms (registration.mode)
 
 
 class RegisterResponse(Message):

@@ -59,12 +59,24 @@ def load_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def load_model(folder: Path, device: str = "cpu", dtype: str = "float32") -> Any:
+def load_model(folder: Path, device: str = "cpu", dtype: str = "float32", *, own_memory: bool = False) -> Any:
+    """Load a Hugging Face model folder. ``own_memory``: make sure no weight stays a memory map of the folder's
+    safetensors (a float32 file loaded as float32 on the CPU is mapped, since no conversion copies it); a
+    long-lived reader of files that something else may rewrite or truncate (the coordinator's verifier and
+    evaluator) would otherwise die of SIGBUS reading the mapping. Costs a copy only where one is needed."""
+    import itertools
+
     import torch
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
-    return model.to(device)
+    model = model.to(device)
+    if own_memory:
+        with torch.no_grad():
+            for t in itertools.chain(model.parameters(), model.buffers()):
+                if t.device.type == "cpu":
+                    t.data = t.data.clone()
+    return model
 
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
@@ -166,18 +178,18 @@ def generate(
     ]
 
 
-def completion_logprobs(
+def _completion_logits(
     model: Any,
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     *,
     temperature: float,
     pad_id: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs of each completion given its prompt, as (logprobs [B, T], mask [B, T]).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tempered logits that predict each completion token, with the token ids and the mask, all [B, T, ·].
 
-    Differentiable when called under grad mode (the learner's loss); wrap in no_grad to verify. Prompts are
-    left-padded so every completion starts at the same column.
+    One forward pass over prompt + completion; prompts are left-padded so every completion starts at the same
+    column. Shared by :func:`completion_logprobs` and :func:`completion_stats` so both read the same numbers.
     """
     import torch
 
@@ -195,6 +207,69 @@ def completion_logprobs(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     start = p_ids.shape[1] - 1
-    logits = logits[:, start : start + width, :].float() / temperature
+    return logits[:, start : start + width, :].float() / temperature, c_ids, c_mask
+
+
+def completion_logprobs(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs of each completion given its prompt, as (logprobs [B, T], mask [B, T]).
+
+    Differentiable when called under grad mode (the learner's loss); wrap in no_grad to verify. Prompts are
+    left-padded so every completion starts at the same column.
+    """
+    import torch
+
+    logits, c_ids, c_mask = _completion_logits(model, prompts, completions, temperature=temperature, pad_id=pad_id)
     logp = torch.log_softmax(logits, -1).gather(2, c_ids[:, :, None]).squeeze(2)
     return logp, c_mask.to(logp.dtype)
+
+
+# completion_stats expands the distribution for this many (sequence, position, vocabulary) entries at a time:
+# 2**25 float32 values = 128 MiB per temporary, whatever the batch or the vocabulary
+STATS_ELEMENTS = 2**25
+
+
+def completion_stats(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`completion_logprobs` plus, from the same forward pass, the entropy H, the variance of the
+    surprisal V = E[(−log p)²] − H² and the largest logprob (of the likeliest token) of the tempered
+    distribution at every completion position: (logprobs, entropy, surprisal_var, top_logprob, mask), each [B, T].
+    A token is the likeliest exactly when its logprob equals top_logprob (both are read from the same tensor).
+
+    Why: a token sampled honestly at the job's temperature has expected surprisal H and variance V at its
+    position, so a result's summed surprisal can be compared with its summed entropy without a second sample
+    (the sampling test, coordinator.core.verify.check_sampling). The logprobs are bit-identical to
+    completion_logprobs'. No gradient flows into the entropy terms. The full [T, vocab] distribution is
+    expanded STATS_ELEMENTS entries at a time, so the extra memory is bounded whatever the batch.
+    """
+    import torch
+
+    logits, c_ids, c_mask = _completion_logits(model, prompts, completions, temperature=temperature, pad_id=pad_id)
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(2, c_ids[:, :, None]).squeeze(2)
+    entropy = torch.empty_like(logp, requires_grad=False)
+    variance = torch.empty_like(logp, requires_grad=False)
+    top = logp_all.detach().max(-1).values
+    rows = max(1, STATS_ELEMENTS // max(1, logp_all.shape[1] * logp_all.shape[2]))
+    with torch.no_grad():
+        for b in range(0, logp_all.shape[0], rows):
+            part = logp_all[b : b + rows]
+            p = part.exp()
+            # a token whose probability underflows to 0 contributes nothing (and no 0 · −inf = nan)
+            h = -torch.where(p > 0, p * part, 0.0).sum(-1)
+            dev = torch.where(p > 0, -part - h[..., None], 0.0)
+            entropy[b : b + rows] = h
+            variance[b : b + rows] = (p * dev * dev).sum(-1)
+    return logp, entropy, variance, top, c_mask.to(logp.dtype)

@@ -3,12 +3,19 @@
 The runner only calls :meth:`Display.say` (an event worth a line of its own) and :meth:`Display.update`
 (the counters changed). On a terminal the panel redraws twice a second and events scroll above it; without
 a terminal each finished job gives one line, so logs stay greppable.
+
+Lines carry text the client did not write (a coordinator's refusal message, a job id, a GPU name), so every
+line and every panel value is shown with control characters escaped (shared.safe_text) and never as rich
+markup: a coordinator cannot clear the volunteer's screen, move the cursor or plant a hyperlink. (Event lines keep
+their newlines, which the client's own multi-line messages need.)
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Any, Protocol
+
+from shared.safe_text import escape
 
 
 class StatsView(Protocol):
@@ -20,6 +27,7 @@ class StatsView(Protocol):
     last_job: str
     tokens_per_s: float
     state: str
+    download: str
 
 
 def software_version() -> str:
@@ -32,7 +40,7 @@ def software_version() -> str:
 
 
 def status_line(s: StatsView) -> str:
-    return (f"[echo-swarm {s.client_id[:8]}] v{s.version} {s.state} {s.last_job} | {s.tokens_per_s:,.0f} tok/s | "
+    return escape(f"[echo-swarm {s.client_id[:8]}] v{s.version} {s.state} {s.last_job} | {s.tokens_per_s:,.0f} tok/s | "
             f"accepted {s.accepted} rejected {s.rejected} | credit {s.credit:,.0f}")
 
 
@@ -63,6 +71,9 @@ class Display:
             self._live = None
 
     def say(self, text: str) -> None:
+        """One event line (or a few: the client's own messages may span lines, so ``\n`` is kept and every other
+        control character is escaped in each line)."""
+        text = "\n".join(escape(line) for line in text.split("\n"))
         if self._console is not None:
             self._console.print(text, markup=False, highlight=False)
         else:
@@ -88,15 +99,17 @@ class Display:
         grid.add_column(style="bold cyan", justify="right")
         grid.add_column()
         state_style = {"generating": "green", "paused": "yellow", "coordinator paused": "yellow", "stopped": "red"}.get(s.state, "white")
-        grid.add_row("state", Text(s.state, style=state_style))  # Text, not markup: values are never parsed
-        grid.add_row("coordinator", Text(self.url))
+        grid.add_row("state", Text(escape(s.state), style=state_style))  # Text, not markup: never parsed
+        grid.add_row("coordinator", Text(escape(self.url)))
         grid.add_row("client", s.client_id[:16])
         grid.add_row("policy version", str(s.version) if s.version >= 0 else "-")
-        grid.add_row("current job", Text(s.last_job or "-"))
+        grid.add_row("current job", Text(escape(s.last_job or "-")))
+        if s.download:
+            grid.add_row("downloading", Text(escape(s.download), style="magenta"))
         grid.add_row("tokens/s", f"{s.tokens_per_s:,.1f}")
         grid.add_row("accepted / rejected", Text.assemble((str(s.accepted), "green"), " / ", (str(s.rejected), "red")))
         grid.add_row("credit", f"{s.credit:,.1f}")
         if self.hardware:
-            grid.add_row("machine", Text(self.hardware))
+            grid.add_row("machine", Text(escape(self.hardware)))
         return Panel(grid, title=f"echo-swarm {self.software}",
                      subtitle="Ctrl-C: stop · `echo-swarm client pause`: pause", border_style="blue")

@@ -61,7 +61,7 @@ from swarm_client.resources import (
     disk_full_message,
 )
 from swarm_client.schedule import work_gate
-from swarm_client.snapshots import SnapshotCache
+from swarm_client.snapshots import DownloadStalled, SnapshotCache, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,13 @@ class JoinConfig(BaseModel):
     benchmark: bool = Field(True, description="Run a short self-benchmark at startup and report it at registration.")
     panel: bool | None = Field(None, description="Live terminal panel; None = when stdout is a terminal.")
 
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, v: str) -> str:
+        from shared.safe_text import check_printable
+
+        return check_printable(v)  # the coordinator refuses control characters in a profile; say so up front
+
     @field_validator("windows")
     @classmethod
     def _windows_parse(cls, v: list[str]) -> list[str]:
@@ -130,6 +137,7 @@ class ClientStats:
     leases: int = 0  # jobs received from the coordinator
     gated_polls: int = 0  # polls spent not fetching work (paused, outside a window, not idle)
     benchmark_tokens_per_s: float | None = None
+    download: str = ""  # the snapshot file being downloaded: bytes, rate, time left ("" when none)
 
 
 class Pacer:
@@ -163,6 +171,7 @@ class Runner:
         self.stop = threading.Event()
         self.stats = ClientStats()
         self.display = Display(self.stats, live=cfg.panel, url=cfg.url)
+        self._download_decile = -1
         self.windows = [parse_window(w) for w in cfg.windows]
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100) if cfg.idle_only else None
         self.hardware: Hardware | None = None
@@ -300,11 +309,22 @@ class Runner:
         while (left := end - time.monotonic()) > 0 and not self.stop.is_set() and not is_paused(self.cfg.home):
             await asyncio.to_thread(self.stop.wait, min(left, GATE_POLL_S))
 
+    def _on_download(self, transfer: Transfer | None) -> None:
+        """The panel shows the transfer live; without a panel, a line at every tenth of a file."""
+        self.stats.download = "" if transfer is None else transfer.describe()
+        if transfer is None or self.display.live or not transfer.total:
+            self._download_decile = -1
+            return
+        decile = 10 * transfer.done // transfer.total
+        if decile != self._download_decile:
+            self._download_decile = decile
+            self._say(f"downloading {self.stats.download}")
+
     async def _benchmark(self, cache: SnapshotCache, backend: Backend, info: Info) -> None:
         self._set_state("benchmarking")
         try:
             folder = await cache.ensure(info.run_id, info.current_version, None)
-        except (IntegrityError, ProtocolError) as exc:  # not fatal: jobs fetch their own versions later
+        except (IntegrityError, DownloadStalled, ProtocolError) as exc:  # not fatal: jobs fetch their versions later
             self._say(f"self-benchmark skipped: no verified snapshot of version {info.current_version} ({exc})")
             return
         await asyncio.to_thread(backend.load, folder)
@@ -336,7 +356,7 @@ class Runner:
             self._say(f"pinned coordinator key {info.coordinator_public_key.hex()[:16]}… for {self.cfg.url}")
         cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key, precheck=self._precheck,
                               max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB),
-                              forms=self._forms)
+                              forms=self._forms, on_progress=self._on_download)
         if self.cfg.benchmark:
             await self._benchmark(cache, backend, info)  # also refuses a model too big, before registering
         prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
@@ -398,7 +418,7 @@ class Runner:
             self._set_state("fetching")
             try:
                 folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
-            except (IntegrityError, ProtocolError) as exc:
+            except (IntegrityError, DownloadStalled, ProtocolError) as exc:
                 self._say(f"could not get a verified snapshot of version {job.version} ({exc}); releasing the job")
                 await self._release(api, job.job_id, job.lease_id)
                 continue
@@ -496,5 +516,7 @@ class Runner:
 
 
 def run(cfg: JoinConfig) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from shared import safe_text
+
+    safe_text.configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")  # escaped, one line each
     return asyncio.run(Runner(cfg).run())

@@ -17,13 +17,15 @@ import errno
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from shared import wire
-from shared.errors import IntegrityError
+from shared.errors import EchoSwarmError, IntegrityError
 from shared.hashing import sha256_file
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
@@ -31,12 +33,77 @@ from swarm_client.api import CoordinatorClient
 
 logger = logging.getLogger(__name__)
 CHUNK = 1 << 20
+IDLE_TIMEOUT_S = 60.0  # a blob transfer is cut (and resumed) only after this long without a byte
+CONNECT_TIMEOUT_S = 15.0
+
+
+class DownloadStalled(EchoSwarmError):
+    """A snapshot file stopped arriving: the link to the coordinator is down or stalled (not a bad file)."""
+
+
+@dataclass
+class Transfer:
+    """A file download in progress, as the client's panel shows it: bytes, smoothed rate and time left."""
+
+    name: str
+    done: int
+    total: int
+    rate: float = 0.0  # bytes/s, smoothed over about RATE_WINDOW_S
+    _mark_t: float = field(default_factory=time.monotonic, repr=False)
+    _mark_bytes: int = field(default=0, repr=False)
+
+    def restart(self, done: int) -> None:
+        self.done = done
+        self._mark_t, self._mark_bytes = time.monotonic(), done
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if (dt := now - self._mark_t) >= RATE_WINDOW_S:
+            sample = (self.done - self._mark_bytes) / dt
+            self.rate = sample if self.rate == 0 else 0.7 * self.rate + 0.3 * sample
+            self._mark_t, self._mark_bytes = now, self.done
+
+    @property
+    def eta_s(self) -> float | None:
+        return (self.total - self.done) / self.rate if self.rate > 0 else None
+
+    def describe(self) -> str:
+        """E.g. ``v12 model.safetensors  412 MB / 988 MB (42 %) · 4.2 MB/s · 2m17s left``."""
+        pct = 100 * self.done / self.total if self.total else 100.0
+        text = f"{self.name}  {_mb(self.done)} / {_mb(self.total)} ({pct:.0f} %)"
+        if self.rate > 0:
+            text += f" · {self.rate / 1e6:.1f} MB/s"
+        if (eta := self.eta_s) is not None:
+            text += f" · {_duration(eta)} left"
+        return text
+
+
+RATE_WINDOW_S = 1.0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class SnapshotCache:
     def __init__(self, root: Path, client: CoordinatorClient, coordinator_key: bytes, *, max_attempts: int = 3,
                  max_bytes: int | None = None, precheck: Callable[[Manifest, int], None] | None = None,
-                 forms: frozenset[str] | None = None) -> None:
+                 forms: frozenset[str] | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 on_progress: Callable[[Transfer | None], None] | None = None) -> None:
         self.root = Path(root)
         self.forms = forms  # the file forms this client's backend needs (None: all); see ManifestFile.form
         self.blobs = self.root / "blobs"
@@ -52,6 +119,9 @@ class SnapshotCache:
         self._busy = 0  # ensure() calls in progress: unlinked blobs may belong to one of them
         self.max_bytes = max_bytes
         self.precheck = precheck
+        self.idle_timeout_s = idle_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.on_progress = on_progress  # the transfer in progress (None when it ends), for the client's panel
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -81,7 +151,7 @@ class SnapshotCache:
                 self.precheck(manifest, self.missing_bytes(manifest))
             for f in self._wanted(manifest):
                 async with self._lock(f.sha256):
-                    await self._fetch_blob(f.sha256, f.size)
+                    await self._fetch_blob(f.sha256, f.size, f"v{version} {f.path}")
             self._assemble(folder, manifest, sha)
             _touch(folder)
             self._prune(run_id, keep=folder)
@@ -101,57 +171,96 @@ class SnapshotCache:
             total += max(0, f.size - (partial.stat().st_size if partial.exists() else 0))
         return total
 
-    async def _fetch_blob(self, sha256: str, size: int) -> Path:
-        """Download one file into the cache. Interrupted transfers resume (HTTP Range) with backoff; a complete
-        file that fails its hash is discarded and fetched again from scratch, at most ``max_attempts`` times."""
+    async def _fetch_blob(self, sha256: str, size: int, name: str = "") -> Path:
+        """Download one file into the cache, for home links: a transfer is cut only when no byte arrived for
+        ``idle_timeout_s`` (never for taking long), and every retry resumes (HTTP Range) from the bytes already on
+        disk — also after a client restart, since the partial file stays. Only transfers that add no byte count
+        toward giving up (``retry.attempts`` in a row), so a slow but moving link always finishes. A complete file
+        that fails its hash is discarded and fetched again from scratch, at most ``max_attempts`` times.
+
+        The two failures say different things: :class:`DownloadStalled` (the link) and IntegrityError (the bytes)."""
         final = self.blobs / sha256
         if final.exists():
             return final
         partial = self.blobs / f"{sha256}.partial"
-        corrupt = 0
-        for transfer in range(self.client.retry.attempts):
-            if not await self._download(sha256, partial, size):
-                await asyncio.sleep(self.client.retry.delay(transfer))
-                continue
-            digest = sha256_file(partial)
-            if digest == sha256:
-                os.replace(partial, final)
-                return final
-            corrupt += 1
-            partial.unlink(missing_ok=True)
-            logger.warning("file %s failed verification (got sha256 %s); fetching it again (%d/%d)",
-                           sha256[:12], digest[:12], corrupt, self.max_attempts)
-            if corrupt >= self.max_attempts:
-                break
-        raise IntegrityError(f"could not fetch a verified copy of file {sha256[:12]}")
+        corrupt = stalled = 0
+        last_error = ""
+        transfer = Transfer(name or sha256[:12], _size(partial), size)
+        try:
+            while True:
+                before = _size(partial)
+                complete, error = await self._download(sha256, partial, size, transfer)
+                if complete:
+                    digest = sha256_file(partial)
+                    if digest == sha256:
+                        os.replace(partial, final)
+                        return final
+                    corrupt += 1
+                    partial.unlink(missing_ok=True)
+                    transfer.done = 0
+                    logger.warning("file %s failed its sha256 check (got %s); fetching it again (%d/%d)",
+                                   transfer.name, digest[:12], corrupt, self.max_attempts)
+                    if corrupt >= self.max_attempts:
+                        raise IntegrityError(
+                            f"file {transfer.name} ({sha256[:12]}) arrived complete but failed its sha256 check "
+                            f"{corrupt} times: the coordinator, a proxy or the disk is corrupting it (the link "
+                            f"itself worked). Tell the coordinator's operator; nothing unverified was used")
+                    continue
+                last_error = error or last_error
+                stalled = 0 if _size(partial) > before else stalled + 1
+                if stalled >= self.client.retry.attempts:
+                    raise DownloadStalled(
+                        f"download of {transfer.name} stopped at {_mb(_size(partial))} of {_mb(size)}: "
+                        f"{stalled} attempts in a row added no byte (last: {last_error or 'no data'}). The link "
+                        f"to the coordinator is down or stalled for over {self.idle_timeout_s:.0f}s at a time; check "
+                        f"the connection. The bytes so far are kept and the next try resumes from them")
+                # a transfer that moved resumes at once; one that did not backs off
+                await asyncio.sleep(self.client.retry.delay(stalled - 1) if stalled else 0.2)
+        finally:
+            self._report(None)
 
-    async def _download(self, sha256: str, partial: Path, size: int) -> bool:
-        """Continue the transfer into ``partial``; True once it holds ``size`` bytes."""
-        have = partial.stat().st_size if partial.exists() else 0
+    async def _download(self, sha256: str, partial: Path, size: int, transfer: Transfer) -> tuple[bool, str]:
+        """Continue the transfer into ``partial``: (complete, what interrupted it)."""
+        have = _size(partial)
         if have > size:
             partial.unlink()
             have = 0
         if have == size:
-            return True
+            return True, ""
         headers = {"Range": f"bytes={have}-"} if have else {}
         url = f"{self.client.base_url}/v1/blobs/{sha256}"
+        # no total timeout: a 15 GB file over a 5 MB/s link takes most of an hour and must still arrive
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_connect=self.connect_timeout_s,
+                                        sock_read=self.idle_timeout_s)
+        error = ""
         try:
-            async with self.client.session.get(url, headers=headers) as resp:
+            async with self.client.session.get(url, headers=headers, timeout=timeout) as resp:
                 if resp.status not in (200, 206):
-                    logger.warning("coordinator answered HTTP %d for file %s", resp.status, sha256[:12])
-                    return False
+                    error = f"HTTP {resp.status}"
+                    logger.warning("coordinator answered HTTP %d for file %s", resp.status, transfer.name)
+                    return False, error
                 mode = "ab" if resp.status == 206 else "wb"
                 with open(partial, mode) as fh:
+                    transfer.restart(fh.tell() if mode == "ab" else 0)
                     async for chunk in resp.content.iter_chunked(CHUNK):
                         fh.write(chunk)
                         self.bytes_downloaded += len(chunk)
+                        transfer.advance(len(chunk))
+                        self._report(transfer)
                         if fh.tell() > size:
                             break
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 raise  # disk full: retrying cannot help; the client says what to do
-            logger.warning("download of %s interrupted (%s); resuming", sha256[:12], exc)
-        return partial.exists() and partial.stat().st_size >= size
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else (
+                f"no byte for {self.idle_timeout_s:.0f}s" if isinstance(exc, TimeoutError) else type(exc).__name__)
+            logger.warning("download of %s interrupted at %s of %s (%s); resuming", transfer.name,
+                           _mb(_size(partial)), _mb(size), error)
+        return _size(partial) >= size, error
+
+    def _report(self, transfer: Transfer | None) -> None:
+        if self.on_progress is not None:
+            self.on_progress(transfer)
 
     def _assemble(self, folder: Path, manifest: Manifest, manifest_sha: str) -> None:
         tmp = folder.with_name(folder.name + ".tmp")

@@ -1,9 +1,14 @@
 """Adaptive trust, after BOINC's adaptive replication: slow to earn, quick to lose.
 
-Trust is kept per (client, backend class), because a client's torch results say nothing about its llama.cpp
-results. A new identity starts untrusted, so rotating keys (a sybil) only ever buys the untrusted treatment:
+Trust is kept per *identity* first: an identity's backend class is established by the coordinator at its
+first registration, from a small fixed set (:data:`BACKEND_CLASSES`), and pinned to it (see
+coordinator.guard), so claiming another backend or device later changes nothing — a quarantined identity
+is quarantined whatever it claims. The trust row is keyed (client, class) only so that standings say which
+class the evidence is about. A new identity starts untrusted, so rotating keys (a sybil) only ever buys the
+untrusted treatment:
 
-- every accepted result that later survives any spot-check raises ``consecutive_valid`` by one;
+- every result that a conclusive spot-check (the coordinator's own replay, or an independent replica that
+  agrees) finds valid raises ``consecutive_valid`` by one — passing the per-result checks alone does not;
 - while ``consecutive_valid < trusted_after`` every result is spot-checked (replication probability 1);
   after that, a result is replicated with probability ``1 / consecutive_valid`` (never below ``min_rate``);
 - any invalid result (a refusal for cheating-class reasons, or a lost spot-check) resets it to 0 and counts
@@ -26,7 +31,7 @@ from shared.errors import Reason
 INVALIDATING: frozenset[Reason] = frozenset({
     Reason.WRONG_VERSION, Reason.BINDING_MISMATCH, Reason.SHAPE_MISMATCH, Reason.TOKEN_OUT_OF_RANGE,
     Reason.FINISH_REASON, Reason.LOGPROB_MISMATCH, Reason.REPLICA_MISMATCH, Reason.SCHEMA, Reason.MALFORMED,
-    Reason.BODY_TOO_LARGE,
+    Reason.BODY_TOO_LARGE, Reason.SAMPLING_MISMATCH,
 })
 
 
@@ -89,7 +94,33 @@ def should_replicate(state: TrustState, policy: TrustPolicy, job_id: str, secret
     return draw < rate
 
 
+# The backend classes the coordinator verifies: what swarm_client really reports (hardware.profile: the torch
+# backend's device "cpu" | "cuda[:name]" | "mps"; the llama.cpp backend's "cpu" | "gpu"). Within one class the
+# same seeded job gives (almost) the same tokens; a claim outside this set is refused at registration instead
+# of becoming a class of its own (which nobody else shares, so no replica could ever judge it).
+BACKEND_CLASSES: dict[str, frozenset[str]] = {
+    "torch": frozenset({"cpu", "cuda", "mps"}),
+    "llama": frozenset({"cpu", "gpu"}),
+}
+
+
 def backend_class(backend: str, device: str) -> str:
     """The class whose results are comparable bit-for-bit: backend plus the accelerator kind."""
     kind = device.split(":", 1)[0].strip().lower() or "cpu"
     return f"{backend}/{kind}"
+
+
+def known_class(backend: str, device: str) -> str | None:
+    """The class of a registration's (backend, device) claim, or None when it is not one of BACKEND_CLASSES."""
+    kind = device.split(":", 1)[0]  # exactly as the client reports it: no stripping, no case folding
+    return f"{backend}/{kind}" if kind in BACKEND_CLASSES.get(backend, frozenset()) else None
+
+
+def class_backend(bclass: str) -> str:
+    """The backend half of a class ('llama/cpu' → 'llama'); a bare backend name is returned as it is."""
+    return bclass.split("/", 1)[0]
+
+
+def describe_classes() -> str:
+    """The accepted classes, for refusal messages: 'torch on cpu, cuda or mps; llama on cpu or gpu'."""
+    return "; ".join(f"{b} on {', '.join(sorted(k))}" for b, k in BACKEND_CLASSES.items())

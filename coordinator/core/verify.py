@@ -2,12 +2,15 @@
 
 Order: lease ownership and deadline → job binding (version, prompt hash, seed, group size) → shapes →
 token validity → finish-reason consistency. The behaviour-logprob plausibility check runs after the
-learner has recomputed the logprobs (:func:`check_logprobs`). Rewards are never read from a client.
+learner has recomputed the logprobs (:func:`check_logprobs`), then the sampling test on the same recompute
+(:func:`check_sampling`: are the tokens as surprising as sampling would make them?). Rewards are never read from
+a client.
 Authentication (signature, nonce, timestamp) happens before any of this, in :mod:`coordinator.core.auth`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,3 +114,91 @@ def check_logprobs(stats: LogprobStats, mean_tol: float, max_tol: float) -> None
             f"(max {stats.max_abs:.4f}); tolerances are {mean_tol} and {max_tol}. Is the client running the "
             f"job's snapshot version unmodified?",
         )
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """The coordinator's recompute of a result, per completion and token: the logprob of the token that was
+    sent, and the entropy, surprisal variance and largest logprob of the policy's tempered distribution at that
+    position (shared.policy.completion_stats)."""
+
+    logprobs: list[list[float]]
+    entropy: list[list[float]]
+    variance: list[list[float]]
+    top: list[list[float]]
+
+
+@dataclass(frozen=True)
+class SamplingStats:
+    """How a result's tokens compare with what honest sampling of the policy would give, as two z-scores.
+
+    ``z`` = Σ(s − H) / √(Σ V + n · var_floor) over all n completion tokens, with s = −log π(token) from the
+    coordinator's recompute (never the client's report), H the entropy and V the surprisal variance at that
+    position. ``z_top`` = Σ(1[token is the likeliest] − p_top) / √(Σ p_top(1 − p_top) + n · var_floor), p_top the
+    probability of the likeliest token. Under honest sampling at the job's temperature both sums are martingales
+    with those conditional variances, so both scores are close to a standard normal. Greedy decoding and keeping
+    the likeliest of several samples push z far below 0 and z_top far above; tokens the policy would rarely have
+    produced push z far above 0. z_top's increments are bounded, so it stays near-normal where surprisal's long
+    upper tail makes z a weak detector of greedy decoding.
+    """
+
+    z: float
+    z_top: float
+    n_tokens: int
+    mean_surprisal: float
+    mean_entropy: float
+    top_rate: float  # fraction of tokens that are the likeliest at their position
+    expected_top_rate: float  # what honest sampling gives on average: mean p_top
+
+
+def sampling_stats(stats: TokenStats, var_floor: float) -> SamplingStats:
+    """Aggregate the per-token recompute into the two z-scores. ``var_floor`` (per token) keeps them finite and
+    float rounding harmless where the policy is nearly deterministic (the variances → 0)."""
+    surprisal = entropy = var = hits = p_top = var_top = 0.0
+    n = 0
+    for lps, hs, vs, tops in zip(stats.logprobs, stats.entropy, stats.variance, stats.top, strict=True):
+        for lp, h, v, top in zip(lps, hs, vs, tops, strict=True):
+            surprisal -= lp
+            entropy += h
+            var += max(0.0, v)
+            q = min(1.0, math.exp(top))
+            hits += 1.0 if lp >= top else 0.0
+            p_top += q
+            var_top += q * (1.0 - q)
+            n += 1
+    floor = n * var_floor
+    z = (surprisal - entropy) / math.sqrt(var + floor) if var + floor > 0 else 0.0
+    z_top = (hits - p_top) / math.sqrt(var_top + floor) if var_top + floor > 0 else 0.0
+    m = max(1, n)
+    return SamplingStats(z=z, z_top=z_top, n_tokens=n, mean_surprisal=surprisal / m, mean_entropy=entropy / m,
+                         top_rate=hits / m, expected_top_rate=p_top / m)
+
+
+def check_sampling(stats: SamplingStats, *, z_low: float, z_high: float, top_z: float, min_tokens: int,
+                   temperature: float) -> None:
+    """Refuse a result whose tokens could not plausibly have been sampled from the policy at ``temperature``.
+
+    Accepted: ``z_low`` ≤ z ≤ ``z_high`` and |z_top| ≤ ``top_z`` (coordinator.config.VerificationConfig,
+    calibrated by bench/sampling_calibration.py). Results with fewer than ``min_tokens`` tokens are not judged:
+    the scores are only near-normal over many tokens. The check needs no replica and no claim from the client,
+    so it holds across backends and quantisation: an honest llama.cpp q8_0 client samples from nearly the same
+    distribution.
+    """
+    if stats.n_tokens < min_tokens:
+        return
+    if stats.z < z_low or stats.z_top > top_z:
+        what = ("more predictable than sampling would make them: greedy decoding, top-k/top-p or min-p "
+                "truncation, a temperature below the job's, or keeping the likeliest of several samples")
+    elif stats.z > z_high or stats.z_top < -top_z:
+        what = ("less likely than sampling would make them: tokens chosen by other means than sampling this "
+                "policy, a temperature above the job's, or a repetition penalty")
+    else:
+        return
+    raise ProtocolError(
+        Reason.SAMPLING_MISMATCH,
+        f"the completions' tokens are {what} (over {stats.n_tokens} tokens: surprisal {stats.mean_surprisal:.3f} "
+        f"vs policy entropy {stats.mean_entropy:.3f} nats/token, z = {stats.z:.1f}, accepted {z_low} to {z_high}; "
+        f"likeliest token {stats.top_rate:.1%} of the time vs {stats.expected_top_rate:.1%} expected, z = "
+        f"{stats.z_top:.1f}, accepted ±{top_z}). Sample every completion from the full softmax at the job's "
+        f"temperature ({temperature}) with the job's seed, and return each one you sampled.",
+    )

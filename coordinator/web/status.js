@@ -85,8 +85,16 @@ function bars(host, counts) {
   host.replaceChildren(...entries.map(([k, v]) => {
     const row = document.createElement("div");
     row.className = "bar";
-    row.innerHTML = `<span></span><div class="fill" style="width:${(100 * v) / max}%"></div><span class="num">${v}</span>`;
-    row.firstChild.textContent = k;
+    // built node by node (no markup, no inline style attribute: the page runs under a strict CSP)
+    const label = document.createElement("span");
+    label.textContent = k;
+    const fill = document.createElement("div");
+    fill.className = "fill";
+    fill.style.width = `${(100 * v) / max}%`;
+    const num = document.createElement("span");
+    num.className = "num";
+    num.textContent = String(v);
+    row.replaceChildren(label, fill, num);
     return row;
   }));
   if (!entries.length) host.textContent = "none active";

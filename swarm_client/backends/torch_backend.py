@@ -1,23 +1,54 @@
 """torch backend: Hugging Face transformers model on CPU, CUDA or Apple MPS; a job's GRPO group is
-generated as one batch. A new version of the same architecture is loaded by swapping weights in place."""
+generated as one batch.
+
+A new version of the same architecture is loaded into the model in place, tensor by tensor from the
+memory-mapped safetensors, so the peak is one model plus one tensor (not a second state dict). A version of a
+LoRA run (``adapter_config.json`` beside the base files, see shared.adapters) loads the base once: while the
+base files are the same (the snapshot cache hard-links every version's base to one blob), a new version only
+rewrites the adapted weights as base + scale·B·A. So such a client downloads the base once and a small adapter
+per version, and never holds a second copy of the model.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shared.adapters import (
+    apply_adapter,
+    base_weight_files,
+    holds_base,
+    is_adapter_folder,
+    load_base_model,
+    load_weights_in_place,
+    mark_base,
+    read_adapter,
+)
 from shared.messages import Job
 from shared.policy import Sampled, generate, load_model, load_tokenizer, pick_device
 
 logger = logging.getLogger(__name__)
 
+FileIds = tuple[tuple[str, int, int, int, int], ...]
+
+
+def _file_ids(folder: Path) -> FileIds:
+    """Identity of a folder's base weight files: name, device, inode, size, mtime (cached blobs are immutable
+    and every version's folder links the same blob, so an unchanged base keeps its identity)."""
+    out = []
+    for p in base_weight_files(folder):
+        st = os.stat(p)
+        out.append((p.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
 
 class TorchBackend:
     name = "torch"
-    forms = frozenset({"hf"})  # the safetensors model folder; GGUF files are not fetched
+    forms = frozenset({"hf"})  # the safetensors model folder (or base + adapter); GGUF files are not fetched
 
     def __init__(self, device: str = "auto", threads: int | None = None) -> None:
         import torch
@@ -28,29 +59,33 @@ class TorchBackend:
         self.model: Any = None
         self.tokenizer: Any = None
         self._config_text: str | None = None
+        self._weights_id: FileIds | None = None  # the whole weights (or LoRA base) the model holds
         self.folder: Path | None = None
 
     def load(self, folder: Path) -> None:
+        folder = Path(folder)
         if folder == self.folder:
             return
         config_text = (folder / "config.json").read_text()
-        if self.model is not None and config_text == self._config_text:
-            from safetensors.torch import load_file
-
-            state: dict[str, Any] = {}
-            for shard in sorted(folder.glob("*.safetensors")):
-                state.update(load_file(str(shard), device=str(self.device)))
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            # tied embeddings are saved once; anything else missing means a different model
-            if unexpected or any("lm_head" not in m for m in missing):
-                raise ValueError(f"snapshot {folder} does not match the loaded architecture")
-        else:
+        lora = is_adapter_folder(folder)
+        weights_id = _file_ids(folder)
+        self.folder = None  # nothing half-loaded stays usable
+        if self.model is None or config_text != self._config_text:
+            self.model = self._weights_id = None
             self.tokenizer = load_tokenizer(folder)
-            self.model = load_model(folder, self.device)
+            self.model = load_base_model(folder, self.device) if lora else load_model(folder, self.device)
             self._config_text = config_text
+        elif weights_id != self._weights_id:
+            self._weights_id = None
+            load_weights_in_place(self.model, folder)
+        self._weights_id = weights_id
+        if not holds_base(self.model):
+            mark_base(self.model, True)  # it holds exactly this folder's weight files, no adapter
+        # a LoRA version: base + this adapter (only the adapted weights are rewritten); otherwise drop any adapter
+        apply_adapter(self.model, folder, read_adapter(folder) if lora else None)
         self.model.eval()
         self.folder = folder
-        logger.debug("loaded %s (%s)", folder, json.loads(config_text).get("model_type"))
+        logger.debug("loaded %s (%s%s)", folder, json.loads(config_text).get("model_type"), ", LoRA" if lora else "")
 
     def generate(self, job: Job, should_stop: Callable[[], bool]) -> list[Sampled]:
         if self.model is None:

@@ -23,6 +23,7 @@ import aiohttp
 from shared import crypto, wire
 from shared.errors import ProtocolError
 from shared.messages import (
+    ClientProfile,
     ErrorBody,
     Info,
     Job,
@@ -42,6 +43,12 @@ from swarm_client.identity import Identity, load_identity
 from swarm_client.snapshots import SnapshotCache
 
 NO_RETRY = RetryPolicy(attempts=1)
+HUNT_S = 15.0  # how long an accomplice looks for the replica of its partner's result among the jobs it is offered
+
+
+def claim(name: str, backend: str, device: str) -> ClientProfile:
+    """A registration profile claiming any backend and device (the real one, with two fields replaced)."""
+    return profile("torch", "cpu", name).model_copy(update={"backend": backend, "device": device})
 
 
 class Adversary:
@@ -53,9 +60,14 @@ class Adversary:
         self.apis: list[CoordinatorClient] = []
         self.info: Info | None = None
         self.backend: TorchBackend | None = None
+        self.notes: dict[str, Any] = {}  # observations beyond the attempts (e.g. whether a replica was recognised)
+        self.seconds = 30.0  # how long a timed kind (idle_sybil) runs
 
     # -- plumbing -----------------------------------------------------------------------------------------
-    async def identity(self, name: str, *, register: bool = True) -> CoordinatorClient:
+    async def identity(self, name: str, *, register: bool = True, backend: str = "torch", device: str = "cpu"
+                       ) -> CoordinatorClient:
+        """A fresh identity (registered claiming ``backend`` on ``device``; it always computes with torch on the
+        CPU, whatever it claims)."""
         ident = load_identity(self.home / name)
         api = CoordinatorClient(self.url, ident, retry=NO_RETRY)
         self.apis.append(api)
@@ -64,7 +76,7 @@ class Adversary:
             self.info = await api.info()
         if register:
             await api.post("/v1/register", RegisterRequest(public_key=ident.public_key,
-                                                           profile=profile("torch", "cpu", f"adversary-{name}")),
+                                                           profile=claim(f"adversary-{name}", backend, device)),
                            RegisterResponse)
             await self.warm(api)
         return api
@@ -92,9 +104,10 @@ class Adversary:
                                            headers=headers or {"Content-Type": "application/msgpack"}) as resp:
                 raw, status = await resp.read(), resp.status
         except aiohttp.ClientError as exc:  # the server may close the connection on a body it will not read
-            entry = {"what": what, "status": 0, "reason": None, "message": f"{type(exc).__name__}: {exc}"}
-            self.attempts.append(entry)
-            return entry
+            failed: dict[str, Any] = {"what": what, "status": 0, "reason": None,
+                                      "message": f"{type(exc).__name__}: {exc}"}
+            self.attempts.append(failed)
+            return failed
         reason, message = None, ""
         if status != 200:
             try:
@@ -136,6 +149,47 @@ class Adversary:
         return ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
                                 prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
                                 backend="torch", generation_s=0.1, completions=[s.to_completion() for s in samples])
+
+    async def lease_as(self, api: CoordinatorClient, backend: str, what: str) -> dict[str, Any]:
+        """One signed lease request claiming ``backend``, recorded as an attempt."""
+        body = wire.encode(LeaseRequest(backend=backend, held_version=-1))  # type: ignore[arg-type]
+        return await self.send(api, "/v1/lease", self.envelope(api.identity, "/v1/lease", body), what)
+
+    async def cherry_picked(self, api: CoordinatorClient) -> tuple[Job, ResultSubmission]:
+        """Lease a job and answer it with real policy samples and their true logprobs — drawn with another seed
+        (as if picked among several draws): every per-result check passes, only a seeded replay can tell."""
+        job = await self.lease(api)
+        own = job.model_copy(update={"seed": (job.seed + 1) % 2**63})
+        sub = await self.honest(api, own)
+        return job, sub.model_copy(update={"seed": job.seed})
+
+    async def hunt(self, api: CoordinatorClient, target: Job, seconds: float = HUNT_S, *, sit: bool = False,
+                   answer: Any = None) -> None:
+        """An accomplice takes every job it is offered for ``seconds``, looking for the replica of ``target``
+        (the same seed, or the same prompts, under any id). Found: ``answer(job)`` is submitted for it, or with
+        ``sit`` the lease is kept and never returned; every other job is released at once."""
+        assert self.info is not None
+        give_up = time.monotonic() + seconds
+        offered = found = 0
+        kept: list[Job] = []
+        while time.monotonic() < give_up:
+            resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1), LeaseResponse)
+            if resp.job is None:
+                await asyncio.sleep(min(resp.retry_after_s, 0.5))
+                continue
+            job = open_job(resp.job, self.info.coordinator_public_key)
+            offered += 1
+            if job.job_id != target.job_id and (job.seed == target.seed or job.prompt_hash == target.prompt_hash):
+                found += 1
+                if sit:
+                    kept.append(job)
+                    continue
+                if answer is not None:
+                    await self.submit(api, answer(job), f"answer to the recognised replica {job.job_id}")
+                    continue
+            await self.release(api, job)
+        self.notes["offered"] = offered
+        self.notes["recognised"] = found
 
     @staticmethod
     def tamper(sub: ResultSubmission, **changes: Any) -> bytes:
@@ -329,13 +383,125 @@ class Adversary:
         envelopes = [self.envelope(api.identity, "/v1/release", body) for _ in range(300)]
         await asyncio.gather(*(self.send(api, "/v1/release", env, f"request {i}") for i, env in enumerate(envelopes)))
 
+    # -- the trust boundary's classes (issue 13): claims the coordinator must not believe ----------------------
+    async def unknown_device(self) -> None:
+        """Register claiming devices outside the coordinator's fixed classes: refused, nothing written."""
+        for name, backend, device in (("tpu", "torch", "tpu:v5e"), ("xpu", "torch", "xpu:0"),
+                                      ("llamacuda", "llama", "cuda:0")):
+            ident = load_identity(self.home / name)
+            api = CoordinatorClient(self.url, ident, retry=NO_RETRY)
+            self.apis.append(api)
+            self.identities.append(ident.client_id)
+            body = wire.encode(RegisterRequest(public_key=ident.public_key, profile=claim(name, backend, device)))
+            await self.send(api, "/v1/register", self.envelope(ident, "/v1/register", body), f"claims {device}")
+
+    async def sybil_confirms(self) -> None:
+        """A cherry-picked original, and a second identity of the same attacker that looks for its replica among
+        the jobs it is offered (same seed or prompts) to confirm the original's tokens with the same ones."""
+        a = await self.identity("a")
+        b = await self.identity("b")
+        job, sub = await self.cherry_picked(a)
+        await self.submit(a, sub, "original: cherry-picked samples")
+
+        def confirm(rep: Job) -> ResultSubmission:
+            return sub.model_copy(update={"job_id": rep.job_id, "lease_id": rep.lease_id, "version": rep.version})
+
+        await self.hunt(b, job, answer=confirm)
+
+    async def accomplice_junk(self) -> None:
+        """A cherry-picked original, and an accomplice of another class (llama) that answers its replica with
+        junk, hoping for an 'inconclusive' that releases the original."""
+        a = await self.identity("a")
+        b = await self.identity("b", backend="llama", device="cpu")
+        job, sub = await self.cherry_picked(a)
+        await self.submit(a, sub, "original: cherry-picked samples")
+
+        def junk(rep: Job) -> ResultSubmission:
+            comps = [c.model_copy(update={"token_ids": [17] * len(c.token_ids)}) for c in sub.completions]
+            return sub.model_copy(update={"job_id": rep.job_id, "lease_id": rep.lease_id, "version": rep.version,
+                                          "backend": "llama", "completions": comps})
+
+        await self.hunt(b, job, answer=junk)
+
+    async def accomplice_sits(self) -> None:
+        """A cherry-picked original, and an accomplice that leases its replica and never returns it, hoping the
+        hold on the original lapses before the replica is reissued."""
+        a = await self.identity("a")
+        b = await self.identity("b")
+        job, sub = await self.cherry_picked(a)
+        await self.submit(a, sub, "original: cherry-picked samples")
+        await self.hunt(b, job, sit=True)
+
+    async def _earn_quarantine(self, api: CoordinatorClient) -> Job:
+        """Three results with made-up logprobs (trust.quarantine_after = 3); the last job's lease is kept."""
+        for i in range(3):
+            job = await self.lease(api)
+            sub = await self.honest(api, job)
+            comps = [c.model_dump() | {"logprobs": [-0.01] * len(c.token_ids)} for c in sub.completions]
+            await self.submit(api, self.tamper(sub, completions=comps), "fabricated logprobs")
+            if i < 2:
+                await self.release(api, job)
+        return job
+
+    async def quarantine_backend_claim(self) -> None:
+        """Quarantined, it keeps asking for work and sending results while claiming another backend."""
+        api = await self.identity("a")
+        job = await self._earn_quarantine(api)
+        await self.lease_as(api, "torch", "lease while quarantined")
+        await self.lease_as(api, "llama", "lease while quarantined, claiming llama")
+        sub = await self.honest(api, job)
+        await self.submit(api, sub.model_copy(update={"backend": "llama"}), "result while quarantined, as llama")
+
+    async def quarantine_reregister(self) -> None:
+        """Quarantined, it re-registers its key with another device and another backend, then asks for work."""
+        api = await self.identity("a")
+        await self._earn_quarantine(api)
+        ident = api.identity
+        for what, backend, device in (("re-register as torch on cuda", "torch", "cuda:RTX 4090"),
+                                      ("re-register as llama on cpu", "llama", "cpu"),
+                                      ("re-register unchanged", "torch", "cpu")):
+            body = wire.encode(RegisterRequest(public_key=ident.public_key, profile=claim("adversary-a", backend, device)))
+            await self.send(api, "/v1/register", self.envelope(ident, "/v1/register", body), what)
+        await self.lease_as(api, "llama", "lease after re-registering")
+
+    async def tolerance_escape(self) -> None:
+        """A torch identity whose logprobs are off by 1.5 nats on one token — beyond torch's 1.0, within the
+        2.0 llama.cpp gets under snapshots.gguf = q8_0 — sent once claiming llama, once as torch."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        sub = await self.honest(api, job)
+        comps = [c.model_dump() for c in sub.completions]
+        k = next(i for i, c in enumerate(comps) if c["token_ids"])
+        comps[k]["logprobs"][0] -= 1.5
+        await self.submit(api, self.tamper(sub, completions=comps, backend="llama"), "off by 1.5 nats, as llama")
+        await self.submit(api, self.tamper(sub, completions=comps), "off by 1.5 nats, as torch")
+        await self.release(api, job)
+
+    async def idle_sybil(self) -> None:
+        """An identity that never works and only sends signed requests (releases of nothing, 4 a second). It loads
+        no model (it never generates), so its own CPU use does not slow the honest clients on a shared machine."""
+        api = await self.identity("a", register=False)
+        await api.post("/v1/register", RegisterRequest(public_key=api.identity.public_key,
+                                                       profile=claim("adversary-a", "torch", "cpu")), RegisterResponse)
+        body = wire.encode(ReleaseRequest(job_id="j-none", lease_id="none"))
+        give_up = time.monotonic() + self.seconds
+        n = 0
+        while time.monotonic() < give_up:
+            await self.send(api, "/v1/release", self.envelope(api.identity, "/v1/release", body), "idle request")
+            n += 1
+            await asyncio.sleep(0.25)
+        self.notes["requests"] = n
+
     KINDS = ("forged_signature", "replayed_result", "other_clients_lease", "late_result", "wrong_version",
              "inflated_reward", "fabricated_logprobs", "other_model", "truncated_output", "padded_output",
-             "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed", "lease_hoarder")
+             "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed", "lease_hoarder",
+             "unknown_device", "sybil_confirms", "accomplice_junk", "accomplice_sits", "quarantine_backend_claim",
+             "quarantine_reregister", "tolerance_escape", "idle_sybil")
 
 
-async def main_async(kind: str, url: str, home: Path) -> dict[str, Any]:
+async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0) -> dict[str, Any]:
     adv = Adversary(url, home)
+    adv.seconds = seconds
     error = None
     try:
         await getattr(adv, kind)()
@@ -344,7 +510,7 @@ async def main_async(kind: str, url: str, home: Path) -> dict[str, Any]:
     finally:
         await adv.close()
     attempts = [{k: v for k, v in a.items() if k != "raw"} for a in adv.attempts]
-    return {"kind": kind, "identities": adv.identities, "attempts": attempts, "error": error}
+    return {"kind": kind, "identities": adv.identities, "attempts": attempts, "error": error, "notes": adv.notes}
 
 
 def main() -> None:
@@ -353,8 +519,9 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--home", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long a timed kind runs (idle_sybil)")
     args = parser.parse_args()
-    report = asyncio.run(main_async(args.kind, args.url, args.home))
+    report = asyncio.run(main_async(args.kind, args.url, args.home, args.seconds))
     args.out.write_text(json.dumps(report, indent=2))
     print(f"adversary {args.kind}: {len(report['attempts'])} attempts, error={report['error']}")
 

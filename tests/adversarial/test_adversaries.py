@@ -82,9 +82,11 @@ def _flood(attempts: Attempts) -> None:
 
 
 def _request_flood(attempts: Attempts) -> None:
+    # 300 requests at once: beyond the per-identity burst (60 + refill) they are refused with rate_limited, and
+    # connections beyond server.max_connections_per_address are refused before any request is read (status 0)
     codes = _codes(attempts)
-    assert set(codes) <= {(200, None), (429, "rate_limited")}, codes
-    assert codes.count((200, None)) < len(codes) and (429, "rate_limited") in codes, codes  # burst 60 + refill
+    assert set(codes) <= {(200, None), (429, "rate_limited"), (0, None)}, codes
+    assert codes.count((200, None)) <= 70 and (429, "rate_limited") in codes, codes
 
 
 def _hoarder(attempts: Attempts) -> None:
@@ -147,7 +149,7 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
         tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 2},
         learner={"max_steps": 5000}, jobs={"lease_timeout_s": 20.0, "long_poll_s": 1.0},
         limits={"registration_burst": 40, "registrations_per_address_per_min": 6.0},
-        trust={"quarantine_s": 3600.0, "hold_s": 20.0})
+        trust={"quarantine_s": 3600.0, "hold_s": 40.0})  # a replica's lease and one reissue (2 × 20 s)
     coord, url = start_coordinator(cfg, tmp_path / "coord.log")
     # torch, like the adversaries: a spot-check replay is only judged against a client of the same backend class
     honest = [start_client(url, tmp_path / f"honest{k}", tmp_path / f"honest{k}.log", "--backend", "torch")
@@ -155,11 +157,15 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
     reports: dict[str, dict[str, Any]] = {}
     try:
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 1, 240, "honest clients to train a version")
-        kinds = [k for k in EXPECTED if k != "registration_flood"]
+        # the two floods run alone afterwards: every process here shares 127.0.0.1, and a flood of connections
+        # from one address is refused by the per-address connection cap, whoever else is on that address
+        floods = ("request_flood", "registration_flood")
+        kinds = [k for k in EXPECTED if k not in floods]
         with ThreadPoolExecutor(max_workers=4) as pool:
             for report in pool.map(lambda k: _run_adversary(k, url, tmp_path), kinds):
                 reports[report["kind"]] = report
-        reports["registration_flood"] = _run_adversary("registration_flood", url, tmp_path)
+        for kind in floods:
+            reports[kind] = _run_adversary(kind, url, tmp_path)
         (cheat,) = reports["own_seed"]["identities"]
         wait_until(lambda: db_rows(run_dir, "SELECT outcome FROM audit WHERE client_id=? AND (outcome LIKE "
                                             "'invalidated%' OR reason='replica_mismatch')", (cheat,)), 240,

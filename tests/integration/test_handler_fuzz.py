@@ -49,6 +49,7 @@ from shared.messages import (
     SubmitResponse,
 )
 from shared.records import open_job, open_manifest
+from shared.safe_text import UNSAFE_CHARS
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import RawClient, db_rows
 
@@ -330,10 +331,12 @@ def mutate(data: bytes, edits: list[Edit]) -> bytes:
 
 # ---- strategies: valid protocol messages ---------------------------------------------------------------------
 LOGPROBS = st.floats(-1e4, 1e-3, allow_nan=False)
+# text a valid message may hold: anything but the control, bidi and separator characters of shared.safe_text
+PRINTABLE = st.characters(codec="utf-8").filter(lambda c: UNSAFE_CHARS.match(c) is None)
 PROFILES = st.builds(
-    ClientProfile, name=st.text(max_size=64), backend=st.sampled_from(["torch", "llama"]), device=st.text(max_size=128),
-    platform=st.text(max_size=128), cpu_count=st.integers(0, 4096), memory_gb=st.floats(0, 1e6),
-    software=st.text(max_size=128),
+    ClientProfile, name=st.text(PRINTABLE, max_size=64), backend=st.sampled_from(["torch", "llama"]),
+    device=st.text(PRINTABLE, max_size=128), platform=st.text(PRINTABLE, max_size=128), cpu_count=st.integers(0, 4096),
+    memory_gb=st.floats(0, 1e6), software=st.text(PRINTABLE, max_size=128),
 )
 COMPLETIONS = st.builds(Completion, token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=8),
                         logprobs=st.lists(LOGPROBS, max_size=8), finish_reason=st.sampled_from(["stop", "length"]))
@@ -533,6 +536,8 @@ def expected_result_reason(harness: Harness, ctx: ResultContext, sub: ResultSubm
     """docs/protocol.md §5, in order. None: a resend of an accepted result (200). The last step, the logprob
     recompute, may accept the result (a 200), which random logprobs all but never pass."""
     run_dir, me = harness.live.run_dir, harness.client.client_id
+    if sub.backend != "torch":  # the harness's identity is pinned to torch/cpu; §5 checks the claim first
+        return frozenset({Reason.BINDING_MISMATCH})
     earlier = db_rows(run_dir, "SELECT client_id, content_sha256 FROM results WHERE job_id=?", (sub.job_id,))
     if earlier and earlier[0] == (me, hashlib.sha256(body).hexdigest()):
         return None

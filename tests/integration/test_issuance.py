@@ -3,11 +3,14 @@ issuing new work, and a client long-polling for work hears of a new policy versi
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from coordinator.core.verify import TokenStats
 from shared import wire
 from shared.messages import LeaseRequest, LeaseResponse, ReleaseRequest
 from shared.records import open_job
@@ -139,15 +142,15 @@ def test_a_lease_that_runs_out_during_verification_is_honoured(tmp_path: Path, t
         job = lease(holder, live.coordinator.public_key)
         result = honest_result(live, job)
         service = live.coordinator
-        recompute = service._recompute_at
+        recompute = service._recompute_stats_at
         during: list[LeaseResponse] = []
 
-        def slow_recompute(*args: object) -> list[list[float]]:  # on the learner thread, while verifying
+        async def slow_recompute(*args: Any) -> TokenStats:  # while the result is being verified
             live.clock.advance(service.config.jobs.lease_timeout_s + 1.0)  # the lease has now run out
-            during.append(ask(other))  # served by the event loop meanwhile
-            return recompute(*args)  # type: ignore[arg-type]
+            during.append(await asyncio.to_thread(ask, other))  # served by the event loop meanwhile
+            return await recompute(*args)
 
-        service._recompute_at = slow_recompute  # type: ignore[method-assign]
+        service._recompute_stats_at = slow_recompute  # type: ignore[method-assign,assignment]
         status, raw = holder.post("/v1/results", result)
         assert status == 200, raw
         assert during and during[0].job is not None

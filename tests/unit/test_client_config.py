@@ -56,6 +56,7 @@ def test_missing_default_file_is_fine_but_missing_explicit_file_is_an_error(
     ('window = ["25:00-07:00"]', "hour above 23"),
     ("max_memory_gb = -1", "max_memory_gb"),
     ("threads = [", "cannot read config file"),
+    ('name = "me\\u001b[2J"', "name.*U\\+001B.*printable text only"),  # the coordinator would refuse it anyway
 ])
 def test_bad_values_name_the_key(tmp_path: Path, text: str, match: str) -> None:
     cfg_file = tmp_path / "client.toml"

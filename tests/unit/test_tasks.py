@@ -228,3 +228,65 @@ def test_make_task_dispatches(tmp_path: Path) -> None:
     assert isinstance(make_task(ArithmeticTaskConfig(max_operand=9, heldout_size=16)), ArithmeticTask)
     path = write_jsonl(tmp_path / "t.jsonl", qa_rows(3))
     assert isinstance(make_task(JsonlTaskConfig(train_path=path, heldout_size=1)), JsonlQATask)
+
+
+# ---- strict answer parser: ASCII digits only ----------------------------------------------------------------
+# Python's \d, int() and float() accept every Unicode decimal digit; the reward must not. Each form below is
+# "42" (or 1234) in another script: none of them is the answer.
+OTHER_DIGITS = {
+    "arabic-indic": "٤٢",
+    "extended-arabic-indic": "۴۲",
+    "devanagari": "४२",
+    "bengali": "৪২",
+    "fullwidth": "４２",
+    "mathematical-bold": "𝟒𝟐",
+    "thai": "๔๒",
+    "mixed-ascii-first": "4٢",
+    "mixed-ascii-last": "٤2",
+    "mixed-fullwidth": "４2",
+}
+
+
+@pytest.mark.parametrize("digits", OTHER_DIGITS.values(), ids=OTHER_DIGITS.keys())
+def test_other_unicode_digits_are_not_the_arithmetic_answer(digits: str) -> None:
+    assert int(digits) == 42  # what a lax parser (int, \d) would have taken
+    assert small_arith().reward(ITEM, f" {digits}") == 0.0
+    assert first_integer(f" {digits}") is None
+    assert first_integer(f" -{digits}") is None
+
+
+@pytest.mark.parametrize("digits", OTHER_DIGITS.values(), ids=OTHER_DIGITS.keys())
+def test_other_unicode_digits_are_skipped_like_words(digits: str) -> None:
+    # a run holding a non-ASCII digit is text: the next ASCII integer is the first integer
+    assert first_integer(f"{digits} 42") == 42
+    assert small_arith().reward(ITEM, f" {digits} 7") == 0.0
+    assert small_arith().reward(ITEM, f" {digits} 42") == 1.0
+
+
+@pytest.mark.parametrize("digits", ["٤٢", "４２", "४२", "4٢", "٤2", "４2"])
+def test_other_unicode_digits_are_not_a_final_number(digits: str) -> None:
+    assert parse_final_number(f"#### {digits}") is None
+    assert parse_final_number(digits) is None
+    assert parse_final_number(f"the answer is 7 then {digits}") == 7.0  # the last *ASCII* number
+
+
+def test_jsonl_reward_refuses_other_digits(tmp_path: Path) -> None:
+    train = write_jsonl(tmp_path / "t.jsonl", qa_rows(2))
+    task = JsonlQATask(JsonlTaskConfig(train_path=train, heldout_path=train))
+    item = TaskItem("Q", "#### 42")
+    assert task.reward(item, "#### 42") == 1.0
+    assert task.reward(item, "#### ٤٢") == 0.0
+    assert task.reward(item, "#### ４２") == 0.0
+    assert task.reward(item, "so ٤٢") == 0.0
+
+
+def test_a_task_file_answer_in_other_digits_has_no_final_number(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", qa_rows(2) + [{"question": "q", "answer": "#### ٤٢"}])
+    with pytest.raises(TaskError) as info:
+        JsonlQATask(JsonlTaskConfig(train_path=path, heldout_size=1))
+    assert f"{path}:3:" in str(info.value)
+
+
+def test_unicode_minus_is_not_a_sign() -> None:
+    assert first_integer(" \u221242") == 42  # U+2212 MINUS SIGN is text; the ASCII hyphen-minus is the sign
+    assert first_integer(" -42") == -42

@@ -8,12 +8,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.core.ratelimit import Limiter, Rate, take
-from coordinator.core.replicas import Verdict, agreement, judge, needs_arbiter
+from coordinator.core.replicas import (
+    Party,
+    Verdict,
+    agreement,
+    independent,
+    judge,
+    judge_original,
+    needs_arbiter,
+)
 from coordinator.core.trust import (
     TrustPolicy,
     TrustState,
     backend_class,
+    class_backend,
     is_invalidating,
+    known_class,
     on_invalid,
     on_valid,
     quarantined,
@@ -81,6 +91,18 @@ def test_backend_class_ignores_the_device_model_name() -> None:
     assert backend_class("torch", "") == "torch/cpu"
 
 
+def test_only_a_fixed_set_of_classes_is_known() -> None:
+    # what swarm_client really reports: torch cpu | cuda:<name> | mps, llama.cpp cpu | gpu
+    assert known_class("torch", "cuda:NVIDIA RTX 3060") == "torch/cuda"
+    assert known_class("torch", "mps") == "torch/mps"
+    assert known_class("llama", "gpu") == "llama/gpu"
+    assert known_class("llama", "cpu") == "llama/cpu"
+    for backend, device in (("torch", "tpu:v5"), ("torch", "xpu:0"), ("llama", "cuda"), ("torch", "gpu"),
+                            ("llama", "metal"), ("onnx", "cpu"), ("torch", "cpu\n")):
+        assert known_class(backend, device) is None, (backend, device)
+    assert class_backend("llama/cpu") == "llama" and class_backend("torch") == "torch"
+
+
 def test_token_bucket_allows_burst_then_refills() -> None:
     rate = Rate(rate=2.0, burst=3.0)
     bucket = None
@@ -125,3 +147,22 @@ def test_replica_agreement_and_arbiter() -> None:
     assert judge(a, cheat, a, 0.95) is Verdict.REPLICA_INVALID
     assert judge(cheat, a, a, 0.95) is Verdict.ORIGINAL_INVALID
     assert judge(a, cheat, [[0, 0, 0], [0, 0]], 0.95) is Verdict.INCONCLUSIVE
+
+
+def test_the_arbiter_alone_judges_an_original_of_its_class() -> None:
+    a = [[1, 2, 3], [4, 5]]
+    assert judge_original(a, a, 0.95) is Verdict.AGREE
+    assert judge_original([[1, 2, 9], [4, 5]], a, 0.95) is Verdict.ORIGINAL_INVALID  # 0.8 < 0.95
+    assert judge_original([[7, 7, 7], [7, 7]], a, 0.95) is Verdict.ORIGINAL_INVALID  # never inconclusive
+
+
+def test_independence_needs_other_addresses_and_another_registration_burst() -> None:
+    a = Party("a", frozenset({"10.0.0.1"}), 1000.0)
+    assert independent(a, Party("b", frozenset({"10.0.0.2"}), 1100.0), burst_s=60)
+    assert not independent(a, Party("b", frozenset({"10.0.0.2"}), 1030.0), burst_s=60)  # same burst
+    assert not independent(a, Party("b", frozenset({"10.0.0.2", "10.0.0.1"}), 2000.0), burst_s=60)  # shared address
+    assert not independent(a, Party("a", frozenset({"10.0.0.9"}), 5000.0), burst_s=60)  # itself
+    assert not independent(a, Party("b", frozenset(), 5000.0), burst_s=60)  # unobserved: proves nothing
+    assert not independent(a, Party("b", frozenset({""}), 5000.0), burst_s=60)
+    b = Party("b", frozenset({"10.0.0.2"}), 1100.0)
+    assert independent(a, b, 60) == independent(b, a, 60)

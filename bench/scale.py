@@ -1,0 +1,458 @@
+"""Real model size: where a learner step's time goes, with the real coordinator and a real client.
+
+Builds a Qwen2.5-0.5B-shaped model locally (``Qwen2Config``: hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, tied embeddings, rope theta 1e6, vocab 151,936; random init, f32, the tiny model's
+byte-level tokenizer) in a temporary folder, then for each mode runs ``echo-swarm coordinator`` and one
+``echo-swarm join`` torch client as separate processes on 127.0.0.1, and reads back:
+
+- the per-step breakdown from the coordinator's step metrics (``steps.metrics``): optimisation (``train_s``
+  less any wait for a checkpoint write), the hand-over copy, waiting for results, waiting for the previous
+  publication; publication and checkpoint (background, publisher thread); verification (verifier thread) and
+  evaluation (evaluator thread);
+- learner duty = optimisation ÷ (learner wall − waiting for results), over the steady steps (the first is
+  excluded: it allocates the optimizer state);
+- disk: bytes per version (this version's own snapshot folder), the run directory's steady and peak size;
+- peak RSS (VmHWM) of the coordinator and of the client;
+- request latency while the learner steps: a side prober sends ``GET /healthz`` and a signed
+  ``POST /v1/release`` (authentication, nonce write, a job lookup: the lease path without taking a job,
+  which would steal the only client's work) every 0.2 s, and reports p50/p99.
+
+With random weights every reward is 0, so every advantage and every gradient is 0; the bench sets
+``learner.weight_decay`` so every version's weights still differ (content addressing would otherwise skip
+every client download) — the compute per step is the same either way (the backward pass and AdamW run in
+full). ``--model tiny`` runs the same harness on the 1 M-parameter tiny model in a minute (a smoke check).
+
+    python bench/scale.py --model tiny --steps 4
+    nice -n 5 python bench/scale.py --model qwen0.5b --steps 5 --modes sequential,async \\
+        --out bench-out/scale --plot docs/img/scale_breakdown.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+QWEN05B: dict[str, Any] = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+           "intermediate_size": 4864, "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+           "vocab_size": 151_936, "max_position_embeddings": 32_768, "rms_norm_eps": 1e-6}
+MODES: dict[str, dict[str, Any]] = {"sequential": {"sync_mode": "sequential-pull"},
+         "async": {"sync_mode": "async-push-pull", "max_staleness": 1}}
+
+
+def build_model(kind: str, into: Path) -> Path:
+    """The model folder: the cached tiny model, or a freshly built random Qwen2.5-0.5B-shaped one."""
+    from coordinator.tiny_model import ensure_tiny_model
+
+    tiny = ensure_tiny_model()
+    if kind == "tiny":
+        return tiny
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    cfg = Qwen2Config(**QWEN05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    model = Qwen2ForCausalLM(cfg)
+    folder = into / "qwen0.5b-shaped"
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tok.save_pretrained(str(folder))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"built a {n / 1e6:.0f} M-parameter Qwen2 model in {time.monotonic() - t0:.1f}s at {folder}", flush=True)
+    del model
+    return folder
+
+
+def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, args: argparse.Namespace) -> None:
+    top = dict(MODES[mode])
+    keep = 2 if top["sync_mode"] == "sequential-pull" else top["max_staleness"] + 2
+    sections: dict[str, dict[str, Any]] = {
+        "model": {"path": str(model), "device": args.device},
+        "server": {"host": "127.0.0.1", "port": 0},
+        "learner": {"max_steps": steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
+                    "eval_every": args.eval_every,
+                    "eval_size": 16, "weight_decay": 0.01, "lr": 1e-5,
+                    "checkpoint_every_steps": args.checkpoint_every, "lora_rank": args.lora_rank},
+        "jobs": {"prompts_per_job": args.prompts_per_job, "lease_timeout_s": 600.0, "long_poll_s": 10.0},
+        "sampling": {"max_tokens": args.max_tokens},
+        "snapshots": {"keep_last": keep, "gguf": "f16", "dtype": args.dtype},
+        "trust": {"spot_checks": False},
+    }
+
+    def toml(v: Any) -> str:
+        return json.dumps(v) if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v)
+
+    lines = [f'run_dir = "{run_dir}"'] + [f"{k} = {toml(v)}" for k, v in top.items()]
+    for name, values in sections.items():
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{k} = {toml(v)}" for k, v in values.items())
+    path.write_text("\n".join(lines) + "\n")
+
+
+class Child:
+    """A child process with its output in a log file; remembers its PID's peak RSS while it lives."""
+
+    def __init__(self, argv: list[str], log: Path, ready: str | None = None) -> None:
+        self.log = open(log, "w")  # noqa: SIM115 — closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        self.ready_line: str | None = None
+        self._ready = threading.Event()
+        self._text = ready
+        self.peak_rss_kib = 0
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            if self._text and self._text in line and self.ready_line is None:
+                self.ready_line = line
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float) -> str:
+        self._ready.wait(timeout)
+        if self.ready_line is None:
+            raise SystemExit(f"a child process did not start; see {self.log.name}")
+        return self.ready_line
+
+    def sample_rss(self) -> None:
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    self.peak_rss_kib = max(self.peak_rss_kib, int(line.split()[1]))
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self.sample_rss()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):  # removed while we walked
+                total += os.lstat(os.path.join(root, f)).st_size
+    return total
+
+
+def status(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/status", timeout=30) as resp:
+            out: dict[str, Any] = json.loads(resp.read())
+            return out
+    except OSError:
+        return None
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+async def probe(url: str, stop: threading.Event, out: dict[str, list[tuple[float, float]]]) -> None:
+    """Every 0.2 s: GET /healthz, then a signed POST /v1/release of a job that does not exist."""
+    import aiohttp
+
+    from shared import crypto, wire
+    from shared.messages import RegisterRequest, ReleaseRequest
+    from swarm_client.hardware import profile
+
+    key = crypto.generate_key()
+    reg = wire.encode(RegisterRequest(public_key=crypto.public_bytes(key), profile=profile("torch", "cpu", "probe")))
+    rel = wire.encode(ReleaseRequest(job_id="probe-none", lease_id="probe-none"))
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def signed(path: str, body: bytes) -> float:
+            env = wire.encode(crypto.sign_request(key, path, body, timestamp=time.time()))
+            t0 = time.perf_counter()
+            async with session.post(url + path, data=env, headers={"Content-Type": "application/msgpack"}) as r:
+                await r.read()
+            return (time.perf_counter() - t0) * 1000
+
+        await signed("/v1/register", reg)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            async with session.get(url + "/healthz") as r:
+                await r.read()
+            out["healthz"].append((time.time(), (time.perf_counter() - t0) * 1000))
+            out["signed"].append((time.time(), await signed("/v1/release", rel)))
+            await asyncio.sleep(0.2)
+
+
+def read_steps(run_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, float]]]:
+    conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        steps = [json.loads(m) | {"at": at} for at, m in conn.execute("SELECT at, metrics FROM steps ORDER BY step")]
+        versions = [(int(v), float(at)) for v, at in conn.execute("SELECT version, created_at FROM versions")]
+    finally:
+        conn.close()
+    return steps, versions
+
+
+def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = work / f"run-{mode}"
+    cfg = work / f"{mode}.toml"
+    write_config(cfg, run_dir, model, mode, args.steps, args)
+    logs = Path(args.out)
+    logs.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    coord = Child([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(cfg)],
+                  logs / f"{mode}-coordinator.log", ready="listening on ")
+    client: Child | None = None
+    stop_probe = threading.Event()
+    lat: dict[str, list[tuple[float, float]]] = {"healthz": [], "signed": []}
+    disk: list[int] = []
+    try:
+        url = coord.wait_ready(1800).split("listening on ")[1].split()[0]
+        listening_s = time.monotonic() - t_start
+        client = Child([sys.executable, "-m", "echo_swarm", "join", url, "--home", str(work / f"client-{mode}"),
+                        "--threads", str(args.client_threads), "--exit-when-finished", "--no-benchmark",
+                        "--backend", args.client_backend, "--device", args.device],
+                       logs / f"{mode}-client.log")
+        prober = threading.Thread(target=lambda: asyncio.run(probe(url, stop_probe, lat)), daemon=True)
+        prober.start()
+        deadline = time.monotonic() + args.timeout
+        final: dict[str, Any] | None = None
+        while time.monotonic() < deadline:
+            coord.sample_rss()
+            client.sample_rss()
+            disk.append(dir_bytes(run_dir))
+            s = status(url)
+            if s is not None and s["finished"] and any(e["version"] == s["version"] for e in s["evals"]):
+                final = s
+                break
+            if coord.proc.poll() is not None:
+                raise SystemExit(f"the coordinator exited; see {coord.log.name}")
+            time.sleep(1.0)
+        if final is None:
+            raise SystemExit(f"mode {mode} did not finish within {args.timeout}s")
+        steady_disk = dir_bytes(run_dir)
+    finally:
+        stop_probe.set()
+        for child in (client, coord):
+            if child is not None:
+                child.stop()
+    steps, versions = read_steps(run_dir)
+    return summarise(mode, steps, versions, lat, disk, steady_disk, listening_s, coord.peak_rss_kib,
+                     client.peak_rss_kib if client else 0, final)
+
+
+def summarise(mode: str, steps: list[dict[str, Any]], versions: list[tuple[int, float]],
+              lat: dict[str, list[tuple[float, float]]], disk: list[int], steady_disk: int, listening_s: float,
+              coord_kib: int, client_kib: int, final: dict[str, Any]) -> dict[str, Any]:
+    steady = steps[1:] or steps
+
+    def med(key: str, rows: list[dict[str, Any]] = steady) -> float:
+        return statistics.median(float(s.get(key, 0.0)) for s in rows)
+
+    opt = [s["train_s"] - s.get("checkpoint_gate_s", 0.0) for s in steady]
+    busy = [s["learner_s"] - s["wait_s"] for s in steady]
+    v0_at = min(at for v, at in versions if v == 0)
+    first_step_at = steps[0]["at"] - steps[0]["step_s"]
+    in_run = [ms for t, ms in lat["signed"] if first_step_at <= t <= steps[-1]["at"]]
+    in_run_h = [ms for t, ms in lat["healthz"] if first_step_at <= t <= steps[-1]["at"]]
+    gaps = [b - a for (_, a), (_, b) in zip(sorted(versions)[:-1], sorted(versions)[1:], strict=True)]
+    return {
+        "mode": mode,
+        "steps": len(steps),
+        "listening_s": listening_s,
+        "first_step_s": steps[0]["step_s"],
+        "first_train_s": steps[0]["train_s"],
+        "version_interval_s": statistics.median(gaps[1:] or gaps),
+        "optimisation_s": statistics.median(opt),
+        "handover_s": med("handover_s"),
+        "publish_wait_s": med("publish_wait_s"),
+        "wait_s": med("wait_s"),
+        "learner_s": med("learner_s"),
+        "publish_s": med("publish_s"),
+        "checkpoint_s": max(float(s.get("checkpoint_s", 0.0)) for s in steps),
+        "checkpoint_gate_s": max(float(s.get("checkpoint_gate_s", 0.0)) for s in steps),
+        "verify_s": med("verify_s"),
+        "eval_s": max(float(s.get("eval_s", 0.0)) for s in steps),
+        "step_to_leasable_s": med("step_s"),
+        "duty": sum(opt) / sum(busy),
+        "snapshot_bytes": med("snapshot_bytes"),
+        "run_dir_peak_bytes": max(disk) if disk else 0,
+        "run_dir_steady_bytes": steady_disk,
+        "coordinator_peak_rss_gib": coord_kib / 2**20,
+        "client_peak_rss_gib": client_kib / 2**20,
+        "signed_p50_ms": pct(in_run, 0.5),
+        "signed_p99_ms": pct(in_run, 0.99),
+        "healthz_p50_ms": pct(in_run_h, 0.5),
+        "healthz_p99_ms": pct(in_run_h, 0.99),
+        "probes": len(in_run),
+        "run_s": steps[-1]["at"] - v0_at,
+        "versions": final["version"],
+    }
+
+
+ROWS = [
+    ("learner step: optimisation (fwd+bwd+AdamW), median", "optimisation_s", "s"),
+    ("learner step: hand-over copy (publish dtype)", "handover_s", "s"),
+    ("learner step: waiting for the previous publication", "publish_wait_s", "s"),
+    ("learner: waiting for results", "wait_s", "s"),
+    ("learner duty = optimisation ÷ (wall − waiting for results)", "duty", "f"),
+    ("publication (background: safetensors, GGUF, sha256, fsync, manifest)", "publish_s", "s"),
+    ("checkpoint write (background, max)", "checkpoint_s", "s"),
+    ("optimizer step held for a checkpoint write (max)", "checkpoint_gate_s", "s"),
+    ("verification per step (verifier thread)", "verify_s", "s"),
+    ("held-out evaluation (evaluator thread, max)", "eval_s", "s"),
+    ("train start → version leasable, median", "step_to_leasable_s", "s"),
+    ("version interval (one client), median", "version_interval_s", "s"),
+    ("first step, train start → leasable", "first_step_s", "s"),
+    ("coordinator start → listening", "listening_s", "s"),
+    ("bytes per version (own snapshot folder)", "snapshot_bytes", "GB"),
+    ("run directory: peak / at the end", "run_dir_peak_bytes", "GB2"),
+    ("peak RSS: coordinator / client", "coordinator_peak_rss_gib", "RSS"),
+    ("signed request (POST /v1/release) p50 / p99 while stepping", "signed_p50_ms", "ms"),
+    ("GET /healthz p50 / p99 while stepping", "healthz_p50_ms", "msh"),
+]
+
+
+def fmt(r: dict[str, Any], key: str, kind: str) -> str:
+    v = r[key]
+    if kind == "s":
+        return f"{v:.2f} s"
+    if kind == "f":
+        return f"{v:.2f}"
+    if kind == "GB":
+        return f"{v / 1e9:.3f} GB"
+    if kind == "GB2":
+        return f"{r['run_dir_peak_bytes'] / 1e9:.2f} / {r['run_dir_steady_bytes'] / 1e9:.2f} GB"
+    if kind == "RSS":
+        return f"{r['coordinator_peak_rss_gib']:.2f} / {r['client_peak_rss_gib']:.2f} GiB"
+    if kind == "ms":
+        return f"{r['signed_p50_ms']:.0f} / {r['signed_p99_ms']:.0f} ms"
+    return f"{r['healthz_p50_ms']:.0f} / {r['healthz_p99_ms']:.0f} ms"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = "| per learner step (steady state) | " + " | ".join(r["mode"] for r in results) + " |"
+    lines = [head, "|---|" + "---|" * len(results)]
+    for label, key, kind in ROWS:
+        lines.append(f"| {label} | " + " | ".join(fmt(r, key, kind) for r in results) + " |")
+    return "\n".join(lines)
+
+
+# The "before" learner step at 0.5 B, full weights, one torch client, sequential pull (../shared/notes/scale.md,
+# measured 2026-11-30 at 3670130): everything below ran on the learner thread, every step (verification: two
+# results of 4 × 16 tokens at 1.4–1.8 s each; held-out evaluation, 10–12 s every eval_every steps, not shown).
+BEFORE_05B = {"optimisation": 13.7, "publication": 8.5, "optimizer save": 7.0, "verification": 3.2}
+
+
+def plot(results: list[dict[str, Any]], path: Path, before: bool) -> None:
+    """Seconds of learner time per step that are not spent waiting for results, stacked by what they are."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"optimisation": "#2a7", "publication": "#c52", "optimizer save": "#e93", "verification": "#58c",
+               "hand-over copy": "#9c6",
+               "waiting for the previous publication": "#a4c", "other (batch preparation)": "#bbb"}
+    bars: list[tuple[str, dict[str, float], float]] = []
+    if before:
+        total = sum(BEFORE_05B.values())
+        bars.append(("before (sequential)", dict(BEFORE_05B), BEFORE_05B["optimisation"] / total))
+    for r in results:
+        other = max(0.0, r["learner_s"] - r["wait_s"] - r["optimisation_s"] - r["handover_s"] - r["publish_wait_s"])
+        bars.append((f"after ({r['mode']})", {"optimisation": r["optimisation_s"], "hand-over copy": r["handover_s"],
+                     "waiting for the previous publication": r["publish_wait_s"],
+                     "other (batch preparation)": other}, r["duty"]))
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(bars)))
+    seen: set[str] = set()
+    for i, (_, parts, duty) in enumerate(bars):
+        left = 0.0
+        for name, value in parts.items():
+            ax.barh(i, value, left=left, color=colours[name], label=None if name in seen else name)
+            seen.add(name)
+            left += value
+        ax.text(left * 1.01 + 0.1, i, f"duty {duty:.2f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("learner seconds per step, excluding waiting for results (median of steady steps)")
+    ax.set_title("Learner time per step: before and after publication left the critical path", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=["tiny", "qwen0.5b"], default="tiny")
+    ap.add_argument("--modes", default="sequential,async", help="comma-separated: sequential, async")
+    ap.add_argument("--steps", type=int, default=5, help="learner steps (versions) per mode")
+    ap.add_argument("--dtype", default="bfloat16", help="snapshots.dtype")
+    ap.add_argument("--lora-rank", type=int, default=0, help="learner.lora_rank (0: full weights)")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="learner.checkpoint_every_steps")
+    ap.add_argument("--eval-every", type=int, default=3, help="learner.eval_every")
+    ap.add_argument("--client-threads", type=int, default=1)
+    ap.add_argument("--client-backend", choices=["torch", "llama"], default="torch")
+    ap.add_argument("--prompts-per-step", type=int, default=2, help="learner.prompts_per_step (1 prompt per job)")
+    ap.add_argument("--prompts-per-job", type=int, default=1, help="jobs.prompts_per_job")
+    ap.add_argument("--group-size", type=int, default=4, help="learner.group_size")
+    ap.add_argument("--max-tokens", type=int, default=16, help="sampling.max_tokens")
+    ap.add_argument("--device", default="cpu", help="model.device of the coordinator and the client's --device "
+                    "(e.g. cuda: learner, verifier, evaluator and client on one GPU)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode")
+    ap.add_argument("--out", default="bench-out/scale", help="logs and result.json")
+    ap.add_argument("--plot", default=None, help="write the breakdown plot here (png)")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="echo-swarm-scale-"))
+    results = []
+    try:
+        model = build_model(args.model, work)
+        for mode in args.modes.split(","):
+            r = run_mode(mode.strip(), model, work, args) | {"lora_rank": args.lora_rank,
+                                                              "client": args.client_backend}
+            print(json.dumps(r, indent=1), flush=True)
+            results.append(r)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the 0.5 B model and run directories are ~2 GB each
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps({"model": args.model, "args": vars(args), "results": results},
+                                                indent=1))
+    print()
+    print(table(results))
+    if args.plot:
+        plot(results, Path(args.plot), before=args.model == "qwen0.5b" and args.lora_rank == 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The verifier role (coordinator.verifier) on the real tiny model: it recomputes from published snapshot folders
+exactly what the policy computes from the same weights, batches queued requests of one version into one pass,
+keeps a bounded number of replicas, and says so when a version is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.verifier import Verifier, VersionGone
+
+PROMPTS = [[5, 17, 33, 4], [9, 2, 41]]
+COMPLETIONS = [[12, 40, 7, 1], [3, 3, 90]]
+
+
+def _perturbed_copy(src: Path, dst: Path, scale: float) -> None:
+    """A second 'version': the same model with every weight nudged, saved as a Hugging Face folder."""
+    import torch
+
+    from shared.policy import load_model
+
+    shutil.copytree(src, dst)
+    model = load_model(src)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(str(dst), safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def versions(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("versions")
+    v0 = root / "v0"
+    shutil.copytree(tiny_model_dir, v0)
+    _perturbed_copy(tiny_model_dir, root / "v1", 0.05)
+    return {0: v0, 1: root / "v1"}
+
+
+def _reference(folder: Path, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+    import torch
+
+    from shared.policy import completion_logprobs, load_model
+
+    model = load_model(folder).eval()
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, prompts, completions, temperature=1.0, pad_id=0)
+    return [row[: len(c)] for row, c in zip(lp.tolist(), completions, strict=True)]
+
+
+def _flat(rows: list[list[float]]) -> list[float]:
+    return [x for row in rows for x in row]
+
+
+def _verifier(versions: dict[int, Path], **kw: Any) -> Verifier:
+    return Verifier(lambda v: versions.get(v), device="cpu", dtype="float32", temperature=1.0, pad_id=0,
+                    stop_ids=[1], **kw)
+
+
+def test_recompute_matches_the_policy_at_each_version(versions: dict[int, Path]) -> None:
+    async def main() -> tuple[list[list[float]], list[list[float]]]:
+        ver = _verifier(versions, cached_versions=1)
+        try:
+            a = await ver.recompute(PROMPTS, COMPLETIONS, 0)
+            b = await ver.recompute(PROMPTS, COMPLETIONS, 1)
+            assert ver.stats.loads == 2  # one replica, reloaded in place for version 1
+            return a, b
+        finally:
+            ver.close()
+
+    a, b = asyncio.run(main())
+    assert a == _reference(versions[0], PROMPTS, COMPLETIONS)
+    assert _flat(b) == pytest.approx(_flat(_reference(versions[1], PROMPTS, COMPLETIONS)), abs=1e-6)
+    assert a != b  # the versions differ, so the second load really replaced the weights
+
+
+def test_queued_requests_of_one_version_share_a_forward_pass(versions: dict[int, Path]) -> None:
+    async def main() -> tuple[list[list[list[float]]], int]:
+        ver = _verifier(versions)
+        try:
+            await ver.recompute(PROMPTS[:1], COMPLETIONS[:1], 0)  # load the replica first
+            before = ver.stats.batches
+            outs = await asyncio.gather(*(ver.recompute([p], [c], 0) for p, c in zip(PROMPTS, COMPLETIONS,
+                                                                                     strict=True)))
+            return list(outs), ver.stats.batches - before
+        finally:
+            ver.close()
+
+    outs, batches = asyncio.run(main())
+    assert batches == 1
+    ref = _reference(versions[0], PROMPTS, COMPLETIONS)
+    for out, want in zip(outs, ref, strict=True):
+        assert out[0] == pytest.approx(want, abs=1e-5)
+
+
+def test_two_cached_versions_are_not_reloaded(versions: dict[int, Path]) -> None:
+    async def main() -> int:
+        ver = _verifier(versions, cached_versions=2)
+        try:
+            for v in (0, 1, 0, 1):
+                await ver.recompute(PROMPTS, COMPLETIONS, v)
+            return ver.stats.loads
+        finally:
+            ver.close()
+
+    assert asyncio.run(main()) == 2
+
+
+def test_a_version_that_is_not_kept_is_refused_and_the_verifier_keeps_serving(versions: dict[int, Path]) -> None:
+    async def main() -> list[list[float]]:
+        ver = _verifier(versions)
+        try:
+            with pytest.raises(VersionGone, match="version 5"):
+                await ver.recompute(PROMPTS, COMPLETIONS, 5)
+            return await ver.recompute(PROMPTS, COMPLETIONS, 0)
+        finally:
+            ver.close()
+
+    assert asyncio.run(main()) == _reference(versions[0], PROMPTS, COMPLETIONS)
+
+
+def test_replay_is_the_seeded_generation_of_that_version(versions: dict[int, Path]) -> None:
+    from shared.policy import generate, load_model
+
+    async def main() -> list[list[int]]:
+        ver = _verifier(versions)
+        try:
+            return await ver.replay(PROMPTS, group_size=2, seed=11, max_tokens=6, version=1)
+        finally:
+            ver.close()
+
+    got = asyncio.run(main())
+    want = generate(load_model(versions[1]).eval(), PROMPTS, group_size=2, temperature=1.0, max_tokens=6,
+                    stop_ids=[1], seed=11, pad_id=0)
+    assert got == [list(s.token_ids) for s in want]

@@ -1,0 +1,279 @@
+"""The learner's critical path (issue 12): publication from a copy of the weights on the publisher's thread,
+checkpoints every N steps with replay, snapshots in a configured dtype, evaluation from a published snapshot,
+and the run-level shared base folder of snapshots. Real files, real torch, the tiny model."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.checkpoints import CheckpointState, CheckpointStore
+from coordinator.config import ArithmeticTaskConfig, LearnerConfig, ModelConfig, load_config
+from coordinator.learner import Learner, Sample
+from coordinator.publisher import Publication, Publisher
+from coordinator.snapshots import SnapshotFiles, SnapshotStore
+from shared import crypto, wire
+from shared.hashing import sha256_file
+from shared.messages import Manifest, SignedManifest
+
+
+def _learner(model_dir: Path, **cfg: Any) -> Learner:
+    return Learner(model_dir, ModelConfig(device="cpu"), LearnerConfig(**({"lr": 1e-2, "threads": 1} | cfg)), 1.0,
+                   gguf="off")
+
+
+def _samples(learner: Learner, seed: int) -> list[Sample]:
+    """A batch with non-zero advantages: four completions of one prompt, rewarded 1, 0, 1, 0."""
+    import random
+
+    rng = random.Random(seed)
+    prompt = learner.encode(f"Q: {seed}+{seed}= A:")
+    comps = [[rng.randrange(32, 127) for _ in range(6)] for _ in range(4)]
+    old = learner.recompute([prompt] * 4, comps)
+    advs = [1.0, -1.0, 1.0, -1.0]
+    return [Sample(prompt, c, o, o, a) for c, o, a in zip(comps, old, advs, strict=True)]
+
+
+def _manifest(store: SnapshotStore, version: int) -> Manifest:
+    signed = store.signed_manifest(version)
+    assert signed is not None
+    return wire.decode(wire.decode(signed, SignedManifest).manifest, Manifest)
+
+
+def _params(learner: Learner) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+
+
+def test_snapshot_in_bfloat16_is_the_rounded_learner_and_loads_as_a_model(tmp_path: Path,
+                                                                          tiny_model_dir: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from shared.policy import load_model
+
+    learner = _learner(tiny_model_dir)
+    files = learner.snapshot_files("bfloat16")
+    before = _params(learner)
+    learner.train_step(_samples(learner, 1))  # the learner moves on: the hand-over holds a copy
+    folder = tmp_path / "v"
+    folder.mkdir()
+    files.write(folder)
+    state = load_file(str(folder / "model.safetensors"))
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    assert "lm_head.weight" not in state or not learner.model.config.tie_word_embeddings
+    for name, value in state.items():
+        assert torch.equal(value, before[name].to(torch.bfloat16)), name
+    assert json.loads((folder / "config.json").read_text()).get("dtype",
+           json.loads((folder / "config.json").read_text()).get("torch_dtype")) == "bfloat16"
+    model = load_model(folder)  # an ordinary Hugging Face folder: config, tokenizer, weights
+    assert next(model.parameters()).dtype == torch.float32
+    assert (folder / "tokenizer.json").exists()
+
+
+def test_publish_dtype_training_means_the_models_own(tiny_model_dir: Path) -> None:
+    learner = _learner(tiny_model_dir)
+    assert learner.publish_dtype("training") == "float32"
+    assert learner.publish_dtype("float16") == "float16"
+
+
+def test_shared_base_file_is_written_once_listed_in_every_manifest_and_survives_prune(tmp_path: Path) -> None:
+    key = crypto.generate_key()
+    store = SnapshotStore(tmp_path / "snapshots", key, "run1")
+    writes: list[Path] = []
+
+    def base(path: Path) -> None:
+        writes.append(path)
+        path.write_bytes(b"frozen base" * 1000)
+
+    def own(tag: bytes) -> Any:
+        def write(folder: Path) -> None:
+            (folder / "adapter.gguf").write_bytes(tag)
+
+        return write
+
+    for v in range(3):
+        store.publish(v, SnapshotFiles(own(b"adapter %d" % v), {"base.gguf": base}), now=1.0)
+    assert len(writes) == 1  # written once per run
+    base_path = store.base_dir / "base.gguf"
+    digest = sha256_file(base_path)
+    for v in range(3):
+        entries = {f.path: f for f in _manifest(store, v).files}
+        assert entries["base.gguf"].sha256 == digest and entries["base.gguf"].form == "gguf-base"
+        assert "adapter.gguf" in entries and not (store.folder(v) / "base.gguf").exists()
+    assert store.blob_path(digest) == base_path  # served by sha256 like any file
+    store.prune({2})
+    assert base_path.exists() and store.blob_path(digest) == base_path
+    # a restart: the base folder is kept, its interrupted temporaries are not
+    (store.base_dir / ".base.gguf.deadbeef.tmp").write_bytes(b"half")
+    again = SnapshotStore(tmp_path / "snapshots", key, "run1")
+    again.reconcile([2])
+    assert base_path.exists() and not list(store.base_dir.glob("*.tmp"))
+    assert again.blob_path(digest) == base_path and again.signed_manifest(2) is not None
+
+
+def test_a_version_may_not_write_a_file_it_also_shares(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snapshots", crypto.generate_key(), "run1")
+    def mine(folder: Path) -> None:
+        (folder / "base.gguf").write_bytes(b"x")
+
+    def shared(path: Path) -> None:
+        path.write_bytes(b"y")
+
+    files = SnapshotFiles(mine, {"base.gguf": shared})
+    with pytest.raises(ValueError, match="base.gguf"):
+        store.publish(1, files, now=1.0)
+    assert not store.folder(1).exists() and store.signed_manifest(1) is None
+
+
+def test_publisher_writes_the_checkpoint_first_then_the_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    learner = _learner(tiny_model_dir)
+    learner.train_step(_samples(learner, 1))
+    snapshots = SnapshotStore(tmp_path / "snapshots", crypto.generate_key(), "run1")
+    checkpoints = CheckpointStore(tmp_path / "checkpoints")
+    publisher = Publisher(snapshots, checkpoints)
+    try:
+        order: list[str] = []
+        files = learner.snapshot_files("float32")
+        state = learner.checkpoint_state()
+        released = threading.Event()
+
+        def release() -> None:
+            order.append("released")
+            released.set()
+            state.release()
+
+        def write(folder: Path) -> None:
+            order.append("snapshot")
+            files.write(folder)
+
+        pub = Publication(1, SnapshotFiles(write), 1.0,
+                          CheckpointState(state.version, state.weights, state.optimizer, release))
+        done = publisher.submit(pub).result(timeout=120)
+    finally:
+        publisher.close()
+    assert order == ["released", "snapshot"]
+    assert done.version == 1 and done.publish_s > 0 and done.checkpoint_s > 0 and done.snapshot_bytes > 0
+    assert snapshots.signed_manifest(1) is not None and checkpoints.latest(1) == 1
+    weights = load_file(str(checkpoints.folder(1) / "weights.safetensors"))
+    live = dict(learner.model.named_parameters())
+    assert set(weights) == {n for n, p in live.items() if p.requires_grad}
+
+
+def test_optimizer_step_waits_for_the_checkpoint_write(tiny_model_dir: Path) -> None:
+    """The checkpoint is written from the live tensors: the next step's update must wait until they are read."""
+    import torch
+
+    learner = _learner(tiny_model_dir)
+    learner.train_step(_samples(learner, 1))
+    state = learner.checkpoint_state()
+    frozen = {n: p.detach().clone() for n, p in state.weights.items()}
+    out: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: out.update(learner.train_step(_samples(learner, 2))))
+    worker.start()
+    worker.join(timeout=3.0)  # a forward + backward of the tiny model takes milliseconds
+    assert worker.is_alive()  # held at the optimizer step
+    assert all(torch.equal(frozen[n], p) for n, p in state.weights.items())
+    state.release()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and out["checkpoint_gate_s"] > 0
+    assert any(not torch.equal(frozen[n], p) for n, p in state.weights.items())
+
+
+def test_checkpoint_plus_replay_reproduces_the_weights_and_optimizer_exactly(tmp_path: Path,
+                                                                             tiny_model_dir: Path) -> None:
+    """The resume semantics: load the checkpoint at version c, retrain the recorded batches c+1..k in order."""
+    import torch
+
+    a = _learner(tiny_model_dir)
+    batches = [_samples(a, s) for s in range(4)]
+    a.train_step(batches[0])
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.write(a.checkpoint_state(), now=1.0)  # version 1
+    for b in batches[1:]:
+        a.train_step(b)
+    assert a.model_version == 4
+    b_ = _learner(tiny_model_dir)
+    weights, optimizer = store.load(store.latest(4) or 0, "cpu")
+    b_.load_checkpoint(weights, optimizer, 1)
+    for b in batches[1:]:
+        b_.train_step(b)
+    assert b_.model_version == 4
+    for (name, pa), (_, pb) in zip(a.model.state_dict().items(), b_.model.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+    sa, sb = a.optimizer.state_dict()["state"], b_.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+
+
+def test_checkpoint_store_keeps_the_newest_at_or_below_current(tmp_path: Path, tiny_model_dir: Path) -> None:
+    learner = _learner(tiny_model_dir)
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for v in (0, 3, 6):
+        learner.model_version = v
+        store.write(learner.checkpoint_state(), now=float(v))
+    (store.root / ".tmp-v9-abc").mkdir()  # a write a crash interrupted
+    (store.folder(7)).mkdir()  # no checkpoint.json: incomplete
+    assert store.latest(5) == 3 and store.latest(6) == 6 and store.latest(100) == 6
+    store.prune(6)
+    assert sorted(p.name for p in store.root.iterdir()) == [".tmp-v9-abc", "v000006"]
+    store.prune(5, startup=True)  # restart at version 5: checkpoint 6 belongs to a version never recorded
+    assert list(store.root.iterdir()) == []
+
+
+def test_crash_between_publication_and_commit_leaves_nothing_behind(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A kill after the publisher wrote version 2 (and its checkpoint) but before the database recorded it:
+    the restart (reconcile with the recorded versions, prune checkpoints at start-up) removes both."""
+    learner = _learner(tiny_model_dir)
+    key = crypto.generate_key()
+    snapshots = SnapshotStore(tmp_path / "snapshots", key, "run1")
+    checkpoints = CheckpointStore(tmp_path / "checkpoints")
+    publisher = Publisher(snapshots, checkpoints)
+    try:
+        for v in (0, 1, 2):
+            learner.model_version = v
+            publisher.submit(Publication(v, learner.snapshot_files(), 1.0, learner.checkpoint_state())).result(60)
+    finally:
+        publisher.close()
+    recorded = [0, 1]  # the crash came before version 2's transaction
+    again = SnapshotStore(tmp_path / "snapshots", key, "run1")
+    again.reconcile(recorded)
+    CheckpointStore(tmp_path / "checkpoints").prune(max(recorded), startup=True)
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["v000000", "v000001"]
+    assert again.signed_manifest(2) is None
+    assert checkpoints.latest(100) == 1
+
+
+def test_evaluator_scores_the_published_snapshot_off_the_learner(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from coordinator.evaluation import Evaluator
+    from coordinator.tasks import ArithmeticTask
+
+    task = ArithmeticTask(ArithmeticTaskConfig())
+    learner = _learner(tiny_model_dir)
+    folder = tmp_path / "v0"
+    folder.mkdir()
+    learner.snapshot_files("float32").write(folder)
+    items = task.heldout[:64]
+    evaluator = Evaluator(task, items, 8)
+    try:
+        out = evaluator.submit(0, folder).result(timeout=120)
+    finally:
+        evaluator.close()
+    assert out.version == 0 and out.n == 64 and out.seconds > 0
+    assert out.accuracy == learner.evaluate(task, items, 8)
+    assert evaluator.eval_s_total == out.seconds
+
+
+def test_config_refuses_no_checkpoint_trigger_and_knows_the_dtypes() -> None:
+    from coordinator.config import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint_every_steps"):
+        load_config(None, {"learner.checkpoint_every_steps": 0, "learner.checkpoint_every_s": 0})
+    with pytest.raises(ConfigError, match="snapshots.dtype"):
+        load_config(None, {"snapshots.dtype": "int8"})
+    cfg = load_config(None, {"snapshots.dtype": "bfloat16", "learner.checkpoint_every_steps": 0})
+    assert cfg.snapshots.dtype == "bfloat16" and cfg.learner.checkpoint_every_s > 0
