@@ -171,7 +171,7 @@ LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
 
 
 class VerificationConfig(_Strict):
-    """Tolerances for reported behaviour logprobs against the learner's recompute (torch backend)."""
+    """Checks of reported behaviour logprobs against the verifier's recompute, and the verifier itself."""
 
     logprob_mean_tol: float = Field(0.05, gt=0, description="Max mean |Δ logprob| per token over a result (nats).")
     logprob_max_tol: float = Field(1.0, gt=0, description="Max |Δ logprob| of any single token (nats).")

@@ -15,12 +15,12 @@ Loss per token, token-mean over the batch. Two off-policy corrections (``learner
   have already moved a stale token. With rollouts 3 versions old (bench/policy_lag.py, 3 seeds) it kept 74 % of
   on-policy GRPO's improvement in held-out accuracy, ``behaviour-clip`` 97 %.
 
-π_b is the learner's own recompute at the version that generated the rollout (trusted, unlike the client's
-report); π_prox the learner's policy at the start of this step (no gradient); w = ``staleness_decay`` **
-staleness; A the group-normalised advantage. For a fresh rollout π_b = π_prox = πθ when the gradient is
-taken, both corrections are plain GRPO, and co-located or sequential-pull training is unaffected by the
-choice. All torch work of the coordinator happens on one dedicated thread, so the model is never read while
-it is being updated.
+π_b is the coordinator's own recompute (coordinator.verifier, from the published snapshot of the version that
+generated the rollout; trusted, unlike the client's report); π_prox the learner's policy at the start of this
+step (no gradient); w = ``staleness_decay`` ** staleness; A the group-normalised advantage. For a fresh
+rollout π_b = π_prox = πθ when the gradient is taken, both corrections are plain GRPO, and co-located or
+sequential-pull training is unaffected by the choice. The learner's model is touched only by the learner's
+thread; verification, publication and evaluation read published snapshots or copies handed over after a step.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.checkpoints import CheckpointState
 from coordinator.config import LearnerConfig, ModelConfig
-from coordinator.core.verify import TokenStats
 from coordinator.evaluation import greedy_accuracy, pad_id
 from coordinator.tasks import Task, TaskItem
 
@@ -79,7 +78,7 @@ def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any,
 class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
-    old_logprobs: list[float]  # learner recompute at the behaviour version (π_b)
+    old_logprobs: list[float]  # the verifier's recompute at the behaviour version (π_b)
     behaviour_logprobs: list[float]  # as reported by the client
     advantage: float
     staleness: int = 0
@@ -132,8 +131,6 @@ class Learner:
         # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
         self._checkpoint_gate: threading.Event | None = None
         self._static_files: dict[str, bytes] | None = None  # config and tokenizer files of every snapshot
-        self._behaviour: Any = None  # a second model holding an older version's weights, for stale results
-        self._behaviour_version: int | None = None
 
     # -- prompts ------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -142,90 +139,22 @@ class Learner:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    # -- verification -------------------------------------------------------------------------------------
-    def _model_at(self, version: int, folder: Path | None) -> Any:
-        """The current model, or a second instance loaded with an older published version's weights."""
-        if version == self.model_version:
-            return self.model
-        if folder is None:
-            raise ValueError(f"version {version} is not the learner's current version ({self.model_version})")
-        if self._behaviour_version != version:
-            import copy
-
-            from safetensors.torch import load_file
-
-            if self.lora:  # a plain model of the shared base, with the version's adapter applied in place
-                self._behaviour_version = None  # until the load below has fully succeeded
-                self._behaviour = self._lora_behaviour(Path(folder), version)
-                self._behaviour_version = version
-                return self._behaviour
-            if self._behaviour is None:
-                self._behaviour = copy.deepcopy(self.model).eval()
-            shards = sorted(Path(folder).glob("*.safetensors"))
-            if not shards:
-                raise FileNotFoundError(f"no weights for version {version} in {folder}")
-            state: dict[str, Any] = {}
-            for shard in shards:
-                state.update(load_file(str(shard), device=str(self.device)))
-            self._behaviour_version = None  # until the load below has fully succeeded
-            self._behaviour.load_state_dict(state, strict=False)
-            self._behaviour_version = version
-        return self._behaviour
-
-    def _lora_behaviour(self, folder: Path, version: int) -> Any:
-        """A LoRA run's older version as a plain model: one model of the shared base, kept, onto which each
-        version's adapter is applied in place (coordinator.lora.VersionLoader). A version folder of an older
-        run directory (merged weights, no adapter) is loaded whole."""
-        from coordinator import lora
-
-        if not any(Path(folder).glob("*.safetensors")):
-            raise FileNotFoundError(f"no weights for version {version} in {folder}")
-        loader = lora.VersionLoader(lora.base_folder_for(folder))
-        if self._behaviour is None or not lora.is_adapter_folder(folder):
-            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-            return loader.load_first(folder, str(self.device), dtype)
-        loader.load_into(self._behaviour, folder)
-        return self._behaviour
-
-    def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int | None = None,
-                  folder: Path | None = None) -> list[list[float]]:
-        """Logprobs of each completion token under policy ``version`` (default: current), no gradient.
-        ``folder`` is that version's snapshot, needed when it is not the current version."""
+    # -- the current policy's logprobs (benches and tests; results are verified by coordinator.verifier) ------
+    def recompute(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        """Logprobs of each completion token under the learner's current weights, no gradient."""
         import torch
 
         from shared.policy import completion_logprobs
 
-        model = self._model_at(self.model_version if version is None else version, folder)
         out: list[list[float]] = []
         with torch.no_grad():
             for s in range(0, len(completions), MICRO_BATCH):
-                lp, _ = completion_logprobs(model, prompts[s : s + MICRO_BATCH], completions[s : s + MICRO_BATCH],
-                                            temperature=self.temperature, pad_id=self.pad_id)
+                lp, _ = completion_logprobs(self.model, prompts[s : s + MICRO_BATCH],
+                                            completions[s : s + MICRO_BATCH], temperature=self.temperature,
+                                            pad_id=self.pad_id)
                 rows = lp.tolist()
                 out.extend(row[: len(c)] for row, c in zip(rows, completions[s : s + MICRO_BATCH], strict=True))
         return out
-
-    def recompute_with_stats(self, prompts: list[list[int]], completions: list[list[int]],
-                             version: int | None = None, folder: Path | None = None) -> TokenStats:
-        """:meth:`recompute` plus each position's entropy and surprisal variance from the same forward pass,
-        for the sampling test (coordinator.core.verify.sampling_stats). The logprobs equal recompute's."""
-        import torch
-
-        from shared.policy import completion_stats
-
-        model = self._model_at(self.model_version if version is None else version, folder)
-        lps: list[list[float]] = []
-        ents: list[list[float]] = []
-        vars_: list[list[float]] = []
-        tops: list[list[float]] = []
-        with torch.no_grad():
-            for s in range(0, len(completions), MICRO_BATCH):
-                chunk = completions[s : s + MICRO_BATCH]
-                lp, ent, var, top, _ = completion_stats(model, prompts[s : s + MICRO_BATCH], chunk,
-                                                        temperature=self.temperature, pad_id=self.pad_id)
-                for dst, t in ((lps, lp), (ents, ent), (vars_, var), (tops, top)):
-                    dst.extend(row[: len(c)] for row, c in zip(t.tolist(), chunk, strict=True))
-        return TokenStats(lps, ents, vars_, tops)
 
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample]) -> dict[str, float]:

@@ -121,20 +121,32 @@ def test_version_zero_is_the_base(lora_run: dict[str, Any]) -> None:
 
 
 def test_stale_versions_verify_as_base_plus_their_adapter(lora_run: dict[str, Any]) -> None:
-    """The learner's own check of an older version (and coordinator.lora.VersionLoader, which the verifier uses)
-    apply that version's adapter to the shared base in place: one extra model, not one per version."""
-    from coordinator.lora import VersionLoader
+    """The verifier (coordinator.verifier, wired with coordinator.lora.VersionLoader as the coordinator wires it)
+    applies each version's adapter to the shared base in place: one replica, not one per version."""
+    import asyncio
 
-    learner: Learner = lora_run["learner"]
+    from coordinator.lora import VersionLoader
+    from coordinator.verifier import Verifier
+
     store: SnapshotStore = lora_run["store"]
     prompt, completion, want = lora_run["prompt"], lora_run["completion"], lora_run["want"]
-    got0 = learner.recompute([prompt], [completion], 0, store.folder(0))[0]
-    model = learner._behaviour
-    got1 = learner.recompute([prompt], [completion], 1, store.folder(1))[0]
-    assert learner._behaviour is model  # the same model, its adapted weights rewritten
-    assert _gap(got0, want[0]) < ROUNDING and _gap(got1, want[1]) < ROUNDING
+    versions = VersionLoader(store.base_dir)
+
+    async def recompute_each(order: list[int]) -> tuple[list[list[float]], int]:
+        ver = Verifier(store.folder, device="cpu", dtype="float32", temperature=1.0, pad_id=256, stop_ids=[],
+                       cached_versions=1, load_first=versions.load_first, load_into=versions.load_into,
+                       load_state=versions.load_state)
+        try:
+            out = [(await ver.recompute([prompt], [completion], v))[0] for v in order]
+            return out, ver.stats.loads
+        finally:
+            ver.close()
+
+    got, loads = asyncio.run(recompute_each([0, 1, 0]))
+    assert loads == 3  # one replica, its adapted weights rewritten for each switch
+    assert _gap(got[0], want[0]) < ROUNDING and _gap(got[1], want[1]) < ROUNDING
     assert _gap(want[0], want[1]) > 0.05  # the versions really differ
-    assert _gap(learner.recompute([prompt], [completion], 0, store.folder(0))[0], want[0]) < ROUNDING  # and back
+    assert _gap(got[2], want[0]) < ROUNDING  # and back
 
     loader = VersionLoader(store.base_dir)
     replica = loader.load_first(store.folder(2), "cpu", "float32")
