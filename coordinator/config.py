@@ -150,6 +150,11 @@ class JobsConfig(_Strict):
                               "and in async-push-pull only jobs a client can return while they are within "
                               "max_staleness, no earlier than the learner needs them (core.pacing). Off: first "
                               "come, first served, filling the queue to max_staleness.")
+    secret_plans: bool = Field(True, description="Key every job's prompts and sampling seed with a secret of this "
+                               "run (kept in its database), so a client cannot compute which prompts and seed job "
+                               "number n carries and tell a spot-check replica from a fresh job. Off: plans "
+                               "follow from learner.seed alone, so two runs with one seed draw the same jobs "
+                               "(the demo and the benchmarks that compare sync modes run by run).")
 
 
 class BackendTolerance(_Strict):

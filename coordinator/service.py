@@ -24,7 +24,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.advantages import group_advantages
 from coordinator.core.auth import check_timestamp, nonce_expiry
-from coordinator.core.jobs import plan_job
+from coordinator.core.jobs import plan_job, plan_key
 from coordinator.core.leases import LeaseCheck, LeaseView, check_lease, deadline_for, lease_live
 from coordinator.core.scheduling import decide_lease, select_batch, staleness_weight
 from coordinator.core.trust import class_backend, is_invalidating
@@ -168,8 +168,19 @@ class Coordinator:
             self.store.register_client(LOCAL_CLIENT, b"", {"name": "co-located learner", "backend": "torch",
                                                            "device": self.learner.device}, self.clock())
 
+    def _plan_key(self) -> int | str:
+        """core.jobs.plan_key: the run seed, with the run's secret (created once, kept in the store) unless
+        jobs.secret_plans is off."""
+        secret: str | None = None
+        if self.config.jobs.secret_plans:
+            secret = self.store.get_meta("plan_secret")
+            if secret is None:
+                secret = secrets.token_hex(16)
+                self.store.set_meta("plan_secret", secret)
+        return plan_key(self.config.learner.seed, secret)
+
     def _new_job(self) -> JobRow:
-        plan = plan_job(self.config.learner.seed, self.store.next_seq(), len(self.task.train),
+        plan = plan_job(self._plan_key(), self.store.next_seq(), len(self.task.train),
                         self.config.jobs.prompts_per_job)
         return self.store.create_job(plan, self.config.learner.group_size, self.clock())
 

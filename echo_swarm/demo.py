@@ -107,7 +107,10 @@ def _write_config(cfg: DemoConfig, run_dir: Path) -> Path:
     path = cfg.out / "run.toml"
     path.write_text(
         f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
-        f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
+        f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n\n'
+        # a local demonstration: its clients are the project's own, and one seed should draw the same jobs run
+        # after run (bench/sync_modes.py compares modes seed by seed)
+        f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
         f"lr = {cfg.lr}\nseed = {cfg.seed}\n"
     )

@@ -1,7 +1,10 @@
 """Planning rollout jobs: which prompts and sampling seed each job carries.
 
-Jobs form one numbered stream per run; job ``k``'s prompts and seed are derived from the run seed and ``k``
-alone, never chosen by a client, so a client cannot pick easy prompts and any job's sampling can be replayed.
+Jobs form one numbered stream per run; job ``k``'s prompts and seed are derived from the run's plan key and
+``k`` alone, never chosen by a client, so a client cannot pick easy prompts and any job's sampling can be
+replayed. The key is ``learner.seed`` joined with a secret of the run (``jobs.secret_plans``): without the secret,
+anyone who knows the seed could compute job ``k``'s plan and so recognise a spot-check replica (which carries
+another job's prompts and seed under a fresh number) — docs/security.md §3.2.
 The policy version a job is generated with is bound later, when it is leased (see core.scheduling).
 """
 
@@ -25,8 +28,14 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
-def plan_job(run_seed: int, seq: int, n_train: int, prompts_per_job: int) -> JobPlan:
-    """Job number ``seq``: ``prompts_per_job`` distinct training prompts and a sampling seed."""
+def plan_key(run_seed: int, secret: str | None) -> int | str:
+    """What plans are derived from: the run seed, joined with the run's secret when plans are secret."""
+    return run_seed if secret is None else f"{run_seed}:{secret}"
+
+
+def plan_job(run_seed: int | str, seq: int, n_train: int, prompts_per_job: int) -> JobPlan:
+    """Job number ``seq``: ``prompts_per_job`` distinct training prompts and a sampling seed (``run_seed``: the
+    run seed, or a :func:`plan_key`)."""
     if n_train < 1 or prompts_per_job < 1:
         raise ValueError("need at least one training prompt and one prompt per job")
     rng = random.Random(derived_seed("prompts", run_seed, seq))

@@ -157,3 +157,21 @@ def test_a_lease_that_runs_out_during_verification_is_honoured(tmp_path: Path, t
         assert open_job(during[0].job, service.public_key).job_id != job.job_id  # not reissued while verified
         assert db_rows(live.run_dir, f"SELECT state, lease_client FROM jobs WHERE job_id='{job.job_id}'") == [
             ("done", holder.client_id)]
+
+
+@pytest.mark.parametrize("secret", [True, False])
+def test_job_plans_are_keyed_with_the_runs_secret(tmp_path: Path, tiny_model_dir: Path, secret: bool) -> None:
+    """jobs.secret_plans: the seed a leased job carries is not the one learner.seed alone gives for its number
+    (so a client cannot tell a replica from a fresh job by computing plans), and the secret lives in the store."""
+    from coordinator.core.jobs import plan_job
+
+    with running_coordinator(tmp_path, tiny_model_dir, jobs={"secret_plans": secret}) as live:
+        job = lease(register(live), live.coordinator.public_key)
+        seq = int(job.job_id.removeprefix("j"))
+        public = plan_job(live.coordinator.config.learner.seed, seq, len(live.coordinator.task.train),
+                          live.coordinator.config.jobs.prompts_per_job)
+        stored = db_rows(live.run_dir, "SELECT value FROM meta WHERE key='plan_secret'")
+        if secret:
+            assert job.seed != public.seed and len(stored) == 1 and len(stored[0][0]) == 32
+        else:
+            assert job.seed == public.seed and stored == []

@@ -82,3 +82,19 @@ def test_derived_seed_stable_and_bounded() -> None:
     assert derived_seed("x", 1, 2) == derived_seed("x", 1, 2)
     assert derived_seed("x", 1, 2) != derived_seed("x", 2, 1)
     assert 0 <= derived_seed("anything") < 2**63
+
+
+def test_a_secret_plan_key_changes_every_plan_and_is_stable_within_a_run() -> None:
+    """With jobs.secret_plans a client that knows learner.seed cannot compute job n's prompts and seed (and so
+    cannot tell a spot-check replica, which carries another job's plan, from a fresh job); the run's own key
+    still gives the same plan for the same number every time (replays, restarts)."""
+    from coordinator.core.jobs import plan_key
+
+    public = [plan_job(plan_key(0, None), k, 10_000, 4) for k in range(20)]
+    assert public == [plan_job(0, k, 10_000, 4) for k in range(20)]  # off: the seed alone, as before
+    secret = [plan_job(plan_key(0, "a" * 32), k, 10_000, 4) for k in range(20)]
+    assert all(s.seed != p.seed and s.prompt_ids != p.prompt_ids for s, p in zip(secret, public, strict=True))
+    assert secret == [plan_job(plan_key(0, "a" * 32), k, 10_000, 4) for k in range(20)]
+    other_run = [plan_job(plan_key(0, "b" * 32), k, 10_000, 4) for k in range(20)]
+    assert all(s.seed != o.seed for s, o in zip(secret, other_run, strict=True))
+    assert [s.job_id for s in secret] == [p.job_id for p in public]  # the numbering is public either way
