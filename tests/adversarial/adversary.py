@@ -43,6 +43,7 @@ from swarm_client.identity import Identity, load_identity
 from swarm_client.snapshots import SnapshotCache
 
 NO_RETRY = RetryPolicy(attempts=1)
+HUNT_PACE_S = 0.15  # seconds between an accomplice's released offer and its next lease request
 HUNT_S = 15.0  # how long an accomplice looks for the replica of its partner's result among the jobs it is offered
 
 
@@ -188,6 +189,9 @@ class Adversary:
                     await self.submit(api, answer(job), f"answer to the recognised replica {job.job_id}")
                     continue
             await self.release(api, job)
+            # two signed requests per offer: pace them under the per-identity limit (limits.per_identity_rps,
+            # 20/s with a burst of 60), as a patient attacker would, instead of being refused with 429
+            await asyncio.sleep(HUNT_PACE_S)
         self.notes["offered"] = offered
         self.notes["recognised"] = found
 

@@ -17,7 +17,7 @@ from swarm_client.api import CoordinatorClient, RetryPolicy
 from swarm_client.identity import load_identity
 from swarm_client.snapshots import SnapshotCache
 from tests.integration.conftest import LiveCoordinator
-from tests.integration.helpers import RawClient
+from tests.integration.helpers import RawClient, db_rows, wait_until
 
 
 def _manifest(live: LiveCoordinator, version: int = 0) -> tuple[bytes, str]:
@@ -69,6 +69,10 @@ def test_corrupted_download_is_detected_and_never_used(live_coordinator: LiveCoo
     _, sha = _manifest(live_coordinator)
     served = live_coordinator.run_dir / "snapshots" / "v000000" / "model.safetensors"
     good = served.read_bytes()
+    # published files are never rewritten in place by the coordinator; this test does it, so first let the
+    # evaluator finish reading version 0 (a reader of a file truncated under it may fault)
+    wait_until(lambda: db_rows(live_coordinator.run_dir, "SELECT COUNT(*) FROM evals WHERE version=0") == [(1,)],
+               120, "the evaluation of version 0")
     served.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # the bytes on the wire no longer match the manifest
     try:
         with pytest.raises(IntegrityError):
