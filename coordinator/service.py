@@ -372,6 +372,10 @@ class Coordinator:
         if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished,
                                  paused=self.issuing_paused and not self.finished)
+        if self.config.sync_mode == "sequential-pull" and self.learner.model_version > self.version:
+            # a step has trained past the current version and is being published: a job bound to the current
+            # version now would be stale (bound 0) before it returns — wasted client work
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         replica = self._lease_replica(client_id)  # spot-checks first: they release held results
