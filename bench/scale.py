@@ -12,7 +12,8 @@ byte-level tokenizer) in a temporary folder, then for each mode runs ``echo-swar
 - learner duty = optimisation ÷ (learner wall − waiting for results), over the steady steps (the first is
   excluded: it allocates the optimizer state);
 - disk: bytes per version (this version's own snapshot folder), the run directory's steady and peak size;
-- peak RSS (VmHWM) of the coordinator and of the client;
+- peak RSS (VmHWM) of each coordinator role process (API, learner, verifier; the supervisor is negligible) and of
+  the client — in the one-process layout all roles share one process;
 - request latency while the learner steps: a side prober sends ``GET /healthz`` and a signed
   ``POST /v1/release`` (authentication, nonce write, a job lookup: the lease path without taking a job,
   which would steal the only client's work) every 0.2 s, and reports p50/p99.
@@ -22,7 +23,10 @@ With random weights every reward is 0, so every advantage and every gradient is 
 every client download) — the compute per step is the same either way (the backward pass and AdamW run in
 full). ``--model tiny`` runs the same harness on the 1 M-parameter tiny model in a minute (a smoke check).
 
-    python bench/scale.py --model tiny --steps 4
+A mode may name a layout: ``sequential@one-process`` runs every role in one process (the layout before the
+split), ``sequential`` the default process layout, so one run measures both side by side.
+
+    python bench/scale.py --model tiny --steps 4 --modes sequential,sequential@one-process
     nice -n 5 python bench/scale.py --model qwen0.5b --steps 5 --modes sequential,async \\
         --out bench-out/scale --plot docs/img/scale_breakdown.png
 """
@@ -83,7 +87,8 @@ def build_model(kind: str, into: Path) -> Path:
 
 
 def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, args: argparse.Namespace) -> None:
-    top = dict(MODES[mode])
+    name, _, layout = mode.partition("@")
+    top = dict(MODES[name]) | {"layout": layout or "processes"}
     keep = 2 if top["sync_mode"] == "sequential-pull" else top["max_staleness"] + 2
     sections: dict[str, dict[str, Any]] = {
         "model": {"path": str(model), "device": args.device},
@@ -222,15 +227,33 @@ def read_steps(run_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, flo
     return steps, versions
 
 
+def role_pids(url: str) -> dict[str, int]:
+    s = status(url)
+    roles = (s or {}).get("roles", {})
+    return {name: int(r["pid"]) for name, r in roles.items() if r.get("pid")}
+
+
+def vm_hwm_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    run_dir = work / f"run-{mode}"
-    cfg = work / f"{mode}.toml"
+    safe = mode.replace("@", "-")
+    run_dir = work / f"run-{safe}"
+    cfg = work / f"{safe}.toml"
     write_config(cfg, run_dir, model, mode, args.steps, args)
     logs = Path(args.out)
     logs.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     coord = Child([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(cfg)],
-                  logs / f"{mode}-coordinator.log", ready="listening on ")
+                  logs / f"{safe}-coordinator.log", ready="listening on ")
+    role_kib: dict[str, int] = {}
     client: Child | None = None
     stop_probe = threading.Event()
     lat: dict[str, list[tuple[float, float]]] = {"healthz": [], "signed": []}
@@ -238,10 +261,10 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
     try:
         url = coord.wait_ready(1800).split("listening on ")[1].split()[0]
         listening_s = time.monotonic() - t_start
-        client = Child([sys.executable, "-m", "echo_swarm", "join", url, "--home", str(work / f"client-{mode}"),
+        client = Child([sys.executable, "-m", "echo_swarm", "join", url, "--home", str(work / f"client-{safe}"),
                         "--threads", str(args.client_threads), "--exit-when-finished", "--no-benchmark",
                         "--backend", args.client_backend, "--device", args.device],
-                       logs / f"{mode}-client.log")
+                       logs / f"{safe}-client.log")
         prober = threading.Thread(target=lambda: asyncio.run(probe(url, stop_probe, lat)), daemon=True)
         prober.start()
         deadline = time.monotonic() + args.timeout
@@ -249,6 +272,8 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
         while time.monotonic() < deadline:
             coord.sample_rss()
             client.sample_rss()
+            for name, pid in role_pids(url).items():
+                role_kib[name] = max(role_kib.get(name, 0), vm_hwm_kib(pid))
             disk.append(dir_bytes(run_dir))
             s = status(url)
             if s is not None and s["finished"] and any(e["version"] == s["version"] for e in s["evals"]):
@@ -266,13 +291,15 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
             if child is not None:
                 child.stop()
     steps, versions = read_steps(run_dir)
-    return summarise(mode, steps, versions, lat, disk, steady_disk, listening_s, coord.peak_rss_kib,
+    if set(role_kib) <= {"api"}:  # one process: every role's memory is the API's process
+        role_kib = {"all roles": max(role_kib.get("api", 0), coord.peak_rss_kib)}
+    return summarise(mode, steps, versions, lat, disk, steady_disk, listening_s, role_kib,
                      client.peak_rss_kib if client else 0, final)
 
 
 def summarise(mode: str, steps: list[dict[str, Any]], versions: list[tuple[int, float]],
               lat: dict[str, list[tuple[float, float]]], disk: list[int], steady_disk: int, listening_s: float,
-              coord_kib: int, client_kib: int, final: dict[str, Any]) -> dict[str, Any]:
+              role_kib: dict[str, int], client_kib: int, final: dict[str, Any]) -> dict[str, Any]:
     steady = steps[1:] or steps
 
     def med(key: str, rows: list[dict[str, Any]] = steady) -> float:
@@ -307,7 +334,8 @@ def summarise(mode: str, steps: list[dict[str, Any]], versions: list[tuple[int, 
         "snapshot_bytes": med("snapshot_bytes"),
         "run_dir_peak_bytes": max(disk) if disk else 0,
         "run_dir_steady_bytes": steady_disk,
-        "coordinator_peak_rss_gib": coord_kib / 2**20,
+        "coordinator_peak_rss_gib": sum(role_kib.values()) / 2**20,
+        "role_peak_rss_gib": {name: kib / 2**20 for name, kib in sorted(role_kib.items())},
         "client_peak_rss_gib": client_kib / 2**20,
         "signed_p50_ms": pct(in_run, 0.5),
         "signed_p99_ms": pct(in_run, 0.99),
@@ -336,7 +364,7 @@ ROWS = [
     ("coordinator start → listening", "listening_s", "s"),
     ("bytes per version (own snapshot folder)", "snapshot_bytes", "GB"),
     ("run directory: peak / at the end", "run_dir_peak_bytes", "GB2"),
-    ("peak RSS: coordinator / client", "coordinator_peak_rss_gib", "RSS"),
+    ("peak RSS per role process, and the client", "role_peak_rss_gib", "RSS"),
     ("signed request (POST /v1/release) p50 / p99 while stepping", "signed_p50_ms", "ms"),
     ("GET /healthz p50 / p99 while stepping", "healthz_p50_ms", "msh"),
 ]
@@ -353,7 +381,8 @@ def fmt(r: dict[str, Any], key: str, kind: str) -> str:
     if kind == "GB2":
         return f"{r['run_dir_peak_bytes'] / 1e9:.2f} / {r['run_dir_steady_bytes'] / 1e9:.2f} GB"
     if kind == "RSS":
-        return f"{r['coordinator_peak_rss_gib']:.2f} / {r['client_peak_rss_gib']:.2f} GiB"
+        roles = ", ".join(f"{name} {gib:.2f}" for name, gib in r["role_peak_rss_gib"].items())
+        return f"{roles}; client {r['client_peak_rss_gib']:.2f} GiB"
     if kind == "ms":
         return f"{r['signed_p50_ms']:.0f} / {r['signed_p99_ms']:.0f} ms"
     return f"{r['healthz_p50_ms']:.0f} / {r['healthz_p99_ms']:.0f} ms"
@@ -415,7 +444,8 @@ def plot(results: list[dict[str, Any]], path: Path, before: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["tiny", "qwen0.5b"], default="tiny")
-    ap.add_argument("--modes", default="sequential,async", help="comma-separated: sequential, async")
+    ap.add_argument("--modes", default="sequential,async", help="comma-separated: sequential, async, each "
+                    "optionally @one-process (all roles in one process) or @processes (the default)")
     ap.add_argument("--steps", type=int, default=5, help="learner steps (versions) per mode")
     ap.add_argument("--dtype", default="bfloat16", help="snapshots.dtype")
     ap.add_argument("--lora-rank", type=int, default=0, help="learner.lora_rank (0: full weights)")

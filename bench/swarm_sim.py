@@ -1,10 +1,9 @@
 """SIMULATION of the coordinator's scheduling with 1 to 1,000 heterogeneous clients (no network, no model).
 
-The decisions are the coordinator's own code — ``decide_lease`` (admission, reissue, version binding),
-``check_lease`` (is a returned result still wanted), ``select_batch`` (oldest-first batches within the
-staleness bound), and the speed-aware issuance rules of ``coordinator.core.pacing`` (fastest first, the
-staleness horizon, one exploration lease, overdue leases give their slot back) — driven by a discrete-event
-clock. What is simulated: clients whose job times are spread log-uniformly over 100× (fastest 1 s); each
+The decisions are the coordinator's own code — its issuer (``coordinator.issuer.Issuer``: paces, who waits,
+due times, ``decide_lease`` for admission, reissue and version binding, the speed-aware rules of
+``coordinator.core.pacing``), ``check_lease`` (is a returned result still wanted) and ``select_batch``
+(oldest-first batches within the staleness bound) — driven by a discrete-event clock. What is simulated: clients whose job times are spread log-uniformly over 100× (fastest 1 s); each
 client leaves at an exponentially distributed time (mean 3,000 s), mid-job if it holds one, and never comes
 back; 80 % of clients declare a self-benchmark that is off by a log-normal factor (σ = 0.3), the rest are
 unknown until their first result; a learner step takes 1 s per batch of B = 2 jobs. Idle clients long-poll:
@@ -25,22 +24,16 @@ import json
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.core.leases import JobState, LeaseCheck, LeaseView, check_lease, deadline_for  # noqa: E402
-from coordinator.core.pacing import ClientSpeed, due_at, expected_back, faster_count, update_pace  # noqa: E402
-from coordinator.core.scheduling import (  # noqa: E402
-    Pending,
-    SyncPolicy,
-    admits,
-    decide_lease,
-    occupies_slot,
-    select_batch,
-)
+from coordinator.core.pacing import due_at  # noqa: E402
+from coordinator.core.scheduling import Pending, SyncPolicy, admits, occupies_slot, select_batch  # noqa: E402
+from coordinator.issuer import Issuer  # noqa: E402
 
 
 @dataclass
@@ -48,9 +41,9 @@ class SimClient:
     cid: str
     job_s: float
     leaves_at: float = float("inf")  # the client disappears at this time, mid-job if it holds one
-    pace: float | None = None  # the coordinator's estimate: declared self-benchmark, then observed
+    declared: float | None = None  # its self-benchmark, as it declares it at registration
     held: int = -1
-    announced: int = -1  # the newest version a lease reply told it of: prefetched by its next lease
+    announced: int = -1  # the newest version a lease reply told it to prefetch (prefetch=true): held by its next lease
     gone: bool = False
 
 
@@ -69,8 +62,6 @@ class SimState:
     too_stale: int = 0
     reissued: int = 0
     refused_late: int = 0
-    version_interval: float | None = None  # recent seconds between policy versions (as the coordinator tracks)
-    version_at: float = 0.0
 
 
 def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s: float = 1.0,
@@ -78,14 +69,15 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
              steps: int = 300, seed: int = 0, max_sim_s: float = 20_000.0, speed_aware: bool = True,
              declared: float = 0.8, declared_noise: float = 0.3) -> dict[str, Any]:
     rng = random.Random(seed)
-    mode = "sequential-pull" if staleness == 0 else "async-push-pull"
-    policy = SyncPolicy(mode, max(1, staleness), jobs_per_step)
+    policy = SyncPolicy("sequential-pull" if staleness == 0 else "async-push-pull", max(1, staleness), jobs_per_step)
     clients = [SimClient(f"c{i}", fastest_job_s * spread ** rng.random(), rng.expovariate(1.0 / lifetime_s))
                for i in range(n_clients)]
+    lease_s = lease_timeout_s
+    issuer = Issuer(policy, lease_timeout_s=lease_s, speed_aware=speed_aware)  # the coordinator's own issuer
     for c in clients:  # a share of clients declare a self-benchmark, off by a log-normal factor
         if rng.random() < declared:
-            c.pace = c.job_s * rng.lognormvariate(0.0, declared_noise)
-    by_id = {c.cid: c for c in clients}
+            c.declared = c.job_s * rng.lognormvariate(0.0, declared_noise)
+            issuer.declare(c.cid, c.declared)
     st = SimState()
     events: list[tuple[float, int, str, Any]] = []
     tie = 0
@@ -95,42 +87,29 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         tie += 1
         heapq.heappush(events, (t, tie, kind, data))
 
-    waiting: dict[str, SimClient] = {}  # idle clients long-polling for a job
-    leased_at: dict[str, float] = {}
-
-    def speed_of(c: SimClient, faster: int | None) -> ClientSpeed | None:
-        if not speed_aware:
-            return None
-        exploring = sum(1 for j in st.jobs.values() if j.state is JobState.LEASED and j.lease_deadline is not None
-                        and j.lease_deadline > st.now and by_id[j.lease_client or ""].pace is None)
-        if faster is None:
-            faster = faster_count(c.pace, (w.pace for w in waiting.values() if w is not c))
-        return ClientSpeed(pace_s=c.pace, exploring=exploring, step_s=st.version_interval, faster_waiting=faster)
+    waiting: dict[str, SimClient] = {}  # idle clients long-polling for a job (registered with the issuer)
 
     def active_jobs() -> list[LeaseView]:
-        active = sorted(st.jobs.values(), key=lambda j: int(j.job_id[1:]))  # st.jobs holds jobs not yet done
-        if speed_aware:  # as the coordinator does: each lease is due back by its holder's pace
-            step_s = st.version_interval
-            active = [replace(j, due_at=due_at(leased_at[j.lease_id], by_id[j.lease_client].pace, step_s),
-                              expected_at=expected_back(leased_at[j.lease_id], by_id[j.lease_client].pace))
-                      if j.lease_client is not None and j.lease_id is not None else j for j in active]
-        return active
+        return sorted(st.jobs.values(), key=lambda j: int(j.job_id[1:]))  # st.jobs holds jobs not yet done
 
     def queue_full() -> bool:
-        queued = sum(1 for j in active_jobs() if occupies_slot(j, st.now, st.version, policy))
+        views = [issuer.with_due(j) for j in active_jobs()] if speed_aware else active_jobs()
+        queued = sum(1 for j in views if occupies_slot(j, st.now, st.version, policy))
         return not admits(queued + len(st.pending) + len(st.training), policy)
 
-    def try_lease(c: SimClient, faster: int | None = None) -> bool:
+    def try_lease(c: SimClient) -> bool:
         # as in the coordinator, results count as queued until the step that trains them has committed; as in
         # the join client, a version announced by an earlier lease reply has been prefetched by now
         c.held = max(c.held, c.announced)
-        decision = decide_lease(active_jobs(), len(st.pending) + len(st.training), st.now, st.version, c.held,
-                                policy, speed_of(c, faster))
-        c.announced = st.version
+        decision = issuer.decide(c.cid, active_jobs(), len(st.pending) + len(st.training), st.now, st.version,
+                                 c.held)
         if decision is None:
-            waiting[c.cid] = c  # long-poll: woken by the next version, a lease expiring or falling overdue
+            if c.cid not in waiting:  # long-poll: woken by the next version, a lease expiring or falling overdue
+                issuer.begin_wait(c.cid)
+                waiting[c.cid] = c
             return False
-        waiting.pop(c.cid, None)
+        if waiting.pop(c.cid, None) is not None:
+            issuer.end_wait(c.cid)
         if decision.job_id is None:
             job_id = f"j{st.seq}"
             st.seq += 1
@@ -142,8 +121,7 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         st.jobs[job_id] = LeaseView(job_id, JobState.LEASED, decision.version, st.jobs[job_id].created_at
                                     if job_id in st.jobs else st.now, lease_id, c.cid, deadline)
         push(deadline, "expiry", job_id)
-        leased_at[lease_id] = st.now
-        due = due_at(st.now, c.pace, st.version_interval)
+        due = due_at(st.now, issuer.pace.get(c.cid), issuer.version_interval)
         if speed_aware and due is not None:
             push(due, "overdue", job_id)
         c.held = decision.version
@@ -175,17 +153,18 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
     def wake() -> None:
         # every waiter asks again, fastest first as the coordinator would grant them; each stays registered
         # as waiting until it holds a job, so slower ones see it as a faster competitor
-        declined = 0
         order = list(waiting.values())
         if speed_aware:
-            order.sort(key=lambda w: (w.pace is None, w.pace or 0.0))
+            order.sort(key=lambda w: (issuer.pace.get(w.cid) is None, issuer.pace.get(w.cid) or 0.0))
         else:
             rng.shuffle(order)  # plain issuance: whoever asks first
+        for c in order:  # the reply that wakes a client next in line says prefetch: it pulls the new version
+            if issuer.next_in_line(c.cid, st.version):
+                c.announced = st.version
         for c in order:
             if queue_full():
                 break  # every slower waiter would be refused too
-            if not try_lease(c, declined if speed_aware and c.pace is not None else None):
-                declined += 1
+            try_lease(c)
 
     for c in clients:
         push(0.0, "poll", c)
@@ -202,8 +181,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         elif kind == "done":
             c, job_id, lease_id, version = data
             job = st.jobs.get(job_id)
-            c.pace = update_pace(c.pace, st.now - leased_at[lease_id])
             if job is not None and check_lease(job, c.cid, lease_id, st.now) is LeaseCheck.OK:
+                issuer.observe(c.cid, job, st.now)
                 del st.jobs[job_id]  # done: never leased again
                 st.pending.append(Pending(job_id, version, st.now))
                 learner_try()
@@ -213,8 +192,7 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         elif kind == "step":
             st.version += 1
             st.steps += 1
-            st.version_interval = update_pace(st.version_interval, st.now - st.version_at)
-            st.version_at = st.now
+            issuer.new_version(st.now)
             st.training = []
             learner_try()
             wake()  # push: a new version wakes every long-polling client

@@ -47,14 +47,14 @@ def authenticate_admin(coord: Coordinator, raw: bytes, path: str) -> tuple[Signe
     if not raw:
         raise ProtocolError(Reason.NOT_ADMIN, "admin requests must be signed by an operator key; use "
                                               "`echo-swarm admin --run-dir <run dir> ...` (see --help)")
-    req = coord._open_envelope(raw, path)
+    req = coord.open_envelope(raw, path)
     key = next((k for k in load_admin_keys(coord.run_dir) if k.key_id == req.client_id), None)
     if key is None:
         raise ProtocolError(Reason.NOT_ADMIN, f"key {req.client_id[:12]}… is not an operator key of this "
                                               f"coordinator: it is not listed in {coord.run_dir / ADMIN_KEYS_FILE}. "
                                               f"An operator can add it with `echo-swarm admin keys add`")
     crypto.verify_request(req, key.public_key)
-    coord._check_fresh(req)
+    coord.check_fresh(req)
     return req, key
 
 
@@ -69,7 +69,7 @@ def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
         "finished": coord.finished, "sync_mode": coord.config.sync_mode,
         "max_staleness": coord.config.sync_policy.bound, "task": coord.task.name, "uptime_s": now - coord.started_at,
         "issuing_paused": coord.issuing_paused, "run_dir": str(coord.run_dir),
-        "learner": coord.learner.describe() | {"busy_s": coord.learner_busy_s, "last_error": coord.last_error},
+        "learner": coord.learner_status(),
         "jobs": {k: v for k, v in jobs.items() if k != "jobs"},
         "clients": readmodels.client_summary(rows),
         "totals": coord.store.totals() | {"tokens": readmodels.result_totals(coord.store)["tokens"]},

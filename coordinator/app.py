@@ -20,8 +20,11 @@ from aiohttp import web
 from coordinator import netguard
 from coordinator.config import CoordinatorConfig
 from coordinator.core.connections import Phase
+from coordinator.learner_role import LearnerRole
 from coordinator.public_reads import PUBLIC_READS, PublicReads
+from coordinator.runfiles import RunFiles
 from coordinator.service import MAX_REQUEST_BYTES, Coordinator
+from coordinator.verifier_role import VerifierWorker
 from shared import wire
 from shared.errors import ProtocolError, Reason
 from shared.messages import ErrorBody
@@ -30,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 LEARNER_TASK = web.AppKey("learner_task", asyncio.Task)
+LEARNER = web.AppKey("learner", LearnerRole)
+ALL_ROLES = web.AppKey("all_roles", bool)
 FATAL = web.AppKey("fatal", asyncio.Event)
 CONN_GUARD = web.AppKey("conn_guard", netguard.ConnectionGuard)
 MSGPACK = "application/msgpack"
@@ -202,23 +207,51 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Start the roles this process runs: the API alone (the process layout, coordinator.roles), or the learner,
+    one verifier and the API around one store (the one-process layout)."""
     coord = app[COORDINATOR]
-    await coord.start()
-    task = asyncio.create_task(coord.learner_loop(), name="learner-loop")
+    background: list[asyncio.Task[None]] = []
+    learner: LearnerRole | None = None
+    worker: VerifierWorker | None = None
+    files: RunFiles | None = None
+    try:
+        if app[ALL_ROLES]:
+            files = RunFiles.open(coord.config)
+            coord.attach(files)
+            learner = LearnerRole(coord.config, files.store, coord.bell, files.snapshots, files.task,
+                                  clock=coord.clock, model_dir=coord.model_dir, local_intake=coord.accept_local,
+                                  plan_job=coord.new_job)
+            app[LEARNER] = learner
+            await learner.start()
+        await coord.start()
+        if app[ALL_ROLES]:
+            assert files is not None and learner is not None
+            worker = VerifierWorker(coord.config, files.store, coord.bell, files.snapshots, files.task)
+            await worker.start()
+            background.append(asyncio.create_task(worker.run(), name="verifier-0"))
+            task = asyncio.create_task(learner.run(), name="learner-loop")
 
-    def _on_done(t: asyncio.Task[None]) -> None:
-        if not t.cancelled() and t.exception() is not None:
-            logger.critical("learner loop stopped: %s", t.exception())
-            app[FATAL].set()
+            def _on_done(t: asyncio.Task[None]) -> None:
+                if not t.cancelled() and t.exception() is not None:
+                    logger.critical("learner loop stopped: %s", t.exception())
+                    app[FATAL].set()
 
-    task.add_done_callback(_on_done)
-    app[LEARNER_TASK] = task
-    prune = asyncio.create_task(_prune_nonces(coord), name="nonce-pruner")
-    yield
-    for t in (task, prune):
-        t.cancel()
-    await asyncio.gather(task, prune, return_exceptions=True)
-    await coord.stop()
+            task.add_done_callback(_on_done)
+            app[LEARNER_TASK] = task
+            background.append(task)
+        background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
+        yield
+    finally:
+        for t in background:
+            t.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        if worker is not None:
+            worker.close()
+        if learner is not None:
+            await learner.stop()
+        await coord.stop()
+        if files is not None:
+            files.close()
 
 
 async def _prune_nonces(coord: Coordinator) -> None:
@@ -227,9 +260,12 @@ async def _prune_nonces(coord: Coordinator) -> None:
         coord.store.prune_nonces(coord.clock())
 
 
-def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None) -> web.Application:
+def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None, *, all_roles: bool = True
+               ) -> web.Application:
+    """The HTTP app of the API role; with ``all_roles`` the learner and a verifier start in this process too."""
     app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[connection_middleware, errors_middleware])
     app[COORDINATOR] = coordinator or Coordinator(config)
+    app[ALL_ROLES] = all_roles
     app[FATAL] = asyncio.Event()
     app[CONN_GUARD] = netguard.ConnectionGuard(config.server)
     app[PUBLIC_READS] = PublicReads(config.server)

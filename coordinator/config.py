@@ -6,6 +6,8 @@ a silently ignored setting.
 
 from __future__ import annotations
 
+import re
+import string
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -74,7 +76,115 @@ class JsonlTaskConfig(_Strict):
         return v
 
 
-TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig, Field(discriminator="type")]
+_PLUGIN = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*|.+\.py):[A-Za-z_]\w*$")
+
+
+class RewardConfig(_Strict):
+    """One reward of a dataset task: a built-in by ``name``, or an operator's ``function`` with TRL's signature
+    ``(prompts, completions, **columns) -> list[float]``. The task's reward is Σ weight · value."""
+
+    name: Literal["exact_match", "last_number", "regex", "format", "math"] | None = Field(
+        None, description="A built-in: exact_match, last_number (GSM8K final number), regex (needs pattern), format "
+        "(an <answer>…</answer> span), math (equivalence by math-verify; the 'math' extra).")
+    function: str | None = Field(None, description="A plug-in: 'package.module:function' (importable by the "
+                                 "coordinator) or 'path/to/file.py:function'.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Multiplies this reward's value.")
+    pattern: str | None = Field(None, description="The regular expression of a 'regex' reward (re.search).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if (self.name is None) == (self.function is None):
+            raise ValueError("a reward has exactly one of 'name' (a built-in) or 'function' ('module:function')")
+        if self.function is not None and not _PLUGIN.match(self.function):
+            raise ValueError(f"function {self.function!r} must be 'package.module:function' or "
+                             f"'path/to/file.py:function'")
+        if self.name == "regex":
+            if self.pattern is None:
+                raise ValueError("the 'regex' reward needs a pattern, e.g. pattern = '^<think>.*</think>'")
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {exc}") from None
+        elif self.pattern is not None:
+            raise ValueError("'pattern' belongs to a 'regex' reward; remove it or set name = 'regex'")
+        return self
+
+    @property
+    def key(self) -> str:
+        """The name its per-reward mean is recorded under."""
+        return self.name or self.function or ""
+
+
+class DatasetTaskConfig(_Strict):
+    """A dataset of prompts (and reference answers) from local files: JSONL, Parquet, or a Hugging Face
+    ``datasets`` folder; never downloaded. Prompts are formatted by a plain template or the model's own chat
+    template; rewards are built-ins or operator plug-ins, combined with weights."""
+
+    type: Literal["dataset"] = "dataset"
+    train_path: Path = Field(description="A .jsonl or .parquet file, or a Hugging Face datasets folder "
+                             "(save_to_disk output, or a folder of data files).")
+    format: Literal["auto", "jsonl", "parquet", "hf"] = Field(
+        "auto", description="auto: from the path (.jsonl/.json, .parquet, a folder is 'hf').")
+    train_split: str = Field("train", description="The split to train on when a datasets folder holds several.")
+    heldout_path: Path | None = Field(None, description="Held-out prompts from their own file or folder (the same "
+                                      "format and columns); default: split train_path.")
+    heldout_split: str = Field("test", description="The split of heldout_path when it is a datasets folder with "
+                               "several.")
+    heldout_size: int | None = Field(None, ge=1, description="Held-out prompts split off train_path (default 256).")
+    heldout_fraction: float | None = Field(None, gt=0.0, lt=1.0,
+                                           description="Or: this fraction of train_path, held out.")
+    split_seed: int = Field(0, description="Seed of the train/held-out shuffle.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt (GSM8K: 'question'). A list of "
+                               "{role, content} messages is a conversation (needs chat_template).")
+    answer_column: str | None = Field("answer", description="Column holding the reference answer passed to the "
+                                      "rewards as 'answer'; none for rewards that need no reference.")
+    extra_columns: list[str] = Field(default_factory=list, description="Further columns passed to the rewards by "
+                                     "name, and usable in prompt_template.")
+    prompt_template: str = Field("{prompt}", description="Formats the prompt (the user message, with "
+                                 "chat_template): '{prompt}' and any extra column, e.g. 'Question: {prompt}\\nAnswer:'.")
+    chat_template: bool = Field(False, description="Render the prompt with the model's own chat template "
+                                "(tokenizer_config.json's chat_template) and a generation prompt: for instruct models.")
+    system_prompt: str | None = Field(None, description="A system message before the prompt (chat_template only).")
+    tokenizer_path: Path | None = Field(None, description="Folder whose tokenizer files hold the chat template "
+                                        "(default: model.path).")
+    rewards: list[RewardConfig] = Field(default_factory=lambda: [RewardConfig(name="last_number")],
+                                        min_length=1, description="Rewards, summed with their weights.")
+
+    @field_validator("train_path", "heldout_path", "tokenizer_path")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return v.expanduser() if v is not None else None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DatasetTaskConfig:
+        if self.heldout_size is not None and self.heldout_fraction is not None:
+            raise ValueError("set heldout_size or heldout_fraction, not both")
+        if self.heldout_path is not None and (self.heldout_size is not None or self.heldout_fraction is not None):
+            raise ValueError("heldout_path replaces the split; remove heldout_size / heldout_fraction")
+        reserved = {"prompts", "completions", "answer", self.prompt_column} & set(self.extra_columns)
+        if reserved:
+            raise ValueError(f"extra_columns may not name {sorted(reserved)}: the rewards get the prompt as 'prompts' "
+                             f"and the answer column as 'answer' already")
+        if not self.chat_template and self.system_prompt is not None:
+            raise ValueError("system_prompt needs chat_template = true (or write the instruction into "
+                             "prompt_template)")
+        fields = set()
+        try:
+            for _, field, _, _ in string.Formatter().parse(self.prompt_template):
+                if field is not None:
+                    fields.add(field)
+        except ValueError:
+            raise ValueError("prompt_template is not a format string; write literal braces as '{{' and '}}'") from None
+        if "prompt" not in fields:
+            raise ValueError("prompt_template must contain '{prompt}', e.g. 'Question: {prompt}\\nAnswer:'")
+        unknown = fields - {"prompt", *self.extra_columns}
+        if unknown:
+            raise ValueError(f"prompt_template names {sorted(unknown)}, which are not in extra_columns; add them "
+                             f"there or write literal braces as '{{{{' and '}}}}'")
+        return self
+
+
+TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig | DatasetTaskConfig, Field(discriminator="type")]
 
 
 class LearnerConfig(_Strict):
@@ -202,6 +312,16 @@ class VerificationConfig(_Strict):
     device: str = Field("auto", description="Device of the verifier's model replica ('cpu', 'cuda:1', ...); "
                         "'auto' uses model.device. Put it on another GPU than the learner's to keep the learner's "
                         "device for training only.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads of each verifier process (default: "
+                                "learner.threads, else torch's choice). On a CPU-only host the learner and the "
+                                "verifiers share the cores: keep their sum near the core count.")
+    workers: int = Field(1, ge=1, le=16, description="Verifier processes `echo-swarm coordinator` starts (the "
+                         "process layout). Each holds its own model replicas on `device`; results are shared "
+                         "among them through the store.")
+    claim_s: float = Field(60.0, gt=0, le=3600, description="Seconds a verifier's claim on a request lasts without "
+                           "renewal; a request claimed by a verifier that died is taken by another after this.")
+    wait_s: float = Field(600.0, gt=0, le=7200, description="Longest wait of the API for a verifier's answer; "
+                          "past it the client is told to resend (HTTP 503) and nothing is recorded.")
     cached_versions: int = Field(1, ge=1, le=8, description="Policy versions the verifier keeps loaded at once "
                                  "(each a full model replica). 1 reloads a version's weights whenever results of "
                                  "another version arrive; 2 suits async push-pull with results of two versions.")
@@ -360,6 +480,11 @@ class CoordinatorConfig(_Strict):
     )
     max_staleness: int = Field(2, ge=1, le=64, description="S, in policy versions (async-push-pull only): no rollout "
                                "older than S versions is trained on, and work is issued so none is produced.")
+    layout: Literal["processes", "one-process"] = Field(
+        "processes", description="processes: the API, the learner and verification.workers verifiers run as "
+        "separate processes around the run's database, each restarted if it dies (the API never loads torch). "
+        "one-process: all roles in one process (smaller, for the tiny demo and tests). The colocated baseline "
+        "always runs in one process.")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = ArithmeticTaskConfig()
     learner: LearnerConfig = LearnerConfig()
@@ -398,6 +523,15 @@ class CoordinatorConfig(_Strict):
             raise ValueError(f"a job of {per_job} completions × {self.sampling.max_tokens} tokens could need "
                              f"{size / 2**20:.1f} MiB per result; the limit is 8 MiB. Lower jobs.prompts_per_job "
                              f"or sampling.max_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _chat_template_has_a_tokenizer(self) -> CoordinatorConfig:
+        task = self.task
+        if isinstance(task, DatasetTaskConfig) and task.chat_template and task.tokenizer_path is None \
+                and self.model.path == "tiny":
+            raise ValueError("task.chat_template needs a model folder with a chat template; the built-in 'tiny' "
+                             "model has none: set model.path (or task.tokenizer_path), or chat_template = false")
         return self
 
     @model_validator(mode="after")

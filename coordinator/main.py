@@ -1,4 +1,5 @@
-"""Entry point of `echo-swarm coordinator`: serve one run until interrupted."""
+"""Entry point of `echo-swarm coordinator`: serve one run until interrupted — every role as its own process
+(coordinator.roles.supervise), all roles in this one, or a single role (``--role``)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ import sys
 from aiohttp import web
 
 from coordinator import netguard
-from coordinator.app import CONN_GUARD, FATAL, create_app
+from coordinator.app import CONN_GUARD, COORDINATOR, FATAL, create_app
 from coordinator.config import CoordinatorConfig
 
 logger = logging.getLogger(__name__)
 
 
-async def serve(config: CoordinatorConfig) -> int:
-    """Run the coordinator until SIGINT/SIGTERM (exit 0) or a learner failure (exit 1)."""
-    app = create_app(config)
+async def serve(config: CoordinatorConfig, *, all_roles: bool = True) -> int:
+    """Serve the API (with the learner and a verifier in this process if ``all_roles``) until SIGINT/SIGTERM
+    (exit 0) or a learner failure (exit 1)."""
+    app = create_app(config, all_roles=all_roles)
     runner, site = await start_site(app, config)
     port = site.port
     url = f"http://{config.server.host}:{port}"
+    from coordinator.roles import report_pid
+
+    report_pid(app[COORDINATOR].store, "api")
     (config.run_dir / "endpoint.json").write_text(json.dumps({"url": url, "port": port}))
     print(f"echo-swarm coordinator listening on {url} (run dir {config.run_dir})", flush=True)
 
@@ -55,8 +60,25 @@ async def start_site(app: web.Application, config: CoordinatorConfig) -> tuple[w
     return runner, site
 
 
-def run(config: CoordinatorConfig) -> int:
+def run(config: CoordinatorConfig, role: str = "all", index: int = 0, parent: int | None = None) -> int:
     from shared import safe_text  # every record one line, client text escaped (issue 13)
 
-    safe_text.configure_logging(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s", sys.stderr)
-    return asyncio.run(serve(config))
+    label = "" if role == "all" else f"{role}{index if role == 'verifier' else ''} "
+    safe_text.configure_logging(logging.INFO, f"%(asctime)s %(levelname)s {label}%(name)s: %(message)s", sys.stderr)
+    if role != "all":
+        from coordinator.roles import run_role
+
+        return run_role(config, role, index, parent)
+    if config.layout == "one-process" or config.sync_mode == "colocated":
+        from coordinator.roles import CONFIG_ERROR, RoleLocked, role_lock
+
+        try:
+            with role_lock(config.run_dir, "learner"), role_lock(config.run_dir, "api"), \
+                    role_lock(config.run_dir, "verifier-0"):
+                return asyncio.run(serve(config))
+        except RoleLocked as exc:
+            logger.critical("%s", exc)
+            return CONFIG_ERROR
+    from coordinator.roles import supervise
+
+    return supervise(config)

@@ -15,6 +15,7 @@ from typing import Any
 
 from coordinator import readmodels
 from coordinator.admin_keys import AdminKey, load_admin_keys, write_admin_keys
+from coordinator.checkpoints import CheckpointStore
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import ClientLookupError, resolve_client
 from coordinator.service import Coordinator
@@ -51,7 +52,7 @@ def set_banned(coord: Coordinator, operator: str, ref: str, banned: bool, note: 
                     and coord.store.release_lease(j.view.job_id, j.view.lease_id, client_id):
                 released.append(j.view.job_id)
         if released:
-            coord._notify_jobs()
+            coord.notify_jobs()
     record(coord, operator, "ban" if banned else "unban", client_id=client_id, note=note, released_jobs=released)
     return {"client_id": client_id, "banned": banned, "released_jobs": released}
 
@@ -63,7 +64,7 @@ def set_issuing(coord: Coordinator, operator: str, paused: bool) -> dict[str, An
     coord.issuing_paused = paused
     coord.store.set_meta("issuing_paused", "1" if paused else "0")
     if not paused:
-        coord._notify_jobs()
+        coord.notify_jobs()
     if changed:
         record(coord, operator, "pause" if paused else "resume")
     return {"paused": paused, "changed": changed}
@@ -71,9 +72,13 @@ def set_issuing(coord: Coordinator, operator: str, paused: bool) -> dict[str, An
 
 async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]:
     """Write a self-contained copy of the current version to ``exports/v<version>-<UTC time>/``: the model
-    folder (a Hugging Face folder: usable as another run's ``model.path``), the optimizer state, and an online
-    backup of the database. The files are copied on the learner thread, so no step publishes (or prunes)
-    while they are read; the folder appears under its final name only when complete."""
+    folder as published (a Hugging Face folder: usable as another run's ``model.path``; for a LoRA run the
+    adapter, with the run's shared base beside it in ``base/``), the newest learner checkpoint at or below the
+    version (weights and optimizer state: what a restart resumes from), and an online backup of the database.
+    The API copies the files on its I/O thread; the learner (another process) only prunes versions older than
+    ``snapshots.keep_last``, so the current one stays while it is read — if it vanished all the same, the
+    export fails with a message and leaves nothing behind. The folder appears under its final name only when
+    complete."""
     version = coord.version
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(coord.clock()))
     root = coord.run_dir / "exports"
@@ -90,10 +95,19 @@ async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]
         coord.store.conn.backup(db)  # consistent snapshot of a live WAL database
     finally:
         db.close()
-    optimizer = coord.run_dir / "checkpoints" / f"v{version:06d}" / "optimizer.pt"
-    await coord._run(_copy_files, coord.snapshots.folder(version), optimizer, tmp)
+    checkpoints = CheckpointStore(coord.run_dir / "checkpoints")
+    newest = checkpoints.latest(version)
+    base = coord.snapshots.base_dir if coord.config.learner.lora_rank > 0 else None
+    try:
+        await coord.run_io(_copy_files, coord.snapshots.folder(version), base,
+                           None if newest is None else checkpoints.folder(newest), tmp)
+    except FileNotFoundError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ProtocolError(Reason.NOT_FOUND, f"version {version} or its checkpoint was pruned while it was "
+                                              f"copied ({exc.filename}); run the export again") from None
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    manifest = {"version": version, "run_id": coord.run_id, "created_at": coord.clock(), "files": files}
+    manifest = {"version": version, "run_id": coord.run_id, "created_at": coord.clock(), "files": files,
+                "checkpoint_version": newest}
     (tmp / "checkpoint.json").write_text(json.dumps(manifest, indent=2))
     tmp.rename(dest)
     total = sum(files.values())
@@ -101,10 +115,12 @@ async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]
     return {"version": version, "path": str(dest), "bytes": total, "files": len(files) + 1}
 
 
-def _copy_files(model_dir: Path, optimizer: Path, dest: Path) -> None:
+def _copy_files(model_dir: Path, base: Path | None, checkpoint: Path | None, dest: Path) -> None:
     shutil.copytree(model_dir, dest / "model")
-    if optimizer.exists():
-        shutil.copy2(optimizer, dest / "optimizer.pt")
+    if base is not None and base.exists():
+        shutil.copytree(base, dest / "base", ignore=shutil.ignore_patterns(".*"))
+    if checkpoint is not None:
+        shutil.copytree(checkpoint, dest / "checkpoint")
 
 
 def list_keys(coord: Coordinator, caller: str) -> dict[str, Any]:

@@ -150,9 +150,19 @@ class SnapshotStore:
         return sha256_bytes(wire.decode(signed, SignedManifest).manifest)
 
     def _index(self, version: int, manifest: Manifest, signed: bytes) -> None:
-        for f in manifest.files:
-            self._blobs.setdefault(f.sha256, self._file_of(version, f.path))
+        for f in manifest.files:  # a file shared by several versions is served from the newest indexed one
+            self._blobs[f.sha256] = self._file_of(version, f.path)
         self._signed[version] = signed
+
+    def _reindex(self) -> None:
+        """Rebuild the blob index from the versions still on disk, oldest first (so the newest copy wins)."""
+        for version in [v for v in self._signed if not (self.folder(v) / MANIFEST_FILE).exists()]:
+            del self._signed[version]
+        self._blobs.clear()
+        for version in sorted(self._signed):
+            manifest = wire.decode(wire.decode(self._signed[version], SignedManifest).manifest, Manifest)
+            for f in manifest.files:
+                self._blobs[f.sha256] = self._file_of(version, f.path)
 
     def _file_of(self, version: int, name: str) -> Path:
         """Where a version's manifest entry lives: its own folder, else the run-level base folder."""
@@ -168,6 +178,11 @@ class SnapshotStore:
 
     def blob_path(self, sha256: str) -> Path | None:
         path = self._blobs.get(sha256)
+        if path is not None and not path.exists():
+            # the version it was indexed from was pruned (by another process: the learner publishes and prunes, the
+            # API serves); a file shared with a kept version is still there
+            self._reindex()
+            path = self._blobs.get(sha256)
         return path if path is not None and path.exists() else None
 
     def reconcile(self, committed: Iterable[int]) -> None:
@@ -189,6 +204,24 @@ class SnapshotStore:
             manifest = wire.decode(wire.decode(signed, SignedManifest).manifest, Manifest)
             self._index(version, manifest, signed)
 
+    def observe(self, committed: Iterable[int]) -> None:
+        """In a process that reads snapshots another one publishes (the API, the verifiers): index the committed
+        versions not seen yet, forget the ones whose folder the publisher pruned. Writes nothing."""
+        committed = set(committed)
+        gone = [v for v in self._signed if v not in committed or not (self.folder(v) / MANIFEST_FILE).exists()]
+        for version in gone:
+            del self._signed[version]
+        if gone:
+            self._reindex()
+        for version in sorted(committed - self._signed.keys()):
+            manifest_file = self.folder(version) / MANIFEST_FILE
+            try:
+                signed = manifest_file.read_bytes()
+            except FileNotFoundError:
+                continue  # pruned (or not this host's folder)
+            manifest = wire.decode(wire.decode(signed, SignedManifest).manifest, Manifest)
+            self._index(version, manifest, signed)
+
     def prune(self, keep: Iterable[int]) -> None:
         """Delete published versions not in ``keep`` and rebuild the blob index from what remains."""
         keep = set(keep)
@@ -196,8 +229,4 @@ class SnapshotStore:
             if version not in keep:
                 shutil.rmtree(self.folder(version), ignore_errors=True)
                 del self._signed[version]
-        self._blobs.clear()
-        for version, signed in self._signed.items():
-            manifest = wire.decode(wire.decode(signed, SignedManifest).manifest, Manifest)
-            for f in manifest.files:
-                self._blobs.setdefault(f.sha256, self._file_of(version, f.path))
+        self._reindex()

@@ -75,7 +75,7 @@ def after_accept(coord: Coordinator, client_id: str, sub: ResultSubmission, bcla
         _start_arbiter(coord, replica_id)
     elif coord.guard.peer_available(client_id, bclass, now, coord.config.trust.active_window_s):
         coord.guard.add_replica(sub.job_id, sub.version, client_id, bclass, now, hold_until, "peer")
-        coord._notify_jobs()  # a replica is waiting: a long-polling independent peer may take it now
+        coord.notify_jobs()  # a replica is waiting: a long-polling independent peer may take it now
     else:
         logger.debug("no conclusive spot-check possible for %s (%s): none of its class is independent and active",
                      sub.job_id, bclass)
@@ -99,7 +99,7 @@ async def _arbitrate(coord: Coordinator, replica_id: str) -> None:
             rep.job_id) else []
         if rep is None or row is None or not original:
             return  # closed meanwhile, or the original is gone: expire_replicas tidies it
-        prompts = [coord._prompt_tokens(i) for i in row.prompt_ids]
+        prompts = [coord.prompt_tokens(i) for i in row.prompt_ids]
         try:
             arbiter = await coord.verifier.replay(prompts, group_size=row.group_size, seed=row.seed,
                                                   max_tokens=coord.config.sampling.max_tokens, version=rep.version)
@@ -125,10 +125,10 @@ async def _arbitrate(coord: Coordinator, replica_id: str) -> None:
 
 def _judged(coord: Coordinator, rep: ReplicaRow, original_invalid: bool, now: float) -> None:
     """A conclusive judgement of ``rep``'s original: trust moves, the learner and waiting clients hear of it."""
-    coord._wake.set()  # a held original is released (or gone): the learner may have a batch now
+    coord.bell.ring()  # a held original is released (or gone): the learner may have a batch now
     if original_invalid:
         coord.guard.record_invalid(rep.original_client, now)
-        coord._notify_jobs()  # the job reopened
+        coord.notify_jobs()  # the job reopened
     else:
         coord.guard.record_valid(rep.original_client)
 
@@ -136,8 +136,8 @@ def _judged(coord: Coordinator, rep: ReplicaRow, original_invalid: bool, now: fl
 def _sweep(coord: Coordinator, now: float) -> None:
     """On every lease: drop held results that ran out of time, restart replays a restart interrupted."""
     if coord.guard.expire_replicas(_oldest(coord), now, frozenset(coord.guard.arbitrating)):
-        coord._wake.set()
-        coord._notify_jobs()  # dropped results reopened their jobs
+        coord.bell.ring()
+        coord.notify_jobs()  # dropped results reopened their jobs
     for rep in coord.guard.awaiting_arbiter():
         _start_arbiter(coord, rep.replica_id)
 
@@ -158,7 +158,7 @@ def lease_replica(coord: Coordinator, client_id: str) -> LeaseResponse | None:
         coord.guard.release_replica(rep.replica_id, lease_id, client_id)
         return None
     shadow = dataclasses.replace(row, view=dataclasses.replace(row.view, job_id=rep.replica_id))
-    job = coord._job_message(shadow, rep.version, lease_id, client_id, now, deadline)
+    job = coord.job_message(shadow, rep.version, lease_id, client_id, now, deadline)
     logger.info("spot-check: replica %s of %s (version %d, from %s) leased to %s", rep.replica_id, rep.job_id,
                 rep.version, rep.original_client[:8], client_id[:8])
     return LeaseResponse(job=sign_job(coord.key, job), retry_after_s=coord.config.jobs.retry_after_s,
@@ -180,12 +180,12 @@ async def submit_replica(coord: Coordinator, client_id: str, sub: ResultSubmissi
     cap = result_size_cap(len(row.prompt_ids) * row.group_size, coord.config.sampling.max_tokens)
     if size > cap:
         raise ProtocolError(Reason.BODY_TOO_LARGE, f"result is {size} bytes; this job allows at most {cap}")
-    terms = dataclasses.replace(coord._terms(row), version=rep.version)
+    terms = dataclasses.replace(coord.terms(row), version=rep.version)
     verify_submission(sub, rep.view, terms, client_id, coord.clock(), _oldest(coord))
-    prompts = [coord._prompt_tokens(i) for i in row.prompt_ids]
+    prompts = [coord.prompt_tokens(i) for i in row.prompt_ids]
     expanded = [p for p in prompts for _ in range(row.group_size)]
     mine = [list(c.token_ids) for c in sub.completions]
-    recomputed = await coord._recompute_at(expanded, mine, sub.version)
+    recomputed = await coord.recompute_at(expanded, mine, sub.version)
     check_logprobs(logprob_stats([c.logprobs for c in sub.completions], recomputed),
                    *coord.config.verification.tolerances(bclass, coord.config.snapshots.gguf))
     original = coord.store.result_rows([rep.job_id]) if coord.store.accepted_result(rep.job_id) else []
@@ -218,7 +218,7 @@ async def submit_replica(coord: Coordinator, client_id: str, sub: ResultSubmissi
             raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was "
                                                          f"verified")
         logger.info("spot-check of %s by %s: %s; asking another client", rep.job_id, client_id[:8], detail)
-        coord._notify_jobs()
+        coord.notify_jobs()
         credit = 0.0
     else:
         credit = float(sum(len(c) for c in mine))
@@ -231,7 +231,7 @@ async def submit_replica(coord: Coordinator, client_id: str, sub: ResultSubmissi
             _judged(coord, rep, verdict is Verdict.ORIGINAL_INVALID, now)
             coord.guard.record_valid(client_id)  # the replay itself agreed with the judgement
     items = [coord.task.train[i] for i in row.prompt_ids for _ in range(row.group_size)]
-    rewards = [coord.task.reward(it, coord.learner.decode(c)) for it, c in zip(items, mine, strict=True)]
+    rewards = [coord.task.reward(it, coord.codec.decode(c)) for it, c in zip(items, mine, strict=True)]
     client = coord.store.get_client(client_id)
     return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards), credit=credit,
                           total_credit=float(client["credit"]) if client is not None else credit)

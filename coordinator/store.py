@@ -7,7 +7,10 @@ Invariants the rest of the coordinator relies on:
 - a result is ingested by exactly one learner step: ``ingested_step`` is set in the same transaction that
   records the new policy version, so the database and the published versions never disagree;
 - a result older than the staleness bound is set aside (``stale_at``) and never trained on.
-All access happens from the event-loop thread; nothing here is shared across threads.
+Each role process (coordinator.roles: API, learner, verifiers) opens its own Store on the same file; SQLite's WAL
+lets them read concurrently and serialises their writes (BEGIN IMMEDIATE, busy_timeout). This module is the only
+one that writes SQL for the run's tables it defines, and owns their migrations (``SCHEMA_VERSION``).
+Within a process all access happens from the event-loop thread; nothing here is shared across threads.
 """
 
 from __future__ import annotations
@@ -64,7 +67,17 @@ CREATE TABLE IF NOT EXISTS steps(
   at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS evals(version INTEGER PRIMARY KEY, accuracy REAL NOT NULL, n INTEGER NOT NULL,
   at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS work(
+  id INTEGER PRIMARY KEY, kind TEXT NOT NULL CHECK(kind IN ('recompute','replay','evaluate')),
+  version INTEGER NOT NULL, request BLOB NOT NULL, created_at REAL NOT NULL,
+  state TEXT NOT NULL CHECK(state IN ('queued','claimed','done','failed')),
+  worker TEXT, claim_until REAL, attempts INTEGER NOT NULL DEFAULT 0, answer BLOB, error TEXT);
+CREATE INDEX IF NOT EXISTS work_by_state ON work(state, kind, id);
 """
+#: Bumped whenever SCHEMA or the in-place migrations below change; stored as SQLite's user_version so a
+#: database written by a newer release is refused instead of misread.
+SCHEMA_VERSION = 3
+WorkKind = Literal["recompute", "replay", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -94,21 +107,44 @@ class Store:
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.execute("PRAGMA busy_timeout=5000")
-        self.conn.executescript(SCHEMA)
-        self._add_client_columns()
-        # Nonces go through a second connection with synchronous=NORMAL: a commit there is written to the WAL
+        self._migrate()
+        # Nonces (and the transient work queue and role reports, which a power loss may drop: requesters resend,
+        # roles report again) go through a second connection with synchronous=NORMAL: a commit there is written to the WAL
         # (the OS page cache) without an fsync. That survives a kill -9 of the coordinator exactly (the OS still
         # has the bytes), and the next synchronous=FULL commit on self.conn (any accepted result or step)
         # fsyncs those WAL frames too; only a power loss can drop the last unsynced nonces, reopening a replay
         # window of at most request_window_s for requests captured just before it. That is the cost of not
         # paying an fsync (~5 ms here) on every signed request, which made nonces the throughput ceiling.
-        self.nonce_conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self.nonce_conn.execute("PRAGMA synchronous=NORMAL")
-        self.nonce_conn.execute("PRAGMA busy_timeout=5000")
+        self.light_conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.light_conn.row_factory = sqlite3.Row
+        self.light_conn.execute("PRAGMA synchronous=NORMAL")
+        self.light_conn.execute("PRAGMA busy_timeout=5000")
 
     def close(self) -> None:
-        self.nonce_conn.close()
+        self.light_conn.close()
         self.conn.close()
+
+    def _migrate(self) -> None:
+        """Create the schema, add columns later releases introduced, and record the schema version — one
+        exclusive transaction, so two role processes opening a new run directory at once do not race."""
+        self.conn.execute("BEGIN EXCLUSIVE")
+        try:
+            found = int(self.conn.execute("PRAGMA user_version").fetchone()[0])
+            if found > SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path} was written by a newer echo-swarm (schema {found}, this release "
+                                   f"reads up to {SCHEMA_VERSION}); upgrade echo-swarm to use this run directory")
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self.conn.execute(statement)
+            self._add_client_columns()
+            self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
+    def schema_version(self) -> int:
+        return int(self.conn.execute("PRAGMA user_version").fetchone()[0])
 
     # -- transactions -------------------------------------------------------------------------------------
     def _tx(self) -> _Tx:
@@ -183,13 +219,13 @@ class Store:
     def remember_nonce(self, nonce: bytes, expires: float) -> bool:
         """Record a nonce; False if it was already seen (a replay). Durable across a process crash, not a power
         loss (see __init__)."""
-        with _Tx(self.nonce_conn):
-            return self.nonce_conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
+        with _Tx(self.light_conn):
+            return self.light_conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
                                            (nonce, expires)).rowcount == 1
 
     def prune_nonces(self, now: float) -> int:
-        with _Tx(self.nonce_conn):
-            return self.nonce_conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
+        with _Tx(self.light_conn):
+            return self.light_conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
 
     # -- versions and jobs --------------------------------------------------------------------------------
     def current_version(self) -> int | None:
@@ -371,6 +407,83 @@ class Store:
         with self._tx():
             self.conn.execute("INSERT OR REPLACE INTO evals(version, accuracy, n, at) VALUES(?,?,?,?)",
                               (version, accuracy, n, now))
+
+    # -- work queue: verification and evaluation requests between role processes (coordinator.workqueue) --
+    def work_submit(self, kind: WorkKind, version: int, request: bytes, now: float) -> int:
+        with _Tx(self.light_conn):
+            cur = self.light_conn.execute("INSERT INTO work(kind, version, request, created_at, state) "
+                                    "VALUES(?,?,?,?,'queued')", (kind, version, request, now))
+        return int(cur.lastrowid or 0)
+
+    def work_claim(self, worker: str, kinds: tuple[str, ...], limit: int, until: float, now: float
+                   ) -> list[sqlite3.Row]:
+        """Claim up to ``limit`` queued items (or items whose claim ran out: a worker that died), oldest first."""
+        marks = ",".join("?" * len(kinds))
+        waiting = (f"SELECT id FROM work WHERE kind IN ({marks}) AND (state='queued' OR (state='claimed' AND "
+                   f"claim_until < ?)) ORDER BY id LIMIT ?")
+        if not self.conn.execute(waiting, (*kinds, now, 1)).fetchone():
+            return []  # the common case, polled often: no write lock taken
+        with _Tx(self.light_conn):
+            rows = self.light_conn.execute(waiting, (*kinds, now, limit)).fetchall()
+            ids = [int(r["id"]) for r in rows]
+            self.light_conn.executemany("UPDATE work SET state='claimed', worker=?, claim_until=?, attempts=attempts+1 "
+                                  "WHERE id=?", [(worker, until, i) for i in ids])
+        if not ids:
+            return []
+        return self.light_conn.execute(f"SELECT * FROM work WHERE id IN ({','.join('?' * len(ids))}) ORDER BY id",
+                                 ids).fetchall()
+
+    def work_renew(self, worker: str, ids: list[int], until: float) -> None:
+        with _Tx(self.light_conn):
+            self.light_conn.executemany("UPDATE work SET claim_until=? WHERE id=? AND worker=? AND state='claimed'",
+                                  [(until, i, worker) for i in ids])
+
+    def work_unclaim(self, worker: str) -> int:
+        """A restarted worker hands back what its previous life had claimed, without waiting for the claims to
+        run out."""
+        with _Tx(self.light_conn):
+            cur = self.light_conn.execute("UPDATE work SET state='queued', worker=NULL, claim_until=NULL "
+                                    "WHERE worker=? AND state='claimed'", (worker,))
+        return cur.rowcount
+
+    def work_finish(self, item_id: int, worker: str, answer: bytes | None, error: str | None = None) -> bool:
+        """Record an answer (or a failure) — only by the worker that holds the claim."""
+        with _Tx(self.light_conn):
+            cur = self.light_conn.execute("UPDATE work SET state=?, answer=?, error=? WHERE id=? AND worker=? AND "
+                                    "state='claimed'", ("failed" if error is not None else "done", answer, error,
+                                                        item_id, worker))
+        return cur.rowcount == 1
+
+    def work_item(self, item_id: int) -> sqlite3.Row | None:
+        return self.light_conn.execute("SELECT * FROM work WHERE id=?", (item_id,)).fetchone()
+
+    def work_delete(self, item_ids: list[int]) -> None:
+        with _Tx(self.light_conn):
+            self.light_conn.executemany("DELETE FROM work WHERE id=?", [(i,) for i in item_ids])
+
+    def work_drop(self, kinds: tuple[str, ...]) -> int:
+        """Forget every item of these kinds (their requester restarted and no longer waits for them)."""
+        with _Tx(self.light_conn):
+            cur = self.light_conn.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(kinds))})", kinds)
+        return cur.rowcount
+
+    def work_counts(self) -> dict[str, int]:
+        rows = self.light_conn.execute("SELECT state, COUNT(*) AS n FROM work GROUP BY state").fetchall()
+        return {str(r["state"]): int(r["n"]) for r in rows}
+
+    # -- role status: what each role process reports for the others and the status page -------------------
+    def set_role_status(self, role: str, status: dict[str, Any]) -> None:
+        with _Tx(self.light_conn):
+            self.light_conn.execute("INSERT INTO meta(key,value) VALUES(?,?) ON CONFLICT(key) DO UPDATE SET "
+                                    "value=excluded.value", (f"role:{role}", json.dumps(status, default=str)))
+
+    def role_status(self, role: str) -> dict[str, Any] | None:
+        raw = self.get_meta(f"role:{role}")
+        return None if raw is None else dict(json.loads(raw))
+
+    def role_statuses(self) -> dict[str, dict[str, Any]]:
+        rows = self.light_conn.execute("SELECT key, value FROM meta WHERE key LIKE 'role:%' ORDER BY key").fetchall()
+        return {str(r["key"])[5:]: json.loads(r["value"]) for r in rows}
 
     # -- read models for status ---------------------------------------------------------------------------
     def steps(self) -> list[dict[str, Any]]:

@@ -4,36 +4,42 @@ completion text; a client never reports a reward."""
 from __future__ import annotations
 
 import json
+import logging
 import random
-import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from coordinator.config import ArithmeticTaskConfig, JsonlTaskConfig, TaskConfig
-from shared.errors import EchoSwarmError
+from coordinator.config import ArithmeticTaskConfig, DatasetTaskConfig, JsonlTaskConfig, TaskConfig
+from coordinator.rewards import (
+    BUILTINS,
+    MissingExtra,
+    PluginError,
+    RewardFailed,
+    RewardSet,
+    RewardTerm,
+    ScoredBatch,
+    first_integer,
+    load_plugin,
+    numbers_match,
+    parse_final_number,
+    regex_reward,
+)
+from coordinator.task_data import MissingDependency, TaskError, read_rows, split_items
 
-# Numbers are ASCII digits only. Python's \d (and int(), float()) also take Arabic-Indic, Devanagari, fullwidth
-# and every other Unicode decimal digit; the answer a reward counts is written in ASCII digits, so "٤٢" or "４２" is
-# not 42. A run of digits is found with the Unicode \d (so "4٢" is one run, not "4" followed by text) and a run
-# holding any non-ASCII digit is not a number at all: it counts as text, like a word. The sign is the ASCII "-".
-_INT = re.compile(r"-?\d+")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+__all__ = ["ArithmeticTask", "DatasetTask", "JsonlQATask", "MissingDependency", "RewardFailed", "ScoredBatch",
+           "Task", "TaskError", "TaskItem", "first_integer", "make_task", "parse_final_number"]
 
-
-def _ascii_numbers(pattern: re.Pattern[str], text: str) -> Iterator[str]:
-    return (m.group() for m in pattern.finditer(text) if m.group().isascii())
-
-
-class TaskError(EchoSwarmError):
-    """A task's data file is missing or malformed."""
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class TaskItem:
-    prompt: str
+    prompt: str  # the formatted prompt text: what the job's tokens encode (TextCodec.encode)
     answer: str
+    source: str | None = field(default=None, compare=False)  # the dataset's prompt before formatting
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)  # extra columns
 
 
 class Task(Protocol):
@@ -41,21 +47,34 @@ class Task(Protocol):
     train: list[TaskItem]
     heldout: list[TaskItem]
 
-    def reward(self, item: TaskItem, completion: str) -> float: ...
+    def reward(self, item: TaskItem, completion: str) -> float:
+        """One completion's reward, for evaluation and displays (a reward that fails counts 0 here)."""
+        ...
+
+    def score(self, items: Sequence[TaskItem], completions: Sequence[str]) -> ScoredBatch:
+        """The rewards of a result's completions, what the learner trains on; raises :class:`RewardFailed`."""
+        ...
 
 
-def first_integer(text: str) -> int | None:
-    """The first integer written in ASCII digits in ``text`` (with a directly preceding ``-``), or None. A run of
-    digits that holds any other Unicode digit ("٤٢", "４2") is not an integer: it is skipped like a word."""
-    first = next(_ascii_numbers(_INT, text), None)
-    return None if first is None else int(first)
+class _OneReward:
+    """score() of a task with one fixed, built-in reward."""
+
+    reward_name: str
+
+    def reward(self, item: TaskItem, completion: str) -> float:
+        raise NotImplementedError
+
+    def score(self, items: Sequence[TaskItem], completions: Sequence[str]) -> ScoredBatch:
+        rewards = [self.reward(it, c) for it, c in zip(items, completions, strict=True)]
+        return ScoredBatch(rewards, {self.reward_name: sum(rewards) / len(rewards)} if rewards else {})
 
 
-class ArithmeticTask:
+class ArithmeticTask(_OneReward):
     """'Q: {a}+{b}= A:' with target ' {a+b}'. Reward 1 iff the first integer in the completion, written in ASCII
     digits (:func:`first_integer`), is a+b."""
 
     name = "arithmetic"
+    reward_name = "first_integer"
 
     def __init__(self, config: ArithmeticTaskConfig) -> None:
         n = config.max_operand + 1
@@ -74,28 +93,11 @@ class ArithmeticTask:
         return 1.0 if first_integer(completion) == int(item.answer) else 0.0
 
 
-def parse_final_number(text: str) -> float | None:
-    """GSM8K convention: the number after '####' if present, else the last number in the text. Numbers are ASCII
-    digits with optional ``,`` grouping, a ``.`` fraction and a leading ``-``; a number holding any other Unicode
-    digit is text, as in :func:`first_integer`."""
-    if "####" in text:
-        text = text.split("####")[-1]
-        candidate = next(_ascii_numbers(_NUMBER, text), None)
-    else:
-        numbers = list(_ascii_numbers(_NUMBER, text))
-        candidate = numbers[-1] if numbers else None
-    if candidate is None:
-        return None
-    try:
-        return float(candidate.replace(",", ""))
-    except ValueError:
-        return None
-
-
-class JsonlQATask:
+class JsonlQATask(_OneReward):
     """GSM8K-format question/answer pairs from JSONL. Reward 1 iff the final number matches."""
 
     name = "jsonl"
+    reward_name = "last_number"
 
     def __init__(self, config: JsonlTaskConfig) -> None:
         self.template = config.prompt_template
@@ -132,12 +134,140 @@ class JsonlQATask:
         return items
 
     def reward(self, item: TaskItem, completion: str) -> float:
-        got = parse_final_number(completion)
-        want = parse_final_number(item.answer)
-        return 1.0 if got is not None and want is not None and abs(got - want) < 1e-6 else 0.0
+        return 1.0 if numbers_match(completion, item.answer) else 0.0
 
 
-def make_task(config: TaskConfig) -> Task:
+def _reward_set(config: DatasetTaskConfig) -> RewardSet:
+    terms = []
+    seen: dict[str, int] = {}
+    for spec in config.rewards:
+        try:
+            if spec.function is not None:
+                fn = load_plugin(spec.function)
+            elif spec.name == "regex":
+                assert spec.pattern is not None  # the config says so
+                fn = regex_reward(spec.pattern)
+            else:
+                assert spec.name is not None
+                fn = BUILTINS[spec.name]()
+        except MissingExtra as exc:
+            raise MissingDependency(str(exc)) from None
+        except PluginError as exc:
+            raise TaskError(str(exc)) from None
+        seen[spec.key] = seen.get(spec.key, 0) + 1
+        key = spec.key if seen[spec.key] == 1 else f"{spec.key}#{seen[spec.key]}"
+        terms.append(RewardTerm(key=key, fn=fn, weight=spec.weight))
+    return RewardSet(terms)
+
+
+class DatasetTask:
+    """Prompts and reference answers from a local dataset (JSONL, Parquet, a datasets folder) with a column
+    mapping; prompts formatted by a plain template or the model's chat template; rewards combined with weights
+    (coordinator.rewards)."""
+
+    name = "dataset"
+
+    def __init__(self, config: DatasetTaskConfig, tokenizer_dir: Path | None = None) -> None:
+        self.config = config
+        self.rewards = _reward_set(config)  # first: a missing extra or plug-in stops the run before reading data
+        self._chat = None
+        self._codec = None
+        if config.chat_template:
+            from coordinator.prompts import ChatTemplate
+            from coordinator.text import TextCodec, TokenizerMissing
+
+            folder = config.tokenizer_path or tokenizer_dir
+            if folder is None:
+                raise TaskError("task.chat_template needs the model's tokenizer folder: set model.path to a model "
+                                "folder, or task.tokenizer_path")
+            self._chat = ChatTemplate.from_folder(folder)
+            try:
+                self._codec = TextCodec.from_folder(folder)
+            except TokenizerMissing as exc:
+                raise TaskError(str(exc)) from None
+        train = self._items(config.train_path, config.train_split)
+        if config.heldout_path is not None:
+            self.train, self.heldout = train, self._items(config.heldout_path, config.heldout_split)
+        else:
+            self.train, self.heldout = split_items(train, heldout_size=config.heldout_size,
+                                                   heldout_fraction=config.heldout_fraction, seed=config.split_seed,
+                                                   source=config.train_path)
+
+    def _items(self, path: Path, split: str) -> list[TaskItem]:
+        cfg = self.config
+        rows = read_rows(path, cfg.format, split)
+        if not rows:
+            raise TaskError(f"{path} holds no rows")
+        wanted = [cfg.prompt_column, *([cfg.answer_column] if cfg.answer_column else []), *cfg.extra_columns]
+        sources: list[str | list[dict[str, Any]]] = []
+        answers, extras = [], []
+        for i, row in enumerate(rows):
+            missing = [c for c in wanted if c not in row]
+            if missing:
+                raise TaskError(f"{path}: row {i} has no column {missing[0]!r} (it has {sorted(row)}); set "
+                                f"task.prompt_column / answer_column / extra_columns to its column names")
+            prompt = row[cfg.prompt_column]
+            if not isinstance(prompt, str) and not _is_conversation(prompt):
+                raise TaskError(f"{path}: row {i}: {cfg.prompt_column!r} is neither text nor a list of "
+                                f"{{role, content}} messages")
+            if not isinstance(prompt, str) and not cfg.chat_template:
+                raise TaskError(f"{path}: row {i}: {cfg.prompt_column!r} is a conversation; set chat_template = "
+                                f"true to render it with the model's chat template")
+            answer = row[cfg.answer_column] if cfg.answer_column else ""
+            if answer is None or isinstance(answer, dict | list):
+                raise TaskError(f"{path}: row {i}: answer {answer!r} is not text or a number")
+            sources.append(prompt)
+            answers.append(str(answer))
+            extras.append({c: row[c] for c in cfg.extra_columns})
+        texts = self._format(sources, extras)
+        return [TaskItem(prompt=t, answer=a, source=s if isinstance(s, str) else _last_user(s), columns=x)
+                for t, a, s, x in zip(texts, answers, sources, extras, strict=True)]
+
+    def _format(self, sources: list[Any], extras: list[dict[str, Any]]) -> list[str]:
+        cfg = self.config
+
+        def fill(src: Any, extra: dict[str, Any]) -> Any:
+            return cfg.prompt_template.format(prompt=src, **extra) if isinstance(src, str) else src
+
+        if self._chat is None:
+            return [fill(s, x) for s, x in zip(sources, extras, strict=True)]
+        from coordinator.prompts import aligned_prompts, chat_messages
+
+        assert self._codec is not None
+        rendered = [self._chat.render(chat_messages(fill(s, x), cfg.system_prompt))
+                    for s, x in zip(sources, extras, strict=True)]
+        return aligned_prompts(rendered, self._codec)
+
+    def score(self, items: Sequence[TaskItem], completions: Sequence[str]) -> ScoredBatch:
+        columns: dict[str, list[Any]] = {"answer": [it.answer for it in items]}
+        for c in self.config.extra_columns:
+            columns[c] = [it.columns.get(c) for it in items]
+        prompts = [it.source if it.source is not None else it.prompt for it in items]
+        return self.rewards.score(prompts, list(completions), columns)
+
+    def reward(self, item: TaskItem, completion: str) -> float:
+        try:
+            return self.score([item], [completion]).rewards[0]
+        except RewardFailed as exc:
+            logger.warning("reward failed while evaluating (counted 0): %s", exc.message)
+            return 0.0
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def _last_user(messages: list[dict[str, Any]]) -> str:
+    users = [m["content"] for m in messages if m.get("role") == "user"]
+    return str(users[-1]) if users else ""
+
+
+def make_task(config: TaskConfig, model_dir: Path | str | None = None) -> Task:
+    """The task of a run. ``model_dir`` is the model folder (model.path; None for 'tiny'): a chat template is read
+    from it when the task asks for one."""
     if isinstance(config, ArithmeticTaskConfig):
         return ArithmeticTask(config)
+    if isinstance(config, DatasetTaskConfig):
+        return DatasetTask(config, None if model_dir in (None, "tiny") else Path(model_dir).expanduser())
     return JsonlQATask(config)

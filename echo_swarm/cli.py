@@ -207,6 +207,14 @@ def coordinator(
     lr: Annotated[Optional[float], typer.Option(help="Learner learning rate.")] = None,
     lease_timeout: Annotated[Optional[float], typer.Option(help="Seconds before an unreturned job is reissued.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads for the learner.")] = None,
+    layout: Annotated[Optional[str], typer.Option(help="processes (each role its own process, restarted if it "
+                                                       "dies) or one-process.")] = None,
+    verifiers: Annotated[Optional[int], typer.Option(help="Verifier processes to start (layout processes).")] = None,
+    role: Annotated[str, typer.Option(help="Run only this role of the run: api, learner or verifier (e.g. another "
+                                           "verifier on another GPU: --role verifier --index 1 with "
+                                           "verification.device set); 'all' runs every role.")] = "all",
+    index: Annotated[int, typer.Option(help="With --role verifier: which verifier this is (0 runs the held-out "
+                                            "evaluations).")] = 0,
 ) -> None:
     """Serve a training run: the learner, job leasing, result verification and snapshot downloads.
 
@@ -220,12 +228,16 @@ def coordinator(
             "run_dir": str(run_dir) if run_dir else None, "model.path": model, "server.host": host,
             "sync_mode": sync_mode, "max_staleness": max_staleness,
             "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
-            "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads,
+            "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
+            "verification.workers": verifiers,
         })
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    raise typer.Exit(run(cfg))
+    if role not in ("all", "api", "learner", "verifier"):
+        typer.echo(f"error: --role {role!r} is not a role; use all, api, learner or verifier", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(run(cfg, role, index))
 
 
 @app.command()

@@ -37,6 +37,7 @@ class Reason(StrEnum):
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
     REPLICA_MISMATCH = "replica_mismatch"  # a spot-check replay of the same seed and version disagreed
     SAMPLING_MISMATCH = "sampling_mismatch"  # tokens far more or less surprising than sampling the policy gives
+    REWARD_FAILED = "reward_failed"  # the run's reward function failed on this result (not the client's fault)
     QUARANTINED = "quarantined"  # too many invalid results in a row; no work until the quarantine ends
     RATE_LIMITED = "rate_limited"  # too many requests from this identity or address; slow down
     REGISTRATION_CLOSED = "registration_closed"  # private swarm: a valid invite token is needed to register
@@ -44,6 +45,7 @@ class Reason(StrEnum):
     NO_SUCH_BLOB = "no_such_blob"
     NOT_FOUND = "not_found"  # no such endpoint
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNAVAILABLE = "unavailable"  # a role the request needs (the verifiers) did not answer in time; resend later
     INTERNAL = "internal_error"
 
 
@@ -72,6 +74,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.LOGPROB_MISMATCH: 422,
     Reason.REPLICA_MISMATCH: 422,
     Reason.SAMPLING_MISMATCH: 422,
+    Reason.REWARD_FAILED: 422,
     Reason.QUARANTINED: 403,
     Reason.RATE_LIMITED: 429,
     Reason.REGISTRATION_CLOSED: 403,
@@ -79,6 +82,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.NO_SUCH_BLOB: 404,
     Reason.NOT_FOUND: 404,
     Reason.METHOD_NOT_ALLOWED: 405,
+    Reason.UNAVAILABLE: 503,
     Reason.INTERNAL: 500,
 }
 

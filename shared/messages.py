@@ -43,7 +43,8 @@ Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e11)]
 LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-1e4, le=1e-3)]
 ProtocolNumber = Annotated[int, Field(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
 # Manifests are stored in the run directory and re-served after an upgrade: their layout has not changed since
-# protocol 1 (protocol 2 only added LeaseResponse.paused), so a snapshot published under protocol 1 stays valid.
+# protocol 1 (protocols 2 and 3 changed lease replies and error codes only), so a snapshot published under
+# protocol 1 or 2 stays valid.
 MANIFEST_PROTOCOLS = (1, PROTOCOL_VERSION)
 ManifestProtocolNumber = Annotated[int, Field(ge=MANIFEST_PROTOCOLS[0], le=MANIFEST_PROTOCOLS[1])]
 AnyProtocolNumber = Annotated[int, Field(ge=0, lt=2**16)]  # envelope: checked explicitly → protocol_version
@@ -153,6 +154,9 @@ class LeaseResponse(Message):
     current_version: Version
     finished: bool
     paused: bool = False  # the operator has paused issuing (`echo-swarm admin pause`): no job until resumed
+    # the coordinator expects this client to work on `current_version` next: fetch it now, ahead of a job
+    # (False: fetch a version only when a job needs it, so an idle swarm does not download every version)
+    prefetch: bool = False
 
 
 class ReleaseRequest(Message):

@@ -9,6 +9,7 @@ torch client and the learner agree to float rounding. torch and transformers are
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,25 @@ def load_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cfg_path = Path(folder) / "tokenizer_config.json"
-    if cfg_path.exists() and json.loads(cfg_path.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
-    return AutoTokenizer.from_pretrained(str(folder))
+    with LOAD_LOCK:
+        if cfg_path.exists() and json.loads(cfg_path.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(str(folder))
+
+
+#: One model or tokenizer load at a time per process: transformers' loading is not thread-safe (a model loaded
+#: while another thread loads one can keep parameters on the meta device), and a coordinator role's verifier and
+#: evaluator threads, or a test beside an in-process coordinator, load concurrently.
+LOAD_LOCK = threading.RLock()
+
+
+def import_backends() -> None:
+    """Import torch and the transformers classes this module uses, on the calling thread, before a process starts
+    threads that load models: transformers' lazy module is not safe to import from two threads at once (one of
+    them gets "cannot import name 'AutoModelForCausalLM'"), as a verifier role's verifier and evaluator threads
+    would otherwise do."""
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
 
 def load_model(folder: Path, device: str = "cpu", dtype: str = "float32", *, own_memory: bool = False) -> Any:
@@ -69,8 +86,9 @@ def load_model(folder: Path, device: str = "cpu", dtype: str = "float32", *, own
     import torch
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
-    model = model.to(device)
+    with LOAD_LOCK:  # from_pretrained builds on the meta device: two threads at once leave weights on it
+        model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+        model = model.to(device)
     if own_memory:
         with torch.no_grad():
             for t in itertools.chain(model.parameters(), model.buffers()):

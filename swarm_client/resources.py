@@ -2,8 +2,10 @@
 
 The size of a policy version is known from its signed manifest (the sum of its file sizes), so the client can
 decide up front, instead of being killed for lack of memory half-way through loading (a common failure of
-volunteer clients on laptops), or filling the disk. Pure functions: sizes in, a refusal with a message that
-says what to do out.
+volunteer clients on laptops), or filling the disk. How much memory a model needs on a given backend, for a
+given job, is estimated in swarm_client/footprint.py; the runner checks that estimate twice, from the manifest
+before downloading and from the verified files and the job's batch before loading. Pure functions: sizes in, a
+refusal with a message that says what to do out.
 """
 
 from __future__ import annotations
@@ -11,12 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.errors import EchoSwarmError
+from swarm_client.footprint import GIB, Need
 
-GIB = 2**30
-# Loading a safetensors checkpoint with transformers needs about its size in memory, plus the runtime
-# (torch, tokenizer, KV cache for a batch of short completions): budget 20 % and a fixed 0.5 GiB on top.
-MEMORY_OVERHEAD_FACTOR = 1.2
-MEMORY_OVERHEAD_BYTES = GIB // 2
 DEFAULT_MEMORY_FRACTION = 0.8  # default ceiling: this share of the machine's RAM
 
 
@@ -34,35 +32,32 @@ class Limits:
     cache_max_bytes: int | None
 
 
-def memory_needed(model_bytes: int) -> int:
-    """Estimated resident memory to load and run a model whose files total ``model_bytes``."""
-    return int(model_bytes * MEMORY_OVERHEAD_FACTOR) + MEMORY_OVERHEAD_BYTES
-
-
 def memory_ceiling(limits: Limits) -> int:
     if limits.memory_bytes is not None:
         return limits.memory_bytes
     return int(limits.total_memory_bytes * DEFAULT_MEMORY_FRACTION)
 
 
-def check_memory(model_bytes: int, limits: Limits, version: int) -> None:
-    need, ceiling = memory_needed(model_bytes), memory_ceiling(limits)
-    if need > ceiling:
+def check_memory(need: Need, model_bytes: int, limits: Limits, version: int) -> None:
+    """``need``: the backend's estimated peak (swarm_client.footprint); ``model_bytes``: the version's files."""
+    ceiling = memory_ceiling(limits)
+    if need.total > ceiling:
         how = ("raise --max-memory-gb (or max_memory_gb in the config file) if this machine has the memory to "
                "spare" if limits.memory_bytes is not None and limits.memory_bytes < limits.total_memory_bytes
                else "this machine does not have enough memory for this run's model; join a run with a smaller "
                     "model, or use a machine with more RAM")
         raise ResourceRefusal(
             f"model too big for this machine: policy version {version} is {model_bytes / GIB:.2f} GiB and needs "
-            f"about {need / GIB:.2f} GiB of memory, but the memory ceiling is {ceiling / GIB:.2f} GiB; {how}.")
+            f"about {need.total / GIB:.2f} GiB of memory ({need.describe()} GiB), but the memory ceiling is "
+            f"{ceiling / GIB:.2f} GiB; {how}.")
 
 
-def check_gpu_memory(model_bytes: int, gpu_memory_bytes: int, gpu_name: str, version: int) -> None:
-    """A model placed wholly on a GPU must fit its memory (same estimate, whole GPU memory as the ceiling)."""
-    need = memory_needed(model_bytes)
-    if need > gpu_memory_bytes:
+def check_gpu_memory(need: Need, gpu_memory_bytes: int, gpu_name: str, version: int) -> None:
+    """A model placed wholly on a GPU must fit its memory (the same estimate, runtime included, against the
+    whole GPU memory: the CUDA context and its workspaces take about what the Python runtime takes in RAM)."""
+    if need.total > gpu_memory_bytes:
         raise ResourceRefusal(
-            f"model too big for this machine's GPU: policy version {version} needs about {need / GIB:.2f} GiB of "
+            f"model too big for this machine's GPU: policy version {version} needs about {need.total / GIB:.2f} GiB of "
             f"GPU memory, {gpu_name} has {gpu_memory_bytes / GIB:.2f} GiB; run on the CPU instead with "
             f"--gpu-layers 0 (or --device cpu), or join a run with a smaller model.")
 

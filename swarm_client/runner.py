@@ -6,8 +6,10 @@ current decoding step, releases the lease so the job is reissued at once, and ex
 Ctrl-C exits immediately.
 
 Before every lease the client asks swarm_client/schedule.py whether it may start work (pause, time windows,
-`--idle-only`); before downloading a version it checks memory and disk (swarm_client/resources.py). The panel
-is swarm_client/panel.py, the pause/status files swarm_client/control.py, the config file swarm_client/config.py.
+`--idle-only`); before downloading a version it checks memory and disk (swarm_client/resources.py), and before
+loading one for a job, memory again from the verified files and the job's batch (swarm_client/footprint.py).
+The panel is swarm_client/panel.py, the pause/status files swarm_client/control.py, the config file
+swarm_client/config.py.
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ from swarm_client.api import CoordinatorClient, CoordinatorUnreachable, RetryPol
 from swarm_client.backends import Backend
 from swarm_client.benchmark import run_benchmark
 from swarm_client.control import is_paused, write_status
+from swarm_client.footprint import (
+    DEFAULT_BATCH,
+    Batch,
+    Need,
+    Weights,
+    llama_need,
+    llama_need_from,
+    read_shape,
+    torch_need,
+    torch_need_from,
+    torch_weights,
+)
 from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
 from swarm_client.panel import Display
@@ -180,11 +194,13 @@ class Runner:
         self._forms: frozenset[str] | None = None  # the snapshot file forms the backend needs (None: all)
         self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
         self.ready_version = -1  # the newest version fetched and verified ahead of need (push-pull prefetch)
+        self.prefetch_target = -1  # the newest version a lease reply asked this client to prefetch
         self._submitting: asyncio.Task[None] | None = None  # the previous job's result, submitted in the background
         # called with (monotonic seconds, job, tokens) for each accepted result: bench/client_overhead.py times
         # the real loop with it
         self.on_result: Callable[[float, Job, int], None] | None = None
         self.backend: Backend | None = None
+        self._batch = DEFAULT_BATCH  # the batch of the job in hand (or the last one): what the memory checks assume
 
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -279,20 +295,57 @@ class Runner:
         self._say("stopping: finishing the current step and releasing the lease (Ctrl-C again to quit now)")
         self.stop.set()
 
-    def _precheck(self, manifest: Manifest, missing_bytes: int) -> None:
-        """Before downloading a version: does it fit this machine's memory ceiling and disk?"""
-        limits = Limits(
+    def _limits(self) -> Limits:
+        return Limits(
             memory_bytes=None if self.cfg.max_memory_gb is None else int(self.cfg.max_memory_gb * GIB),
             total_memory_bytes=int(total_memory_gb() * GIB),
             min_free_disk_bytes=int(self.cfg.min_free_disk_gb * GIB),
             cache_max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB))
-        forms = self._forms
-        model_bytes = sum(f.size for f in manifest.files if forms is None or f.form in forms)
-        check_memory(model_bytes, limits, manifest.version)
+
+    def _is_llama(self) -> bool:
+        from swarm_client.backends import backend_kind
+
+        return self.backend is not None and backend_kind(self.backend) == "llama"
+
+    def _check_need(self, need: Need, version: int, limits: Limits | None = None) -> None:
+        check_memory(need, need.model_bytes, limits or self._limits(), version)
         gpus = self.hardware.gpus if self.hardware else ()
         if self.device.startswith("cuda") and gpus:
-            check_gpu_memory(model_bytes, int(gpus[0].memory_gb * GIB), gpus[0].name, manifest.version)
+            check_gpu_memory(need, int(gpus[0].memory_gb * GIB), gpus[0].name, version)
+
+    def _precheck(self, manifest: Manifest, missing_bytes: int) -> None:
+        """Before downloading a version: does it fit this machine's memory ceiling and disk? Only the files'
+        sizes are known yet; the model's shape and dtype come from the version the backend holds (the same run,
+        so almost always the same architecture), else from the fallbacks of swarm_client/footprint.py. The check
+        before loading (``_check_fits``) is exact."""
+        limits = self._limits()
+        files = [f for f in manifest.files if self._forms is None or f.form in self._forms]
+        held: Path | None = getattr(self.backend, "folder", None)
+        shape = like = None
+        if held is not None:
+            with contextlib.suppress(OSError, ValueError):
+                shape = read_shape(held)
+                like = None if self._is_llama() else torch_weights(held)
+        if self._is_llama():
+            need = llama_need_from(sum(f.size for f in files if f.path.endswith(".gguf")), shape)
+        else:
+            from shared.adapters import ADAPTER_WEIGHTS
+
+            weight_bytes = sum(f.size for f in files if f.path.endswith(".safetensors") and f.path != ADAPTER_WEIGHTS)
+            need = torch_need_from(Weights.from_file_bytes(weight_bytes, like), shape, self._batch)
+        self._check_need(need, manifest.version, limits)
         check_disk(missing_bytes, int(free_disk_gb(self.cfg.home) * GIB), limits, manifest.version)
+
+    def _check_fits(self, folder: Path, batch: Batch, version: int) -> None:
+        """Before loading a verified version to generate ``batch``: the estimate from the version's own files
+        (safetensors or GGUF headers, config.json) and the batch, so that nothing passes the check to be killed
+        by the OOM killer while loading or generating."""
+        try:
+            need = llama_need(folder) if self._is_llama() else torch_need(folder, batch)
+        except (OSError, ValueError) as exc:  # a verified folder reads; if not, loading it says what is wrong
+            logger.info("could not estimate the memory for %s: %s", folder, exc)
+            return
+        self._check_need(need, version)
 
     async def _gate(self) -> str | None:
         """Why no new work may start now (paused, outside the time windows, machine busy), or None."""
@@ -327,6 +380,7 @@ class Runner:
         except (IntegrityError, DownloadStalled, ProtocolError) as exc:  # not fatal: jobs fetch their versions later
             self._say(f"self-benchmark skipped: no verified snapshot of version {info.current_version} ({exc})")
             return
+        self._check_fits(folder, DEFAULT_BATCH, info.current_version)  # DEFAULT_BATCH: the benchmark's workload
         await asyncio.to_thread(backend.load, folder)
         self.stats.benchmark_tokens_per_s = await asyncio.to_thread(run_benchmark, backend)
         if self.stats.benchmark_tokens_per_s is not None:
@@ -347,6 +401,7 @@ class Runner:
             logger.info("could not read earlier credit: %s", exc)
 
     async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend) -> int:
+        self.backend = backend
         info = await api.info()
         if info.protocol != PROTOCOL_VERSION:
             raise ProtocolError(Reason.PROTOCOL_VERSION, f"coordinator speaks protocol {info.protocol}, "
@@ -387,13 +442,11 @@ class Runner:
             self._set_state("waiting")
             # "held": the newest version this client can generate with without waiting — the one it last used,
             # or a newer one already prefetched. Async push-pull binds the job to it while it is within the
-            # staleness bound, so prefetching keeps rollouts as fresh as the swarm allows
+            # staleness bound, so prefetching (when the coordinator asks for it) keeps rollouts as fresh as the
+            # swarm allows
             held = max(held, self.ready_version)
             resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=held), LeaseResponse)
-            if resp.current_version > held and (self.prefetch is None or self.prefetch.done()):
-                # push-pull: the lease reply announces the newest version; fetch it in the background while
-                # generating with the one we hold (a failed prefetch is retried by the job that needs it)
-                self.prefetch = asyncio.create_task(self._prefetch(cache, reg.run_id, resp.current_version))
+            pull = self._consider_prefetch(resp, held, cache, reg.run_id)
             if resp.paused != coordinator_paused:
                 coordinator_paused = resp.paused
                 self._say("the coordinator's operator has paused issuing work; waiting for it to resume"
@@ -402,8 +455,8 @@ class Runner:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
                     break
-                if not resp.paused and resp.current_version > held and await self._pulled(resp.current_version):
-                    continue  # a version announced while idle: pulled it, so ask again with it in hand
+                if not resp.paused and pull and await self._pulled(resp.current_version):
+                    continue  # woken to pull a new version while idle: pulled it, so ask again with it in hand
                 self._set_state("coordinator paused" if resp.paused else "waiting")
                 await self._wait_unless_paused(resp.retry_after_s)
                 continue
@@ -415,9 +468,11 @@ class Runner:
                 await self._release(api, job.job_id, job.lease_id)
                 continue
             self.stats.last_job = job.job_id
+            self._batch = Batch.of_job(job)
             self._set_state("fetching")
             try:
                 folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+                self._check_fits(folder, self._batch, job.version)
             except (IntegrityError, DownloadStalled, ProtocolError) as exc:
                 self._say(f"could not get a verified snapshot of version {job.version} ({exc}); releasing the job")
                 await self._release(api, job.job_id, job.lease_id)
@@ -498,13 +553,31 @@ class Runner:
             await asyncio.wait([self.prefetch], timeout=PULL_WAIT_S)
         return self.ready_version >= version
 
-    async def _prefetch(self, cache: SnapshotCache, run_id: str, version: int) -> object:
-        try:
-            folder = await cache.ensure(run_id, version, None)
-        except (EchoSwarmError, OSError) as exc:
-            logger.info("prefetch of version %d failed: %s", version, exc)
-            return None
-        self.ready_version = max(self.ready_version, version)
+    def _consider_prefetch(self, resp: LeaseResponse, held: int, cache: SnapshotCache, run_id: str) -> bool:
+        """Prefetch by need: fetch a newer version ahead of a job only when the reply says ``prefetch`` (the
+        coordinator expects this client to work on it next); any other client fetches a version when a job needs
+        it, so an idle swarm does not download every version. The fetch runs in the background while the client
+        generates with the version it holds; one runs at a time, and one asked for while another is running
+        follows it. A failed prefetch is only logged (the job that needs the version fetches it again).
+        True when the reply asked for a version newer than ``held``: an idle client then waits for it."""
+        if not resp.prefetch or resp.current_version <= held:
+            return False
+        self.prefetch_target = max(self.prefetch_target, resp.current_version)
+        if self.prefetch is None or self.prefetch.done():
+            self.prefetch = asyncio.create_task(self._prefetch(cache, run_id))
+        return True
+
+    async def _prefetch(self, cache: SnapshotCache, run_id: str) -> object:
+        """Fetch ``prefetch_target`` (and any newer one asked for meanwhile); the last folder, or None."""
+        folder: object = None
+        while self.ready_version < self.prefetch_target:
+            version = self.prefetch_target
+            try:
+                folder = await cache.ensure(run_id, version, None)
+            except (EchoSwarmError, OSError) as exc:
+                logger.info("prefetch of version %d failed: %s", version, exc)
+                return None
+            self.ready_version = max(self.ready_version, version)
         return folder
 
     async def _release(self, api: CoordinatorClient, job_id: str, lease_id: str) -> None:

@@ -41,6 +41,10 @@ from dataclasses import dataclass
 
 PACE_WEIGHT = 0.3  # weight of the newest observation in the pace average
 OVERDUE_FACTOR = 3.0  # a lease is overdue after this many times its holder's expected pace (plus a step)
+# ... and never sooner than this: a pace of tens of milliseconds (a tiny model, or an optimistic self-benchmark that
+# leaves out the snapshot download) would otherwise declare a lease overdue while its result is on the way, and
+# the freed slot would issue a job the learner cannot use (stale on return in sequential pull)
+OVERDUE_FLOOR_S = 5.0
 SUPPLY_SLACK_STEPS = 0.5  # rule 4: a lease in flight counts as supply if expected back this many steps early
 
 
@@ -73,12 +77,13 @@ def update_pace(previous: float | None, observed_s: float) -> float:
 
 
 def due_at(leased_at: float, pace_s: float | None, step_s: float | None) -> float | None:
-    """When a lease's holder is overdue: ``OVERDUE_FACTOR`` × its pace plus one learner step after the lease.
+    """When a lease's holder is overdue: ``OVERDUE_FACTOR`` × its pace plus one learner step after the lease, at
+    least ``OVERDUE_FLOOR_S``.
     An overdue lease stops holding a queue slot (the client has probably vanished or stalled), but stays
     valid until its hard deadline: an honest late result is still accepted."""
     if pace_s is None:
         return None
-    return leased_at + OVERDUE_FACTOR * pace_s + (step_s or 0.0)
+    return leased_at + max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * pace_s + (step_s or 0.0))
 
 
 def expected_back(leased_at: float, pace_s: float | None) -> float | None:

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load_config
-from coordinator.service import Coordinator
+from coordinator.learner_role import LearnerRole
+from coordinator.runfiles import RunFiles
+from coordinator.workqueue import Bell
 from tests.integration.helpers import (
     Proc,
     db_rows,
@@ -40,17 +42,20 @@ def _resumed_learner_matches_snapshot(cfg: Path, tiny_model_dir: Path) -> tuple[
     from safetensors.torch import load_file
 
     async def go() -> tuple[int, int]:
-        coord = Coordinator(load_config(cfg), model_dir=tiny_model_dir)
-        await coord.start()
+        config = load_config(cfg)
+        files = RunFiles.open(config)
+        role = LearnerRole(config, files.store, Bell(), files.snapshots, files.task, model_dir=tiny_model_dir)
+        await role.start()  # the learner role alone, as `--role learner` runs it
         try:
-            version = coord.version
-            published = load_file(str(coord.snapshots.folder(version) / "model.safetensors"))
-            live = coord.learner.model.state_dict()
+            version = role.version
+            published = load_file(str(files.snapshots.folder(version) / "model.safetensors"))
+            live = role.learner.model.state_dict()
             assert published and all(torch.equal(published[k], live[k]) for k in published), "replay diverged"
-            opt = coord.learner.optimizer.state_dict()["state"]
+            opt = role.learner.optimizer.state_dict()["state"]
             return version, int(next(iter(opt.values()))["step"]) if opt else 0
         finally:
-            await coord.stop()
+            await role.stop()
+            files.close()
 
     return asyncio.run(go())
 

@@ -73,7 +73,7 @@ def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] 
     try:
         yield LiveCoordinator(f"http://127.0.0.1:{port}", coord, clock, run_dir)
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(180)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()

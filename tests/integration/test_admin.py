@@ -199,6 +199,9 @@ def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp
     folder = Path(cp["path"])
     assert cp["version"] == 0 and folder.parent == live.run_dir / "exports" and cp["bytes"] > 0
     assert (folder / "model" / "config.json").exists() and (folder / "checkpoint.json").exists()
+    # the learner's newest checkpoint comes along (weights and optimizer state: what a restart resumes from)
+    assert json.loads((folder / "checkpoint.json").read_text())["checkpoint_version"] == 0
+    assert (folder / "checkpoint" / "optimizer.pt").exists() and (folder / "checkpoint" / "checkpoint.json").exists()
     db = sqlite3.connect(folder / "coordinator.sqlite")
     assert db.execute("SELECT version FROM versions").fetchall() == [(0,)]
     db.close()

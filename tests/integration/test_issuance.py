@@ -58,7 +58,7 @@ def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_mo
         answer: list[LeaseResponse] = []
         thread = threading.Thread(target=lambda: answer.append(ask(waiter)), daemon=True)
         thread.start()
-        wait_until(lambda: waiter.client_id in live.coordinator._waiting, 30, "the waiting client's long-poll")
+        wait_until(lambda: waiter.client_id in live.coordinator.issuer.waiting_clients(), 30, "the waiting client's long-poll")
         assert not answer  # still waiting: nothing to hand out
         for r in results:  # two results = one batch: the learner trains and publishes version 1
             status, raw = worker.post("/v1/results", r)
@@ -83,7 +83,7 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
         worker = register(live)
         waiters = [register(live) for _ in range(3)]
         for pace, w in zip((1.0, 2.0, 3.0), waiters, strict=True):
-            live.coordinator._pace[w.client_id] = pace  # as if measured from earlier results
+            live.coordinator.issuer.pace[w.client_id] = pace  # as if measured from earlier results
         jobs = [lease(worker, live.coordinator.public_key) for _ in range(2)]
         results = [honest_result(live, j) for j in jobs]
         live.coordinator.issuing_paused = True
@@ -97,7 +97,8 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
         threads = [threading.Thread(target=wait_for_work, args=(w,), daemon=True) for w in waiters]
         for thread in threads:
             thread.start()
-        wait_until(lambda: all(w.client_id in live.coordinator._waiting for w in waiters), 30, "three long-polls")
+        wait_until(lambda: all(w.client_id in live.coordinator.issuer.waiting_clients() for w in waiters), 30,
+                   "three long-polls")
         for r in results:  # one batch: the learner trains and publishes version 1
             status, raw = worker.post("/v1/results", r)
             assert status == 200, raw
@@ -105,12 +106,14 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
             thread.join(20)  # well before the long-poll's own 25 s
         fast = [answers.get(w.client_id) for w in waiters[:2]]
         assert all(a is not None and a.current_version == 1 and a.job is None and a.paused for a in fast), fast
+        assert all(a is not None and a.prefetch for a in fast)  # woken to pull the version: told to prefetch it
         status, _ = worker.get("/v1/status")  # served after the wake-up the version caused
         assert status == 200
-        assert threads[2].is_alive() and waiters[2].client_id in live.coordinator._waiting  # not next in line
+        # not next in line: still waiting, and never told to prefetch
+        assert threads[2].is_alive() and waiters[2].client_id in live.coordinator.issuer.waiting_clients()
         live.coordinator.issuing_paused = False
         threads[2].join(30)
-        assert waiters[2].client_id in answers
+        assert waiters[2].client_id in answers and not answers[waiters[2].client_id].prefetch
 
 
 def test_a_refused_job_is_reissued_to_another_client(tmp_path: Path, tiny_model_dir: Path) -> None:

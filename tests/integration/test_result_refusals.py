@@ -193,3 +193,25 @@ def test_other_protocol_version_is_refused(setup: Any) -> None:
     msg = refused(client, "/v1/results", wire.pack(req), 426, "protocol_version")
     assert "upgrade" in msg
     assert state(live.run_dir) == before
+
+
+def test_a_failing_reward_refuses_the_result_and_changes_nothing(setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator's reward that raises fails that result (reward_failed, 422, in the audit log), writes no result
+    and costs the client no trust; the next result is scored again."""
+    from coordinator.rewards import RewardFailed
+
+    live, client, job, result = setup
+    task = live.coordinator.task
+
+    def failing(items: Any, completions: Any) -> Any:
+        raise RewardFailed("reward my_rewards:f raised KeyError: 'solution'")
+
+    monkeypatch.setattr(task, "score", failing)
+    before = state(live.run_dir)
+    message = refused(client, "/v1/results", client.envelope("/v1/results", result), 422, "reward_failed")
+    assert "my_rewards:f raised KeyError" in message
+    assert state(live.run_dir) == before
+    audit = live.coordinator.audit(job_id=job.job_id)
+    assert [(a["outcome"], a["reason"]) for a in audit] == [("rejected", "reward_failed")]
+    assert live.coordinator.guard.standings() == [] or all(
+        s.get("consecutive_invalid", 0) == 0 for s in live.coordinator.guard.standings())

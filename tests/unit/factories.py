@@ -91,6 +91,7 @@ def all_messages() -> list[Message]:
         LeaseRequest(backend="llama", held_version=-1),
         LeaseResponse(job=signed_job, retry_after_s=0.5, current_version=4, finished=False),
         LeaseResponse(job=None, retry_after_s=2.0, current_version=4, finished=True),
+        LeaseResponse(job=None, retry_after_s=0.0, current_version=5, finished=False, prefetch=True),
         ReleaseRequest(job_id="v0-j0", lease_id="lease_abc"),
         ReleaseResponse(released=True),
         completion(),

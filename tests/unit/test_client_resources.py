@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from swarm_client.footprint import Need
 from swarm_client.hardware import parse_nvidia_smi
 from swarm_client.resources import (
     GIB,
@@ -12,7 +13,6 @@ from swarm_client.resources import (
     check_disk,
     check_gpu_memory,
     check_memory,
-    memory_needed,
 )
 
 
@@ -22,24 +22,26 @@ def limits(**kw: object) -> Limits:
     return Limits(**(base | kw))  # type: ignore[arg-type]
 
 
-def test_memory_need_estimate() -> None:
-    assert memory_needed(10 * GIB) == 12 * GIB + GIB // 2
+def need(total: float) -> Need:
+    return Need({"weights": int(total * GIB) - GIB // 2, "runtime": GIB // 2})
 
 
 def test_model_fitting_the_default_ceiling_passes() -> None:
-    check_memory(8 * GIB, limits(), version=3)  # 10.1 GiB ≤ 80 % of 16 GiB
+    check_memory(need(12.8), 8 * GIB, limits(), version=3)  # exactly 80 % of 16 GiB
 
 
 def test_model_too_big_for_the_machine() -> None:
     with pytest.raises(ResourceRefusal, match="model too big for this machine") as err:
-        check_memory(14 * GIB, limits(), version=3)
-    assert "version 3 is 14.00 GiB" in str(err.value) and "smaller model" in str(err.value)
+        check_memory(need(12.9), 8 * GIB, limits(), version=3)
+    text = str(err.value)
+    assert "version 3 is 8.00 GiB" in text and "needs about 12.90 GiB" in text and "smaller model" in text
+    assert "(weights 12.40, runtime 0.50 GiB)" in text  # what the estimate is made of
 
 
 def test_model_over_the_volunteers_own_ceiling_names_the_flag() -> None:
     with pytest.raises(ResourceRefusal, match="--max-memory-gb"):
-        check_memory(4 * GIB, limits(memory_bytes=2 * GIB), version=0)
-    check_memory(GIB, limits(memory_bytes=2 * GIB), version=0)
+        check_memory(need(2.5), GIB, limits(memory_bytes=2 * GIB), version=0)
+    check_memory(need(2), GIB, limits(memory_bytes=2 * GIB), version=0)
 
 
 def test_disk_check_keeps_the_reserve_free() -> None:
@@ -60,6 +62,6 @@ def test_nvidia_smi_parsing() -> None:
 
 
 def test_gpu_memory_check_suggests_the_cpu() -> None:
-    check_gpu_memory(10 * GIB, 24 * GIB, "NVIDIA RTX 4090", version=2)
+    check_gpu_memory(need(12.5), 24 * GIB, "NVIDIA RTX 4090", version=2)
     with pytest.raises(ResourceRefusal, match="GPU memory.*RTX 3060 has 12.00 GiB.*--gpu-layers 0"):
-        check_gpu_memory(10 * GIB, 12 * GIB, "NVIDIA GeForce RTX 3060", version=2)
+        check_gpu_memory(need(12.5), 12 * GIB, "NVIDIA GeForce RTX 3060", version=2)

@@ -8,6 +8,7 @@ import pydantic
 import pytest
 
 from shared import messages, wire
+from shared.errors import ProtocolError, Reason
 from shared.messages import ClientProfile, LeaseResponse, Message, SignedJob
 
 from .factories import all_messages, job, profile
@@ -45,6 +46,19 @@ def test_default_field_may_be_omitted_on_the_wire() -> None:
     obj = wire.unpack(wire.encode(profile()))
     del obj["name"]
     assert wire.decode(wire.pack(obj), ClientProfile).name == ""
+
+
+def test_lease_prefetch_is_optional_and_strictly_a_bool() -> None:
+    # a coordinator that predates LeaseResponse.prefetch omits it: the client reads "fetch when a job needs it"
+    obj = wire.unpack(wire.encode(LeaseResponse(job=None, retry_after_s=1.0, current_version=3, finished=False,
+                                                prefetch=True)))
+    assert obj["prefetch"] is True
+    del obj["prefetch"]
+    assert wire.decode(wire.pack(obj), LeaseResponse).prefetch is False
+    for wrong in (1, "true", None):
+        with pytest.raises(ProtocolError) as info:
+            wire.decode(wire.pack(obj | {"prefetch": wrong}), LeaseResponse)
+        assert info.value.reason is Reason.SCHEMA
 
 
 def test_messages_are_frozen() -> None:

@@ -11,6 +11,7 @@ import pytest
 from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.pacing import (
     OVERDUE_FACTOR,
+    OVERDUE_FLOOR_S,
     PACE_WEIGHT,
     ClientSpeed,
     due_at,
@@ -53,6 +54,8 @@ def test_faster_count_treats_unknown_as_slowest() -> None:
 
 def test_due_at_hand_value_and_unknown() -> None:
     assert due_at(100.0, 2.0, 1.5) == pytest.approx(100.0 + OVERDUE_FACTOR * 2.0 + 1.5)
+    # a pace of milliseconds (tiny model, optimistic self-benchmark) never makes a lease overdue at once
+    assert due_at(100.0, 0.02, 0.1) == pytest.approx(100.0 + OVERDUE_FLOOR_S)
     assert due_at(100.0, None, 1.5) is None
 
 

@@ -277,3 +277,29 @@ def test_config_refuses_no_checkpoint_trigger_and_knows_the_dtypes() -> None:
         load_config(None, {"snapshots.dtype": "int8"})
     cfg = load_config(None, {"snapshots.dtype": "bfloat16", "learner.checkpoint_every_steps": 0})
     assert cfg.snapshots.dtype == "bfloat16" and cfg.learner.checkpoint_every_s > 0
+
+
+def test_a_reading_process_serves_a_shared_file_after_the_publisher_pruned_the_version_it_indexed(
+        tmp_path: Path) -> None:
+    """The API (a reader) indexed v0 and v1, whose config.json is the same file; the learner's publisher (the writer,
+    another process) then prunes v0. The reader must still serve that file, from v1, not answer 404."""
+    key = crypto.generate_key()
+    writer = SnapshotStore(tmp_path / "snapshots", key, "run1")
+    reader = SnapshotStore(tmp_path / "snapshots", key, "run1")
+
+    def files(tag: bytes) -> Any:
+        def write(folder: Path) -> None:
+            (folder / "config.json").write_bytes(b'{"same": "every version"}')
+            (folder / "model.safetensors").write_bytes(tag)
+
+        return write
+
+    for v in range(2):
+        writer.publish(v, files(b"weights %d" % v), now=1.0)
+    reader.observe([0, 1])
+    shared = sha256_file(writer.folder(1) / "config.json")
+    own0 = sha256_file(writer.folder(0) / "model.safetensors")
+    writer.prune({1})
+    assert reader.blob_path(shared) == writer.folder(1) / "config.json"
+    assert reader.blob_path(own0) is None  # only in the pruned version: gone
+    assert reader.signed_manifest(0) is None  # and the reader no longer offers that version

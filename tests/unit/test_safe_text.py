@@ -13,7 +13,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from shared import wire
+from shared import PROTOCOL_VERSION, wire
 from shared.errors import ProtocolError, Reason
 from shared.messages import ClientProfile, ErrorBody, Info, RegisterRequest
 from shared.safe_text import CONTINUATION, SafeFormatter, check_printable, escape, first_unsafe
@@ -124,7 +124,7 @@ def test_the_rule_also_holds_for_locally_built_messages() -> None:
 
 def test_coordinator_strings_a_client_decodes_are_checked_too() -> None:
     # ShortText is one type: a coordinator's Info cannot smuggle an escape sequence into the volunteer's terminal.
-    info = {"protocol": 2, "run_id": "abc\x1b]0;pwned\x07", "coordinator_public_key": b"k" * 32,
+    info = {"protocol": PROTOCOL_VERSION, "run_id": "abc\x1b]0;pwned\x07", "coordinator_public_key": b"k" * 32,
             "current_version": 0, "sync_mode": "sequential-pull", "task": "arithmetic", "finished": False,
             "server_time": 1.0}
     with pytest.raises(ProtocolError) as err:

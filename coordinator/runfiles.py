@@ -1,0 +1,61 @@
+"""What every role opens first: the run directory's database, signing key, run id, task and snapshot folder.
+
+Several role processes may open a new run directory at the same moment; the key and the run id are created under
+an exclusive file lock, so all of them sign with the same key and speak of the same run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from coordinator.config import CoordinatorConfig
+from coordinator.snapshots import SnapshotStore
+from coordinator.store import Store
+from coordinator.tasks import Task, make_task
+from shared import crypto
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunFiles:
+    config: CoordinatorConfig
+    store: Store
+    key: Ed25519PrivateKey
+    run_id: str
+    snapshots: SnapshotStore
+    task: Task
+
+    @property
+    def public_key(self) -> bytes:
+        return crypto.public_bytes(self.key)
+
+    @classmethod
+    def open(cls, config: CoordinatorConfig) -> RunFiles:
+        run_dir = Path(config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / ".setup.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                store = Store(run_dir / "coordinator.sqlite")
+                key, created = crypto.load_or_create_key(run_dir / "coordinator.key")
+                if created:
+                    logger.info("created coordinator key %s", run_dir / "coordinator.key")
+                run_id = store.get_meta("run_id")
+                if run_id is None:
+                    run_id = secrets.token_hex(6)
+                    store.set_meta("run_id", run_id)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return cls(config=config, store=store, key=key, run_id=run_id,
+                   snapshots=SnapshotStore(run_dir / "snapshots", key, run_id),
+                   task=make_task(config.task, config.model.path))
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,207 @@
+"""The verifier role: claims recompute, replay and evaluation requests from the store and answers them.
+
+One or more run beside the learner, each in its own process (``echo-swarm coordinator --role verifier``) with its
+own model replicas on its own device (``verification.device``), or inside the one process of the in-process
+layout. Concurrent requests of one version are batched into one forward pass by :class:`coordinator.verifier.
+Verifier`. Only the first worker (``verifier-0``) runs held-out evaluations, one at a time, on its own thread.
+
+A worker that dies leaves its claims behind; they run out after ``verification.claim_s`` and another worker takes
+them, or the restarted worker hands them back at once (:meth:`Store.work_unclaim`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from coordinator.snapshots import SnapshotStore
+from coordinator.store import Store
+from coordinator.tasks import Task
+from coordinator.text import TextCodec
+from coordinator.workqueue import POLL_S, Bell, stats_answer
+from shared import wire
+
+logger = logging.getLogger(__name__)
+
+#: Requests one worker holds at once: enough to fill a batched forward pass, few enough that a dead worker
+#: strands little.
+CLAIM_BATCH = 16
+#: Seconds between this worker's reports in the store (role status, claim renewals).
+REPORT_EVERY_S = 2.0
+
+
+def worker_name(index: int) -> str:
+    return f"verifier-{index}"
+
+
+async def wait_for_first_version(store: Store, bell: Bell, role: str) -> int:
+    """Roles that read snapshots start once the learner has published version 0."""
+    said = False
+    while (current := store.current_version()) is None:
+        if not said:
+            logger.info("%s: waiting for the learner to publish version 0", role)
+            said = True
+        await bell.wait(POLL_S * 4)
+    return current
+
+
+class VerifierWorker:
+    def __init__(self, config: CoordinatorConfig, store: Store, bell: Bell, snapshots: SnapshotStore, task: Task,
+                 *, index: int = 0) -> None:
+        self.config = config
+        self.store = store
+        self.bell = bell
+        self.snapshots = snapshots
+        self.task = task
+        self.name = worker_name(index)
+        self.kinds: tuple[str, ...] = ("recompute", "replay") + (("evaluate",) if index == 0 else ())
+        self._inflight: dict[int, asyncio.Task[None]] = {}
+        self.evaluations = 0
+        self.eval_s = 0.0
+
+    async def start(self) -> None:
+        from shared.policy import import_backends, pick_device
+
+        import_backends()  # on this thread, before the verifier's and evaluator's threads load models
+
+        current = await wait_for_first_version(self.store, self.bell, self.name)
+        self.snapshots.observe(v["version"] for v in self.store.versions())
+        lora = self.config.learner.lora_rank > 0
+        folder = self.snapshots.base_dir if lora else self.snapshots.folder(current)
+        codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists()
+                                      else self.snapshots.folder(current))
+        vcfg = self.config.verification
+        threads = vcfg.threads or self.config.learner.threads
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)  # process-wide: this role's own pool, not the learner's
+        device = pick_device(self.config.model.device if vcfg.device == "auto" else vcfg.device)
+        self.verifier = _make_verifier(self.config, self.snapshots, self.store, device, codec)
+        self.evaluator: Any = None
+        if "evaluate" in self.kinds:
+            from coordinator.evaluation import Evaluator
+            from coordinator.lora import VersionLoader
+
+            lora_eval = VersionLoader(self.snapshots.base_dir).load_eval if lora else None
+            self.evaluator = Evaluator(self.task, self.task.heldout[: self.config.learner.eval_size],
+                                       self.config.sampling.max_tokens, device=device, load=lora_eval)
+        handed_back = self.store.work_unclaim(self.name)
+        if handed_back:
+            logger.info("%s: took back %d requests its previous run had claimed", self.name, handed_back)
+        self._report()
+        logger.info("%s ready on %s", self.name, device)
+
+    def _report(self) -> None:
+        self.store.set_role_status(self.name, {
+            "pid": os.getpid(), "device": self.verifier.device, "at": time.time(), "in_flight": len(self._inflight),
+            "evaluations": self.evaluations, "eval_s": self.eval_s, **self.verifier.describe()})
+
+    async def run(self) -> None:
+        """Claim, answer, report — until cancelled."""
+        next_report = time.monotonic() + REPORT_EVERY_S
+        try:
+            while True:
+                free = CLAIM_BATCH - len(self._inflight)
+                if free > 0:
+                    now = time.time()
+                    for row in self.store.work_claim(self.name, self.kinds, free,
+                                                     now + self.config.verification.claim_s, now):
+                        task = asyncio.create_task(self._answer(row), name=f"{self.name}-{row['id']}")
+                        self._inflight[int(row["id"])] = task
+                        task.add_done_callback(self._forget)
+                if time.monotonic() >= next_report:
+                    next_report = time.monotonic() + REPORT_EVERY_S
+                    if self._inflight:
+                        self.store.work_renew(self.name, list(self._inflight),
+                                              time.time() + self.config.verification.claim_s)
+                    self.snapshots.observe(v["version"] for v in self.store.versions())
+                    self._report()
+                await self.bell.wait(POLL_S)
+        finally:
+            for task in list(self._inflight.values()):
+                task.cancel()
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        for item, t in list(self._inflight.items()):
+            if t is task:
+                del self._inflight[item]
+
+    async def _answer(self, row: Any) -> None:
+        from coordinator.verifier import VersionGone
+
+        item, kind, version = int(row["id"]), str(row["kind"]), int(row["version"])
+        request = wire.unpack(row["request"], max_bytes=len(row["request"]))
+        try:
+            if kind == "evaluate":
+                await self._evaluate(item, version)
+                return
+            if self.snapshots.signed_manifest(version) is None:  # published since the last look?
+                self.snapshots.observe(v["version"] for v in self.store.versions())
+            if kind == "recompute":
+                answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
+                                                                          version))
+            else:
+                tokens = await self.verifier.replay(request["prompts"], group_size=int(request["group_size"]),
+                                                    seed=int(request["seed"]), max_tokens=int(request["max_tokens"]),
+                                                    version=version)
+                answer = wire.pack({"tokens": tokens})
+            self.store.work_finish(item, self.name, answer)
+        except (VersionGone, FileNotFoundError):
+            self.store.work_finish(item, self.name, wire.pack({"gone": True}))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("%s: %s request %d failed", self.name, kind, item)
+            self.store.work_finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
+        self.bell.ring()
+
+    async def _evaluate(self, item: int, version: int) -> None:
+        """A held-out evaluation of a published version, recorded in the store; nobody waits for the answer."""
+        assert self.evaluator is not None
+        try:
+            out = await asyncio.wrap_future(self.evaluator.submit(version, self.snapshots.folder(version)))
+        except OSError as exc:  # the version was pruned before it was loaded
+            logger.warning("held-out evaluation of version %d skipped: %s", version, exc)
+        else:
+            self.store.record_eval(out.version, out.accuracy, out.n, time.time())
+            self.evaluations += 1
+            self.eval_s += out.seconds
+            logger.info("version %d: held-out greedy accuracy %.3f on %d prompts (%.1fs, off the learner)", version,
+                        out.accuracy, out.n, out.seconds)
+        self.store.work_delete([item])
+
+    def close(self) -> None:
+        for task in list(self._inflight.values()):
+            task.cancel()
+        with contextlib.suppress(AttributeError):
+            self.verifier.close()
+        evaluator = getattr(self, "evaluator", None)
+        if evaluator is not None:
+            evaluator.close()
+
+
+def _make_verifier(config: CoordinatorConfig, snapshots: SnapshotStore, store: Store, device: str,
+                   codec: TextCodec) -> Any:
+    """A :class:`coordinator.verifier.Verifier` reading this run's published folders (a LoRA version is the shared
+    base plus its adapter, coordinator.lora)."""
+    from coordinator.lora import VersionLoader
+    from coordinator.verifier import Verifier
+
+    def folder_of(version: int) -> Path | None:
+        return snapshots.folder(version) if snapshots.signed_manifest(version) is not None else None
+
+    loaders: dict[str, Any] = {}
+    if config.learner.lora_rank > 0:
+        lora_versions = VersionLoader(snapshots.base_dir)
+        loaders = {"load_first": lora_versions.load_first, "load_into": lora_versions.load_into,
+                   "load_state": lora_versions.load_state}
+    return Verifier(folder_of, device=device, dtype=config.model.dtype, temperature=config.sampling.temperature,
+                    pad_id=codec.pad_id, stop_ids=codec.stop_ids, cached_versions=config.verification.cached_versions,
+                    **loaders)

@@ -1,0 +1,139 @@
+"""The store as the meeting point of role processes (issue 12): the work queue between the API and the verifiers,
+the schema version, the torch-free text codec, and snapshot indexing in a reading process."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.core.verify import TokenStats
+from coordinator.store import SCHEMA_VERSION, Store
+from coordinator.verifier import VersionGone
+from coordinator.workqueue import Bell, RemoteVerifier, VerificationError, VerifierUnavailable, stats_answer
+from shared import wire
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(tmp_path / "coordinator.sqlite")
+    yield s
+    s.close()
+
+
+def test_claims_are_exclusive_and_expire_to_another_worker(store: Store) -> None:
+    a = store.work_submit("recompute", 3, b"req-a", 0.0)
+    b = store.work_submit("recompute", 3, b"req-b", 0.0)
+    first = store.work_claim("verifier-0", ("recompute",), 1, until=100.0, now=10.0)
+    assert [r["id"] for r in first] == [a]
+    second = store.work_claim("verifier-1", ("recompute",), 5, until=1000.0, now=10.0)
+    assert [r["id"] for r in second] == [b]  # a is held by verifier-0
+    assert store.work_claim("verifier-1", ("recompute",), 5, until=100.0, now=50.0) == []
+    # verifier-0 died: its claim runs out and verifier-1 takes the request
+    taken = store.work_claim("verifier-1", ("recompute",), 5, until=300.0, now=150.0)
+    assert [(r["id"], r["attempts"]) for r in taken] == [(a, 2)]
+    assert not store.work_finish(a, "verifier-0", b"late")  # the old holder can no longer answer
+    assert store.work_finish(a, "verifier-1", b"answer")
+    assert store.work_item(a)["answer"] == b"answer"
+
+
+def test_a_restarted_worker_hands_back_its_claims_at_once(store: Store) -> None:
+    a = store.work_submit("replay", 1, b"r", 0.0)
+    store.work_claim("verifier-0", ("replay",), 4, until=1e12, now=1.0)
+    assert store.work_claim("verifier-1", ("replay",), 4, until=1e12, now=2.0) == []
+    assert store.work_unclaim("verifier-0") == 1
+    assert [r["id"] for r in store.work_claim("verifier-1", ("replay",), 4, until=1e12, now=3.0)] == [a]
+
+
+def test_kinds_are_claimed_only_by_workers_that_take_them(store: Store) -> None:
+    store.work_submit("evaluate", 2, b"", 0.0)
+    assert store.work_claim("verifier-1", ("recompute", "replay"), 4, until=10.0, now=1.0) == []
+    assert len(store.work_claim("verifier-0", ("recompute", "replay", "evaluate"), 4, until=10.0, now=1.0)) == 1
+
+
+def test_a_database_from_a_newer_release_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "coordinator.sqlite"
+    Store(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(RuntimeError, match="newer echo-swarm"):
+        Store(path)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+    conn.close()
+
+
+def test_schema_version_is_recorded(store: Store) -> None:
+    assert store.schema_version() == SCHEMA_VERSION
+
+
+def _answer_with(store: Store, bell: Bell, answer: bytes | None, error: str | None = None) -> asyncio.Task[None]:
+    async def worker() -> None:
+        while not (rows := store.work_claim("verifier-0", ("recompute", "replay"), 1, until=1e12, now=1.0)):
+            await bell.wait(0.01)
+        store.work_finish(int(rows[0]["id"]), "verifier-0", answer, error)
+        bell.ring()
+
+    return asyncio.get_running_loop().create_task(worker())
+
+
+def test_remote_verifier_returns_the_workers_stats_and_cleans_up(store: Store) -> None:
+    stats = TokenStats(logprobs=[[-0.5, -1.25]], entropy=[[1.0, 2.0]], variance=[[0.1, 0.2]], top=[[-0.1, -0.2]])
+
+    async def go() -> TokenStats:
+        bell = Bell()
+        remote = RemoteVerifier(store, bell, wait_s=30, device="cpu")
+        task = _answer_with(store, bell, stats_answer(stats))
+        out = await remote.recompute_stats([[1, 2]], [[3, 4]], 0)
+        await task
+        return out
+
+    assert asyncio.run(go()) == stats
+    assert store.work_counts() == {}  # the answered request is gone
+
+
+def test_remote_verifier_maps_gone_failed_and_silent_workers(store: Store) -> None:
+    async def ask(answer: bytes | None, error: str | None = None, wait_s: float = 30) -> None:
+        bell = Bell()
+        remote = RemoteVerifier(store, bell, wait_s=wait_s, device="cpu")
+        task = _answer_with(store, bell, answer, error) if (answer or error) else None
+        try:
+            await remote.recompute_stats([[1]], [[2]], 5)
+        finally:
+            if task is not None:
+                await task
+
+    with pytest.raises(VersionGone):
+        asyncio.run(ask(wire.pack({"gone": True})))
+    with pytest.raises(VerificationError, match="boom"):
+        asyncio.run(ask(None, "RuntimeError: boom"))
+    with pytest.raises(VerifierUnavailable):
+        asyncio.run(ask(None, wait_s=0.2))  # no worker at all
+    assert store.work_counts() == {}
+
+
+def test_text_codec_matches_transformers_without_torch(tiny_model_dir: Path) -> None:
+    import random
+    import subprocess
+
+    from coordinator.text import TextCodec
+    from shared.policy import load_tokenizer, stop_token_ids
+
+    probe = ("import sys; from coordinator.text import TextCodec; "
+             f"c = TextCodec.from_folder({str(tiny_model_dir)!r}); c.decode(c.encode('1+2=')); "
+             "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    codec = TextCodec.from_folder(tiny_model_dir)
+    tok = load_tokenizer(tiny_model_dir)
+    for text in ("12+34=", "What is 5 + 7? ", " spaces  and\nlines "):
+        assert codec.encode(text) == list(tok.encode(text))
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(codec.vocab_size) for _ in range(24)]
+        assert codec.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+    assert codec.stop_ids == stop_token_ids(tok)
