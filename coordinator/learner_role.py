@@ -18,6 +18,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from coordinator.publisher import Publication, Published, Publisher
 from coordinator.snapshots import SnapshotFiles, SnapshotStore
 from coordinator.store import JobRow, Store
 from coordinator.tasks import Task
-from coordinator.text import TextCodec
+from coordinator.text import PromptTokens, TextCodec
 from coordinator.workqueue import POLL_S, Bell
 from shared import wire
 
@@ -58,6 +59,15 @@ def resolve_model_dir(config: CoordinatorConfig) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Batch:
+    samples: list[Any]  # coordinator.learner.Sample
+    rewards: list[float]
+    staleness_histogram: dict[str, int]  # staleness (as a string) → results
+    rows: list[Any]  # store.ResultRow
+    reward_means: dict[str, float]  # each reward's own mean, when the task combines several
+
+
 class LearnerRole:
     def __init__(self, config: CoordinatorConfig, store: Store, bell: Bell, snapshots: SnapshotStore, task: Task, *,
                  clock: Callable[[], float] = time.time, model_dir: Path | None = None,
@@ -73,7 +83,6 @@ class LearnerRole:
         self._plan_job = plan_job
         self.run_dir = Path(config.run_dir)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
-        self._prompt_cache: dict[int, list[int]] = {}
         self.version = 0
         self.finished = False
         self.started_at = clock()
@@ -86,7 +95,6 @@ class LearnerRole:
         self._last_checkpoint_version = 0
         self._last_checkpoint_at = time.monotonic()
         self._verify_s_seen = self._eval_s_seen = 0.0
-        self._reward_parts: dict[str, list[float]] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -102,7 +110,7 @@ class LearnerRole:
         self.publisher = Publisher(self.snapshots, self.checkpoints)
         if current is None:
             model_dir = self._model_dir or await self._run(resolve_model_dir, self.config)
-            self.codec = TextCodec.from_folder(model_dir)
+            self._set_codec(TextCodec.from_folder(model_dir))
             self.learner = await self._run(self._make_learner, model_dir)
             files, checkpoint = await self._run(self._hand_over, True)
             published = await asyncio.wrap_future(self.publisher.submit(
@@ -152,8 +160,8 @@ class LearnerRole:
             base = self.snapshots.base_dir
             start_dir = base if (base / "config.json").exists() else (
                 self._model_dir or await self._run(resolve_model_dir, self.config))
-        self.codec = TextCodec.from_folder(start_dir if (start_dir / "tokenizer.json").exists()
-                                           else self.snapshots.folder(current))
+        self._set_codec(TextCodec.from_folder(start_dir if (start_dir / "tokenizer.json").exists()
+                                              else self.snapshots.folder(current)))
         self.learner = await self._run(self._make_learner, start_dir)
         if ckpt is None:
             self.learner.model_version = current
@@ -171,11 +179,15 @@ class LearnerRole:
         trained_from = {int(s["step"]): int(s["trained_version"]) for s in self.store.steps() if s["step"] > ckpt}
         t0 = time.monotonic()
         for step in range(ckpt + 1, current + 1):
-            samples, _, _, _ = self._batch_samples(trained_from[step], sorted(by_step[step]))
-            await self._run(self.learner.train_step, samples)
+            batch = self._batch_samples(trained_from[step], sorted(by_step[step]))
+            await self._run(self.learner.train_step, batch.samples)
         assert self.learner.model_version == current, (self.learner.model_version, current)
         logger.info("restored the checkpoint of version %d and replayed %d steps in %.1fs", ckpt, current - ckpt,
                     time.monotonic() - t0)
+
+    def _set_codec(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.prompt_tokens = PromptTokens(codec, self.task.train)  # the same encoding the API signs into jobs
 
     # -- what the other roles read ----------------------------------------------------------------------
     @property
@@ -193,11 +205,6 @@ class LearnerRole:
             "snapshot_dtype": self.learner.publish_dtype(self.config.snapshots.dtype) if hasattr(self, "learner")
             else None, "trained_version": self.learner.model_version if hasattr(self, "learner") else None,
             **(self.learner.describe() if hasattr(self, "learner") else {})})
-
-    def prompt_tokens(self, prompt_id: int) -> list[int]:
-        if prompt_id not in self._prompt_cache:
-            self._prompt_cache[prompt_id] = self.codec.encode(self.task.train[prompt_id].prompt)
-        return self._prompt_cache[prompt_id]
 
     # -- the loop -----------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -285,22 +292,22 @@ class LearnerRole:
                                backend="torch", generation_s=0.0, completions=completions)
         await self._local_intake(LOCAL_CLIENT, sub, 0, sha256_bytes(wire.encode(sub)))
 
-    def _batch_samples(self, version: int, job_ids: list[str]) -> tuple[list[Any], list[float], dict[str, int], list[Any]]:
+    def _batch_samples(self, version: int, job_ids: list[str]) -> Batch:
         """The training samples of a batch of accepted results, for a step that updates ``version`` (also used
-        to replay recorded steps after a restart): (samples, rewards, staleness histogram, result rows)."""
+        to replay recorded steps after a restart), with what the step's metrics report about them."""
         from coordinator.learner import Sample
 
         rows = self.store.result_rows(job_ids)
         samples: list[Sample] = []
         rewards_all: list[float] = []
         staleness_hist: dict[str, int] = {}
-        self._reward_parts = {}
+        reward_parts: dict[str, list[float]] = {}
         for r in rows:
             job = self.store.get_job(r.job_id)
             assert job is not None
             data = wire.unpack(r.payload, max_bytes=len(r.payload))
             for name, mean in (data.get("reward_means") or {}).items():  # each reward's own mean (task.rewards)
-                self._reward_parts.setdefault(str(name), []).append(float(mean))
+                reward_parts.setdefault(str(name), []).append(float(mean))
             advs = group_advantages(r.rewards, job.group_size)
             stale = version - r.version
             assert 0 <= stale <= self.config.sync_policy.bound, f"staleness {stale} outside the bound"
@@ -311,7 +318,8 @@ class LearnerRole:
                 samples.append(Sample(p, c, data["recomputed_logprobs"][k], data["behaviour_logprobs"][k], advs[k],
                                       stale, weight))
             rewards_all.extend(r.rewards)
-        return samples, rewards_all, staleness_hist, rows
+        return Batch(samples, rewards_all, staleness_hist, rows,
+                     {k: sum(v) / len(v) for k, v in sorted(reward_parts.items())})
 
     def _checkpoint_due(self, new_version: int) -> bool:
         cfg = self.config.learner
@@ -340,14 +348,14 @@ class LearnerRole:
         the next batch (after the previous version's publication was recorded, so versions commit in order)."""
         t0 = time.monotonic()
         job_ids = sorted(job_ids)  # the training order, which a replay after a restart reproduces
-        samples, rewards_all, staleness_hist, rows = self._batch_samples(version, job_ids)
+        batch = self._batch_samples(version, job_ids)
         new_version = version + 1
         checkpoint = self._checkpoint_due(new_version)
         self._unpublished[new_version] = frozenset(job_ids)
         self._report()  # before training: the API issues no job bound to a version this step supersedes
         state: CheckpointState | None = None
         try:
-            metrics, files, state = await self._run(self._learn, samples, checkpoint)
+            metrics, files, state = await self._run(self._learn, batch.samples, checkpoint)
             t1 = time.monotonic()
             await self._await_publication()  # versions are recorded in order
             metrics["publish_wait_s"] = time.monotonic() - t1
@@ -360,11 +368,11 @@ class LearnerRole:
             self._last_checkpoint_version, self._last_checkpoint_at = new_version, time.monotonic()
         metrics["wait_s"] = t0 - waited_from
         metrics["learner_s"] = time.monotonic() - waited_from  # this step's learner wall time, waiting included
-        metrics["mean_reward"] = sum(rewards_all) / max(1, len(rewards_all))
-        metrics["clients"] = float(len({r.client_id for r in rows}))
-        metrics["staleness_histogram"] = staleness_hist
-        if len(self._reward_parts) > 1:  # several weighted rewards: each one's mean over the batch
-            metrics["reward_means"] = {k: sum(v) / len(v) for k, v in sorted(self._reward_parts.items())}
+        metrics["mean_reward"] = sum(batch.rewards) / max(1, len(batch.rewards))
+        metrics["clients"] = float(len({r.client_id for r in batch.rows}))
+        metrics["staleness_histogram"] = batch.staleness_histogram
+        if len(batch.reward_means) > 1:  # several weighted rewards: each one's mean over the batch
+            metrics["reward_means"] = batch.reward_means
         future = self.publisher.submit(Publication(new_version, files, self.clock(), state))
         task = asyncio.create_task(self._record_step(version, job_ids, future, metrics, t0),
                                    name=f"publish-v{new_version}")

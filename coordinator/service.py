@@ -43,7 +43,7 @@ from coordinator.runfiles import RunFiles
 from coordinator.snapshots import SnapshotStore
 from coordinator.store import JobRow, Store
 from coordinator.tasks import Task
-from coordinator.text import TextCodec
+from coordinator.text import PromptTokens, TextCodec
 from coordinator.verifier import VersionGone
 from coordinator.verifier_role import wait_for_first_version
 from coordinator.workqueue import POLL_S, Bell, RemoteVerifier, VerificationError, VerifierUnavailable
@@ -82,20 +82,19 @@ def result_size_cap(n_completions: int, max_tokens: int) -> int:
 
 
 class Coordinator:
-    """The API role. ``files`` (coordinator.runfiles) and ``bell`` are shared with the other roles when they run in
-    the same process; alone, it opens its own and polls the store."""
+    """The API role. The run files (coordinator.runfiles, via ``attach``) and ``bell`` are shared with the other
+    roles when they run in the same process; alone, it opens its own and polls the store."""
 
     def __init__(self, config: CoordinatorConfig, *, clock: Callable[[], float] = time.time,
-                 files: RunFiles | None = None, bell: Bell | None = None, model_dir: Path | None = None) -> None:
+                 bell: Bell | None = None, model_dir: Path | None = None) -> None:
         self.config = config
         self.clock = clock
         self.model_dir = model_dir  # one-process layout: the learner starts from this folder, not model.path
         self.run_dir = Path(config.run_dir)
-        self._files = files
+        self._files: RunFiles | None = None
         self.bell = bell or Bell()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-io")  # file copies, never torch
         self._jobs_event = asyncio.Event()
-        self._prompt_cache: dict[int, list[int]] = {}
         self.finished = False
         self.version = 0
         self.started_at = clock()
@@ -136,6 +135,7 @@ class Coordinator:
         base = self.snapshots.base_dir
         self.codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists() else base)
         self.vocab_size = self.codec.vocab_size
+        self.prompt_tokens = PromptTokens(self.codec, self.task.train)
         vcfg = self.config.verification
         self.verifier = RemoteVerifier(self.store, self.bell, wait_s=vcfg.wait_s,
                                        device="cpu" if vcfg.device == "auto" else vcfg.device)
@@ -185,13 +185,10 @@ class Coordinator:
                 self.store.set_meta("plan_secret", secret)
         return plan_key(self.config.learner.seed, secret)
 
-    def _new_job(self) -> JobRow:
+    def new_job(self) -> JobRow:
         plan = plan_job(self._plan_key(), self.store.next_seq(), len(self.task.train),
                         self.config.jobs.prompts_per_job)
         return self.store.create_job(plan, self.config.learner.group_size, self.clock())
-
-    def new_job(self) -> JobRow:
-        return self._new_job()
 
     async def accept_local(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
                            ) -> SubmitResponse:
@@ -326,7 +323,7 @@ class Coordinator:
         decision = self.issuer.decide(client_id, views, queued, now, self.version, held_version, frozenset(withheld))
         if decision is None:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
-        row = active[decision.job_id] if decision.job_id is not None else self._new_job()
+        row = active[decision.job_id] if decision.job_id is not None else self.new_job()
         version = decision.version
         if self.store.manifest_sha(version) is None or self.snapshots.signed_manifest(version) is None:
             version = self.version
@@ -339,11 +336,6 @@ class Coordinator:
         job = self.job_message(row, version, lease_id, client_id, now, deadline)
         return LeaseResponse(job=sign_job(self.key, job), retry_after_s=retry, current_version=self.version,
                              finished=False)
-
-    def prompt_tokens(self, prompt_id: int) -> list[int]:
-        if prompt_id not in self._prompt_cache:
-            self._prompt_cache[prompt_id] = self.codec.encode(self.task.train[prompt_id].prompt)
-        return self._prompt_cache[prompt_id]
 
     def job_message(self, row: JobRow, version: int, lease_id: str, client_id: str, now: float, deadline: float
                      ) -> Job:

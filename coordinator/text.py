@@ -9,9 +9,10 @@ agree on the ids by construction, whichever process computes them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 #: End-of-turn tokens of common chat formats (Qwen/ChatML, GPT-2 style, Llama 3): a completion stops at any.
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
@@ -72,3 +73,23 @@ class TextCodec:
                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
                 text = text.replace(a, b)
         return text
+
+
+class _Prompted(Protocol):
+    @property
+    def prompt(self) -> str: ...
+
+
+@dataclass
+class PromptTokens:
+    """The token ids of the task's training prompts, encoded once each: the API signs them into jobs and the
+    learner trains on them, so both roles must use this same encoding."""
+
+    codec: TextCodec
+    items: Sequence[_Prompted]
+    _cache: dict[int, list[int]] = field(default_factory=dict)
+
+    def __call__(self, prompt_id: int) -> list[int]:
+        if prompt_id not in self._cache:
+            self._cache[prompt_id] = self.codec.encode(self.items[prompt_id].prompt)
+        return self._cache[prompt_id]
