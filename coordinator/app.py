@@ -239,6 +239,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             task.add_done_callback(_on_done)
             app[LEARNER_TASK] = task
             background.append(task)
+        coord.store.prune_nonces(coord.clock())  # opens (creates) the API's nonce database before serving
         background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
         yield
     finally:

@@ -1,5 +1,9 @@
 """The coordinator's durable state: one SQLite database (WAL, synchronous=FULL) in the run directory.
 
+What is promised to a client (an accepted result) and what the learner trained (a step) commit with an fsync;
+reply-path state that can be re-created (leases, nonces, the work queue, role reports) commits without one (see
+Store.__init__, lease_job, _nonces).
+
 Invariants the rest of the coordinator relies on:
 - a result is committed (fsynced) before the client is told it was accepted;
 - a job has at most one accepted result (``results.job_id`` is the primary key, and acceptance is a
@@ -61,7 +65,6 @@ CREATE TABLE IF NOT EXISTS replicas(
   state TEXT NOT NULL CHECK(state IN ('open','leased','done')), lease_id TEXT, lease_client TEXT,
   lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0, outcome TEXT, hold INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS replicas_by_state ON replicas(state, created_at);
-CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS steps(
   step INTEGER PRIMARY KEY, trained_version INTEGER NOT NULL, mean_reward REAL NOT NULL, metrics TEXT NOT NULL,
   at REAL NOT NULL);
@@ -76,7 +79,9 @@ CREATE INDEX IF NOT EXISTS work_by_state ON work(state, kind, id);
 """
 #: Bumped whenever SCHEMA or the in-place migrations below change; stored as SQLite's user_version so a
 #: database written by a newer release is refused instead of misread.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+#: Replay protection lives in its own database file beside the main one (see Store.__init__).
+NONCE_SCHEMA = "CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)"
 WorkKind = Literal["recompute", "replay", "evaluate"]
 
 
@@ -107,20 +112,42 @@ class Store:
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.execute("PRAGMA busy_timeout=5000")
+        self._nonce_conn: sqlite3.Connection | None = None
         self._migrate()
-        # Nonces (and the transient work queue and role reports, which a power loss may drop: requesters resend,
-        # roles report again) go through a second connection with synchronous=NORMAL: a commit there is written to the WAL
-        # (the OS page cache) without an fsync. That survives a kill -9 of the coordinator exactly (the OS still
-        # has the bytes), and the next synchronous=FULL commit on self.conn (any accepted result or step)
-        # fsyncs those WAL frames too; only a power loss can drop the last unsynced nonces, reopening a replay
-        # window of at most request_window_s for requests captured just before it. That is the cost of not
-        # paying an fsync (~5 ms here) on every signed request, which made nonces the throughput ceiling.
+        # The transient work queue and role reports (which a power loss may drop: requesters resend, roles report
+        # again) go through a second connection with synchronous=NORMAL: a commit there is written to the WAL (the
+        # OS page cache) without an fsync, which survives a kill -9 exactly; the next synchronous=FULL commit on
+        # self.conn fsyncs those WAL frames too.
         self.light_conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self.light_conn.row_factory = sqlite3.Row
         self.light_conn.execute("PRAGMA synchronous=NORMAL")
         self.light_conn.execute("PRAGMA busy_timeout=5000")
 
+    @property
+    def nonce_path(self) -> Path:
+        return self.path.with_name(self.path.stem + "-nonces.sqlite")
+
+    def _nonces(self) -> sqlite3.Connection:
+        """The nonce database, opened on first use (only the API checks signed requests).
+
+        Every signed request writes one nonce. In the main database that insert queued behind SQLite's single
+        write lock, which the learner, the verifiers and result intake hold through a synchronous=FULL commit —
+        an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot. A separate file has its
+        own write lock that only API processes take. synchronous=NORMAL: durable across a kill -9 (the OS keeps
+        the WAL), not a power loss, which can reopen a replay window of at most request_window_s for requests
+        captured just before it — the price of not paying an fsync on every signed request."""
+        if self._nonce_conn is None:
+            conn = sqlite3.connect(str(self.nonce_path), isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            conn.execute(NONCE_SCHEMA)
+            self._nonce_conn = conn
+        return self._nonce_conn
+
     def close(self) -> None:
+        if self._nonce_conn is not None:
+            self._nonce_conn.close()
         self.light_conn.close()
         self.conn.close()
 
@@ -137,11 +164,24 @@ class Store:
                 if statement.strip():
                     self.conn.execute(statement)
             self._add_client_columns()
+            self._move_nonces_out()
             self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self.conn.execute("COMMIT")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
+
+    def _move_nonces_out(self) -> None:
+        """Schema 4 moved nonces to their own file: carry over the ones still inside their window (a replay of a
+        request captured just before the upgrade must still be refused), then drop the old table."""
+        if self.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='nonces'").fetchone() is None:
+            return
+        rows = self.conn.execute("SELECT nonce, expires FROM nonces").fetchall()
+        conn = self._nonces()
+        with _Tx(conn):
+            conn.executemany("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
+                             [(r["nonce"], r["expires"]) for r in rows])
+        self.conn.execute("DROP TABLE nonces")
 
     def schema_version(self) -> int:
         return int(self.conn.execute("PRAGMA user_version").fetchone()[0])
@@ -219,13 +259,15 @@ class Store:
     def remember_nonce(self, nonce: bytes, expires: float) -> bool:
         """Record a nonce; False if it was already seen (a replay). Durable across a process crash, not a power
         loss (see __init__)."""
-        with _Tx(self.light_conn):
-            return self.light_conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
-                                           (nonce, expires)).rowcount == 1
+        conn = self._nonces()
+        with _Tx(conn):
+            return conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
+                                (nonce, expires)).rowcount == 1
 
     def prune_nonces(self, now: float) -> int:
-        with _Tx(self.light_conn):
-            return self.light_conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
+        conn = self._nonces()
+        with _Tx(conn):
+            return conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
 
     # -- versions and jobs --------------------------------------------------------------------------------
     def current_version(self) -> int | None:
@@ -277,9 +319,14 @@ class Store:
         return [self._job(r) for r in rows.fetchall()]
 
     def lease_job(self, job_id: str, lease_id: str, client_id: str, deadline: float, version: int, now: float) -> bool:
-        """Compare-and-set: lease the job (bound to ``version``) only if it is open or its lease has expired."""
-        with self._tx():
-            cur = self.conn.execute(
+        """Compare-and-set: lease the job (bound to ``version``) only if it is open or its lease has expired.
+
+        Through the no-fsync connection: a lease is reply-path state a client waits on, and an fsync there queues
+        behind the publisher's multi-gigabyte writes. A kill -9 keeps it exactly; the next accepted result or
+        step (synchronous=FULL) makes it power-safe; a power loss before that forgets the lease, and the job is
+        issued again."""
+        with _Tx(self.light_conn):
+            cur = self.light_conn.execute(
                 "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
                 "issue_count=issue_count+1 WHERE job_id=? AND (state='open' OR (state='leased' AND lease_deadline<=?))",
                 (lease_id, client_id, deadline, version, job_id, now),
@@ -287,8 +334,8 @@ class Store:
             return cur.rowcount == 1
 
     def release_lease(self, job_id: str, lease_id: str, client_id: str) -> bool:
-        with self._tx():
-            cur = self.conn.execute(
+        with _Tx(self.light_conn):  # as lease_job: a forgotten release only means the lease runs out
+            cur = self.light_conn.execute(
                 "UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=? AND lease_id=? AND lease_client=? "
                 "AND state='leased'", (job_id, lease_id, client_id))
             return cur.rowcount == 1

@@ -71,6 +71,41 @@ def test_schema_version_is_recorded(store: Store) -> None:
     assert store.schema_version() == SCHEMA_VERSION
 
 
+def test_a_signed_request_never_waits_for_the_main_databases_write_lock(store: Store) -> None:
+    """Nonces live in their own file: another role holding the main write lock (through a long fsync, say) does
+    not delay remembering a nonce, and a replay is still refused."""
+    other = sqlite3.connect(store.path, isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")  # another process in the middle of a commit
+    try:
+        assert store.remember_nonce(b"n" * 16, expires=100.0)
+        assert not store.remember_nonce(b"n" * 16, expires=100.0)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            probe = sqlite3.connect(store.path, isolation_level=None, timeout=0)
+            probe.execute("BEGIN IMMEDIATE")  # the main database really was locked
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert store.nonce_path.exists() and store.nonce_path != store.path
+
+
+def test_schema_3_nonces_move_to_their_own_file_and_still_refuse_a_replay(tmp_path: Path) -> None:
+    path = tmp_path / "coordinator.sqlite"
+    Store(path).close()
+    conn = sqlite3.connect(path)  # as schema 3 left it: nonces inside the main database
+    conn.execute("CREATE TABLE nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)")
+    conn.execute("INSERT INTO nonces VALUES (?, ?)", (b"seen-before-upgrade", 1e12))
+    conn.execute("PRAGMA user_version=3")
+    conn.commit()
+    conn.close()
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+        assert not store.remember_nonce(b"seen-before-upgrade", 1e12)
+        assert store.conn.execute("SELECT name FROM sqlite_master WHERE name='nonces'").fetchone() is None
+    finally:
+        store.close()
+
+
 def _answer_with(store: Store, bell: Bell, answer: bytes | None, error: str | None = None) -> asyncio.Task[None]:
     async def worker() -> None:
         while not (rows := store.work_claim("verifier-0", ("recompute", "replay"), 1, until=1e12, now=1.0)):
