@@ -113,6 +113,15 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _last_logits_only(model: Any) -> dict[str, Any]:
+    """Ask the prefill for the last position's logits only, where the model supports it: the full
+    [sequences × prompt length × vocabulary] tensor is the largest allocation of a generation (about 1 GB for eight
+    200-token prompts over Qwen's 152 k vocabulary) and sampling reads only its last row."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def _cache_of(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
@@ -166,7 +175,8 @@ def generate(
     done = torch.zeros(n, dtype=torch.bool, device=device)
     stopped = torch.zeros(n, dtype=torch.bool, device=device)
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **_last_logits_only(model))
         for _ in range(max_tokens):
             logits = out.logits[:, -1, :].float()
             if seed is None:

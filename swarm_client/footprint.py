@@ -9,7 +9,8 @@ Each backend's real peak, measured by bench/client_memory.py (figures in docs/be
   (transformers ``from_pretrained``) of a 16-bit file keeps the whole file mapped while it converts, which adds
   the file's size + what one generation of the job's batch allocates: the KV cache of every sequence at its full
   length, and the prefill pass's transients — the logits of every prompt position (``shared.policy.generate``
-  asks the model for all of them, and the first decoding step runs while they are still referenced), the MLP's
+  asks for the last position's only where the model's forward takes ``logits_to_keep``, as Qwen2 and Llama do; the
+  estimate keeps every position's, the peak of a model without it and an upper bound for the others), the MLP's
   intermediate activations and the attention scores — with ``TRANSIENT_SLACK`` for the allocator.
 - **llama.cpp** (``LlamaBackend``): the runtime + the GGUF file (memory-mapped and read whole) + the KV cache
   of its context window (``n_ctx`` tokens, f16) + llama.cpp's compute buffers (proportional to the batch of
