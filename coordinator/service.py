@@ -186,9 +186,10 @@ class Coordinator:
         return plan_key(self.config.learner.seed, secret)
 
     def new_job(self) -> JobRow:
-        plan = plan_job(self._plan_key(), self.store.next_seq(), len(self.task.train),
-                        self.config.jobs.prompts_per_job)
-        return self.store.create_job(plan, self.config.learner.group_size, self.clock())
+        key, n, per_job = self._plan_key(), len(self.task.train), self.config.jobs.prompts_per_job
+        # the next number is drawn under the store's job-stream lock: API processes sharing one database
+        return self.store.create_next_job(lambda seq: plan_job(key, seq, n, per_job), self.config.learner.group_size,
+                                          self.clock())
 
     async def accept_local(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
                            ) -> SubmitResponse:
