@@ -43,7 +43,7 @@ class RunFiles:
         with open(run_dir / ".setup.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                store = Store(run_dir / "coordinator.sqlite")
+                store = Store(config.store.url or run_dir / "coordinator.sqlite")
                 key, created = crypto.load_or_create_key(run_dir / "coordinator.key")
                 if created:
                     logger.info("created coordinator key %s", run_dir / "coordinator.key")

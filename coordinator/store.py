@@ -86,7 +86,7 @@ CREATE TABLE IF NOT EXISTS trust(
 """
 #: Bumped whenever SCHEMA or the in-place migrations below change; stored as SQLite's user_version (in PostgreSQL,
 #: the meta row 'schema_version') so a database written by a newer release is refused instead of misread.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: work.requester (several API processes share one queue)
 WorkKind = Literal["recompute", "replay", "evaluate"]
 
 
@@ -226,6 +226,10 @@ class Store:
                           ("tried", "TEXT NOT NULL DEFAULT ''"), ("seq", "INTEGER")):
             if col not in have:
                 self.conn.execute(ddl(f"ALTER TABLE replicas ADD COLUMN {col} {decl}"))
+        # schema 4: which API process asked (API processes sharing a PostgreSQL store each drop only their own
+        # previous run's requests when they start)
+        if "requester" not in self.conn.columns("work"):
+            self.conn.execute("ALTER TABLE work ADD COLUMN requester TEXT NOT NULL DEFAULT 'api'")
 
     def register_client(self, client_id: str, public_key: bytes, profile: dict[str, Any], now: float, *,
                         backend_class: str | None = None, address: str | None = None) -> bool:
@@ -475,11 +479,11 @@ class Store:
                               (version, accuracy, n, now))
 
     # -- work queue: verification and evaluation requests between role processes (coordinator.workqueue) --
-    def work_submit(self, kind: WorkKind, version: int, request: bytes, now: float) -> int:
+    def work_submit(self, kind: WorkKind, version: int, request: bytes, now: float, requester: str = "api") -> int:
         with _Tx(self.light_conn):
-            row = self.light_conn.execute("INSERT INTO work(kind, version, request, created_at, state) "
-                                          "VALUES(?,?,?,?,'queued') RETURNING id", (kind, version, request, now)
-                                          ).fetchone()
+            row = self.light_conn.execute("INSERT INTO work(kind, version, request, created_at, state, requester) "
+                                          "VALUES(?,?,?,?,'queued',?) RETURNING id",
+                                          (kind, version, request, now, requester)).fetchone()
         return int(row[0])
 
     def work_claim(self, worker: str, kinds: tuple[str, ...], limit: int, until: float, now: float
@@ -528,10 +532,12 @@ class Store:
         with _Tx(self.light_conn):
             self.light_conn.executemany("DELETE FROM work WHERE id=?", [(i,) for i in item_ids])
 
-    def work_drop(self, kinds: tuple[str, ...]) -> int:
-        """Forget every item of these kinds (their requester restarted and no longer waits for them)."""
+    def work_drop(self, kinds: tuple[str, ...], requester: str | None = None) -> int:
+        """Forget every item of these kinds (of ``requester``, if given): their requester restarted and no longer
+        waits for them."""
+        who, args = ("", kinds) if requester is None else (" AND requester=?", (*kinds, requester))
         with _Tx(self.light_conn):
-            cur = self.light_conn.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(kinds))})", kinds)
+            cur = self.light_conn.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(kinds))}){who}", args)
         return cur.rowcount
 
     def work_counts(self) -> dict[str, int]:

@@ -214,7 +214,11 @@ def coordinator(
                                            "verifier on another GPU: --role verifier --index 1 with "
                                            "verification.device set); 'all' runs every role.")] = "all",
     index: Annotated[int, typer.Option(help="With --role verifier: which verifier this is (0 runs the held-out "
-                                            "evaluations).")] = 0,
+                                            "evaluations). With --role api: which API process this is (several "
+                                            "share one PostgreSQL store.url, each on its own port).")] = 0,
+    store_url: Annotated[Optional[str], typer.Option(help="store.url: a postgresql://USER@HOST:PORT/DB "
+                                                                 "database the roles share across hosts (unset: "
+                                                                 "the run directory's SQLite file).")] = None,
 ) -> None:
     """Serve a training run: the learner, job leasing, result verification and snapshot downloads.
 
@@ -229,7 +233,7 @@ def coordinator(
             "sync_mode": sync_mode, "max_staleness": max_staleness,
             "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
             "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
-            "verification.workers": verifiers,
+            "verification.workers": verifiers, "store.url": store_url,
         })
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)

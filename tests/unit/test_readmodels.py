@@ -1,4 +1,4 @@
-"""coordinator/readmodels.py against a real SQLite store: the audit view merges results and refusals, or reads
+"""coordinator/readmodels.py against a real store (SQLite and PostgreSQL): the audit view merges results and refusals, or reads
 a dedicated audit log where the coordinator keeps one; trust standings are attached where they exist."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ PROFILE = {"name": "alice", "backend": "torch", "device": "cpu", "platform": "Li
 
 
 @pytest.fixture()
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "coordinator.sqlite")
+def store(store_target: str | Path) -> Iterator[Store]:
+    s = Store(store_target)
     s.register_client(ALICE, b"k" * 32, PROFILE, T0)
     plan = plan_job(0, 0, 100, 2)
     s.create_job(plan, 4, T0)
@@ -43,9 +43,6 @@ def test_audit_reads_the_log_written_with_each_outcome_newest_first(store: Store
 
 
 def test_replay_outcomes_and_trust_standings_are_reported(store: Store) -> None:
-    from coordinator.guard import SCHEMA as TRUST_SCHEMA
-
-    store.conn.executescript(TRUST_SCHEMA)
     store.conn.execute("DELETE FROM audit")
     store.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256) "
                        "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "invalidated", "replica_mismatch", "3" * 64))

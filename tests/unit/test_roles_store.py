@@ -18,8 +18,8 @@ from shared import wire
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store(tmp_path / "coordinator.sqlite")
+def store(store_target: str | Path) -> Store:
+    s = Store(store_target)
     yield s
     s.close()
 
