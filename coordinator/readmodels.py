@@ -169,8 +169,8 @@ def throughput(store: Store, start: float, now: float, bins: int = 60) -> list[d
         start = min(start, float(first))
     width = bucket_width(start, now, bins)
     bucket = store.conn.floor_int("(received_at - ?) / ?")
-    rows = store.conn.execute(f"SELECT {bucket} AS k, COUNT(*), SUM(n_tokens) FROM results GROUP BY {bucket}",
-                              (start, width, start, width)).fetchall()
+    rows = store.conn.execute(f"SELECT {bucket} AS k, COUNT(*), SUM(n_tokens) FROM results GROUP BY 1",
+                              (start, width)).fetchall()
     return throughput_series([(int(r[0]), int(r[1]), int(r[2])) for r in rows], start, now, bins)
 
 
@@ -194,7 +194,7 @@ def top_clients(store: Store, now: float, lease_timeout_s: float, top: int = 20)
 def trained_staleness(store: Store) -> dict[int, int]:
     """How many trained results had each staleness (versions between generation and the step using them)."""
     rows = store.conn.execute("SELECT ingested_step - 1 - version AS s, COUNT(*) AS n FROM results "
-                              "WHERE ingested_step IS NOT NULL GROUP BY ingested_step - 1 - version").fetchall()
+                              "WHERE ingested_step IS NOT NULL GROUP BY 1").fetchall()
     return {int(r["s"]): int(r["n"]) for r in rows}
 
 

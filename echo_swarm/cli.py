@@ -256,6 +256,10 @@ def demo(
     max_staleness: Annotated[int, typer.Option(help="S for async-push-pull, in policy versions.")] = 2,
     backend: Annotated[str, typer.Option(help="Client backend: torch, llama (llama.cpp on GGUF snapshots), auto, "
                                               "or mixed (clients alternate torch and llama).")] = "torch",
+    store: Annotated[str, typer.Option(help="The run's database: sqlite (a file in the run dir), postgresql (the "
+                                            "demo starts a private PostgreSQL server; needs its OS package and "
+                                            "echo-swarm[postgres]), or a postgresql://USER@HOST:PORT/DB URL.")
+                     ] = "sqlite",
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
@@ -264,7 +268,8 @@ def demo(
     from echo_swarm.demo import DemoConfig, run
 
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
-                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend)))
+                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend,
+                                    store=store)))
 
 
 @app.command("build-tiny-model")

@@ -66,3 +66,18 @@ def test_client_views(store: Store) -> None:
     assert readmodels.client_summary(readmodels.client_states(store, T0 + 1000, 30.0))["by_state"]["idle"] == 1
     store.set_banned(ALICE, True)
     assert readmodels.top_clients(store, T0, 30.0) == []
+
+
+def test_aggregates_read_alike_on_both_engines(store: Store) -> None:
+    """The grouped and summed views (throughput buckets, staleness, totals) give ints and floats, not Decimals,
+    and the same numbers on SQLite and PostgreSQL."""
+    store.publish_initial("m" * 64, T0)
+    store.commit_step(step=1, trained_version=0, job_ids=["j0"], new_version=1, manifest_sha="n" * 64,
+                      mean_reward=0.5, metrics={"step_s": 1.0}, now=T0 + 20)
+    series = readmodels.throughput(store, T0, T0 + 60, bins=6)
+    assert sum(b["results_per_min"] for b in series) > 0
+    assert readmodels.trained_staleness(store) == {0: 1}
+    totals = readmodels.result_totals(store)
+    assert totals == {"accepted": 1, "tokens": 10, "too_stale": 0}
+    assert all(type(v) is int for v in totals.values())
+    assert readmodels.rejection_counts(store) == {"logprob_mismatch": 1}
