@@ -93,10 +93,13 @@ class Db:
         self._changes = 0
         self._sql: dict[str, str] = {}
         self._integrity: type[Exception] = sqlite3.IntegrityError
+        self._in_tx = False
         if isinstance(target, str) and is_postgres_url(target):
             import psycopg
 
             self.dialect: Dialect = "postgresql"
+            self._url, self._light = target, light
+            self._lost: type[Exception] = psycopg.OperationalError
             self._pg = _connect_pg(target, light)
             self._lite: sqlite3.Connection | None = None
             self._integrity = psycopg.IntegrityError
@@ -140,11 +143,27 @@ class Db:
                 return self._lite.execute(sql, params)
             if not sql.lstrip()[:6].upper().startswith("SELECT"):
                 self._changes += 1
-            if not params:  # psycopg reads no placeholders (nor doubled %) in a statement without parameters
-                return self._pg.execute(sql)
-            return self._pg.execute(self._translate(sql), params)
+            return self._pg_execute(sql, params)
         except self._integrity as exc:
             raise IntegrityError(str(exc)) from exc
+
+    def _pg_execute(self, sql: str, params: Sequence[Any]) -> Any:
+        """One statement on PostgreSQL. If the connection was lost (server restart, network) outside a
+        transaction, reconnect once and run it again; inside one, the error propagates (the transaction is gone,
+        its context rolls back) and the next statement reconnects."""
+        for attempt in (0, 1):
+            if self._pg.closed:
+                self._pg = _connect_pg(self._url, self._light)
+            try:
+                if not params:  # psycopg reads no placeholders (nor doubled %) in a statement without parameters
+                    return self._pg.execute(sql)
+                return self._pg.execute(self._translate(sql), params)
+            except self._lost:
+                if not self._pg.closed and not self._pg.broken:
+                    raise  # an error of the statement (lock_timeout, …), not of the connection
+                if self._in_tx or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
         """Run one statement per parameter row; returns the rows changed, all together."""
@@ -177,13 +196,25 @@ class Db:
         if self._lite is not None:
             self._lite.execute("BEGIN EXCLUSIVE" if exclusive else "BEGIN IMMEDIATE")
         else:
-            self._pg.execute("BEGIN")
+            self._pg_execute("BEGIN", ())
+            self._in_tx = True
 
     def commit(self) -> None:
-        (self._lite or self._pg).execute("COMMIT")
+        if self._lite is not None:
+            self._lite.execute("COMMIT")
+            return
+        try:
+            self._pg.execute("COMMIT")
+        finally:
+            self._in_tx = False
 
     def rollback(self) -> None:
-        (self._lite or self._pg).execute("ROLLBACK")
+        if self._lite is not None:
+            self._lite.execute("ROLLBACK")
+            return
+        self._in_tx = False
+        if not self._pg.closed and not self._pg.broken:
+            self._pg.execute("ROLLBACK")
 
     @contextmanager
     def transaction(self, exclusive: bool = False) -> Iterator[None]:
@@ -200,7 +231,7 @@ class Db:
         """Inside a transaction: hold the lock called ``name`` until it ends (one writer of the job stream at a
         time across processes and hosts). SQLite's BEGIN IMMEDIATE already holds the only write lock."""
         if self.postgres:
-            self._pg.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (name,))
+            self.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (name,))
 
     # -- engine-specific expressions the read models need ----------------------------------------------------
     def json_text(self, column: str, key: str) -> str:

@@ -526,3 +526,18 @@ def test_set_meta_overwrites(store: Store) -> None:
     store.set_meta("k", "1")
     store.set_meta("k", "2")
     assert store.get_meta("k") == "2"
+
+
+def test_a_lost_postgresql_connection_is_reopened_between_transactions(pg_url: str) -> None:
+    """A server restart or a dropped link costs the statement in flight at most, not the role: the next statement
+    outside a transaction reconnects."""
+    s, admin = Store(pg_url), Store(pg_url)
+    try:
+        pid = s.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        admin.conn.execute("SELECT pg_terminate_backend(?)", (pid,))
+        s.set_meta("after", "reconnect")  # BEGIN finds the connection gone: reconnects, then the transaction runs
+        assert s.get_meta("after") == "reconnect"
+        assert s.conn.execute("SELECT pg_backend_pid()").fetchone()[0] != pid
+    finally:
+        s.close()
+        admin.close()
