@@ -9,7 +9,7 @@ OUT    ?= demo-out
 
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean browser
+.PHONY: setup demo test lint clean browser postgres
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential; \
 	  else echo "error: no C/C++ compiler; install build-essential (Debian/Ubuntu) or Xcode tools" >&2; exit 1; fi; }
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e ".[dev,llama,math,data]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e ".[dev,llama,math,data,postgres]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -47,7 +47,19 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	fi
 
-test: lint browser
+# PostgreSQL server binaries for the store tests (each test session starts its own throwaway server): Debian's
+# package, installed once (needs root and apt; skipped when initdb is found, see echo_swarm/pgserver.py).
+postgres:
+	@if [ -n "$$ECHO_SWARM_PG_BINDIR" ] || command -v pg_ctl >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  echo "postgresql: present"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's postgresql for the store tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
+	else \
+	  echo "error: the store tests need PostgreSQL's server binaries; install postgresql (Debian/Ubuntu) or set ECHO_SWARM_PG_BINDIR" >&2; exit 1; \
+	fi
+
+test: lint browser postgres
 	$(BIN)/python -m pytest -ra
 
 clean:

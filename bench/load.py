@@ -8,15 +8,25 @@ the coordinator asked for. All loops are bounded by count and time; nothing leav
 
     python bench/load.py --clients 1000 --duration 60            # the figure in docs/benchmarks.md
     python bench/load.py --clients 100 --duration 15             # a quick look
+    python bench/load.py --store postgresql --apis 2             # two API processes on one PostgreSQL store
+    python bench/load.py --matrix --clients 1000 --duration 40   # {SQLite, PostgreSQL} × {1, 2} APIs → table
 
 Prints round-trips/s, p50/p99 lease and submit latency, errors by kind (goal: 0 server errors) and the
 coordinator's resident memory at start and end, and writes them as JSON to ``--out``.
+
+CPU per lease and per result: after the measured phase, a lease-only phase (``--lease-phase`` s: clients keep
+asking but no longer generate or submit) gives the coordinator's CPU-ms per lease request; the measured phase's
+CPU minus its leases at that price, over its accepted results, gives CPU-ms per result. "Coordinator CPU" is the
+API processes plus the database (SQLite runs inside the API; PostgreSQL's server processes are counted), read
+from /proc; the learner and verifier processes (GPU-side work in a real deployment) are reported apart.
+``--matrix`` writes the four runs' table into docs/benchmarks.md (between the bench's markers).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -55,6 +65,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 class Stats:
     def __init__(self) -> None:
+        self.lease_only = False  # the lease-only phase: no generation, no submission
+        self.leases_in_lease_phase = 0
         self.lease_ms: list[float] = []
         self.submit_ms: list[float] = []
         self.round_trips = 0
@@ -68,6 +80,41 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_ms(pids: list[int], with_children_of: list[int] = ()) -> float:  # type: ignore[assignment]
+    """User+system CPU of these processes (and, for ``with_children_of``, of their live and reaped children)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    live = set(pids)
+    for pid in with_children_of:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                live.add(int(stat.parent.name))
+    for pid in live:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+        if pid in with_children_of:
+            total += int(fields[13]) + int(fields[14])  # reaped backends' CPU accrues to the postmaster
+    return total * 1000.0 / tick
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -121,10 +168,11 @@ async def post(session: aiohttp.ClientSession, url: str, key: Any, path: str, bo
     return raw, ms
 
 
-async def client(i: int, url: str, info: Info, session: aiohttp.ClientSession, stop_at: float, stats: Stats,
+async def client(i: int, urls: list[str], info: Info, session: aiohttp.ClientSession, stop_at: float, stats: Stats,
                  gen: Generator, start: asyncio.Event) -> None:
     from swarm_client.hardware import profile
 
+    url = urls[i % len(urls)]  # with several API processes, clients are spread over them
     key = crypto.generate_key()
     prof = profile("torch", "cpu", f"load-{i}")
     reg = wire.encode(RegisterRequest(public_key=crypto.public_bytes(key), profile=prof))
@@ -137,12 +185,15 @@ async def client(i: int, url: str, info: Info, session: aiohttp.ClientSession, s
         if time.monotonic() >= stop_at:
             return
         raw, ms = await post(session, url, key, "/v1/lease", lease_body, stats)
-        stats.lease_ms.append(ms)
+        if stats.lease_only:
+            stats.leases_in_lease_phase += 1
+        else:
+            stats.lease_ms.append(ms)
         if raw is None:
             await asyncio.sleep(1.0)
             continue
         resp = wire.decode(raw, LeaseResponse)
-        if resp.job is None:
+        if resp.job is None or stats.lease_only:
             await asyncio.sleep(resp.retry_after_s * (0.5 + random.random()))
             continue
         stats.jobs += 1
@@ -154,7 +205,8 @@ async def client(i: int, url: str, info: Info, session: aiohttp.ClientSession, s
             stats.accepted += 1
 
 
-def write_config(path: Path, run_dir: Path, model_dir: Path) -> None:
+def write_config(path: Path, run_dir: Path, model_dir: Path, store_url: str | None = None) -> None:
+    store = f'\n[store]\nurl = "{store_url}"\n' if store_url else ""
     path.write_text(f"""run_dir = "{run_dir}"
 sync_mode = "async-push-pull"
 max_staleness = 2
@@ -165,6 +217,7 @@ path = "{model_dir}"
 [server]
 host = "127.0.0.1"
 port = 0
+max_connections_per_address = 100000  # every simulated client connects from 127.0.0.1
 
 [learner]
 max_steps = 100000
@@ -187,12 +240,12 @@ registrations_per_address_per_min = 0.0
 
 [trust]
 spot_checks = false
-""")
+""" + store)
 
 
-def start_coordinator(config: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
+def start_coordinator(config: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
     out = open(log, "w")  # noqa: SIM115 — lives as long as the process
-    proc = subprocess.Popen([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(config), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
     found: list[str] = []
@@ -215,8 +268,14 @@ def start_coordinator(config: Path, log: Path) -> tuple[subprocess.Popen[str], s
     return proc, found[0]
 
 
-async def run(args: argparse.Namespace, url: str, pid: int, run_dir: Path) -> dict[str, Any]:
+async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], role_pids: list[int],
+              db_pid: int | None, run_dir: Path) -> dict[str, Any]:
+    url, pid = urls[0], api_pids[0]
     stats = Stats()
+
+    def coordinator_cpu() -> float:
+        return cpu_ms(api_pids) + (cpu_ms([db_pid], [db_pid]) if db_pid else 0.0)
+
     gen = Generator(run_dir)
     connector = aiohttp.TCPConnector(limit=args.connections)
     timeout = aiohttp.ClientTimeout(total=60, connect=10)
@@ -226,28 +285,111 @@ async def run(args: argparse.Namespace, url: str, pid: int, run_dir: Path) -> di
         rss_start = rss_mib(pid)
         start = asyncio.Event()
         t0 = time.monotonic()
-        stop_at = t0 + args.duration
-        tasks = [asyncio.create_task(client(i, url, info, session, stop_at, stats, gen, start))
+        stop_at = t0 + args.duration + args.lease_phase
+        tasks = [asyncio.create_task(client(i, urls, info, session, stop_at, stats, gen, start))
                  for i in range(args.clients)]
+        cpu0, roles0 = coordinator_cpu(), cpu_ms(role_pids)
         start.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.duration + 120)
+        await asyncio.sleep(args.duration)  # the measured phase runs (the clients' own loops are bounded)
         elapsed = time.monotonic() - t0
+        round_trips, leases, accepted = stats.round_trips, len(stats.lease_ms), stats.accepted
+        cpu1, roles1 = coordinator_cpu(), cpu_ms(role_pids)
+        stats.lease_only = True
+        lease_phase0, lease_cpu0 = stats.leases_in_lease_phase, coordinator_cpu()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.lease_phase + 120)
+        lease_phase_n = stats.leases_in_lease_phase - lease_phase0
+        per_lease = (coordinator_cpu() - lease_cpu0) / max(1, lease_phase_n)
+        per_result = max(0.0, (cpu1 - cpu0) - leases * per_lease) / max(1, accepted)
         async with session.get(url + "/v1/status") as resp:
             status = json.loads(await resp.read())
     rss_end = rss_mib(pid)
     server_errors = sum(n for k, n in stats.errors.items() if k.startswith("server"))
     return {
-        "clients": args.clients, "duration_s": round(elapsed, 1), "round_trips": stats.round_trips,
-        "round_trips_per_s": round(stats.round_trips / elapsed, 1),
+        "store": args.store, "apis": args.apis,
+        "clients": args.clients, "duration_s": round(elapsed, 1), "round_trips": round_trips,
+        "round_trips_per_s": round(round_trips / elapsed, 1),
+        "coordinator_cpu_ms": {"measured_phase": round(cpu1 - cpu0), "per_round_trip": round(
+            (cpu1 - cpu0) / max(1, round_trips), 2), "per_lease": round(per_lease, 2),
+            "per_result": round(per_result, 1), "lease_phase_leases": lease_phase_n,
+            "learner_and_verifier_measured_phase": round(roles1 - roles0)},
         "lease_ms": {"n": len(stats.lease_ms), "p50": round(pct(stats.lease_ms, 0.5), 1),
                      "p99": round(pct(stats.lease_ms, 0.99), 1),
                      "mean": round(statistics.fmean(stats.lease_ms), 1) if stats.lease_ms else None},
         "submit_ms": {"n": len(stats.submit_ms), "p50": round(pct(stats.submit_ms, 0.5), 1),
                       "p99": round(pct(stats.submit_ms, 0.99), 1)},
-        "jobs_leased": stats.jobs, "results_accepted": stats.accepted, "server_errors": server_errors,
+        "jobs_leased": stats.jobs, "results_accepted": accepted, "server_errors": server_errors,
         "errors": dict(stats.errors), "coordinator_rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)},
         "policy_versions": status["version"], "cpu_count": os.cpu_count(),
     }
+
+
+def one_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the coordinator (and a second API process, and a PostgreSQL server, as asked), load it, stop it."""
+    from coordinator.tiny_model import ensure_tiny_model
+    from echo_swarm.pgserver import LocalPostgres
+
+    with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp, contextlib.ExitStack() as stack:
+        run_dir = Path(tmp) / "run"
+        store_url, db_pid = None, None
+        if args.store == "postgresql":
+            server = stack.enter_context(LocalPostgres(Path(tmp) / "pg"))  # durable: fsync as in production
+            store_url = server.create_database("load")
+            db_pid = int((server.data / "postmaster.pid").read_text().split()[0])
+        write_config(Path(tmp) / "run.toml", run_dir, ensure_tiny_model(), store_url)
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            proc, url = start_coordinator(Path(tmp) / "run.toml", Path(tmp) / "coordinator.log")
+            procs.append(proc)
+            urls = [url]
+            for k in range(1, args.apis):
+                extra, u = start_coordinator(Path(tmp) / "run.toml", Path(tmp) / f"api{k}.log", "--role", "api",
+                                             "--index", str(k))
+                procs.append(extra)
+                urls.append(u)
+            api_pids = [p.pid for p in procs[1:]]
+            # the supervisor's children: the API (named in its status) and the learner and verifier roles
+            from coordinator.store import Store
+
+            store = Store(store_url or run_dir / "coordinator.sqlite")
+            statuses = store.role_statuses()
+            store.close()
+            api_pids.append(int(statuses["api"]["pid"]))
+            roles = {int(v["pid"]) for k, v in statuses.items() if not k.startswith("api") and "pid" in v}
+            result = asyncio.run(run(args, urls, api_pids, sorted(roles), db_pid, run_dir))
+        finally:
+            for p in reversed(procs):
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+    return result
+
+
+TABLE_START = "<!-- load-matrix:start (bench/load.py --matrix writes this table) -->"
+TABLE_END = "<!-- load-matrix:end -->"
+
+
+def write_table(results: list[dict[str, Any]], command: str) -> str:
+    rows = ["| store | API processes | round-trips/s | lease p50 / p99 | submit p50 / p99 | results accepted | "
+            "server errors | coordinator CPU-ms per lease | per result |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        c = r["coordinator_cpu_ms"]
+        rows.append(f"| {r['store']} | {r['apis']} | {r['round_trips_per_s']} | {r['lease_ms']['p50']:,} / "
+                    f"{r['lease_ms']['p99']:,} ms | {r['submit_ms']['p50']:,} / {r['submit_ms']['p99']:,} ms | "
+                    f"{r['results_accepted']} | {r['server_errors']} | {c['per_lease']} | {c['per_result']} |")
+    table = "\n".join([TABLE_START, f"`{command}`, {results[0]['clients']:,} simulated clients, "
+                        f"{results[0]['duration_s']} s measured each:", "", *rows, TABLE_END])
+    doc = REPO / "docs" / "benchmarks.md"
+    text = doc.read_text()
+    if TABLE_START in text and TABLE_END in text:
+        head, rest = text.split(TABLE_START, 1)
+        text = head + table + rest.split(TABLE_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + table + "\n"
+    doc.write_text(text)
+    return table
 
 
 def main() -> None:
@@ -256,25 +398,31 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="Seconds of load after the start.")
     parser.add_argument("--connections", type=int, default=256, help="Concurrent HTTP connections (ulimit!).")
     parser.add_argument("--out", type=Path, default=Path("bench-out/load.json"))
+    parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite",
+                        help="The run's database (postgresql: a private server started for the run).")
+    parser.add_argument("--apis", type=int, default=1, choices=(1, 2, 3, 4), help="API processes (clients are "
+                        "spread over them; more than one shares the store's rows: PostgreSQL, or SQLite's lock).")
+    parser.add_argument("--lease-phase", type=float, default=10.0, help="Seconds of lease-only load after the "
+                        "measured phase (gives CPU-ms per lease).")
+    parser.add_argument("--matrix", action="store_true", help="Run {sqlite, postgresql} × {1, 2} APIs and write "
+                        "the table into docs/benchmarks.md.")
     args = parser.parse_args()
-    from coordinator.tiny_model import ensure_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp:
-        run_dir = Path(tmp) / "run"
-        write_config(Path(tmp) / "run.toml", run_dir, ensure_tiny_model())
-        proc, url = start_coordinator(Path(tmp) / "run.toml", Path(tmp) / "coordinator.log")
-        try:
-            result = asyncio.run(run(args, url, proc.pid, run_dir))
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    if not args.matrix:
+        result = one_run(args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        return
+    results = []
+    for store in ("sqlite", "postgresql"):
+        for apis in (1, 2):
+            result = one_run(argparse.Namespace(**(vars(args) | {"store": store, "apis": apis})))
+            print(json.dumps(result, indent=2), flush=True)
+            results.append(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(results, indent=2))
+    command = f"python bench/load.py --matrix --clients {args.clients} --duration {args.duration:g}"
+    print(write_table(results, command))
 
 
 if __name__ == "__main__":

@@ -466,6 +466,23 @@ class SnapshotConfig(_Strict):
         "q8_0 quarters them (docs/benchmarks.md, 'llama.cpp parity').")
 
 
+class StoreConfig(_Strict):
+    url: str | None = Field(None, description="The run's database. Unset: SQLite, run_dir/coordinator.sqlite (one "
+                            "host). postgresql://USER[:PASSWORD]@HOST[:PORT]/DB: a PostgreSQL database that roles on "
+                            "several hosts share (API processes on a small VM, learner and verifiers on a GPU "
+                            "server; docs/operations.md). Needs pip install 'echo-swarm[postgres]'.")
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, v: str | None) -> str | None:
+        if v is None or v == "":
+            return None
+        if not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"store.url must be a postgresql://USER@HOST:PORT/DATABASE URL (got {v[:40]!r}); "
+                             f"leave it unset for the run directory's SQLite database")
+        return v
+
+
 class CoordinatorConfig(_Strict):
     """A whole run. `echo-swarm coordinator --config run.toml` reads this; flags override single keys."""
 
@@ -496,6 +513,7 @@ class CoordinatorConfig(_Strict):
     trust: TrustConfig = TrustConfig()
     limits: LimitsConfig = LimitsConfig()
     registration: RegistrationConfig = RegistrationConfig()
+    store: StoreConfig = StoreConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -2,8 +2,9 @@
 trust and quarantine per identity, spot-check replicas, rate limits and the registration gate.
 
 The rules are pure (:mod:`coordinator.core.trust`, :mod:`coordinator.core.ratelimit`,
-:mod:`coordinator.core.replicas`); this module only keeps their state (SQLite tables created on the
-Store's connection, buckets in memory) and turns their decisions into typed refusals.
+:mod:`coordinator.core.replicas`); this module applies them to the state the Store keeps (the ``trust`` and
+``replicas`` tables: their SQL is in coordinator.store) and to buckets in memory, and turns their decisions into
+typed refusals.
 
 Rate-limit buckets live in memory on purpose: a restart grants everyone a fresh burst, which is harmless,
 and a request refused for its rate writes nothing anywhere.
@@ -16,7 +17,6 @@ import hmac
 import json
 import logging
 import math
-import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,18 +35,12 @@ from coordinator.core.trust import (
     on_valid,
     quarantined,
 )
+from coordinator.db import Row
 from coordinator.store import Store
 from shared.errors import ProtocolError, Reason
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS trust(
-  client_id TEXT NOT NULL, backend_class TEXT NOT NULL, consecutive_valid INTEGER NOT NULL DEFAULT 0,
-  consecutive_invalid INTEGER NOT NULL DEFAULT 0, quarantines INTEGER NOT NULL DEFAULT 0,
-  quarantined_until REAL NOT NULL DEFAULT 0, valid_total INTEGER NOT NULL DEFAULT 0,
-  invalid_total INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(client_id, backend_class));
-"""  # the replicas table is in coordinator.store: Store.pending() must see which results are held
 Judge = Literal["arbiter", "peer"]
 RECENT_PEERS = 1000  # at most this many recently active identities are looked at for an independent replayer
 
@@ -67,8 +61,6 @@ class Guard:
     def __init__(self, config: CoordinatorConfig, store: Store) -> None:
         self.config = config
         self.store = store
-        self.conn: sqlite3.Connection = store.conn
-        self.conn.executescript(SCHEMA)
         t = config.trust
         self.policy = TrustPolicy(t.trusted_after, t.min_replication_rate, t.quarantine_after, t.quarantine_s)
         lim = config.limits
@@ -107,30 +99,15 @@ class Guard:
     def trust(self, client_id: str) -> TrustState:
         """The identity's standing. Kept per identity first: one row, under the class pinned to it (rows of
         other classes exist only in databases from before classes were pinned)."""
-        row = self.conn.execute("SELECT * FROM trust WHERE client_id=? AND backend_class=?",
-                                (client_id, self.pinned_class(client_id))).fetchone()
+        row = self.store.trust_row(client_id, self.pinned_class(client_id))
         if row is None:
             return TrustState()
         return TrustState(int(row["consecutive_valid"]), int(row["consecutive_invalid"]), int(row["quarantines"]),
                           float(row["quarantined_until"]))
 
     def _put(self, client_id: str, state: TrustState, valid: bool) -> None:
-        bclass = self.pinned_class(client_id)
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            self.conn.execute(
-                "INSERT INTO trust(client_id, backend_class) VALUES(?,?) ON CONFLICT DO NOTHING",
-                (client_id, bclass))
-            self.conn.execute(
-                "UPDATE trust SET consecutive_valid=?, consecutive_invalid=?, quarantines=?, quarantined_until=?, "
-                f"{'valid_total=valid_total+1' if valid else 'invalid_total=invalid_total+1'} "
-                "WHERE client_id=? AND backend_class=?",
-                (state.consecutive_valid, state.consecutive_invalid, state.quarantines, state.quarantined_until,
-                 client_id, bclass))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
+        self.store.put_trust(client_id, self.pinned_class(client_id), state.consecutive_valid,
+                             state.consecutive_invalid, state.quarantines, state.quarantined_until, valid)
 
     def record_valid(self, client_id: str) -> TrustState:
         """A result of this identity was conclusively verified (or its replay decided a spot-check)."""
@@ -151,9 +128,7 @@ class Guard:
 
     def quarantined_until(self, client_id: str) -> float:
         """The end of the identity's quarantine, whichever class the evidence was recorded under (0: none)."""
-        row = self.conn.execute("SELECT MAX(quarantined_until) AS q FROM trust WHERE client_id=?",
-                                (client_id,)).fetchone()
-        return float(row["q"] or 0.0)
+        return self.store.quarantined_until(client_id)
 
     def check_quarantine(self, client_id: str, now: float) -> None:
         """Per identity first: a quarantined identity gets nothing, whatever backend it claims."""
@@ -170,8 +145,7 @@ class Guard:
         """The backend class the coordinator pinned to ``client_id`` at its first registration. Identities
         registered before classes were pinned (or the co-located learner) get the class of their stored
         profile; an unknown identity, the most common class."""
-        row = self.conn.execute("SELECT backend_class, profile FROM clients WHERE client_id=?",
-                                (client_id,)).fetchone()
+        row = self.store.client_class_row(client_id)
         if row is None:
             return "torch/cpu"
         if row["backend_class"]:
@@ -201,7 +175,7 @@ class Guard:
         return bclass
 
     def standings(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self.conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]
+        return self.store.standings()
 
     # -- spot-check replicas ------------------------------------------------------------------------------
     def add_replica(self, job_id: str, version: int, original_client: str, original_class: str, now: float,
@@ -211,23 +185,10 @@ class Guard:
         The id is the next number of the job stream, in the same form as a fresh job's (core.jobs.plan_job:
         ``j<seq>``), so nothing in it marks a replica or links it to the original. ``hold_until`` (None: not
         held) keeps the original out of training until a conclusive judgement, or until it is dropped."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            seq = self.store.next_seq()
-            replica_id = f"j{seq}"  # core.jobs.plan_job's form
-            self.conn.execute(
-                "INSERT INTO replicas(replica_id, job_id, version, original_client, original_class, created_at, "
-                "state, hold, judge, hold_until, seq) VALUES(?,?,?,?,?,?,'open',?,?,?,?)",
-                (replica_id, job_id, version, original_client, original_class, now, int(hold_until is not None),
-                 judge, hold_until, seq))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        return replica_id
+        return self.store.add_replica(job_id, version, original_client, original_class, now, hold_until, judge)
 
     @staticmethod
-    def _replica(row: sqlite3.Row) -> ReplicaRow:
+    def _replica(row: Row) -> ReplicaRow:
         view = LeaseView(row["replica_id"], JobState(row["state"]), int(row["version"]), float(row["created_at"]),
                          row["lease_id"], row["lease_client"], row["lease_deadline"])
         judge: Judge = "arbiter" if row["judge"] == "arbiter" else "peer"
@@ -236,42 +197,25 @@ class Guard:
                           row["original_class"], view, judge, tried)
 
     def get_replica(self, replica_id: str) -> ReplicaRow | None:
-        row = self.conn.execute("SELECT * FROM replicas WHERE replica_id=?", (replica_id,)).fetchone()
+        row = self.store.replica_row(replica_id)
         return None if row is None else self._replica(row)
 
     def awaiting_arbiter(self) -> list[ReplicaRow]:
         """Open replicas the coordinator's own replay must judge (after a restart, none is in progress)."""
-        rows = self.conn.execute("SELECT * FROM replicas WHERE judge='arbiter' AND state='open' ORDER BY created_at")
-        return [self._replica(r) for r in rows.fetchall()]
+        return [self._replica(r) for r in self.store.open_arbiter_replicas()]
 
     def expire_replicas(self, oldest_version: int, now: float, in_progress: frozenset[str] = frozenset()) -> int:
         """Replicas that can no longer be judged: a held original whose conclusive judgement did not come by its
         ``hold_until`` (and is not being judged right now: ``in_progress``), or whose version was pruned, is
         dropped uncredited — never released to training unverified. An unheld one whose version was pruned is
         closed as 'unverified'. Returns how many replicas changed."""
-        due = self.conn.execute(
-            "SELECT * FROM replicas WHERE state!='done' AND (version<? OR (hold=1 AND hold_until<=?))",
-            (oldest_version, now)).fetchall()
+        due = self.store.due_replicas(oldest_version, now)
         due = [r for r in due if r["replica_id"] not in in_progress or int(r["version"]) < oldest_version]
         if not due:  # the common case, on every lease: no write transaction
             return 0
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            for row in due:
-                rep = self._replica(row)
-                if row["hold"]:
-                    self.conn.execute("UPDATE replicas SET state='done', outcome='dropped' WHERE replica_id=?",
-                                      (rep.replica_id,))
-                    self._take_back(rep, now, "dropped_unverified", "no_conclusive_check",
-                                    "no conclusive spot-check before the hold ran out (or its version was pruned): "
-                                    "dropped uncredited, the job is done again", in_training=False)
-                else:
-                    self.conn.execute("UPDATE replicas SET state='done', outcome='unverified' WHERE replica_id=?",
-                                      (rep.replica_id,))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
+        self.store.expire_replicas([(r, bool(r["hold"])) for r in due], now,
+                                   "no conclusive spot-check before the hold ran out (or its version was pruned): "
+                                   "dropped uncredited, the job is done again")
         dropped = sum(1 for r in due if r["hold"])
         if dropped:
             logger.warning("dropped %d held results uncredited: no conclusive spot-check in time", dropped)
@@ -280,14 +224,12 @@ class Guard:
     def established(self, client_id: str) -> bool:
         """Has ``client_id`` had at least trust.replicator_min_valid results conclusively verified, with no
         failure since? Only such an identity replays others' jobs or makes results wait for it."""
-        row = self.conn.execute("SELECT COALESCE(SUM(valid_total), 0) AS v, COALESCE(SUM(consecutive_invalid), 0) "
-                                "AS bad FROM trust WHERE client_id=?", (client_id,)).fetchone()
-        return int(row["v"]) >= self.config.trust.replicator_min_valid and int(row["bad"]) == 0
+        valid, bad = self.store.trust_totals(client_id)
+        return valid >= self.config.trust.replicator_min_valid and bad == 0
 
     def party(self, client_id: str) -> Party | None:
         """What the coordinator observed of an identity (registration addresses and time), for independence."""
-        row = self.conn.execute("SELECT address, last_address, registered_at FROM clients WHERE client_id=?",
-                                (client_id,)).fetchone()
+        row = self.store.client_party_row(client_id)
         if row is None:
             return None
         addresses = frozenset(a for a in (row["address"], row["last_address"]) if a is not None)
@@ -318,23 +260,17 @@ class Guard:
                 recent.append(other)
         if not recent:
             return False
-        marks = ",".join("?" * len(recent))
         # one query narrows the active identities to those with enough verified work; may_judge decides the rest
-        rows = self.conn.execute(
-            f"SELECT client_id FROM trust WHERE client_id IN ({marks}) GROUP BY client_id HAVING SUM(valid_total) "
-            f">= ? AND SUM(consecutive_invalid) = 0", (*recent, self.config.trust.replicator_min_valid)).fetchall()
-        return any(self.may_judge(r["client_id"], original, bclass, now) for r in rows)
+        able = self.store.with_verified_work(recent, self.config.trust.replicator_min_valid)
+        return any(self.may_judge(c, original, bclass, now) for c in able)
 
     def lease_replica(self, client_id: str, lease_id: str, deadline: float, now: float) -> ReplicaRow | None:
         """Lease the oldest open (or expired) peer replica that ``client_id`` may judge (coordinator-judged ones
         never leave the coordinator; see may_judge), or None."""
-        if self.conn.execute("SELECT 1 FROM replicas WHERE state!='done' AND judge='peer' LIMIT 1").fetchone() is None:
+        if not self.store.any_open_peer_replica():
             return None  # the common case on every lease: no write lock taken
         mine = self.pinned_class(client_id)
-        rows = self.conn.execute(
-            "SELECT * FROM replicas WHERE judge='peer' AND original_client!=? AND original_class=? AND "
-            "(state='open' OR (state='leased' AND lease_deadline<=?)) ORDER BY created_at LIMIT 50",
-            (client_id, mine, now)).fetchall()
+        rows = self.store.peer_replica_candidates(client_id, mine, now)
         chosen = None
         for row in rows:
             rep = self._replica(row)
@@ -345,74 +281,23 @@ class Guard:
                 break
         if chosen is None:
             return None
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            n = self.conn.execute(
-                "UPDATE replicas SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, "
-                "issue_count=issue_count+1 WHERE replica_id=? AND (state='open' OR (state='leased' AND "
-                "lease_deadline<=?))", (lease_id, client_id, deadline, chosen.replica_id, now)).rowcount
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        return self.get_replica(chosen.replica_id) if n == 1 else None
+        if not self.store.lease_replica(chosen.replica_id, lease_id, client_id, deadline, now):
+            return None
+        return self.get_replica(chosen.replica_id)
 
     def release_replica(self, replica_id: str, lease_id: str, client_id: str) -> bool:
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            n = self.conn.execute("UPDATE replicas SET state='open', lease_deadline=NULL WHERE replica_id=? AND "
-                                  "lease_id=? AND lease_client=? AND state='leased'",
-                                  (replica_id, lease_id, client_id)).rowcount
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        return n == 1
-
-    def _take_back(self, replica: ReplicaRow, now: float, outcome: str, reason: str, detail: str,
-                   in_training: bool) -> None:
-        """Inside a transaction: the original leaves the buffer if not trained on yet (its job reopens and is
-        done again) and its credit is revoked (``in_training``: the learner already holds it in the step it is
-        computing, so it stays and is marked as taken back after training)."""
-        orig = self.conn.execute("SELECT n_tokens, ingested_step, content_sha256 FROM results WHERE job_id=?",
-                                 (replica.job_id,)).fetchone()
-        if orig is None:
-            return
-        removed = orig["ingested_step"] is None and not in_training
-        if removed:
-            self.conn.execute("DELETE FROM results WHERE job_id=?", (replica.job_id,))
-            self.conn.execute("UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=?", (replica.job_id,))
-        self.conn.execute("UPDATE clients SET credit=credit-?, accepted=accepted-? WHERE client_id=?",
-                          (float(orig["n_tokens"]), int(removed), replica.original_client))
-        self.store.audit_write(now, replica.original_client, replica.job_id, replica.version,
-                               outcome if removed else f"{outcome}_after_training", reason, orig["content_sha256"],
-                               detail)
+        return self.store.release_replica(replica_id, lease_id, client_id)
 
     def close_replica(self, replica: ReplicaRow, lease_id: str, client_id: str, outcome: str, content_sha: str,
                       credit: float, now: float, original_invalid: bool, detail: str, in_training: bool = False
                       ) -> bool:
         """One transaction: a peer's conclusive replay closes the replica with ``outcome``; the replaying client
         is credited; if the original was the outlier it is taken out of training and its credit revoked
-        (:meth:`_take_back`). False if the replica's lease changed meanwhile."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND lease_id=? AND "
-                                 "lease_client=? AND state='leased'",
-                                 (outcome, replica.replica_id, lease_id, client_id)).rowcount != 1:
-                self.conn.execute("ROLLBACK")
-                return False
-            # credit for the replay; clients.accepted keeps counting result rows (replays are not trained on)
-            self.conn.execute("UPDATE clients SET credit=credit+?, last_seen=? WHERE client_id=?",
-                              (credit, now, client_id))
-            self.store.audit_write(now, client_id, replica.replica_id, replica.version, "replica_accepted", outcome,
-                                   content_sha, detail)
-            if original_invalid:
-                self._take_back(replica, now, "invalidated", Reason.REPLICA_MISMATCH.value, detail, in_training)
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        return True
+        (Store.take_back). False if the replica's lease changed meanwhile."""
+        return self.store.close_replica(replica.replica_id, replica.job_id, replica.version, replica.original_client,
+                                        lease_id, client_id, outcome, content_sha, credit, now,
+                                        Reason.REPLICA_MISMATCH.value if original_invalid else None, detail,
+                                        in_training)
 
     def reopen_replica(self, replica: ReplicaRow, lease_id: str, client_id: str, content_sha: str, now: float,
                        detail: str) -> bool:
@@ -420,51 +305,24 @@ class Guard:
         goes back to the queue for another independent identity (never this one again); the original stays
         held. False if the replica's lease changed meanwhile."""
         tried = ",".join(sorted(replica.tried | {client_id}))
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            if self.conn.execute("UPDATE replicas SET state='open', lease_deadline=NULL, tried=? WHERE replica_id=? "
-                                 "AND lease_id=? AND lease_client=? AND state='leased'",
-                                 (tried, replica.replica_id, lease_id, client_id)).rowcount != 1:
-                self.conn.execute("ROLLBACK")
-                return False
-            self.store.audit_write(now, client_id, replica.replica_id, replica.version, "replica_inconclusive",
-                                   "inconclusive", content_sha, detail)
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        return True
+        return self.store.reopen_replica(replica.replica_id, replica.version, lease_id, client_id, tried, content_sha,
+                                         now, detail)
 
     def close_arbitrated(self, replica: ReplicaRow, original_invalid: bool, now: float, detail: str,
                          in_training: bool = False) -> bool:
         """One transaction: the coordinator's own replay judged the original (agree, or invalid: taken back).
         False if the replica was closed meanwhile (e.g. dropped because its version was pruned)."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            outcome = "original_invalid" if original_invalid else "agree"
-            if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND state!='done'",
-                                 (outcome, replica.replica_id)).rowcount != 1:
-                self.conn.execute("ROLLBACK")
-                return False
-            if original_invalid:
-                self._take_back(replica, now, "invalidated", Reason.REPLICA_MISMATCH.value, detail, in_training)
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        return True
+        return self.store.close_arbitrated(replica.replica_id, replica.job_id, replica.version,
+                                           replica.original_client,
+                                           Reason.REPLICA_MISMATCH.value if original_invalid else None, now, detail,
+                                           in_training)
 
     def leases_held(self, client_id: str, now: float) -> int:
         """Live (unexpired) leases of one client, on jobs and on replicas."""
-        jobs = self.conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_client=? AND "
-                                 "lease_deadline>?", (client_id, now)).fetchone()["n"]
-        reps = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE state='leased' AND lease_client=? AND "
-                                 "lease_deadline>?", (client_id, now)).fetchone()["n"]
-        return int(jobs) + int(reps)
+        return self.store.leases_held(client_id, now)
 
     def held_count(self) -> int:
-        row = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE hold=1 AND state!='done'").fetchone()
-        return int(row["n"])
+        return self.store.held_count()
 
     def seen(self, client_id: str, now: float) -> None:
         """Note a client's signed request (in memory): who could take a replica right now."""
@@ -474,5 +332,4 @@ class Guard:
             self._seen.popitem(last=False)
 
     def replicas_summary(self) -> dict[str, int]:
-        rows = self.conn.execute("SELECT COALESCE(outcome, state) AS k, COUNT(*) AS n FROM replicas GROUP BY k")
-        return {str(r["k"]): int(r["n"]) for r in rows}
+        return self.store.replicas_summary()

@@ -18,17 +18,20 @@ from coordinator.config import CoordinatorConfig
 logger = logging.getLogger(__name__)
 
 
-async def serve(config: CoordinatorConfig, *, all_roles: bool = True) -> int:
+async def serve(config: CoordinatorConfig, *, all_roles: bool = True, name: str = "api") -> int:
     """Serve the API (with the learner and a verifier in this process if ``all_roles``) until SIGINT/SIGTERM
-    (exit 0) or a learner failure (exit 1)."""
+    (exit 0) or a learner failure (exit 1). ``name``: "api", or "api-N" for the N-th extra API process on a
+    shared PostgreSQL store (it writes endpoint-api-N.json)."""
     app = create_app(config, all_roles=all_roles)
+    app[COORDINATOR].api_name = name
     runner, site = await start_site(app, config)
     port = site.port
     url = f"http://{config.server.host}:{port}"
     from coordinator.roles import report_pid
 
-    report_pid(app[COORDINATOR].store, "api")
-    (config.run_dir / "endpoint.json").write_text(json.dumps({"url": url, "port": port}))
+    report_pid(app[COORDINATOR].store, name)
+    endpoint = "endpoint.json" if name == "api" else f"endpoint-{name}.json"
+    (config.run_dir / endpoint).write_text(json.dumps({"url": url, "port": port}))
     print(f"echo-swarm coordinator listening on {url} (run dir {config.run_dir})", flush=True)
 
     stop = asyncio.Event()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -90,11 +89,7 @@ async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    db = sqlite3.connect(str(tmp / "coordinator.sqlite"))
-    try:
-        coord.store.conn.backup(db)  # consistent snapshot of a live WAL database
-    finally:
-        db.close()
+    database = coord.store.backup_to(tmp / "coordinator.sqlite")
     checkpoints = CheckpointStore(coord.run_dir / "checkpoints")
     newest = checkpoints.latest(version)
     base = coord.snapshots.base_dir if coord.config.learner.lora_rank > 0 else None
@@ -107,7 +102,7 @@ async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]
                                               f"copied ({exc.filename}); run the export again") from None
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {"version": version, "run_id": coord.run_id, "created_at": coord.clock(), "files": files,
-                "checkpoint_version": newest}
+                "checkpoint_version": newest, "database": database}
     (tmp / "checkpoint.json").write_text(json.dumps(manifest, indent=2))
     tmp.rename(dest)
     total = sum(files.values())

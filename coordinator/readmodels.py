@@ -104,7 +104,7 @@ def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
 
 
 def _has_table(store: Store, name: str) -> bool:
-    return store.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() is not None
+    return store.conn.has_table(name)
 
 
 def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_id: str | None = None,
@@ -168,8 +168,9 @@ def throughput(store: Store, start: float, now: float, bins: int = 60) -> list[d
     if first is not None:
         start = min(start, float(first))
     width = bucket_width(start, now, bins)
-    rows = store.conn.execute("SELECT CAST((received_at - ?) / ? AS INTEGER) AS k, COUNT(*), SUM(n_tokens) "
-                              "FROM results GROUP BY k", (start, width)).fetchall()
+    bucket = store.conn.floor_int("(received_at - ?) / ?")
+    rows = store.conn.execute(f"SELECT {bucket} AS k, COUNT(*), SUM(n_tokens) FROM results GROUP BY 1",
+                              (start, width)).fetchall()
     return throughput_series([(int(r[0]), int(r[1]), int(r[2])) for r in rows], start, now, bins)
 
 
@@ -177,8 +178,9 @@ def client_states(store: Store, now: float, lease_timeout_s: float) -> list[dict
     """The few fields the status page and /metrics need per client, without decoding whole profiles."""
     holders = live_lease_holders(store, now)
     window = active_window_s(lease_timeout_s)
-    rows = store.conn.execute("SELECT client_id, banned, last_seen, json_extract(profile, '$.backend') AS backend, "
-                              "json_extract(profile, '$.platform') AS platform FROM clients").fetchall()
+    db = store.conn
+    rows = db.execute(f"SELECT client_id, banned, last_seen, {db.json_text('profile', 'backend')} AS backend, "
+                      f"{db.json_text('profile', 'platform')} AS platform FROM clients").fetchall()
     return [{"backend": r["backend"] or "?", "platform": r["platform"] or "?",
              "state": client_state(banned=bool(r["banned"]), holds_live_lease=r["client_id"] in holders,
                                    last_seen=float(r["last_seen"]), now=now, window_s=window)} for r in rows]
@@ -192,7 +194,7 @@ def top_clients(store: Store, now: float, lease_timeout_s: float, top: int = 20)
 def trained_staleness(store: Store) -> dict[int, int]:
     """How many trained results had each staleness (versions between generation and the step using them)."""
     rows = store.conn.execute("SELECT ingested_step - 1 - version AS s, COUNT(*) AS n FROM results "
-                              "WHERE ingested_step IS NOT NULL GROUP BY s").fetchall()
+                              "WHERE ingested_step IS NOT NULL GROUP BY 1").fetchall()
     return {int(r["s"]): int(r["n"]) for r in rows}
 
 
@@ -202,5 +204,5 @@ def rejection_counts(store: Store) -> dict[str, int]:
 
 def result_totals(store: Store) -> dict[str, int]:
     r = store.conn.execute("SELECT COUNT(*) AS n, COALESCE(SUM(n_tokens), 0) AS tokens, "
-                           "COALESCE(SUM(stale_at IS NOT NULL), 0) AS stale FROM results").fetchone()
+                           "COUNT(stale_at) AS stale FROM results").fetchone()
     return {"accepted": int(r["n"]), "tokens": int(r["tokens"]), "too_stale": int(r["stale"])}

@@ -111,13 +111,13 @@ def run_role(config: CoordinatorConfig, role: str, index: int = 0, parent: int |
 
     if role not in ("api", "learner", "verifier"):
         raise ValueError(f"unknown role {role!r}; use api, learner or verifier")
-    name = f"verifier-{index}" if role == "verifier" else role
+    name = f"verifier-{index}" if role == "verifier" else f"api-{index}" if role == "api" and index else role
 
     async def body() -> int:
         watcher = asyncio.create_task(_watch_parent(parent), name="parent-watch") if parent is not None else None
         try:
             if role == "api":
-                return await main.serve(config, all_roles=False)
+                return await main.serve(config, all_roles=False, name=name)
             if role == "learner":
                 return await run_learner(config)
             return await run_verifier(config, index)

@@ -43,7 +43,7 @@ class RunFiles:
         with open(run_dir / ".setup.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                store = Store(run_dir / "coordinator.sqlite")
+                store = Store(config.store.url or run_dir / "coordinator.sqlite")
                 key, created = crypto.load_or_create_key(run_dir / "coordinator.key")
                 if created:
                     logger.info("created coordinator key %s", run_dir / "coordinator.key")
@@ -51,6 +51,7 @@ class RunFiles:
                 if run_id is None:
                     run_id = secrets.token_hex(6)
                     store.set_meta("run_id", run_id)
+                _same_key(store, crypto.public_bytes(key).hex(), run_dir)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return cls(config=config, store=store, key=key, run_id=run_id,
@@ -59,3 +60,22 @@ class RunFiles:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _same_key(store: Store, public_hex: str, run_dir: Path) -> None:
+    """Roles on several hosts (one PostgreSQL store) must sign with one key: clients trust the key /v1/info
+    gave them. The first role to start records its public key in the store; a role whose run directory holds
+    another key (one created on a host the key was not copied to) refuses to start."""
+    recorded = store.get_meta("coordinator_public_key")
+    if recorded is None:
+        store.set_meta("coordinator_public_key", public_hex)
+    elif recorded != public_hex:
+        store.close()
+        raise KeyMismatch(f"{run_dir / 'coordinator.key'} is not the key this run signs with (the store records "
+                          f"public key {recorded[:16]}…); copy coordinator.key from the host where the run started "
+                          f"into this run directory, then start the role again")
+
+
+class KeyMismatch(RuntimeError):
+    """This host's coordinator key is not the run's."""
+

@@ -107,6 +107,8 @@ class Coordinator:
         self.issuing_paused = False  # set by the operator (coordinator.admin_api): no new leases while True
         self._watcher: asyncio.Task[None] | None = None
         self._owns_files = False
+        #: which API process this is ("api", "api-1", …: several may share one PostgreSQL store; main.serve sets it)
+        self.api_name = "api"
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def attach(self, files: RunFiles) -> None:
@@ -126,7 +128,8 @@ class Coordinator:
         self.snapshots: SnapshotStore = files.snapshots
         self.issuing_paused = self.store.get_meta("issuing_paused") == "1"
         self.guard = Guard(self.config, self.store)
-        dropped = self.store.work_drop(("recompute", "replay"))  # asked by a previous API run; nobody waits
+        # asked by this API's previous run; nobody waits for them (other API processes' requests stay)
+        dropped = self.store.work_drop(("recompute", "replay"), self.api_name)
         if dropped:
             logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
         self.version = await wait_for_first_version(self.store, self.bell, "api")
@@ -139,6 +142,7 @@ class Coordinator:
         vcfg = self.config.verification
         self.verifier = RemoteVerifier(self.store, self.bell, wait_s=vcfg.wait_s,
                                        device="cpu" if vcfg.device == "auto" else vcfg.device)
+        self.verifier.requester = self.api_name
         self.finished = self.version >= self.config.learner.max_steps
         self.issuer.new_version(time.monotonic())
         self._watcher = asyncio.create_task(self._watch(), name="api-watch")
@@ -186,9 +190,10 @@ class Coordinator:
         return plan_key(self.config.learner.seed, secret)
 
     def new_job(self) -> JobRow:
-        plan = plan_job(self._plan_key(), self.store.next_seq(), len(self.task.train),
-                        self.config.jobs.prompts_per_job)
-        return self.store.create_job(plan, self.config.learner.group_size, self.clock())
+        key, n, per_job = self._plan_key(), len(self.task.train), self.config.jobs.prompts_per_job
+        # the next number is drawn under the store's job-stream lock: API processes sharing one database
+        return self.store.create_next_job(lambda seq: plan_job(key, seq, n, per_job), self.config.learner.group_size,
+                                          self.clock())
 
     async def accept_local(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
                            ) -> SubmitResponse:

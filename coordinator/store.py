@@ -1,8 +1,9 @@
-"""The coordinator's durable state: one SQLite database (WAL, synchronous=FULL) in the run directory.
+"""The coordinator's durable state: one SQLite database (WAL, synchronous=FULL) in the run directory, or one
+PostgreSQL database (``store.url``) that roles on several hosts share.
 
 What is promised to a client (an accepted result) and what the learner trained (a step) commit with an fsync;
 reply-path state that can be re-created (leases, nonces, the work queue, role reports) commits without one (see
-Store.__init__, lease_job, _nonces).
+Store.__init__, lease_job, _nonce_db).
 
 Invariants the rest of the coordinator relies on:
 - a result is committed (fsynced) before the client is told it was accepted;
@@ -11,16 +12,19 @@ Invariants the rest of the coordinator relies on:
 - a result is ingested by exactly one learner step: ``ingested_step`` is set in the same transaction that
   records the new policy version, so the database and the published versions never disagree;
 - a result older than the staleness bound is set aside (``stale_at``) and never trained on.
-Each role process (coordinator.roles: API, learner, verifiers) opens its own Store on the same file; SQLite's WAL
-lets them read concurrently and serialises their writes (BEGIN IMMEDIATE, busy_timeout). This module is the only
-one that writes SQL for the run's tables it defines, and owns their migrations (``SCHEMA_VERSION``).
+Each role process (coordinator.roles: API, learner, verifiers) opens its own Store on the same database. On
+SQLite, WAL lets them read concurrently and serialises their writes (BEGIN IMMEDIATE, busy_timeout); on PostgreSQL,
+writers lock rows, so several API processes lease at once and each job still goes to one client: a lease is a
+compare-and-set on the job's row, and a row another lease is writing is skipped (FOR UPDATE SKIP LOCKED).
+The SQL is written once for both engines; :mod:`coordinator.db` holds what differs between them. This module is
+the only one that writes SQL for the run's tables, and owns their migrations (``SCHEMA_VERSION``).
 Within a process all access happens from the event-loop thread; nothing here is shared across threads.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +32,7 @@ from typing import Any, Literal
 from coordinator.core.jobs import JobPlan
 from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.scheduling import Pending
+from coordinator.db import Db, Row, is_postgres_url, pg_ddl
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -76,11 +81,18 @@ CREATE TABLE IF NOT EXISTS work(
   state TEXT NOT NULL CHECK(state IN ('queued','claimed','done','failed')),
   worker TEXT, claim_until REAL, attempts INTEGER NOT NULL DEFAULT 0, answer BLOB, error TEXT);
 CREATE INDEX IF NOT EXISTS work_by_state ON work(state, kind, id);
+CREATE TABLE IF NOT EXISTS trust(
+  client_id TEXT NOT NULL, backend_class TEXT NOT NULL, consecutive_valid INTEGER NOT NULL DEFAULT 0,
+  consecutive_invalid INTEGER NOT NULL DEFAULT 0, quarantines INTEGER NOT NULL DEFAULT 0,
+  quarantined_until REAL NOT NULL DEFAULT 0, valid_total INTEGER NOT NULL DEFAULT 0,
+  invalid_total INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(client_id, backend_class));
 """
-#: Bumped whenever SCHEMA or the in-place migrations below change; stored as SQLite's user_version so a
-#: database written by a newer release is refused instead of misread.
-SCHEMA_VERSION = 4
-#: Replay protection lives in its own database file beside the main one (see Store.__init__).
+#: Bumped whenever SCHEMA or the in-place migrations below change; stored as SQLite's user_version (in PostgreSQL,
+#: the meta row 'schema_version') so a database written by a newer release is refused instead of misread.
+#: 4: work.requester (several API processes share one queue); 5: SQLite keeps nonces in a file of their own.
+SCHEMA_VERSION = 5
+#: Replay protection: on SQLite in its own database file beside the main one, on PostgreSQL a table of the
+#: main database (see Store._nonce_db).
 NONCE_SCHEMA = "CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)"
 WorkKind = Literal["recompute", "replay", "evaluate"]
 
@@ -103,87 +115,131 @@ class ResultRow:
     rewards: list[float]
 
 
+#: The job stream's lock (Db.lock): one writer at a time draws the next sequence number and inserts its job.
+JOB_STREAM = "echo-swarm:job-stream"
+
+
 class Store:
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.execute("PRAGMA foreign_keys=ON")
-        self.conn.execute("PRAGMA busy_timeout=5000")
-        self._nonce_conn: sqlite3.Connection | None = None
+    def __init__(self, path: Path | str) -> None:
+        """``path``: the SQLite file, or a ``postgresql://`` URL (store.url)."""
+        self.url = str(path) if isinstance(path, str) and is_postgres_url(path) else None
+        self.path = Path(path) if self.url is None else Path("postgresql")
+        self.conn = Db(self.url or self.path)
+        self._nonce_conn: Db | None = None
         self._migrate()
-        # The transient work queue and role reports (which a power loss may drop: requesters resend, roles report
-        # again) go through a second connection with synchronous=NORMAL: a commit there is written to the WAL (the
-        # OS page cache) without an fsync, which survives a kill -9 exactly; the next synchronous=FULL commit on
-        # self.conn fsyncs those WAL frames too.
-        self.light_conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self.light_conn.row_factory = sqlite3.Row
-        self.light_conn.execute("PRAGMA synchronous=NORMAL")
-        self.light_conn.execute("PRAGMA busy_timeout=5000")
+        # Leases, the transient work queue and role reports (which a power loss may drop: requesters resend,
+        # roles report again, a forgotten lease's job is issued again) go through a second connection with
+        # synchronous=NORMAL: a commit there is written to the WAL (the OS page cache) without an fsync. That
+        # survives a kill -9 of the coordinator exactly (the OS still has the bytes), and the next
+        # synchronous=FULL commit on self.conn (any accepted result or step) fsyncs those WAL frames too.
+        # On PostgreSQL the light connection commits with synchronous_commit=off: the same trade (a crash of the
+        # server process loses nothing, a power loss may lose the last ~600 ms of such commits).
+        self.light_conn = Db(self.url or self.path, light=True)
+
+    def backup_to(self, dest: Path) -> str:
+        """An online, consistent copy of a SQLite database at ``dest``; says what was done. A PostgreSQL database
+        is the operator's to back up (pg_dump, or the server's own backups): nothing is copied."""
+        if self.url is not None:
+            return f"not copied: the run's database is {self.where}; back it up with pg_dump"
+        import sqlite3
+
+        db = sqlite3.connect(str(dest))
+        try:
+            self.conn.backup_sqlite(db)
+        finally:
+            db.close()
+        return dest.name
 
     @property
     def nonce_path(self) -> Path:
+        """SQLite: the nonce database's file, beside the main one."""
         return self.path.with_name(self.path.stem + "-nonces.sqlite")
 
-    def _nonces(self) -> sqlite3.Connection:
-        """The nonce database, opened on first use (only the API checks signed requests).
+    def _nonce_db(self) -> Db:
+        """Where nonces are remembered, opened on first use (only the API checks signed requests).
 
-        Every signed request writes one nonce. In the main database that insert queued behind SQLite's single
-        write lock, which the learner, the verifiers and result intake hold through a synchronous=FULL commit —
-        an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot. A separate file has its
-        own write lock that only API processes take. synchronous=NORMAL: durable across a kill -9 (the OS keeps
-        the WAL), not a power loss, which can reopen a replay window of at most request_window_s for requests
-        captured just before it — the price of not paying an fsync on every signed request."""
+        Every signed request writes one nonce. In SQLite's main database that insert queued behind the file's
+        single write lock, which the learner, the verifiers and result intake hold through a synchronous=FULL
+        commit — an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot to the same
+        disk. A file of its own has a write lock only API processes take. synchronous=NORMAL: durable across a
+        kill -9 (the OS keeps the WAL), not a power loss, which can reopen a replay window of at most
+        request_window_s for requests captured just before it — the price of not paying an fsync on every
+        signed request. PostgreSQL locks rows, not the database: nonces stay a table there, written through the
+        light connection (synchronous_commit=off)."""
         if self._nonce_conn is None:
-            conn = sqlite3.connect(str(self.nonce_path), isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=5000")
-            conn.execute(NONCE_SCHEMA)
-            self._nonce_conn = conn
+            if self.conn.postgres:
+                self._nonce_conn = self.light_conn
+            else:
+                db = Db(self.nonce_path, light=True)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(NONCE_SCHEMA)
+                self._nonce_conn = db
         return self._nonce_conn
 
+    def _nonce_schema(self) -> None:
+        """Inside the migration: PostgreSQL keeps nonces in the main database. SQLite's schema up to 4 did too;
+        carry the ones still inside their window over to the nonce file (a replay of a request captured just
+        before the upgrade must still be refused), then drop the old table."""
+        if self.conn.postgres:
+            self.conn.execute(pg_ddl(NONCE_SCHEMA))
+            return
+        if not self.conn.has_table("nonces"):
+            return
+        rows = self.conn.execute("SELECT nonce, expires FROM nonces").fetchall()
+        db = self._nonce_db()
+        with _Tx(db):
+            db.executemany("INSERT INTO nonces(nonce, expires) VALUES(?,?) ON CONFLICT DO NOTHING",
+                           [(r["nonce"], r["expires"]) for r in rows])
+        self.conn.execute("DROP TABLE nonces")
+
     def close(self) -> None:
-        if self._nonce_conn is not None:
+        if self._nonce_conn is not None and self._nonce_conn is not self.light_conn:
             self._nonce_conn.close()
         self.light_conn.close()
         self.conn.close()
 
+    @property
+    def dialect(self) -> str:
+        return self.conn.dialect
+
+    @property
+    def where(self) -> str:
+        """The database, for messages (a URL without its password)."""
+        if self.url is None:
+            return str(self.path)
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.url)
+        return f"{u.scheme}://{u.hostname}:{u.port or 5432}{u.path}"
+
     def _migrate(self) -> None:
         """Create the schema, add columns later releases introduced, and record the schema version — one
-        exclusive transaction, so two role processes opening a new run directory at once do not race."""
-        self.conn.execute("BEGIN EXCLUSIVE")
-        try:
-            found = int(self.conn.execute("PRAGMA user_version").fetchone()[0])
+        exclusive transaction (PostgreSQL: under an advisory lock), so two role processes opening a new run at
+        once do not race."""
+        pg = self.conn.postgres
+        with self.conn.transaction(exclusive=True):
+            if pg:
+                self.conn.lock("echo-swarm:migrate")
+                self.conn.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            found = self.schema_version()
             if found > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path} was written by a newer echo-swarm (schema {found}, this release "
-                                   f"reads up to {SCHEMA_VERSION}); upgrade echo-swarm to use this run directory")
-            for statement in SCHEMA.split(";"):
+                raise RuntimeError(f"{self.where} was written by a newer echo-swarm (schema {found}, this release "
+                                   f"reads up to {SCHEMA_VERSION}); upgrade echo-swarm to use this database")
+            for statement in (pg_ddl(SCHEMA) if pg else SCHEMA).split(";"):
                 if statement.strip():
                     self.conn.execute(statement)
             self._add_client_columns()
-            self._move_nonces_out()
-            self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-
-    def _move_nonces_out(self) -> None:
-        """Schema 4 moved nonces to their own file: carry over the ones still inside their window (a replay of a
-        request captured just before the upgrade must still be refused), then drop the old table."""
-        if self.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='nonces'").fetchone() is None:
-            return
-        rows = self.conn.execute("SELECT nonce, expires FROM nonces").fetchall()
-        conn = self._nonces()
-        with _Tx(conn):
-            conn.executemany("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
-                             [(r["nonce"], r["expires"]) for r in rows])
-        self.conn.execute("DROP TABLE nonces")
+            if pg:
+                self.conn.execute("INSERT INTO meta(key,value) VALUES('schema_version',?) ON CONFLICT(key) DO UPDATE "
+                                  "SET value=excluded.value", (str(SCHEMA_VERSION),))
+            else:
+                self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._nonce_schema()
 
     def schema_version(self) -> int:
+        if self.conn.postgres:
+            row = self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            return 0 if row is None else int(row[0])
         return int(self.conn.execute("PRAGMA user_version").fetchone()[0])
 
     # -- transactions -------------------------------------------------------------------------------------
@@ -203,23 +259,28 @@ class Store:
     # -- clients ------------------------------------------------------------------------------------------
     def _add_client_columns(self) -> None:
         """Columns added after the first release, added in place to databases created before them."""
-        have = {r["name"] for r in self.conn.execute("PRAGMA table_info(clients)")}
+        ddl = pg_ddl if self.conn.postgres else str
+        have = self.conn.columns("clients")
         if "benchmark_tokens_per_s" not in have:  # self-benchmark reported at registration (NULL: none)
-            self.conn.execute("ALTER TABLE clients ADD COLUMN benchmark_tokens_per_s REAL")
+            self.conn.execute(ddl("ALTER TABLE clients ADD COLUMN benchmark_tokens_per_s REAL"))
         # the trust boundary's observations (coordinator.guard): the backend class pinned at first registration
         # (NULL for identities registered before it: derived from the profile) and the addresses it registered
         # from, first and latest (spot-check replicas only go to identities with none in common)
         for col in ("backend_class", "address", "last_address"):
             if col not in have:
-                self.conn.execute(f"ALTER TABLE clients ADD COLUMN {col} TEXT")
-        have = {r["name"] for r in self.conn.execute("PRAGMA table_info(replicas)")}
+                self.conn.execute(ddl(f"ALTER TABLE clients ADD COLUMN {col} TEXT"))
+        have = self.conn.columns("replicas")
         # replicas: who judges ('arbiter': the coordinator's verifier; 'peer': an independent identity), until
         # when the original is held, who replayed it inconclusively (never asked again), and the job-stream
         # number its fresh job id was drawn from
         for col, decl in (("judge", "TEXT NOT NULL DEFAULT 'peer'"), ("hold_until", "REAL"),
                           ("tried", "TEXT NOT NULL DEFAULT ''"), ("seq", "INTEGER")):
             if col not in have:
-                self.conn.execute(f"ALTER TABLE replicas ADD COLUMN {col} {decl}")
+                self.conn.execute(ddl(f"ALTER TABLE replicas ADD COLUMN {col} {decl}"))
+        # schema 4: which API process asked (API processes sharing a PostgreSQL store each drop only their own
+        # previous run's requests when they start)
+        if "requester" not in self.conn.columns("work"):
+            self.conn.execute("ALTER TABLE work ADD COLUMN requester TEXT NOT NULL DEFAULT 'api'")
 
     def register_client(self, client_id: str, public_key: bytes, profile: dict[str, Any], now: float, *,
                         backend_class: str | None = None, address: str | None = None) -> bool:
@@ -230,8 +291,9 @@ class Store:
         bench = profile.get("benchmark_tokens_per_s")
         with self._tx():
             cur = self.conn.execute(
-                "INSERT OR IGNORE INTO clients(client_id, public_key, profile, registered_at, last_seen, "
-                "benchmark_tokens_per_s, backend_class, address, last_address) VALUES(?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO clients(client_id, public_key, profile, registered_at, last_seen, "
+                "benchmark_tokens_per_s, backend_class, address, last_address) VALUES(?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT DO NOTHING",
                 (client_id, public_key, json.dumps(profile), now, now, bench, backend_class, address, address),
             )
             if cur.rowcount == 0:
@@ -242,7 +304,7 @@ class Store:
                 return False
             return True
 
-    def get_client(self, client_id: str) -> sqlite3.Row | None:
+    def get_client(self, client_id: str) -> Row | None:
         return self.conn.execute("SELECT * FROM clients WHERE client_id=?", (client_id,)).fetchone()
 
     def set_banned(self, client_id: str, banned: bool) -> bool:
@@ -259,13 +321,13 @@ class Store:
     def remember_nonce(self, nonce: bytes, expires: float) -> bool:
         """Record a nonce; False if it was already seen (a replay). Durable across a process crash, not a power
         loss (see __init__)."""
-        conn = self._nonces()
+        conn = self._nonce_db()
         with _Tx(conn):
-            return conn.execute("INSERT OR IGNORE INTO nonces(nonce, expires) VALUES(?,?)",
+            return conn.execute("INSERT INTO nonces(nonce, expires) VALUES(?,?) ON CONFLICT DO NOTHING",
                                 (nonce, expires)).rowcount == 1
 
     def prune_nonces(self, now: float) -> int:
-        conn = self._nonces()
+        conn = self._nonce_db()
         with _Tx(conn):
             return conn.execute("DELETE FROM nonces WHERE expires < ?", (now,)).rowcount
 
@@ -289,20 +351,36 @@ class Store:
     def next_seq(self) -> int:
         """The next number of the job stream. Spot-check replicas draw their job ids from the same stream
         (coordinator.guard), so a replica's id looks like any fresh job's and says nothing of its original."""
-        return int(self.conn.execute("SELECT MAX(COALESCE((SELECT MAX(seq) FROM jobs), -1), "
-                                     "COALESCE((SELECT MAX(seq) FROM replicas), -1)) + 1 AS n").fetchone()["n"])
+        row = self.conn.execute("SELECT (SELECT MAX(seq) FROM jobs) AS j, (SELECT MAX(seq) FROM replicas) AS r"
+                                ).fetchone()
+        return max(-1 if row["j"] is None else int(row["j"]), -1 if row["r"] is None else int(row["r"])) + 1
+
+    def create_next_job(self, plan: Callable[[int], JobPlan], group_size: int, now: float) -> JobRow:
+        """Draw the next number of the job stream and insert the job ``plan(seq)`` makes of it, in one
+        transaction under the job stream's lock: API processes sharing a PostgreSQL database never draw the
+        same number."""
+        with self._tx():
+            self.conn.lock(JOB_STREAM)
+            made = plan(self.next_seq())
+            self._insert_job(made, group_size, now)
+        row = self.get_job(made.job_id)
+        assert row is not None
+        return row
 
     def create_job(self, plan: JobPlan, group_size: int, now: float) -> JobRow:
         with self._tx():
-            self.conn.execute(
-                "INSERT INTO jobs(job_id, seq, prompt_ids, seed, group_size, created_at, state) VALUES(?,?,?,?,?,?,'open')",
-                (plan.job_id, plan.seq, json.dumps(list(plan.prompt_ids)), plan.seed, group_size, now))
+            self._insert_job(plan, group_size, now)
         row = self.get_job(plan.job_id)
         assert row is not None
         return row
 
+    def _insert_job(self, plan: JobPlan, group_size: int, now: float) -> None:
+        self.conn.execute(
+            "INSERT INTO jobs(job_id, seq, prompt_ids, seed, group_size, created_at, state) VALUES(?,?,?,?,?,?,'open')",
+            (plan.job_id, plan.seq, json.dumps(list(plan.prompt_ids)), plan.seed, group_size, now))
+
     @staticmethod
-    def _job(row: sqlite3.Row) -> JobRow:
+    def _job(row: Row) -> JobRow:
         version = None if row["version"] is None else int(row["version"])
         view = LeaseView(row["job_id"], JobState(row["state"]), version, float(row["created_at"]),
                          row["lease_id"], row["lease_client"], row["lease_deadline"])
@@ -328,7 +406,8 @@ class Store:
         with _Tx(self.light_conn):
             cur = self.light_conn.execute(
                 "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
-                "issue_count=issue_count+1 WHERE job_id=? AND (state='open' OR (state='leased' AND lease_deadline<=?))",
+                "issue_count=issue_count+1 WHERE job_id=(SELECT job_id FROM jobs WHERE job_id=? AND "
+                f"(state='open' OR (state='leased' AND lease_deadline<=?)){self.light_conn.skip_locked})",
                 (lease_id, client_id, deadline, version, job_id, now),
             )
             return cur.rowcount == 1
@@ -367,7 +446,7 @@ class Store:
                               (credit, now, client_id))
             self.audit_write(now, client_id, job_id, version, "accepted", "ok", content_sha256)
 
-    def accepted_result(self, job_id: str) -> sqlite3.Row | None:
+    def accepted_result(self, job_id: str) -> Row | None:
         return self.conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
                                  (job_id,)).fetchone()
 
@@ -440,11 +519,11 @@ class Store:
                     manifest_sha: str, mean_reward: float, metrics: dict[str, Any], now: float) -> None:
         """One transaction: the batch is ingested and the new version exists — or neither."""
         with self._tx():
-            marks = self.conn.executemany(
+            marked = self.conn.executemany(
                 "UPDATE results SET ingested_step=? WHERE job_id=? AND ingested_step IS NULL AND stale_at IS NULL",
                 [(step, j) for j in job_ids])
-            if marks.rowcount != len(job_ids):
-                raise RuntimeError(f"step {step}: {marks.rowcount} of {len(job_ids)} results were still pending")
+            if marked != len(job_ids):
+                raise RuntimeError(f"step {step}: {marked} of {len(job_ids)} results were still pending")
             self.conn.execute("INSERT INTO versions(version, manifest_sha256, created_at) VALUES(?,?,?)",
                               (new_version, manifest_sha, now))
             self.conn.execute("INSERT INTO steps(step, trained_version, mean_reward, metrics, at) VALUES(?,?,?,?,?)",
@@ -452,26 +531,28 @@ class Store:
 
     def record_eval(self, version: int, accuracy: float, n: int, now: float) -> None:
         with self._tx():
-            self.conn.execute("INSERT OR REPLACE INTO evals(version, accuracy, n, at) VALUES(?,?,?,?)",
+            self.conn.execute("INSERT INTO evals(version, accuracy, n, at) VALUES(?,?,?,?) ON CONFLICT(version) DO "
+                              "UPDATE SET accuracy=excluded.accuracy, n=excluded.n, at=excluded.at",
                               (version, accuracy, n, now))
 
     # -- work queue: verification and evaluation requests between role processes (coordinator.workqueue) --
-    def work_submit(self, kind: WorkKind, version: int, request: bytes, now: float) -> int:
+    def work_submit(self, kind: WorkKind, version: int, request: bytes, now: float, requester: str = "api") -> int:
         with _Tx(self.light_conn):
-            cur = self.light_conn.execute("INSERT INTO work(kind, version, request, created_at, state) "
-                                    "VALUES(?,?,?,?,'queued')", (kind, version, request, now))
-        return int(cur.lastrowid or 0)
+            row = self.light_conn.execute("INSERT INTO work(kind, version, request, created_at, state, requester) "
+                                          "VALUES(?,?,?,?,'queued',?) RETURNING id",
+                                          (kind, version, request, now, requester)).fetchone()
+        return int(row[0])
 
     def work_claim(self, worker: str, kinds: tuple[str, ...], limit: int, until: float, now: float
-                   ) -> list[sqlite3.Row]:
+                   ) -> list[Row]:
         """Claim up to ``limit`` queued items (or items whose claim ran out: a worker that died), oldest first."""
         marks = ",".join("?" * len(kinds))
         waiting = (f"SELECT id FROM work WHERE kind IN ({marks}) AND (state='queued' OR (state='claimed' AND "
                    f"claim_until < ?)) ORDER BY id LIMIT ?")
         if not self.conn.execute(waiting, (*kinds, now, 1)).fetchone():
             return []  # the common case, polled often: no write lock taken
-        with _Tx(self.light_conn):
-            rows = self.light_conn.execute(waiting, (*kinds, now, limit)).fetchall()
+        with _Tx(self.light_conn):  # several verifier workers claim at once: each skips what another is claiming
+            rows = self.light_conn.execute(waiting + self.light_conn.skip_locked, (*kinds, now, limit)).fetchall()
             ids = [int(r["id"]) for r in rows]
             self.light_conn.executemany("UPDATE work SET state='claimed', worker=?, claim_until=?, attempts=attempts+1 "
                                   "WHERE id=?", [(worker, until, i) for i in ids])
@@ -501,17 +582,19 @@ class Store:
                                                         item_id, worker))
         return cur.rowcount == 1
 
-    def work_item(self, item_id: int) -> sqlite3.Row | None:
+    def work_item(self, item_id: int) -> Row | None:
         return self.light_conn.execute("SELECT * FROM work WHERE id=?", (item_id,)).fetchone()
 
     def work_delete(self, item_ids: list[int]) -> None:
         with _Tx(self.light_conn):
             self.light_conn.executemany("DELETE FROM work WHERE id=?", [(i,) for i in item_ids])
 
-    def work_drop(self, kinds: tuple[str, ...]) -> int:
-        """Forget every item of these kinds (their requester restarted and no longer waits for them)."""
+    def work_drop(self, kinds: tuple[str, ...], requester: str | None = None) -> int:
+        """Forget every item of these kinds (of ``requester``, if given): their requester restarted and no longer
+        waits for them."""
+        who, args = ("", kinds) if requester is None else (" AND requester=?", (*kinds, requester))
         with _Tx(self.light_conn):
-            cur = self.light_conn.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(kinds))})", kinds)
+            cur = self.light_conn.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(kinds))}){who}", args)
         return cur.rowcount
 
     def work_counts(self) -> dict[str, int]:
@@ -531,6 +614,200 @@ class Store:
     def role_statuses(self) -> dict[str, dict[str, Any]]:
         rows = self.light_conn.execute("SELECT key, value FROM meta WHERE key LIKE 'role:%' ORDER BY key").fetchall()
         return {str(r["key"])[5:]: json.loads(r["value"]) for r in rows}
+
+    # -- the trust boundary's state (coordinator.guard keeps the rules; its rows live here) -------------------
+    def trust_row(self, client_id: str, bclass: str) -> Row | None:
+        return self.conn.execute("SELECT * FROM trust WHERE client_id=? AND backend_class=?",
+                                 (client_id, bclass)).fetchone()
+
+    def put_trust(self, client_id: str, bclass: str, consecutive_valid: int, consecutive_invalid: int,
+                  quarantines: int, quarantined_until: float, valid: bool) -> None:
+        with self._tx():
+            self.conn.execute("INSERT INTO trust(client_id, backend_class) VALUES(?,?) ON CONFLICT DO NOTHING",
+                              (client_id, bclass))
+            self.conn.execute(
+                "UPDATE trust SET consecutive_valid=?, consecutive_invalid=?, quarantines=?, quarantined_until=?, "
+                f"{'valid_total=valid_total+1' if valid else 'invalid_total=invalid_total+1'} "
+                "WHERE client_id=? AND backend_class=?",
+                (consecutive_valid, consecutive_invalid, quarantines, quarantined_until, client_id, bclass))
+
+    def quarantined_until(self, client_id: str) -> float:
+        row = self.conn.execute("SELECT MAX(quarantined_until) AS q FROM trust WHERE client_id=?",
+                                (client_id,)).fetchone()
+        return float(row["q"] or 0.0)
+
+    def trust_totals(self, client_id: str) -> tuple[int, int]:
+        """(verified results, current run of invalid ones), over every class of the identity."""
+        row = self.conn.execute("SELECT COALESCE(SUM(valid_total), 0) AS v, COALESCE(SUM(consecutive_invalid), 0) "
+                                "AS bad FROM trust WHERE client_id=?", (client_id,)).fetchone()
+        return int(row["v"]), int(row["bad"])
+
+    def with_verified_work(self, client_ids: list[str], min_valid: int) -> list[str]:
+        """Those of ``client_ids`` with at least ``min_valid`` verified results and no invalid one since."""
+        if not client_ids:
+            return []
+        marks = ",".join("?" * len(client_ids))
+        rows = self.conn.execute(
+            f"SELECT client_id FROM trust WHERE client_id IN ({marks}) GROUP BY client_id HAVING SUM(valid_total) "
+            f">= ? AND SUM(consecutive_invalid) = 0", (*client_ids, min_valid)).fetchall()
+        return [str(r["client_id"]) for r in rows]
+
+    def standings(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]
+
+    def client_class_row(self, client_id: str) -> Row | None:
+        return self.conn.execute("SELECT backend_class, profile FROM clients WHERE client_id=?",
+                                 (client_id,)).fetchone()
+
+    def client_party_row(self, client_id: str) -> Row | None:
+        return self.conn.execute("SELECT address, last_address, registered_at FROM clients WHERE client_id=?",
+                                 (client_id,)).fetchone()
+
+    def add_replica(self, job_id: str, version: int, original_client: str, original_class: str, now: float,
+                    hold_until: float | None, judge: str) -> str:
+        """Insert a spot-check replica whose id is the next number of the job stream (``j<seq>``, as
+        core.jobs.plan_job names fresh jobs), under the job stream's lock."""
+        with self._tx():
+            self.conn.lock(JOB_STREAM)
+            seq = self.next_seq()
+            replica_id = f"j{seq}"
+            self.conn.execute(
+                "INSERT INTO replicas(replica_id, job_id, version, original_client, original_class, created_at, "
+                "state, hold, judge, hold_until, seq) VALUES(?,?,?,?,?,?,'open',?,?,?,?)",
+                (replica_id, job_id, version, original_client, original_class, now, int(hold_until is not None),
+                 judge, hold_until, seq))
+        return replica_id
+
+    def replica_row(self, replica_id: str) -> Row | None:
+        return self.conn.execute("SELECT * FROM replicas WHERE replica_id=?", (replica_id,)).fetchone()
+
+    def open_arbiter_replicas(self) -> list[Row]:
+        return list(self.conn.execute("SELECT * FROM replicas WHERE judge='arbiter' AND state='open' "
+                                      "ORDER BY created_at").fetchall())
+
+    def due_replicas(self, oldest_version: int, now: float) -> list[Row]:
+        """Open replicas of a pruned version, or held ones whose hold ran out."""
+        return list(self.conn.execute(
+            "SELECT * FROM replicas WHERE state!='done' AND (version<? OR (hold=1 AND hold_until<=?))",
+            (oldest_version, now)).fetchall())
+
+    def expire_replicas(self, due: list[tuple[Row, bool]], now: float, detail: str) -> None:
+        """One transaction: each (replica row, dropped) closes — dropped ones as 'dropped', their original
+        taken back uncredited (:meth:`take_back`); the others as 'unverified'."""
+        with self._tx():
+            for row, dropped in due:
+                self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=?",
+                                  ("dropped" if dropped else "unverified", row["replica_id"]))
+                if dropped:
+                    self.take_back(str(row["job_id"]), int(row["version"]), str(row["original_client"]), now,
+                                   "dropped_unverified", "no_conclusive_check", detail, in_training=False)
+
+    def any_open_peer_replica(self) -> bool:
+        return self.conn.execute("SELECT 1 FROM replicas WHERE state!='done' AND judge='peer' LIMIT 1"
+                                 ).fetchone() is not None
+
+    def peer_replica_candidates(self, client_id: str, bclass: str, now: float, limit: int = 50) -> list[Row]:
+        """Open (or expired) peer replicas of class ``bclass`` that are not ``client_id``'s own, oldest first."""
+        return list(self.conn.execute(
+            "SELECT * FROM replicas WHERE judge='peer' AND original_client!=? AND original_class=? AND "
+            "(state='open' OR (state='leased' AND lease_deadline<=?)) ORDER BY created_at LIMIT ?",
+            (client_id, bclass, now, limit)).fetchall())
+
+    def lease_replica(self, replica_id: str, lease_id: str, client_id: str, deadline: float, now: float) -> bool:
+        """Compare-and-set, as :meth:`lease_job` (a replica another API process is leasing is skipped)."""
+        with self._tx():
+            return self.conn.execute(
+                "UPDATE replicas SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, "
+                "issue_count=issue_count+1 WHERE replica_id=(SELECT replica_id FROM replicas WHERE replica_id=? AND "
+                f"(state='open' OR (state='leased' AND lease_deadline<=?)){self.light_conn.skip_locked})",
+                (lease_id, client_id, deadline, replica_id, now)).rowcount == 1
+
+    def release_replica(self, replica_id: str, lease_id: str, client_id: str) -> bool:
+        with self._tx():
+            return self.conn.execute("UPDATE replicas SET state='open', lease_deadline=NULL WHERE replica_id=? AND "
+                                     "lease_id=? AND lease_client=? AND state='leased'",
+                                     (replica_id, lease_id, client_id)).rowcount == 1
+
+    def take_back(self, job_id: str, version: int, original_client: str, now: float, outcome: str, reason: str,
+                  detail: str, in_training: bool) -> None:
+        """Inside a transaction: the original result leaves the buffer if not trained on yet (its job reopens and
+        is done again) and its credit is revoked (``in_training``: the learner already holds it in the step it is
+        computing, so it stays and is marked as taken back after training)."""
+        orig = self.conn.execute("SELECT n_tokens, ingested_step, content_sha256 FROM results WHERE job_id=?",
+                                 (job_id,)).fetchone()
+        if orig is None:
+            return
+        removed = orig["ingested_step"] is None and not in_training
+        if removed:
+            self.conn.execute("DELETE FROM results WHERE job_id=?", (job_id,))
+            self.conn.execute("UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=?", (job_id,))
+        self.conn.execute("UPDATE clients SET credit=credit-?, accepted=accepted-? WHERE client_id=?",
+                          (float(orig["n_tokens"]), int(removed), original_client))
+        self.audit_write(now, original_client, job_id, version, outcome if removed else f"{outcome}_after_training",
+                         reason, orig["content_sha256"], detail)
+
+    def close_replica(self, replica_id: str, job_id: str, version: int, original_client: str, lease_id: str,
+                      client_id: str, outcome: str, content_sha: str, credit: float, now: float,
+                      take_back_reason: str | None, detail: str, in_training: bool) -> bool:
+        """One transaction: a peer's conclusive replay closes the replica; the replaying client is credited;
+        with ``take_back_reason`` the original is taken back (:meth:`take_back`). False if the replica's lease
+        changed meanwhile (nothing written)."""
+        with self._tx():
+            if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND lease_id=? AND "
+                                 "lease_client=? AND state='leased'",
+                                 (outcome, replica_id, lease_id, client_id)).rowcount != 1:
+                return False
+            # credit for the replay; clients.accepted keeps counting result rows (replays are not trained on)
+            self.conn.execute("UPDATE clients SET credit=credit+?, last_seen=? WHERE client_id=?",
+                              (credit, now, client_id))
+            self.audit_write(now, client_id, replica_id, version, "replica_accepted", outcome, content_sha, detail)
+            if take_back_reason is not None:
+                self.take_back(job_id, version, original_client, now, "invalidated", take_back_reason, detail,
+                               in_training)
+        return True
+
+    def reopen_replica(self, replica_id: str, version: int, lease_id: str, client_id: str, tried: str,
+                       content_sha: str, now: float, detail: str) -> bool:
+        """One transaction: the replica goes back to the queue, never to the identities in ``tried`` again."""
+        with self._tx():
+            if self.conn.execute("UPDATE replicas SET state='open', lease_deadline=NULL, tried=? WHERE replica_id=? "
+                                 "AND lease_id=? AND lease_client=? AND state='leased'",
+                                 (tried, replica_id, lease_id, client_id)).rowcount != 1:
+                return False
+            self.audit_write(now, client_id, replica_id, version, "replica_inconclusive", "inconclusive",
+                             content_sha, detail)
+        return True
+
+    def close_arbitrated(self, replica_id: str, job_id: str, version: int, original_client: str,
+                         take_back_reason: str | None, now: float, detail: str, in_training: bool) -> bool:
+        """One transaction: the coordinator's own replay judged the original ('agree', or 'original_invalid'
+        with ``take_back_reason``). False if the replica was closed meanwhile."""
+        outcome = "original_invalid" if take_back_reason is not None else "agree"
+        with self._tx():
+            if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND state!='done'",
+                                 (outcome, replica_id)).rowcount != 1:
+                return False
+            if take_back_reason is not None:
+                self.take_back(job_id, version, original_client, now, "invalidated", take_back_reason, detail,
+                               in_training)
+        return True
+
+    def leases_held(self, client_id: str, now: float) -> int:
+        """Live (unexpired) leases of one client, on jobs and on replicas."""
+        row = self.conn.execute(
+            "SELECT (SELECT COUNT(*) FROM jobs WHERE state='leased' AND lease_client=? AND lease_deadline>?) AS j, "
+            "(SELECT COUNT(*) FROM replicas WHERE state='leased' AND lease_client=? AND lease_deadline>?) AS r",
+            (client_id, now, client_id, now)).fetchone()
+        return int(row["j"]) + int(row["r"])
+
+    def held_count(self) -> int:
+        row = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE hold=1 AND state!='done'").fetchone()
+        return int(row["n"])
+
+    def replicas_summary(self) -> dict[str, int]:
+        rows = self.conn.execute("SELECT COALESCE(outcome, state) AS k, COUNT(*) AS n FROM replicas "
+                                 "GROUP BY COALESCE(outcome, state)")
+        return {str(r["k"]): int(r["n"]) for r in rows}
 
     # -- read models for status ---------------------------------------------------------------------------
     def steps(self) -> list[dict[str, Any]]:
@@ -562,17 +839,17 @@ class _Abort(Exception):
 
 
 class _Tx:
-    """BEGIN IMMEDIATE … COMMIT, rolled back on any exception (which then propagates)."""
+    """BEGIN (SQLite: IMMEDIATE) … COMMIT, rolled back on any exception (which then propagates)."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: Db) -> None:
         self.conn = conn
 
     def __enter__(self) -> None:
-        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.begin()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
-            self.conn.execute("COMMIT")
+            self.conn.commit()
             return False
-        self.conn.execute("ROLLBACK")
+        self.conn.rollback()
         return False

@@ -66,6 +66,7 @@ class RemoteVerifier:
         self.wait_s = wait_s
         self._device = device
         self.stats = RemoteStats()
+        self.requester = "api"  # the asking API process's name (Coordinator.api_name), kept with each request
 
     @property
     def device(self) -> str:
@@ -97,7 +98,7 @@ class RemoteVerifier:
         return [list(t) for t in answer["tokens"]]
 
     async def ask(self, kind: WorkKind, version: int, request: dict[str, Any]) -> dict[str, Any]:
-        item = self.store.work_submit(kind, version, wire.pack(request), time.time())
+        item = self.store.work_submit(kind, version, wire.pack(request), time.time(), self.requester)
         self.bell.ring()
         give_up = time.monotonic() + self.wait_s
         try:

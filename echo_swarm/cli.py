@@ -214,7 +214,11 @@ def coordinator(
                                            "verifier on another GPU: --role verifier --index 1 with "
                                            "verification.device set); 'all' runs every role.")] = "all",
     index: Annotated[int, typer.Option(help="With --role verifier: which verifier this is (0 runs the held-out "
-                                            "evaluations).")] = 0,
+                                            "evaluations). With --role api: which API process this is (several "
+                                            "share one PostgreSQL store.url, each on its own port).")] = 0,
+    store_url: Annotated[Optional[str], typer.Option(help="store.url: a postgresql://USER@HOST:PORT/DB "
+                                                                 "database the roles share across hosts (unset: "
+                                                                 "the run directory's SQLite file).")] = None,
 ) -> None:
     """Serve a training run: the learner, job leasing, result verification and snapshot downloads.
 
@@ -229,7 +233,7 @@ def coordinator(
             "sync_mode": sync_mode, "max_staleness": max_staleness,
             "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
             "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
-            "verification.workers": verifiers,
+            "verification.workers": verifiers, "store.url": store_url,
         })
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -252,6 +256,10 @@ def demo(
     max_staleness: Annotated[int, typer.Option(help="S for async-push-pull, in policy versions.")] = 2,
     backend: Annotated[str, typer.Option(help="Client backend: torch, llama (llama.cpp on GGUF snapshots), auto, "
                                               "or mixed (clients alternate torch and llama).")] = "torch",
+    store: Annotated[str, typer.Option(help="The run's database: sqlite (a file in the run dir), postgresql (the "
+                                            "demo starts a private PostgreSQL server; needs its OS package and "
+                                            "echo-swarm[postgres]), or a postgresql://USER@HOST:PORT/DB URL.")
+                     ] = "sqlite",
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
@@ -260,7 +268,8 @@ def demo(
     from echo_swarm.demo import DemoConfig, run
 
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
-                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend)))
+                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend,
+                                    store=store)))
 
 
 @app.command("build-tiny-model")

@@ -6,6 +6,7 @@ coordinator's status API with a progress bar, then writes ``summary.json`` and `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -23,6 +25,9 @@ from typing import IO, Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from coordinator.db import is_postgres_url
+from echo_swarm.pgserver import LocalPostgres, PostgresUnavailable
 
 console = Console()
 
@@ -42,6 +47,7 @@ class DemoConfig:
     seed: int = 0
     eval_every: int = 25
     backend: str = "torch"  # torch | llama | auto | mixed (clients alternate torch, llama, torch, ...)
+    store: str = "sqlite"  # sqlite | postgresql (a private server the demo starts) | a postgresql:// URL
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
@@ -103,7 +109,7 @@ def _get_json(url: str) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-def _write_config(cfg: DemoConfig, run_dir: Path) -> Path:
+def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) -> Path:
     path = cfg.out / "run.toml"
     path.write_text(
         f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
@@ -113,6 +119,7 @@ def _write_config(cfg: DemoConfig, run_dir: Path) -> Path:
         f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
         f"lr = {cfg.lr}\nseed = {cfg.seed}\n"
+        + (f"\n[store]\nurl = {json.dumps(store_url)}\n" if store_url else "")
     )
     return path
 
@@ -152,7 +159,35 @@ def run(cfg: DemoConfig) -> int:
         shutil.rmtree(stale, ignore_errors=True)
     (cfg.out / "logs").mkdir()
     build_model_with_progress()
-    config_path = _write_config(cfg, run_dir)
+    try:
+        with _demo_store(cfg) as store_url:
+            return _run(cfg, run_dir, store_url, t0)
+    except PostgresUnavailable as exc:
+        console.print(f"[red]{exc}[/]")
+        return 1
+
+
+@contextlib.contextmanager
+def _demo_store(cfg: DemoConfig) -> Iterator[str | None]:
+    """The run's store: the run directory's SQLite file (None), the URL given, or a private PostgreSQL server
+    the demo starts in --out/postgres (a fresh database each time) and stops at the end."""
+    if cfg.store == "sqlite":
+        yield None
+    elif cfg.store in ("postgresql", "postgres"):
+        shutil.rmtree(cfg.out / "postgres", ignore_errors=True)
+        with LocalPostgres(cfg.out / "postgres") as server:
+            url = server.create_database("echo_swarm_demo")
+            console.print(f"PostgreSQL store at {url} (a private server in {cfg.out / 'postgres'})")
+            yield url
+    elif is_postgres_url(cfg.store):
+        yield cfg.store
+    else:
+        raise PostgresUnavailable(f"--store {cfg.store!r}: use sqlite, postgresql (the demo starts a private "
+                                  f"server) or a postgresql://USER@HOST:PORT/DB URL")
+
+
+def _run(cfg: DemoConfig, run_dir: Path, store_url: str | None, t0: float) -> int:
+    config_path = _write_config(cfg, run_dir, store_url)
     py = [sys.executable, "-m", "echo_swarm"]
     coord = _Proc("coordinator", py + ["coordinator", "--config", str(config_path)],
                   cfg.out / "logs" / "coordinator.log", watch="listening on ")
@@ -183,7 +218,7 @@ def run(cfg: DemoConfig) -> int:
                 p.wait(30)
         coord.interrupt()
         coord_code = coord.wait(60)
-    summary = _summarise(cfg, status, procs, time.monotonic() - t0)
+    summary = _summarise(cfg, status, procs, time.monotonic() - t0, store_url)
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(summary, cfg.out / "reward_curve.png")
     _print(summary, cfg.out)
@@ -221,20 +256,22 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
     return None
 
 
-def _rejection_reasons(db: Path) -> dict[str, int]:
-    """Refusals by reason code, read from the run's database (read-only) so a demo says why anything was refused."""
-    import sqlite3
+def _rejection_reasons(db: Path | str) -> dict[str, int]:
+    """Refusals by reason code, read from the run's database so a demo says why anything was refused."""
+    from coordinator.readmodels import rejection_counts
+    from coordinator.store import Store
 
-    if not db.exists():
+    if isinstance(db, Path) and not db.exists():
         return {}
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    store = Store(db)
     try:
-        return dict(conn.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall())
+        return rejection_counts(store)
     finally:
-        conn.close()
+        store.close()
 
 
-def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall: float) -> dict[str, Any]:
+def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall: float,
+               store_url: str | None = None) -> dict[str, Any]:
     from swarm_client.identity import load_identity
 
     by_id = {c["client_id"]: c for c in status["clients"]}
@@ -252,7 +289,8 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
         "final_version": status["version"],
         "accepted": status["totals"]["accepted"],
         "rejected": status["totals"]["rejected"],
-        "rejections_by_reason": _rejection_reasons(cfg.out / "run" / "coordinator.sqlite"),
+        "rejections_by_reason": _rejection_reasons(store_url or cfg.out / "run" / "coordinator.sqlite"),
+        "store": "sqlite" if store_url is None else "postgresql",
         "reissued_jobs": status["totals"]["reissued_jobs"],
         "reward_curve": status["reward_curve"],
         "eval_before": evals[0]["accuracy"] if evals else None,

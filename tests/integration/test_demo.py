@@ -17,10 +17,13 @@ REQUIRED = {"steps", "final_version", "accepted", "rejected", "reward_curve", "e
             "clients"}
 
 
-def test_demo_improves_heldout_accuracy_with_every_client_contributing(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_demo_improves_heldout_accuracy_with_every_client_contributing(tmp_path: Path, tiny_model_dir: Path,
+                                                                       store: str) -> None:
+    """Alike on both stores: postgresql makes the demo start a private PostgreSQL server for the run."""
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "echo_swarm", "demo", "--clients", "2", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "echo_swarm", "demo", "--clients", "2", "--out", str(out),
+                           "--store", store], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary.keys() >= REQUIRED
@@ -34,6 +37,7 @@ def test_demo_improves_heldout_accuracy_with_every_client_contributing(tmp_path:
     assert sum(c["accepted"] for c in summary["clients"]) == summary["accepted"]
     assert (out / "reward_curve.png").stat().st_size > 10_000
     assert "held-out accuracy" in proc.stdout
+    assert summary["store"] == store
 
 
 def test_cli_help_explains_every_command() -> None:

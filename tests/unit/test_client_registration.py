@@ -41,8 +41,8 @@ def test_out_of_bounds_values_are_refused(field: str, value: object) -> None:
         wire.decode(wire.pack(obj), ClientProfile)
 
 
-def test_store_keeps_the_benchmark_in_its_own_column_and_updates_it(tmp_path: Path) -> None:
-    store = Store(tmp_path / "c.sqlite")
+def test_store_keeps_the_benchmark_in_its_own_column_and_updates_it(store_target: str | Path) -> None:
+    store = Store(store_target)
     cid = "c" * 32
     assert store.register_client(cid, b"k" * 32, profile(benchmark_tokens_per_s=12.5).model_dump(), 1.0)
     assert store.get_client(cid)["benchmark_tokens_per_s"] == 12.5

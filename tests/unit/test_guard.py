@@ -1,4 +1,4 @@
-"""The trust boundary's state on a real SQLite store: registration gate, rate limits, quarantine, replicas,
+"""The trust boundary's state on a real store (SQLite and PostgreSQL): registration gate, rate limits, quarantine, replicas,
 and the audit log."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ T0 = 1_000_000.0
 A, B = "a" * 32, "b" * 32
 
 
-def make(tmp_path: Path, **cfg: object) -> tuple[Guard, Store]:
-    store = Store(tmp_path / "db.sqlite")
+def make(target: str | Path, **cfg: object) -> tuple[Guard, Store]:
+    store = Store(target)
     for cid in (A, B):
         store.register_client(cid, b"k" * 32, {"backend": "torch", "device": "cpu"}, T0)
     return Guard(CoordinatorConfig.model_validate(cfg), store), store
@@ -34,9 +34,9 @@ def refused(reason: Reason, fn: object, *args: object, **kw: object) -> str:
     return info.value.message
 
 
-def test_invite_mode_needs_a_listed_token(tmp_path: Path) -> None:
+def test_invite_mode_needs_a_listed_token(store_target: str | Path) -> None:
     token = "let-me-in"
-    guard, _ = make(tmp_path, registration={"mode": "invite", "invite_sha256": [hashlib.sha256(token.encode()).hexdigest()]})
+    guard, _ = make(store_target, registration={"mode": "invite", "invite_sha256": [hashlib.sha256(token.encode()).hexdigest()]})
     assert "private" in refused(Reason.REGISTRATION_CLOSED, guard.check_registration, "1.2.3.4", "", T0, True)
     assert "not valid" in refused(Reason.REGISTRATION_CLOSED, guard.check_registration, "1.2.3.4", "nope", T0, True)
     guard.check_registration("1.2.3.4", token, T0, True)
@@ -55,8 +55,8 @@ def test_invite_mode_without_invites_is_a_config_error() -> None:
         CoordinatorConfig.model_validate({"registration": {"mode": "invite"}})
 
 
-def test_registration_flood_is_limited_per_address_but_known_identities_are_not(tmp_path: Path) -> None:
-    guard, _ = make(tmp_path, limits={"registration_burst": 3, "registrations_per_address_per_min": 60})
+def test_registration_flood_is_limited_per_address_but_known_identities_are_not(store_target: str | Path) -> None:
+    guard, _ = make(store_target, limits={"registration_burst": 3, "registrations_per_address_per_min": 60})
     for _ in range(3):
         guard.check_registration("10.0.0.1", "", T0, True)
     assert "slow down" in refused(Reason.RATE_LIMITED, guard.check_registration, "10.0.0.1", "", T0, True)
@@ -65,8 +65,8 @@ def test_registration_flood_is_limited_per_address_but_known_identities_are_not(
     guard.check_registration("10.0.0.1", "", T0 + 1.0, True)  # refilled at 1/s
 
 
-def test_identity_and_address_limits(tmp_path: Path) -> None:
-    guard, _ = make(tmp_path, limits={"per_identity_rps": 1, "per_identity_burst": 2, "per_address_rps": 0})
+def test_identity_and_address_limits(store_target: str | Path) -> None:
+    guard, _ = make(store_target, limits={"per_identity_rps": 1, "per_identity_burst": 2, "per_address_rps": 0})
     guard.check_identity(A, T0)
     guard.check_identity(A, T0)
     refused(Reason.RATE_LIMITED, guard.check_identity, A, T0)
@@ -75,8 +75,8 @@ def test_identity_and_address_limits(tmp_path: Path) -> None:
         guard.check_address("127.0.0.1", T0)  # rate 0: off
 
 
-def test_quarantine_is_per_identity(tmp_path: Path) -> None:
-    guard, _ = make(tmp_path, trust={"quarantine_after": 2, "quarantine_s": 50})
+def test_quarantine_is_per_identity(store_target: str | Path) -> None:
+    guard, _ = make(store_target, trust={"quarantine_after": 2, "quarantine_s": 50})
     guard.record_invalid(A, T0)
     guard.check_quarantine(A, T0)
     guard.record_invalid(A, T0)  # whatever backend the refused request claimed: the identity's streak
@@ -87,8 +87,8 @@ def test_quarantine_is_per_identity(tmp_path: Path) -> None:
     assert sum(r["invalid_total"] for r in guard.standings()) == 2
 
 
-def test_the_class_is_established_by_the_coordinator_and_pinned(tmp_path: Path) -> None:
-    guard, store = make(tmp_path)
+def test_the_class_is_established_by_the_coordinator_and_pinned(store_target: str | Path) -> None:
+    guard, store = make(store_target)
     C = "c" * 32
     for device in ("tpu:v5", "xpu", "gpu"):
         msg = refused(Reason.SCHEMA, guard.class_for_registration, C, "torch", device, True)
@@ -115,10 +115,10 @@ def accepted(store: Store, job: str, client: str, now: float = T0) -> None:
                                payload=b"x", rewards=[1.0, 0.0, 0.0, 1.0], n_tokens=8, credit=8.0, now=now)
 
 
-def peers(tmp_path: Path, **cfg: object) -> tuple[Guard, Store, dict[str, str]]:
+def peers(target: str | Path, **cfg: object) -> tuple[Guard, Store, dict[str, str]]:
     """An original's client O and candidate replayers: I (independent), S (same address), U (same burst),
     N (independent but without verified work), L (independent, another class)."""
-    store = Store(tmp_path / "db.sqlite")
+    store = Store(target)
     ids = {k: k.lower() * 32 for k in "OISUNL"}
     spec = {"O": ("1.1.1.1", T0, "torch/cuda"), "I": ("2.2.2.2", T0 + 600, "torch/cuda"),
             "S": ("1.1.1.1", T0 + 600, "torch/cuda"), "U": ("3.3.3.3", T0 + 5, "torch/cuda"),
@@ -134,8 +134,8 @@ def peers(tmp_path: Path, **cfg: object) -> tuple[Guard, Store, dict[str, str]]:
     return guard, store, ids
 
 
-def test_replicas_go_only_to_independent_established_peers_of_the_class_under_a_fresh_id(tmp_path: Path) -> None:
-    guard, store, ids = peers(tmp_path)
+def test_replicas_go_only_to_independent_established_peers_of_the_class_under_a_fresh_id(store_target: str | Path) -> None:
+    guard, store, ids = peers(store_target)
     accepted(store, "j1", ids["O"])
     now = T0 + 1000
     for k in "ISUNL":
@@ -160,8 +160,8 @@ def test_replicas_go_only_to_independent_established_peers_of_the_class_under_a_
     assert store.audit(client_id=ids["I"])[0]["outcome"] == "replica_accepted"
 
 
-def test_idle_or_dependent_identities_do_not_make_results_wait(tmp_path: Path) -> None:
-    guard, store, ids = peers(tmp_path)
+def test_idle_or_dependent_identities_do_not_make_results_wait(store_target: str | Path) -> None:
+    guard, store, ids = peers(store_target)
     now = T0 + 1000
     for k in "OSUNL":  # active, but none of them could judge O's result
         guard.seen(ids[k], now)
@@ -174,8 +174,8 @@ def test_idle_or_dependent_identities_do_not_make_results_wait(tmp_path: Path) -
     assert not guard.peer_available(ids["O"], "torch/cuda", now, 30.0)
 
 
-def test_an_inconclusive_replay_keeps_the_hold_and_asks_someone_else(tmp_path: Path) -> None:
-    guard, store, ids = peers(tmp_path)
+def test_an_inconclusive_replay_keeps_the_hold_and_asks_someone_else(store_target: str | Path) -> None:
+    guard, store, ids = peers(store_target)
     accepted(store, "j1", ids["O"])
     now = T0 + 1000
     rid = guard.add_replica("j1", 0, ids["O"], "torch/cuda", now, now + 300, "peer")
@@ -188,8 +188,8 @@ def test_an_inconclusive_replay_keeps_the_hold_and_asks_someone_else(tmp_path: P
     assert (row["job_id"], row["outcome"]) == (rid, "replica_inconclusive")
 
 
-def test_a_held_result_without_a_conclusive_judgement_is_dropped_uncredited(tmp_path: Path) -> None:
-    guard, store, ids = peers(tmp_path)
+def test_a_held_result_without_a_conclusive_judgement_is_dropped_uncredited(store_target: str | Path) -> None:
+    guard, store, ids = peers(store_target)
     accepted(store, "j1", ids["O"])
     accepted(store, "j3", ids["O"])
     now = T0 + 1000
@@ -209,8 +209,8 @@ def test_a_held_result_without_a_conclusive_judgement_is_dropped_uncredited(tmp_
     assert store.accepted_result("j3") is None and guard.replicas_summary() == {"dropped": 2}
 
 
-def test_unheld_replicas_expire_unverified_when_their_version_is_pruned(tmp_path: Path) -> None:
-    guard, store, ids = peers(tmp_path)
+def test_unheld_replicas_expire_unverified_when_their_version_is_pruned(store_target: str | Path) -> None:
+    guard, store, ids = peers(store_target)
     accepted(store, "j1", ids["O"])
     guard.add_replica("j1", 0, ids["O"], "torch/cuda", T0, None, "peer")
     assert [p.job_id for p in store.pending()] == ["j1"]  # not held
@@ -218,8 +218,8 @@ def test_unheld_replicas_expire_unverified_when_their_version_is_pruned(tmp_path
     assert guard.replicas_summary() == {"unverified": 1} and store.accepted_result("j1") is not None
 
 
-def test_arbiter_judgement_releases_or_takes_back_the_original(tmp_path: Path) -> None:
-    guard, store, ids = peers(tmp_path)
+def test_arbiter_judgement_releases_or_takes_back_the_original(store_target: str | Path) -> None:
+    guard, store, ids = peers(store_target)
     accepted(store, "j1", ids["O"])
     accepted(store, "j3", ids["O"])
     r1 = guard.add_replica("j1", 0, ids["O"], "torch/cuda", T0, T0 + 300, "arbiter")
@@ -235,8 +235,8 @@ def test_arbiter_judgement_releases_or_takes_back_the_original(tmp_path: Path) -
     assert [p.job_id for p in store.pending()] == ["j1"] and store.accepted_result("j3") is None
 
 
-def test_audit_records_rejections_with_version_and_hash_and_filters(tmp_path: Path) -> None:
-    _, store = make(tmp_path)
+def test_audit_records_rejections_with_version_and_hash_and_filters(store_target: str | Path) -> None:
+    _, store = make(store_target)
     store.record_rejection(A, "j9", "logprob_mismatch", "made up", "e" * 64, T0, version=3)
     store.record_rejection(B, None, "malformed", "garbage", "f" * 64, T0 + 1)
     (row,) = store.audit(client_id=A)

@@ -1,4 +1,4 @@
-"""coordinator/readmodels.py against a real SQLite store: the audit view merges results and refusals, or reads
+"""coordinator/readmodels.py against a real store (SQLite and PostgreSQL): the audit view merges results and refusals, or reads
 a dedicated audit log where the coordinator keeps one; trust standings are attached where they exist."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ PROFILE = {"name": "alice", "backend": "torch", "device": "cpu", "platform": "Li
 
 
 @pytest.fixture()
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "coordinator.sqlite")
+def store(store_target: str | Path) -> Iterator[Store]:
+    s = Store(store_target)
     s.register_client(ALICE, b"k" * 32, PROFILE, T0)
     plan = plan_job(0, 0, 100, 2)
     s.create_job(plan, 4, T0)
@@ -43,9 +43,6 @@ def test_audit_reads_the_log_written_with_each_outcome_newest_first(store: Store
 
 
 def test_replay_outcomes_and_trust_standings_are_reported(store: Store) -> None:
-    from coordinator.guard import SCHEMA as TRUST_SCHEMA
-
-    store.conn.executescript(TRUST_SCHEMA)
     store.conn.execute("DELETE FROM audit")
     store.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256) "
                        "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "invalidated", "replica_mismatch", "3" * 64))
@@ -69,3 +66,18 @@ def test_client_views(store: Store) -> None:
     assert readmodels.client_summary(readmodels.client_states(store, T0 + 1000, 30.0))["by_state"]["idle"] == 1
     store.set_banned(ALICE, True)
     assert readmodels.top_clients(store, T0, 30.0) == []
+
+
+def test_aggregates_read_alike_on_both_engines(store: Store) -> None:
+    """The grouped and summed views (throughput buckets, staleness, totals) give ints and floats, not Decimals,
+    and the same numbers on SQLite and PostgreSQL."""
+    store.publish_initial("m" * 64, T0)
+    store.commit_step(step=1, trained_version=0, job_ids=["j0"], new_version=1, manifest_sha="n" * 64,
+                      mean_reward=0.5, metrics={"step_s": 1.0}, now=T0 + 20)
+    series = readmodels.throughput(store, T0, T0 + 60, bins=6)
+    assert sum(b["results_per_min"] for b in series) > 0
+    assert readmodels.trained_staleness(store) == {0: 1}
+    totals = readmodels.result_totals(store)
+    assert totals == {"accepted": 1, "tokens": 10, "too_stale": 0}
+    assert all(type(v) is int for v in totals.values())
+    assert readmodels.rejection_counts(store) == {"logprob_mismatch": 1}

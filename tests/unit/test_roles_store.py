@@ -18,8 +18,8 @@ from shared import wire
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store(tmp_path / "coordinator.sqlite")
+def store(store_target: str | Path) -> Store:
+    s = Store(store_target)
     yield s
     s.close()
 
@@ -71,9 +71,10 @@ def test_schema_version_is_recorded(store: Store) -> None:
     assert store.schema_version() == SCHEMA_VERSION
 
 
-def test_a_signed_request_never_waits_for_the_main_databases_write_lock(store: Store) -> None:
-    """Nonces live in their own file: another role holding the main write lock (through a long fsync, say) does
-    not delay remembering a nonce, and a replay is still refused."""
+def test_a_signed_request_never_waits_for_the_main_databases_write_lock(tmp_path: Path) -> None:
+    """SQLite: nonces live in their own file, so another role holding the main write lock (through a long fsync,
+    say) does not delay remembering a nonce, and a replay is still refused."""
+    store = Store(tmp_path / "coordinator.sqlite")
     other = sqlite3.connect(store.path, isolation_level=None, timeout=0)
     other.execute("BEGIN IMMEDIATE")  # another process in the middle of a commit
     try:
@@ -85,6 +86,7 @@ def test_a_signed_request_never_waits_for_the_main_databases_write_lock(store: S
     finally:
         other.execute("ROLLBACK")
         other.close()
+        store.close()
     assert store.nonce_path.exists() and store.nonce_path != store.path
 
 
@@ -101,7 +103,7 @@ def test_schema_3_nonces_move_to_their_own_file_and_still_refuse_a_replay(tmp_pa
     try:
         assert store.schema_version() == SCHEMA_VERSION
         assert not store.remember_nonce(b"seen-before-upgrade", 1e12)
-        assert store.conn.execute("SELECT name FROM sqlite_master WHERE name='nonces'").fetchone() is None
+        assert not store.conn.has_table("nonces")
     finally:
         store.close()
 

@@ -1,9 +1,9 @@
-"""coordinator/store.py against a real SQLite database in tmp_path."""
+"""coordinator/store.py against a real SQLite database in tmp_path and a real PostgreSQL database (each test
+runs on both: conftest.store_target)."""
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ import pytest
 from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
+from coordinator.db import IntegrityError
 from coordinator.store import Store
 
 T0 = 1000.0
@@ -22,19 +23,19 @@ GROUP = 4
 
 
 @pytest.fixture()
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "run" / "coordinator.sqlite"
+def db_path(store_target: str | Path) -> str | Path:
+    return store_target
 
 
 @pytest.fixture()
-def store(db_path: Path) -> Iterator[Store]:
-    db_path.parent.mkdir(parents=True, exist_ok=True)
+def store(db_path: str | Path) -> Iterator[Store]:
     s = Store(db_path)
     yield s
     s.close()
 
 
 TABLES = ("versions", "jobs", "results", "steps", "clients")
+KEYS = {"versions": "version", "jobs": "seq", "results": "job_id", "steps": "step", "clients": "client_id"}
 
 
 def created(store: Store, n_jobs: int) -> list[JobPlan]:
@@ -70,7 +71,7 @@ def accept(store: Store, job_id: str, lease_id: str, client: str, **kw: Any) -> 
 
 
 def rows(store: Store, table: str) -> list[dict[str, Any]]:
-    return [dict(r) for r in store.conn.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall()]
+    return [dict(r) for r in store.conn.execute(f"SELECT * FROM {table} ORDER BY {KEYS[table]}").fetchall()]
 
 
 def snapshot(store: Store) -> dict[str, list[dict[str, Any]]]:
@@ -130,7 +131,7 @@ def test_publish_initial(store: Store) -> None:
     assert store.manifest_sha(0) == "m0" and store.manifest_sha(1) is None
     assert store.versions() == [{"version": 0, "manifest_sha256": "m0", "created_at": T0}]
     assert store.active_jobs() == []  # jobs are planned on demand, not with the version
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(IntegrityError):
         store.publish_initial("other", T0 + 1)
     assert store.manifest_sha(0) == "m0"
 
@@ -171,9 +172,9 @@ def test_next_seq_follows_the_highest(store: Store) -> None:
 def test_create_job_duplicate_seq_writes_nothing(store: Store) -> None:
     published(store, 2)
     before = snapshot(store)
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(IntegrityError):
         store.create_job(plan_job(0, 1, 100, 2), GROUP, T0 + 9)  # same job id and seq
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(IntegrityError):
         store.create_job(JobPlan("other", 1, (0, 1), 7), GROUP, T0 + 9)  # same seq, new id
     assert snapshot(store) == before
     assert store.next_seq() == 2
@@ -469,7 +470,7 @@ def test_commit_step_duplicate_version_rolls_back(store: Store) -> None:
     published(store)
     ids = accepted_jobs(store, 0)
     before = snapshot(store)
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(IntegrityError):
         commit(store, 1, ids, 0)  # version 0 already exists
     assert snapshot(store) == before
     assert pending_ids(store) == {"j0"}
@@ -481,15 +482,14 @@ def test_commit_step_duplicate_step_rolls_back(store: Store) -> None:
     accepted_jobs(store, 0, 1)
     commit(store, 1, ["j0"], 1)
     before = snapshot(store)
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(IntegrityError):
         commit(store, 1, ["j1"], 2)  # step 1 already recorded
     assert snapshot(store) == before
     assert pending_ids(store) == {"j1"}
 
 
 # ---- durability -----------------------------------------------------------------------------------------
-def test_data_survives_reopen(db_path: Path) -> None:
-    db_path.parent.mkdir(parents=True)
+def test_data_survives_reopen(db_path: str | Path) -> None:
     s = Store(db_path)
     published(s, 4)
     ids = accepted_jobs(s, 0, 1)
@@ -526,3 +526,18 @@ def test_set_meta_overwrites(store: Store) -> None:
     store.set_meta("k", "1")
     store.set_meta("k", "2")
     assert store.get_meta("k") == "2"
+
+
+def test_a_lost_postgresql_connection_is_reopened_between_transactions(pg_url: str) -> None:
+    """A server restart or a dropped link costs the statement in flight at most, not the role: the next statement
+    outside a transaction reconnects."""
+    s, admin = Store(pg_url), Store(pg_url)
+    try:
+        pid = s.conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        admin.conn.execute("SELECT pg_terminate_backend(?)", (pid,))
+        s.set_meta("after", "reconnect")  # BEGIN finds the connection gone: reconnects, then the transaction runs
+        assert s.get_meta("after") == "reconnect"
+        assert s.conn.execute("SELECT pg_backend_pid()").fetchone()[0] != pid
+    finally:
+        s.close()
+        admin.close()
