@@ -16,8 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import db_rows, get_status, start_client, start_coordinator, stop_all, wait_until, \
-    write_config
+from tests.integration.helpers import (
+    db_rows,
+    get_status,
+    start_client,
+    start_coordinator,
+    stop_all,
+    wait_until,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,8 @@
 
 ``python -m tests.integration.fsdp_steps OUT MODEL_DIR WORLD_SIZE``: with WORLD_SIZE 1 the learner on one device
 without FSDP (the reference); with N > 1 this process is rank 0 of an FSDP learner and starts the other ranks
-itself (coordinator.fsdp.start, as the learner role does), which follow it through every operation.
+itself (coordinator.fsdp.start, as the learner role does), which follow it through every operation. WORLD_SIZE
+``bf16``: FSDP over one device with bf16 mixed precision and activation checkpointing, full fine-tuning only.
 
 It writes into OUT: ``metrics.json`` (each step's loss and grad norm) and, after each step, the published form of
 the weights (the snapshot files the publisher would write: gathered from the shards on N ranks): ``full-1``,
@@ -48,16 +49,19 @@ def write(learner: Any, folder: Path) -> None:
     files.write(folder)
 
 
-def main(out: Path, model_dir: Path, world_size: int) -> None:
+def main(out: Path, model_dir: Path, world: str) -> None:
     import torch
 
     from coordinator import fsdp
     from coordinator.checkpoints import CheckpointStore
     from coordinator.learner import Learner
 
-    learner_cfg = LearnerConfig(lr=1e-3, world_size=world_size, checkpoint_every_steps=1)
+    mixed = world == "bf16"
+    world_size = 1 if mixed else int(world)
+    learner_cfg = LearnerConfig(lr=1e-3, world_size=world_size, checkpoint_every_steps=1, fsdp=mixed or None,
+                                mixed_precision="bf16" if mixed else "off", activation_checkpointing=mixed)
     config = CoordinatorConfig(run_dir=out / "run", learner=learner_cfg, model={"device": "cpu"})
-    ranks = fsdp.start(config) if world_size > 1 else None
+    ranks = fsdp.start(config) if learner_cfg.sharded else None
     metrics: dict[str, list[float]] = {}
 
     def learner(cfg: LearnerConfig) -> Learner:
@@ -72,9 +76,13 @@ def main(out: Path, model_dir: Path, world_size: int) -> None:
             m = full.train_step(batch)
             losses.append([m["loss"], m["grad_norm"]])
             write(full, out / f"full-{step}")
+            if mixed:
+                break
             if step == 1 and ranks is not None:
                 checkpoints.write(full.checkpoint_state(checkpoints.staging(full.model_version)), 0.0)
         metrics["full"] = losses
+        if mixed:
+            return
         if ranks is not None:  # a restarted learner: the sharded checkpoint of version 1, then step 2 again
             resumed = learner(learner_cfg)
             info = checkpoints.info(1)
@@ -89,8 +97,8 @@ def main(out: Path, model_dir: Path, world_size: int) -> None:
     finally:
         if ranks is not None:
             fsdp.stop(ranks)
-    (out / "metrics.json").write_text(json.dumps(metrics))
+        (out / "metrics.json").write_text(json.dumps(metrics))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
