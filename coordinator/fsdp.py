@@ -70,11 +70,6 @@ def env_world_size() -> int | None:
     return int(raw) if raw else None
 
 
-def wanted(config: CoordinatorConfig) -> bool:
-    """Whether the learner runs under torch.distributed: several ranks, FSDP asked for, or started by torchrun."""
-    return config.learner.world_size > 1 or bool(config.learner.fsdp) or (env_world_size() or 1) > 1
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -235,31 +230,20 @@ def full_tensors(named: Iterable[tuple[str, Any]], keep: bool, dtype: Any = None
     return out
 
 
-def all_reduce(values: list[float], op: str) -> list[float]:
-    """Sum or max of per-rank metrics across the ranks."""
+def all_reduce(ranks: Ranks, values: list[float], op: str) -> list[float]:
+    """Sum or max of per-rank metrics across the ranks (over the gloo group: CPU floats)."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_metrics_group())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=ranks.objects)
     return [float(v) for v in t.tolist()]
 
 
-def _metrics_group() -> Any:
-    import torch.distributed as dist
-
-    return dist.group.WORLD if dist.get_backend() == "gloo" else _gloo_side_group()
-
-
-_SIDE: dict[str, Any] = {}
-
-
-def _gloo_side_group() -> Any:
-    import torch.distributed as dist
-
-    if "gloo" not in _SIDE:
-        _SIDE["gloo"] = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return _SIDE["gloo"]
+def single_rank(ranks: Ranks | None, what: str) -> None:
+    """Refuse an operation only rank 0 would run (its collectives would wait for the other ranks forever)."""
+    if ranks is not None and ranks.world_size > 1:
+        raise RuntimeError(f"{what} is not available on a learner with {ranks.world_size} FSDP ranks")
 
 
 # -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------------------

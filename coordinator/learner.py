@@ -156,8 +156,10 @@ class Learner:
         """Logprobs of each completion token under the learner's current weights, no gradient."""
         import torch
 
+        from coordinator.fsdp import single_rank
         from shared.policy import completion_logprobs
 
+        single_rank(self.ranks, "Learner.recompute")
         out: list[list[float]] = []
         with torch.no_grad():
             for s in range(0, len(completions), MICRO_BATCH):
@@ -215,8 +217,8 @@ class Learner:
                 prox_kl += float(((raw_is - log_is - 1) * mask).sum())
         if self.ranks is not None:  # each rank saw its share of the batch
             loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl = fsdp.all_reduce(
-                [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl], "sum")
-            ratio_max, is_max = fsdp.all_reduce([ratio_max, is_max], "max")
+                self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl], "sum")
+            ratio_max, is_max = fsdp.all_reduce(self.ranks, [ratio_max, is_max], "max")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         gate_s = self._await_checkpoint()
@@ -262,6 +264,9 @@ class Learner:
     # -- persistence --------------------------------------------------------------------------------------
     def save_model(self, folder: Path) -> None:
         """Write a version: the Hugging Face folder, plus its GGUF form(s) when ``gguf`` is not "off"."""
+        from coordinator.fsdp import single_rank
+
+        single_rank(self.ranks, "Learner.save_model (the publisher's snapshot_files gathers the shards)")
         if self.lora:  # a self-contained LoRA version: the base files and this version's adapter in one folder
             files = self._lora_snapshot_files("training")
             for name, write_shared in files.shared.items():
@@ -446,6 +451,9 @@ class Learner:
         return True
 
     def evaluate(self, task: Task, items: list[TaskItem], max_tokens: int) -> float:
+        from coordinator.fsdp import single_rank
+
+        single_rank(self.ranks, "Learner.evaluate (the verifiers evaluate published versions)")
         return greedy_accuracy(self.model, self.tokenizer, task, items, max_tokens)
 
     def describe(self) -> dict[str, Any]:
