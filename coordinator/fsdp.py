@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -305,6 +306,8 @@ def main(argv: list[str]) -> int:
     from coordinator.config import CoordinatorConfig
     from shared import safe_text
 
+    # Ctrl-C reaches the whole process group: rank 0 stops this rank in order (and it dies with rank 0 anyway)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank = os.environ.get("RANK", "?")
     safe_text.configure_logging(logging.INFO, f"%(asctime)s %(levelname)s learner-rank{rank} %(name)s: %(message)s",
                                 sys.stderr)

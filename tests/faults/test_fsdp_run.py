@@ -31,6 +31,11 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 
 
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
 def _rank_pids(log: Path) -> list[int]:
     return [int(p) for p in re.findall(r"started learner ranks 1\.\.1 \(pids \[(\d+)\]\)", log.read_text())]
 
@@ -52,6 +57,8 @@ def test_learner_on_two_ranks_trains_and_survives_a_dead_rank(tmp_path: Path, ti
         stop_all(client, coord)
     out = log.read_text()
     assert coord.proc.returncode == 0, out[-3000:]
+    for pid in _rank_pids(log):  # no rank outlives the coordinator
+        wait_until(lambda pid=pid: not _alive(pid), 30, f"learner rank {pid} to exit")
     assert final["version"] == STEPS
     assert len(_rank_pids(log)) >= 2  # the restarted learner started a new second rank
     assert re.search(r"learner \(pid \d+\) exited with 1; restarting it", out), out[-3000:]
