@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-size bench (bench/scale.py) on a lent GPU machine: the 0.5B-shaped model with the learner, verifier
 # and evaluator on the GPU and one torch client on the same GPU, sequential pull and async push-pull, batches a
-# GPU learner would take (16 prompts × 4 samples × 128 tokens per step).
+# GPU learner would take (16 prompts × 4 samples × 128 tokens per step); then the same with the learner as FSDP over
+# the one GPU in bf16 mixed precision (step time and duty for docs/benchmarks.md).
 #
 # That machine has torch and transformers but not all of our dependencies and no network. Prepare here, in the
 # repository root (both folders are git-ignored through .git/info/exclude):
@@ -22,3 +23,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 python3 bench/scale.py --model qwen0.5b --device cuda --steps 8 --modes sequential,async --eval-every 0 \
   --prompts-per-step 16 --prompts-per-job 8 --group-size 4 --max-tokens 128 --checkpoint-every 4 \
   --timeout 200 --out "$OUT/scale" --plot "$OUT/scale_gpu.png" 2>&1 | tail -80
+# the learner as FSDP2 over this one GPU (a group of one, NCCL) with bf16 mixed precision: bf16 compute, float32
+# master weights, gradient reduction and Adam (issue 16; docs/operations.md §5). Same batches as above.
+python3 bench/scale.py --model qwen0.5b --device cuda --steps 8 --modes sequential --eval-every 0 \
+  --prompts-per-step 16 --prompts-per-job 8 --group-size 4 --max-tokens 128 --checkpoint-every 4 \
+  --fsdp --mixed-precision bf16 --timeout 200 --out "$OUT/scale-fsdp-bf16" 2>&1 | tail -40

@@ -96,7 +96,9 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
         "learner": {"max_steps": steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
                     "eval_every": args.eval_every,
                     "eval_size": 16, "weight_decay": 0.01, "lr": 1e-5,
-                    "checkpoint_every_steps": args.checkpoint_every, "lora_rank": args.lora_rank},
+                    "checkpoint_every_steps": args.checkpoint_every, "lora_rank": args.lora_rank,
+                    "world_size": args.learner_ranks, "mixed_precision": args.mixed_precision,
+                    **({"fsdp": True} if args.fsdp else {})},
         "jobs": {"prompts_per_job": args.prompts_per_job, "lease_timeout_s": 600.0, "long_poll_s": 10.0},
         "sampling": {"max_tokens": args.max_tokens},
         "snapshots": {"keep_last": keep, "gguf": "f16", "dtype": args.dtype},
@@ -449,6 +451,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="learner steps (versions) per mode")
     ap.add_argument("--dtype", default="bfloat16", help="snapshots.dtype")
     ap.add_argument("--lora-rank", type=int, default=0, help="learner.lora_rank (0: full weights)")
+    ap.add_argument("--learner-ranks", type=int, default=1, help="learner.world_size (FSDP ranks, one per GPU)")
+    ap.add_argument("--fsdp", action="store_true", help="learner.fsdp: FSDP2 even on one rank (one device)")
+    ap.add_argument("--mixed-precision", choices=["off", "bf16"], default="off", help="learner.mixed_precision "
+                    "(needs --fsdp or --learner-ranks > 1)")
     ap.add_argument("--checkpoint-every", type=int, default=10, help="learner.checkpoint_every_steps")
     ap.add_argument("--eval-every", type=int, default=3, help="learner.eval_every")
     ap.add_argument("--client-threads", type=int, default=1)
@@ -469,7 +475,10 @@ def main() -> None:
         model = build_model(args.model, work)
         for mode in args.modes.split(","):
             r = run_mode(mode.strip(), model, work, args) | {"lora_rank": args.lora_rank,
-                                                              "client": args.client_backend}
+                                                              "client": args.client_backend,
+                                                              "learner_ranks": args.learner_ranks,
+                                                              "fsdp": args.fsdp or args.learner_ranks > 1,
+                                                              "mixed_precision": args.mixed_precision}
             print(json.dumps(r, indent=1), flush=True)
             results.append(r)
     finally:

@@ -9,6 +9,11 @@ so the learner resumes with the weights and optimizer moments it had, not with s
 Layout: ``checkpoints/vNNNNNN/{weights.safetensors, optimizer.pt, checkpoint.json}``, written into a hidden
 temporary folder and renamed; ``checkpoint.json`` is written last, so a folder without it is incomplete.
 Only the newest complete checkpoint at or below the current version is kept (disk: one learner state).
+
+A learner on FSDP ranks (coordinator.fsdp) writes a *sharded* checkpoint instead: every rank writes its shards
+with torch.distributed.checkpoint into the hidden folder at hand-over time, and the publisher completes it the same
+way (``checkpoint.json`` with ``"format": 2``, the world size and whether optimizer state is in it; then the
+rename). It resumes only on as many ranks (:meth:`CheckpointStore.info` says how many).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class CheckpointState:
     weights: dict[str, Any]  # trainable parameters by name (peft names for LoRA: adapter only)
     optimizer: dict[str, Any]  # torch optimizer state_dict()
     release: Any  # callable: the learner may update these tensors again
+    sharded: dict[str, Any] | None = None  # FSDP: {"dir": staging folder already written, "world_size", "optimizer"}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -66,18 +72,24 @@ class CheckpointStore:
 
         t0 = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-v{state.version}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        info: dict[str, Any] = {"version": state.version, "created_at": now, "format": 1}
+        if state.sharded is not None:  # the ranks wrote (and synced) their shards already
+            tmp = Path(state.sharded["dir"])
+            info |= {"format": 2, "world_size": state.sharded["world_size"], "optimizer": state.sharded["optimizer"]}
+        else:
+            tmp = self.staging(state.version)
+            tmp.mkdir()
         try:
-            try:
-                save_file({k: v.detach().contiguous() for k, v in state.weights.items()}, str(tmp / WEIGHTS_FILE))
-                torch.save(state.optimizer, tmp / OPTIMIZER_FILE)
-            finally:
-                state.release()
-            for name in (WEIGHTS_FILE, OPTIMIZER_FILE):
-                with open(tmp / name, "rb") as fh:
-                    os.fsync(fh.fileno())
-            info = {"version": state.version, "created_at": now, "format": 1}
+            if state.sharded is None:
+                try:
+                    save_file({k: v.detach().contiguous() for k, v in state.weights.items()},
+                              str(tmp / WEIGHTS_FILE))
+                    torch.save(state.optimizer, tmp / OPTIMIZER_FILE)
+                finally:
+                    state.release()
+                for name in (WEIGHTS_FILE, OPTIMIZER_FILE):
+                    with open(tmp / name, "rb") as fh:
+                        os.fsync(fh.fileno())
             with open(tmp / INFO_FILE, "w") as fh:
                 json.dump(info, fh)
                 fh.flush()
@@ -91,8 +103,16 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        size = sum(p.stat().st_size for p in final.iterdir())
+        size = sum(p.stat().st_size for p in final.iterdir() if p.is_file())
         return time.monotonic() - t0, size
+
+    def staging(self, version: int) -> Path:
+        """A fresh hidden folder name for writing the checkpoint of ``version`` (removed at startup if left)."""
+        return self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+
+    def info(self, version: int) -> dict[str, Any]:
+        """A complete checkpoint's ``checkpoint.json``: format 1 (one device) or 2 (sharded, with world_size)."""
+        return dict(json.loads((self.folder(version) / INFO_FILE).read_text()))
 
     def _complete(self) -> list[int]:
         if not self.root.exists():

@@ -227,6 +227,18 @@ class LearnerConfig(_Strict):
                                         "(docs/run-dir.md); fewer checkpoints cost less disk and I/O, more replay.")
     checkpoint_every_s: float = Field(600.0, ge=0, description="Also write a checkpoint when this many seconds "
                                       "have passed since the last one (0: no time trigger).")
+    world_size: int = Field(1, ge=1, le=1024, description="Learner ranks (torch.distributed): the learner role "
+                            "starts world_size - 1 more processes and shards the model over all of them with FSDP2 "
+                            "(one GPU each on CUDA, gloo on CPU). Started under torchrun, the ranks come from "
+                            "torchrun instead (leave this at 1 or set it to torchrun's count).")
+    fsdp: bool | None = Field(None, description="Shard the model with FSDP2 (torch fully_shard). None: when "
+                              "world_size > 1. true with world_size = 1: FSDP over one device (for mixed precision "
+                              "on one GPU).")
+    mixed_precision: Literal["off", "bf16"] = Field("off", description="With FSDP: bf16 parameters and compute, "
+                                                    "float32 gradient reduction, weights and optimizer. Needs "
+                                                    "model.dtype = float32 (the float32 master weights).")
+    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in the backward "
+                                           "pass instead of keeping them (less memory, about one more forward).")
 
     @model_validator(mode="after")
     def _some_checkpoint_trigger(self) -> LearnerConfig:
@@ -234,6 +246,21 @@ class LearnerConfig(_Strict):
             raise ValueError("learner.checkpoint_every_steps and learner.checkpoint_every_s are both 0, so a restart "
                              "would replay the whole run; set either (e.g. checkpoint_every_steps = 10)")
         return self
+
+    @model_validator(mode="after")
+    def _ranks_need_fsdp(self) -> LearnerConfig:
+        if self.world_size > 1 and self.fsdp is False:
+            raise ValueError(f"learner.world_size = {self.world_size} shards the model with FSDP; remove "
+                             f"learner.fsdp = false, or set world_size = 1")
+        if self.mixed_precision != "off" and not self.sharded:
+            raise ValueError("learner.mixed_precision needs FSDP: set learner.fsdp = true (FSDP over one device) or "
+                             "learner.world_size > 1; for bf16 everywhere set model.dtype = 'bfloat16' instead")
+        return self
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the learner runs under torch.distributed with FSDP2 (coordinator.fsdp)."""
+        return bool(self.fsdp) or (self.fsdp is None and self.world_size > 1)
 
     @model_validator(mode="after")
     def _sequence_weight_needs_decoupled(self) -> LearnerConfig:
@@ -567,6 +594,18 @@ class CoordinatorConfig(_Strict):
         if self.sync_mode == "async-push-pull" and self.snapshots.keep_last < self.max_staleness + 2:
             raise ValueError(f"snapshots.keep_last ({self.snapshots.keep_last}) must be at least max_staleness + 2 "
                              f"({self.max_staleness + 2}) so that stale results can still be verified")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_learner_in_its_own_process(self) -> CoordinatorConfig:
+        if not self.learner.sharded:
+            return self
+        if self.sync_mode == "colocated" or self.layout == "one-process":
+            raise ValueError("the learner on FSDP ranks (learner.world_size > 1 or learner.fsdp) runs in its own "
+                             "process: use layout = 'processes' and sync_mode sequential-pull or async-push-pull")
+        if self.learner.mixed_precision != "off" and self.model.dtype != "float32":
+            raise ValueError("learner.mixed_precision = 'bf16' keeps float32 master weights; set model.dtype = "
+                             "'float32' (or mixed_precision = 'off' to train in bfloat16 throughout)")
         return self
 
     @model_validator(mode="after")

@@ -39,6 +39,7 @@ from coordinator.evaluation import greedy_accuracy, pad_id
 from coordinator.tasks import Task, TaskItem
 
 if TYPE_CHECKING:
+    from coordinator.fsdp import Ranks
     from coordinator.snapshots import SnapshotFiles
 
 logger = logging.getLogger(__name__)
@@ -87,20 +88,24 @@ class Sample:
 
 class Learner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cfg: LearnerConfig, temperature: float,
-                 gguf: str = "off") -> None:
+                 gguf: str = "off", ranks: Ranks | None = None) -> None:
+        """``ranks``: this process's place among the learner's FSDP ranks (coordinator.fsdp), None on one
+        device without FSDP. On rank 0 of several, the other ranks build the same learner from ``model_dir``."""
         import torch
         from transformers.utils import logging as hf_logging
 
-        from coordinator import lora
+        from coordinator import fsdp, lora
         from shared.policy import load_model, load_tokenizer, pick_device, stop_token_ids
 
         hf_logging.disable_progress_bar()
 
+        fsdp.lead(ranks, "init", str(model_dir), cfg.model_dump(mode="json"))
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.temperature = temperature
-        self.device = pick_device(model_cfg.device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else pick_device(model_cfg.device)
         self.gguf = gguf  # precision of the GGUF form published with every version ("off": none)
         self.lora = cfg.lora_rank > 0
         # a LoRA version folder (resuming a run) holds an adapter: the model is its base plus that adapter
@@ -114,10 +119,16 @@ class Learner:
             self.model = lora.load_base_model(model_dir, self.device, model_cfg.dtype)
         else:
             self.model = load_model(model_dir, self.device, model_cfg.dtype)
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
             self.model = lora.wrap(self.model, cfg)
             if adapter_dir is not None:
                 lora.load_adapter(self.model, adapter_dir)
+        if ranks is not None:  # every rank holds the whole model until here; now each keeps its shards
+            if self.lora and adapter_dir is None:  # fresh adapters are random: every rank takes rank 0's
+                fsdp.from_leader(ranks, [p for p in self.model.parameters() if p.requires_grad])
+            fsdp.shard(self.model, ranks, cfg.mixed_precision)
         self.model.train()
         self.pad_id = pad_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -131,6 +142,7 @@ class Learner:
         # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
         self._checkpoint_gate: threading.Event | None = None
         self._static_files: dict[str, bytes] | None = None  # config and tokenizer files of every snapshot
+        self._lora_base: dict[str, Any] | None = None  # FSDP + LoRA: the frozen base, gathered once (rank 0)
 
     # -- prompts ------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -144,8 +156,10 @@ class Learner:
         """Logprobs of each completion token under the learner's current weights, no gradient."""
         import torch
 
+        from coordinator.fsdp import single_rank
         from shared.policy import completion_logprobs
 
+        single_rank(self.ranks, "Learner.recompute")
         out: list[list[float]] = []
         with torch.no_grad():
             for s in range(0, len(completions), MICRO_BATCH):
@@ -160,8 +174,10 @@ class Learner:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         import torch
 
+        from coordinator import fsdp
         from shared.policy import completion_logprobs
 
+        fsdp.lead(self.ranks, "train_step", samples)
         t0 = time.monotonic()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -169,11 +185,13 @@ class Learner:
         eps, cap = self.cfg.clip_eps, self.cfg.is_cap
         loss_sum = ratio_sum = clipped = is_sum = is_truncated = prox_kl = 0.0
         ratio_max = is_max = 0.0
-        for s in range(0, len(samples), MICRO_BATCH):
-            chunk = samples[s : s + MICRO_BATCH]
+        world = self.ranks.world_size if self.ranks is not None else 1
+        for chunk, real in self._micro_batches(samples):
             prompts, comps = [c.prompt_ids for c in chunk], [c.completion_ids for c in chunk]
             logp, mask = completion_logprobs(self.model, prompts, comps, temperature=self.temperature,
                                              pad_id=self.pad_id)
+            if not real:  # a rank with no samples left still joins FSDP's collectives, contributing nothing
+                mask = mask * 0
             behaviour = torch.zeros_like(logp)
             for i, c in enumerate(chunk):
                 behaviour[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)
@@ -185,7 +203,7 @@ class Learner:
             per_token, ratio, log_is = token_objective(logp, prox, behaviour, adv, weight, mask, eps, cap,
                                                        self.cfg.is_level, self.cfg.correction)
             loss = per_token.sum() / max(1, total_tokens)
-            loss.backward()
+            (loss * world).backward()  # FSDP averages gradients over the ranks; the loss is already the batch's
             with torch.no_grad():
                 loss_sum += float(loss)
                 ratio_sum += float((ratio * mask).sum())
@@ -197,7 +215,12 @@ class Learner:
                 is_truncated += float(((raw_is > cap).to(mask.dtype) * mask).sum())
                 # k3 estimate of KL(π_b ‖ π_prox) from tokens sampled by π_b: r − log r − 1, r = π_prox/π_b
                 prox_kl += float(((raw_is - log_is - 1) * mask).sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if self.ranks is not None:  # each rank saw its share of the batch
+            loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl = fsdp.all_reduce(
+                self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl], "sum")
+            ratio_max, is_max = fsdp.all_reduce(self.ranks, [ratio_max, is_max], "max")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         gate_s = self._await_checkpoint()
         self.optimizer.step()
         self.model_version += 1
@@ -225,9 +248,25 @@ class Learner:
             "checkpoint_gate_s": gate_s,  # part of train_s spent waiting for a checkpoint write to finish
         }
 
+    def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
+        """This rank's micro-batches, each flagged real or not. On N ranks each takes every N-th sample and all
+        take the same number of micro-batches (FSDP gathers every block once per forward on every rank): a rank
+        whose share ran out gets a one-token stand-in whose loss is masked to zero."""
+        if self.ranks is None:
+            return [(samples[s : s + MICRO_BATCH], True) for s in range(0, len(samples), MICRO_BATCH)]
+        world = self.ranks.world_size
+        mine = samples[self.ranks.rank :: world]
+        count = max(1, math.ceil(math.ceil(len(samples) / world) / MICRO_BATCH))
+        filler = [Sample([self.pad_id], [self.pad_id], [0.0], [0.0], 0.0, 0, 0.0)]
+        chunks = [mine[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for i in range(count)]
+        return [(chunk, True) if chunk else (filler, False) for chunk in chunks]
+
     # -- persistence --------------------------------------------------------------------------------------
     def save_model(self, folder: Path) -> None:
         """Write a version: the Hugging Face folder, plus its GGUF form(s) when ``gguf`` is not "off"."""
+        from coordinator.fsdp import single_rank
+
+        single_rank(self.ranks, "Learner.save_model (the publisher's snapshot_files gathers the shards)")
         if self.lora:  # a self-contained LoRA version: the base files and this version's adapter in one folder
             files = self._lora_snapshot_files("training")
             for name, write_shared in files.shared.items():
@@ -254,13 +293,20 @@ class Learner:
         is the dtype conversion); safetensors, config/tokenizer files and GGUF are written from it later."""
         import torch
 
+        from coordinator import fsdp
         from coordinator.snapshots import SnapshotFiles
 
+        fsdp.lead(self.ranks, "snapshot_files", dtype)
         if self.lora:
             return self._lora_snapshot_files(dtype)
         target = getattr(torch, self.publish_dtype(dtype))
-        state = {k: v.detach().to("cpu", dtype=target if v.is_floating_point() else v.dtype, copy=True)
-                 for k, v in self.model.state_dict().items()}
+        if self.ranks is not None:  # gathered from the shards, one tensor at a time; only rank 0 keeps them
+            state = fsdp.full_tensors(self.model.state_dict().items(), self.ranks.leader, target)
+            if not self.ranks.leader:
+                return SnapshotFiles(lambda folder: None)
+        else:
+            state = {k: v.detach().to("cpu", dtype=target if v.is_floating_point() else v.dtype, copy=True)
+                     for k, v in self.model.state_dict().items()}
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied to the embeddings, stored once (as save_pretrained does)
         static = self._snapshot_static_files(self.publish_dtype(dtype))
@@ -286,15 +332,26 @@ class Learner:
 
         import torch
 
-        from coordinator import lora
+        from coordinator import fsdp, lora
         from coordinator.snapshots import SnapshotFiles
 
-        snap = lora.adapter_snapshot(self.model)
+        if self.ranks is not None:  # the adapter gathered every version, the frozen base once per process
+            keep = self.ranks.leader
+            trainable = fsdp.full_tensors(((n, p) for n, p in self.model.named_parameters() if p.requires_grad),
+                                          keep, torch.float32)
+            if self._lora_base is None:
+                self._lora_base = lora.plain_names(fsdp.full_tensors(
+                    ((n, v) for n, v in self.model.state_dict().items() if ".lora_" not in n), keep))
+            if not keep:
+                return SnapshotFiles(lambda folder: None)
+            snap = lora.adapter_snapshot(self.model, trainable)
+        else:
+            snap = lora.adapter_snapshot(self.model)
         publish = self.publish_dtype(dtype)
         static = self._snapshot_static_files(publish)
         hf_config = json.loads(static["config.json"])
         gguf = self.gguf
-        shared = lora.base_writers(self.model, static, getattr(torch, publish), gguf)
+        shared = lora.base_writers(self.model, static, getattr(torch, publish), gguf, self._lora_base)
 
         def write(folder: Path) -> None:
             lora.write_adapter(folder, snap, hf_config, gguf)
@@ -322,10 +379,23 @@ class Learner:
         return self._static_files
 
     # -- checkpoints (coordinator.checkpoints) ----------------------------------------------------------
-    def checkpoint_state(self) -> CheckpointState:
+    def checkpoint_state(self, staging: Path | None = None) -> CheckpointState:
         """References to the trainable weights and the optimizer state at this version, for the publisher to
         write while the next step's forward and backward passes run; that step's optimizer update waits until
-        the publisher calls ``release`` (:meth:`_await_checkpoint`), so nothing is copied."""
+        the publisher calls ``release`` (:meth:`_await_checkpoint`), so nothing is copied.
+
+        On FSDP ranks every rank writes its shards into ``staging`` now (torch.distributed.checkpoint); the
+        publisher then only completes the checkpoint (coordinator.checkpoints)."""
+        if self.ranks is not None:
+            from coordinator import fsdp
+
+            if staging is None:
+                raise ValueError("a sharded checkpoint needs a staging folder")
+            fsdp.lead(self.ranks, "checkpoint_state", staging)
+            with_optimizer = fsdp.save_checkpoint(self.model, self.optimizer, staging)
+            return CheckpointState(self.model_version, {}, {}, lambda: None,
+                                   sharded={"dir": str(staging), "world_size": self.ranks.world_size,
+                                            "optimizer": with_optimizer})
         gate = threading.Event()
         self._checkpoint_gate = gate
         weights = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -339,10 +409,26 @@ class Learner:
         gate.wait()
         return time.monotonic() - t0
 
+    def load_sharded_checkpoint(self, folder: Path, version: int, world_size: int, with_optimizer: bool) -> None:
+        """Restore a sharded checkpoint (written on ``world_size`` ranks) on every rank; then at ``version``."""
+        from coordinator import fsdp
+
+        mine = self.ranks.world_size if self.ranks is not None else 1
+        if self.ranks is None or world_size != mine:
+            raise ValueError(f"the checkpoint of version {version} was written by a learner on {world_size} FSDP "
+                             f"ranks and this learner has {mine if self.ranks is not None else 'no FSDP ranks'}; "
+                             f"resume with learner.world_size = {world_size} (the run's own setting)")
+        fsdp.lead(self.ranks, "load_sharded_checkpoint", folder, version, world_size, with_optimizer)
+        fsdp.load_checkpoint(self.model, self.optimizer, Path(folder), with_optimizer)
+        self.model_version = version
+
     def load_checkpoint(self, weights: dict[str, Any], optimizer: dict[str, Any], version: int) -> None:
         """Restore a checkpoint's trainable weights and optimizer state; the learner is then at ``version``."""
         import torch
 
+        if self.ranks is not None:
+            raise ValueError(f"the checkpoint of version {version} was written by a learner on one device without "
+                             f"FSDP; resume with learner.world_size = 1 and learner.fsdp unset")
         params = dict(self.model.named_parameters())
         unknown = sorted(set(weights) - set(params))
         if unknown:
@@ -358,10 +444,16 @@ class Learner:
 
         if not path.exists():
             return False
+        if self.ranks is not None:
+            raise ValueError(f"{path} is a single-device optimizer state; resume this run with learner.world_size "
+                             f"= 1 and learner.fsdp unset")
         self.optimizer.load_state_dict(torch.load(path, weights_only=True, map_location=self.device))
         return True
 
     def evaluate(self, task: Task, items: list[TaskItem], max_tokens: int) -> float:
+        from coordinator.fsdp import single_rank
+
+        single_rank(self.ranks, "Learner.evaluate (the verifiers evaluate published versions)")
         return greedy_accuracy(self.model, self.tokenizer, task, items, max_tokens)
 
     def describe(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ layout; either way it talks to the other roles only through the store: it reads 
 (``Store.pending``), records each step, its ingestion marks and the new version in one transaction once the
 version is published, reports its progress (``learner`` role status: the version it is training towards and the
 jobs in that step), and asks the verifiers for held-out evaluations (the ``work`` table). The torch work happens on
-one executor thread; publication (coordinator.publisher) overlaps the next step.
+one executor thread; publication (coordinator.publisher) overlaps the next step. On FSDP ranks (coordinator.fsdp)
+this role is rank 0: its learner leads the other ranks through every step, hand-over and checkpoint.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Batch:
 class LearnerRole:
     def __init__(self, config: CoordinatorConfig, store: Store, bell: Bell, snapshots: SnapshotStore, task: Task, *,
                  clock: Callable[[], float] = time.time, model_dir: Path | None = None,
-                 local_intake: LocalIntake | None = None, plan_job: Callable[[], JobRow] | None = None) -> None:
+                 local_intake: LocalIntake | None = None, plan_job: Callable[[], JobRow] | None = None,
+                 ranks: Any = None) -> None:
         self.config = config
         self.store = store
         self.bell = bell
@@ -81,6 +83,7 @@ class LearnerRole:
         self._model_dir = model_dir
         self._local_intake = local_intake
         self._plan_job = plan_job
+        self._ranks = ranks  # coordinator.fsdp.Ranks (rank 0) when the learner runs on FSDP ranks
         self.run_dir = Path(config.run_dir)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
         self.version = 0
@@ -137,12 +140,16 @@ class LearnerRole:
         if hasattr(self, "publisher"):
             self.publisher.close()
         self._executor.shutdown(wait=True)
+        if self._ranks is not None:
+            from coordinator import fsdp
+
+            fsdp.stop(self._ranks)
 
     def _make_learner(self, model_dir: Path) -> Any:
         from coordinator.learner import Learner
 
         return Learner(model_dir, self.config.model, self.config.learner, self.config.sampling.temperature,
-                       gguf=self.config.snapshots.gguf)
+                       gguf=self.config.snapshots.gguf, ranks=self._ranks)
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -169,9 +176,14 @@ class LearnerRole:
             if not await self._run(self.learner.load_optimizer, legacy) and current > 0:
                 logger.warning("no checkpoint for version %d; continuing with a fresh optimizer", current)
             return
-        weights, optimizer = await self._run(self.checkpoints.load, ckpt, self.learner.device)
-        await self._run(self.learner.load_checkpoint, weights, optimizer, ckpt)
-        del weights, optimizer
+        info = self.checkpoints.info(ckpt)
+        if info.get("format") == 2:  # sharded: every rank reads its own shards
+            await self._run(self.learner.load_sharded_checkpoint, self.checkpoints.folder(ckpt), ckpt,
+                            int(info["world_size"]), bool(info.get("optimizer")))
+        else:
+            weights, optimizer = await self._run(self.checkpoints.load, ckpt, self.learner.device)
+            await self._run(self.learner.load_checkpoint, weights, optimizer, ckpt)
+            del weights, optimizer
         by_step: dict[int, list[str]] = {}
         for r in self.store.results_summary():
             if r["ingested_step"] is not None and r["ingested_step"] > ckpt:
@@ -332,7 +344,10 @@ class LearnerRole:
     def _hand_over(self, checkpoint: bool) -> tuple[SnapshotFiles, CheckpointState | None]:
         """On the learner thread: what the publisher needs to write this version (and a checkpoint)."""
         files = self.learner.snapshot_files(self.config.snapshots.dtype)
-        return files, self.learner.checkpoint_state() if checkpoint else None
+        if not checkpoint:
+            return files, None
+        staging = self.checkpoints.staging(self.learner.model_version) if self._ranks is not None else None
+        return files, self.learner.checkpoint_state(staging)
 
     def _learn(self, samples: list[Any], checkpoint: bool
                ) -> tuple[dict[str, Any], SnapshotFiles, CheckpointState | None]:

@@ -73,6 +73,11 @@ def _base_name(key: str) -> str | None:
     return key.replace(".base_layer.", ".")
 
 
+def plain_names(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A peft model's base weights (adapter weights dropped) under their plain HF names."""
+    return {name: value for key, value in state.items() if (name := _base_name(key)) is not None}
+
+
 def base_state(peft_model: Any) -> dict[str, Any]:
     """The frozen base weights under their plain HF names (references, not copies: they never change)."""
     out: dict[str, Any] = {}
@@ -134,13 +139,14 @@ class AdapterSnapshot:
         return out
 
 
-def adapter_snapshot(peft_model: Any) -> AdapterSnapshot:
-    """Copy the trainable adapter (a few MB at most) so the publisher can write it while training goes on."""
+def adapter_snapshot(peft_model: Any, state_dict: Mapping[str, Any] | None = None) -> AdapterSnapshot:
+    """Copy the trainable adapter (a few MB at most) so the publisher can write it while training goes on.
+    ``state_dict``: the model's adapter weights by parameter name when the model's own are shards (FSDP)."""
     import torch
     from peft import get_peft_model_state_dict
 
     tensors = {k: v.detach().to("cpu", dtype=torch.float32, copy=True)
-               for k, v in get_peft_model_state_dict(peft_model).items()}
+               for k, v in get_peft_model_state_dict(peft_model, state_dict=state_dict).items()}
     _, alpha = adapter_pairs(peft_model)
     return AdapterSnapshot(tensors, _adapter_config_bytes(peft_model), alpha)
 
@@ -161,16 +167,18 @@ def write_adapter(folder: Path, snap: AdapterSnapshot, hf_config: Mapping[str, A
 Writer = Callable[[Path], None]
 
 
-def base_writers(peft_model: Any, static_files: Mapping[str, bytes], dtype: Any, gguf: str) -> dict[str, Writer]:
+def base_writers(peft_model: Any, static_files: Mapping[str, bytes], dtype: Any, gguf: str,
+                 gathered: Mapping[str, Any] | None = None) -> dict[str, Writer]:
     """Writers of the run-level base files, by manifest name (each writes exactly the path it is given):
     ``static_files`` (config.json, tokenizer files: name → bytes), ``model.safetensors`` (the frozen base in
     ``dtype``, a torch dtype) and ``base.gguf``. They read the frozen base weights, which never change, so
-    they may run on another thread while the learner trains."""
+    they may run on another thread while the learner trains. ``gathered``: the base under plain names when the
+    model holds only shards of it (FSDP), gathered on the learner's thread."""
     base = peft_model.get_base_model()
     tied = bool(getattr(base.config, "tie_word_embeddings", False))
 
     def state() -> dict[str, Any]:
-        out = base_state(peft_model)
+        out = dict(gathered) if gathered is not None else base_state(peft_model)
         if tied:
             out.pop("lm_head.weight", None)  # tied to the embeddings, stored once (as save_pretrained does)
         return out

@@ -68,12 +68,19 @@ def run(config: CoordinatorConfig, role: str = "all", index: int = 0, parent: in
 
     label = "" if role == "all" else f"{role}{index if role == 'verifier' else ''} "
     safe_text.configure_logging(logging.INFO, f"%(asctime)s %(levelname)s {label}%(name)s: %(message)s", sys.stderr)
+    from coordinator.roles import CONFIG_ERROR, fsdp_env
+
+    if fsdp_env() and role != "learner":  # torchrun's ranks are the learner's; the other roles run once
+        logger.critical("started as one of several torch.distributed ranks (WORLD_SIZE is set): only the learner "
+                        "runs on ranks; use --role learner under torchrun and start the API and verifiers on their "
+                        "own (--role api, --role verifier)")
+        return CONFIG_ERROR
     if role != "all":
         from coordinator.roles import run_role
 
         return run_role(config, role, index, parent)
     if config.layout == "one-process" or config.sync_mode == "colocated":
-        from coordinator.roles import CONFIG_ERROR, RoleLocked, role_lock
+        from coordinator.roles import RoleLocked, role_lock
 
         try:
             with role_lock(config.run_dir, "learner"), role_lock(config.run_dir, "api"), \

@@ -64,10 +64,19 @@ async def run_learner(config: CoordinatorConfig) -> int:
     from coordinator.runfiles import RunFiles
     from coordinator.workqueue import Bell
 
+    ranks = None
+    if config.learner.sharded or fsdp_env():  # rank 0 of the learner's FSDP ranks (coordinator.fsdp)
+        from coordinator import fsdp
+
+        try:
+            ranks = fsdp.start(config)
+        except ValueError as exc:
+            logger.critical("learner could not start its ranks: %s", exc)
+            return CONFIG_ERROR
     files = RunFiles.open(config)
     stop = asyncio.Event()
     _install_stop(stop)
-    learner = LearnerRole(config, files.store, Bell(), files.snapshots, files.task)
+    learner = LearnerRole(config, files.store, Bell(), files.snapshots, files.task, ranks=ranks)
     try:
         try:
             await learner.start()
@@ -105,12 +114,21 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
         files.close()
 
 
+def fsdp_env() -> bool:
+    """Whether torchrun started this process as one of several ranks."""
+    return int(os.environ.get("WORLD_SIZE") or 1) > 1
+
+
 def run_role(config: CoordinatorConfig, role: str, index: int = 0, parent: int | None = None) -> int:
     """One role in this process (the CLI's ``--role``; the supervisor's children, which stop with ``parent``)."""
     from coordinator import main
 
     if role not in ("api", "learner", "verifier"):
         raise ValueError(f"unknown role {role!r}; use api, learner or verifier")
+    if role == "learner" and fsdp_env() and int(os.environ.get("RANK") or 0) > 0:
+        from coordinator import fsdp  # torchrun's ranks 1..N-1 only compute: no store, no role lock
+
+        return fsdp.main_under_torchrun(config)
     name = f"verifier-{index}" if role == "verifier" else f"api-{index}" if role == "api" and index else role
 
     async def body() -> int:

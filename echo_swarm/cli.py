@@ -210,6 +210,8 @@ def coordinator(
     layout: Annotated[Optional[str], typer.Option(help="processes (each role its own process, restarted if it "
                                                        "dies) or one-process.")] = None,
     verifiers: Annotated[Optional[int], typer.Option(help="Verifier processes to start (layout processes).")] = None,
+    learner_ranks: Annotated[Optional[int], typer.Option(help="learner.world_size: FSDP ranks of the learner (one per "
+                                                              "GPU; gloo processes on CPU).")] = None,
     role: Annotated[str, typer.Option(help="Run only this role of the run: api, learner or verifier (e.g. another "
                                            "verifier on another GPU: --role verifier --index 1 with "
                                            "verification.device set); 'all' runs every role.")] = "all",
@@ -233,7 +235,7 @@ def coordinator(
             "sync_mode": sync_mode, "max_staleness": max_staleness,
             "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
             "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
-            "verification.workers": verifiers, "store.url": store_url,
+            "verification.workers": verifiers, "store.url": store_url, "learner.world_size": learner_ranks,
         })
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -253,3 +253,23 @@ prompts_per_job = 4
 """))
     assert cfg.sync_policy == SyncPolicy("async-push-pull", 1, 3)
     assert cfg.learner.is_cap == 1.5 and cfg.learner.staleness_decay == 0.9
+
+
+def test_learner_on_ranks_defaults_and_fsdp_follows_world_size() -> None:
+    cfg = load_config(None)
+    assert cfg.learner.world_size == 1 and not cfg.learner.sharded
+    assert load_config(None, {"learner.world_size": 4}).learner.sharded
+    assert load_config(None, {"learner.fsdp": True}).learner.sharded  # FSDP over one device
+
+
+@pytest.mark.parametrize(("overrides", "hint"), [
+    ({"learner.world_size": 2, "learner.fsdp": False}, "remove learner.fsdp = false"),
+    ({"learner.mixed_precision": "bf16"}, "set learner.fsdp = true"),
+    ({"learner.fsdp": True, "learner.mixed_precision": "bf16", "model.dtype": "bfloat16"}, "model.dtype = 'float32'"),
+    ({"learner.world_size": 2, "layout": "one-process"}, "layout = 'processes'"),
+    ({"learner.world_size": 2, "sync_mode": "colocated"}, "layout = 'processes'"),
+    ({"learner.world_size": 0}, "learner.world_size"),
+])
+def test_learner_on_ranks_refuses_what_cannot_run(overrides: dict[str, object], hint: str) -> None:
+    with pytest.raises(ConfigError, match=hint.replace(".", r"\.").replace("(", r"\(")):
+        load_config(None, overrides)

@@ -303,3 +303,22 @@ def test_a_reading_process_serves_a_shared_file_after_the_publisher_pruned_the_v
     assert reader.blob_path(shared) == writer.folder(1) / "config.json"
     assert reader.blob_path(own0) is None  # only in the pruned version: gone
     assert reader.signed_manifest(0) is None  # and the reader no longer offers that version
+
+
+def test_sharded_checkpoint_is_completed_by_the_publisher_and_refused_on_another_world_size(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A learner on FSDP ranks hands over a folder its ranks already wrote (torch.distributed.checkpoint); the
+    checkpoint store completes it (checkpoint.json says format 2 and the world size, then the rename). A learner
+    with another world size refuses it and says which to use."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    staging = store.staging(3)
+    staging.mkdir(parents=True)
+    (staging / "__0_0.distcp").write_bytes(b"shard")  # what the ranks wrote
+    state = CheckpointState(3, {}, {}, lambda: None, sharded={"dir": str(staging), "world_size": 2, "optimizer": True})
+    store.write(state, now=1.0)
+    assert store.latest(3) == 3 and not staging.exists()
+    info = store.info(3)
+    assert (info["format"], info["world_size"], info["optimizer"]) == (2, 2, True)
+    learner = _learner(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"written by a learner on 2 FSDP ranks.*learner\.world_size = 2"):
+        learner.load_sharded_checkpoint(store.folder(3), 3, 2, True)
