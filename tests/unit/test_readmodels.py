@@ -69,3 +69,12 @@ def test_client_views(store: Store) -> None:
     assert readmodels.client_summary(readmodels.client_states(store, T0 + 1000, 30.0))["by_state"]["idle"] == 1
     store.set_banned(ALICE, True)
     assert readmodels.top_clients(store, T0, 30.0) == []
+
+
+def test_reward_means_are_each_rewards_series_by_step(store: Store) -> None:
+    assert readmodels.reward_means(store) == {}  # no step yet
+    for step, means in [(1, {"last_number": 0.25, "plug:f": 1.0}), (2, None), (3, {"last_number": 0.5, "plug:f": 0.0})]:
+        metrics = {"step_s": 0.1} | ({"reward_means": means} if means else {})
+        store.commit_step(step=step, trained_version=step - 1, job_ids=[], new_version=step, manifest_sha="m" * 64,
+                          mean_reward=0.5, metrics=metrics, now=T0 + step)
+    assert readmodels.reward_means(store) == {"last_number": [[1, 0.25], [3, 0.5]], "plug:f": [[1, 1.0], [3, 0.0]]}
