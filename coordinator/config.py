@@ -184,7 +184,56 @@ class DatasetTaskConfig(_Strict):
         return self
 
 
-TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig | DatasetTaskConfig, Field(discriminator="type")]
+class ReasoningGymTaskConfig(_Strict):
+    """A reasoning-gym procedural dataset (basic_arithmetic, gsm_symbolic, countdown, maze, sokoban, ...):
+    ``size`` questions generated offline from ``seed`` with the dataset's own ``config``; the dataset's scorer
+    is the reward. Needs the ``reasoning-gym`` extra."""
+
+    type: Literal["reasoning-gym"] = "reasoning-gym"
+    dataset: str = Field(description="A reasoning-gym dataset name, e.g. 'basic_arithmetic' (an unknown name is "
+                         "refused with the list of known ones).")
+    size: int = Field(2000, ge=1, le=1_000_000, description="Questions generated for training.")
+    seed: int = Field(0, description="Seed of the generator: the same seed gives the same questions on every "
+                      "role and every restart.")
+    heldout_size: int = Field(128, ge=1, le=100_000, description="Further questions, generated after the training "
+                              "ones and never equal to any of them, held out for evaluation.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The dataset's own settings (its config "
+                                   "dataclass's fields, e.g. max_digits = 2 for basic_arithmetic).")
+    prompt_template: str = Field("{question}", description="Formats the question (the user message, with "
+                                 "chat_template), e.g. 'Q: {question} A:'.")
+    chat_template: bool = Field(False, description="Render the prompt with the model's own chat template: for "
+                                "instruct models (ask for the answer inside <answer></answer> in system_prompt).")
+    system_prompt: str | None = Field(None, description="A system message before the question (chat_template "
+                                      "only).")
+    tokenizer_path: Path | None = Field(None, description="Folder whose tokenizer files hold the chat template "
+                                        "(default: model.path).")
+
+    @field_validator("tokenizer_path")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return v.expanduser() if v is not None else None
+
+    @model_validator(mode="after")
+    def _known_dataset(self) -> ReasoningGymTaskConfig:
+        if not self.chat_template and self.system_prompt is not None:
+            raise ValueError("system_prompt needs chat_template = true (or write the instruction into "
+                             "prompt_template)")
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None}
+        except ValueError:
+            raise ValueError("prompt_template is not a format string; write literal braces as '{{' and '}}'") from None
+        if fields != {"question"}:
+            raise ValueError("prompt_template must contain '{question}' and no other field, e.g. 'Q: {question} A:' "
+                             "(write literal braces as '{{' and '}}')")
+        # lazy: reasoning-gym takes seconds to import, and only a run of this task type needs it
+        from coordinator.reasoning_gym_task import check_dataset_config
+
+        check_dataset_config(self.dataset, self.config)
+        return self
+
+
+TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig | DatasetTaskConfig | ReasoningGymTaskConfig,
+                       Field(discriminator="type")]
 
 
 class LearnerConfig(_Strict):
@@ -573,7 +622,8 @@ class CoordinatorConfig(_Strict):
     @model_validator(mode="after")
     def _chat_template_has_a_tokenizer(self) -> CoordinatorConfig:
         task = self.task
-        if isinstance(task, DatasetTaskConfig) and task.chat_template and task.tokenizer_path is None \
+        if isinstance(task, DatasetTaskConfig | ReasoningGymTaskConfig) and task.chat_template \
+                and task.tokenizer_path is None \
                 and self.model.path == "tiny":
             raise ValueError("task.chat_template needs a model folder with a chat template; the built-in 'tiny' "
                              "model has none: set model.path (or task.tokenizer_path), or chat_template = false")

@@ -274,7 +274,9 @@ class LearnerRole:
             waited_from = time.monotonic()
             batch, _ = select_batch(self.store.pending(), version, policy)
             if not batch:
-                unfinished = self.store.active_jobs()
+                active = self.store.active_jobs()
+                refused = self.store.refused_jobs(LOCAL_CLIENT, [r.view.job_id for r in active])
+                unfinished = [r for r in active if r.view.job_id not in refused]  # (a reward failed on those)
                 row = unfinished[0] if unfinished else self._plan_job()
                 await self._generate_locally(row, version)
                 continue

@@ -145,3 +145,20 @@ def aligned_prompts(rendered: list[str], codec: TextCodec) -> list[str]:
                                     f"does not start with it, so the job's tokens could not equal the template's; "
                                     f"use a template that starts with the BOS token, or chat_template = false")
     return texts
+
+
+class ChatFormatter:
+    """A model folder's chat template and tokenizer together: what a task needs to turn user messages into the
+    prompt texts its jobs carry (rendered, then aligned with :class:`TextCodec` by :func:`aligned_prompts`)."""
+
+    def __init__(self, folder: Path) -> None:
+        from coordinator.text import TokenizerMissing
+
+        self.chat = ChatTemplate.from_folder(folder)
+        try:
+            self.codec = TextCodec.from_folder(folder)
+        except TokenizerMissing as exc:
+            raise TaskError(str(exc)) from None
+
+    def format(self, users: Sequence[str | Sequence[Message]], system_prompt: str | None) -> list[str]:
+        return aligned_prompts([self.chat.render(chat_messages(u, system_prompt)) for u in users], self.codec)

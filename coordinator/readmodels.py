@@ -206,3 +206,15 @@ def result_totals(store: Store) -> dict[str, int]:
     r = store.conn.execute("SELECT COUNT(*) AS n, COALESCE(SUM(n_tokens), 0) AS tokens, "
                            "COUNT(stale_at) AS stale FROM results").fetchone()
     return {"accepted": int(r["n"]), "tokens": int(r["tokens"]), "too_stale": int(r["stale"])}
+
+
+def reward_means(store: Store) -> dict[str, list[list[float]]]:
+    """Each reward's own mean per step, for a task that combines several rewards (the learner records them in the
+    step's metrics): reward name → [[step, mean], ...], for the status page's learning chart."""
+    rows = store.conn.execute("SELECT step, json_extract(metrics, '$.reward_means') FROM steps "
+                              "WHERE json_extract(metrics, '$.reward_means') IS NOT NULL ORDER BY step").fetchall()
+    out: dict[str, list[list[float]]] = {}
+    for step, raw in rows:
+        for name, mean in json.loads(raw).items():
+            out.setdefault(str(name), []).append([int(step), float(mean)])
+    return out

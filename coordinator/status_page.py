@@ -7,7 +7,8 @@ itself, so it works with no internet access. It polls ``/v1/status?view=page`` e
 ``issuing_paused``, ``throughput`` (tokens/s and results/min over the run, in equal time buckets),
 ``clients_summary`` (clients by state, active ones by backend and platform), ``leaderboard`` (top credit),
 ``recent_versions`` and ``server_time``. ``?view=page`` is the same minus the heavy full lists (``clients``,
-``steps``, ``jobs.in_flight``). Either view is built at most once per second however many pages are open
+``steps``, ``jobs.in_flight``) plus ``reward_means`` (each reward's mean per step, when the task combines
+several rewards: drawn live beside the total). Either view is built at most once per second however many pages are open
 (coordinator.public_reads caches the encoded reply) — the event loop that serves volunteers also serves the
 page, so many viewers must not cost more than one.
 
@@ -60,7 +61,7 @@ def page_status(coord: Coordinator) -> dict[str, Any]:
         "max_staleness": coord.config.sync_policy.bound, "task": coord.task.name, "uptime_s": now - coord.started_at,
         "jobs": {"open": jobs["counts"]["open"] + jobs["counts"]["expired"], "leased": jobs["counts"]["leased"],
                  "buffered": jobs["buffered_results"]},
-        "totals": coord.store.totals(), "reward_curve": curve,
+        "totals": coord.store.totals(), "reward_curve": curve, "reward_means": readmodels.reward_means(coord.store),
         "evals": [{"version": e["version"], "accuracy": e["accuracy"], "n": e["n"]} for e in evals],
     } | page_views(coord)
     return body

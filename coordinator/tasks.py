@@ -9,9 +9,15 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from coordinator.config import ArithmeticTaskConfig, DatasetTaskConfig, JsonlTaskConfig, TaskConfig
+from coordinator.config import (
+    ArithmeticTaskConfig,
+    DatasetTaskConfig,
+    JsonlTaskConfig,
+    ReasoningGymTaskConfig,
+    TaskConfig,
+)
 from coordinator.rewards import (
     BUILTINS,
     MissingExtra,
@@ -27,6 +33,9 @@ from coordinator.rewards import (
     regex_reward,
 )
 from coordinator.task_data import MissingDependency, TaskError, read_rows, split_items
+
+if TYPE_CHECKING:
+    from coordinator.prompts import ChatFormatter
 
 __all__ = ["ArithmeticTask", "DatasetTask", "JsonlQATask", "MissingDependency", "RewardFailed", "ScoredBatch",
            "Task", "TaskError", "TaskItem", "first_integer", "make_task", "parse_final_number"]
@@ -137,6 +146,18 @@ class JsonlQATask(_OneReward):
         return 1.0 if numbers_match(completion, item.answer) else 0.0
 
 
+def chat_formatter(enabled: bool, folder: Path | None) -> ChatFormatter | None:
+    """The model's chat template when a task asks for one (``folder``: task.tokenizer_path, else model.path)."""
+    if not enabled:
+        return None
+    if folder is None:
+        raise TaskError("task.chat_template needs the model's tokenizer folder: set model.path to a model folder, or "
+                        "task.tokenizer_path")
+    from coordinator.prompts import ChatFormatter
+
+    return ChatFormatter(folder)
+
+
 def _reward_set(config: DatasetTaskConfig) -> RewardSet:
     terms = []
     seen: dict[str, int] = {}
@@ -170,21 +191,7 @@ class DatasetTask:
     def __init__(self, config: DatasetTaskConfig, tokenizer_dir: Path | None = None) -> None:
         self.config = config
         self.rewards = _reward_set(config)  # first: a missing extra or plug-in stops the run before reading data
-        self._chat = None
-        self._codec = None
-        if config.chat_template:
-            from coordinator.prompts import ChatTemplate
-            from coordinator.text import TextCodec, TokenizerMissing
-
-            folder = config.tokenizer_path or tokenizer_dir
-            if folder is None:
-                raise TaskError("task.chat_template needs the model's tokenizer folder: set model.path to a model "
-                                "folder, or task.tokenizer_path")
-            self._chat = ChatTemplate.from_folder(folder)
-            try:
-                self._codec = TextCodec.from_folder(folder)
-            except TokenizerMissing as exc:
-                raise TaskError(str(exc)) from None
+        self._chat = chat_formatter(config.chat_template, config.tokenizer_path or tokenizer_dir)
         train = self._items(config.train_path, config.train_split)
         if config.heldout_path is not None:
             self.train, self.heldout = train, self._items(config.heldout_path, config.heldout_split)
@@ -229,14 +236,8 @@ class DatasetTask:
         def fill(src: Any, extra: dict[str, Any]) -> Any:
             return cfg.prompt_template.format(prompt=src, **extra) if isinstance(src, str) else src
 
-        if self._chat is None:
-            return [fill(s, x) for s, x in zip(sources, extras, strict=True)]
-        from coordinator.prompts import aligned_prompts, chat_messages
-
-        assert self._codec is not None
-        rendered = [self._chat.render(chat_messages(fill(s, x), cfg.system_prompt))
-                    for s, x in zip(sources, extras, strict=True)]
-        return aligned_prompts(rendered, self._codec)
+        filled = [fill(s, x) for s, x in zip(sources, extras, strict=True)]
+        return filled if self._chat is None else self._chat.format(filled, cfg.system_prompt)
 
     def score(self, items: Sequence[TaskItem], completions: Sequence[str]) -> ScoredBatch:
         columns: dict[str, list[Any]] = {"answer": [it.answer for it in items]}
@@ -268,6 +269,11 @@ def make_task(config: TaskConfig, model_dir: Path | str | None = None) -> Task:
     from it when the task asks for one."""
     if isinstance(config, ArithmeticTaskConfig):
         return ArithmeticTask(config)
+    folder = None if model_dir in (None, "tiny") else Path(str(model_dir)).expanduser()
     if isinstance(config, DatasetTaskConfig):
-        return DatasetTask(config, None if model_dir in (None, "tiny") else Path(model_dir).expanduser())
+        return DatasetTask(config, folder)
+    if isinstance(config, ReasoningGymTaskConfig):
+        from coordinator.reasoning_gym_task import ReasoningGymTask
+
+        return ReasoningGymTask(config, folder)
     return JsonlQATask(config)

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from echo_swarm.admin_cli import admin_app
+from echo_swarm.demo_tasks import DEMO_TASKS
 
 app = typer.Typer(
     name="echo-swarm",
@@ -262,16 +263,21 @@ def demo(
                                             "demo starts a private PostgreSQL server; needs its OS package and "
                                             "echo-swarm[postgres]), or a postgresql://USER@HOST:PORT/DB URL.")
                      ] = "sqlite",
+    task: Annotated[str, typer.Option(help="The task to train on: " + "; ".join(
+        f"{name}: {row.help}" for name, row in DEMO_TASKS.items()) + ".")] = "addition",
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
-    on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
-    a reward-curve plot to --out.
+    on 127.0.0.1, training the built-in tiny model on one of the built-in task types (--task). Prints a summary;
+    writes summary.json and a reward-curve plot to --out.
     """
     from echo_swarm.demo import DemoConfig, run
 
+    if task not in DEMO_TASKS:
+        typer.echo(f"error: --task {task!r} is not a demo task; choose one of {', '.join(DEMO_TASKS)}", err=True)
+        raise typer.Exit(2)
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
                                     sync_mode=sync_mode, max_staleness=max_staleness, backend=backend,
-                                    store=store)))
+                                    store=store, task=task)))
 
 
 @app.command("build-tiny-model")

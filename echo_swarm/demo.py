@@ -27,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from coordinator.db import is_postgres_url
+from echo_swarm.demo_tasks import DEMO_TASKS
 from echo_swarm.pgserver import LocalPostgres, PostgresUnavailable
 
 console = Console()
@@ -41,13 +42,14 @@ class DemoConfig:
     timeout_s: float = 840.0
     learner_threads: int = 2
     client_threads: int = 1
-    lr: float = 1e-4
+    lr: float | None = None  # None: the task's own (DEMO_TASKS)
     sync_mode: str = "sequential-pull"
     max_staleness: int = 2
     seed: int = 0
     eval_every: int = 25
     backend: str = "torch"  # torch | llama | auto | mixed (clients alternate torch, llama, torch, ...)
     store: str = "sqlite"  # sqlite | postgresql (a private server the demo starts) | a postgresql:// URL
+    task: str = "addition"  # a key of DEMO_TASKS
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
@@ -118,8 +120,9 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
         # after run (bench/sync_modes.py compares modes seed by seed)
         f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
-        f"lr = {cfg.lr}\nseed = {cfg.seed}\n"
+        f"lr = {DEMO_TASKS[cfg.task].lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
         + (f"\n[store]\nurl = {json.dumps(store_url)}\n" if store_url else "")
+        + f"\n{DEMO_TASKS[cfg.task].toml}"
     )
     return path
 
@@ -145,7 +148,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title(f"echo-swarm demo: {summary['clients_count']} clients, {summary['accepted']} accepted results")
+    ax.set_title(f"echo-swarm demo ({summary['task']}): {summary['clients_count']} clients, {summary['accepted']} accepted results")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -153,6 +156,9 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
 def run(cfg: DemoConfig) -> int:
     t0 = time.monotonic()
+    if cfg.task not in DEMO_TASKS:
+        console.print(f"[red]--task {cfg.task!r} is not a demo task; choose one of {', '.join(DEMO_TASKS)}[/]")
+        return 2
     cfg.out.mkdir(parents=True, exist_ok=True)
     run_dir = (cfg.out / "run").resolve()
     for stale in (run_dir, cfg.out / "clients", cfg.out / "logs"):
@@ -300,6 +306,7 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
         "mean_step_s": sum(s["metrics"]["step_s"] for s in steps) / max(1, len(steps)),
         "learner_busy_s": status["learner"]["busy_s"],
         "wall_s": round(wall, 1),
+        "task": cfg.task,
         "clients_count": len(clients),
         "clients": clients,
         "run_dir": str((cfg.out / "run").resolve()),
@@ -307,7 +314,7 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
 
 
 def _print(summary: dict[str, Any], out: Path) -> None:
-    table = Table(title="echo-swarm demo", show_header=False)
+    table = Table(title=f"echo-swarm demo: {summary['task']}", show_header=False)
     table.add_row("learner steps", str(summary["steps"]))
     table.add_row("held-out accuracy", f"{summary['eval_before']:.3f} → {summary['eval_after']:.3f} "
                                        f"({summary['eval_prompts']} prompts never trained on)")

@@ -2,6 +2,7 @@
 "use strict";
 const POLL_MS = 2000;
 const NS = "http://www.w3.org/2000/svg";
+const MEANS_COLORS = ["#7b4fa0", "#2a9d8f", "#d4a017", "#8a5a44", "#e76f51", "#5a7d2a"];
 const $ = (id) => document.getElementById(id);
 window.echoSwarm = { polls: 0, errors: 0, last: null };
 
@@ -57,14 +58,32 @@ function drawReward(s) {
   const win = 10, smooth = [];
   for (let i = win; i <= curve.length; i++) smooth.push([i, curve.slice(i - win, i).reduce((a, b) => a + b, 0) / win]);
   const evals = (s.evals || []).map((e) => [e.version, e.accuracy]);
+  // each reward's own mean per step, when the task combines several (a 10-step mean, like the total's)
+  const means = Object.entries(s.reward_means || {}).map(([name, series], k) => {
+    const ys = series.map((p) => p[1]);
+    const pts10 = series.map((p, i) => [p[0], ys.slice(Math.max(0, i - 9), i + 1).reduce((a, b) => a + b, 0) / Math.min(i + 1, 10)]);
+    return { name, points: pts10, color: MEANS_COLORS[k % MEANS_COLORS.length], cls: "reward-mean", width: 1.5 };
+  });
+  const top = Math.max(1, ...means.flatMap((m) => m.points.map((p) => p[1])));
   const host = $("reward-chart");
   lineChart(host, [
     { points: pts, color: css("--reward"), cls: "reward", width: 1 },
     { points: smooth, color: css("--smooth"), cls: "smooth", width: 2 },
+    ...means,
     { points: evals, color: css("--acc"), cls: "acc", dots: true },
-  ], { x0: 0, y0: 0, y1: 1 });
+  ], { x0: 0, y0: Math.min(0, ...means.flatMap((m) => m.points.map((p) => p[1]))), y1: top });
   host.dataset.points = String(pts.length);
   host.dataset.evals = String(evals.length);
+  const legend = $("reward-means");
+  legend.replaceChildren(...means.flatMap((m) => {
+    const sw = document.createElement("span");
+    sw.className = "sw";
+    sw.style.background = m.color;  // a style property set from script, not an inline attribute (CSP)
+    const label = document.createElement("span");
+    label.textContent = `${m.name} (mean)`;
+    return [sw, label];
+  }));
+  legend.dataset.series = String(means.length);
 }
 
 function drawThroughput(s) {

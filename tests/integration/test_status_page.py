@@ -120,3 +120,45 @@ def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_d
             browser.stop()
         for p in reversed(procs):
             p.stop()
+
+
+@pytest.mark.slow
+def test_each_rewards_mean_is_drawn_live(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A task that combines two rewards: the page draws each one's mean beside the total, and redraws it as steps
+    arrive (a co-located run: the learner's own rollouts, no clients needed)."""
+    from echo_swarm.demo_tasks import DEMO_DATA
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "colocated"},
+                          learner={"max_steps": 6},
+                          task={"type": "dataset", "train_path": str(DEMO_DATA / "sums.jsonl"),
+                                "prompt_column": "question", "prompt_template": "Q: {prompt}= A:", "heldout_size": 32})
+    with config.open("a") as f:
+        f.write('\n[[task.rewards]]\nname = "last_number"\n\n[[task.rewards]]\nname = "regex"\npattern = "^ [0-9]+$"\n'
+                "weight = 0.5\n")
+    coord, url = start_coordinator(config, tmp_path / "coordinator.log")
+    browser = Chromium(tmp_path / "chromium-profile", tmp_path / "chromium.log")
+
+    async def watch() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            page = await open_page(session, browser)
+            await page.send("Page.navigate", url=url + "/")
+            await wait_for(page, "window.echoSwarm && window.echoSwarm.polls >= 1", 60, "the first status poll")
+            series = "Number(document.getElementById('reward-means').dataset.series)"
+            await wait_for(page, f"{series} === 2 && {POINTS} >= 1", 240, "the per-reward means")
+            first = await page.evaluate(POINTS)
+            await wait_for(page, f"{POINTS} > {first}", 240, "the chart to update")
+            seen = await page.evaluate("""({
+                legend: document.getElementById('reward-means').textContent,
+                lines: document.querySelectorAll('#reward-chart path.reward-mean').length,
+                errors: window.echoSwarm.errors })""")
+            await page.ws.close()
+        return dict(seen)
+
+    try:
+        seen = asyncio.run(watch())
+    finally:
+        browser.stop()
+        coord.stop()
+    assert "last_number (mean)" in seen["legend"] and "regex (mean)" in seen["legend"]
+    assert seen["lines"] == 2 and seen["errors"] == 0

@@ -81,3 +81,12 @@ def test_aggregates_read_alike_on_both_engines(store: Store) -> None:
     assert totals == {"accepted": 1, "tokens": 10, "too_stale": 0}
     assert all(type(v) is int for v in totals.values())
     assert readmodels.rejection_counts(store) == {"logprob_mismatch": 1}
+
+
+def test_reward_means_are_each_rewards_series_by_step(store: Store) -> None:
+    assert readmodels.reward_means(store) == {}  # no step yet
+    for step, means in [(1, {"last_number": 0.25, "plug:f": 1.0}), (2, None), (3, {"last_number": 0.5, "plug:f": 0.0})]:
+        metrics = {"step_s": 0.1} | ({"reward_means": means} if means else {})
+        store.commit_step(step=step, trained_version=step - 1, job_ids=[], new_version=step, manifest_sha="m" * 64,
+                          mean_reward=0.5, metrics=metrics, now=T0 + step)
+    assert readmodels.reward_means(store) == {"last_number": [[1, 0.25], [3, 0.5]], "plug:f": [[1, 1.0], [3, 0.0]]}

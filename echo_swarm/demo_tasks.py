@@ -1,0 +1,37 @@
+"""The built-in task types as `echo-swarm demo --task NAME` runs them: one row each, sized for the tiny model.
+
+Kept apart from echo_swarm.demo (and free of heavy imports) so that the CLI can list the tasks in its help.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEMO_DATA = Path(__file__).with_name("demo_data")
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """One built-in task type as the demo runs it: the run config's [task] table (TOML) and a line of help."""
+
+    help: str
+    toml: str
+    lr: float = 1e-4  # the learner's learning rate for this task
+
+
+# `echo-swarm demo --task NAME`: one row per built-in task type, each sized for the tiny model on a few CPU cores
+DEMO_TASKS: dict[str, DemoTask] = {
+    "addition": DemoTask("two-number addition, 'Q: a+b= A:' (the tiny model's warm-start task)",
+                         '[task]\ntype = "arithmetic"\n'),
+    "dataset": DemoTask("the dataset task on a bundled JSONL file (GSM8K-style answers, last_number reward)",
+                        f'[task]\ntype = "dataset"\ntrain_path = {json.dumps(str(DEMO_DATA / "sums.jsonl"))}\n'
+                        'prompt_column = "question"\nprompt_template = "Q: {prompt}= A:"\nheldout_size = 256\n'),
+    "reasoning-gym": DemoTask("reasoning-gym's basic_arithmetic, one-digit sums, scored by its own scorer (needs "
+                              "the reasoning-gym extra)",
+                              '[task]\ntype = "reasoning-gym"\ndataset = "basic_arithmetic"\nsize = 60\n'
+                              'heldout_size = 64\nprompt_template = "Q: {question} A:"\n'
+                              "config = { min_terms = 2, max_terms = 2, max_digits = 1, operators = [\"+\"], "
+                              "allow_parentheses = false, allow_negation = false }\n"),
+}

@@ -1,0 +1,32 @@
+"""`echo-swarm demo --task NAME`: every row of the demo's task table writes a run config the coordinator accepts and
+whose task builds (prompts that fit the tiny model's 64 positions), and an unknown name is refused with the list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from coordinator.config import load_config
+from coordinator.tasks import make_task
+from echo_swarm.cli import app
+from echo_swarm.demo import DemoConfig, _write_config
+from echo_swarm.demo_tasks import DEMO_TASKS
+
+
+@pytest.mark.parametrize("name", sorted(DEMO_TASKS))
+def test_each_demo_task_writes_a_valid_config_whose_task_builds(name: str, tmp_path: Path) -> None:
+    cfg = DemoConfig(out=tmp_path, task=name)
+    config = load_config(_write_config(cfg, tmp_path / "run"))
+    assert config.learner.lr == DEMO_TASKS[name].lr
+    task = make_task(config.task, config.model.path)
+    assert len(task.train) > 0 and len(task.heldout) >= 32
+    longest = max(len(it.prompt.encode()) for it in [*task.train, *task.heldout])  # the tiny model: 1 byte, 1 token
+    assert longest + config.sampling.max_tokens <= 64, name
+
+
+def test_an_unknown_demo_task_is_refused_with_the_known_ones() -> None:
+    result = CliRunner().invoke(app, ["demo", "--task", "sokoban"])
+    assert result.exit_code == 2
+    assert "--task 'sokoban' is not a demo task" in result.output and all(n in result.output for n in DEMO_TASKS)
