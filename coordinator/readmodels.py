@@ -211,8 +211,8 @@ def result_totals(store: Store) -> dict[str, int]:
 def reward_means(store: Store) -> dict[str, list[list[float]]]:
     """Each reward's own mean per step, for a task that combines several rewards (the learner records them in the
     step's metrics): reward name → [[step, mean], ...], for the status page's learning chart."""
-    rows = store.conn.execute("SELECT step, json_extract(metrics, '$.reward_means') FROM steps "
-                              "WHERE json_extract(metrics, '$.reward_means') IS NOT NULL ORDER BY step").fetchall()
+    means = store.conn.json_text("metrics", "reward_means")
+    rows = store.conn.execute(f"SELECT step, {means} FROM steps WHERE {means} IS NOT NULL ORDER BY step").fetchall()
     out: dict[str, list[list[float]]] = {}
     for step, raw in rows:
         for name, mean in json.loads(raw).items():
