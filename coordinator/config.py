@@ -466,6 +466,31 @@ class SnapshotConfig(_Strict):
         "q8_0 quarters them (docs/benchmarks.md, 'llama.cpp parity').")
 
 
+class P2PConfig(_Strict):
+    """Snapshots between volunteers over libp2p (the optional ``p2p`` extra: hivemind 1.1.12; docs/protocol.md §6a).
+    The coordinator runs a DHT node, publishes its newest version there and seeds each blob to a few peers, who
+    then serve each other; HTTP stays available to every client."""
+
+    enabled: bool = Field(False, description="Run the libp2p peer (needs `pip install 'echo-swarm[p2p]'`).")
+    host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"], min_length=1, max_length=8,
+                                   description="libp2p listen addresses, e.g. '/ip4/0.0.0.0/tcp/8471' for remote "
+                                   "volunteers (default: loopback only).")
+    announce_maddrs: list[str] = Field(default_factory=list, max_length=8, description="Addresses volunteers "
+                                       "should dial, e.g. '/ip4/203.0.113.7/tcp/8471' (default: the listen ones).")
+    seed_peers: int = Field(2, ge=1, le=1000, description="Peers the coordinator serves each blob to over libp2p "
+                            "before leaving it to them (k).")
+    record_ttl_s: float = Field(300.0, ge=30, le=86_400, description="Lifetime of the signed 'latest version' DHT "
+                                "record; it is republished every fifth of this.")
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", m):
+                raise ValueError(f"{m!r} is not a multiaddr; write e.g. '/ip4/0.0.0.0/tcp/8471'")
+        return v
+
+
 class CoordinatorConfig(_Strict):
     """A whole run. `echo-swarm coordinator --config run.toml` reads this; flags override single keys."""
 
@@ -496,6 +521,7 @@ class CoordinatorConfig(_Strict):
     trust: TrustConfig = TrustConfig()
     limits: LimitsConfig = LimitsConfig()
     registration: RegistrationConfig = RegistrationConfig()
+    p2p: P2PConfig = P2PConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -7,7 +7,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared import PROTOCOL_VERSION, crypto, wire
-from shared.hashing import sha256_bytes, sha256_file
+from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.messages import Job, Manifest, ManifestFile, SignedJob, SignedManifest
 
 GGUF_FILES = {"model.gguf": "gguf", "base.gguf": "gguf-base", "adapter.gguf": "gguf-lora"}
@@ -18,9 +18,17 @@ def file_form(name: str) -> str:
     return GGUF_FILES.get(name, "hf")
 
 
-def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float) -> Manifest:
+def manifest_file(path: Path, name: str | None = None, piece_size: int = PIECE_SIZE) -> ManifestFile:
+    """The manifest entry of one file: size, sha256 and the sha256 of each piece (one read)."""
+    digest, pieces = file_digests(path, piece_size)
+    return ManifestFile(path=name or path.name, size=path.stat().st_size, sha256=digest,
+                        form=file_form(name or path.name), piece_size=piece_size, pieces=pieces)  # type: ignore[arg-type]
+
+
+def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float,
+                   piece_size: int = PIECE_SIZE) -> Manifest:
     files = [
-        ManifestFile(path=p.name, size=p.stat().st_size, sha256=sha256_file(p), form=file_form(p.name))  # type: ignore[arg-type]
+        manifest_file(p, piece_size=piece_size)
         for p in sorted(folder.iterdir())
         if p.is_file() and not p.name.startswith(".") and p.name != "manifest.msgpack"
     ]

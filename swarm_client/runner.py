@@ -117,6 +117,16 @@ class JoinConfig(BaseModel):
                                "HH:MM-HH:MM in which new jobs may start; empty = any time.")
     benchmark: bool = Field(True, description="Run a short self-benchmark at startup and report it at registration.")
     panel: bool | None = Field(None, description="Live terminal panel; None = when stdout is a terminal.")
+    # snapshots from other volunteers over libp2p (the p2p extra; swarm_client/peer_fetch.py)
+    p2p: bool = Field(False, description="Fetch snapshot files from peers over libp2p when the coordinator runs a "
+                      "peer (every piece checked against the signed manifest; HTTP is the fallback).")
+    p2p_serve: bool = Field(True, description="With p2p: serve verified files to other volunteers (--no-serve).")
+    p2p_max_upload_gb: float | None = Field(None, gt=0, le=1e6, description="With p2p: stop serving after this many "
+                                            "GB uploaded in this session; None = no cap.")
+    p2p_uploads: int = Field(2, ge=1, le=64, description="With p2p: uploads served at once (U).")
+    p2p_uploads_per_blob: int = Field(3, ge=1, le=1000, description="With p2p: uploads of one file in this session (T).")
+    p2p_deadline_s: float = Field(20.0, gt=0, le=3600, description="With p2p: how long to look for a peer holding a "
+                                  "file before fetching it over HTTP.")
 
     @field_validator("name")
     @classmethod
