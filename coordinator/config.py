@@ -464,6 +464,16 @@ class SnapshotConfig(_Strict):
         "f16", description="Also publish every version as GGUF for llama.cpp clients, at this precision "
         "(off: safetensors only, torch clients). f16 halves the bytes of f32 at ~1e-2 nats of logprob drift; "
         "q8_0 quarters them (docs/benchmarks.md, 'llama.cpp parity').")
+    piece_kib: int = Field(16384, ge=64, le=262144, description="Piece size of the per-piece hashes in manifests "
+                           "(KiB, a power of two): a client fetching from peers checks each piece as it arrives, so a "
+                           "bad peer costs at most one piece.")
+
+    @field_validator("piece_kib")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"piece_kib must be a power of two (e.g. 16384 for 16 MiB), not {v}")
+        return v
 
 
 class P2PConfig(_Strict):

@@ -107,6 +107,9 @@ class Coordinator:
         self.issuing_paused = False  # set by the operator (coordinator.admin_api): no new leases while True
         self._watcher: asyncio.Task[None] | None = None
         self._owns_files = False
+        from coordinator.p2p_seed import SnapshotEgress
+
+        self.egress = SnapshotEgress()  # snapshot bytes out over HTTP / libp2p (coordinator.app, p2p_seed)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def attach(self, files: RunFiles) -> None:

@@ -254,3 +254,52 @@ class Info(Message):
     task: ShortText
     finished: bool
     server_time: Timestamp
+
+
+# ---- peer-to-peer snapshots (protocol 4; docs/protocol.md §6a) ---------------------------------------------
+PeerIdText = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58 libp2p peer id
+Multiaddr = Annotated[str, StringConstraints(pattern=r"^(/[A-Za-z0-9._-]+){1,16}$", max_length=256)]
+
+
+class P2PInfo(Message):
+    """GET /v1/p2p: where the coordinator's libp2p peer listens (the DHT's bootstrap node), if it runs one."""
+
+    enabled: bool
+    peer_id: PeerIdText | None = None
+    maddrs: Annotated[list[Multiaddr], Field(max_length=16)] = []
+
+
+class LatestRecord(Message):
+    """The DHT value under ``es1/<run_id>/latest``: the newest version, signed by the coordinator key clients pin.
+    ``signature`` covers the DHT key, every other field and ``expires_at``, which must equal the record's DHT
+    expiration, so a record can be neither forged, nor re-dated, nor moved to another key."""
+
+    run_id: ShortText
+    version: Version
+    manifest_sha256: Sha256Hex
+    created_at: Timestamp
+    expires_at: Timestamp
+    signature: Signature
+
+
+class HolderEntry(Message):
+    """The DHT value a peer stores under ``es1/<run_id>/blob/<sha256>``, in its own owner-signed subkey: it holds
+    the whole verified file and serves it. ``served_bytes``: what it served peers so far (informational)."""
+
+    peer_id: PeerIdText
+    served_bytes: Annotated[int, Field(ge=0, lt=2**62)] = 0
+
+
+class BlobRequest(Message):
+    """First frame of a ``/echo-swarm/blob/1`` stream: send the file from ``offset`` (a multiple of its
+    piece_size) to its end."""
+
+    sha256: Sha256Hex
+    offset: Annotated[int, Field(ge=0, le=2**40)]
+
+
+class BlobReply(Message):
+    """The server's frame: ``ok`` (then exactly ``length`` raw bytes follow and the stream closes) or a refusal."""
+
+    status: Literal["ok", "busy", "seeded", "no_such_blob", "relayed", "bad_request", "capped"]
+    length: Annotated[int, Field(ge=0, le=2**40)] = 0
