@@ -206,3 +206,25 @@ def test_a_snapshot_published_under_protocol_1_still_opens(model_dir: Path, key:
     future = old.model_copy(update={"protocol": PROTOCOL_VERSION + 1})
     with pytest.raises(ProtocolError):
         records.open_manifest(records.sign_manifest(key, future), crypto.public_bytes(key))
+
+
+# ---- the DHT's latest-version record (docs/protocol.md §6a) ------------------------------------------------
+def test_latest_record_opens_only_as_signed(key: Ed25519PrivateKey) -> None:
+    pub = crypto.public_bytes(key)
+    rec = records.sign_latest(key, run_id="run-1", version=7, manifest_sha256="ab" * 32, created_at=1000.0,
+                              expires_at=1300.0)
+    data = wire.encode(rec)
+    assert records.open_latest(data, pub, "run-1", expiration=1300.0, max_ttl_s=600) == rec
+    with pytest.raises(ValueError, match="re-dated"):
+        records.open_latest(data, pub, "run-1", expiration=1400.0, max_ttl_s=600)
+    with pytest.raises(ValueError, match="not 'run-2'"):
+        records.open_latest(data, pub, "run-2", expiration=1300.0, max_ttl_s=600)
+    with pytest.raises(ValueError, match="at most 100s"):
+        records.open_latest(data, pub, "run-1", expiration=1300.0, max_ttl_s=100)
+    with pytest.raises(SignatureError):  # another key
+        records.open_latest(data, crypto.public_bytes(crypto.generate_key()), "run-1", expiration=1300.0, max_ttl_s=600)
+    for field, value in (("version", 8), ("expires_at", 1301.0), ("manifest_sha256", "cd" * 32)):
+        tampered = wire.encode(rec.model_copy(update={field: value}))
+        with pytest.raises(SignatureError):
+            records.open_latest(tampered, pub, "run-1", expiration=float(rec.expires_at if field != "expires_at"
+                                                                           else value), max_ttl_s=600)
