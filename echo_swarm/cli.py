@@ -265,6 +265,9 @@ def demo(
     max_staleness: Annotated[int, typer.Option(help="S for async-push-pull, in policy versions.")] = 2,
     backend: Annotated[str, typer.Option(help="Client backend: torch, llama (llama.cpp on GGUF snapshots), auto, "
                                               "or mixed (clients alternate torch and llama).")] = "torch",
+    p2p: Annotated[bool, typer.Option("--p2p", help="Clients fetch snapshots from each other over libp2p (needs the "
+                                                    "p2p extra); the summary reports coordinator egress against "
+                                                    "bytes served by peers.")] = False,
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
@@ -273,7 +276,7 @@ def demo(
     from echo_swarm.demo import DemoConfig, run
 
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
-                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend)))
+                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend, p2p=p2p)))
 
 
 @app.command("build-tiny-model")

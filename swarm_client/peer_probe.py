@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -35,6 +36,19 @@ def _corrupt_copies(blobs: Path, piece: int, piece_size: int) -> dict[str, Path]
             (bad_dir / blob.name).write_bytes(bytes(data))
             out[blob.name] = bad_dir / blob.name
     return out
+
+
+def _cpu(peer: object) -> float:
+    """CPU seconds of this process plus its p2pd (Linux /proc; the daemon's share is 0 elsewhere)."""
+    total = time.process_time()
+    child = getattr(getattr(getattr(peer, "node", None), "p2p", None), "_child", None)
+    if child is not None:
+        try:
+            fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return total
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -61,6 +75,11 @@ async def main(args: argparse.Namespace) -> int:
                 cache.peers = peer
                 peer.prefer = set(args.prefer)
         started = time.monotonic() - t0
+        if args.wait_go is not None:  # bench/egress.py: every client up before any fetch starts
+            (args.home / "waiting").write_text("")
+            while not args.wait_go.exists():
+                await asyncio.sleep(0.1)
+        cpu0 = _cpu(peer)
         version = info.current_version if args.version < 0 else args.version
         signed = wire.decode(await api.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
         manifest, sha = open_manifest(signed, info.coordinator_public_key)
@@ -77,7 +96,8 @@ async def main(args: argparse.Namespace) -> int:
             "http_bytes": cache.bytes_downloaded, "peer_bytes": stats.peer_bytes if stats else 0,
             "wasted_bytes": stats.wasted_bytes if stats else 0, "banned": stats.banned if stats else 0,
             "fallbacks": stats.fallbacks if stats else 0, "p2p": cache.peers is not None, "said": said,
-            "peer_id": peer.node.peer_id if peer is not None and peer.node is not None else None}), flush=True)
+            "peer_id": peer.node.peer_id if peer is not None and peer.node is not None else None,
+            "corrupt": args.corrupt_piece, "cpu_s": round(_cpu(peer) - cpu0, 3)}), flush=True)
         if args.serve_s > 0 and cache.peers is not None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -85,7 +105,8 @@ async def main(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.serve_s)
-            print(json.dumps({"event": "served", "served_bytes": cache.peers.served_bytes}), flush=True)
+            print(json.dumps({"event": "served", "served_bytes": cache.peers.served_bytes,
+                              "cpu_s": round(_cpu(peer) - cpu0, 3)}), flush=True)
         return 0
     finally:
         if peer is not None:
@@ -107,6 +128,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--prefer", action="append", default=[], help="peer id to ask first (repeatable)")
     ap.add_argument("--p2pd-missing", action="store_true", help="point hivemind at a p2pd that does not exist")
     ap.add_argument("--no-hivemind", action="store_true", help="behave as if hivemind were not installed")
+    ap.add_argument("--wait-go", type=Path, default=None, help="after start-up, write HOME/waiting and wait for this "
+                    "file before fetching")
     return ap.parse_args(argv)
 
 
