@@ -185,6 +185,21 @@ async def blob(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(path, headers={"Cache-Control": "public, max-age=31536000, immutable"})
 
 
+async def p2p_info(request: web.Request) -> web.Response:
+    from shared.messages import P2PInfo
+
+    peer = request.app[COORDINATOR].egress.peer
+    return _packed(wire.encode(peer.info() if peer is not None else P2PInfo(enabled=False)))
+
+
+async def _count_blob_bytes(request: web.Request, response: web.StreamResponse) -> None:
+    """Snapshot file bytes sent over HTTP, for the status page's coordinator egress (coordinator.p2p_seed)."""
+    resource = request.match_info.route.resource
+    if (resource is not None and resource.canonical == "/v1/blobs/{sha256}" and response.status in (200, 206)
+            and response.content_length):
+        request.app[COORDINATOR].egress.http_bytes += response.content_length
+
+
 async def status(request: web.Request) -> web.Response:
     from coordinator.status_page import select_status  # the base status plus the status page's views
 
@@ -241,8 +256,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             background.append(task)
         coord.store.prune_nonces(coord.clock())  # opens (creates) the API's nonce database before serving
         background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
+        if coord.config.p2p.enabled:
+            from coordinator.p2p_seed import CoordinatorPeer
+
+            coord.egress.peer = CoordinatorPeer(coord)
+            await coord.egress.peer.start()
         yield
     finally:
+        if coord.egress.peer is not None:
+            await coord.egress.peer.stop()
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -271,6 +293,7 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app[CONN_GUARD] = netguard.ConnectionGuard(config.server)
     app[PUBLIC_READS] = PublicReads(config.server)
     app.on_response_prepare.append(_security_headers)
+    app.on_response_prepare.append(_count_blob_bytes)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_get("/v1/info", info)
     app.router.add_post("/v1/register", register)
@@ -279,6 +302,7 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app.router.add_post("/v1/results", results)
     app.router.add_get("/v1/snapshots/{version}", snapshot_manifest)
     app.router.add_get("/v1/blobs/{sha256}", blob)
+    app.router.add_get("/v1/p2p", p2p_info)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
     from coordinator import admin_api, metrics, status_page  # issue 6: /metrics, /v1/admin/*, /

@@ -540,6 +540,41 @@ class SnapshotConfig(_Strict):
         "f16", description="Also publish every version as GGUF for llama.cpp clients, at this precision "
         "(off: safetensors only, torch clients). f16 halves the bytes of f32 at ~1e-2 nats of logprob drift; "
         "q8_0 quarters them (docs/benchmarks.md, 'llama.cpp parity').")
+    piece_kib: int = Field(16384, ge=64, le=262144, description="Piece size of the per-piece hashes in manifests "
+                           "(KiB, a power of two): a client fetching from peers checks each piece as it arrives, so a "
+                           "bad peer costs at most one piece.")
+
+    @field_validator("piece_kib")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"piece_kib must be a power of two (e.g. 16384 for 16 MiB), not {v}")
+        return v
+
+
+class P2PConfig(_Strict):
+    """Snapshots between volunteers over libp2p (the optional ``p2p`` extra: hivemind 1.1.12; docs/protocol.md §6a).
+    The coordinator runs a DHT node, publishes its newest version there and seeds each blob to a few peers, who
+    then serve each other; HTTP stays available to every client."""
+
+    enabled: bool = Field(False, description="Run the libp2p peer (needs `pip install 'echo-swarm[p2p]'`).")
+    host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"], min_length=1, max_length=8,
+                                   description="libp2p listen addresses, e.g. '/ip4/0.0.0.0/tcp/8471' for remote "
+                                   "volunteers (default: loopback only).")
+    announce_maddrs: list[str] = Field(default_factory=list, max_length=8, description="Addresses volunteers "
+                                       "should dial, e.g. '/ip4/203.0.113.7/tcp/8471' (default: the listen ones).")
+    seed_peers: int = Field(2, ge=1, le=1000, description="Peers the coordinator serves each blob to over libp2p "
+                            "before leaving it to them (k).")
+    record_ttl_s: float = Field(300.0, ge=30, le=86_400, description="Lifetime of the signed 'latest version' DHT "
+                                "record; it is republished every fifth of this.")
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", m):
+                raise ValueError(f"{m!r} is not a multiaddr; write e.g. '/ip4/0.0.0.0/tcp/8471'")
+        return v
 
 
 class StoreConfig(_Strict):
@@ -590,6 +625,7 @@ class CoordinatorConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     registration: RegistrationConfig = RegistrationConfig()
     store: StoreConfig = StoreConfig()
+    p2p: P2PConfig = P2PConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -55,7 +55,8 @@ class RunFiles:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return cls(config=config, store=store, key=key, run_id=run_id,
-                   snapshots=SnapshotStore(run_dir / "snapshots", key, run_id),
+                   snapshots=SnapshotStore(run_dir / "snapshots", key, run_id,
+                                             piece_size=config.snapshots.piece_kib * 1024),
                    task=make_task(config.task, config.model.path))
 
     def close(self) -> None:

@@ -110,6 +110,9 @@ class Coordinator:
         self._owns_files = False
         #: which API process this is ("api", "api-1", …: several may share one PostgreSQL store; main.serve sets it)
         self.api_name = "api"
+        from coordinator.p2p_seed import SnapshotEgress
+
+        self.egress = SnapshotEgress()  # snapshot bytes out over HTTP / libp2p (coordinator.app, p2p_seed)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def attach(self, files: RunFiles) -> None:

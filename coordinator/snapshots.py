@@ -24,7 +24,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared import wire
-from shared.hashing import sha256_bytes, sha256_file
+from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import build_manifest, file_form, sign_manifest
 
@@ -78,8 +78,9 @@ def write_atomic(path: Path, data: bytes) -> None:
 class SnapshotStore:
     """The ``snapshots/`` folder of a run, plus an in-memory index of servable files by sha256."""
 
-    def __init__(self, root: Path, key: Ed25519PrivateKey, run_id: str) -> None:
+    def __init__(self, root: Path, key: Ed25519PrivateKey, run_id: str, *, piece_size: int = PIECE_SIZE) -> None:
         self.root = Path(root)
+        self.piece_size = piece_size  # of the manifests' per-piece hashes (ManifestFile.pieces)
         self.root.mkdir(parents=True, exist_ok=True)
         self.key = key
         self.run_id = run_id
@@ -101,20 +102,27 @@ class SnapshotStore:
         self.base_dir.mkdir(exist_ok=True)
         path = self.base_dir / name
         sidecar = self.base_dir / f".{name}.sha256"
+        piece_sidecar = self.base_dir / f".{name}.pieces-{self.piece_size}"  # raw piece hashes (protocol 4)
         if not (path.exists() and sidecar.exists()):
             tmp = self.base_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
             try:
                 write(tmp)
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
-                digest = sha256_file(tmp)
+                digest, pieces = file_digests(tmp, self.piece_size)
                 os.replace(tmp, path)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
+            write_atomic(piece_sidecar, b"".join(pieces))
             write_atomic(sidecar, digest.encode())
         digest = sidecar.read_text().strip()
-        entry = ManifestFile(path=name, size=path.stat().st_size, sha256=digest, form=file_form(name))  # type: ignore[arg-type]
+        if not piece_sidecar.exists():  # a base written before piece hashes: hash it once more, then never again
+            _, pieces = file_digests(path, self.piece_size)
+            write_atomic(piece_sidecar, b"".join(pieces))
+        raw = piece_sidecar.read_bytes()
+        entry = ManifestFile(path=name, size=path.stat().st_size, sha256=digest, form=file_form(name),  # type: ignore[arg-type]
+                             piece_size=self.piece_size, pieces=[raw[i:i + 32] for i in range(0, len(raw), 32)])
         self._blobs.setdefault(digest, path)
         return entry
 
@@ -127,7 +135,8 @@ class SnapshotStore:
         try:
             files.write(tmp)
             _fsync_tree(tmp)
-            manifest = build_manifest(tmp, run_id=self.run_id, version=version, created_at=now)
+            manifest = build_manifest(tmp, run_id=self.run_id, version=version, created_at=now,
+                                      piece_size=self.piece_size)
             if files.shared:
                 own = {f.path for f in manifest.files}
                 extra = [self.base_file(name, w) for name, w in sorted(files.shared.items())]

@@ -41,6 +41,7 @@ def page_views(coord: Coordinator) -> dict[str, Any]:
         "clients_summary": readmodels.client_summary(readmodels.client_states(coord.store, now, timeout)),
         "leaderboard": readmodels.top_clients(coord.store, now, timeout),
         "recent_versions": readmodels.versions(coord.store, coord.snapshots.signed_manifest, limit=10),
+        "snapshot_egress": coord.egress.view(),  # coordinator egress vs bytes peers served (p2p, issue 14)
     }
 
 

@@ -109,6 +109,15 @@ def join(
     invite: Annotated[Optional[str], typer.Option(help="Invite token from the operator of a private swarm (one "
                                                        "whose coordinator runs registration.mode = 'invite'). "
                                                        "Not needed for open swarms.", show_default=False)] = None,
+    p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", help="Fetch snapshot files from other volunteers "
+                                                "over libp2p when the coordinator offers it (every piece is checked "
+                                                "against the signed manifest; HTTP is the fallback). Needs the p2p "
+                                                "extra. [default: off]", show_default=False)] = None,
+    serve: Annotated[Optional[bool], typer.Option("--serve/--no-serve", help="With --p2p: serve verified snapshot "
+                                                  "files to other volunteers. [default: serve]",
+                                                  show_default=False)] = None,
+    max_upload_gb: Annotated[Optional[float], typer.Option(help="With --p2p: stop serving peers after this many GB "
+                                                           "uploaded in this session. [default: no cap]")] = None,
 ) -> None:
     from swarm_client.config import ClientConfigError, build
     from swarm_client.runner import run
@@ -118,7 +127,7 @@ def join(
                  idle_only=idle_only, idle_min_percent=idle_min_percent, windows=window, benchmark=benchmark,
                  panel=panel, name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished,
                  max_cpu_percent=max_cpu_percent, retries=retries, coordinator_key=coordinator_key,
-                 invite=invite)
+                 invite=invite, p2p=p2p, p2p_serve=serve, p2p_max_upload_gb=max_upload_gb)
     try:
         cfg = build(flags, config)
     except ClientConfigError as exc:
@@ -222,6 +231,10 @@ def coordinator(
     store_url: Annotated[Optional[str], typer.Option(help="store.url: a postgresql://USER@HOST:PORT/DB "
                                                                  "database the roles share across hosts (unset: "
                                                                  "the run directory's SQLite file).")] = None,
+    p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", help="Run a libp2p peer: publish versions in a DHT "
+                                                "and seed snapshot files to volunteers, who then serve each other "
+                                                "(p2p.enabled; needs the p2p extra). [default: off]",
+                                                show_default=False)] = None,
 ) -> None:
     """Serve a training run: the learner, job leasing, result verification and snapshot downloads.
 
@@ -237,6 +250,7 @@ def coordinator(
             "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
             "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
             "verification.workers": verifiers, "store.url": store_url, "learner.world_size": learner_ranks,
+            "p2p.enabled": p2p,
         })
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -265,6 +279,9 @@ def demo(
                      ] = "sqlite",
     task: Annotated[str, typer.Option(help="The task to train on: " + "; ".join(
         f"{name}: {row.help}" for name, row in DEMO_TASKS.items()) + ".")] = "addition",
+    p2p: Annotated[bool, typer.Option("--p2p", help="Clients fetch snapshots from each other over libp2p (needs the "
+                                                    "p2p extra); the summary reports coordinator egress against "
+                                                    "bytes served by peers.")] = False,
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on one of the built-in task types (--task). Prints a summary;
@@ -277,7 +294,7 @@ def demo(
         raise typer.Exit(2)
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
                                     sync_mode=sync_mode, max_staleness=max_staleness, backend=backend,
-                                    store=store, task=task)))
+                                    store=store, task=task, p2p=p2p)))
 
 
 @app.command("build-tiny-model")

@@ -50,6 +50,7 @@ class DemoConfig:
     backend: str = "torch"  # torch | llama | auto | mixed (clients alternate torch, llama, torch, ...)
     store: str = "sqlite"  # sqlite | postgresql (a private server the demo starts) | a postgresql:// URL
     task: str = "addition"  # a key of DEMO_TASKS
+    p2p: bool = False  # clients fetch snapshots from each other over libp2p (the p2p extra; docs/protocol.md §6a)
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
@@ -122,6 +123,7 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
         f"lr = {DEMO_TASKS[cfg.task].lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
         + (f"\n[store]\nurl = {json.dumps(store_url)}\n" if store_url else "")
+        + ("\n[p2p]\nenabled = true\n" if cfg.p2p else "")
         + f"\n{DEMO_TASKS[cfg.task].toml}"
     )
     return path
@@ -208,7 +210,8 @@ def _run(cfg: DemoConfig, run_dir: Path, store_url: str | None, t0: float) -> in
             home = (cfg.out / "clients" / f"client{k}").resolve()
             procs.append(_Proc(f"client{k}", py + ["join", url, "--home", str(home), "--threads",
                                                    str(cfg.client_threads), "--name", f"demo-{k}",
-                                                   "--exit-when-finished", "--backend", cfg.client_backend(k)],
+                                                   "--exit-when-finished", "--backend", cfg.client_backend(k),
+                                                   *(["--p2p"] if cfg.p2p else [])],
                                cfg.out / "logs" / f"client{k}.log"))
         status = _follow(url, cfg, coord, procs, t0)
         if status is None:
@@ -310,6 +313,8 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
         "clients_count": len(clients),
         "clients": clients,
         "run_dir": str((cfg.out / "run").resolve()),
+        # snapshot bytes out of the coordinator (HTTP + libp2p) against bytes clients served each other (p2p)
+        "snapshot_egress": status.get("snapshot_egress", {}),
     }
 
 
@@ -326,6 +331,12 @@ def _print(summary: dict[str, Any], out: Path) -> None:
     table.add_row("results accepted / refused", f"{summary['accepted']} / {summary['rejected']}")
     for c in summary["clients"]:
         table.add_row(f"  {c['name']} ({c['backend']}, pid {c['pid']})", f"{c['accepted']} accepted, credit {c['credit']:,.0f}")
+    egress = summary.get("snapshot_egress") or {}
+    if egress:
+        table.add_row("snapshot bytes", f"{egress.get('coordinator_bytes', 0) / 1e6:,.1f} MB from the coordinator "
+                                        f"(HTTP {egress.get('http_bytes', 0) / 1e6:,.1f}, libp2p "
+                                        f"{egress.get('p2p_bytes', 0) / 1e6:,.1f}), "
+                                        f"{egress.get('peer_bytes', 0) / 1e6:,.1f} MB served by peers")
     table.add_row("wall time", f"{summary['wall_s']:.0f} s")
     console.print(table)
     console.print(f"wrote {out / 'summary.json'} and {out / 'reward_curve.png'}")

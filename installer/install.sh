@@ -155,6 +155,8 @@ Options:
                          a few minutes, needs a C/C++ compiler). Built for the GPU found: Metal on Apple
                          silicon (CMAKE_ARGS=-DGGML_METAL=on), CUDA on NVIDIA (-DGGML_CUDA=on, needs the
                          CUDA toolkit's nvcc), else the CPU. Set CMAKE_ARGS yourself to override.
+  --with-p2p             Also install peer-to-peer snapshot transfer (hivemind==1.1.12 with its bundled
+                         libp2p daemon; wheels for Linux and macOS only). Turn it on with `join --p2p`.
   --dry-run              Detect the machine and print the plan and the commands it would run, without
                          creating, downloading or changing anything.
   -h, --help             Show this help and exit.
@@ -181,7 +183,9 @@ FROM_PYPI=0
 BIN_DIR=""
 NO_LINK=0
 WITH_LLAMA=0
+WITH_P2P=0
 readonly LLAMA_REQ="llama-cpp-python>=0.3.36,<0.4"
+readonly P2P_REQ="hivemind==1.1.12"  # pyproject.toml's [p2p] extra
 
 while [ $# -gt 0 ]; do
     opt=$1
@@ -229,6 +233,7 @@ while [ $# -gt 0 ]; do
         --bin-dir) BIN_DIR=$val ;;
         --no-link) NO_LINK=1 ;;
         --with-llama) WITH_LLAMA=1 ;;
+        --with-p2p) WITH_P2P=1 ;;
         -*) usage_error "unknown option: $opt" ;;
         *) usage_error "unexpected argument: $opt (this installer takes options only)" ;;
     esac
@@ -522,6 +527,11 @@ if [ "$WITH_LLAMA" = 1 ]; then
 else
     info "llama.cpp backend:   not installed (add --with-llama for llama.cpp clients)"
 fi
+if [ "$WITH_P2P" = 1 ]; then
+    info "p2p snapshots:       $P2P_REQ (turn on with: echo-swarm join --p2p)"
+else
+    info "p2p snapshots:       not installed (add --with-p2p to fetch snapshots from other volunteers)"
+fi
 if [ "$NO_LINK" = 1 ]; then
     info "command:             $EXE (no link: --no-link)"
 else
@@ -641,6 +651,13 @@ if [ "$WITH_LLAMA" = 1 ]; then
     fi
     run "check the compiler output above; for a CPU-only build set CMAKE_ARGS=-DLLAVA_BUILD=OFF and re-run" \
         env "CMAKE_ARGS=$LLAMA_CMAKE" "$VENV_PY" -m pip install "$LLAMA_REQ"
+fi
+
+if [ "$WITH_P2P" = 1 ]; then
+    info "installing peer-to-peer snapshot transfer ($P2P_REQ and its libp2p daemon)"
+    # --prefer-binary: one dependency (prefetch_generator) exists only as a source package
+    run "hivemind 1.1.12 has wheels for Linux and macOS (x86_64, arm64) only; without it, leave --with-p2p off (snapshots then come over HTTP)" \
+        "$VENV_PY" -m pip install --prefer-binary "$P2P_REQ"
 fi
 
 # ---------------------------------------------------------------------------------------------- 6. self-check

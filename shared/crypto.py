@@ -26,6 +26,7 @@ from shared.messages import SignedRequest
 REQUEST_DOMAIN = b"echo-swarm/request/v1"
 JOB_DOMAIN = b"echo-swarm/job/v1"
 MANIFEST_DOMAIN = b"echo-swarm/manifest/v1"
+LATEST_DOMAIN = b"echo-swarm/dht-latest/v1"  # the DHT record of a run's newest version (docs/protocol.md §6a)
 
 
 class KeyFileError(EchoSwarmError):

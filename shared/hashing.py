@@ -18,6 +18,27 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+PIECE_SIZE = 16 * 1024 * 1024
+"""Bytes per piece of a snapshot file (ManifestFile.piece_size): a receiver checks each piece as it arrives, so a
+peer serving bad bytes is caught after at most this much."""
+
+
+def file_digests(path: Path, piece_size: int = PIECE_SIZE) -> tuple[str, list[bytes]]:
+    """(sha256 hex of the whole file, raw sha256 of each ``piece_size`` piece, the last one possibly shorter), in
+    one read of the file: publishing a multi-gigabyte snapshot hashes it once, not twice."""
+    whole = hashlib.sha256()
+    pieces: list[bytes] = []
+    with open(path, "rb") as fh:
+        while chunk := fh.read(piece_size):
+            whole.update(chunk)
+            pieces.append(hashlib.sha256(chunk).digest())
+    return whole.hexdigest(), pieces
+
+
+def piece_count(size: int, piece_size: int) -> int:
+    return -(-size // piece_size)
+
+
 def prompt_hash(token_id_lists: Sequence[Sequence[int]]) -> str:
     """Binds a job to its exact prompt tokens: sha256 of their canonical msgpack encoding."""
     return sha256_bytes(wire.pack([list(map(int, ids)) for ids in token_id_lists]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from shared import PROTOCOL_VERSION
 from shared.safe_text import check_printable
@@ -24,6 +24,9 @@ MAX_PROMPT_TOKENS = 8192
 MAX_TEXT_CHARS = 32_768
 MAX_FILES_PER_SNAPSHOT = 256
 MAX_SIGNED_JOB_BYTES = 4 * 1024 * 1024
+MIN_PIECE_SIZE = 64 * 1024
+MAX_PIECE_SIZE = 256 * 1024 * 1024
+MAX_PIECES_PER_FILE = 65_536  # 1 TiB in 16 MiB pieces; the manifest's own 1 MiB cap binds first
 
 ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 JobId = Annotated[str, StringConstraints(pattern=r"^[0-9A-Za-z_-]{1,64}$")]
@@ -34,6 +37,7 @@ ShortText = Annotated[str, StringConstraints(max_length=128), AfterValidator(che
 DisplayName = Annotated[str, StringConstraints(max_length=64), AfterValidator(check_printable)]
 Nonce = Annotated[bytes, Field(min_length=16, max_length=32)]
 Signature = Annotated[bytes, Field(min_length=64, max_length=64)]
+Digest = Annotated[bytes, Field(min_length=32, max_length=32)]  # a raw sha256
 PublicKey = Annotated[bytes, Field(min_length=32, max_length=32)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Version = Annotated[int, Field(ge=0, lt=2**31)]
@@ -42,9 +46,9 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1e11)]
 LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-1e4, le=1e-3)]
 ProtocolNumber = Annotated[int, Field(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
-# Manifests are stored in the run directory and re-served after an upgrade: their layout has not changed since
-# protocol 1 (protocols 2 and 3 changed lease replies and error codes only), so a snapshot published under
-# protocol 1 or 2 stays valid.
+# Manifests are stored in the run directory and re-served after an upgrade. Protocols 2 and 3 changed lease replies
+# and error codes only; protocol 4 added piece hashes to ManifestFile with defaults meaning "none", so a snapshot
+# published under protocol 1 to 3 stays valid (it is fetched over HTTP only: peers need piece hashes).
 MANIFEST_PROTOCOLS = (1, PROTOCOL_VERSION)
 ManifestProtocolNumber = Annotated[int, Field(ge=MANIFEST_PROTOCOLS[0], le=MANIFEST_PROTOCOLS[1])]
 AnyProtocolNumber = Annotated[int, Field(ge=0, lt=2**16)]  # envelope: checked explicitly → protocol_version
@@ -207,6 +211,22 @@ class ManifestFile(Message):
     size: Annotated[int, Field(ge=0, le=2**40)]
     sha256: Sha256Hex
     form: Literal["hf", "gguf", "gguf-base", "gguf-lora"] = "hf"
+    # protocol 4: sha256 of each piece_size-byte piece (the last one shorter), so that bytes from an untrusted peer
+    # are checked piece by piece as they arrive; 0 and [] in manifests published before (HTTP only)
+    piece_size: Annotated[int, Field(ge=0, le=MAX_PIECE_SIZE)] = 0
+    pieces: Annotated[list[Digest], Field(max_length=MAX_PIECES_PER_FILE)] = []
+
+    @model_validator(mode="after")
+    def _pieces_cover_the_file(self) -> ManifestFile:
+        if self.piece_size == 0:
+            if self.pieces:
+                raise ValueError("pieces without a piece_size")
+            return self
+        if self.piece_size < MIN_PIECE_SIZE or self.piece_size & (self.piece_size - 1):
+            raise ValueError(f"piece_size must be a power of two from {MIN_PIECE_SIZE} to {MAX_PIECE_SIZE}")
+        if len(self.pieces) != -(-self.size // self.piece_size):
+            raise ValueError(f"{len(self.pieces)} piece hashes for {self.size} bytes in pieces of {self.piece_size}")
+        return self
 
 
 class Manifest(Message):
@@ -234,3 +254,52 @@ class Info(Message):
     task: ShortText
     finished: bool
     server_time: Timestamp
+
+
+# ---- peer-to-peer snapshots (protocol 4; docs/protocol.md §6a) ---------------------------------------------
+PeerIdText = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58 libp2p peer id
+Multiaddr = Annotated[str, StringConstraints(pattern=r"^(/[A-Za-z0-9._-]+){1,16}$", max_length=256)]
+
+
+class P2PInfo(Message):
+    """GET /v1/p2p: where the coordinator's libp2p peer listens (the DHT's bootstrap node), if it runs one."""
+
+    enabled: bool
+    peer_id: PeerIdText | None = None
+    maddrs: Annotated[list[Multiaddr], Field(max_length=16)] = []
+
+
+class LatestRecord(Message):
+    """The DHT value under ``es1/<run_id>/latest``: the newest version, signed by the coordinator key clients pin.
+    ``signature`` covers the DHT key, every other field and ``expires_at``, which must equal the record's DHT
+    expiration, so a record can be neither forged, nor re-dated, nor moved to another key."""
+
+    run_id: ShortText
+    version: Version
+    manifest_sha256: Sha256Hex
+    created_at: Timestamp
+    expires_at: Timestamp
+    signature: Signature
+
+
+class HolderEntry(Message):
+    """The DHT value a peer stores under ``es1/<run_id>/blob/<sha256>``, in its own owner-signed subkey: it holds
+    the whole verified file and serves it. ``served_bytes``: what it served peers so far (informational)."""
+
+    peer_id: PeerIdText
+    served_bytes: Annotated[int, Field(ge=0, lt=2**62)] = 0
+
+
+class BlobRequest(Message):
+    """First frame of a ``/echo-swarm/blob/1`` stream: send the file from ``offset`` (a multiple of its
+    piece_size) to its end."""
+
+    sha256: Sha256Hex
+    offset: Annotated[int, Field(ge=0, le=2**40)]
+
+
+class BlobReply(Message):
+    """The server's frame: ``ok`` (then exactly ``length`` raw bytes follow and the stream closes) or a refusal."""
+
+    status: Literal["ok", "busy", "seeded", "no_such_blob", "relayed", "bad_request", "capped"]
+    length: Annotated[int, Field(ge=0, le=2**40)] = 0

@@ -7,8 +7,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared import PROTOCOL_VERSION, crypto, wire
-from shared.hashing import sha256_bytes, sha256_file
-from shared.messages import Job, Manifest, ManifestFile, SignedJob, SignedManifest
+from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
+from shared.messages import Job, LatestRecord, Manifest, ManifestFile, SignedJob, SignedManifest
 
 GGUF_FILES = {"model.gguf": "gguf", "base.gguf": "gguf-base", "adapter.gguf": "gguf-lora"}
 
@@ -18,9 +18,17 @@ def file_form(name: str) -> str:
     return GGUF_FILES.get(name, "hf")
 
 
-def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float) -> Manifest:
+def manifest_file(path: Path, name: str | None = None, piece_size: int = PIECE_SIZE) -> ManifestFile:
+    """The manifest entry of one file: size, sha256 and the sha256 of each piece (one read)."""
+    digest, pieces = file_digests(path, piece_size)
+    return ManifestFile(path=name or path.name, size=path.stat().st_size, sha256=digest,
+                        form=file_form(name or path.name), piece_size=piece_size, pieces=pieces)  # type: ignore[arg-type]
+
+
+def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float,
+                   piece_size: int = PIECE_SIZE) -> Manifest:
     files = [
-        ManifestFile(path=p.name, size=p.stat().st_size, sha256=sha256_file(p), form=file_form(p.name))  # type: ignore[arg-type]
+        manifest_file(p, piece_size=piece_size)
         for p in sorted(folder.iterdir())
         if p.is_file() and not p.name.startswith(".") and p.name != "manifest.msgpack"
     ]
@@ -49,3 +57,41 @@ def sign_job(key: Ed25519PrivateKey, job: Job) -> SignedJob:
 def open_job(signed: SignedJob, coordinator_key: bytes) -> Job:
     crypto.verify(coordinator_key, crypto.JOB_DOMAIN, signed.job, signed.signature)
     return wire.decode(signed.job, Job)
+
+
+def latest_key(run_id: str) -> str:
+    """The DHT key of a run's newest-version record (docs/protocol.md §6a)."""
+    return f"es1/{run_id}/latest"
+
+
+def blob_key(run_id: str, sha256: str) -> str:
+    """The DHT key under which the holders of one file announce themselves, one subkey each."""
+    return f"es1/{run_id}/blob/{sha256}"
+
+
+def _latest_signing_bytes(r: LatestRecord) -> bytes:
+    return wire.pack([latest_key(r.run_id), r.run_id, r.version, r.manifest_sha256, r.created_at, r.expires_at])
+
+
+def sign_latest(key: Ed25519PrivateKey, *, run_id: str, version: int, manifest_sha256: str, created_at: float,
+                expires_at: float) -> LatestRecord:
+    unsigned = LatestRecord(run_id=run_id, version=version, manifest_sha256=manifest_sha256, created_at=created_at,
+                            expires_at=expires_at, signature=b"\0" * 64)
+    return unsigned.model_copy(update={"signature": crypto.sign(key, crypto.LATEST_DOMAIN,
+                                                                 _latest_signing_bytes(unsigned))})
+
+
+def open_latest(data: bytes, coordinator_key: bytes, run_id: str, *, expiration: float,
+                max_ttl_s: float) -> LatestRecord:
+    """Decode and check a latest-version record as found in the DHT: the coordinator's signature, the run, and
+    that the DHT expiration is the signed one and not further than ``max_ttl_s`` after its creation (a record
+    cannot be kept alive by re-dating it). Raises ProtocolError / SignatureError / ValueError."""
+    record = wire.decode(data, LatestRecord)
+    if record.run_id != run_id:
+        raise ValueError(f"latest record of run {record.run_id!r}, not {run_id!r}")
+    crypto.verify(coordinator_key, crypto.LATEST_DOMAIN, _latest_signing_bytes(record), record.signature)
+    if expiration != record.expires_at:
+        raise ValueError("latest record re-dated: its DHT expiration is not the signed one")
+    if not 0 < record.expires_at - record.created_at <= max_ttl_s:
+        raise ValueError(f"latest record lives {record.expires_at - record.created_at:.0f}s; at most {max_ttl_s:.0f}s")
+    return record

@@ -28,6 +28,7 @@ class StatsView(Protocol):
     tokens_per_s: float
     state: str
     download: str
+    p2p: dict[str, int]
 
 
 def software_version() -> str:
@@ -106,6 +107,9 @@ class Display:
         grid.add_row("current job", Text(escape(s.last_job or "-")))
         if s.download:
             grid.add_row("downloading", Text(escape(s.download), style="magenta"))
+        if s.p2p:
+            grid.add_row("peers", f"served {s.p2p.get('served_bytes', 0) / 1e6:,.0f} MB · received "
+                                  f"{s.p2p.get('received_bytes', 0) / 1e6:,.0f} MB")
         grid.add_row("tokens/s", f"{s.tokens_per_s:,.1f}")
         grid.add_row("accepted / rejected", Text.assemble((str(s.accepted), "green"), " / ", (str(s.rejected), "red")))
         grid.add_row("credit", f"{s.credit:,.1f}")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -50,6 +51,9 @@ from swarm_client.api import CoordinatorClient, CoordinatorUnreachable, RetryPol
 from swarm_client.backends import Backend
 from swarm_client.benchmark import run_benchmark
 from swarm_client.control import is_paused, write_status
+
+if TYPE_CHECKING:
+    from swarm_client.peer_fetch import ClientPeer
 from swarm_client.footprint import (
     DEFAULT_BATCH,
     Batch,
@@ -117,6 +121,18 @@ class JoinConfig(BaseModel):
                                "HH:MM-HH:MM in which new jobs may start; empty = any time.")
     benchmark: bool = Field(True, description="Run a short self-benchmark at startup and report it at registration.")
     panel: bool | None = Field(None, description="Live terminal panel; None = when stdout is a terminal.")
+    # snapshots from other volunteers over libp2p (the p2p extra; swarm_client/peer_fetch.py)
+    p2p: bool = Field(False, description="Fetch snapshot files from peers over libp2p when the coordinator runs a "
+                      "peer (every piece checked against the signed manifest; HTTP is the fallback).")
+    p2p_serve: bool = Field(True, description="With p2p: serve verified files to other volunteers (--no-serve).")
+    p2p_max_upload_gb: float | None = Field(None, gt=0, le=1e6, description="With p2p: stop serving after this many "
+                                            "GB uploaded in this session; None = no cap.")
+    p2p_uploads: int = Field(2, ge=1, le=64, description="With p2p: uploads served at once (U).")
+    p2p_uploads_per_blob: int = Field(3, ge=1, le=1000, description="With p2p: uploads of one file in this session (T).")
+    p2p_deadline_s: float = Field(20.0, gt=0, le=3600, description="With p2p: how long to look for a peer holding a "
+                                  "file before fetching it over HTTP.")
+    p2p_listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], min_length=1, max_length=8,
+                                  description="With p2p: libp2p listen addresses (multiaddrs).")
 
     @field_validator("name")
     @classmethod
@@ -152,6 +168,7 @@ class ClientStats:
     gated_polls: int = 0  # polls spent not fetching work (paused, outside a window, not idle)
     benchmark_tokens_per_s: float | None = None
     download: str = ""  # the snapshot file being downloaded: bytes, rate, time left ("" when none)
+    p2p: dict[str, int] = field(default_factory=dict)  # `--p2p`: bytes served to / received from peers, fallbacks
 
 
 class Pacer:
@@ -190,6 +207,7 @@ class Runner:
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100) if cfg.idle_only else None
         self.hardware: Hardware | None = None
         self.prefetch: asyncio.Task[object] | None = None
+        self.peer: ClientPeer | None = None  # `--p2p`: this client's libp2p peer (swarm_client/peer_fetch.py)
         self.device = "cpu"  # the backend's device, once created
         self._forms: frozenset[str] | None = None  # the snapshot file forms the backend needs (None: all)
         self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
@@ -207,6 +225,9 @@ class Runner:
         self.display.say(text)
 
     def _write_status(self) -> None:
+        if self.peer is not None:
+            self.stats.p2p = {"served_bytes": self.peer.served_bytes, "received_bytes": self.peer.stats.peer_bytes,
+                              "wasted_bytes": self.peer.stats.wasted_bytes, "fallbacks": self.peer.stats.fallbacks}
         try:
             write_status(self.cfg.home, asdict(self.stats))
         except OSError as exc:  # e.g. disk full: the status file is a convenience, never a reason to stop
@@ -275,10 +296,24 @@ class Runner:
                 self.prefetch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self.prefetch
+            if self.peer is not None:
+                await self.peer.stop()
             self.stats.state = "stopped"
             self._write_status()
             self.display.stop()
             await api.close()
+
+    async def _start_p2p(self, cache: SnapshotCache, api: CoordinatorClient, info: Info) -> None:
+        from swarm_client.peer_fetch import ClientPeer, PeerSettings
+
+        cap = self.cfg.p2p_max_upload_gb
+        peer = ClientPeer(cache.blobs, PeerSettings(
+            serve=self.cfg.p2p_serve, max_upload_bytes=None if cap is None else int(cap * 1e9),
+            uploads=self.cfg.p2p_uploads, uploads_per_blob=self.cfg.p2p_uploads_per_blob,
+            deadline_s=self.cfg.p2p_deadline_s, listen=self.cfg.p2p_listen), say=self._say)
+        if await peer.start(api, info.run_id, info.coordinator_public_key):
+            self.peer = cache.peers = peer
+            self._write_status()
 
     @staticmethod
     def _refusal_text(exc: ProtocolError, client_id: str) -> str:
@@ -412,6 +447,8 @@ class Runner:
         cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key, precheck=self._precheck,
                               max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB),
                               forms=self._forms, on_progress=self._on_download)
+        if self.cfg.p2p:
+            await self._start_p2p(cache, api, info)
         if self.cfg.benchmark:
             await self._benchmark(cache, backend, info)  # also refuses a model too big, before registering
         prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -30,6 +31,9 @@ from shared.hashing import sha256_file
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
 from swarm_client.api import CoordinatorClient
+
+if TYPE_CHECKING:
+    from swarm_client.peer_fetch import ClientPeer
 
 logger = logging.getLogger(__name__)
 CHUNK = 1 << 20
@@ -122,6 +126,7 @@ class SnapshotCache:
         self.idle_timeout_s = idle_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.on_progress = on_progress  # the transfer in progress (None when it ends), for the client's panel
+        self.peers: ClientPeer | None = None  # `join --p2p`: try other volunteers first (swarm_client/peer_fetch.py)
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -151,7 +156,7 @@ class SnapshotCache:
                 self.precheck(manifest, self.missing_bytes(manifest))
             for f in self._wanted(manifest):
                 async with self._lock(f.sha256):
-                    await self._fetch_blob(f.sha256, f.size, f"v{version} {f.path}")
+                    await self._fetch_blob(f.sha256, f.size, f"v{version} {f.path}", f)
             self._assemble(folder, manifest, sha)
             _touch(folder)
             self._prune(run_id, keep=folder)
@@ -171,14 +176,16 @@ class SnapshotCache:
             total += max(0, f.size - (partial.stat().st_size if partial.exists() else 0))
         return total
 
-    async def _fetch_blob(self, sha256: str, size: int, name: str = "") -> Path:
+    async def _fetch_blob(self, sha256: str, size: int, name: str = "", file: ManifestFile | None = None) -> Path:
         """Download one file into the cache, for home links: a transfer is cut only when no byte arrived for
         ``idle_timeout_s`` (never for taking long), and every retry resumes (HTTP Range) from the bytes already on
         disk — also after a client restart, since the partial file stays. Only transfers that add no byte count
         toward giving up (``retry.attempts`` in a row), so a slow but moving link always finishes. A complete file
         that fails its hash is discarded and fetched again from scratch, at most ``max_attempts`` times.
 
-        The two failures say different things: :class:`DownloadStalled` (the link) and IntegrityError (the bytes)."""
+        The two failures say different things: :class:`DownloadStalled` (the link) and IntegrityError (the bytes).
+        With p2p on (``self.peers``), peers are asked first, every piece checked as it arrives; HTTP then fetches
+        whatever they did not deliver, from the first unverified byte."""
         final = self.blobs / sha256
         if final.exists():
             return final
@@ -187,6 +194,14 @@ class SnapshotCache:
         last_error = ""
         transfer = Transfer(name or sha256[:12], _size(partial), size)
         try:
+            if self.peers is not None and file is not None:
+                transfer.restart(_size(partial))
+
+                def advanced(n: int) -> None:
+                    transfer.advance(n)
+                    self._report(transfer)
+
+                await self.peers.fetch(file, partial, advanced)
             while True:
                 before = _size(partial)
                 complete, error = await self._download(sha256, partial, size, transfer)
@@ -194,6 +209,8 @@ class SnapshotCache:
                     digest = sha256_file(partial)
                     if digest == sha256:
                         os.replace(partial, final)
+                        if self.peers is not None:
+                            await self.peers.announce([sha256])  # serve it from now on (whole, verified)
                         return final
                     corrupt += 1
                     partial.unlink(missing_ok=True)

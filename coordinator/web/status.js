@@ -169,6 +169,9 @@ function drawSummary(s) {
   const [text, cls] = s.finished ? ["finished", "finished"] : s.issuing_paused ? ["paused by operator", "paused"] : ["training", "running"];
   st.textContent = text;
   st.className = "pill " + cls;
+  const eg = s.snapshot_egress || {};
+  const mb = (n) => `${((n || 0) / 1e6).toFixed(0)} MB`;
+  $("egress").textContent = `${mb(eg.coordinator_bytes)} from coordinator` + (eg.p2p ? ` · ${mb(eg.peer_bytes)} by peers` : "");
   $("updated").textContent = new Date().toLocaleTimeString();
 }
 

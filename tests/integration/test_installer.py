@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "installer" / "install.sh"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 OPTIONS = ["--python", "--prefix", "--torch-spec", "--torch-index-url", "--no-torch-index", "--source",
-           "--from-pypi", "--bin-dir", "--no-link", "--with-llama", "--dry-run", "--help"]
+           "--from-pypi", "--bin-dir", "--no-link", "--with-llama", "--with-p2p", "--dry-run", "--help"]
 STEP_HEADINGS = [f"==> [{n}/7]" for n in range(1, 8)]
 
 
@@ -169,10 +169,11 @@ esac
         fake_command(fakes, "sysctl", 'case "$2" in machdep.cpu.brand_string) echo "Apple M2" ;; *) echo 0 ;; esac\n')
     env = installer_env(home, fakes)
     env.pop("CMAKE_ARGS", None)
-    res = run_installer("--with-llama", "--dry-run", "--no-link", env=env, cwd=tmp_path)
+    res = run_installer("--with-llama", "--with-p2p", "--dry-run", "--no-link", env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"CMAKE_ARGS={cmake}" in res.stdout
     assert "llama-cpp-python>=0.3.36,<0.4" in res.stdout
+    assert "--prefer-binary hivemind==1.1.12" in res.stdout  # the [p2p] extra, pinned exactly
     assert tree(home) == []
 
 

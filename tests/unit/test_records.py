@@ -47,6 +47,35 @@ def test_build_manifest_lists_files_by_hash(model_dir: Path) -> None:
     assert by_name["tokenizer.json"].sha256 == hashlib.sha256(b"").hexdigest()
 
 
+def test_manifest_carries_the_hash_of_every_piece(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 1000  # 256000 bytes: three whole 64 KiB pieces and a shorter fourth
+    (tmp_path / "model.safetensors").write_bytes(data)
+    (tmp_path / "empty.json").write_bytes(b"")
+    m = records.build_manifest(tmp_path, run_id="r", version=1, created_at=1.0, piece_size=65536)
+    f = {f.path: f for f in m.files}
+    assert f["model.safetensors"].piece_size == 65536
+    assert f["model.safetensors"].pieces == [hashlib.sha256(data[i:i + 65536]).digest() for i in range(0, len(data), 65536)]
+    assert len(f["model.safetensors"].pieces) == 4 and f["empty.json"].pieces == []
+    wire.decode(wire.encode(m), Manifest)  # the pieces survive the wire
+
+
+def test_piece_hashes_must_cover_the_file_exactly() -> None:
+    from pydantic import ValidationError
+
+    from shared.messages import ManifestFile
+
+    sha, digest = "0" * 64, b"\x00" * 32
+    with pytest.raises(ValidationError, match="3 piece hashes for 65537 bytes"):
+        ManifestFile(path="a", size=65537, sha256=sha, piece_size=65536, pieces=[digest] * 3)
+    with pytest.raises(ValidationError, match="power of two"):
+        ManifestFile(path="a", size=10, sha256=sha, piece_size=65537, pieces=[digest])
+    with pytest.raises(ValidationError, match="without a piece_size"):
+        ManifestFile(path="a", size=10, sha256=sha, pieces=[digest])
+    # a manifest published before protocol 4 (no piece fields at all) still decodes: HTTP-only files
+    old = wire.pack({"path": "a", "size": 10, "sha256": sha, "form": "hf"})
+    assert wire.decode(old, ManifestFile).pieces == []
+
+
 def test_build_manifest_is_deterministic(model_dir: Path) -> None:
     a = records.build_manifest(model_dir, run_id="r", version=1, created_at=1.0)
     b = records.build_manifest(model_dir, run_id="r", version=1, created_at=1.0)
@@ -177,3 +206,25 @@ def test_a_snapshot_published_under_protocol_1_still_opens(model_dir: Path, key:
     future = old.model_copy(update={"protocol": PROTOCOL_VERSION + 1})
     with pytest.raises(ProtocolError):
         records.open_manifest(records.sign_manifest(key, future), crypto.public_bytes(key))
+
+
+# ---- the DHT's latest-version record (docs/protocol.md §6a) ------------------------------------------------
+def test_latest_record_opens_only_as_signed(key: Ed25519PrivateKey) -> None:
+    pub = crypto.public_bytes(key)
+    rec = records.sign_latest(key, run_id="run-1", version=7, manifest_sha256="ab" * 32, created_at=1000.0,
+                              expires_at=1300.0)
+    data = wire.encode(rec)
+    assert records.open_latest(data, pub, "run-1", expiration=1300.0, max_ttl_s=600) == rec
+    with pytest.raises(ValueError, match="re-dated"):
+        records.open_latest(data, pub, "run-1", expiration=1400.0, max_ttl_s=600)
+    with pytest.raises(ValueError, match="not 'run-2'"):
+        records.open_latest(data, pub, "run-2", expiration=1300.0, max_ttl_s=600)
+    with pytest.raises(ValueError, match="at most 100s"):
+        records.open_latest(data, pub, "run-1", expiration=1300.0, max_ttl_s=100)
+    with pytest.raises(SignatureError):  # another key
+        records.open_latest(data, crypto.public_bytes(crypto.generate_key()), "run-1", expiration=1300.0, max_ttl_s=600)
+    for field, value in (("version", 8), ("expires_at", 1301.0), ("manifest_sha256", "cd" * 32)):
+        tampered = wire.encode(rec.model_copy(update={field: value}))
+        with pytest.raises(SignatureError):
+            records.open_latest(tampered, pub, "run-1", expiration=float(rec.expires_at if field != "expires_at"
+                                                                           else value), max_ttl_s=600)

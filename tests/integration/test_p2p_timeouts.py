@@ -1,0 +1,74 @@
+"""Every network call of a p2p fetch has a timeout (docs/protocol.md §6a): a holder that accepts a blob stream and
+then says nothing, or stops sending mid-file, cannot hold a client past its deadline; the client reports the
+fallback (and the caller continues over HTTP from the verified bytes, tests/integration/test_p2p_snapshots.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared import crypto, p2p
+from shared.p2p import PeerNode, Uploads
+from shared.records import manifest_file
+
+pytest.importorskip("hivemind")
+pytestmark = pytest.mark.slow
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class Stalling(PeerNode):
+    """Accepts each stream, then never answers (``mode = "silent"``) or stops after the first piece ("stall")."""
+
+    mode = "silent"
+
+    async def _serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "stall":  # one piece from the start of the file, then nothing (also on a resume)
+            from shared.messages import BlobReply, BlobRequest
+
+            req = await p2p.read_frame(reader, BlobRequest)
+            path = self.resolve(req.sha256)
+            assert path is not None
+            await p2p.write_frame(writer, BlobReply(status="ok", length=path.stat().st_size - req.offset))
+            if req.offset == 0:
+                writer.write(path.read_bytes()[:65536])
+                await writer.drain()
+        await asyncio.sleep(60)  # far past the client's timeouts
+
+
+async def _scenario(tmp_path: Path, mode: str) -> None:
+    blob = tmp_path / "blob"
+    blob.write_bytes(os.urandom(4 * 65536))
+    mf = manifest_file(blob, "model.safetensors", piece_size=65536)
+    pub = crypto.public_bytes(crypto.generate_key())
+    server = Stalling("run", pub, lambda s: blob if s == mf.sha256 else None, Uploads())
+    server.mode = mode
+    client = PeerNode("run", pub, lambda s: None, Uploads())
+    try:
+        await server.start(initial_peers=[], host_maddrs=LOOPBACK)
+        await client.start(initial_peers=await server.visible_maddrs(), host_maddrs=LOOPBACK)
+        await server.announce([mf.sha256])
+        t0 = time.monotonic()
+        report = await client.fetch(mf, tmp_path / "part", deadline_s=1.0)
+        took = time.monotonic() - t0
+        assert report.fallback.startswith("no peer delivered the file within 1s"), report
+        # the reply (silent) or the next byte (stall) timed out; then the deadline (1 s) passed
+        assert took < p2p.CALL_TIMEOUT_S + p2p.IDLE_TIMEOUT_S + 5, took
+        assert report.peer_bytes == (65536 if mode == "stall" else 0)  # the one piece that arrived counts
+        part = tmp_path / "part"
+        assert (part.stat().st_size if part.exists() else 0) == report.peer_bytes  # verified bytes only
+    finally:
+        await client.stop()
+        await server.stop()
+
+
+@pytest.mark.parametrize("mode", ["silent", "stall"])
+def test_a_silent_or_stalling_holder_cannot_hold_the_client(tmp_path: Path, mode: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p2p, "CALL_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(p2p, "IDLE_TIMEOUT_S", 2.0)
+    asyncio.run(asyncio.wait_for(_scenario(tmp_path, mode), 120))
