@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from coordinator.config import ArithmeticTaskConfig, DatasetTaskConfig, JsonlTaskConfig, TaskConfig
+from coordinator.config import (
+    ArithmeticTaskConfig,
+    DatasetTaskConfig,
+    EnvironmentTaskConfig,
+    JsonlTaskConfig,
+    TaskConfig,
+)
 from coordinator.rewards import (
     BUILTINS,
     MissingExtra,
@@ -270,4 +276,8 @@ def make_task(config: TaskConfig, model_dir: Path | str | None = None) -> Task:
         return ArithmeticTask(config)
     if isinstance(config, DatasetTaskConfig):
         return DatasetTask(config, None if model_dir in (None, "tiny") else Path(model_dir).expanduser())
+    if isinstance(config, EnvironmentTaskConfig):
+        from coordinator.episodes import EnvTask
+
+        return EnvTask(config)  # multi-turn episodes, verified by replay
     return JsonlQATask(config)
