@@ -252,15 +252,19 @@ def demo(
     max_staleness: Annotated[int, typer.Option(help="S for async-push-pull, in policy versions.")] = 2,
     backend: Annotated[str, typer.Option(help="Client backend: torch, llama (llama.cpp on GGUF snapshots), auto, "
                                               "or mixed (clients alternate torch and llama).")] = "torch",
+    task: Annotated[str, typer.Option(help="What to train on: arithmetic, or gridworld (multi-turn episodes "
+                                           "verified by replay).")] = "arithmetic",
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on arithmetic. Prints a summary; writes summary.json and
     a reward-curve plot to --out.
     """
-    from echo_swarm.demo import DemoConfig, run
+    from echo_swarm.demo import DEMO_TASKS, DemoConfig, run
 
+    if task not in DEMO_TASKS:
+        raise typer.BadParameter(f"unknown task {task!r}; choose one of: {', '.join(DEMO_TASKS)}", param_hint="--task")
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
-                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend)))
+                                    sync_mode=sync_mode, max_staleness=max_staleness, backend=backend, task=task)))
 
 
 @app.command("build-tiny-model")

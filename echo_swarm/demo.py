@@ -42,11 +42,32 @@ class DemoConfig:
     seed: int = 0
     eval_every: int = 25
     backend: str = "torch"  # torch | llama | auto | mixed (clients alternate torch, llama, torch, ...)
+    task: str = "arithmetic"  # a key of DEMO_TASKS
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
             return ("torch", "llama")[k % 2]
         return self.backend
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """A built-in task the demo can train the tiny model on: its [task] table (and [sampling]) in TOML, and the
+    learner settings that make the tiny model learn it within the demo's minutes."""
+
+    toml: str
+    learner: dict[str, float | int]
+
+
+DEMO_TASKS: dict[str, DemoTask] = {
+    "arithmetic": DemoTask("", {}),
+    # multi-turn, verified by replay (coordinator.episodes): a 3×3 grid, four turns of one digit each; held out:
+    # 24 of the 72 starting states (docs/benchmarks.md, "Multi-turn gridworld")
+    "gridworld": DemoTask('[task]\ntype = "environment"\nenv = "gridworld"\nparams = { width = 3, height = 3 }\n'
+                          'max_turns = 4\nheldout_size = 24\nmax_observation_tokens = 16\n\n'
+                          '[sampling]\nmax_tokens = 1\n\n',
+                          {"lr": 1e-3, "prompts_per_step": 16, "group_size": 8}),
+}
 
 
 def build_model_with_progress(cache_dir: Path | None = None) -> Path:
@@ -105,14 +126,17 @@ def _get_json(url: str) -> dict[str, Any]:
 
 def _write_config(cfg: DemoConfig, run_dir: Path) -> Path:
     path = cfg.out / "run.toml"
+    task = DEMO_TASKS[cfg.task]
+    learner = {"lr": cfg.lr} | task.learner
     path.write_text(
+        task.toml +
         f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
         f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n\n'
         # a local demonstration: its clients are the project's own, and one seed should draw the same jobs run
         # after run (bench/sync_modes.py compares modes seed by seed)
         f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
-        f"lr = {cfg.lr}\nseed = {cfg.seed}\n"
+        f"seed = {cfg.seed}\n" + "".join(f"{k} = {v}\n" for k, v in learner.items())
     )
     return path
 
