@@ -129,8 +129,8 @@ def _write_config(cfg: DemoConfig, run_dir: Path) -> Path:
     task = DEMO_TASKS[cfg.task]
     learner = {"lr": cfg.lr} | task.learner
     path.write_text(
-        task.toml +
         f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
+        + task.toml +  # tables only: after the top-level keys
         f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n\n'
         # a local demonstration: its clients are the project's own, and one seed should draw the same jobs run
         # after run (bench/sync_modes.py compares modes seed by seed)

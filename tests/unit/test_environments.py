@@ -267,3 +267,30 @@ def test_the_split_holds_out_starting_states(task: EnvTask) -> None:
     assert not train & held and len(held) == 8 and len(train) + len(held) == 72  # every 3×3 start, once
     spec = task.spec([0, 1])
     assert spec.seeds == [task.train[0].seed, task.train[1].seed] and spec.code_sha256 == code_hash("gridworld")
+
+
+# ---- both sides run the same version --------------------------------------------------------------------------
+def test_a_client_refuses_a_job_whose_environment_code_differs() -> None:
+    from swarm_client.episodes import check_environment
+    from tests.unit.factories import job
+
+    spec = EnvTask(EnvironmentTaskConfig(env="gridworld", heldout_size=8)).spec([0])
+    check_environment(job(environment=spec))  # the same code: accepted
+    other = spec.model_copy(update={"code_sha256": "0" * 64})
+    with pytest.raises(ProtocolError, match="code version .* the job needs 000000000000") as exc:
+        check_environment(job(environment=other))
+    assert exc.value.reason is Reason.ENVIRONMENT_MISMATCH
+    unknown = spec.model_copy(update={"env_id": "chess"})
+    with pytest.raises(ProtocolError, match="cannot run the job's environment 'chess'"):
+        check_environment(job(environment=unknown))
+
+
+def test_the_run_config_refuses_what_cannot_be_replayed(tmp_path: Path) -> None:
+    from coordinator.config import ConfigError, load_config
+
+    task = {"task.type": "environment", "run_dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match="colocated baseline does not play multi-turn episodes"):
+        load_config(None, task | {"sync_mode": "colocated"})
+    with pytest.raises(ConfigError, match="accepted: size, boxes, pulls, step_penalty"):
+        load_config(None, task | {"task.env": "sokoban", "task.params": {"walls": 3}})
+    assert load_config(None, task).task.type == "environment"
