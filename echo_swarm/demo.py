@@ -182,7 +182,8 @@ def run(cfg: DemoConfig) -> int:
                   cfg.out / "logs" / "coordinator.log", watch="listening on ")
     procs: list[_Proc] = []
     try:
-        if not coord.found.wait(180) or coord.proc.poll() is not None:
+        # a loaded machine can take minutes to start the roles and publish version 0
+        if not coord.found.wait(min(600.0, cfg.timeout_s)) or coord.proc.poll() is not None:
             console.print(f"[red]coordinator did not start; see {cfg.out / 'logs' / 'coordinator.log'}[/]")
             return 1
         url = coord.line.split("listening on ")[1].split()[0]

@@ -48,6 +48,7 @@ def _run(kind: str, url: str, tmp: Path) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.timeout(1200)  # five adversary processes each load torch and a model beside the run: minutes on 2 cores
 def test_tampered_episodes_are_refused_and_honest_episodes_accepted(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir,
