@@ -232,7 +232,44 @@ class ReasoningGymTaskConfig(_Strict):
         return self
 
 
-TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig | DatasetTaskConfig | ReasoningGymTaskConfig,
+class EnvironmentTaskConfig(_Strict):
+    """Multi-turn episodes in a built-in environment (shared.envs: gridworld, sokoban), verified by replay: the
+    coordinator replays every episode's actions in its own copy from the job's seed and computes the reward."""
+
+    type: Literal["environment"] = "environment"
+    env: str = Field("gridworld", description="The environment: gridworld | sokoban.")
+    params: dict[str, Any] = Field(default_factory=dict, description="The environment's parameters, e.g. "
+                                   "{width = 3, height = 3} for gridworld, {size = 6, boxes = 1} for sokoban.")
+    max_turns: int = Field(4, ge=1, le=64, description="Turns per episode at most (sampling.max_tokens per turn).")
+    max_observation_tokens: int = Field(64, ge=1, le=1024, description="Tokens of one observation at most.")
+    episodes: int = Field(4096, ge=2, le=1_000_000, description="Episode seeds drawn (0..episodes-1); starts that "
+                          "repeat an earlier seed's first observation are dropped.")
+    heldout_size: int = Field(16, ge=1, description="Distinct starting states held out from training, for "
+                              "evaluation.")
+    split_seed: int = Field(0, description="Seed of the train/held-out shuffle of the starting states.")
+    prompt_template: str = Field("{observation}", description="Formats the first observation into the prompt; "
+                                 "must contain '{observation}'.")
+
+    @model_validator(mode="after")
+    def _known(self) -> EnvironmentTaskConfig:
+        from shared.envs import EnvironmentError_, parse_params
+
+        try:
+            parse_params(self.env, self.params)
+        except EnvironmentError_ as exc:
+            raise ValueError(str(exc)) from None
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None}
+        except ValueError:
+            raise ValueError("prompt_template is not a format string; write literal braces as '{{' and '}}'") from None
+        if fields != {"observation"}:
+            raise ValueError("prompt_template must contain '{observation}' and no other field, e.g. "
+                             "'Reach the goal.\n{observation}'")
+        return self
+
+
+TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig | DatasetTaskConfig | ReasoningGymTaskConfig
+                       | EnvironmentTaskConfig,
                        Field(discriminator="type")]
 
 
@@ -663,6 +700,13 @@ class CoordinatorConfig(_Strict):
                 and self.model.path == "tiny":
             raise ValueError("task.chat_template needs a model folder with a chat template; the built-in 'tiny' "
                              "model has none: set model.path (or task.tokenizer_path), or chat_template = false")
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_need_clients(self) -> CoordinatorConfig:
+        if isinstance(self.task, EnvironmentTaskConfig) and self.sync_mode == "colocated":
+            raise ValueError("the colocated baseline does not play multi-turn episodes; use sync_mode = "
+                             "'sequential-pull' or 'async-push-pull' with task.type = 'environment'")
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,14 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Task, items: Sequence[Task
     """Share of ``items`` whose greedy completion earns reward 1 under the task's own reward."""
     from shared.policy import generate, stop_token_ids
 
+    episodes = getattr(task, "greedy_success", None)
+    if episodes is not None:  # a multi-turn task: the share of held-out episodes solved (coordinator.episodes)
+        was_training = model.training
+        model.eval()
+        try:
+            return float(episodes(model, tokenizer, items, max_tokens))
+        finally:
+            model.train(was_training)
     was_training = model.training
     model.eval()
     stops = stop_token_ids(tokenizer)

@@ -84,6 +84,7 @@ class Sample:
     advantage: float
     staleness: int = 0
     weight: float = 1.0
+    loss_mask: list[int] | None = None  # 1 on the model's tokens, 0 on an episode's observation tokens (not trained)
 
 
 class Learner:
@@ -181,7 +182,7 @@ class Learner:
         t0 = time.monotonic()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(len(s.completion_ids) for s in samples)
+        total_tokens = sum(len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples)
         eps, cap = self.cfg.clip_eps, self.cfg.is_cap
         loss_sum = ratio_sum = clipped = is_sum = is_truncated = prox_kl = 0.0
         ratio_max = is_max = 0.0
@@ -192,6 +193,11 @@ class Learner:
                                              pad_id=self.pad_id)
             if not real:  # a rank with no samples left still joins FSDP's collectives, contributing nothing
                 mask = mask * 0
+            if any(c.loss_mask is not None for c in chunk):  # observation tokens: context, never trained on
+                mask = mask.clone()
+                for i, c in enumerate(chunk):
+                    if c.loss_mask is not None:
+                        mask[i, : len(c.loss_mask)] *= torch.tensor(c.loss_mask, dtype=mask.dtype, device=mask.device)
             behaviour = torch.zeros_like(logp)
             for i, c in enumerate(chunk):
                 behaviour[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)

@@ -328,9 +328,10 @@ class LearnerRole:
             staleness_hist[str(stale)] = staleness_hist.get(str(stale), 0) + 1
             weight = staleness_weight(stale, self.config.learner.staleness_decay)
             prompts = [self.prompt_tokens(i) for i in job.prompt_ids for _ in range(job.group_size)]
+            masks = data.get("loss_mask") or [None] * len(prompts)  # episodes: observation tokens masked out
             for k, (p, c) in enumerate(zip(prompts, data["completions"], strict=True)):
                 samples.append(Sample(p, c, data["recomputed_logprobs"][k], data["behaviour_logprobs"][k], advs[k],
-                                      stale, weight))
+                                      stale, weight, masks[k]))
             rewards_all.extend(r.rewards)
         return Batch(samples, rewards_all, staleness_hist, rows,
                      {k: sum(v) / len(v) for k, v in sorted(reward_parts.items())})

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import spotcheck
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, EnvironmentTaskConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_job, plan_key
@@ -35,6 +35,8 @@ from coordinator.core.verify import (
     sampling_stats,
     verify_submission,
 )
+from coordinator.episodes import REWARD_NAME as EPISODE_REWARD
+from coordinator.episodes import EnvTask, episode_record, select
 from coordinator.guard import Guard
 from coordinator.issuer import Issuer
 from coordinator.learner_role import LOCAL_CLIENT
@@ -76,9 +78,12 @@ ENVELOPE_BYTES = 1024  # signed-request frame around a body: ids, nonce, signatu
 __all__ = ["LOCAL_CLIENT", "Coordinator", "result_size_cap"]
 
 
-def result_size_cap(n_completions: int, max_tokens: int) -> int:
+def result_size_cap(n_completions: int, max_tokens: int, turns: int = 0, observation_tokens: int = 0) -> int:
     """Upper bound on an honest result's encoded size: ≤ 5 bytes per token id, 9 per float64, slack.
-    (coordinator.config refuses settings whose cap would exceed the 8 MiB message limit.)"""
+    (coordinator.config refuses settings whose cap would exceed the 8 MiB message limit.) A multi-turn job's
+    episodes (``turns`` > 0) carry up to ``turns`` actions and observations each."""
+    if turns:
+        return 4096 + n_completions * (64 + turns * (64 + max_tokens * 14 + observation_tokens * 5))
     return 4096 + n_completions * (64 + max_tokens * 14)
 
 
@@ -370,9 +375,17 @@ class Coordinator:
             sampling=SamplingParams(temperature=self.config.sampling.temperature,
                                     max_tokens=self.config.sampling.max_tokens,
                                     stop_token_ids=self.codec.stop_ids),
-            seed=row.seed, issued_at=now, deadline=deadline,
-            max_result_bytes=result_size_cap(n, self.config.sampling.max_tokens),
+            seed=row.seed, issued_at=now, deadline=deadline, max_result_bytes=self._result_cap(n),
+            environment=self.task.spec(row.prompt_ids) if isinstance(self.task, EnvTask) else None,
         )
+
+    def _result_cap(self, n_completions: int) -> int:
+        """result_size_cap for this run's jobs (episodes: the task's turns and observation tokens)."""
+        cfg = self.config.task
+        if isinstance(cfg, EnvironmentTaskConfig):
+            return result_size_cap(n_completions, self.config.sampling.max_tokens, cfg.max_turns,
+                                   cfg.max_observation_tokens)
+        return result_size_cap(n_completions, self.config.sampling.max_tokens)
 
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.authenticate(raw, "/v1/release")
@@ -432,7 +445,7 @@ class Coordinator:
         (its max_result_bytes plus the signed envelope), every other request by SMALL_REQUEST_BYTES."""
         if path == "/v1/results":
             per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size
-            return ENVELOPE_BYTES + result_size_cap(per_job, self.config.sampling.max_tokens)
+            return ENVELOPE_BYTES + self._result_cap(per_job)
         return SMALL_REQUEST_BYTES
 
     def _lease_replica(self, client_id: str) -> LeaseResponse | None:
@@ -456,7 +469,7 @@ class Coordinator:
         return JobTerms(version=-1 if row.view.version is None else row.view.version, prompt_hash=prompt_hash([self.prompt_tokens(i) for i in row.prompt_ids]),
                         seed=row.seed, group_size=row.group_size, n_prompts=len(row.prompt_ids),
                         max_tokens=self.config.sampling.max_tokens, stop_token_ids=frozenset(self.codec.stop_ids),
-                        vocab_size=self.vocab_size)
+                        vocab_size=self.vocab_size, episodes=isinstance(self.task, EnvTask))
 
     async def _verify_and_accept(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str, *,
                                  own: bool = False) -> SubmitResponse:
@@ -473,16 +486,28 @@ class Coordinator:
         row = self.store.get_job(sub.job_id)
         if row is None:
             raise ProtocolError(Reason.UNKNOWN_JOB, f"there is no job {sub.job_id}")
-        cap = result_size_cap(len(row.prompt_ids) * row.group_size, self.config.sampling.max_tokens)
+        cap = self._result_cap(len(row.prompt_ids) * row.group_size)
         if size > cap:
             raise ProtocolError(Reason.BODY_TOO_LARGE, f"result is {size} bytes; this job allows at most {cap}")
         oldest = max(0, self.version - self.config.snapshots.keep_last + 1)
         verify_submission(sub, row.view, self.terms(row), client_id, self.clock(), oldest)
         prompts = [self.prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
         completions = [list(c.token_ids) for c in sub.completions]
+        reported: list[list[float]] = [list(c.logprobs) for c in sub.completions]
+        replayed = None
+        if isinstance(self.task, EnvTask):  # episodes: replayed here, before any forward pass is spent on them
+            replayed = self.task.replay(
+                sub.completions, [self.task.train[i].seed for i in row.prompt_ids for _ in range(row.group_size)],
+                tokenizer=self.codec.tokenizer, max_tokens=self.config.sampling.max_tokens,
+                stop_ids=frozenset(self.codec.stop_ids), vocab_size=self.vocab_size)
+            completions, reported = replayed.sequences, replayed.reported
         token_stats = None if own else await self._recompute_stats_at(prompts, completions, sub.version)
-        recomputed = [list(c.logprobs) for c in sub.completions] if token_stats is None else token_stats.logprobs
-        stats = logprob_stats([c.logprobs for c in sub.completions], recomputed)
+        if replayed is not None and token_stats is not None:  # the model's tokens only, never the observations'
+            full_recomputed = token_stats.logprobs
+            token_stats = TokenStats(*(select(rows, replayed.masks) for rows in (
+                token_stats.logprobs, token_stats.entropy, token_stats.variance, token_stats.top)))
+        recomputed = reported if token_stats is None else token_stats.logprobs
+        stats = logprob_stats(reported, recomputed)
         check_logprobs(stats, *self.config.verification.tolerances(self.backend_class(client_id),
                                                                    self.config.snapshots.gguf))
         vcfg = self.config.verification
@@ -496,17 +521,23 @@ class Coordinator:
         if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) not in (
                 LeaseCheck.OK, LeaseCheck.EXPIRED):
             raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} changed while it was verified")
-        items = [self.task.train[i] for i in row.prompt_ids for _ in range(row.group_size)]
-        scored = self.task.score(items, [self.codec.decode(c) for c in completions])  # RewardFailed: a refusal
-        rewards = scored.rewards
-        n_tokens = sum(len(c) for c in completions)
-        payload = wire.pack({
-            "completions": completions,
-            "behaviour_logprobs": [list(c.logprobs) for c in sub.completions],
-            "recomputed_logprobs": recomputed,
+        record: dict[str, Any] = {"completions": completions, "behaviour_logprobs": reported,
+                                  "recomputed_logprobs": recomputed}
+        if replayed is not None:  # rewards from the replay; the learner trains on the model's tokens only
+            rewards = replayed.rewards
+            reward_means = {EPISODE_REWARD: sum(rewards) / len(rewards)}
+            assert token_stats is not None, "episodes are always recomputed (no colocated baseline plays them)"
+            record = episode_record(replayed, full_recomputed)
+            n_tokens = sum(len(r) for r in replayed.reported)
+        else:
+            items = [self.task.train[i] for i in row.prompt_ids for _ in range(row.group_size)]
+            scored = self.task.score(items, [self.codec.decode(c) for c in completions])  # RewardFailed: a refusal
+            rewards, reward_means = scored.rewards, scored.per_reward_means
+            n_tokens = sum(len(c) for c in completions)
+        payload = wire.pack(record | {
             "finish_reasons": [c.finish_reason for c in sub.completions],
             "logprob_mean_abs_diff": stats.mean_abs,
-            "reward_means": scored.per_reward_means,
+            "reward_means": reward_means,
         })
         credit = float(n_tokens)
         if not self.store.accept_result(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,

@@ -65,6 +65,8 @@ def after_accept(coord: Coordinator, client_id: str, sub: ResultSubmission, bcla
     """Maybe queue a spot-check of an accepted result, held until a conclusive judgement (see the module doc)."""
     if not coord.config.trust.spot_checks:
         return
+    if sub.completions[0].turns is not None:  # episodes: verified by replay (coordinator.episodes), not by replica
+        return
     state = coord.guard.trust(client_id)
     if not should_replicate(state, coord.guard.policy, sub.job_id, _secret(coord)):
         return

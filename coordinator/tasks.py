@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from coordinator.config import (
     ArithmeticTaskConfig,
     DatasetTaskConfig,
+    EnvironmentTaskConfig,
     JsonlTaskConfig,
     ReasoningGymTaskConfig,
     TaskConfig,
@@ -276,4 +277,8 @@ def make_task(config: TaskConfig, model_dir: Path | str | None = None) -> Task:
         from coordinator.reasoning_gym_task import ReasoningGymTask
 
         return ReasoningGymTask(config, folder)
+    if isinstance(config, EnvironmentTaskConfig):
+        from coordinator.episodes import EnvTask
+
+        return EnvTask(config)  # multi-turn episodes, verified by replay
     return JsonlQATask(config)

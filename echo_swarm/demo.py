@@ -114,6 +114,7 @@ def _get_json(url: str) -> dict[str, Any]:
 
 def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) -> Path:
     path = cfg.out / "run.toml"
+    task = DEMO_TASKS[cfg.task]
     path.write_text(
         f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
         f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n\n'
@@ -121,10 +122,11 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
         # after run (bench/sync_modes.py compares modes seed by seed)
         f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
-        f"lr = {DEMO_TASKS[cfg.task].lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
+        f"lr = {task.lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
+        + "".join(f"{k} = {v}\n" for k, v in task.learner.items())
         + (f"\n[store]\nurl = {json.dumps(store_url)}\n" if store_url else "")
         + ("\n[p2p]\nenabled = true\n" if cfg.p2p else "")
-        + f"\n{DEMO_TASKS[cfg.task].toml}"
+        + f"\n{task.toml}"
     )
     return path
 
@@ -201,7 +203,8 @@ def _run(cfg: DemoConfig, run_dir: Path, store_url: str | None, t0: float) -> in
                   cfg.out / "logs" / "coordinator.log", watch="listening on ")
     procs: list[_Proc] = []
     try:
-        if not coord.found.wait(180) or coord.proc.poll() is not None:
+        # a loaded machine can take minutes to start the roles and publish version 0
+        if not coord.found.wait(min(600.0, cfg.timeout_s)) or coord.proc.poll() is not None:
             console.print(f"[red]coordinator did not start; see {cfg.out / 'logs' / 'coordinator.log'}[/]")
             return 1
         url = coord.line.split("listening on ")[1].split()[0]

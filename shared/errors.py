@@ -37,6 +37,12 @@ class Reason(StrEnum):
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
     REPLICA_MISMATCH = "replica_mismatch"  # a spot-check replay of the same seed and version disagreed
     SAMPLING_MISMATCH = "sampling_mismatch"  # tokens far more or less surprising than sampling the policy gives
+    OBSERVATION_MISMATCH = "observation_mismatch"  # an episode's observation is not what replaying it gives
+    EXTRA_TURN = "extra_turn"  # an episode turn after its end (done, or past the job's max_turns)
+    MISSING_TURN = "missing_turn"  # an episode stops before its end (not done, fewer than max_turns turns)
+    UNSEEN_ACTION = "unseen_action"  # the observation answers another action than the turn's tokens say
+    REWARD_CLAIMED = "reward_claimed"  # a result reports a reward: rewards are computed by the coordinator
+    ENVIRONMENT_MISMATCH = "environment_mismatch"  # the client's environment code differs from the job's
     REWARD_FAILED = "reward_failed"  # the run's reward function failed on this result (not the client's fault)
     QUARANTINED = "quarantined"  # too many invalid results in a row; no work until the quarantine ends
     RATE_LIMITED = "rate_limited"  # too many requests from this identity or address; slow down
@@ -74,6 +80,12 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.LOGPROB_MISMATCH: 422,
     Reason.REPLICA_MISMATCH: 422,
     Reason.SAMPLING_MISMATCH: 422,
+    Reason.OBSERVATION_MISMATCH: 422,
+    Reason.EXTRA_TURN: 422,
+    Reason.MISSING_TURN: 422,
+    Reason.UNSEEN_ACTION: 422,
+    Reason.REWARD_CLAIMED: 422,
+    Reason.ENVIRONMENT_MISMATCH: 409,
     Reason.REWARD_FAILED: 422,
     Reason.QUARANTINED: 403,
     Reason.RATE_LIMITED: 429,

@@ -27,6 +27,8 @@ MAX_SIGNED_JOB_BYTES = 4 * 1024 * 1024
 MIN_PIECE_SIZE = 64 * 1024
 MAX_PIECE_SIZE = 256 * 1024 * 1024
 MAX_PIECES_PER_FILE = 65_536  # 1 TiB in 16 MiB pieces; the manifest's own 1 MiB cap binds first
+MAX_TURNS = 64  # turns of one multi-turn episode
+MAX_OBSERVATION_TOKENS = 1024  # tokens of one observation an environment returns
 
 ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 JobId = Annotated[str, StringConstraints(pattern=r"^[0-9A-Za-z_-]{1,64}$")]
@@ -122,6 +124,19 @@ class JobPrompt(Message):
     text: Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
 
 
+class EnvironmentSpec(Message):
+    """A multi-turn job's environment (shared.envs): each of the group's episodes is reset from its prompt's seed
+    and stepped with the model's actions, up to ``max_turns`` turns. ``code_sha256`` is the hash of the
+    environment's code (shared.envs.code_hash): a client whose copy differs must not play the job."""
+
+    env_id: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+    code_sha256: Sha256Hex
+    params_json: Annotated[str, StringConstraints(max_length=4096)]  # the environment's parameters, canonical JSON
+    seeds: Annotated[list[Seed], Field(min_length=1, max_length=MAX_PROMPTS_PER_JOB)]  # one per prompt, in order
+    max_turns: Annotated[int, Field(ge=1, le=MAX_TURNS)]
+    max_observation_tokens: Annotated[int, Field(ge=1, le=MAX_OBSERVATION_TOKENS)]
+
+
 class Job(Message):
     """A rollout job, signed by the coordinator and leased to exactly one client."""
 
@@ -140,6 +155,7 @@ class Job(Message):
     issued_at: Timestamp
     deadline: Timestamp
     max_result_bytes: Annotated[int, Field(ge=1, le=64 * 1024 * 1024)]
+    environment: EnvironmentSpec | None = None  # a multi-turn job: completions are episodes (Completion.turns)
 
 
 class SignedJob(Message):
@@ -173,10 +189,27 @@ class ReleaseResponse(Message):
 
 
 # ---- results --------------------------------------------------------------------------------------------
+class Turn(Message):
+    """One turn of an episode: the model's action tokens (sampled as a completion is, with their logprobs) and the
+    tokens of the observation the environment answered, as appended to the context (shared.envs.
+    encode_observation). ``reward`` is never set by an honest client: rewards are the coordinator's to compute by
+    replay, and a result that claims one is refused (reward_claimed)."""
+
+    token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_NEW_TOKENS)]
+    logprobs: Annotated[list[LogProb], Field(min_length=1, max_length=MAX_NEW_TOKENS)]
+    finish_reason: Literal["stop", "length"]
+    observation_ids: Annotated[list[TokenId], Field(max_length=MAX_OBSERVATION_TOKENS)]
+    reward: FiniteFloat | None = None
+
+
 class Completion(Message):
+    """One sampled completion; for a multi-turn job, one episode: ``token_ids`` and ``logprobs`` empty, every turn
+    in ``turns``."""
+
     token_ids: Annotated[list[TokenId], Field(max_length=MAX_NEW_TOKENS)]
     logprobs: Annotated[list[LogProb], Field(max_length=MAX_NEW_TOKENS)]
     finish_reason: Literal["stop", "length"]
+    turns: Annotated[list[Turn], Field(max_length=MAX_TURNS)] | None = None
 
 
 class ResultSubmission(Message):

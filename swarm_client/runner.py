@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from shared import PROTOCOL_VERSION
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
 from shared.messages import (
+    Completion,
     Info,
     Job,
     LeaseRequest,
@@ -527,16 +528,21 @@ class Runner:
             self._set_state("generating")
             t0 = time.monotonic()
             pacer.reset()
-            samples = await asyncio.to_thread(backend.generate, job, pacer)
+            try:
+                completions = await asyncio.to_thread(self._generate, backend, job, folder, pacer)
+            except ProtocolError as exc:  # a multi-turn job this client cannot play (environment_mismatch)
+                self._say(f"error: {exc.message}; releasing the job")
+                await self._release(api, job.job_id, job.lease_id)
+                return EXIT_REFUSED
             elapsed = time.monotonic() - t0
             if self.stop.is_set():
                 await self._release(api, job.job_id, job.lease_id)
                 break
-            n_tok = sum(len(s.token_ids) for s in samples)
+            n_tok = sum(len(c.token_ids) + sum(len(t.token_ids) for t in c.turns or ()) for c in completions)
             sub = ResultSubmission(
                 job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
                 seed=job.seed, group_size=job.group_size, backend=kind, generation_s=elapsed,
-                completions=[s.to_completion() for s in samples])
+                completions=completions)
             # Submit in the background and go on to the next lease: the coordinator's verification (a forward
             # pass over every completion) overlaps this client's next generation instead of idling it. At most
             # one submission is in flight, so a refusal is seen one job later at worst.
@@ -552,6 +558,20 @@ class Runner:
         self._say(f"stopped: {self.stats.accepted - self.accepted_before} results accepted, "
                   f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
         return EXIT_OK
+
+    @staticmethod
+    def _generate(backend: Backend, job: Job, folder: Path, pacer: Pacer) -> list[Completion]:
+        """A job's completions: sampled in one batch, or, for a multi-turn job, played as episodes."""
+        if job.environment is not None:
+            from swarm_client.backends import backend_kind
+            from swarm_client.episodes import play_job
+
+            if backend_kind(backend) != "torch":
+                raise ProtocolError(Reason.ENVIRONMENT_MISMATCH, "multi-turn jobs need the torch backend (the "
+                                    "llama.cpp client does not fetch the tokenizer the observations are encoded "
+                                    "with); join with --backend torch")
+            return play_job(backend, job, folder, pacer)
+        return [s.to_completion() for s in backend.generate(job, pacer)]
 
     async def _submit(self, api: CoordinatorClient, job: Job, sub: ResultSubmission, n_tok: int,
                       elapsed: float) -> None:

@@ -31,6 +31,7 @@ class JobTerms:
     max_tokens: int
     stop_token_ids: frozenset[int]
     vocab_size: int
+    episodes: bool = False  # a multi-turn job: completions are episodes, checked turn by turn by replay
 
 
 def verify_submission(
@@ -66,6 +67,13 @@ def verify_submission(
                             f"expected {expected} completions ({terms.n_prompts} prompts × {terms.group_size}), "
                             f"got {len(sub.completions)}")
     for i, comp in enumerate(sub.completions):
+        if (comp.turns is not None) != terms.episodes:
+            raise ProtocolError(Reason.SHAPE_MISMATCH,
+                                f"completion {i}: " + ("this multi-turn job's completions are episodes: send their "
+                                                       "turns" if terms.episodes else "this job is not multi-turn: "
+                                                       "send no turns"))
+        if terms.episodes:
+            continue  # each turn is checked as a completion is, while it is replayed (coordinator.episodes)
         n = len(comp.token_ids)
         if n != len(comp.logprobs):
             raise ProtocolError(Reason.SHAPE_MISMATCH,

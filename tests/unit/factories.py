@@ -8,6 +8,7 @@ from shared import PROTOCOL_VERSION
 from shared.messages import (
     ClientProfile,
     Completion,
+    EnvironmentSpec,
     ErrorBody,
     Info,
     Job,
@@ -27,6 +28,7 @@ from shared.messages import (
     SignedManifest,
     SignedRequest,
     SubmitResponse,
+    Turn,
 )
 
 CLIENT_ID = "0123456789abcdef0123456789abcdef"
@@ -96,6 +98,13 @@ def all_messages() -> list[Message]:
         ReleaseResponse(released=True),
         completion(),
         completion(token_ids=[], logprobs=[], finish_reason="length"),
+        Turn(token_ids=[5], logprobs=[-0.5], finish_reason="length", observation_ids=[7, 8]),
+        completion(token_ids=[], logprobs=[], turns=[Turn(token_ids=[2], logprobs=[-1.0], finish_reason="stop",
+                                                          observation_ids=[])]),
+        EnvironmentSpec(env_id="gridworld", code_sha256=SHA, params_json='{"height":3,"width":3}', seeds=[3, 9],
+                        max_turns=4, max_observation_tokens=16),
+        job(environment=EnvironmentSpec(env_id="sokoban", code_sha256=SHA, params_json="{}", seeds=[1],
+                                        max_turns=8, max_observation_tokens=64)),
         submission(),
         SubmitResponse(accepted=True, job_id="v0-j0", mean_reward=0.5, credit=1.0, total_credit=-3.0),
         ManifestFile(path="config.json", size=0, sha256=SHA),
