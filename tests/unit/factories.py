@@ -6,18 +6,23 @@ from typing import Any
 
 from shared import PROTOCOL_VERSION
 from shared.messages import (
+    BlobReply,
+    BlobRequest,
     ClientProfile,
     Completion,
     EnvironmentSpec,
     ErrorBody,
+    HolderEntry,
     Info,
     Job,
     JobPrompt,
+    LatestRecord,
     LeaseRequest,
     LeaseResponse,
     Manifest,
     ManifestFile,
     Message,
+    P2PInfo,
     RegisterRequest,
     RegisterResponse,
     ReleaseRequest,
@@ -33,6 +38,7 @@ from shared.messages import (
 
 CLIENT_ID = "0123456789abcdef0123456789abcdef"
 SHA = "ab" * 32
+PEER = "12D3KooW" + "A" * 44  # a base58 libp2p peer id
 
 
 def profile(**kw: Any) -> ClientProfile:
@@ -112,6 +118,15 @@ def all_messages() -> list[Message]:
         SignedManifest(manifest=b"\x80", signature=sig),
         Info(protocol=PROTOCOL_VERSION, run_id="run-1", coordinator_public_key=b"p" * 32, current_version=7,
              sync_mode="sequential-pull", task="arithmetic", finished=False, server_time=1_700_000_000.0),
+        ManifestFile(path="model.safetensors", size=3 << 20, sha256=SHA, piece_size=1 << 20, pieces=[b"d" * 32] * 3),
+        P2PInfo(enabled=True, peer_id=PEER, maddrs=["/ip4/127.0.0.1/tcp/4001"]),
+        P2PInfo(enabled=False),
+        LatestRecord(run_id="run-1", version=7, manifest_sha256=SHA, created_at=1_700_000_000.0,
+                     expires_at=1_700_000_300.0, signature=sig),
+        HolderEntry(peer_id=PEER, served_bytes=1 << 20),
+        BlobRequest(sha256=SHA, offset=1 << 20),
+        BlobReply(status="ok", length=2 << 20),
+        BlobReply(status="busy"),
     ]
 
 

@@ -21,7 +21,8 @@ def test_each_demo_task_writes_a_valid_config_whose_task_builds(name: str, tmp_p
     config = load_config(_write_config(cfg, tmp_path / "run"))
     assert config.learner.lr == DEMO_TASKS[name].lr
     task = make_task(config.task, config.model.path)
-    assert len(task.train) > 0 and len(task.heldout) >= 32
+    # enough held-out items for the demo's gain to mean something (the 3×3 gridworld has 72 starts, a third held out)
+    assert len(task.train) > 0 and len(task.heldout) >= 24
     longest = max(len(it.prompt.encode()) for it in [*task.train, *task.heldout])  # the tiny model: 1 byte, 1 token
     assert longest + config.sampling.max_tokens <= 64, name
 
