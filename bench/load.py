@@ -82,39 +82,26 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def cpu_ms(pids: list[int], with_children_of: list[int] = ()) -> float:  # type: ignore[assignment]
-    """User+system CPU of these processes (and, for ``with_children_of``, of their live and reaped children)."""
-    tick = os.sysconf("SC_CLK_TCK")
+def cpu_ms(pids: list[int]) -> float:
+    """User+system CPU of these processes so far, from /proc (a process that is gone counts 0)."""
     total = 0
-    live = set(pids)
-    for pid in with_children_of:
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                live.add(int(stat.parent.name))
-    for pid in live:
+    for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         total += int(fields[11]) + int(fields[12])
-        if pid in with_children_of:
-            total += int(fields[13]) + int(fields[14])  # reaped backends' CPU accrues to the postmaster
-    return total * 1000.0 / tick
+    return total * 1000.0 / os.sysconf("SC_CLK_TCK")
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return out
+def pg_backends(url: str, pids: list[int]) -> list[int]:
+    """PostgreSQL backend processes serving connections of these client processes."""
+    import psycopg
+
+    names = [f"echo-swarm pid {p}" for p in pids]
+    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = ANY(%s)", (names,)).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -273,8 +260,12 @@ async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], ro
     url, pid = urls[0], api_pids[0]
     stats = Stats()
 
+    backends = pg_backends(args.store_url, api_pids) if db_pid else []
+
     def coordinator_cpu() -> float:
-        return cpu_ms(api_pids) + (cpu_ms([db_pid], [db_pid]) if db_pid else 0.0)
+        """The API processes, and on PostgreSQL the server backends serving them (coordinator.db names each
+        connection after its process): the learner's and verifiers' own queries are not the API's cost."""
+        return cpu_ms(api_pids + backends)
 
     gen = Generator(run_dir)
     connector = aiohttp.TCPConnector(limit=args.connections)
@@ -332,9 +323,11 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         run_dir = Path(tmp) / "run"
         store_url, db_pid = None, None
         if args.store == "postgresql":
+            os.chmod(tmp, 0o755)  # run as root, the server runs as the postgres user, which must reach its folder
             server = stack.enter_context(LocalPostgres(Path(tmp) / "pg"))  # durable: fsync as in production
             store_url = server.create_database("load")
             db_pid = int((server.data / "postmaster.pid").read_text().split()[0])
+        args.store_url = store_url
         write_config(Path(tmp) / "run.toml", run_dir, ensure_tiny_model(), store_url)
         procs: list[subprocess.Popen[str]] = []
         try:
