@@ -126,8 +126,9 @@ class Store:
         # fsyncs those WAL frames too; only a power loss can drop the last unsynced nonces, reopening a replay
         # window of at most request_window_s for requests captured just before it. That is the cost of not
         # paying an fsync (~5 ms here) on every signed request, which made nonces the throughput ceiling.
-        # On PostgreSQL the light connection commits with synchronous_commit=off: the same trade (a crash of the
-        # server process loses nothing, a power loss may lose the last ~600 ms of such commits).
+        # On PostgreSQL the light connection commits with synchronous_commit=off, a similar trade: a crash of a
+        # role process loses nothing; a crash of the database server or its machine may lose the last ~0.6 s
+        # (3 × wal_writer_delay) of such commits, never a result, lease or step (those commit synchronously).
         self.light_conn = Db(self.url or self.path, light=True)
 
     def backup_to(self, dest: Path) -> str:
