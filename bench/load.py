@@ -14,7 +14,8 @@ the coordinator asked for. All loops are bounded by count and time; nothing leav
 Prints round-trips/s, p50/p99 lease and submit latency, errors by kind (goal: 0 server errors) and the
 coordinator's resident memory at start and end, and writes them as JSON to ``--out``.
 
-CPU per lease and per result: after the measured phase, a lease-only phase (``--lease-phase`` s: clients keep
+The measured phase starts once every client has registered (sign-up is not the steady state; its time is
+reported). CPU per lease and per result: after the measured phase, a lease-only phase (``--lease-phase`` s: clients keep
 asking but no longer generate or submit) gives the coordinator's CPU-ms per lease request; the measured phase's
 CPU minus its leases at that price, over its accepted results, gives CPU-ms per result. "Coordinator CPU" is the
 API processes plus the database (SQLite runs inside the API; PostgreSQL's server processes are counted), read
@@ -64,7 +65,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Stats:
-    def __init__(self) -> None:
+    def __init__(self, clients: int = 0) -> None:
+        self.clients = clients
+        self.registered = 0
+        self.stop_at = float("inf")
         self.lease_only = False  # the lease-only phase: no generation, no submission
         self.leases_in_lease_phase = 0
         self.lease_ms: list[float] = []
@@ -82,39 +86,26 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def cpu_ms(pids: list[int], with_children_of: list[int] = ()) -> float:  # type: ignore[assignment]
-    """User+system CPU of these processes (and, for ``with_children_of``, of their live and reaped children)."""
-    tick = os.sysconf("SC_CLK_TCK")
+def cpu_ms(pids: list[int]) -> float:
+    """User+system CPU of these processes so far, from /proc (a process that is gone counts 0)."""
     total = 0
-    live = set(pids)
-    for pid in with_children_of:
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                live.add(int(stat.parent.name))
-    for pid in live:
+    for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         total += int(fields[11]) + int(fields[12])
-        if pid in with_children_of:
-            total += int(fields[13]) + int(fields[14])  # reaped backends' CPU accrues to the postmaster
-    return total * 1000.0 / tick
+    return total * 1000.0 / os.sysconf("SC_CLK_TCK")
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return out
+def pg_backends(url: str, pids: list[int]) -> list[int]:
+    """PostgreSQL backend processes serving connections of these client processes."""
+    import psycopg
+
+    names = [f"echo-swarm pid {p}" for p in pids]
+    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = ANY(%s)", (names,)).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -168,8 +159,8 @@ async def post(session: aiohttp.ClientSession, url: str, key: Any, path: str, bo
     return raw, ms
 
 
-async def client(i: int, urls: list[str], info: Info, session: aiohttp.ClientSession, stop_at: float, stats: Stats,
-                 gen: Generator, start: asyncio.Event) -> None:
+async def client(i: int, urls: list[str], info: Info, session: aiohttp.ClientSession, stats: Stats,
+                 gen: Generator, start: asyncio.Event, go: asyncio.Event) -> None:
     from swarm_client.hardware import profile
 
     url = urls[i % len(urls)]  # with several API processes, clients are spread over them
@@ -178,11 +169,16 @@ async def client(i: int, urls: list[str], info: Info, session: aiohttp.ClientSes
     reg = wire.encode(RegisterRequest(public_key=crypto.public_bytes(key), profile=prof))
     await start.wait()
     await asyncio.sleep(random.random() * 2.0)  # spread the start over 2 s
-    if (await post(session, url, key, "/v1/register", reg, stats))[0] is None:
+    registered = (await post(session, url, key, "/v1/register", reg, stats))[0] is not None
+    stats.registered += 1
+    if stats.registered == stats.clients:
+        go.set()
+    await go.wait()  # the measured phase starts once every client has registered (steady state, not sign-up)
+    if not registered:
         return
     lease_body = wire.encode(LeaseRequest(backend="torch", held_version=-1))
     for _ in range(1_000_000):  # bounded; the time limit ends it first
-        if time.monotonic() >= stop_at:
+        if time.monotonic() >= stats.stop_at:
             return
         raw, ms = await post(session, url, key, "/v1/lease", lease_body, stats)
         if stats.lease_only:
@@ -273,8 +269,12 @@ async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], ro
     url, pid = urls[0], api_pids[0]
     stats = Stats()
 
+    backends = pg_backends(args.store_url, api_pids) if db_pid else []
+
     def coordinator_cpu() -> float:
-        return cpu_ms(api_pids) + (cpu_ms([db_pid], [db_pid]) if db_pid else 0.0)
+        """The API processes, and on PostgreSQL the server backends serving them (coordinator.db names each
+        connection after its process): the learner's and verifiers' own queries are not the API's cost."""
+        return cpu_ms(api_pids + backends)
 
     gen = Generator(run_dir)
     connector = aiohttp.TCPConnector(limit=args.connections)
@@ -283,16 +283,24 @@ async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], ro
         async with session.get(url + "/v1/info") as resp:
             info = wire.decode(await resp.read(), Info)
         rss_start = rss_mib(pid)
-        start = asyncio.Event()
-        t0 = time.monotonic()
-        stop_at = t0 + args.duration + args.lease_phase
-        tasks = [asyncio.create_task(client(i, urls, info, session, stop_at, stats, gen, start))
+        start, go = asyncio.Event(), asyncio.Event()
+        stats.clients = args.clients
+        tasks = [asyncio.create_task(client(i, urls, info, session, stats, gen, start, go))
                  for i in range(args.clients)]
-        cpu0, roles0 = coordinator_cpu(), cpu_ms(role_pids)
         start.set()
+        t_reg = time.monotonic()
+        try:
+            await asyncio.wait_for(go.wait(), timeout=600)
+        except TimeoutError:
+            go.set()  # bounded: measure with whoever registered
+        registration_s = time.monotonic() - t_reg
+        t0 = time.monotonic()
+        stats.stop_at = t0 + args.duration + args.lease_phase
+        trips0, reg_errors = stats.round_trips, dict(stats.errors)
+        cpu0, roles0 = coordinator_cpu(), cpu_ms(role_pids)
         await asyncio.sleep(args.duration)  # the measured phase runs (the clients' own loops are bounded)
         elapsed = time.monotonic() - t0
-        round_trips, leases, accepted = stats.round_trips, len(stats.lease_ms), stats.accepted
+        round_trips, leases, accepted = stats.round_trips - trips0, len(stats.lease_ms), stats.accepted
         cpu1, roles1 = coordinator_cpu(), cpu_ms(role_pids)
         stats.lease_only = True
         lease_phase0, lease_cpu0 = stats.leases_in_lease_phase, coordinator_cpu()
@@ -303,10 +311,12 @@ async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], ro
         async with session.get(url + "/v1/status") as resp:
             status = json.loads(await resp.read())
     rss_end = rss_mib(pid)
-    server_errors = sum(n for k, n in stats.errors.items() if k.startswith("server"))
+    errors = {k: n - reg_errors.get(k, 0) for k, n in stats.errors.items() if n - reg_errors.get(k, 0)}
+    server_errors = sum(n for k, n in errors.items() if k.startswith("server"))
     return {
         "store": args.store, "apis": args.apis,
-        "clients": args.clients, "duration_s": round(elapsed, 1), "round_trips": round_trips,
+        "clients": args.clients, "registration_s": round(registration_s, 1), "registration_errors": reg_errors,
+        "duration_s": round(elapsed, 1), "round_trips": round_trips,
         "round_trips_per_s": round(round_trips / elapsed, 1),
         "coordinator_cpu_ms": {"measured_phase": round(cpu1 - cpu0), "per_round_trip": round(
             (cpu1 - cpu0) / max(1, round_trips), 2), "per_lease": round(per_lease, 2),
@@ -318,7 +328,7 @@ async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], ro
         "submit_ms": {"n": len(stats.submit_ms), "p50": round(pct(stats.submit_ms, 0.5), 1),
                       "p99": round(pct(stats.submit_ms, 0.99), 1)},
         "jobs_leased": stats.jobs, "results_accepted": accepted, "server_errors": server_errors,
-        "errors": dict(stats.errors), "coordinator_rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)},
+        "errors": errors, "coordinator_rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)},
         "policy_versions": status["version"], "cpu_count": os.cpu_count(),
     }
 
@@ -332,9 +342,11 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         run_dir = Path(tmp) / "run"
         store_url, db_pid = None, None
         if args.store == "postgresql":
+            os.chmod(tmp, 0o755)  # run as root, the server runs as the postgres user, which must reach its folder
             server = stack.enter_context(LocalPostgres(Path(tmp) / "pg"))  # durable: fsync as in production
             store_url = server.create_database("load")
             db_pid = int((server.data / "postmaster.pid").read_text().split()[0])
+        args.store_url = store_url
         write_config(Path(tmp) / "run.toml", run_dir, ensure_tiny_model(), store_url)
         procs: list[subprocess.Popen[str]] = []
         try:

@@ -18,6 +18,7 @@ psycopg is imported only when a PostgreSQL URL is opened (the ``postgres`` extra
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
@@ -270,7 +271,11 @@ def _connect_pg(url: str, light: bool) -> Any:
             return float(text) if ("." in text or "e" in text.lower() or "N" in text) else int(text)
 
     try:
-        conn = psycopg.connect(url, autocommit=True, row_factory=_pg_row_factory, connect_timeout=CONNECT_TIMEOUT_S)
+        # application_name: pg_stat_activity says which process each server backend serves
+        name: dict[str, Any] = {} if "application_name" in url else {
+            "application_name": f"echo-swarm pid {os.getpid()}"}
+        conn = psycopg.connect(url, autocommit=True, row_factory=_pg_row_factory, connect_timeout=CONNECT_TIMEOUT_S,
+                               **name)
     except psycopg.OperationalError as exc:
         raise RuntimeError(f"cannot connect to the PostgreSQL store ({exc}); check store.url, that the server "
                            f"runs and accepts this host and user") from None

@@ -132,8 +132,9 @@ class Store:
         # synchronous=NORMAL: a commit there is written to the WAL (the OS page cache) without an fsync. That
         # survives a kill -9 of the coordinator exactly (the OS still has the bytes), and the next
         # synchronous=FULL commit on self.conn (any accepted result or step) fsyncs those WAL frames too.
-        # On PostgreSQL the light connection commits with synchronous_commit=off: the same trade (a crash of the
-        # server process loses nothing, a power loss may lose the last ~600 ms of such commits).
+        # On PostgreSQL the light connection commits with synchronous_commit=off, a similar trade: a crash of a
+        # role process loses nothing; a crash of the database server or its machine may lose the last ~0.6 s
+        # (3 × wal_writer_delay) of such commits, never a result or a step (those commit synchronously).
         self.light_conn = Db(self.url or self.path, light=True)
 
     def backup_to(self, dest: Path) -> str:
