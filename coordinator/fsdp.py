@@ -281,7 +281,9 @@ def load_checkpoint(model: Any, optimizer: Any, folder: Path, with_optimizer: bo
         set_state_dict,
     )
 
-    opts = StateDictOptions(ignore_frozen_params=True)
+    # the frozen base (LoRA) is not in the checkpoint: it comes from the model folder, so loading is not strict;
+    # a trainable tensor the checkpoint lacks still fails in dcp.load
+    opts = StateDictOptions(ignore_frozen_params=True, strict=False)
     if with_optimizer:
         msd, osd = get_state_dict(model, optimizer, options=opts)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))  # fills msd and osd in place
