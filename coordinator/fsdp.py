@@ -92,6 +92,10 @@ def start(config: CoordinatorConfig) -> Ranks:
     from shared.policy import pick_device
 
     world = env_world_size()
+    kind = pick_device(config.model.device)
+    if kind.startswith("cuda") and (world or config.learner.world_size) > torch.cuda.device_count():
+        raise RanksError(f"{world or config.learner.world_size} learner ranks need as many GPUs, one each; this "
+                         f"host has {torch.cuda.device_count()}: lower learner.world_size")
     followers: list[subprocess.Popen[bytes]] = []
     if world is None:  # not under torchrun: this is rank 0, and it starts the others
         world = config.learner.world_size
@@ -112,10 +116,10 @@ def start(config: CoordinatorConfig) -> Ranks:
                          f"set learner.world_size = {world} (or leave it at 1 under torchrun)")
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    kind = pick_device(config.model.device)
-    if kind.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        device, backend = f"cuda:{local_rank}", "nccl"
+    if kind.startswith("cuda"):  # rank r on cuda:r; a group of one keeps the configured device
+        index = int(kind.partition(":")[2] or 0) if world == 1 else local_rank
+        torch.cuda.set_device(index)
+        device, backend = f"cuda:{index}", "nccl"
     elif kind == "cpu":
         device, backend = "cpu", "gloo"
     else:
@@ -277,7 +281,9 @@ def load_checkpoint(model: Any, optimizer: Any, folder: Path, with_optimizer: bo
         set_state_dict,
     )
 
-    opts = StateDictOptions(ignore_frozen_params=True)
+    # the frozen base (LoRA) is not in the checkpoint: it comes from the model folder, so loading is not strict;
+    # a trainable tensor the checkpoint lacks still fails in dcp.load
+    opts = StateDictOptions(ignore_frozen_params=True, strict=False)
     if with_optimizer:
         msd, osd = get_state_dict(model, optimizer, options=opts)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))  # fills msd and osd in place

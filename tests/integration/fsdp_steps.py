@@ -7,8 +7,8 @@ itself (coordinator.fsdp.start, as the learner role does), which follow it throu
 
 It writes into OUT: ``metrics.json`` (each step's loss and grad norm) and, after each step, the published form of
 the weights (the snapshot files the publisher would write: gathered from the shards on N ranks): ``full-1``,
-``full-2`` (full fine-tuning, two steps), ``lora-1`` (a LoRA step). On N ranks also ``full-2-resumed``: a fresh
-learner that loads the sharded checkpoint written after step 1 and takes step 2 again.
+``full-2`` (full fine-tuning, two steps), ``lora-1``, ``lora-2`` (LoRA). On N ranks also ``full-2-resumed`` and
+``lora-2-resumed``: a fresh learner that loads the sharded checkpoint written after step 1 and takes step 2 again.
 """
 
 from __future__ import annotations
@@ -92,8 +92,18 @@ def main(out: Path, model_dir: Path, world: str) -> None:
         lora_cfg = learner_cfg.model_copy(update={"lora_rank": 4, "lr": 1e-2})
         torch.manual_seed(0)  # the same random adapters as the reference run (rank 0's reach every rank)
         adapted = learner(lora_cfg)
+        lora_checkpoints = CheckpointStore(out / "lora-checkpoints")
         metrics["lora"] = [[adapted.train_step(first)["loss"], 0.0]]
         write(adapted, out / "lora-1")
+        if ranks is not None:
+            lora_checkpoints.write(adapted.checkpoint_state(lora_checkpoints.staging(1)), 0.0)
+        metrics["lora"].append([adapted.train_step(second)["loss"], 0.0])
+        write(adapted, out / "lora-2")
+        if ranks is not None:  # the adapter and its optimizer state from the sharded checkpoint, then step 2
+            resumed = learner(lora_cfg)
+            resumed.load_sharded_checkpoint(lora_checkpoints.folder(1), 1, 2, True)
+            resumed.train_step(second)
+            write(resumed, out / "lora-2-resumed")
     finally:
         if ranks is not None:
             fsdp.stop(ranks)

@@ -3,7 +3,8 @@
 One run of tests/integration/fsdp_steps.py per layout, both at once: the same two batches (nine samples, then one,
 so one rank's share is empty), full fine-tuning and LoRA. Compared: each step's loss, and the published weights
 after each step (gathered from the shards as the publisher gets them). A second 2-rank learner that loads the
-sharded checkpoint written after step 1 takes step 2 again and must end bit for bit where the first one did.
+sharded checkpoint written after step 1 takes step 2 again and must end bit for bit where the first one did (full
+weights, and the adapter with its optimizer state for LoRA).
 
 Tolerances: the ranks sum their halves of the gradient in another order than one device sums the whole, so values
 agree to float32 rounding; Adam's first step is lr·g/(|g| + eps), nearly sign(g)·lr, which hides such rounding
@@ -72,6 +73,10 @@ def test_two_ranks_match_one_device_and_resume_bit_for_bit(tmp_path: Path, tiny_
     assert two["lora"][0][0] == pytest.approx(one["lora"][0][0], rel=1e-5, abs=1e-7)
     adapter = "adapter_model.safetensors"
     assert _max_diff(_weights(single / "lora-1", adapter), _weights(ranks / "lora-1", adapter)) < 1e-6
+    assert two["lora"][1][0] == pytest.approx(one["lora"][1][0], rel=1e-5, abs=1e-7)
+    assert _max_diff(_weights(single / "lora-2", adapter), _weights(ranks / "lora-2", adapter)) < 1e-5
+    done, resumed = _weights(ranks / "lora-2", adapter), _weights(ranks / "lora-2-resumed", adapter)
+    assert all(torch.equal(done[k], resumed[k]) for k in done)  # type: ignore[arg-type]
     published_base = _weights(ranks / "lora-1")
     assert _max_diff({k: base[k] for k in published_base}, published_base) == 0.0
 
