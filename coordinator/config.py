@@ -200,7 +200,8 @@ class ReasoningGymTaskConfig(_Strict):
     config: dict[str, Any] = Field(default_factory=dict, description="The dataset's own settings (its config "
                                    "dataclass's fields, e.g. max_digits = 2 for basic_arithmetic).")
     prompt_template: str = Field("{question}", description="Formats the question (the user message, with "
-                                 "chat_template), e.g. 'Q: {question} A:'.")
+                                 "chat_template), e.g. 'Q: {question} A:'; the item's metadata may be named too, "
+                                 "e.g. '{metadata[expression]}' for basic_arithmetic.")
     chat_template: bool = Field(False, description="Render the prompt with the model's own chat template: for "
                                 "instruct models (ask for the answer inside <answer></answer> in system_prompt).")
     system_prompt: str | None = Field(None, description="A system message before the question (chat_template "
@@ -222,9 +223,11 @@ class ReasoningGymTaskConfig(_Strict):
             fields = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None}
         except ValueError:
             raise ValueError("prompt_template is not a format string; write literal braces as '{{' and '}}'") from None
-        if fields != {"question"}:
-            raise ValueError("prompt_template must contain '{question}' and no other field, e.g. 'Q: {question} A:' "
-                             "(write literal braces as '{{' and '}}')")
+        roots = {re.split(r"[.\[]", f, maxsplit=1)[0] for f in fields}
+        if not fields or not roots <= {"question", "metadata"}:
+            raise ValueError("prompt_template may name only the item's '{question}' and its metadata (e.g. "
+                             "'{metadata[expression]}'), and must name one, e.g. 'Q: {question} A:' (write literal "
+                             "braces as '{{' and '}}')")
         # lazy: reasoning-gym takes seconds to import, and only a run of this task type needs it
         from coordinator.reasoning_gym_task import check_dataset_config
 

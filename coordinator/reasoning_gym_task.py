@@ -64,6 +64,15 @@ def check_dataset_config(name: str, config: Mapping[str, Any]) -> None:
         raise ValueError(f"task.config is not a valid {name} configuration: {exc or type(exc).__name__}") from None
 
 
+def _fill(template: str, entry: dict[str, Any]) -> str:
+    try:
+        return template.format(question=entry["question"], metadata=entry.get("metadata") or {})
+    except (KeyError, IndexError, AttributeError, TypeError) as exc:
+        keys = sorted(entry.get("metadata") or {})
+        raise TaskError(f"task.prompt_template names {exc} that this dataset's items lack; their metadata keys are "
+                        f"{keys}") from None
+
+
 class ReasoningGymTask:
     """One reasoning-gym dataset as a task: reward = the dataset's ``score_answer`` on the completion's answer."""
 
@@ -98,7 +107,7 @@ class ReasoningGymTask:
         chat = chat_formatter(config.chat_template, config.tokenizer_path or tokenizer_dir)
 
         def items(rows: list[dict[str, Any]]) -> list[TaskItem]:
-            filled = [config.prompt_template.format(question=r["question"]) for r in rows]
+            filled = [_fill(config.prompt_template, r) for r in rows]
             texts = filled if chat is None else chat.format(filled, config.system_prompt)
             return [TaskItem(prompt=t, answer=str(r["answer"]), source=r["question"], columns={"entry": r})
                     for t, r in zip(texts, rows, strict=True)]

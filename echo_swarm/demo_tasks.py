@@ -30,12 +30,14 @@ DEMO_TASKS: dict[str, DemoTask] = {
     "dataset": DemoTask("the dataset task on a bundled JSONL file (GSM8K-style answers, last_number reward)",
                         f'[task]\ntype = "dataset"\ntrain_path = {json.dumps(str(DEMO_DATA / "sums.jsonl"))}\n'
                         'prompt_column = "question"\nprompt_template = "Q: {prompt}= A:"\nheldout_size = 256\n'),
-    "reasoning-gym": DemoTask("reasoning-gym's basic_arithmetic, one-digit sums, scored by its own scorer (needs "
+    # the question's expression in the tiny model's own 'Q: ...= A:' form: it was warm-started on nothing else, and
+    # "Calculate 5 + 3." starts it near 0.06 held-out accuracy with no measurable gain in 75 steps (docs/benchmarks.md)
+    "reasoning-gym": DemoTask("reasoning-gym's basic_arithmetic (one-digit sums), scored by its own scorer (needs "
                               "the reasoning-gym extra)",
                               '[task]\ntype = "reasoning-gym"\ndataset = "basic_arithmetic"\nsize = 60\n'
-                              'heldout_size = 64\nprompt_template = "Q: {question} A:"\n'
+                              'heldout_size = 64\nprompt_template = "Q: {metadata[expression]}= A:"\n'
                               "config = { min_terms = 2, max_terms = 2, max_digits = 1, operators = [\"+\"], "
-                              "allow_parentheses = false, allow_negation = false }\n"),
+                              "allow_parentheses = false, allow_negation = false }\n", lr=3e-4),
     # multi-turn, verified by replay (coordinator.episodes): a 3×3 grid, four turns of one digit each; held out:
     # 24 of the 72 starting states (docs/benchmarks.md, "Multi-turn gridworld")
     "gridworld": DemoTask("multi-turn episodes in a 3×3 gridworld, verified by replaying every action "

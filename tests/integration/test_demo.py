@@ -70,3 +70,17 @@ def test_join_reports_an_unreachable_coordinator(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Check that the URL is right" in proc.stdout
     assert (tmp_path / "home" / "identity.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_demo_runs_the_reasoning_gym_task_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`echo-swarm demo --task reasoning-gym`: clients generate, the coordinator scores with reasoning-gym's own
+    scorer, and the learner trains (a few steps: the learning itself is measured in docs/benchmarks.md)."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "echo_swarm", "demo", "--task", "reasoning-gym", "--steps", "3",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "reasoning-gym" and summary["final_version"] == 3
+    assert summary["rejected"] == 0 and summary["accepted"] >= 6 and summary["eval_prompts"] == 64
+    assert 'type = "reasoning-gym"' in (out / "run.toml").read_text()
+    assert "echo-swarm demo: reasoning-gym" in proc.stdout

@@ -43,7 +43,8 @@ def test_an_unknown_dataset_lists_the_known_ones() -> None:
     ({"dataset": "basic_arithmetic", "config": {"seed": 3}}, "use task.seed and task.size"),
     ({"dataset": "basic_arithmetic", "config": {"min_terms": 3, "max_terms": 2}},
      "not a valid basic_arithmetic configuration: max_terms must be >= min_terms"),
-    ({"dataset": "basic_arithmetic", "prompt_template": "Q: {prompt}"}, "must contain '{question}'"),
+    ({"dataset": "basic_arithmetic", "prompt_template": "Q: {prompt}"}, "may name only the item's '{question}'"),
+    ({"dataset": "basic_arithmetic", "prompt_template": "Q: no field"}, "and must name one"),
     ({"dataset": "basic_arithmetic", "system_prompt": "Think."}, "system_prompt needs chat_template = true"),
     ({"dataset": "basic_arithmetic", "chat_template": True}, "the built-in 'tiny' model has none"),
     ({"dataset": "basic_arithmetic", "size": 0}, "task.reasoning-gym.size"),
@@ -105,3 +106,10 @@ def test_without_the_extra_it_says_what_to_install(monkeypatch: pytest.MonkeyPat
         ReasoningGymTask(ReasoningGymTaskConfig.model_construct(  # (built without its validator, which imports)
             type="reasoning-gym", dataset="basic_arithmetic", size=10, seed=0, heldout_size=2, config={},
             prompt_template="{question}", chat_template=False, system_prompt=None, tokenizer_path=None))
+
+
+def test_the_template_may_name_the_items_metadata() -> None:
+    task = ReasoningGymTask(rg(size=4, heldout_size=2, prompt_template="Q: {metadata[expression]}= A:"))
+    assert all(it.prompt == f"Q: {it.source[len('Calculate '):-1]}= A:" for it in task.train)
+    with pytest.raises(TaskError, match=r"names 'nope' that this dataset's items lack; their metadata keys are \["):
+        ReasoningGymTask(rg(size=4, heldout_size=2, prompt_template="{metadata[nope]}"))
