@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import resource
@@ -49,7 +50,7 @@ def build_model(out: Path, mib: int) -> Path:
     tok = build_tokenizer()
     hidden = 512
     per_layer = 4 * hidden * hidden + 3 * hidden * 1408  # attention (q, k, v, o at most) + MLP
-    layers = max(1, round(mib * 2**20 / 4 / per_layer))
+    layers = max(1, math.ceil(mib * 2**20 / 4 / per_layer))  # at least --mib
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=1408, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
@@ -113,7 +114,7 @@ def proc_cpu_s(pid: int | None) -> float:
 
 
 def run_mode(coord: Coordinator, tmp: Path, clients: int, p2p: bool, corrupt: bool, timeout_s: float,
-             size: int) -> dict[str, Any]:
+             size: int, deadline_s: float) -> dict[str, Any]:
     mode = "p2p" if p2p else "http"
     before = coord.service.egress.view()
     homes = [tmp / f"{mode}-{i}" for i in range(clients)]
@@ -123,7 +124,7 @@ def run_mode(coord: Coordinator, tmp: Path, clients: int, p2p: bool, corrupt: bo
         argv = [sys.executable, "-m", "swarm_client.peer_probe", coord.url, "--home", str(home), "--version", "0"]
         argv += ["--corrupt-piece", "1"] if bad else ["--wait-go", str(tmp / f"go-{mode}")]
         if p2p:
-            argv += ["--p2p", "--serve-s", str(timeout_s)]
+            argv += ["--p2p", "--serve-s", str(timeout_s), "--deadline-s", str(deadline_s)]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                       cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}))
     # every client is up (torch imported, p2pd started, DHT joined) before any fetch starts: start-up is not measured
@@ -148,7 +149,11 @@ def run_mode(coord: Coordinator, tmp: Path, clients: int, p2p: bool, corrupt: bo
     served, client_cpu = [], 0.0
     for p, r in zip(procs, reports, strict=True):
         assert p.stdout is not None
-        out, _ = p.communicate(timeout=60)
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:  # a loaded machine: its served count is then missing, not wrong
+            p.kill()
+            out, _ = p.communicate(timeout=30)
         ends = [json.loads(x) for x in out.splitlines() if '"served"' in x]
         served.extend(e["served_bytes"] for e in ends)
         client_cpu += ends[0]["cpu_s"] if ends else r["cpu_s"]
@@ -203,18 +208,24 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64, help="size of the weights file")
     ap.add_argument("--seed-peers", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=900)
+    ap.add_argument("--deadline-s", type=float, default=20.0, help="a client's p2p deadline (join --p2p: "
+                    "p2p_deadline_s) before it takes the rest over HTTP")
+    ap.add_argument("--modes", default="http,p2p,corrupt", help="comma-separated subset of http, p2p, corrupt")
     ap.add_argument("--no-corrupt", action="store_true", help="skip the run with a corrupting peer")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="echo-egress-"))
     model = build_model(Path(tempfile.gettempdir()) / f"echo-egress-model-{args.mib}", args.mib)
     rows = []
-    for p2p, corrupt in [(False, False), (True, False)] + ([] if args.no_corrupt else [(True, True)]):
+    modes = {"http": (False, False), "p2p": (True, False), "corrupt": (True, True)}
+    wanted = [modes[m] for m in args.modes.split(",") if not (m == "corrupt" and args.no_corrupt)]
+    for p2p, corrupt in wanted:
         coord = Coordinator(tmp / f"run-{p2p}-{corrupt}", model, p2p, args.seed_peers)
         try:
             size = sum(p.stat().st_size for p in (tmp / f"run-{p2p}-{corrupt}" / "snapshots" / "v000000").iterdir()
                        if p.name != "manifest.msgpack")
-            rows.append(run_mode(coord, tmp / f"c-{p2p}-{corrupt}", args.clients, p2p, corrupt, args.timeout_s, size))
+            rows.append(run_mode(coord, tmp / f"c-{p2p}-{corrupt}", args.clients, p2p, corrupt, args.timeout_s, size,
+                                 args.deadline_s))
             print(json.dumps(rows[-1]), flush=True)
         finally:
             coord.close()

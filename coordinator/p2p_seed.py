@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the new-version check runs (a dict lookup; cheap)
+RETRY_S = 10.0  # after a failed publication
 
 
 @dataclass
@@ -90,15 +91,17 @@ class CoordinatorPeer:
             self.node = None
 
     async def _publish_loop(self) -> None:
-        published = (-1, 0.0)
+        published, retry_at = -1, 0.0
         while True:
             version = self.coord.version
-            if version != published[0] or time.monotonic() - published[1] > self.config.record_ttl_s / 5:
+            if version != published or time.monotonic() >= retry_at:
                 try:
                     await self.publish(version)
-                    published = (version, time.monotonic())
-                except Exception as exc:  # a DHT hiccup: the next round tries again
-                    logger.warning("p2p: publishing version %d failed: %s: %s", version, type(exc).__name__, exc)
+                    published, retry_at = version, time.monotonic() + self.config.record_ttl_s / 5
+                except Exception as exc:  # a DHT hiccup (a loaded machine, peers leaving): try again soon
+                    published, retry_at = version, time.monotonic() + RETRY_S
+                    logger.warning("p2p: publishing version %d failed (%s: %s); retrying in %.0f s", version,
+                                   type(exc).__name__, exc, RETRY_S)
             await asyncio.sleep(POLL_S)
 
     async def publish(self, version: int) -> None:

@@ -324,20 +324,22 @@ class PeerNode:
                     last: frozenset[str] | set[str] = frozenset(), first: frozenset[str] | set[str] = frozenset(),
                     on_bytes: Callable[[int], None] | None = None) -> FetchReport:
         """Download ``file`` into ``partial`` from peers, piece by piece, each checked on arrival; resume after
-        the last verified piece. Returns when the file is complete or when no peer delivered a byte for
-        ``deadline_s`` (then ``report.fallback`` says why and the caller continues over HTTP from what is on
+        the last verified piece. Returns when the file is complete or when for ``deadline_s`` no peer delivered a
+        byte and no new holder appeared (then ``report.fallback`` says why and the caller continues over HTTP from what is on
         disk). ``last``: peers tried only after all others (the coordinator, which seeds a few peers only);
         ``first``: peers tried before all others (tests and benchmarks aim at a known bad peer with it)."""
         report = FetchReport()
         have = verified_prefix(partial, file)
         banned: set[str] = set()
-        progress_at = time.monotonic()
+        progress_at, known_holders = time.monotonic(), 0
         while have < file.size:
             try:
                 holders = await self.holders(file.sha256)
             except (TimeoutError, Exception) as exc:
                 holders = {}
                 logger.info("p2p: holder lookup failed: %s", type(exc).__name__)
+            if len(holders) > known_holders:  # the swarm progresses (a seed finished): wait for it, not for HTTP
+                known_holders, progress_at = len(holders), time.monotonic()
             candidates = [p for p in holders if p != self.peer_id and p not in banned and p not in avoid]
             random.shuffle(candidates)
             candidates.sort(key=lambda p: (p not in first, p in last))

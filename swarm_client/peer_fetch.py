@@ -135,8 +135,14 @@ class ClientPeer:
             self.say_once("pieces", "p2p: this snapshot's manifest has no piece hashes (published before protocol "
                                     "4); fetching it over HTTP")
             return
-        report = await self.node.fetch(file, partial, deadline_s=self.settings.deadline_s,
-                                       last={self.coordinator_peer}, first=self.prefer, on_bytes=on_bytes)
+        try:
+            report = await self.node.fetch(file, partial, deadline_s=self.settings.deadline_s,
+                                           last={self.coordinator_peer}, first=self.prefer, on_bytes=on_bytes)
+        except Exception as exc:  # p2p is best effort: whatever broke, HTTP continues from the verified bytes
+            self.stats.fallbacks += 1
+            self.say_once("error", f"p2p: fetching {file.path} from peers failed ({type(exc).__name__}: {exc}); "
+                                   f"fetching it over HTTP")
+            return
         self.stats.peer_bytes += report.peer_bytes
         self.stats.wasted_bytes += report.wasted_bytes
         self.stats.banned += len(report.banned)
