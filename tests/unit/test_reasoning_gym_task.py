@@ -113,3 +113,14 @@ def test_the_template_may_name_the_items_metadata() -> None:
     assert all(it.prompt == f"Q: {it.source[len('Calculate '):-1]}= A:" for it in task.train)
     with pytest.raises(TaskError, match=r"names 'nope' that this dataset's items lack; their metadata keys are \["):
         ReasoningGymTask(rg(size=4, heldout_size=2, prompt_template="{metadata[nope]}"))
+
+
+def test_the_task_loads_no_torch() -> None:
+    """The API process builds the task and scores every result with it, and never loads torch."""
+    import subprocess
+
+    code = ("import sys; from coordinator.config import ReasoningGymTaskConfig; from coordinator.tasks import make_task; "
+            "t = make_task(ReasoningGymTaskConfig(dataset='basic_arithmetic', size=10, heldout_size=2)); "
+            "t.score(t.train[:1], ['1']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
