@@ -96,12 +96,12 @@ class Db:
         self._integrity: type[Exception] = sqlite3.IntegrityError
         self._in_tx = False
         if isinstance(target, str) and is_postgres_url(target):
-            import psycopg
-
             self.dialect: Dialect = "postgresql"
             self._url, self._light = target, light
+            self._pg = _connect_pg(target, light)  # says how to install psycopg if it is missing
+            import psycopg
+
             self._lost: type[Exception] = psycopg.OperationalError
-            self._pg = _connect_pg(target, light)
             self._lite: sqlite3.Connection | None = None
             self._integrity = psycopg.IntegrityError
         else:

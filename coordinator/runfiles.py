@@ -51,7 +51,11 @@ class RunFiles:
                 if run_id is None:
                     run_id = secrets.token_hex(6)
                     store.set_meta("run_id", run_id)
-                _same_key(store, crypto.public_bytes(key).hex(), run_dir)
+                try:
+                    _same_key(store, crypto.public_bytes(key).hex(), run_dir)
+                except KeyMismatch:
+                    store.close()
+                    raise
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return cls(config=config, store=store, key=key, run_id=run_id,
@@ -71,7 +75,6 @@ def _same_key(store: Store, public_hex: str, run_dir: Path) -> None:
     if recorded is None:
         store.set_meta("coordinator_public_key", public_hex)
     elif recorded != public_hex:
-        store.close()
         raise KeyMismatch(f"{run_dir / 'coordinator.key'} is not the key this run signs with (the store records "
                           f"public key {recorded[:16]}…); copy coordinator.key from the host where the run started "
                           f"into this run directory, then start the role again")

@@ -174,3 +174,22 @@ def test_text_codec_matches_transformers_without_torch(tiny_model_dir: Path) -> 
         ids = [rng.randrange(codec.vocab_size) for _ in range(24)]
         assert codec.decode(ids) == tok.decode(ids, skip_special_tokens=True)
     assert codec.stop_ids == stop_token_ids(tok)
+
+
+def test_a_role_with_another_coordinator_key_is_refused(store: Store, tmp_path: Path) -> None:
+    """Roles on several hosts share the store: the first records the run's public key; a host whose
+    coordinator.key was created there instead of copied refuses to start, saying what to copy."""
+    from coordinator.runfiles import KeyMismatch, _same_key
+
+    _same_key(store, "aa" * 32, tmp_path)
+    _same_key(store, "aa" * 32, tmp_path)  # the same key again: fine
+    with pytest.raises(KeyMismatch, match="copy coordinator.key"):
+        _same_key(store, "bb" * 32, tmp_path)
+
+
+def test_store_url_must_name_postgresql() -> None:
+    from coordinator.config import CoordinatorConfig
+
+    with pytest.raises(ValueError, match="postgresql://"):
+        CoordinatorConfig.model_validate({"store": {"url": "mysql://db/run"}})
+    assert CoordinatorConfig.model_validate({"store": {"url": ""}}).store.url is None
