@@ -293,4 +293,6 @@ def test_the_run_config_refuses_what_cannot_be_replayed(tmp_path: Path) -> None:
         load_config(None, task | {"sync_mode": "colocated"})
     with pytest.raises(ConfigError, match="accepted: size, boxes, pulls, step_penalty"):
         load_config(None, task | {"task.env": "sokoban", "task.params": {"walls": 3}})
+    with pytest.raises(ConfigError, match="episodes × 64 turns could need .* Lower jobs.prompts_per_job"):
+        load_config(None, task | {"task.max_turns": 64, "sampling.max_tokens": 1024, "jobs.prompts_per_job": 16})
     assert load_config(None, task).task.type == "environment"
