@@ -296,3 +296,14 @@ def test_the_run_config_refuses_what_cannot_be_replayed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="episodes × 64 turns could need .* Lower jobs.prompts_per_job"):
         load_config(None, task | {"task.max_turns": 64, "sampling.max_tokens": 1024, "jobs.prompts_per_job": 16})
     assert load_config(None, task).task.type == "environment"
+
+
+def test_gridworld_rewards_only_new_progress() -> None:
+    env = make_env("gridworld", {"width": 3, "height": 1})
+    assert isinstance(env, GridWorld)
+    env.reset(0)
+    env.agent, env.goal, env.start_distance, env.best = (1, 0), (2, 0), 1, 1
+    assert env.step("3").reward == 0.0  # away: no reward, and no penalty (standing still must not be safer)
+    assert env.step("4").reward == 0.0  # back to where it was: no new progress
+    step = env.step("4")
+    assert step.reward == 1.0 and step.done
