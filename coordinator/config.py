@@ -204,11 +204,11 @@ class EnvironmentTaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _known(self) -> EnvironmentTaskConfig:
-        from shared.envs import EnvironmentError_, parse_params
+        from shared.envs import EnvError, parse_params
 
         try:
             parse_params(self.env, self.params)
-        except EnvironmentError_ as exc:
+        except EnvError as exc:
             raise ValueError(str(exc)) from None
         try:
             fields = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None}

@@ -38,7 +38,6 @@ class GridWorld:
     id: ClassVar[str] = "gridworld"
     Params: ClassVar[type[EnvParams]] = GridParams
     actions: ClassVar[tuple[str, ...]] = tuple(MOVES)
-    max_observation_chars: ClassVar[int] = 12
 
     def __init__(self, params: EnvParams) -> None:
         assert isinstance(params, GridParams)
