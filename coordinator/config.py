@@ -255,11 +255,11 @@ class EnvironmentTaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _known(self) -> EnvironmentTaskConfig:
-        from shared.envs import EnvironmentError_, parse_params
+        from shared.envs import EnvError, parse_params
 
         try:
             parse_params(self.env, self.params)
-        except EnvironmentError_ as exc:
+        except EnvError as exc:
             raise ValueError(str(exc)) from None
         try:
             fields = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None}
@@ -710,6 +710,14 @@ class CoordinatorConfig(_Strict):
         if isinstance(self.task, EnvironmentTaskConfig) and self.sync_mode == "colocated":
             raise ValueError("the colocated baseline does not play multi-turn episodes; use sync_mode = "
                              "'sequential-pull' or 'async-push-pull' with task.type = 'environment'")
+        if isinstance(self.task, EnvironmentTaskConfig):
+            per_job = self.jobs.prompts_per_job * self.learner.group_size
+            t = self.task
+            size = 4096 + per_job * (64 + t.max_turns * (64 + self.sampling.max_tokens * 14 + t.max_observation_tokens * 5))
+            if size > 8 * 1024 * 1024:
+                raise ValueError(f"a job of {per_job} episodes × {t.max_turns} turns could need {size / 2**20:.1f} MiB "
+                                 f"per result; the limit is 8 MiB. Lower jobs.prompts_per_job, task.max_turns, "
+                                 f"sampling.max_tokens or task.max_observation_tokens")
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ from coordinator.config import EnvironmentTaskConfig
 from coordinator.rewards import ScoredBatch
 from coordinator.task_data import TaskError
 from shared.envs import (
-    EnvironmentError_,
+    EnvError,
     EnvParams,
     check_replayable,
     code_hash,
@@ -69,7 +69,7 @@ class EnvTask:
         try:
             self.params: EnvParams = parse_params(config.env, config.params)
             check_replayable(config.env, self.params, seeds=range(4))  # hidden randomness stops the run here
-        except EnvironmentError_ as exc:
+        except EnvError as exc:
             raise TaskError(str(exc)) from None
         self.code_sha256 = code_hash(config.env)
         self.params_json = params_json(self.params)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shared.envs import EnvironmentError_, code_hash, env_class, load_tokenizer, parse_params
+from shared.envs import EnvError, code_hash, env_class, load_tokenizer, parse_params
 from shared.envs.play import play, turn_seed
 from shared.errors import ProtocolError, Reason
 from shared.messages import Completion, Job, JobPrompt, Turn
@@ -29,7 +29,7 @@ def check_environment(job: Job) -> None:
         env_class(spec.env_id)
         mine = code_hash(spec.env_id)
         parse_params(spec.env_id, json.loads(spec.params_json))
-    except (EnvironmentError_, ValueError) as exc:
+    except (EnvError, ValueError) as exc:
         raise ProtocolError(Reason.ENVIRONMENT_MISMATCH, f"this client cannot run the job's environment "
                                                          f"{spec.env_id!r}: {exc}. Upgrade echo-swarm to the "
                                                          f"coordinator's version") from None

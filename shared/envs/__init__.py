@@ -22,11 +22,8 @@ from typing import Any, ClassVar, Protocol
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
-class EnvironmentError_(ValueError):  # noqa: N801 - the builtin EnvironmentError is OSError's alias
-    """An unknown environment, or parameters it refuses; the message says how to fix it."""
-
-
-UnknownEnvironment = EnvironmentError_
+class EnvError(ValueError):
+    """An unknown environment, parameters it refuses, or one that cannot be replayed; the message says what to do."""
 
 #: Built-in environments: id → "module:class" (imported only when used).
 REGISTRY: dict[str, str] = {
@@ -59,7 +56,6 @@ class Environment(Protocol):
     id: ClassVar[str]
     Params: ClassVar[type[EnvParams]]
     actions: ClassVar[tuple[str, ...]]
-    max_observation_chars: ClassVar[int]
 
     def reset(self, seed: int) -> str: ...
 
@@ -73,7 +69,7 @@ class Environment(Protocol):
 
 def env_class(env_id: str) -> Any:
     if env_id not in REGISTRY:
-        raise UnknownEnvironment(f"unknown environment {env_id!r}; built in: {', '.join(sorted(REGISTRY))}")
+        raise EnvError(f"unknown environment {env_id!r}; built in: {', '.join(sorted(REGISTRY))}")
     module, name = REGISTRY[env_id].split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -85,7 +81,7 @@ def parse_params(env_id: str, params: dict[str, Any]) -> EnvParams:
         return cls.Params.model_validate(params)
     except ValidationError as exc:
         parts = [f"{'.'.join(str(p) for p in e['loc']) or '(all)'}: {e['msg']}" for e in exc.errors()]
-        raise EnvironmentError_(f"environment {env_id!r} refuses its parameters: {'; '.join(parts)} "
+        raise EnvError(f"environment {env_id!r} refuses its parameters: {'; '.join(parts)} "
                                 f"(accepted: {', '.join(cls.Params.model_fields)})") from None
 
 
@@ -153,6 +149,6 @@ def check_replayable(env_id: str, params: EnvParams, seeds: Sequence[int], turns
                     break
             transcripts.append(out)
         if transcripts[0] != transcripts[1]:
-            raise EnvironmentError_(f"environment {env_id!r} is not replayable: two copies reset with seed {seed} "
+            raise EnvError(f"environment {env_id!r} is not replayable: two copies reset with seed {seed} "
                                     f"answered the same actions differently, so the coordinator could not verify its "
                                     f"episodes. Derive every random choice from the reset seed")

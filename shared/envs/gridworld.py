@@ -6,8 +6,9 @@ Observation: the agent's and the goal's column and row as four digits in the ari
 and a 3×3 episode of four turns fits its 64-position context (11 + 4 × 13 byte tokens). Actions are digits:
 ``1`` up, ``2`` down, ``3`` left, ``4`` right (the digits the warm start already emits most); any other text is
 an invalid action and leaves the agent where it is. Reward: the share of the starting
-distance closed by the step (so an episode that reaches the goal earns 1 in all, and each step towards it earns
-its part); the episode ends at the goal.
+distance by which the step brings the agent closer than it has been yet (so an episode earns the share of the
+distance it closed at best, 1 at the goal, where it ends). Never negative: a signed reward (moving away costs)
+made standing still — an invalid action, reward 0 — the tiny model's safest choice, and GRPO collapsed onto it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class GridWorld:
     id: ClassVar[str] = "gridworld"
     Params: ClassVar[type[EnvParams]] = GridParams
     actions: ClassVar[tuple[str, ...]] = tuple(MOVES)
-    max_observation_chars: ClassVar[int] = 12
 
     def __init__(self, params: EnvParams) -> None:
         assert isinstance(params, GridParams)
@@ -45,6 +45,7 @@ class GridWorld:
         self.agent = (0, 0)
         self.goal = (0, 0)
         self.start_distance = 1
+        self.best = 1  # the closest the agent has been to the goal
 
     def _obs(self, first: bool = False) -> str:
         return f"{'' if first else chr(10)}Q: {self.agent[0]}{self.agent[1]}{self.goal[0]}{self.goal[1]} A: "
@@ -53,7 +54,7 @@ class GridWorld:
         rng = random.Random(seed)
         cells = [(x, y) for y in range(self.p.height) for x in range(self.p.width)]
         self.agent, self.goal = rng.sample(cells, 2)
-        self.start_distance = self._distance()
+        self.start_distance = self.best = self._distance()
         return self._obs(first=True)
 
     def _distance(self) -> int:
@@ -61,17 +62,18 @@ class GridWorld:
 
     def step(self, action: str) -> Step:
         move = MOVES.get(action.strip()[:1])
-        before = self._distance()
         if move is not None:
             x, y = self.agent[0] + move[0], self.agent[1] + move[1]
             if 0 <= x < self.p.width and 0 <= y < self.p.height:
                 self.agent = (x, y)
-        after = self._distance()
-        return Step(self._obs(), (before - after) / self.start_distance, after == 0)
+        now = self._distance()
+        progress = max(0, self.best - now)
+        self.best = min(self.best, now)
+        return Step(self._obs(), progress / self.start_distance, now == 0)
 
     def clone(self) -> GridWorld:
         twin = GridWorld(self.p)
-        twin.agent, twin.goal, twin.start_distance = self.agent, self.goal, self.start_distance
+        twin.agent, twin.goal, twin.start_distance, twin.best = self.agent, self.goal, self.start_distance, self.best
         return twin
 
     @property

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.envs import EnvironmentError_, EnvParams, decode_action, encode_observation, make_env
+from shared.envs import EnvError, EnvParams, decode_action, encode_observation, make_env
 
 #: (contexts, turn) → one sampled action per context, in order. ``Sampled``-like objects: token_ids, logprobs,
 #: finish_reason.
@@ -58,7 +58,7 @@ def play(generate: Generate, prompts: Sequence[Sequence[int]], seeds: Sequence[i
             step = envs[i].step(decode_action(tokenizer, sampled.token_ids))
             obs = encode_observation(tokenizer, step.observation)
             if len(obs) > max_observation_tokens:
-                raise EnvironmentError_(f"environment {env_id!r} answered with {len(obs)} observation tokens; the job "
+                raise EnvError(f"environment {env_id!r} answered with {len(obs)} observation tokens; the job "
                                         f"allows {max_observation_tokens} (raise task.max_observation_tokens)")
             ep.turns.append((sampled, obs))
             ep.context.extend(list(sampled.token_ids) + obs)

@@ -33,7 +33,6 @@ class Sokoban:
     id: ClassVar[str] = "sokoban"
     Params: ClassVar[type[EnvParams]] = SokobanParams
     actions: ClassVar[tuple[str, ...]] = tuple(DIRS)
-    max_observation_chars: ClassVar[int] = 200
 
     def __init__(self, params: EnvParams) -> None:
         assert isinstance(params, SokobanParams)

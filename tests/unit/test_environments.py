@@ -15,7 +15,7 @@ from coordinator.task_data import TaskError
 from coordinator.text import TextCodec
 from shared import envs
 from shared.envs import (
-    EnvironmentError_,
+    EnvError,
     EnvParams,
     Step,
     check_replayable,
@@ -104,11 +104,11 @@ def test_sokoban_is_solvable_by_search() -> None:
 
 # ---- interface ---------------------------------------------------------------------------------------------
 def test_parameters_are_validated_with_an_actionable_message() -> None:
-    with pytest.raises(EnvironmentError_, match="widht.*accepted: width, height"):
+    with pytest.raises(EnvError, match="widht.*accepted: width, height"):
         parse_params("gridworld", {"widht": 3})
-    with pytest.raises(EnvironmentError_, match="width"):
+    with pytest.raises(EnvError, match="width"):
         parse_params("gridworld", {"width": 12})
-    with pytest.raises(EnvironmentError_, match="unknown environment 'chess'; built in: gridworld, sokoban"):
+    with pytest.raises(EnvError, match="unknown environment 'chess'; built in: gridworld, sokoban"):
         make_env("chess", {})
     with pytest.raises(ValueError, match="prompt_template must contain"):
         EnvironmentTaskConfig(prompt_template="go")
@@ -127,7 +127,6 @@ class _Dice:
     id: ClassVar[str] = "dice"
     Params: ClassVar[type[EnvParams]] = EnvParams
     actions: ClassVar[tuple[str, ...]] = ("roll",)
-    max_observation_chars: ClassVar[int] = 8
 
     def __init__(self, params: EnvParams) -> None:
         pass
@@ -148,7 +147,7 @@ class _Dice:
 
 def test_hidden_randomness_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(envs.REGISTRY, "dice", f"{__name__}:_Dice")
-    with pytest.raises(EnvironmentError_, match="not replayable"):
+    with pytest.raises(EnvError, match="not replayable"):
         check_replayable("dice", EnvParams(), seeds=[0])
     with pytest.raises(TaskError, match="not replayable"):
         EnvTask(EnvironmentTaskConfig(env="dice"))
@@ -293,4 +292,17 @@ def test_the_run_config_refuses_what_cannot_be_replayed(tmp_path: Path) -> None:
         load_config(None, task | {"sync_mode": "colocated"})
     with pytest.raises(ConfigError, match="accepted: size, boxes, pulls, step_penalty"):
         load_config(None, task | {"task.env": "sokoban", "task.params": {"walls": 3}})
+    with pytest.raises(ConfigError, match="episodes × 64 turns could need .* Lower jobs.prompts_per_job"):
+        load_config(None, task | {"task.max_turns": 64, "sampling.max_tokens": 1024, "jobs.prompts_per_job": 16})
     assert load_config(None, task).task.type == "environment"
+
+
+def test_gridworld_rewards_only_new_progress() -> None:
+    env = make_env("gridworld", {"width": 3, "height": 1})
+    assert isinstance(env, GridWorld)
+    env.reset(0)
+    env.agent, env.goal, env.start_distance, env.best = (1, 0), (2, 0), 1, 1
+    assert env.step("3").reward == 0.0  # away: no reward, and no penalty (standing still must not be safer)
+    assert env.step("4").reward == 0.0  # back to where it was: no new progress
+    step = env.step("4")
+    assert step.reward == 1.0 and step.done
