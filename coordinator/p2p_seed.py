@@ -79,7 +79,7 @@ class CoordinatorPeer:
             return
         self.node = node
         self.maddrs = await node.visible_maddrs()
-        logger.info("p2p peer %s listening on %s", node.peer_id, ", ".join(self.maddrs))
+        logger.info("p2p peer %s reachable at %s", node.peer_id, ", ".join(self.maddrs))  # not "listening on": the HTTP URL line
         self._task = asyncio.create_task(self._publish_loop(), name="p2p-publish")
 
     async def stop(self) -> None:
