@@ -54,7 +54,7 @@ def main() -> int:
         f"`{command}` ({time.strftime('%Y-%m-%d')}): `echo-swarm demo --task gridworld --clients {args.clients} "
         f"--steps {args.steps}` per seed — 3×3 grid, 4 turns of one token, 16 groups of 8 episodes per step, "
         f"lr 1e-3, sequential pull; held-out: the share of 24 starting states never trained on that the greedy "
-        f"policy solves. Every result was replayed by the coordinator (docs/environments.md).", "",
+        f"policy solves. Every result was replayed by the coordinator (docs/tasks.md).", "",
         "| seed | held-out solved (24 starts) | mean episode reward, first 10 → last 10 steps | accepted / refused "
         "| per client | wall | |",
         "|---|---|---|---|---|---|---|",
