@@ -188,8 +188,8 @@ async def blob(request: web.Request) -> web.StreamResponse:
 async def p2p_info(request: web.Request) -> web.Response:
     from shared.messages import P2PInfo
 
-    peer = request.app[COORDINATOR].egress.peer
-    return _packed(wire.encode(peer.info() if peer is not None else P2PInfo(enabled=False)))
+    coord = request.app[COORDINATOR]
+    return _packed(wire.encode(coord.egress.info() if coord.config.p2p.enabled else P2PInfo(enabled=False)))
 
 
 async def _count_blob_bytes(request: web.Request, response: web.StreamResponse) -> None:
@@ -256,11 +256,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             background.append(task)
         coord.store.prune_nonces(coord.clock())  # opens (creates) the API's nonce database before serving
         background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
-        if coord.config.p2p.enabled:
+        if coord.config.p2p.enabled and app[ALL_ROLES]:  # the process layout runs the peer as its own role
             from coordinator.p2p_seed import CoordinatorPeer
 
             coord.egress.peer = CoordinatorPeer(coord)
             await coord.egress.peer.start()
+        elif coord.config.p2p.enabled:
+            from coordinator.p2p_seed import ROLE
+
+            coord.egress.remote = lambda: coord.store.role_status(ROLE)
         yield
     finally:
         if coord.egress.peer is not None:

@@ -114,6 +114,14 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
         files.close()
 
 
+async def run_p2p(config: CoordinatorConfig) -> int:
+    from coordinator import p2p_seed
+
+    stop = asyncio.Event()
+    _install_stop(stop)
+    return await p2p_seed.run_role(config, stop)
+
+
 def fsdp_env() -> bool:
     """Whether torchrun started this process as one of several ranks."""
     return int(os.environ.get("WORLD_SIZE") or 1) > 1
@@ -123,8 +131,8 @@ def run_role(config: CoordinatorConfig, role: str, index: int = 0, parent: int |
     """One role in this process (the CLI's ``--role``; the supervisor's children, which stop with ``parent``)."""
     from coordinator import main
 
-    if role not in ("api", "learner", "verifier"):
-        raise ValueError(f"unknown role {role!r}; use api, learner or verifier")
+    if role not in ("api", "learner", "verifier", "p2p"):
+        raise ValueError(f"unknown role {role!r}; use api, learner, verifier or p2p")
     if role == "learner" and fsdp_env() and int(os.environ.get("RANK") or 0) > 0:
         from coordinator import fsdp  # torchrun's ranks 1..N-1 only compute: no store, no role lock
 
@@ -138,6 +146,8 @@ def run_role(config: CoordinatorConfig, role: str, index: int = 0, parent: int |
                 return await main.serve(config, all_roles=False, name=name)
             if role == "learner":
                 return await run_learner(config)
+            if role == "p2p":
+                return await run_p2p(config)
             return await run_verifier(config, index)
         finally:
             if watcher is not None:
@@ -241,6 +251,8 @@ def supervise(config: CoordinatorConfig) -> int:
     children = [_Child("learner", _role_argv(config_path, "learner"))]
     children += [_Child(f"verifier-{i}", _role_argv(config_path, "verifier", i))
                  for i in range(config.verification.workers)]
+    if config.p2p.enabled:  # hivemind imports torch: its peer gets a process of its own, not the API's
+        children.append(_Child("p2p", _role_argv(config_path, "p2p")))
     api = _Child("api", _role_argv(config_path, "api"))
     children.append(api)
     stopping = {"flag": False}

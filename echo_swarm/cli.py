@@ -222,7 +222,7 @@ def coordinator(
     verifiers: Annotated[Optional[int], typer.Option(help="Verifier processes to start (layout processes).")] = None,
     learner_ranks: Annotated[Optional[int], typer.Option(help="learner.world_size: FSDP ranks of the learner (one per "
                                                               "GPU; gloo processes on CPU).")] = None,
-    role: Annotated[str, typer.Option(help="Run only this role of the run: api, learner or verifier (e.g. another "
+    role: Annotated[str, typer.Option(help="Run only this role of the run: api, learner, verifier or p2p (e.g. another "
                                            "verifier on another GPU: --role verifier --index 1 with "
                                            "verification.device set); 'all' runs every role.")] = "all",
     index: Annotated[int, typer.Option(help="With --role verifier: which verifier this is (0 runs the held-out "
@@ -255,8 +255,8 @@ def coordinator(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if role not in ("all", "api", "learner", "verifier"):
-        typer.echo(f"error: --role {role!r} is not a role; use all, api, learner or verifier", err=True)
+    if role not in ("all", "api", "learner", "verifier", "p2p"):
+        typer.echo(f"error: --role {role!r} is not a role; use all, api, learner, verifier or p2p", err=True)
         raise typer.Exit(2)
     raise typer.Exit(run(cfg, role, index))
 
