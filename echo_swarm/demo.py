@@ -187,7 +187,7 @@ def _demo_store(cfg: DemoConfig) -> Iterator[str | None]:
         shutil.rmtree(cfg.out / "postgres", ignore_errors=True)
         with LocalPostgres(cfg.out / "postgres") as server:
             url = server.create_database("echo_swarm_demo")
-            console.print(f"PostgreSQL store at {url} (a private server in {cfg.out / 'postgres'})")
+            console.print(f"PostgreSQL store at {url} (a private server in {server.root})")
             yield url
     elif is_postgres_url(cfg.store):
         yield cfg.store

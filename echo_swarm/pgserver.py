@@ -50,6 +50,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _reachable_by(path: Path, uid: int) -> bool:
+    """Whether user ``uid`` (not root, not in root's group) may enter every existing folder above ``path``."""
+    import stat
+
+    for folder in [p for p in Path(path).resolve().parents if p.exists()]:
+        st = folder.stat()
+        if not st.st_mode & (stat.S_IXUSR if st.st_uid == uid else stat.S_IXOTH):
+            return False
+    return True
+
+
 class LocalPostgres:
     """``durable=False`` turns fsync off (tests: a crash of the machine loses the throwaway cluster anyway)."""
 
@@ -69,6 +80,11 @@ class LocalPostgres:
                                           "server as; install the postgresql package or run as another user"
                                           ) from None
             self._run_as = "postgres"
+            if not self._owned_root and not _reachable_by(self.root, pwd.getpwnam("postgres").pw_uid):
+                # e.g. under pytest's 0700 temp folders: the server's user could not reach its own data directory
+                self.root = Path(tempfile.mkdtemp(prefix="echo-swarm-pg-"))
+                self.data = self.root / "data"
+                self._owned_root = True
 
     def _run(self, *args: str, timeout: float = START_TIMEOUT_S) -> None:
         done = subprocess.run([str(self.bindir / args[0]), *args[1:]], user=self._run_as, capture_output=True,
