@@ -124,7 +124,16 @@ class FetchReport:
     fallback: str = ""  # why the rest comes over HTTP ("" when the peers delivered the whole file)
 
 
+def _import_hivemind() -> None:
+    """Import hivemind (raises ImportError without it), undoing its one process-wide side effect on our logs: its
+    logging module renames the WARNING level to "WARN" for every logger of the process."""
+    import hivemind.utils.logging  # noqa: F401
+
+    logging.addLevelName(logging.WARNING, "WARNING")
+
+
 def _validator_class() -> type:
+    _import_hivemind()
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord, RecordValidatorBase
     from hivemind.utils.serializer import MSGPackSerializer
@@ -189,6 +198,7 @@ class PeerNode:
         """Start p2pd and join the DHT (loopback-only defaults; no UPnP, AutoNAT or relays). Raises
         P2PUnavailable with what to do when hivemind is missing or p2pd fails."""
         try:
+            _import_hivemind()
             from hivemind.dht.crypto import RSASignatureValidator
             from hivemind.dht.node import DHTNode
             from hivemind.dht.validation import CompositeValidator

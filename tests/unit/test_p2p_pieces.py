@@ -41,3 +41,13 @@ def test_uploads_are_bounded_per_peer_blob_and_bytes() -> None:
     u.served_bytes = 100
     assert u.admit("d", "f3") == "capped"
     assert Uploads(serve=False).admit("a", "f1") == "busy"  # --no-serve
+
+
+def test_importing_hivemind_leaves_our_log_level_names_alone() -> None:
+    """hivemind renames WARNING to "WARN" process-wide when imported; our logs (and their parsers) keep WARNING."""
+    import logging
+
+    from shared.p2p import _validator_class
+
+    _validator_class()  # imports hivemind
+    assert logging.getLevelName(logging.WARNING) == "WARNING"
