@@ -97,11 +97,6 @@ class CoordinatorPeer:
         """Bytes this peer served over libp2p (the coordinator's p2p egress)."""
         return self.node.uploads.served_bytes if self.node is not None else 0
 
-    def info(self) -> P2PInfo:
-        if self.node is None:
-            return P2PInfo(enabled=False)
-        return P2PInfo(enabled=True, peer_id=self.node.peer_id, maddrs=self.maddrs[:16])
-
     def report(self) -> dict[str, Any]:
         """What the API shows of this peer (GET /v1/p2p, the status page's egress)."""
         return {"peer_id": self.node.peer_id if self.node is not None else None, "maddrs": self.maddrs[:16],

@@ -506,6 +506,11 @@ class Adversary:
 async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0) -> dict[str, Any]:
     adv = Adversary(url, home)
     adv.seconds = seconds
+    return await run_kind(adv, kind)
+
+
+async def run_kind(adv: Adversary, kind: str) -> dict[str, Any]:
+    """Run one attack of ``adv`` and report what each attempt got back (also for tests/adversarial's subclasses)."""
     error = None
     try:
         await getattr(adv, kind)()

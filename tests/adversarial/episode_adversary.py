@@ -16,14 +16,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from shared.envs import decode_action, load_tokenizer, make_env
-from shared.errors import ProtocolError
 from shared.messages import Completion, Job, ResultSubmission, Turn
 from swarm_client.episodes import play_job
 from swarm_client.snapshots import SnapshotCache
-from tests.adversarial.adversary import Adversary
+from tests.adversarial.adversary import Adversary, run_kind
 
 
 class EpisodeAdversary(Adversary):
@@ -109,16 +106,7 @@ class EpisodeAdversary(Adversary):
 
 
 async def main_async(kind: str, url: str, home: Path) -> dict[str, Any]:
-    adv = EpisodeAdversary(url, home)
-    error = None
-    try:
-        await getattr(adv, kind)()
-    except (ProtocolError, TimeoutError, aiohttp.ClientError, AssertionError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    finally:
-        await adv.close()
-    attempts = [{k: v for k, v in a.items() if k != "raw"} for a in adv.attempts]
-    return {"kind": kind, "identities": adv.identities, "attempts": attempts, "error": error, "notes": adv.notes}
+    return await run_kind(EpisodeAdversary(url, home), kind)
 
 
 def main() -> None:
