@@ -86,6 +86,25 @@ def pg_ddl(schema: str) -> str:
     return re.sub(r"\bBLOB\b", "BYTEA", schema)
 
 
+class _Fetched:
+    """A SQLite query's rows, read in full, behind the cursor interface the store uses."""
+
+    __slots__ = ("_rows", "description", "lastrowid", "rowcount")
+
+    def __init__(self, cur: sqlite3.Cursor) -> None:
+        self._rows = iter(cur.fetchall())
+        self.description, self.rowcount, self.lastrowid = cur.description, cur.rowcount, cur.lastrowid
+
+    def fetchone(self) -> Any:
+        return next(self._rows, None)
+
+    def fetchall(self) -> list[Any]:
+        return list(self._rows)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._rows
+
+
 class Db:
     """One connection to either engine. All access happens from one thread (the role's event loop); a Store
     holds two of these (see Store.__init__). Outside :meth:`transaction`, every statement commits by itself."""
@@ -141,7 +160,11 @@ class Db:
         """Run one statement; returns the engine's cursor (fetchone, fetchall, rowcount, iteration)."""
         try:
             if self._lite is not None:
-                return self._lite.execute(sql, params)
+                cur = self._lite.execute(sql, params)
+                # rows are read now: a half-read cursor keeps its statement, and with it a read snapshot of this
+                # connection, open until it is dropped; the store would not see what the other connection
+                # (light writes, another process) committed meanwhile
+                return cur if cur.description is None else _Fetched(cur)
             if not sql.lstrip()[:6].upper().startswith("SELECT"):
                 self._changes += 1
             return self._pg_execute(sql, params)

@@ -226,6 +226,17 @@ def test_lease_after_expiry_succeeds_counts_and_rebinds(store: Store) -> None:
     assert store.totals()["reissued_jobs"] == 1
 
 
+def test_a_half_read_query_does_not_hide_the_light_connections_writes(store: Store) -> None:
+    """Leases commit through the light connection; reads on the main one must see them at once, even when an
+    earlier query on it was read only in part (a half-read SQLite cursor would keep a stale snapshot)."""
+    published(store)
+    first = store.conn.execute("SELECT job_id FROM jobs ORDER BY seq")
+    assert first.fetchone() is not None  # more rows left unread
+    assert lease(store, "j0", "L1", ALICE) is True
+    assert store.conn.execute("SELECT SUM(issue_count) AS n FROM jobs").fetchone()["n"] == 1
+    assert store.get_job("j0").view.lease_id == "L1"  # type: ignore[union-attr]
+
+
 def test_lease_unknown_job(store: Store) -> None:
     published(store)
     before = snapshot(store)
