@@ -83,6 +83,17 @@ async def connection_middleware(request: web.Request,
 
 
 @web.middleware
+async def durability_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """No reply leaves before what its request committed is power-safe (an accepted result above all): the
+    store's commits are not fsynced under SQLite's write lock, so a lease never waits for a disk flush
+    (coordinator.db, durability); the flush happens here, after the commit, off the event loop."""
+    response = await handler(request)
+    await request.app[COORDINATOR].flush()
+    return response
+
+
+@web.middleware
 async def errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                             ) -> web.StreamResponse:
     try:
@@ -290,7 +301,7 @@ async def _prune_nonces(coord: Coordinator) -> None:
 def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None, *, all_roles: bool = True
                ) -> web.Application:
     """The HTTP app of the API role; with ``all_roles`` the learner and a verifier start in this process too."""
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[connection_middleware, errors_middleware])
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[connection_middleware, durability_middleware, errors_middleware])
     app[COORDINATOR] = coordinator or Coordinator(config)
     app[ALL_ROLES] = all_roles
     app[FATAL] = asyncio.Event()

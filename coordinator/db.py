@@ -9,8 +9,12 @@ several hosts share one database. What differs between the engines lives here an
 - how a write transaction starts: SQLite's ``BEGIN IMMEDIATE`` takes the file's single write lock up front;
   PostgreSQL's ``BEGIN`` locks rows as they are written, so writers on different rows proceed at once and a
   row another transaction holds is skipped (``FOR UPDATE SKIP LOCKED``, :attr:`Db.skip_locked`) or waited for;
-- the light connection's durability: SQLite's ``synchronous=NORMAL``, PostgreSQL's ``synchronous_commit=off``
-  (both: a commit survives a crash of the process, not necessarily a power loss);
+- durability: on SQLite every commit reaches the WAL without an fsync (``synchronous=NORMAL``: it survives a
+  crash of the process, not necessarily a power loss) and :meth:`Db.fsync_wal` makes everything committed so far
+  power-safe, called by whoever must promise it (the API before a reply, the learner before pruning) outside
+  the write lock — SQLite's ``synchronous=FULL`` would fsync while holding the file's only write lock, and an
+  fsync takes seconds while the publisher's gigabytes are in writeback. PostgreSQL commits synchronously (the
+  light connection with ``synchronous_commit=off``, the same trade as SQLite's unsynced commits);
 - a transaction-scoped lock for the job stream (:meth:`Db.lock`): SQLite's write lock already is one;
   PostgreSQL takes an advisory lock.
 psycopg is imported only when a PostgreSQL URL is opened (the ``postgres`` extra).
@@ -111,6 +115,8 @@ class Db:
 
     def __init__(self, target: str | Path, *, light: bool = False) -> None:
         self._changes = 0
+        #: commits made through this connection (a durability watermark: coordinator.service.Coordinator.flush)
+        self.commits = 0
         self._sql: dict[str, str] = {}
         self._integrity: type[Exception] = sqlite3.IntegrityError
         self._in_tx = False
@@ -125,10 +131,11 @@ class Db:
             self._integrity = psycopg.IntegrityError
         else:
             self.dialect = "sqlite"
+            self._file = str(target)
             self._lite = sqlite3.connect(str(target), isolation_level=None, check_same_thread=False)
             self._lite.row_factory = sqlite3.Row
             self._lite.execute(f"PRAGMA busy_timeout={int(LOCK_TIMEOUT_S * 1000)}")
-            self._lite.execute("PRAGMA synchronous=NORMAL" if light else "PRAGMA synchronous=FULL")
+            self._lite.execute("PRAGMA synchronous=NORMAL")  # durability comes from fsync_wal (module docstring)
             if not light:
                 self._lite.execute("PRAGMA journal_mode=WAL")
                 self._lite.execute("PRAGMA foreign_keys=ON")
@@ -161,6 +168,8 @@ class Db:
         try:
             if self._lite is not None:
                 cur = self._lite.execute(sql, params)
+                if not self._in_tx and cur.description is None and not _is_read(sql):
+                    self.commits += 1  # a write outside a transaction commits by itself
                 # rows are read now: a half-read cursor keeps its statement, and with it a read snapshot of this
                 # connection, open until it is dropped; the store would not see what the other connection
                 # (light writes, another process) committed meanwhile
@@ -221,22 +230,23 @@ class Db:
             self._lite.execute("BEGIN EXCLUSIVE" if exclusive else "BEGIN IMMEDIATE")
         else:
             self._pg_execute("BEGIN", ())
-            self._in_tx = True
+        self._in_tx = True
 
     def commit(self) -> None:
-        if self._lite is not None:
-            self._lite.execute("COMMIT")
-            return
         try:
-            self._pg.execute("COMMIT")
+            if self._lite is not None:
+                self._lite.execute("COMMIT")
+            else:
+                self._pg.execute("COMMIT")
+            self.commits += 1
         finally:
             self._in_tx = False
 
     def rollback(self) -> None:
+        self._in_tx = False
         if self._lite is not None:
             self._lite.execute("ROLLBACK")
             return
-        self._in_tx = False
         if not self._pg.closed and not self._pg.broken:
             self._pg.execute("ROLLBACK")
 
@@ -273,8 +283,32 @@ class Db:
         assert self._lite is not None, "backup_sqlite needs a SQLite database"
         self._lite.backup(dest)
 
+    def fsync_wal(self) -> None:
+        """Make every commit so far survive a power loss (SQLite; PostgreSQL's commits already do). Holds no
+        lock: call it after committing, from a thread that may block (an fsync can take seconds under heavy
+        writeback). The commits are frames in the WAL file, or, if a checkpoint already copied them, in the
+        database file, which SQLite fsyncs after every checkpoint; on Linux an fsync covers the file's pages
+        whichever descriptor wrote them."""
+        if self._lite is None:
+            return
+        path = self._file
+        for name in (path + "-wal", path):
+            try:
+                fd = os.open(name, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+
     def close(self) -> None:
         (self._lite or self._pg).close()
+
+
+def _is_read(sql: str) -> bool:
+    return sql.lstrip()[:6].upper() in ("SELECT", "PRAGMA")
 
 
 def _connect_pg(url: str, light: bool) -> Any:

@@ -256,8 +256,8 @@ class LearnerRole:
     async def _colocated_loop(self) -> None:
         """Baseline: the same learner, generating its own rollouts in-process (no clients, no network).
 
-        Generation needs the learner's version published (its results are verified against that snapshot and
-        bound to it), so here the loop waits for each publication before generating.
+        A result binds to a published version (intake checks it against that snapshot's manifest), so the
+        rollouts of a version still being published are generated meanwhile and handed in once it is recorded.
 
         After a restart it first finishes what the interrupted step left: buffered results are trained on and
         jobs it had leased to itself are generated again, so nothing is planned twice or left behind."""
@@ -267,33 +267,55 @@ class LearnerRole:
                                                        "device": self.learner.device}, self.clock())
         policy = self.config.sync_policy
         while not self.finished:
-            await self._await_publication()
-            if self.finished:
-                break
+            if self._publishing is not None:
+                # the version being published is the learner's model in memory: generate its rollouts while
+                # the publisher writes it, and hand them in once it is recorded (results bind to published
+                # versions), so publication is off this loop's critical path as it is off a client's
+                row = self._next_local_job()
+                samples = await self._rollouts(row)
+                generated_with = self.learner.model_version
+                await self._await_publication()
+                if self.finished:
+                    break
+                assert self.version == generated_with, (self.version, generated_with)
+                await self._submit_local(row, samples, generated_with)
+                continue
             version = self.version
             waited_from = time.monotonic()
             batch, _ = select_batch(self.store.pending(), version, policy)
             if not batch:
-                active = self.store.active_jobs()
-                refused = self.store.refused_jobs(LOCAL_CLIENT, [r.view.job_id for r in active])
-                unfinished = [r for r in active if r.view.job_id not in refused]  # (a reward failed on those)
-                row = unfinished[0] if unfinished else self._plan_job()
-                await self._generate_locally(row, version)
+                row = self._next_local_job()
+                await self._submit_local(row, await self._rollouts(row), version)
                 continue
             await self._train_step(version, [p.job_id for p in batch], waited_from)
         await self._await_publication()
 
-    async def _generate_locally(self, row: JobRow, version: int) -> None:
+    def _next_local_job(self) -> JobRow:
+        """The co-located learner's next job: one it leased before a restart or whose reward failed is skipped
+        only if refused; otherwise the oldest unfinished job, or a new one."""
+        assert self._plan_job is not None
+        active = self.store.active_jobs()
+        refused = self.store.refused_jobs(LOCAL_CLIENT, [r.view.job_id for r in active])
+        unfinished = [r for r in active if r.view.job_id not in refused]  # (a reward failed on those)
+        return unfinished[0] if unfinished else self._plan_job()
+
+    async def _rollouts(self, row: JobRow) -> list[Any]:
+        """Generate ``row``'s completions with the learner's model as it is in memory (on the learner thread)."""
+        from shared.policy import generate
+
+        prompts = [self.prompt_tokens(i) for i in row.prompt_ids]
+        return list(await self._run(lambda: generate(
+            self.learner.model, prompts, group_size=row.group_size, temperature=self.config.sampling.temperature,
+            max_tokens=self.config.sampling.max_tokens, stop_ids=self.codec.stop_ids, seed=row.seed,
+            pad_id=self.codec.pad_id)))
+
+    async def _submit_local(self, row: JobRow, samples: list[Any], version: int) -> None:
+        """Lease ``row`` to the co-located learner at ``version`` (published) and hand its rollouts to intake."""
         from shared.hashing import prompt_hash, sha256_bytes
         from shared.messages import ResultSubmission
-        from shared.policy import generate
 
         assert self._local_intake is not None
         prompts = [self.prompt_tokens(i) for i in row.prompt_ids]
-        samples = await self._run(lambda: generate(
-            self.learner.model, prompts, group_size=row.group_size, temperature=self.config.sampling.temperature,
-            max_tokens=self.config.sampling.max_tokens, stop_ids=self.codec.stop_ids, seed=row.seed,
-            pad_id=self.codec.pad_id))
         now = self.clock()
         lease_id = secrets.token_hex(8)
         if not self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline_for(now, 3600.0), version, now):
@@ -432,6 +454,8 @@ class LearnerRole:
         self.busy_s += metrics["train_s"]
         self._report()
         self.bell.ring()
+        # power-safe before the pruning below removes what an older recorded state would resume from
+        await asyncio.get_running_loop().run_in_executor(None, self.store.sync)
         self._prune(new_version)
         logger.info("step %d: mean reward %.3f, loss %.4f, %d samples, staleness %s, train %.2fs, publish %.2fs "
                     "(background), %.2fs to leasable", new_version, mean_reward, metrics["loss"],

@@ -100,6 +100,10 @@ class Coordinator:
         self._files: RunFiles | None = None
         self.bell = bell or Bell()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-io")  # file copies, never torch
+        # fsyncs of the store (flush): one at a time, each covering every commit made before it began
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-sync")
+        self._sync_lock = asyncio.Lock()
+        self._synced = 0  # the store's commit count the last finished sync covered
         self._jobs_event = asyncio.Event()
         self.finished = False
         self.version = 0
@@ -136,6 +140,7 @@ class Coordinator:
         self.task: Task = files.task
         self.snapshots: SnapshotStore = files.snapshots
         self.issuing_paused = self.store.get_meta("issuing_paused") == "1"
+        self._synced = self.store.commits
         self.guard = Guard(self.config, self.store)
         # asked by this API's previous run; nobody waits for them (other API processes' requests stay)
         dropped = self.store.work_drop(("recompute", "replay"), self.api_name)
@@ -183,6 +188,23 @@ class Coordinator:
         """Job ids of the steps the learner trained and has not recorded yet (spot-checks must not re-open them)."""
         return frozenset(self.learner_status().get("in_training", ()))
 
+    async def flush(self) -> None:
+        """Make what this process committed so far power-safe before a reply tells a client about it
+        (coordinator.app's durability middleware). The fsync runs in a thread, holding no database lock, while
+        the event loop serves other requests; requests that committed while one was running share the next."""
+        store = getattr(self, "store", None)
+        if store is None:  # not started
+            return
+        target = store.commits
+        if self._synced >= target:
+            return
+        async with self._sync_lock:
+            if self._synced >= target:  # a sync that began after our commit finished meanwhile
+                return
+            upto = store.commits
+            await asyncio.get_running_loop().run_in_executor(self._syncer, store.sync)
+            self._synced = max(self._synced, upto)
+
     async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking file work (exports) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
@@ -226,6 +248,7 @@ class Coordinator:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
         self._io.shutdown(wait=True)
+        self._syncer.shutdown(wait=True)
         if self._owns_files and self._files is not None:
             self._files.close()
 

@@ -1,12 +1,14 @@
-"""The coordinator's durable state: one SQLite database (WAL, synchronous=FULL) in the run directory, or one
-PostgreSQL database (``store.url``) that roles on several hosts share.
+"""The coordinator's durable state: one SQLite database (WAL) in the run directory, or one PostgreSQL database
+(``store.url``) that roles on several hosts share.
 
-What is promised to a client (an accepted result) and what the learner trained (a step) commit with an fsync;
-reply-path state that can be re-created (leases, nonces, the work queue, role reports) commits without one (see
+What is promised to a client (an accepted result) and what the learner trained (a step) is made power-safe
+before anyone relies on it: on SQLite by :meth:`Store.sync` after the commit (the API before its reply, the
+learner before it prunes), an fsync outside the write lock (coordinator.db, durability); reply-path state that
+can be re-created (leases, nonces, the work queue, role reports) is never synced for its own sake (see
 Store.__init__, lease_job, _nonce_db).
 
 Invariants the rest of the coordinator relies on:
-- a result is committed (fsynced) before the client is told it was accepted;
+- a result is committed and synced before the client is told it was accepted;
 - a job has at most one accepted result (``results.job_id`` is the primary key, and acceptance is a
   compare-and-set on the job's lease);
 - a result is ingested by exactly one learner step: ``ingested_step`` is set in the same transaction that
@@ -128,14 +130,24 @@ class Store:
         self._nonce_conn: Db | None = None
         self._migrate()
         # Leases, the transient work queue and role reports (which a power loss may drop: requesters resend,
-        # roles report again, a forgotten lease's job is issued again) go through a second connection with
-        # synchronous=NORMAL: a commit there is written to the WAL (the OS page cache) without an fsync. That
-        # survives a kill -9 of the coordinator exactly (the OS still has the bytes), and the next
-        # synchronous=FULL commit on self.conn (any accepted result or step) fsyncs those WAL frames too.
+        # roles report again, a forgotten lease's job is issued again) go through a second connection, which
+        # nobody syncs: a commit there is written to the WAL (the OS page cache) without an fsync. That
+        # survives a kill -9 of the coordinator exactly (the OS still has the bytes), and the next sync
+        # (before the API replies to an accepted result, after a learner step) fsyncs those WAL frames too.
         # On PostgreSQL the light connection commits with synchronous_commit=off, a similar trade: a crash of a
         # role process loses nothing; a crash of the database server or its machine may lose the last ~0.6 s
         # (3 × wal_writer_delay) of such commits, never a result or a step (those commit synchronously).
         self.light_conn = Db(self.url or self.path, light=True)
+
+    @property
+    def commits(self) -> int:
+        """Commits made through the main connection so far (see :meth:`sync`)."""
+        return self.conn.commits
+
+    def sync(self) -> None:
+        """Make everything committed so far survive a power loss (coordinator.db, durability). Blocks for an
+        fsync and holds no lock: call it from a worker thread, never an event loop."""
+        self.conn.fsync_wal()
 
     def backup_to(self, dest: Path) -> str:
         """An online, consistent copy of a SQLite database at ``dest``; says what was done. A PostgreSQL database
@@ -160,9 +172,8 @@ class Store:
         """Where nonces are remembered, opened on first use (only the API checks signed requests).
 
         Every signed request writes one nonce. In SQLite's main database that insert queued behind the file's
-        single write lock, which the learner, the verifiers and result intake hold through a synchronous=FULL
-        commit — an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot to the same
-        disk. A file of its own has a write lock only API processes take. synchronous=NORMAL: durable across a
+        single write lock, which every role's transactions take (and, before syncs moved out of commits,
+        held through an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot). A file of its own has a write lock only API processes take. synchronous=NORMAL: durable across a
         kill -9 (the OS keeps the WAL), not a power loss, which can reopen a replay window of at most
         request_window_s for requests captured just before it — the price of not paying an fsync on every
         signed request. PostgreSQL locks rows, not the database: nonces stay a table there, written through the
@@ -197,6 +208,8 @@ class Store:
         if self._nonce_conn is not None and self._nonce_conn is not self.light_conn:
             self._nonce_conn.close()
         self.light_conn.close()
+        if self.conn.commits:
+            self.sync()  # a command-line tool's last change (admin, ops) is as durable as a reply's
         self.conn.close()
 
     @property
@@ -349,21 +362,25 @@ class Store:
             self.conn.execute("INSERT INTO versions(version, manifest_sha256, created_at) VALUES(0,?,?)",
                               (manifest_sha, now))
 
-    def next_seq(self) -> int:
+    def next_seq(self, db: Db | None = None) -> int:
         """The next number of the job stream. Spot-check replicas draw their job ids from the same stream
         (coordinator.guard), so a replica's id looks like any fresh job's and says nothing of its original."""
-        row = self.conn.execute("SELECT (SELECT MAX(seq) FROM jobs) AS j, (SELECT MAX(seq) FROM replicas) AS r"
+        row = (db or self.conn).execute("SELECT (SELECT MAX(seq) FROM jobs) AS j, (SELECT MAX(seq) FROM replicas) AS r"
                                 ).fetchone()
         return max(-1 if row["j"] is None else int(row["j"]), -1 if row["r"] is None else int(row["r"])) + 1
 
     def create_next_job(self, plan: Callable[[int], JobPlan], group_size: int, now: float) -> JobRow:
         """Draw the next number of the job stream and insert the job ``plan(seq)`` makes of it, in one
         transaction under the job stream's lock: API processes sharing a PostgreSQL database never draw the
-        same number."""
-        with self._tx():
-            self.conn.lock(JOB_STREAM)
-            made = plan(self.next_seq())
-            self._insert_job(made, group_size, now)
+        same number.
+
+        Through the light connection, as a lease (it happens on a lease's path): a new job is re-creatable. A
+        power loss that forgets it forgets its lease too, and the same number is drawn and planned again; a
+        result for it is only ever accepted after the job's row, and its sync covers both."""
+        with _Tx(self.light_conn):
+            self.light_conn.lock(JOB_STREAM)
+            made = plan(self.next_seq(self.light_conn))
+            self._insert_job(made, group_size, now, self.light_conn)
         row = self.get_job(made.job_id)
         assert row is not None
         return row
@@ -375,8 +392,8 @@ class Store:
         assert row is not None
         return row
 
-    def _insert_job(self, plan: JobPlan, group_size: int, now: float) -> None:
-        self.conn.execute(
+    def _insert_job(self, plan: JobPlan, group_size: int, now: float, db: Db | None = None) -> None:
+        (db or self.conn).execute(
             "INSERT INTO jobs(job_id, seq, prompt_ids, seed, group_size, created_at, state) VALUES(?,?,?,?,?,?,'open')",
             (plan.job_id, plan.seq, json.dumps(list(plan.prompt_ids)), plan.seed, group_size, now))
 
@@ -401,8 +418,8 @@ class Store:
         """Compare-and-set: lease the job (bound to ``version``) only if it is open or its lease has expired.
 
         Through the no-fsync connection: a lease is reply-path state a client waits on, and an fsync there queues
-        behind the publisher's multi-gigabyte writes. A kill -9 keeps it exactly; the next accepted result or
-        step (synchronous=FULL) makes it power-safe; a power loss before that forgets the lease, and the job is
+        behind the publisher's multi-gigabyte writes. A kill -9 keeps it exactly; the next sync (an accepted result, a
+        step) makes it power-safe; a power loss before that forgets the lease, and the job is
         issued again."""
         with _Tx(self.light_conn):
             cur = self.light_conn.execute(

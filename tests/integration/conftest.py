@@ -73,10 +73,25 @@ def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] 
     try:
         yield LiveCoordinator(f"http://127.0.0.1:{port}", coord, clock, run_dir)
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(180)
+        try:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(180)
+        except TimeoutError:
+            _dump_stuck(loop)
+            raise
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+def _dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
+    """What a shutdown that did not finish was waiting for: every thread's stack and the loop's tasks."""
+    import faulthandler
+    import sys
+
+    print("coordinator shutdown did not finish; threads and tasks follow", file=sys.stderr)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    for task in asyncio.all_tasks(loop):
+        task.print_stack(file=sys.stderr)
 
 
 @pytest.fixture

@@ -552,3 +552,26 @@ def test_a_lost_postgresql_connection_is_reopened_between_transactions(pg_url: s
     finally:
         s.close()
         admin.close()
+
+
+def test_commits_are_counted_and_sync_flushes_the_wal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's flush compares commit counts to know whether a reply needs an fsync; sync() fsyncs the WAL,
+    where SQLite (synchronous=NORMAL) left the commits unsynced. Light writes (leases, new jobs) are not counted."""
+    import os
+
+    store = Store(tmp_path / "run.sqlite")
+    try:
+        assert store.conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL: no fsync inside a commit
+        before = store.commits
+        store.get_meta("run_id")  # a read
+        store.create_next_job(lambda seq: plan_job(0, seq, 100, 2), GROUP, T0)  # light connection
+        assert store.commits == before
+        store.set_meta("k", "v")
+        assert store.commits == before + 1
+        flushed: list[str] = []
+        real = os.fsync
+        monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+        store.sync()
+        assert [Path(p).name for p in flushed] == ["run.sqlite-wal"]
+    finally:
+        store.close()
