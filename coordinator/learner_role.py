@@ -271,62 +271,78 @@ class LearnerRole:
                 # the version being published is the learner's model in memory: generate its rollouts while
                 # the publisher writes it, and hand them in once it is recorded (results bind to published
                 # versions), so publication is off this loop's critical path as it is off a client's
-                row = self._next_local_job()
-                samples = await self._rollouts(row)
+                rows = self._next_local_jobs(policy.jobs_per_step)
+                rollouts = await self._rollouts(rows)
                 generated_with = self.learner.model_version
                 await self._await_publication()
                 if self.finished:
                     break
                 assert self.version == generated_with, (self.version, generated_with)
-                await self._submit_local(row, samples, generated_with)
+                await self._submit_local(rows, rollouts, generated_with)
                 continue
             version = self.version
             waited_from = time.monotonic()
-            batch, _ = select_batch(self.store.pending(), version, policy)
+            pending = self.store.pending()
+            batch, _ = select_batch(pending, version, policy)
             if not batch:
-                row = self._next_local_job()
-                await self._submit_local(row, await self._rollouts(row), version)
+                rows = self._next_local_jobs(policy.jobs_per_step - len(pending))
+                await self._submit_local(rows, await self._rollouts(rows), version)
                 continue
             await self._train_step(version, [p.job_id for p in batch], waited_from)
         await self._await_publication()
 
-    def _next_local_job(self) -> JobRow:
-        """The co-located learner's next job: one it leased before a restart or whose reward failed is skipped
-        only if refused; otherwise the oldest unfinished job, or a new one."""
+    def _next_local_jobs(self, count: int) -> list[JobRow]:
+        """The co-located learner's next ``count`` jobs (at least one): the oldest unfinished jobs (one it
+        leased before a restart included; one whose reward failed for it is skipped), then new ones."""
         assert self._plan_job is not None
+        count = max(1, count)
         active = self.store.active_jobs()
         refused = self.store.refused_jobs(LOCAL_CLIENT, [r.view.job_id for r in active])
-        unfinished = [r for r in active if r.view.job_id not in refused]  # (a reward failed on those)
-        return unfinished[0] if unfinished else self._plan_job()
+        rows = [r for r in active if r.view.job_id not in refused][:count]
+        while len(rows) < count:
+            rows.append(self._plan_job())
+        return rows
 
-    async def _rollouts(self, row: JobRow) -> list[Any]:
-        """Generate ``row``'s completions with the learner's model as it is in memory (on the learner thread)."""
+    async def _rollouts(self, rows: list[JobRow]) -> list[list[Any]]:
+        """Generate the completions of ``rows`` with the learner's model as it is in memory, all in one batch on
+        the learner thread (one batch of a whole step samples far faster than one per job, as a trainer that
+        generates its own rollouts does). The first job's seed seeds the sampler: the run stays reproducible."""
         from shared.policy import generate
 
-        prompts = [self.prompt_tokens(i) for i in row.prompt_ids]
-        return list(await self._run(lambda: generate(
-            self.learner.model, prompts, group_size=row.group_size, temperature=self.config.sampling.temperature,
-            max_tokens=self.config.sampling.max_tokens, stop_ids=self.codec.stop_ids, seed=row.seed,
-            pad_id=self.codec.pad_id)))
+        prompts = [self.prompt_tokens(i) for row in rows for i in row.prompt_ids]
+        group = rows[0].group_size
+        assert all(r.group_size == group for r in rows), "jobs of one run share the group size"
+        samples = await self._run(lambda: generate(
+            self.learner.model, prompts, group_size=group, temperature=self.config.sampling.temperature,
+            max_tokens=self.config.sampling.max_tokens, stop_ids=self.codec.stop_ids, seed=rows[0].seed,
+            pad_id=self.codec.pad_id))
+        out, at = [], 0
+        for row in rows:  # prompt-major order: each job's prompts × group, in turn
+            n = len(row.prompt_ids) * group
+            out.append(list(samples[at : at + n]))
+            at += n
+        return out
 
-    async def _submit_local(self, row: JobRow, samples: list[Any], version: int) -> None:
-        """Lease ``row`` to the co-located learner at ``version`` (published) and hand its rollouts to intake."""
+    async def _submit_local(self, rows: list[JobRow], rollouts: list[list[Any]], version: int) -> None:
+        """Lease each job to the co-located learner at ``version`` (published) and hand its rollouts to intake."""
         from shared.hashing import prompt_hash, sha256_bytes
         from shared.messages import ResultSubmission
 
         assert self._local_intake is not None
-        prompts = [self.prompt_tokens(i) for i in row.prompt_ids]
-        now = self.clock()
-        lease_id = secrets.token_hex(8)
-        if not self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline_for(now, 3600.0), version, now):
-            # a lease left by a crash that has not expired yet: take it over (only this process leases here)
-            self.store.release_lease(row.view.job_id, row.view.lease_id or "", LOCAL_CLIENT)
-            self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline_for(now, 3600.0), version, now)
-        completions = [smp.to_completion() for smp in samples]
-        sub = ResultSubmission(job_id=row.view.job_id, lease_id=lease_id, version=version,
-                               prompt_hash=prompt_hash(prompts), seed=row.seed, group_size=row.group_size,
-                               backend="torch", generation_s=0.0, completions=completions)
-        await self._local_intake(LOCAL_CLIENT, sub, 0, sha256_bytes(wire.encode(sub)))
+        for row, samples in zip(rows, rollouts, strict=True):
+            prompts = [self.prompt_tokens(i) for i in row.prompt_ids]
+            now = self.clock()
+            lease_id = secrets.token_hex(8)
+            deadline = deadline_for(now, 3600.0)
+            if not self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline, version, now):
+                # a lease left by a crash that has not expired yet: take it over (only this process leases here)
+                self.store.release_lease(row.view.job_id, row.view.lease_id or "", LOCAL_CLIENT)
+                self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline, version, now)
+            completions = [smp.to_completion() for smp in samples]
+            sub = ResultSubmission(job_id=row.view.job_id, lease_id=lease_id, version=version,
+                                   prompt_hash=prompt_hash(prompts), seed=row.seed, group_size=row.group_size,
+                                   backend="torch", generation_s=0.0, completions=completions)
+            await self._local_intake(LOCAL_CLIENT, sub, 0, sha256_bytes(wire.encode(sub)))
 
     def _batch_samples(self, version: int, job_ids: list[str]) -> Batch:
         """The training samples of a batch of accepted results, for a step that updates ``version`` (also used

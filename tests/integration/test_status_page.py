@@ -130,7 +130,7 @@ def test_each_rewards_mean_is_drawn_live(tmp_path: Path, tiny_model_dir: Path) -
 
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "colocated"},
-                          learner={"max_steps": 6},
+                          learner={"max_steps": 500},  # still stepping when the page looks; stopped after
                           task={"type": "dataset", "train_path": str(DEMO_DATA / "sums.jsonl"),
                                 "prompt_column": "question", "prompt_template": "Q: {prompt}= A:", "heldout_size": 32})
     with config.open("a") as f:
