@@ -63,7 +63,7 @@ def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
     rows = readmodels.client_states(coord.store, now, coord.config.jobs.lease_timeout_s)
     jobs = readmodels.jobs(coord.store, now, limit=0)
     evals = coord.store.evals()
-    last = coord.store.conn.execute("SELECT step, mean_reward, at FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+    last = coord.store.last_step()
     return {
         "run_id": coord.run_id, "version": coord.version, "max_steps": coord.config.learner.max_steps,
         "finished": coord.finished, "sync_mode": coord.config.sync_mode,

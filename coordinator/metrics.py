@@ -13,7 +13,6 @@ A scrape is built at most once per ``server.public_cache_s`` and rate-limited pe
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 
@@ -45,16 +44,14 @@ class _StepTimes:
         self.total = 0.0
 
     def update(self, coord: Coordinator) -> None:
-        rows = coord.store.conn.execute("SELECT step, metrics FROM steps WHERE step > ? ORDER BY step",
-                                        (self.last_step,)).fetchall()
-        for r in rows:
-            s = float(json.loads(r["metrics"]).get("step_s", 0.0))
+        for step, metrics in coord.store.step_metrics_after(self.last_step):
+            s = float(metrics.get("step_s", 0.0))
             self.count += 1
             self.total += s
             for k, edge in enumerate(STEP_BUCKETS):
                 if s <= edge:
                     self.buckets[k] += 1
-            self.last_step = int(r["step"])
+            self.last_step = step
 
     def family(self) -> HistogramMetricFamily:
         cum = [(str(edge), float(n)) for edge, n in zip(STEP_BUCKETS, self.buckets, strict=True)]
@@ -131,7 +128,7 @@ class StoreCollector(Collector):
         if evals:
             yield GaugeMetricFamily("echo_swarm_heldout_accuracy", "Held-out greedy accuracy at the last evaluation.",
                                     value=evals[-1]["accuracy"])
-        last = coord.store.conn.execute("SELECT mean_reward FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+        last = coord.store.last_step()
         if last is not None:
             yield GaugeMetricFamily("echo_swarm_mean_reward", "Mean rollout reward of the last learner step.",
                                     value=last["mean_reward"])

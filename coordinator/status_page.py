@@ -55,7 +55,7 @@ def page_status(coord: Coordinator) -> dict[str, Any]:
     now = coord.clock()
     jobs = readmodels.jobs(coord.store, now, limit=0)
     evals = coord.store.evals()
-    curve = [float(r[0]) for r in coord.store.conn.execute("SELECT mean_reward FROM steps ORDER BY step")]
+    curve = coord.store.reward_curve()
     body = {
         "run_id": coord.run_id, "version": coord.version, "max_steps": coord.config.learner.max_steps,
         "finished": coord.finished, "sync_mode": coord.config.sync_mode,

@@ -832,6 +832,20 @@ class Store:
         rows = self.conn.execute("SELECT * FROM steps ORDER BY step").fetchall()
         return [dict(r) | {"metrics": json.loads(r["metrics"])} for r in rows]
 
+    def last_step(self) -> dict[str, Any] | None:
+        """The newest step's number, mean reward and time, or None before the first."""
+        row = self.conn.execute("SELECT step, mean_reward, at FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+        return None if row is None else dict(row)
+
+    def reward_curve(self) -> list[float]:
+        """Every step's mean rollout reward, in step order."""
+        return [float(r[0]) for r in self.conn.execute("SELECT mean_reward FROM steps ORDER BY step").fetchall()]
+
+    def step_metrics_after(self, step: int) -> list[tuple[int, dict[str, Any]]]:
+        """(step, metrics) of every step after ``step``, in order (what a scrape has not counted yet)."""
+        rows = self.conn.execute("SELECT step, metrics FROM steps WHERE step > ? ORDER BY step", (step,)).fetchall()
+        return [(int(r["step"]), json.loads(r["metrics"])) for r in rows]
+
     def evals(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute("SELECT * FROM evals ORDER BY version").fetchall()]
 
