@@ -611,8 +611,8 @@ class P2PConfig(_Strict):
     calls: bool = Field(True, description="Also serve the signed calls (register, lease, release, results) on the "
                         "libp2p peer, relayed to the API over loopback HTTP (`join --p2p-jobs`).")
     calls_at_once: int = Field(32, ge=1, le=4096, description="Signed calls relayed at once, all peers together "
-                               "(each holds one loopback connection to the API; at most "
-                               "server.max_connections_per_address). Over it: 503 rate_limited.")
+                               "(each holds one loopback connection to the API, so server.max_connections_per_address "
+                               "caps it too). Over it: 503 rate_limited.")
     calls_per_peer: int = Field(4, ge=1, le=1024, description="Signed calls one libp2p peer may have in flight at "
                                 "once. Over it: 429 rate_limited.")
     call_timeout_s: float = Field(60.0, ge=30, le=7200, description="Longest wait of the relay for the API's reply "
@@ -704,14 +704,6 @@ class CoordinatorConfig(_Strict):
             raise ValueError(f"a job of {per_job} completions × {self.sampling.max_tokens} tokens could need "
                              f"{size / 2**20:.1f} MiB per result; the limit is 8 MiB. Lower jobs.prompts_per_job "
                              f"or sampling.max_tokens")
-        return self
-
-    @model_validator(mode="after")
-    def _relay_within_address_cap(self) -> CoordinatorConfig:
-        if self.p2p.calls and self.p2p.calls_at_once > self.server.max_connections_per_address:
-            raise ValueError(f"p2p.calls_at_once ({self.p2p.calls_at_once}) exceeds "
-                             f"server.max_connections_per_address ({self.server.max_connections_per_address}): every "
-                             f"relayed call is a loopback connection to the API; lower calls_at_once or raise the cap")
         return self
 
     @model_validator(mode="after")

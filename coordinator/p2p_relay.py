@@ -5,8 +5,8 @@ the checks and the store writes are the HTTP ones — one code path, whichever t
 Bounds, in the order a call meets them: the head within 10 s; only the paths the API routes as signed POSTs
 (``coordinator.app.SIGNED_POSTS``, the one table); a body no larger than the API's cap for its path (refused
 here, before a byte of it is read and without calling the API); at most ``p2p.calls_at_once`` calls relayed at
-once (503 rate_limited past it) and ``p2p.calls_per_peer`` per peer (429); the body within 10 s per chunk; the
-API's reply within ``p2p.call_timeout_s``; each reply chunk written within 10 s.
+once (and no more than the API's connections per address; 503 rate_limited past it) and ``p2p.calls_per_peer`` per peer (429); the body within 10 s per chunk and
+``server.body_timeout_s`` in all; the API's reply within ``p2p.call_timeout_s``; each reply chunk written within 10 s.
 
 The API's per-address budgets must see the caller, not this relay's 127.0.0.1: the relay names the caller's
 libp2p peer id in a header, with a token that only holders of the run's key can compute (an HMAC of the coordinator
@@ -75,6 +75,8 @@ class CallRelay:
     def __init__(self, config: CoordinatorConfig, token: str) -> None:
         self.config = config
         self.token = token
+        # every relayed call is one loopback connection to the API, which caps connections per address
+        self.at_once = min(config.p2p.calls_at_once, config.server.max_connections_per_address)
         self.active = 0
         self.per_peer: Counter[str] = Counter()
         self.relayed: Counter[str] = Counter()  # calls answered by the API, per path (the p2p role's report)
@@ -101,7 +103,7 @@ class CallRelay:
         if self._session is None:
             cfg = self.config.p2p
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=cfg.calls_at_once),
+                connector=aiohttp.TCPConnector(limit=self.at_once),
                 timeout=aiohttp.ClientTimeout(total=cfg.call_timeout_s, connect=5))
         return self._session
 
@@ -149,7 +151,7 @@ class CallRelay:
         if head.length > cap:
             return _error(Reason.BODY_TOO_LARGE, f"request body is {head.length} bytes; the limit for {head.path} "
                                                  f"is {cap}")
-        if self.active >= cfg.calls_at_once:
+        if self.active >= self.at_once:
             return _error(Reason.RATE_LIMITED, "the coordinator's libp2p peer relays as many calls as it may; "
                                                "retry in 1s", status=503)
         if self.per_peer[peer] >= cfg.calls_per_peer:
@@ -160,12 +162,14 @@ class CallRelay:
         return 0, b""
 
     async def _relay(self, peer: str, head: Any, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        import asyncio
+
         import aiohttp
 
         from shared.messages import MAX_CALL_BYTES
         from shared.p2p_calls import read_body
 
-        body = await read_body(reader, head.length)
+        body = await asyncio.wait_for(read_body(reader, head.length), self.config.server.body_timeout_s)
         headers = {"Content-Type": "application/msgpack", TOKEN_HEADER: self.token, PEER_HEADER: peer}
         try:
             async with self.session().post(self.api_url() + head.path, data=body, headers=headers) as resp:
