@@ -3,7 +3,7 @@ p2pd), for tests/integration/test_p2p_calls.py: it joins the coordinator's DHT a
 then registers, leases and releases through the production CoordinatorClient (with ``--jobs``, over libp2p first),
 replays one envelope, and sends one oversized body; it prints one JSON line with what each call answered.
 
-    python -m tests.integration.p2p_call_probe URL --home DIR [--p2p] [--jobs] [--no-hivemind]
+    python -m tests.integration.p2p_call_probe URL --home DIR [--p2p] [--jobs] [--no-hivemind] [--unreachable]
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ async def main(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"event": "done", "client_id": identity.client_id}
     try:
         info = await api.info()
+        t0 = time.monotonic()
         if args.p2p:
             peer = ClientPeer(args.home / "blobs", PeerSettings(listen=["/ip4/127.0.0.1/tcp/0"], serve=False),
                               say=said.append)
             (args.home / "blobs").mkdir(parents=True, exist_ok=True)
             await peer.start(api, info.run_id, info.coordinator_public_key)
             out["peer_id"] = peer.node.peer_id if peer.node is not None else None
+        if args.unreachable and peer is not None and peer.node is not None:  # a coordinator peer nobody runs
+            import os
+
+            from hivemind.p2p import PeerID
+
+            # an identity multihash of a random Ed25519 public key: a well-formed peer id no daemon answers to
+            peer.coordinator_peer = PeerID(b"\x00\x24\x08\x01\x12\x20" + os.urandom(32)).to_base58()
         calls = None
         if args.jobs and peer is not None:
             api.calls = calls = PeerCalls(peer, api.timeout_s, said.append)
@@ -67,9 +75,19 @@ async def main(args: argparse.Namespace) -> int:
             rel = await api.post("/v1/release", ReleaseRequest(job_id=job.job_id, lease_id=job.lease_id),
                                  ReleaseResponse)
             out["released"] = rel.released
+        if args.bench and "job_id" in out:  # N more releases of the released job (answered released=false)
+            times = []
+            for _ in range(args.bench):
+                t1 = time.perf_counter()
+                await api.post("/v1/release", ReleaseRequest(job_id=out["job_id"], lease_id=out["lease_id"]),
+                               ReleaseResponse)
+                times.append((time.perf_counter() - t1) * 1000)
+            times.sort()
+            out["bench_ms"] = {"p50": round(times[len(times) // 2], 2), "p90": round(times[int(len(times) * 0.9)], 2)}
         if calls is not None:
             out["calls"], out["fallbacks"] = calls.sent, calls.fallbacks
-        if args.jobs and peer is not None and peer.node is not None:
+        out["took_s"] = round(time.monotonic() - t0, 2)
+        if args.jobs and peer is not None and peer.node is not None and not args.unreachable:
             from shared.p2p_calls import call
 
             node, coord = peer.node, peer.coordinator_peer
@@ -107,6 +125,8 @@ def run() -> int:
     ap.add_argument("--p2p", action="store_true")
     ap.add_argument("--jobs", action="store_true")
     ap.add_argument("--no-hivemind", action="store_true", help="behave as if hivemind were not installed")
+    ap.add_argument("--bench", type=int, default=0, help="then time this many signed calls (releases)")
+    ap.add_argument("--unreachable", action="store_true", help="send the calls to a peer id nobody runs")
     args = ap.parse_args(sys.argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.no_hivemind:

@@ -121,7 +121,54 @@ def test_without_the_relay_or_hivemind_the_calls_go_over_http(live: LiveCoordina
     assert len([s for s in off["said"] if "over libp2p failed" in s]) == 1, off["said"]  # said once
     assert client_row(live, off["client_id"])["address"] == "127.0.0.1"
 
+    # a coordinator peer that does not answer (gone, or never there): the same, without waiting long
+    gone = probe(live, tmp_path / "f", "--p2p", "--jobs", "--unreachable")
+    assert gone.get("registered") is True and gone.get("released") is True, gone
+    assert gone["calls"] == 0 and gone["fallbacks"] >= 3, gone
+    assert len([s for s in gone["said"] if "over libp2p failed" in s]) == 1, gone["said"]
+
     bare = probe(live, tmp_path / "e", "--p2p", "--jobs", "--no-hivemind")
     assert bare.get("registered") is True and bare.get("released") is True, bare
     assert any("hivemind is not installed" in s for s in bare["said"]), bare["said"]
     wait_until(lambda: client_row(live, bare["client_id"]), 5, "the HTTP registration")
+
+
+def test_an_8_mib_call_streams_both_ways(tmp_path: Path) -> None:
+    """A result may be 8 MiB: a call body and a reply that size travel in the stream (a unary reply over 4 MiB
+    would hang the caller), between two real peers, well within the client's timeout."""
+    import time
+
+    from shared import crypto
+    from shared.messages import CallReply, CallRequest
+    from shared.p2p import PeerNode, Uploads
+    from shared.p2p_calls import CALL_PROTOCOL, call, read_body, read_head, write_body, write_head
+
+    size = 8 * 1024 * 1024
+
+    async def echo(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await read_head(reader, CallRequest)
+        body = await read_body(reader, head.length)
+        await write_head(writer, CallReply(status=200, length=len(body)))
+        await write_body(writer, body[::-1])
+        writer.close()
+
+    async def scenario() -> float:
+        pub = crypto.public_bytes(crypto.generate_key())
+        server, client = (PeerNode("run", pub, lambda s: None, Uploads()) for _ in range(2))
+        try:
+            await server.start(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            await server.p2p.add_binary_stream_handler(CALL_PROTOCOL, echo)
+            await client.start(initial_peers=await server.visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            body = bytes(range(256)) * (size // 256)
+            t0 = time.monotonic()
+            status, reply = await call(client.p2p, server.peer_id, "/v1/results", body, 30)
+            took = time.monotonic() - t0
+            assert status == 200 and reply == body[::-1]
+            return took
+        finally:
+            await client.stop()
+            await server.stop()
+
+    took = asyncio.run(asyncio.wait_for(scenario(), 120))
+    print(f"8 MiB call + 8 MiB reply over libp2p on loopback: {took:.2f} s")
+    assert took < 30
