@@ -135,6 +135,9 @@ class JoinConfig(BaseModel):
                                   "file before fetching it over HTTP.")
     p2p_listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], min_length=1, max_length=8,
                                   description="With p2p: libp2p listen addresses (multiaddrs).")
+    p2p_coordinator: list[str] = Field(default_factory=list, max_length=16, description="With p2p: the "
+                                       "coordinator peer's multiaddrs, each ending in /p2p/<peer id> (default: "
+                                       "what its GET /v1/p2p says).")
     p2p_jobs: bool = Field(False, description="With p2p: send register, lease, release and results to the "
                            "coordinator's libp2p peer (HTTP is the fallback; docs/protocol.md §6b).")
 
@@ -144,6 +147,15 @@ class JoinConfig(BaseModel):
         from shared.safe_text import check_printable
 
         return check_printable(v)  # the coordinator refuses control characters in a profile; say so up front
+
+    @field_validator("p2p_coordinator")
+    @classmethod
+    def _coordinator_maddrs(cls, v: list[str]) -> list[str]:
+        from swarm_client.peer_fetch import coordinator_info
+
+        if v:
+            coordinator_info(v)  # ValueError says the expected form
+        return v
 
     @model_validator(mode="after")
     def _jobs_need_p2p(self) -> JoinConfig:
@@ -324,7 +336,8 @@ class Runner:
         peer = ClientPeer(cache.blobs, PeerSettings(
             serve=self.cfg.p2p_serve, max_upload_bytes=None if cap is None else int(cap * 1e9),
             uploads=self.cfg.p2p_uploads, uploads_per_blob=self.cfg.p2p_uploads_per_blob,
-            deadline_s=self.cfg.p2p_deadline_s, listen=self.cfg.p2p_listen), say=self._say)
+            deadline_s=self.cfg.p2p_deadline_s, listen=self.cfg.p2p_listen, coordinator=self.cfg.p2p_coordinator),
+            say=self._say)
         if await peer.start(api, info.run_id, info.coordinator_public_key):
             self.peer = cache.peers = peer
             if self.cfg.p2p_jobs:

@@ -46,7 +46,8 @@ async def main(args: argparse.Namespace) -> int:
         info = await api.info()
         t0 = time.monotonic()
         if args.p2p:
-            peer = ClientPeer(args.home / "blobs", PeerSettings(listen=["/ip4/127.0.0.1/tcp/0"], serve=False),
+            peer = ClientPeer(args.home / "blobs", PeerSettings(listen=["/ip4/127.0.0.1/tcp/0"], serve=False,
+                                                                coordinator=args.coordinator_maddr),
                               say=said.append)
             (args.home / "blobs").mkdir(parents=True, exist_ok=True)
             await peer.start(api, info.run_id, info.coordinator_public_key)
@@ -125,6 +126,8 @@ def run() -> int:
     ap.add_argument("--p2p", action="store_true")
     ap.add_argument("--jobs", action="store_true")
     ap.add_argument("--no-hivemind", action="store_true", help="behave as if hivemind were not installed")
+    ap.add_argument("--coordinator-maddr", action="append", default=[], help="the coordinator peer's multiaddr "
+                    "(as join --p2p-coordinator; default: GET /v1/p2p)")
     ap.add_argument("--bench", type=int, default=0, help="then time this many signed calls (releases)")
     ap.add_argument("--unreachable", action="store_true", help="send the calls to a peer id nobody runs")
     args = ap.parse_args(sys.argv[1:])

@@ -62,7 +62,8 @@ def relayed(live: LiveCoordinator) -> dict[str, int]:
 
 
 def test_calls_over_libp2p_write_what_http_writes(live: LiveCoordinator, tmp_path: Path) -> None:
-    over_p2p = probe(live, tmp_path / "a", "--p2p", "--jobs")
+    maddr = live.coordinator.egress.info().maddrs[0]  # as configured (join --p2p-coordinator), not from /v1/p2p
+    over_p2p = probe(live, tmp_path / "a", "--p2p", "--jobs", "--coordinator-maddr", maddr)
     jobs = {"p2p": job_row(live, over_p2p["job_id"])}
     over_http = probe(live, tmp_path / "b")
     jobs["http"] = job_row(live, over_http["job_id"])
