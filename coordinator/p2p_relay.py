@@ -16,6 +16,7 @@ costs nothing to make, so over libp2p these budgets are per peer, not per host.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -67,6 +68,22 @@ def relayed_address(headers: Any, token: str) -> str | None:
 def _error(reason: Reason, message: str, status: int | None = None) -> tuple[int, bytes]:
     err = ProtocolError(reason, message)
     return status or err.http_status, wire.encode(ErrorBody(error=reason.value, message=message[:2048]))
+
+
+async def _discard(reader: asyncio.StreamReader, limit: int) -> None:
+    """Read and drop up to ``limit`` bytes until the caller closes its side (the reference client stops sending when
+    the reply arrives), for at most 10 s."""
+    import asyncio
+
+    from shared.p2p_calls import CHUNK, IDLE_S
+
+    async def drop() -> None:
+        left = limit
+        while left > 0 and (chunk := await reader.read(min(CHUNK, left))):
+            left -= len(chunk)
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(drop(), IDLE_S)
 
 
 class CallRelay:
@@ -128,6 +145,8 @@ class CallRelay:
                 self.refused += 1
             await write_head(writer, CallReply(status=status, length=len(data)))
             await write_body(writer, data)
+            if not admitted:  # refused from the head: take what the caller still sends until it stops (bounded),
+                await _discard(reader, head.length)  # since closing on unread bytes resets the stream, reply and all
         except Exception as exc:  # a bad frame, a caller that went silent or away: nothing to answer
             logger.info("p2p call from %s ended: %s: %s", peer[:12], type(exc).__name__, exc)
         finally:

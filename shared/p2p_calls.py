@@ -13,6 +13,7 @@ Importing hivemind imports torch: this module imports it only inside :func:`call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from typing import Any, TypeVar
 
@@ -61,6 +62,11 @@ async def read_body(reader: asyncio.StreamReader, length: int, idle_s: float = I
     return bytes(out)
 
 
+async def _send(writer: asyncio.StreamWriter, head: CallRequest, body: bytes) -> None:
+    await write_head(writer, head)
+    await write_body(writer, body)
+
+
 async def call(p2p: Any, peer_id: str, path: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
     """Send one signed call to ``peer_id`` over ``p2p`` (a started hivemind P2P) and return the API's HTTP status
     and reply bytes. Raises on any transport failure (TimeoutError, ConnectionError, hivemind's P2P errors,
@@ -73,12 +79,20 @@ async def call(p2p: Any, peer_id: str, path: str, body: bytes, timeout_s: float)
     async def go() -> tuple[int, bytes]:
         _, reader, writer = await asyncio.wait_for(
             p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), CALL_PROTOCOL), IDLE_S)
+        # the reply is read while the body is sent: a refusal from the head alone (too large, unknown path, busy)
+        # comes before the body is read, and then the rest of the body cannot be written any more
+        sending = asyncio.ensure_future(_send(writer, CallRequest(path=path, length=len(body)), body))
         try:
-            await write_head(writer, CallRequest(path=path, length=len(body)))
-            await write_body(writer, body)
             reply = await read_head(reader, CallReply, wait_s=timeout_s)
             return reply.status, await read_body(reader, reply.length)
+        except Exception:
+            if sending.done() and not sending.cancelled() and sending.exception() is not None:
+                raise sending.exception() from None  # type: ignore[misc]  # the cause: the send failed first
+            raise
         finally:
+            sending.cancel()
+            with contextlib.suppress(BaseException):
+                await sending
             writer.close()
 
     return await asyncio.wait_for(go(), timeout_s)

@@ -106,6 +106,8 @@ async def main(args: argparse.Namespace) -> int:
             big = b"\x00" * (64 * 1024 + 1)
             status, body = await call(node.p2p, coord, "/v1/register", big, 30)
             out["oversize"] = [status, wire.decode(body, ErrorBody).error]
+            status, body = await call(node.p2p, coord, "/v1/results", b"\x00" * (4 << 20), 30)  # refused unread
+            out["oversize_results"] = [status, wire.decode(body, ErrorBody).error]
             status, body = await call(node.p2p, coord, "/v1/info", b"", 30)
             out["unknown_path"] = [status, wire.decode(body, ErrorBody).error]
     except ProtocolError as exc:

@@ -83,7 +83,7 @@ def test_calls_over_libp2p_write_what_http_writes(live: LiveCoordinator, tmp_pat
     assert over_p2p["replay"]["first"] == [200, False]  # (already released: nothing to change)
     assert over_p2p["replay"]["p2p"] == over_p2p["replay"]["http"] == [409, "replayed_nonce"]
     # too large for /v1/register (64 KiB): refused by the relay from the head, before the body, nothing written
-    assert over_p2p["oversize"] == [413, "body_too_large"]
+    assert over_p2p["oversize"] == over_p2p["oversize_results"] == [413, "body_too_large"]
     assert over_p2p["unknown_path"] == [404, "not_found"]  # only the signed calls travel over libp2p
     assert len(db_rows(live.run_dir, "SELECT client_id FROM clients")) == 2
 
