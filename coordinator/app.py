@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from coordinator import netguard
+from coordinator import netguard, p2p_relay
 from coordinator.config import CoordinatorConfig
 from coordinator.core.connections import Phase
 from coordinator.learner_role import LearnerRole
@@ -98,7 +98,13 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
                             ) -> web.StreamResponse:
     try:
         if request.method == "POST":  # per-address budget before reading a byte of the body (coordinator.guard)
-            request.app[COORDINATOR].guard.check_address(request.remote or "", request.app[COORDINATOR].clock())
+            coord = request.app[COORDINATOR]
+            try:
+                request[ADDRESS] = client_address(request)
+            except ProtocolError:  # a forged relay header: counted against the sender's own address, then refused
+                coord.guard.check_address(request.remote or "", coord.clock())
+                raise
+            coord.guard.check_address(request[ADDRESS], coord.clock())
         return await handler(request)
     except ProtocolError as exc:
         response = error_response(exc.reason, exc.message)
@@ -127,6 +133,21 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
     except Exception:
         logger.exception("internal error handling %s %s", request.method, request.path)
         return error_response(Reason.INTERNAL, "the coordinator hit an internal error; it has been logged")
+
+
+ADDRESS = web.RequestKey("client_address", str)  # set by errors_middleware for every POST
+
+
+def client_address(request: web.Request) -> str:
+    """Whom the per-address budgets count a request against: its remote address, or for a call the coordinator's
+    own p2p role relays (its token in the header, coordinator.p2p_relay) the caller's libp2p peer id. A relay
+    header without the token raises ``bad_relay``."""
+    if p2p_relay.TOKEN_HEADER not in request.headers:
+        return request.remote or ""
+    coord = request.app[COORDINATOR]
+    if getattr(coord, "key", None) is None:  # not started: no token to check against, so no relay yet
+        raise ProtocolError(Reason.BAD_RELAY, "the coordinator is starting; it accepts no relayed call yet")
+    return p2p_relay.relayed_address(request.headers, coord.relay_token) or ""
 
 
 async def read_body(request: web.Request, cap: int) -> bytes:
@@ -162,7 +183,7 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def register(request: web.Request) -> web.Response:
-    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request), request.remote or "")))
+    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request), request.get(ADDRESS, ""))))
 
 
 async def lease(request: web.Request) -> web.Response:
@@ -175,6 +196,12 @@ async def release(request: web.Request) -> web.Response:
 
 async def results(request: web.Request) -> web.Response:
     return _packed(wire.encode(await request.app[COORDINATOR].submit(await _body(request))))
+
+
+#: The signed POST endpoints (docs/protocol.md §3-4): the routes of this app, and the calls the coordinator's libp2p
+#: peer relays to them (coordinator.p2p_relay, §6b) — one table for both.
+SIGNED_POSTS: dict[str, Callable[[web.Request], Awaitable[web.Response]]] = {
+    "/v1/register": register, "/v1/lease": lease, "/v1/release": release, "/v1/results": results}
 
 
 async def snapshot_manifest(request: web.Request) -> web.Response:
@@ -311,10 +338,8 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app.on_response_prepare.append(_count_blob_bytes)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_get("/v1/info", info)
-    app.router.add_post("/v1/register", register)
-    app.router.add_post("/v1/lease", lease)
-    app.router.add_post("/v1/release", release)
-    app.router.add_post("/v1/results", results)
+    for path, handler in SIGNED_POSTS.items():
+        app.router.add_post(path, handler)
     app.router.add_get("/v1/snapshots/{version}", snapshot_manifest)
     app.router.add_get("/v1/blobs/{sha256}", blob)
     app.router.add_get("/v1/p2p", p2p_info)

@@ -607,6 +607,17 @@ class P2PConfig(_Strict):
                             "before leaving it to them (k).")
     record_ttl_s: float = Field(300.0, ge=30, le=86_400, description="Lifetime of the signed 'latest version' DHT "
                                 "record; it is republished every fifth of this.")
+    # the signed calls over libp2p (coordinator.p2p_relay; docs/protocol.md §6b)
+    calls: bool = Field(True, description="Also serve the signed calls (register, lease, release, results) on the "
+                        "libp2p peer, relayed to the API over loopback HTTP (`join --p2p-jobs`).")
+    calls_at_once: int = Field(32, ge=1, le=4096, description="Signed calls relayed at once, all peers together "
+                               "(each holds one loopback connection to the API, so server.max_connections_per_address "
+                               "caps it too). Over it: 503 rate_limited.")
+    calls_per_peer: int = Field(4, ge=1, le=1024, description="Signed calls one libp2p peer may have in flight at "
+                                "once. Over it: 429 rate_limited.")
+    call_timeout_s: float = Field(60.0, ge=30, le=7200, description="Longest wait of the relay for the API's reply "
+                                  "to one call (above jobs.long_poll_s); past it the caller gets 503 unavailable "
+                                  "and resends.")
 
     @field_validator("host_maddrs", "announce_maddrs")
     @classmethod

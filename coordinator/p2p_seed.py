@@ -5,6 +5,7 @@ It is the DHT's bootstrap node, publishes the signed record of the newest versio
 lifetime, and at once when a version is published), announces itself as a holder of that version's files and
 serves each file over libp2p to the first ``p2p.seed_peers`` peers only: after that, peers serve each other. HTTP
 stays open to everyone, so a client whose peer fetch failed still gets its files (coordinator egress then shows it).
+With ``p2p.calls`` it also relays the protocol's signed calls to the API (coordinator.p2p_relay, §6b).
 
 Starting the peer imports hivemind, and hivemind imports torch: in the process layout it therefore runs in its own
 role process, so the API process still never loads torch (issue 12). It reports its peer id, addresses and byte
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from coordinator.config import CoordinatorConfig
+    from coordinator.p2p_relay import CallRelay
     from coordinator.snapshots import SnapshotStore
     from coordinator.store import Store
     from shared.p2p import PeerNode
@@ -88,6 +90,7 @@ class CoordinatorPeer:
         self.coord = coord
         self.config = coord.config.p2p
         self.node: PeerNode | None = None
+        self.relay: CallRelay | None = None
         self.maddrs: list[str] = []
         self._task: asyncio.Task[None] | None = None
         self.peer_served_bytes = 0  # what volunteers report (in their holder entries) they served each other
@@ -100,7 +103,8 @@ class CoordinatorPeer:
     def report(self) -> dict[str, Any]:
         """What the API shows of this peer (GET /v1/p2p, the status page's egress)."""
         return {"peer_id": self.node.peer_id if self.node is not None else None, "maddrs": self.maddrs[:16],
-                "served_bytes": self.served_bytes, "peer_served_bytes": self.peer_served_bytes}
+                "served_bytes": self.served_bytes, "peer_served_bytes": self.peer_served_bytes,
+                "calls": self.relay.report() if self.relay is not None else None}
 
     async def start(self) -> None:
         from shared.p2p import P2PUnavailable, PeerNode, Uploads
@@ -116,6 +120,12 @@ class CoordinatorPeer:
                            "over HTTP only", exc)
             return
         self.node = node
+        if self.config.calls:
+            from coordinator.p2p_relay import CallRelay, relay_token
+            from shared.p2p_calls import CALL_PROTOCOL
+
+            self.relay = CallRelay(coord.config, relay_token(coord.key, coord.run_id))
+            await node.p2p.add_binary_stream_handler(CALL_PROTOCOL, self.relay.serve)
         self.maddrs = await node.visible_maddrs()
         logger.info("p2p peer %s reachable at %s", node.peer_id, ", ".join(self.maddrs))  # not "listening on": the HTTP URL line
         self._task = asyncio.create_task(self._publish_loop(), name="p2p-publish")
@@ -127,6 +137,9 @@ class CoordinatorPeer:
         if self.node is not None:
             await self.node.stop()
             self.node = None
+        if self.relay is not None:
+            await self.relay.close()
+            self.relay = None
 
     async def _publish_loop(self) -> None:
         published, retry_at = -1, 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -85,6 +86,23 @@ def result_size_cap(n_completions: int, max_tokens: int, turns: int = 0, observa
     if turns:
         return 4096 + n_completions * (64 + turns * (64 + max_tokens * 14 + observation_tokens * 5))
     return 4096 + n_completions * (64 + max_tokens * 14)
+
+
+def result_cap(config: CoordinatorConfig, n_completions: int) -> int:
+    """result_size_cap for this run's jobs (episodes: the task's turns and observation tokens)."""
+    cfg = config.task
+    if isinstance(cfg, EnvironmentTaskConfig):
+        return result_size_cap(n_completions, config.sampling.max_tokens, cfg.max_turns, cfg.max_observation_tokens)
+    return result_size_cap(n_completions, config.sampling.max_tokens)
+
+
+def body_cap(config: CoordinatorConfig, path: str) -> int:
+    """Largest request body accepted on ``path``: results are capped by the largest job this run signs (its
+    max_result_bytes plus the signed envelope), every other request by SMALL_REQUEST_BYTES. The API and the p2p
+    role's relay (coordinator.p2p_relay) apply the same caps."""
+    if path == "/v1/results":
+        return ENVELOPE_BYTES + result_cap(config, config.jobs.prompts_per_job * config.learner.group_size)
+    return SMALL_REQUEST_BYTES
 
 
 class Coordinator:
@@ -403,12 +421,7 @@ class Coordinator:
         )
 
     def _result_cap(self, n_completions: int) -> int:
-        """result_size_cap for this run's jobs (episodes: the task's turns and observation tokens)."""
-        cfg = self.config.task
-        if isinstance(cfg, EnvironmentTaskConfig):
-            return result_size_cap(n_completions, self.config.sampling.max_tokens, cfg.max_turns,
-                                   cfg.max_observation_tokens)
-        return result_size_cap(n_completions, self.config.sampling.max_tokens)
+        return result_cap(self.config, n_completions)
 
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.authenticate(raw, "/v1/release")
@@ -464,12 +477,14 @@ class Coordinator:
         return self.guard.pinned_class(client_id)
 
     def body_cap(self, path: str) -> int:
-        """Largest request body accepted on ``path``: results are capped by the largest job this run signs
-        (its max_result_bytes plus the signed envelope), every other request by SMALL_REQUEST_BYTES."""
-        if path == "/v1/results":
-            per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size
-            return ENVELOPE_BYTES + self._result_cap(per_job)
-        return SMALL_REQUEST_BYTES
+        return body_cap(self.config, path)
+
+    @functools.cached_property
+    def relay_token(self) -> str:
+        """The token the p2p role's relayed calls carry (coordinator.p2p_relay); known once started."""
+        from coordinator.p2p_relay import relay_token
+
+        return relay_token(self.key, self.run_id)
 
     def _lease_replica(self, client_id: str) -> LeaseResponse | None:
         return spotcheck.lease_replica(self, client_id)

@@ -118,6 +118,14 @@ def join(
                                                   show_default=False)] = None,
     max_upload_gb: Annotated[Optional[float], typer.Option(help="With --p2p: stop serving peers after this many GB "
                                                            "uploaded in this session. [default: no cap]")] = None,
+    p2p_jobs: Annotated[Optional[bool], typer.Option("--p2p-jobs/--no-p2p-jobs", help="With --p2p: send register, "
+                                                     "lease, release and results to the coordinator's libp2p peer "
+                                                     "(HTTP is the fallback). [default: off]",
+                                                     show_default=False)] = None,
+    p2p_coordinator: Annotated[Optional[list[str]], typer.Option(help="With --p2p: the coordinator peer's multiaddr, "
+                                                                      "ending in /p2p/<peer id> (repeat for several). "
+                                                                      "[default: what its GET /v1/p2p says]",
+                                                                 show_default=False)] = None,
 ) -> None:
     from swarm_client.config import ClientConfigError, build
     from swarm_client.runner import run
@@ -127,7 +135,8 @@ def join(
                  idle_only=idle_only, idle_min_percent=idle_min_percent, windows=window, benchmark=benchmark,
                  panel=panel, name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished,
                  max_cpu_percent=max_cpu_percent, retries=retries, coordinator_key=coordinator_key,
-                 invite=invite, p2p=p2p, p2p_serve=serve, p2p_max_upload_gb=max_upload_gb)
+                 invite=invite, p2p=p2p, p2p_serve=serve, p2p_max_upload_gb=max_upload_gb, p2p_jobs=p2p_jobs,
+                 p2p_coordinator=p2p_coordinator)
     try:
         cfg = build(flags, config)
     except ClientConfigError as exc:

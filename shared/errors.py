@@ -20,6 +20,7 @@ class Reason(StrEnum):
     UNKNOWN_CLIENT = "unknown_client"  # signed by a key the coordinator has never registered
     BAD_SIGNATURE = "bad_signature"
     CLIENT_ID_MISMATCH = "client_id_mismatch"  # client id is not derived from the presented public key
+    BAD_RELAY = "bad_relay"  # the p2p relay header without the run's relay token (only the p2p role may send it)
     NOT_ADMIN = "not_admin"  # an admin request not signed by a key listed in the run's admin_keys file
     ADMIN_REFUSED = "admin_refused"  # an operator action that would break the run (e.g. removing the last key)
     STALE_REQUEST = "stale_request"  # timestamp outside the accepted clock-skew window
@@ -63,6 +64,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.UNKNOWN_CLIENT: 401,
     Reason.BAD_SIGNATURE: 401,
     Reason.CLIENT_ID_MISMATCH: 401,
+    Reason.BAD_RELAY: 401,
     Reason.NOT_ADMIN: 401,
     Reason.ADMIN_REFUSED: 409,
     Reason.STALE_REQUEST: 401,

@@ -323,6 +323,25 @@ class HolderEntry(Message):
     served_bytes: Annotated[int, Field(ge=0, lt=2**62)] = 0
 
 
+MAX_CALL_BYTES = 16 * 1024 * 1024  # a signed call's body or reply over libp2p: the API's own envelope limit
+
+
+class CallRequest(Message):
+    """First frame of a ``/echo-swarm/call/1`` stream: a signed POST to ``path``; exactly ``length`` raw bytes
+    follow (the SignedRequest envelope, as an HTTP body would carry it)."""
+
+    path: Annotated[str, StringConstraints(pattern=r"^/v1/[a-z_/]{1,64}$")]
+    length: Annotated[int, Field(ge=0, le=MAX_CALL_BYTES)]
+
+
+class CallReply(Message):
+    """The coordinator peer's frame: the HTTP status the API answered and the ``length`` of its reply body
+    (msgpack: the endpoint's reply, or an ErrorBody), whose raw bytes follow; then the stream closes."""
+
+    status: Annotated[int, Field(ge=100, le=599)]
+    length: Annotated[int, Field(ge=0, le=MAX_CALL_BYTES)]
+
+
 class BlobRequest(Message):
     """First frame of a ``/echo-swarm/blob/1`` stream: send the file from ``offset`` (a multiple of its
     piece_size) to its end."""

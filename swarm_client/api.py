@@ -1,5 +1,9 @@
 """HTTP client for the coordinator protocol: signs every request, decodes every reply strictly, and retries
-transient failures (connection errors, timeouts, 5xx, 429) with bounded exponential backoff."""
+transient failures (connection errors, timeouts, 5xx, 429) with bounded exponential backoff.
+
+With ``calls`` set (`join --p2p-jobs`), signed POSTs go to the coordinator's libp2p peer first
+(swarm_client.peer_calls, docs/protocol.md §6b): the same envelope, the same status and reply bytes, so every
+caller stays unchanged; when libp2p fails the same attempt goes over HTTP."""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import aiohttp
 import pydantic
@@ -59,6 +63,13 @@ def _refusal(status: int, body: bytes) -> ProtocolError:
         return Refused(Reason.INTERNAL, f"HTTP {status}: {body[:200]!r}", code=Reason.INTERNAL.value, status=status)
 
 
+class CallTransport(Protocol):
+    """Another way to send a signed POST (swarm_client.peer_calls.PeerCalls): (status, reply bytes), or None when
+    it cannot right now (it said why) and the request goes over HTTP."""
+
+    def send(self, path: str, data: bytes) -> Awaitable[tuple[int, bytes] | None]: ...
+
+
 class CoordinatorClient:
     def __init__(self, base_url: str, identity: Identity, *, timeout_s: float = 30.0,
                  retry: RetryPolicy | None = None, on_retry: Callable[[str], None] | None = None) -> None:
@@ -66,6 +77,8 @@ class CoordinatorClient:
         self.identity = identity
         self.retry = retry or RetryPolicy()
         self.on_retry = on_retry or (lambda msg: logger.warning("%s", msg))
+        self.timeout_s = timeout_s
+        self.calls: CallTransport | None = None  # `join --p2p-jobs`: signed POSTs over libp2p first
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10))
 
     async def close(self) -> None:
@@ -79,15 +92,12 @@ class CoordinatorClient:
         last: str = ""
         for attempt in range(self.retry.attempts):
             try:
-                data = body_fn() if body_fn else None
-                async with self._session.request(method, self.base_url + path, data=data,
-                                                 headers={"Content-Type": "application/msgpack"}) as resp:
-                    raw = await resp.read()
-                    if resp.status == 200:
-                        return raw
-                    if resp.status < 500 and resp.status != 429:
-                        raise _refusal(resp.status, raw)
-                    last = f"HTTP {resp.status}: {_refusal(resp.status, raw).message}"
+                status, raw = await self._send(method, path, body_fn() if body_fn else None)
+                if status == 200:
+                    return raw
+                if status < 500 and status != 429:
+                    raise _refusal(status, raw)
+                last = f"HTTP {status}: {_refusal(status, raw).message}"
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if attempt + 1 < self.retry.attempts:
@@ -98,6 +108,16 @@ class CoordinatorClient:
         raise CoordinatorUnreachable(
             f"gave up on {self.base_url}{path} after {self.retry.attempts} attempts: {last}. Check that the URL is "
             f"right and the coordinator is running (try: curl {self.base_url}/healthz)")
+
+    async def _send(self, method: str, path: str, data: bytes | None) -> tuple[int, bytes]:
+        """One attempt: the HTTP status and reply bytes, over libp2p when ``calls`` is set and can, else HTTP."""
+        if data is not None and self.calls is not None:
+            sent = await self.calls.send(path, data)
+            if sent is not None:
+                return sent
+        async with self._session.request(method, self.base_url + path, data=data,
+                                         headers={"Content-Type": "application/msgpack"}) as resp:
+            return resp.status, await resp.read()
 
     async def get(self, path: str, model: type[M]) -> M:
         return wire.decode(await self._request("GET", path, None), model)

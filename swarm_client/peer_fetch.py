@@ -47,6 +47,17 @@ class PeerSettings:
     uploads_per_blob: int = 3
     deadline_s: float = 20.0
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    coordinator: list[str] = field(default_factory=list)  # its peer's multiaddrs; empty: ask GET /v1/p2p
+
+
+def coordinator_info(maddrs: list[str]) -> P2PInfo:
+    """The coordinator's peer as configured (`join --p2p-coordinator`) instead of as GET /v1/p2p says: multiaddrs
+    that each end in ``/p2p/<its peer id>``, one peer id for all. ValueError says what is wrong."""
+    ids = {m.rsplit("/p2p/", 1)[1] if "/p2p/" in m else "" for m in maddrs}
+    if "" in ids or len(ids) != 1:
+        raise ValueError(f"the coordinator's multiaddrs must each end in /p2p/<its peer id>, one peer id for all "
+                         f"(e.g. /ip4/203.0.113.7/tcp/8471/p2p/12D3KooW…); got {maddrs[:4]}")
+    return P2PInfo(enabled=True, peer_id=ids.pop(), maddrs=maddrs)
 
 
 class ClientPeer:
@@ -79,7 +90,8 @@ class ClientPeer:
         from shared.p2p import P2PUnavailable, PeerNode, Uploads
 
         try:
-            info = wire.decode(await api.get_raw("/v1/p2p"), P2PInfo)
+            info = coordinator_info(self.settings.coordinator) if self.settings.coordinator else \
+                wire.decode(await api.get_raw("/v1/p2p"), P2PInfo)
         except Exception as exc:
             self.say_once("info", f"p2p off: the coordinator did not answer GET /v1/p2p ({exc}); snapshots come over "
                                   f"HTTP")

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared import PROTOCOL_VERSION
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
@@ -54,6 +54,7 @@ from swarm_client.benchmark import run_benchmark
 from swarm_client.control import is_paused, write_status
 
 if TYPE_CHECKING:
+    from swarm_client.peer_calls import PeerCalls
     from swarm_client.peer_fetch import ClientPeer
 from swarm_client.footprint import (
     DEFAULT_BATCH,
@@ -134,6 +135,11 @@ class JoinConfig(BaseModel):
                                   "file before fetching it over HTTP.")
     p2p_listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], min_length=1, max_length=8,
                                   description="With p2p: libp2p listen addresses (multiaddrs).")
+    p2p_coordinator: list[str] = Field(default_factory=list, max_length=16, description="With p2p: the "
+                                       "coordinator peer's multiaddrs, each ending in /p2p/<peer id> (default: "
+                                       "what its GET /v1/p2p says).")
+    p2p_jobs: bool = Field(False, description="With p2p: send register, lease, release and results to the "
+                           "coordinator's libp2p peer (HTTP is the fallback; docs/protocol.md §6b).")
 
     @field_validator("name")
     @classmethod
@@ -141,6 +147,22 @@ class JoinConfig(BaseModel):
         from shared.safe_text import check_printable
 
         return check_printable(v)  # the coordinator refuses control characters in a profile; say so up front
+
+    @field_validator("p2p_coordinator")
+    @classmethod
+    def _coordinator_maddrs(cls, v: list[str]) -> list[str]:
+        from swarm_client.peer_fetch import coordinator_info
+
+        if v:
+            coordinator_info(v)  # ValueError says the expected form
+        return v
+
+    @model_validator(mode="after")
+    def _jobs_need_p2p(self) -> JoinConfig:
+        if self.p2p_jobs and not self.p2p:
+            raise ValueError("p2p_jobs sends jobs through this client's libp2p peer, which only p2p starts: add --p2p "
+                             "(p2p = true), or drop --p2p-jobs")
+        return self
 
     @field_validator("windows")
     @classmethod
@@ -208,6 +230,7 @@ class Runner:
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100) if cfg.idle_only else None
         self.hardware: Hardware | None = None
         self.prefetch: asyncio.Task[object] | None = None
+        self.calls: PeerCalls | None = None  # `--p2p-jobs`: signed calls over libp2p (swarm_client/peer_calls.py)
         self.peer: ClientPeer | None = None  # `--p2p`: this client's libp2p peer (swarm_client/peer_fetch.py)
         self.device = "cpu"  # the backend's device, once created
         self._forms: frozenset[str] | None = None  # the snapshot file forms the backend needs (None: all)
@@ -229,6 +252,8 @@ class Runner:
         if self.peer is not None:
             self.stats.p2p = {"served_bytes": self.peer.served_bytes, "received_bytes": self.peer.stats.peer_bytes,
                               "wasted_bytes": self.peer.stats.wasted_bytes, "fallbacks": self.peer.stats.fallbacks}
+            if self.calls is not None:
+                self.stats.p2p |= {"calls": self.calls.sent, "call_fallbacks": self.calls.fallbacks}
         try:
             write_status(self.cfg.home, asdict(self.stats))
         except OSError as exc:  # e.g. disk full: the status file is a convenience, never a reason to stop
@@ -311,10 +336,18 @@ class Runner:
         peer = ClientPeer(cache.blobs, PeerSettings(
             serve=self.cfg.p2p_serve, max_upload_bytes=None if cap is None else int(cap * 1e9),
             uploads=self.cfg.p2p_uploads, uploads_per_blob=self.cfg.p2p_uploads_per_blob,
-            deadline_s=self.cfg.p2p_deadline_s, listen=self.cfg.p2p_listen), say=self._say)
+            deadline_s=self.cfg.p2p_deadline_s, listen=self.cfg.p2p_listen, coordinator=self.cfg.p2p_coordinator),
+            say=self._say)
         if await peer.start(api, info.run_id, info.coordinator_public_key):
             self.peer = cache.peers = peer
+            if self.cfg.p2p_jobs:
+                from swarm_client.peer_calls import PeerCalls
+
+                api.calls = self.calls = PeerCalls(peer, api.timeout_s, self._say)
+                self._say("p2p jobs on: register, lease, release and results go to the coordinator's libp2p peer")
             self._write_status()
+        elif self.cfg.p2p_jobs:
+            self._say("p2p jobs off: this client's libp2p peer did not start (said above); jobs go over HTTP")
 
     @staticmethod
     def _refusal_text(exc: ProtocolError, client_id: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ class LiveCoordinator:
     coordinator: Coordinator
     clock: FakeClock
     run_dir: Path
+    loop: asyncio.AbstractEventLoop | None = None  # the coordinator's event loop (its own thread)
 
 
 @contextlib.contextmanager
@@ -70,8 +72,10 @@ def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] 
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     port = asyncio.run_coroutine_threadsafe(start(), loop).result(180)
+    # as coordinator.main.serve: the run's endpoint (the p2p role's call relay finds the API there)
+    (run_dir / "endpoint.json").write_text(json.dumps({"url": f"http://127.0.0.1:{port}", "port": port}))
     try:
-        yield LiveCoordinator(f"http://127.0.0.1:{port}", coord, clock, run_dir)
+        yield LiveCoordinator(f"http://127.0.0.1:{port}", coord, clock, run_dir, loop)
     finally:
         try:
             asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(180)

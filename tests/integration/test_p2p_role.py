@@ -1,6 +1,7 @@
 """The coordinator's libp2p peer in the process layout (issues 12 and 14): hivemind imports torch, so the peer runs
 as a role process of its own (``p2p``), never inside the API process. A volunteer still fetches version 0 from it
-over libp2p, and the API reports the peer (GET /v1/p2p) and its egress from what the role writes in the store."""
+over libp2p, and the API reports the peer (GET /v1/p2p) and its egress from what the role writes in the store; the
+role relays the signed calls of a `--p2p-jobs` volunteer to the API process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import pytest
 
 from shared import wire
 from shared.messages import P2PInfo
-from tests.integration.helpers import Proc, get_status, start_coordinator, stop_all, wait_until, write_config
+from tests.integration.helpers import (
+    Proc,
+    db_rows,
+    get_status,
+    start_coordinator,
+    stop_all,
+    wait_until,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +68,18 @@ def test_the_peer_runs_beside_a_torch_free_api_and_serves_a_volunteer(tmp_path: 
         egress = wait_until(lambda: (s := get_status(url)) and s["snapshot_egress"]["p2p_bytes"] == size
                             and s["snapshot_egress"], 30, "the p2p role's egress on the status page")
         assert egress["p2p"] and egress["http_bytes"] == 0
+
+        # the role relays the signed calls to the API process (its port from endpoint.json, the token both derive
+        # from the run's key): the API counts them against the volunteer's peer id
+        calls = Proc([sys.executable, "-m", "tests.integration.p2p_call_probe", url, "--home", str(tmp_path / "b"),
+                      "--p2p", "--jobs"], tmp_path / "b.log")
+        calls.proc.wait(120)
+        calls.stop()
+        out = next(json.loads(line) for line in calls.lines if line.startswith("{") and '"done"' in line)
+        assert out.get("registered") and out["calls"] >= 2 and out["fallbacks"] == 0, out
+        assert db_rows(run_dir, "SELECT address FROM clients WHERE client_id=?", (out["client_id"],)) == [
+            (f"p2p:{out['peer_id']}",)]
+        assert out["replay"]["p2p"] == [409, "replayed_nonce"] and out["oversize"] == [413, "body_too_large"]
 
         assert "libtorch" not in _maps(api_pid)  # the API process never loaded torch
         assert "libtorch" in _maps(p2p_pid)  # hivemind's torch went to the p2p role (the check can fail)

@@ -8,6 +8,8 @@ from shared import PROTOCOL_VERSION
 from shared.messages import (
     BlobReply,
     BlobRequest,
+    CallReply,
+    CallRequest,
     ClientProfile,
     Completion,
     EnvironmentSpec,
@@ -125,6 +127,8 @@ def all_messages() -> list[Message]:
                      expires_at=1_700_000_300.0, signature=sig),
         HolderEntry(peer_id=PEER, served_bytes=1 << 20),
         BlobRequest(sha256=SHA, offset=1 << 20),
+        CallRequest(path="/v1/results", length=8 << 20),
+        CallReply(status=409, length=120),
         BlobReply(status="ok", length=2 << 20),
         BlobReply(status="busy"),
     ]

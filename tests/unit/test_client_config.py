@@ -77,3 +77,18 @@ def test_client_commands_find_the_home_set_in_the_config_file(tmp_path: Path, mo
     cfg_file.write_text(f'home = "{tmp_path / "file-home"}"\n')
     assert resolve_home(None) == tmp_path / "file-home"
     assert resolve_home(tmp_path / "flag-home") == tmp_path / "flag-home"
+
+
+def test_p2p_jobs_need_p2p_and_a_coordinator_multiaddr_names_its_peer(tmp_path: Path) -> None:
+    none = tmp_path / "none.toml"
+    none.write_text("")
+    base = flags(url="http://c:1", home=tmp_path)
+    with pytest.raises(ClientConfigError, match="add --p2p"):
+        build(base | {"p2p_jobs": True}, none)
+    peer = "12D3KooWPBEVhrN8TkQWfg5sSJuic6XcVh9gGqRjweaR7bgcuSiS"
+    cfg = build(base | {"p2p": True, "p2p_jobs": True, "p2p_coordinator": [f"/ip4/203.0.113.7/tcp/8471/p2p/{peer}"]},
+                none)
+    assert cfg.p2p_jobs and cfg.p2p_coordinator
+    for bad in (["/ip4/203.0.113.7/tcp/8471"], [f"/ip4/1.2.3.4/tcp/1/p2p/{peer}", "/ip4/1.2.3.4/tcp/2/p2p/12D3KooWx"]):
+        with pytest.raises(ClientConfigError, match=r"end in /p2p/<its peer id>"):
+            build(base | {"p2p": True, "p2p_coordinator": bad}, none)

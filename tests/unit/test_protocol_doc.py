@@ -139,3 +139,21 @@ def test_reason_table_matches_the_code(doc: str) -> None:
     assert not missing, f"docs/protocol.md §9 has no row for {missing} (code: HTTP status); add one each"
     assert not extra, f"docs/protocol.md §9 documents {extra}, which shared/errors.py Reason does not define"
     assert not wrong, f"§9 gives the wrong HTTP status (doc, code) for {wrong}"
+
+
+# ---- signed calls over libp2p (§6b) --------------------------------------------------------------------------
+def test_the_call_protocol_section_matches_the_code(doc: str) -> None:
+    from coordinator.app import SIGNED_POSTS
+    from shared.messages import MAX_CALL_BYTES, CallReply, CallRequest
+    from shared.p2p_calls import CALL_PROTOCOL, MAX_HEAD
+
+    body = section(doc, "6b")
+    assert f"`{CALL_PROTOCOL}`" in body, f"§6b does not name the stream protocol id {CALL_PROTOCOL}"
+    missing = [p for p in SIGNED_POSTS if f"`{p}`" not in body]
+    assert not missing, f"§6b does not list the relayed calls {missing} (coordinator.app.SIGNED_POSTS)"
+    for model in (CallRequest, CallReply):
+        fields = re.search(rf"`{model.__name__}` = (.*?)(?:, then|\)\n|$)", body, re.S)
+        assert fields is not None, f"§6b does not define `{model.__name__}` = ..."
+        named = set(re.findall(r"`([a-z_]+)`", fields.group(1)))
+        assert named == set(model.model_fields), f"§6b's {model.__name__} names {named}, the code {set(model.model_fields)}"
+    assert f"(≤ {MAX_HEAD})" in body and MAX_CALL_BYTES == 16 * 1024 * 1024 and "≤ 16 MiB" in body
