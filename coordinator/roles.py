@@ -98,10 +98,19 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
     from coordinator.verifier_role import VerifierWorker
     from coordinator.workqueue import Bell
 
+    ranks = None
+    if config.verification.placement == "fsdp":  # rank 0 of this worker's FSDP group (coordinator.fsdp)
+        from coordinator import fsdp
+
+        try:
+            ranks = fsdp.start(config, "verifier", index)
+        except ValueError as exc:
+            logger.critical("verifier-%d could not start its ranks: %s", index, exc)
+            return CONFIG_ERROR
     files = RunFiles.open(config)
     stop = asyncio.Event()
     _install_stop(stop)
-    worker = VerifierWorker(config, files.store, Bell(), files.snapshots, files.task, index=index)
+    worker = VerifierWorker(config, files.store, Bell(), files.snapshots, files.task, index=index, ranks=ranks)
     try:
         start = asyncio.create_task(worker.start())
         await _until(stop, start)
@@ -112,6 +121,10 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
     finally:
         worker.close()
         files.close()
+        if ranks is not None:
+            from coordinator import fsdp
+
+            fsdp.stop(ranks)
 
 
 async def run_p2p(config: CoordinatorConfig) -> int:

@@ -1,0 +1,62 @@
+"""Verifier recomputes and a replay on fixed batches, run as its own process by tests/integration/
+test_fsdp_verifier.py.
+
+``python -m tests.integration.verifier_ranks OUT SPEC.json WORLD_SIZE``: with WORLD_SIZE 1 a single-device
+replica (the reference, ``verification.placement = "replicas"``); with N > 1 this process is rank 0 of a verifier
+group and starts the other ranks itself (coordinator.fsdp.start, as the verifier role does), which follow it.
+
+SPEC names the version folders (``full``: two full-weight versions; ``lora``: two LoRA versions and their base
+folder) and the requests. OUT/results.json gets, per case, the TokenStats of each request (logprobs, entropy,
+surprisal variance, top logprob) and the replayed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+
+
+async def _cases(ver: Any, spec: dict[str, Any], versions: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for version in versions:  # one cached replica: the second version's load drops the first's shards
+        stats = await asyncio.gather(*(ver.recompute_stats(r["prompts"], r["completions"], version)
+                                       for r in spec["requests"]))  # queued together: one batch, split over ranks
+        lone = await ver.recompute_stats(spec["lone"]["prompts"], spec["lone"]["completions"], version)
+        out[str(version)] = [[s.logprobs, s.entropy, s.variance, s.top] for s in [*stats, lone]]
+    out["replay"] = await ver.replay(spec["lone"]["prompts"], group_size=2, seed=11, max_tokens=6,
+                                     version=versions[-1])
+    out["loads"] = ver.stats.loads
+    return out
+
+
+def main(out: Path, spec: dict[str, Any], world: int) -> None:
+    from coordinator import fsdp
+    from coordinator.verifier_role import _verifier
+
+    config = CoordinatorConfig(run_dir=out / "run", model={"device": "cpu"},
+                               verification={"placement": "fsdp" if world > 1 else "replicas", "world_size": world})
+    ranks = fsdp.start(config, "verifier", 0) if world > 1 else None
+    results: dict[str, Any] = {}
+    try:
+        for case, lora_base in (("full", None), ("lora", spec["lora_base"])):
+            folders = {int(v): Path(f) for v, f in spec[case].items()}
+            fsdp.lead(ranks, "init", spec["pad_id"], spec["stop_ids"], lora_base)
+            ver = _verifier(config, folders.get, ranks.device if ranks else "cpu", spec["pad_id"], spec["stop_ids"],
+                            lora_base, ranks)
+            try:
+                results[case] = asyncio.run(_cases(ver, spec, sorted(folders)))
+            finally:
+                ver.close()
+    finally:
+        if ranks is not None:
+            fsdp.stop(ranks)
+    (out / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[3]))
