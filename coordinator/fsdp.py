@@ -198,12 +198,12 @@ def stop(ranks: Ranks) -> None:
         try:
             lead(ranks, "stop")
         except Exception:  # a follower already gone: the others die with this process anyway
-            logger.warning("could not tell the learner ranks to stop", exc_info=True)
+            logger.warning("could not tell the other ranks to stop", exc_info=True)
         for proc in ranks.followers:
             try:
                 proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                logger.warning("learner rank (pid %d) did not stop; killing it", proc.pid)
+                logger.warning("rank (pid %d) did not stop; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
     if dist.is_initialized():

@@ -273,3 +273,27 @@ def test_learner_on_ranks_defaults_and_fsdp_follows_world_size() -> None:
 def test_learner_on_ranks_refuses_what_cannot_run(overrides: dict[str, object], hint: str) -> None:
     with pytest.raises(ConfigError, match=hint.replace(".", r"\.").replace("(", r"\(")):
         load_config(None, overrides)
+
+
+def test_verifier_placement_defaults_to_replicas_and_fsdp_groups_take_ranks() -> None:
+    cfg = load_config(None)
+    assert (cfg.verification.placement, cfg.verification.world_size) == ("replicas", 1)
+    fsdp = load_config(None, {"verification.placement": "fsdp", "verification.world_size": 2,
+                              "verification.mixed_precision": "bf16"}).verification
+    assert (fsdp.placement, fsdp.world_size, fsdp.mixed_precision) == ("fsdp", 2, "bf16")
+
+
+@pytest.mark.parametrize(("overrides", "hint"), [
+    ({"verification.world_size": 2}, "set verification.placement = 'fsdp'"),
+    ({"verification.mixed_precision": "bf16"}, "needs verification.placement = 'fsdp'"),
+    ({"verification.placement": "fsdp", "verification.device": "cuda:1"}, "CUDA_VISIBLE_DEVICES"),
+    ({"verification.placement": "fsdp", "model.device": "mps"}, "verification.device = 'cuda' or 'cpu'"),
+    ({"verification.placement": "fsdp", "layout": "one-process"}, "layout = 'processes'"),
+    ({"verification.placement": "fsdp", "verification.mixed_precision": "bf16", "model.dtype": "bfloat16"},
+     "model.dtype = 'float32'"),
+    ({"verification.placement": "sharded"}, "verification.placement"),
+    ({"verification.placement": "fsdp", "verification.world_size": 0}, "verification.world_size"),
+])
+def test_verifier_groups_refuse_what_cannot_run(overrides: dict[str, object], hint: str) -> None:
+    with pytest.raises(ConfigError, match=hint.replace(".", r"\.").replace("(", r"\(")):
+        load_config(None, overrides)
