@@ -6,7 +6,8 @@ of one version queued together (nine completions in one batch, so the ranks' sha
 completion request (rank 1's share is empty: it runs a throw-away pass), at two full-weight versions and at two
 LoRA versions (base + adapter), with one cached replica so the second version replaces the first on every rank.
 Compared: every token's logprob and the sampling test's statistics (entropy, surprisal variance, top logprob),
-and a seeded replay's tokens.
+and a seeded replay's tokens. A third group of 2 computes in bf16 (``verification.mixed_precision``): its
+logprobs stay well inside the verification tolerances of the float32 replica's.
 
 Tolerance: the sharded forward gathers the same float32 weights, so the only differences are the batch's padding
 (each rank pads its share to its own longest row) and summation order: float32 rounding (measured ≤ 3e-6).
@@ -72,7 +73,7 @@ def _requests(rng: random.Random, n: int) -> dict[str, list[list[int]]]:
             "completions": [[rng.randint(3, 200) for _ in range(rng.randint(1, 12))] for _ in range(n)]}
 
 
-def _run(out: Path, spec: Path, world: int) -> subprocess.Popen[bytes]:
+def _run(out: Path, spec: Path, world: int | str) -> subprocess.Popen[bytes]:
     out.mkdir()
     env = os.environ | {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     env.pop("WORLD_SIZE", None)
@@ -98,7 +99,7 @@ def test_two_ranks_recompute_what_one_replica_does(tmp_path: Path, tiny_model_di
             "pad_id": int(tokenizer.pad_token_id or 0), "stop_ids": stop_token_ids(tokenizer),
             "requests": [_requests(rng, 5), _requests(rng, 4)], "lone": _requests(rng, 1)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    procs = {world: _run(tmp_path / f"world{world}", tmp_path / "spec.json", world) for world in (1, 2)}
+    procs = {world: _run(tmp_path / f"world{world}", tmp_path / "spec.json", world) for world in (1, 2, "bf16")}
     for world, proc in procs.items():
         try:
             rc = proc.wait(timeout=400)
@@ -119,3 +120,17 @@ def test_two_ranks_recompute_what_one_replica_does(tmp_path: Path, tiny_model_di
         assert two[case]["loads"] == one[case]["loads"] == 2
         assert two[case]["replay"] == one[case]["replay"]
     assert "verifier rank 1 of 2 on cpu (gloo)" in (tmp_path / "world2.log").read_text()  # a real second rank
+
+    # bf16 compute on the ranks: within the verification tolerances of the float32 replica (a result checked
+    # by a bf16 group is judged as by the replica: mean and max |Δ logprob| well inside the defaults)
+    from coordinator.config import VerificationConfig
+
+    tol = VerificationConfig()
+    bf16 = json.loads((tmp_path / "worldbf16" / "results.json").read_text())
+    for case in ("full", "lora"):
+        for version in ("0", "1"):
+            for req_a, req_b in zip(one[case][version], bf16[case][version], strict=True):
+                a, b = _flat(req_a[0]), _flat(req_b[0])  # logprobs
+                gaps = [abs(x - y) for x, y in zip(a, b, strict=True)]
+                assert sum(gaps) / len(gaps) < tol.logprob_mean_tol / 2, (case, version)
+                assert max(gaps) < tol.logprob_max_tol / 2, (case, version)

@@ -1,9 +1,10 @@
 """Verifier recomputes and a replay on fixed batches, run as its own process by tests/integration/
 test_fsdp_verifier.py.
 
-``python -m tests.integration.verifier_ranks OUT SPEC.json WORLD_SIZE``: with WORLD_SIZE 1 a single-device
-replica (the reference, ``verification.placement = "replicas"``); with N > 1 this process is rank 0 of a verifier
-group and starts the other ranks itself (coordinator.fsdp.start, as the verifier role does), which follow it.
+``python -m tests.integration.verifier_ranks OUT SPEC.json GROUP``: GROUP 1 is a single-device replica (the
+reference, ``verification.placement = "replicas"``); with N > 1 this process is rank 0 of a verifier group and
+starts the other ranks itself (coordinator.fsdp.start, as the verifier role does), which follow it; ``bf16`` is a
+group of 2 with ``verification.mixed_precision = "bf16"``.
 
 SPEC names the version folders (``full``: two full-weight versions; ``lora``: two LoRA versions and their base
 folder) and the requests. OUT/results.json gets, per case, the TokenStats of each request (logprobs, entropy,
@@ -34,12 +35,14 @@ async def _cases(ver: Any, spec: dict[str, Any], versions: list[int]) -> dict[st
     return out
 
 
-def main(out: Path, spec: dict[str, Any], world: int) -> None:
+def main(out: Path, spec: dict[str, Any], group: str) -> None:
     from coordinator import fsdp
     from coordinator.verifier_role import _verifier
 
+    world = 2 if group == "bf16" else int(group)
     config = CoordinatorConfig(run_dir=out / "run", model={"device": "cpu"},
-                               verification={"placement": "fsdp" if world > 1 else "replicas", "world_size": world})
+                               verification={"placement": "fsdp" if world > 1 else "replicas", "world_size": world,
+                                             "mixed_precision": "bf16" if group == "bf16" else "off"})
     ranks = fsdp.start(config, "verifier", 0) if world > 1 else None
     results: dict[str, Any] = {}
     try:
@@ -59,4 +62,4 @@ def main(out: Path, spec: dict[str, Any], world: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[3]))
+    main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), sys.argv[3])
