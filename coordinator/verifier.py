@@ -25,7 +25,7 @@ the load, so every rank keeps the same ones. A recompute batch is split as the l
 (rank r takes every N-th completion; every rank runs as many forward passes, a rank without a share running a
 throw-away one, because each pass is a collective) and the rows are gathered back to rank 0 in their order. A
 replay runs the same seeded generation on every rank (generation is sequential forward passes, all of them
-collectives); rank 0's tokens are the answer.
+collectives, kept in lockstep by :class:`_Lockstep`); rank 0's tokens are the answer.
 """
 
 from __future__ import annotations
@@ -315,9 +315,12 @@ class Verifier:
         from coordinator import fsdp
         from shared.policy import generate
 
+        assert self._ranks is not None
         fsdp.lead(self._ranks, "_replay_rows", version, prompts, group_size, seed, max_tokens)
-        samples = generate(self._models[version], prompts, group_size=group_size, temperature=self.temperature,
+        model = _Lockstep(self._models[version], self._ranks, self.pad_id)
+        samples = generate(model, prompts, group_size=group_size, temperature=self.temperature,
                            max_tokens=max_tokens, stop_ids=self.stop_ids, seed=seed, pad_id=self.pad_id)
+        model.drain()
         return [list(s.token_ids) for s in samples]
 
     def _model_at(self, version: int) -> Any:
@@ -385,6 +388,40 @@ class Verifier:
         from shared.policy import load_model
 
         return load_model(folder, self.device, self.dtype, own_memory=True)
+
+
+class _Lockstep:
+    """A sharded model as :func:`shared.policy.generate` sees it on a verifier's ranks. Every rank samples the
+    same tokens from the same seed and weights, so all stop together — unless a kernel is not bit-reproducible
+    across devices, and then one rank would stop while another waits in a forward pass's all-gather forever. So
+    each forward pass is preceded by an all-reduce saying whether any rank still generates, and a rank that is done
+    runs throw-away passes (:meth:`drain`) until none is: the ranks run the same collectives whatever they
+    sample."""
+
+    def __init__(self, model: Any, ranks: Ranks, pad_id: int) -> None:
+        self._model = model
+        self._ranks = ranks
+        self._pad_id = pad_id
+
+    def __getattr__(self, name: str) -> Any:  # parameters(), forward (its signature), config, …
+        return getattr(self._model, name)
+
+    def _anyone(self, generating: bool) -> bool:
+        from coordinator import fsdp
+
+        return bool(fsdp.all_reduce(self._ranks, [float(generating)], "max")[0])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._anyone(True)
+        return self._model(*args, **kwargs)
+
+    def drain(self) -> None:
+        import torch
+
+        device = next(self._model.parameters()).device
+        with torch.inference_mode():
+            while self._anyone(False):
+                self._model(input_ids=torch.tensor([[self._pad_id]], device=device))
 
 
 def _load_into(model: Any, state: dict[str, Any], folder: Path) -> None:

@@ -6,7 +6,8 @@ of one version queued together (nine completions in one batch, so the ranks' sha
 completion request (rank 1's share is empty: it runs a throw-away pass), at two full-weight versions and at two
 LoRA versions (base + adapter), with one cached replica so the second version replaces the first on every rank.
 Compared: every token's logprob and the sampling test's statistics (entropy, surprisal variance, top logprob),
-and a seeded replay's tokens. A third group of 2 computes in bf16 (``verification.mixed_precision``): its
+and a seeded replay's tokens; a replay whose ranks generate different numbers of tokens still ends on every
+rank (coordinator.verifier._Lockstep). A third group of 2 computes in bf16 (``verification.mixed_precision``): its
 logprobs stay well inside the verification tolerances of the float32 replica's.
 
 Tolerance: the sharded forward gathers the same float32 weights, so the only differences are the batch's padding
@@ -120,6 +121,9 @@ def test_two_ranks_recompute_what_one_replica_does(tmp_path: Path, tiny_model_di
         assert two[case]["loads"] == one[case]["loads"] == 2
         assert two[case]["replay"] == one[case]["replay"]
     assert "verifier rank 1 of 2 on cpu (gloo)" in (tmp_path / "world2.log").read_text()  # a real second rank
+    # ranks whose generations took different numbers of forward passes (rank 0 12 tokens, rank 1 3) still
+    # finished together: the 2-rank process above exited, rank 1 running throw-away passes until rank 0 was done
+    assert (one["diverged"], two["diverged"]) == (3, 12)
 
     # bf16 compute on the ranks: within the verification tolerances of the float32 replica (a result checked
     # by a bf16 group is judged as by the replica: mean and max |Δ logprob| well inside the defaults)

@@ -35,6 +35,26 @@ async def _cases(ver: Any, spec: dict[str, Any], versions: list[int]) -> dict[st
     return out
 
 
+def _diverged(ver: Any, ranks: Any, spec: dict[str, Any], version: int) -> int:
+    """Rank 0 generates up to 12 tokens while it tells the followers 3 (a replica: 3), so the ranks' generations
+    take different numbers of forward passes: the lockstep must still end every rank's generation together.
+    Returns the longest completion's length."""
+    from coordinator import fsdp
+    from coordinator.verifier import _Lockstep
+    from shared.policy import generate
+
+    prompts = spec["requests"][0]["prompts"]
+    model = ver._models[version]
+    if ranks is not None:
+        fsdp.lead(ranks, "_replay_rows", version, prompts, 2, 1, 3)
+        model = _Lockstep(model, ranks, spec["pad_id"])
+    samples = generate(model, prompts, group_size=2, temperature=1.0, max_tokens=3 if ranks is None else 12,
+                       stop_ids=[], seed=1, pad_id=spec["pad_id"])
+    if ranks is not None:
+        model.drain()
+    return max(len(s.token_ids) for s in samples)
+
+
 def main(out: Path, spec: dict[str, Any], group: str) -> None:
     from coordinator import fsdp
     from coordinator.verifier_role import _verifier
@@ -53,6 +73,8 @@ def main(out: Path, spec: dict[str, Any], group: str) -> None:
                             lora_base, ranks)
             try:
                 results[case] = asyncio.run(_cases(ver, spec, sorted(folders)))
+                if case == "full" and group != "bf16":
+                    results["diverged"] = _diverged(ver, ranks, spec, max(folders))
             finally:
                 ver.close()
     finally:
