@@ -73,6 +73,8 @@ def test_verifier_on_two_ranks_verifies_and_survives_a_dead_rank(tmp_path: Path,
     try:
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 1, 300, "a first step verified on two ranks")
         _tampered_then_honest(url, run_dir)
+        roles = (get_status(url) or {})["roles"]
+        assert roles["verifier-0"]["ranks"] == 2 and roles["verifier-0"]["rank_pids"] == _rank_pids(log)[-1:]
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 3, 300, "three steps")
         follower = _rank_pids(log)[-1]
         os.kill(follower, signal.SIGKILL)
