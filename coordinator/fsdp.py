@@ -106,9 +106,11 @@ def start(config: CoordinatorConfig, role: str = "learner", index: int = 0) -> R
     size, setting, key = _group_of(config, role)
     world = env_world_size()
     kind = pick_device(setting)
-    if kind.startswith("cuda") and (world or size) > torch.cuda.device_count():
-        raise RanksError(f"{world or size} {role} ranks need as many GPUs, one each; this host has "
-                         f"{torch.cuda.device_count()}: lower {key}.world_size")
+    first = int(kind.partition(":")[2] or 0) if kind.startswith("cuda") else 0  # "cuda:K": ranks on cuda:K…
+    if kind.startswith("cuda") and first + (world or size) > torch.cuda.device_count():
+        raise RanksError(f"{world or size} {role} ranks from cuda:{first} on need as many GPUs, one each; this host "
+                         f"has {torch.cuda.device_count()}: lower {key}.world_size" +
+                         (f" or {key}.device" if first else ""))
     followers: list[subprocess.Popen[bytes]] = []
     if world is None:  # not under torchrun: this is rank 0, and it starts the others
         world = size
@@ -131,8 +133,8 @@ def start(config: CoordinatorConfig, role: str = "learner", index: int = 0) -> R
                          f"set {key}.world_size = {world} (or leave it at 1 under torchrun)")
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    if kind.startswith("cuda"):  # rank r on cuda:r; a group of one keeps the configured device
-        index = int(kind.partition(":")[2] or 0) if world == 1 else local_rank
+    if kind.startswith("cuda"):  # rank r on cuda:(K + r) for a configured "cuda:K" (K = 0 for "cuda")
+        index = first if world == 1 else first + local_rank
         torch.cuda.set_device(index)
         device, backend = f"cuda:{index}", "nccl"
     elif kind == "cpu":
