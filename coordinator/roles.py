@@ -6,6 +6,9 @@ SIGINT/SIGTERM to them, and restarts a role that dies (a crash, an OOM kill, ``k
 accepted, so the restarted role catches up from it. A role that fails again and again, or fails its start-up
 for a reason a restart cannot fix (exit code ``CONFIG_ERROR``), stops the run with exit code 1.
 
+A verifier with ``verification.placement = "fsdp"`` is a group of processes: the child the supervisor starts is its
+rank 0 and starts the others (coordinator.fsdp), which die with it, so restarting the child restarts the group.
+
 Each role can also be started on its own (``echo-swarm coordinator --role verifier --index 1``), e.g. to add a
 verifier on another GPU of the same host: it joins the run through the run directory.
 """
