@@ -401,6 +401,12 @@ LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
 }
 
 
+def _cuda_device(device: str) -> bool:
+    """'cuda' or 'cuda:K'."""
+    kind, _, index = device.partition(":")
+    return kind == "cuda" and (not index or index.isdigit())
+
+
 class VerificationConfig(_Strict):
     """Checks of reported behaviour logprobs against the verifier's recompute, and the verifier itself."""
 
@@ -441,11 +447,36 @@ class VerificationConfig(_Strict):
     cached_versions: int = Field(1, ge=1, le=8, description="Policy versions the verifier keeps loaded at once "
                                  "(each a full model replica). 1 reloads a version's weights whenever results of "
                                  "another version arrive; 2 suits async push-pull with results of two versions.")
+    placement: Literal["replicas", "fsdp"] = Field("replicas", description="How each verifier worker holds the "
+                                                   "model: 'replicas' (one process, a whole replica on `device`) or "
+                                                   "'fsdp' (a group of `world_size` ranks sharding each version "
+                                                   "with FSDP2 and splitting each recompute batch among them; rank 0 "
+                                                   "talks to the store, coordinator.fsdp).")
+    world_size: int = Field(1, ge=1, le=64, description="Ranks of each verifier worker with placement 'fsdp' (one "
+                            "GPU each on CUDA, rank r on cuda:K+r for device 'cuda:K'; gloo processes on CPU).")
+    mixed_precision: Literal["off", "bf16"] = Field("off", description="With placement 'fsdp': gather parameters "
+                                                    "and compute in bf16 (as learner.mixed_precision does); the "
+                                                    "tolerances above are unchanged.")
     backend_tolerances: dict[str, BackendTolerance] = Field(
         default_factory=lambda: dict(LLAMA_TOLERANCES),
         description="Per backend class ('llama-f32', 'llama-f16', 'llama-q8_0'): tolerances that replace the two "
         "above for results from llama.cpp clients. The class is derived from snapshots.gguf, which the "
         "coordinator controls, never from the client's word.")
+
+    @model_validator(mode="after")
+    def _ranks_need_fsdp_placement(self) -> VerificationConfig:
+        if self.world_size > 1 and self.placement != "fsdp":
+            raise ValueError(f"verification.world_size = {self.world_size} shards each verifier over ranks: set "
+                             f"verification.placement = 'fsdp', or world_size = 1 (more single-device verifiers: "
+                             f"verification.workers)")
+        if self.mixed_precision != "off" and self.placement != "fsdp":
+            raise ValueError("verification.mixed_precision needs verification.placement = 'fsdp'; for bf16 "
+                             "replicas set model.dtype = 'bfloat16' instead")
+        if self.placement == "fsdp" and self.device not in ("auto", "cpu") and not _cuda_device(self.device):
+            raise ValueError(f"verification.placement = 'fsdp' puts rank r on cuda:(K + r) for device 'cuda:K' "
+                             f"(or runs gloo ranks on the CPU), so verification.device must be 'auto', 'cpu', "
+                             f"'cuda' or 'cuda:K', not {self.device!r}")
+        return self
 
     def tolerances(self, backend_class: str, gguf: str) -> tuple[float, float]:
         """(mean, max) |Δ logprob| allowed for a result from an identity of ``backend_class`` (the class the
@@ -758,6 +789,34 @@ class CoordinatorConfig(_Strict):
         if self.learner.mixed_precision != "off" and self.model.dtype != "float32":
             raise ValueError("learner.mixed_precision = 'bf16' keeps float32 master weights; set model.dtype = "
                              "'float32' (or mixed_precision = 'off' to train in bfloat16 throughout)")
+        return self
+
+    @model_validator(mode="after")
+    def _verifier_groups_in_their_own_processes(self) -> CoordinatorConfig:
+        vcfg = self.verification
+        if vcfg.placement != "fsdp":
+            return self
+        if self.sync_mode == "colocated" or self.layout == "one-process":
+            raise ValueError("verification.placement = 'fsdp' runs each verifier as a group of processes: use "
+                             "layout = 'processes' and sync_mode sequential-pull or async-push-pull")
+        device = self.model.device if vcfg.device == "auto" else vcfg.device
+        if device not in ("auto", "cpu") and not _cuda_device(device):
+            raise ValueError(f"verification.placement = 'fsdp' needs cuda or cpu ranks, not {device!r}: set "
+                             f"verification.device = 'cuda' or 'cpu'")
+        if _cuda_device(device):  # the GPUs each group takes must not be another group's or the learner's
+            first = int(device.partition(":")[2] or 0)
+            if vcfg.workers > 1:
+                raise ValueError(f"verification.workers = {vcfg.workers} groups of {vcfg.world_size} ranks would all "
+                                 f"take cuda:{first}…: start one group per verifier instead (`echo-swarm coordinator "
+                                 f"--role verifier --index i`, each with its own verification.device = 'cuda:K'), "
+                                 f"or set verification.workers = 1")
+            learner = self.learner.world_size if self.learner.sharded else 1
+            if self.model.device == "cuda" and first < learner:
+                raise ValueError(f"the learner's ranks use cuda:0…cuda:{learner - 1}; start the verifier group "
+                                 f"after them: verification.device = 'cuda:{learner}'")
+        if vcfg.mixed_precision != "off" and self.model.dtype != "float32":
+            raise ValueError("verification.mixed_precision = 'bf16' casts float32 weights for compute; set "
+                             "model.dtype = 'float32' (or mixed_precision = 'off' to verify in model.dtype)")
         return self
 
     @model_validator(mode="after")

@@ -9,10 +9,14 @@ passes between the ranks, so a follower needs no store, no network beyond the pr
 model folder and the checkpoint folder.
 
 Who starts the ranks: ``learner.world_size = N`` makes the learner role process (rank 0) start N-1 follower
-processes (``python -m coordinator.fsdp CONFIG.json`` with RANK/WORLD_SIZE/MASTER_* set; they die with it, so
-the supervisor's restart of a dead learner restarts all ranks). Under ``torchrun`` the environment already names
+processes (``python -m coordinator.fsdp CONFIG.json learner`` with RANK/WORLD_SIZE/MASTER_* set; they die with it,
+so the supervisor's restart of a dead learner restarts all ranks). Under ``torchrun`` the environment already names
 the ranks: rank 0 runs the role, the others follow. Backend: gloo on CPU, NCCL on CUDA (object messages then use
 a separate gloo group, so the batch never has to visit the GPU).
+
+A verifier worker with ``verification.placement = "fsdp"`` is a group of its own made the same way (``… CONFIG.json
+verifier INDEX``, ``verification.world_size`` ranks): its rank 0 leads a :class:`coordinator.verifier.Verifier`
+exactly as the learner's leads a Learner (:func:`follow` builds whichever the role names).
 
 The batch is split across ranks (data parallel, as FSDP is): each rank takes every N-th sample, the loss is
 normalised by the whole batch's token count, and gradients are summed rather than averaged across ranks, so one
@@ -83,53 +87,67 @@ def _die_with_parent() -> None:
     die()
 
 
-def start(config: CoordinatorConfig) -> Ranks:
-    """Join (or found) the learner's process group. Rank 0 of a ``learner.world_size`` run not started by
-    torchrun starts the other ranks first."""
+def _group_of(config: CoordinatorConfig, role: str) -> tuple[int, str, str]:
+    """(ranks, device setting, what to call them in messages) of the learner's or a verifier's group."""
+    if role == "learner":
+        return config.learner.world_size, config.model.device, "learner"
+    vcfg = config.verification
+    return vcfg.world_size, config.model.device if vcfg.device == "auto" else vcfg.device, "verification"
+
+
+def start(config: CoordinatorConfig, role: str = "learner", index: int = 0) -> Ranks:
+    """Join (or found) the process group of the learner (``role`` "learner") or of verifier ``index`` ("verifier").
+    Rank 0 of a group not started by torchrun starts the other ranks first."""
     import torch
     import torch.distributed as dist
 
     from shared.policy import pick_device
 
+    size, setting, key = _group_of(config, role)
     world = env_world_size()
-    kind = pick_device(config.model.device)
-    if kind.startswith("cuda") and (world or config.learner.world_size) > torch.cuda.device_count():
-        raise RanksError(f"{world or config.learner.world_size} learner ranks need as many GPUs, one each; this "
-                         f"host has {torch.cuda.device_count()}: lower learner.world_size")
+    kind = pick_device(setting)
+    first = int(kind.partition(":")[2] or 0) if kind.startswith("cuda") else 0  # "cuda:K": ranks on cuda:K…
+    if kind.startswith("cuda") and first + (world or size) > torch.cuda.device_count():
+        raise RanksError(f"{world or size} {role} ranks from cuda:{first} on need as many GPUs, one each; this host "
+                         f"has {torch.cuda.device_count()}: lower {key}.world_size" +
+                         (f" or {key}.device" if first else ""))
     followers: list[subprocess.Popen[bytes]] = []
     if world is None:  # not under torchrun: this is rank 0, and it starts the others
-        world = config.learner.world_size
+        world = size
         port = _free_port()
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
                            "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)})
         if world > 1:
-            path = Path(config.run_dir) / "roles" / "learner-ranks.json"
+            name = role if role == "learner" else f"verifier-{index}"
+            path = Path(config.run_dir) / "roles" / f"{name}-ranks.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(config.model_dump_json())
             for rank in range(1, world):
                 env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_WAIT_POLICY": "PASSIVE"}
-                followers.append(subprocess.Popen([sys.executable, "-m", "coordinator.fsdp", str(path)], env=env,
+                followers.append(subprocess.Popen([sys.executable, "-m", "coordinator.fsdp", str(path), role,
+                                                   str(index)], env=env,
                                                   preexec_fn=_die_with_parent))  # noqa: PLW1509
-            logger.info("started learner ranks 1..%d (pids %s)", world - 1, [p.pid for p in followers])
-    elif config.learner.world_size not in (1, world):
-        raise RanksError(f"learner.world_size is {config.learner.world_size} but torchrun started {world} ranks; "
-                         f"set learner.world_size = {world} (or leave it at 1 under torchrun)")
+            logger.info("started %s ranks 1..%d (pids %s)", name, world - 1, [p.pid for p in followers])
+    elif size not in (1, world):
+        raise RanksError(f"{key}.world_size is {size} but torchrun started {world} ranks; "
+                         f"set {key}.world_size = {world} (or leave it at 1 under torchrun)")
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    if kind.startswith("cuda"):  # rank r on cuda:r; a group of one keeps the configured device
-        index = int(kind.partition(":")[2] or 0) if world == 1 else local_rank
+    if kind.startswith("cuda"):  # rank r on cuda:(K + r) for a configured "cuda:K" (K = 0 for "cuda")
+        index = first if world == 1 else first + local_rank
         torch.cuda.set_device(index)
         device, backend = f"cuda:{index}", "nccl"
     elif kind == "cpu":
         device, backend = "cpu", "gloo"
     else:
-        raise RanksError(f"the learner on ranks needs model.device cpu or cuda, not {kind!r}")
+        raise RanksError(f"{role} ranks need cuda or cpu, not {kind!r}: set {key}.device" if role != "learner" else
+                         f"the learner on ranks needs model.device cpu or cuda, not {kind!r}")
     if world == 1:  # FSDP over one device: a group of one, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=IDLE_TIMEOUT)
     else:
         dist.init_process_group(backend, timeout=IDLE_TIMEOUT)
     objects = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend == "nccl" else dist.group.WORLD
-    logger.info("learner rank %d of %d on %s (%s)", rank, world, device, backend)
+    logger.info("%s rank %d of %d on %s (%s)", role, rank, world, device, backend)
     return Ranks(rank, world, local_rank, device, objects, followers)
 
 
@@ -143,9 +161,35 @@ def broadcast(ranks: Ranks, obj: Any = None) -> Any:
 
 
 def lead(ranks: Ranks | None, name: str, *args: Any) -> None:
-    """On rank 0 of several: tell the followers to run ``Learner.<name>(*args)`` (a no-op elsewhere)."""
+    """On rank 0 of several: tell the followers to run ``<their Learner or Verifier>.<name>(*args)`` (a no-op
+    elsewhere)."""
     if ranks is not None and ranks.leader and ranks.world_size > 1:
         broadcast(ranks, (name, args))
+
+
+def gather(ranks: Ranks, obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0 (None on the others)."""
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * ranks.world_size if ranks.leader else None
+    dist.gather_object(obj, out, dst=0, group=ranks.objects)
+    return out
+
+
+def broken(ranks: Ranks, what: str) -> None:
+    """Rank 0, after a collective failed or a follower exited: the group is out of step and cannot be brought back
+    in (a rank may sit in a collective the others will never join), so this process exits at once — its followers
+    die with it (PR_SET_PDEATHSIG) and the supervisor restarts the whole group. Exiting by ``os._exit`` because a
+    thread blocked in a collective would keep an orderly shutdown waiting forever."""
+    dead = [(p.pid, p.returncode) for p in ranks.followers if p.poll() is not None]
+    logger.critical("%s; ranks that exited: %s; stopping this group so that it restarts whole", what, dead or "none")
+    logging.shutdown()
+    os._exit(1)
+
+
+def followers_alive(ranks: Ranks | None) -> bool:
+    """Whether every rank this process started still runs (True where it started none)."""
+    return ranks is None or all(p.poll() is None for p in ranks.followers)
 
 
 def stop(ranks: Ranks) -> None:
@@ -156,34 +200,43 @@ def stop(ranks: Ranks) -> None:
         try:
             lead(ranks, "stop")
         except Exception:  # a follower already gone: the others die with this process anyway
-            logger.warning("could not tell the learner ranks to stop", exc_info=True)
+            logger.warning("could not tell the other ranks to stop", exc_info=True)
         for proc in ranks.followers:
             try:
                 proc.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                logger.warning("learner rank (pid %d) did not stop; killing it", proc.pid)
+                logger.warning("rank (pid %d) did not stop; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def follow(ranks: Ranks, config: CoordinatorConfig) -> int:
-    """Ranks 1…N-1: build the learner when rank 0 does, then run each operation rank 0 leads until told to stop."""
-    from coordinator.config import LearnerConfig
-    from coordinator.learner import Learner
-
-    learner: Learner | None = None
+def follow(ranks: Ranks, config: CoordinatorConfig, role: str = "learner") -> int:
+    """Ranks 1…N-1: build the learner (or verifier) when rank 0 does, then run each operation rank 0 leads until
+    told to stop."""
+    target: Any = None
     while True:
         name, args = broadcast(ranks)
         if name == "stop":
             return 0
-        if name == "init":  # the model folder and learner settings rank 0 builds its learner from
-            learner = Learner(Path(args[0]), config.model, LearnerConfig.model_validate(args[1]),
-                              config.sampling.temperature, gguf=config.snapshots.gguf, ranks=ranks)
+        if name == "init":  # what rank 0 builds its learner or verifier from
+            target = _build(ranks, config, role, args)
             continue
-        assert learner is not None, f"rank 0 led {name!r} before building the learner"
-        getattr(learner, name)(*args)
+        assert target is not None, f"rank 0 led {name!r} before building the {role}"
+        getattr(target, name)(*args)
+
+
+def _build(ranks: Ranks, config: CoordinatorConfig, role: str, args: tuple[Any, ...]) -> Any:
+    if role == "verifier":
+        from coordinator.verifier_role import follower_verifier
+
+        return follower_verifier(ranks, config, *args)
+    from coordinator.config import LearnerConfig
+    from coordinator.learner import Learner
+
+    return Learner(Path(args[0]), config.model, LearnerConfig.model_validate(args[1]), config.sampling.temperature,
+                   gguf=config.snapshots.gguf, ranks=ranks)
 
 
 # -- the model ------------------------------------------------------------------------------------------------
@@ -294,30 +347,33 @@ def load_checkpoint(model: Any, optimizer: Any, folder: Path, with_optimizer: bo
         set_model_state_dict(model, msd, options=opts)
 
 
-def main_under_torchrun(config: CoordinatorConfig) -> int:
+def main_under_torchrun(config: CoordinatorConfig, role: str = "learner", index: int = 0) -> int:
     """A follower rank: rank 0 started it with RANK etc. set, or torchrun did."""
     try:
-        ranks = start(config)
+        ranks = start(config, role, index)
     except RanksError as exc:
-        logger.critical("learner rank could not start: %s", exc)
+        logger.critical("%s rank could not start: %s", role, exc)
         return 2
     try:
-        return follow(ranks, config)
+        return follow(ranks, config, role)
     finally:
         stop(ranks)
 
 
 def main(argv: list[str]) -> int:
-    """``python -m coordinator.fsdp CONFIG.json``: how rank 0 starts a follower rank."""
+    """``python -m coordinator.fsdp CONFIG.json [learner | verifier INDEX]``: how rank 0 starts a follower rank."""
     from coordinator.config import CoordinatorConfig
     from shared import safe_text
 
     # Ctrl-C reaches the whole process group: rank 0 stops this rank in order (and it dies with rank 0 anyway)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank = os.environ.get("RANK", "?")
-    safe_text.configure_logging(logging.INFO, f"%(asctime)s %(levelname)s learner-rank{rank} %(name)s: %(message)s",
+    role = argv[1] if len(argv) > 1 else "learner"
+    index = int(argv[2]) if len(argv) > 2 else 0
+    name = "learner-" if role == "learner" else f"verifier-{index}-"
+    safe_text.configure_logging(logging.INFO, f"%(asctime)s %(levelname)s {name}rank{rank} %(name)s: %(message)s",
                                 sys.stderr)
-    return main_under_torchrun(CoordinatorConfig.model_validate_json(Path(argv[0]).read_text()))
+    return main_under_torchrun(CoordinatorConfig.model_validate_json(Path(argv[0]).read_text()), role, index)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ SIGINT/SIGTERM to them, and restarts a role that dies (a crash, an OOM kill, ``k
 accepted, so the restarted role catches up from it. A role that fails again and again, or fails its start-up
 for a reason a restart cannot fix (exit code ``CONFIG_ERROR``), stops the run with exit code 1.
 
+A verifier with ``verification.placement = "fsdp"`` is a group of processes: the child the supervisor starts is its
+rank 0 and starts the others (coordinator.fsdp), which die with it, so restarting the child restarts the group.
+
 Each role can also be started on its own (``echo-swarm coordinator --role verifier --index 1``), e.g. to add a
 verifier on another GPU of the same host: it joins the run through the run directory.
 """
@@ -98,10 +101,19 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
     from coordinator.verifier_role import VerifierWorker
     from coordinator.workqueue import Bell
 
+    ranks = None
+    if config.verification.placement == "fsdp":  # rank 0 of this worker's FSDP group (coordinator.fsdp)
+        from coordinator import fsdp
+
+        try:
+            ranks = fsdp.start(config, "verifier", index)
+        except ValueError as exc:
+            logger.critical("verifier-%d could not start its ranks: %s", index, exc)
+            return CONFIG_ERROR
     files = RunFiles.open(config)
     stop = asyncio.Event()
     _install_stop(stop)
-    worker = VerifierWorker(config, files.store, Bell(), files.snapshots, files.task, index=index)
+    worker = VerifierWorker(config, files.store, Bell(), files.snapshots, files.task, index=index, ranks=ranks)
     try:
         start = asyncio.create_task(worker.start())
         await _until(stop, start)
@@ -112,6 +124,10 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
     finally:
         worker.close()
         files.close()
+        if ranks is not None:
+            from coordinator import fsdp
+
+            fsdp.stop(ranks)
 
 
 async def run_p2p(config: CoordinatorConfig) -> int:

@@ -17,12 +17,22 @@ form a batch: a lone request is computed at once.
 
 The model is loaded once (``load_model`` on the first snapshot) and later versions are loaded into it in place
 (their safetensors), keeping at most ``cached_versions`` replicas in memory (least recently used dropped).
+
+On FSDP ranks (``verification.placement = "fsdp"``, ``ranks`` given): rank 0's Verifier leads, the other ranks'
+Verifiers follow (coordinator.fsdp). Each version is loaded whole on every rank and then sharded (fully_shard), so
+a version is always a fresh load rather than an in-place one; which version to drop is rank 0's choice, sent with
+the load, so every rank keeps the same ones. A recompute batch is split as the learner splits a step's batch
+(rank r takes every N-th completion; every rank runs as many forward passes, a rank without a share running a
+throw-away one, because each pass is a collective) and the rows are gathered back to rank 0 in their order. A
+replay runs the same seeded generation on every rank (generation is sequential forward passes, all of them
+collectives, kept in lockstep by :class:`_Lockstep`); rank 0's tokens are the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -30,9 +40,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.core.verify import TokenStats
+
+if TYPE_CHECKING:
+    from coordinator.fsdp import Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +104,10 @@ class Verifier:
                  pad_id: int, stop_ids: Sequence[int], cached_versions: int = 1,
                  load_state: StateLoader = read_safetensors_state,
                  load_first: Callable[[Path, str, str], Any] | None = None,
-                 load_into: Callable[[Any, Path], None] | None = None) -> None:
+                 load_into: Callable[[Any, Path], None] | None = None, ranks: Ranks | None = None,
+                 mixed_precision: str = "off") -> None:
+        """``ranks``: this worker's FSDP group (coordinator.fsdp), None for a single-device replica;
+        ``mixed_precision`` "bf16" gathers the shards and computes in bf16 there."""
         self._folder_of = folder_of
         self.device = device
         self.dtype = dtype
@@ -105,6 +121,8 @@ class Verifier:
         # adapted weights); default: load the folder's full state dict (load_state) into it
         self._load_into = load_into or (lambda model, folder: _load_into(model, self._load_state(folder, self.device),
                                                                          folder))
+        self._ranks = ranks
+        self.mixed_precision = mixed_precision
         self._models: OrderedDict[int, Any] = OrderedDict()  # version → model, most recently used last
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier")
         self._queue: list[_Request] = []
@@ -150,7 +168,10 @@ class Verifier:
 
     def describe(self) -> dict[str, Any]:
         s = self.stats
-        return {"device": self.device, "cached_versions": list(self._models), "recompute_s": s.recompute_s,
+        ranks = self._ranks
+        return {"device": self.device, "cached_versions": list(self._models),
+                "ranks": 1 if ranks is None else ranks.world_size,
+                "rank_pids": [] if ranks is None else [p.pid for p in ranks.followers], "recompute_s": s.recompute_s,
                 "replay_s": s.replay_s, "load_s": s.load_s, "results": s.results, "batches": s.batches,
                 "loads": s.loads}
 
@@ -197,25 +218,15 @@ class Verifier:
 
     # -- on the verifier thread -------------------------------------------------------------------------------
     def _recompute_batch(self, batch: list[_Request]) -> list[TokenStats]:
-        import torch
-
-        from shared.policy import completion_stats
-
         t0 = time.monotonic()
         model = self._model_at(batch[0].version)
         prompts = [p for req in batch for p in req.prompts]
         completions = [c for req in batch for c in req.completions]
-        rows: list[list[float]] = []
-        ents: list[list[float]] = []
-        vars_: list[list[float]] = []
-        tops: list[list[float]] = []
-        with torch.no_grad():
-            for s in range(0, len(completions), MICRO_BATCH):
-                chunk = completions[s : s + MICRO_BATCH]
-                lp, ent, var, top, _ = completion_stats(model, prompts[s : s + MICRO_BATCH], chunk,
-                                                        temperature=self.temperature, pad_id=self.pad_id)
-                for dst, t in ((rows, lp), (ents, ent), (vars_, var), (tops, top)):
-                    dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))
+        if self._ranks is None:
+            rows, ents, vars_, tops = self._rows(model, prompts, completions)
+        else:
+            rows, ents, vars_, tops = self._in_group("recompute", self._recompute_rows, batch[0].version, prompts,
+                                                     completions)
         out: list[TokenStats] = []
         k = 0
         for req in batch:
@@ -227,15 +238,89 @@ class Verifier:
         self.stats.batches += 1
         return out
 
+    def _rows(self, model: Any, prompts: list[list[int]], completions: list[list[int]], passes: int = 0
+              ) -> tuple[list[list[float]], ...]:
+        """Per-token (logprobs, entropy, surprisal variance, top logprob) of each completion, MICRO_BATCH at a
+        time; at least ``passes`` forward passes (those past the completions run on the first one, discarded)."""
+        import torch
+
+        from shared.policy import completion_stats
+
+        cols: tuple[list[list[float]], ...] = ([], [], [], [])
+        with torch.no_grad():
+            for s in range(0, max(len(completions), passes * MICRO_BATCH), MICRO_BATCH):
+                chunk, chunk_prompts = completions[s : s + MICRO_BATCH], prompts[s : s + MICRO_BATCH]
+                spare = not chunk  # this rank's share is used up: a pass for the collectives only
+                if spare:
+                    chunk, chunk_prompts = completions[:1] or [[self.pad_id]], prompts[:1] or [[self.pad_id]]
+                stats = completion_stats(model, chunk_prompts, chunk, temperature=self.temperature,
+                                         pad_id=self.pad_id)[:4]
+                if not spare:
+                    for dst, t in zip(cols, stats, strict=True):
+                        dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))
+        return cols
+
+    def _recompute_rows(self, version: int, prompts: list[list[int]], completions: list[list[int]]
+                        ) -> tuple[list[list[float]], ...]:
+        """Every rank: its share of the batch (every N-th completion), gathered back to rank 0 in order."""
+        from coordinator import fsdp
+
+        ranks = self._ranks
+        assert ranks is not None
+        fsdp.lead(ranks, "_recompute_rows", version, prompts, completions)
+        n, r = ranks.world_size, ranks.rank
+        passes = math.ceil(math.ceil(len(completions) / n) / MICRO_BATCH)  # of the largest share
+        mine = self._rows(self._models[version], prompts[r::n], completions[r::n], passes)
+        shares = fsdp.gather(ranks, mine)
+        if shares is None:
+            return ([], [], [], [])
+        out: tuple[list[list[float]], ...] = ([], [], [], [])
+        for i in range(len(completions)):
+            for dst, col in zip(out, shares[i % n], strict=True):
+                dst.append(col[i // n])
+        return out
+
+    def _in_group(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Rank 0: run a led operation; a failure mid-collective breaks the group (coordinator.fsdp.broken)."""
+        from coordinator import fsdp
+
+        assert self._ranks is not None
+        try:
+            return fn(*args)
+        except VersionGone:
+            raise
+        except Exception as exc:
+            fsdp.broken(self._ranks, f"{what} on the verifier's ranks failed: {type(exc).__name__}: {exc}")
+            raise  # not reached
+
     def _replay_sync(self, prompts: list[list[int]], group_size: int, seed: int, max_tokens: int, version: int
                      ) -> list[list[int]]:
         from shared.policy import generate
 
         t0 = time.monotonic()
         model = self._model_at(version)
+        if self._ranks is not None:
+            tokens: list[list[int]] = self._in_group("replay", self._replay_rows, version, prompts, group_size,
+                                                     seed, max_tokens)
+        else:
+            samples = generate(model, prompts, group_size=group_size, temperature=self.temperature,
+                               max_tokens=max_tokens, stop_ids=self.stop_ids, seed=seed, pad_id=self.pad_id)
+            tokens = [list(s.token_ids) for s in samples]
+        self.stats.replay_s += time.monotonic() - t0
+        return tokens
+
+    def _replay_rows(self, version: int, prompts: list[list[int]], group_size: int, seed: int, max_tokens: int
+                     ) -> list[list[int]]:
+        """Every rank: the same seeded generation (each step's forward pass is a collective)."""
+        from coordinator import fsdp
+        from shared.policy import generate
+
+        assert self._ranks is not None
+        fsdp.lead(self._ranks, "_replay_rows", version, prompts, group_size, seed, max_tokens)
+        model = _Lockstep(self._models[version], self._ranks, self.pad_id)
         samples = generate(model, prompts, group_size=group_size, temperature=self.temperature,
                            max_tokens=max_tokens, stop_ids=self.stop_ids, seed=seed, pad_id=self.pad_id)
-        self.stats.replay_s += time.monotonic() - t0
+        model.drain()
         return [list(s.token_ids) for s in samples]
 
     def _model_at(self, version: int) -> Any:
@@ -246,6 +331,13 @@ class Verifier:
         if folder is None:
             raise VersionGone(f"policy version {version} is no longer kept for verification")
         t0 = time.monotonic()
+        if self._ranks is not None:
+            drop = next(iter(self._models)) if len(self._models) >= self._cached else None
+            model = self._in_group("load", self._load_version, version, str(folder), drop)
+            if model is None:
+                raise VersionGone(f"policy version {version} is no longer kept for verification")
+            self._count_load(version, t0)
+            return model
         try:
             if len(self._models) >= self._cached:  # reuse the least recently used replica's memory
                 _, model = self._models.popitem(last=False)
@@ -261,9 +353,33 @@ class Verifier:
             raise VersionGone(f"policy version {version} is no longer kept for verification") from None
         model.eval()
         self._models[version] = model
+        self._count_load(version, t0)
+        return model
+
+    def _count_load(self, version: int, t0: float) -> None:
         self.stats.load_s += time.monotonic() - t0
         self.stats.loads += 1
         self.stats.per_version_loads[version] = self.stats.per_version_loads.get(version, 0) + 1
+
+    def _load_version(self, version: int, folder: str, drop: int | None) -> Any:
+        """Every rank: drop version ``drop``'s shards, load ``folder`` whole and shard it; None (on every rank) when
+        any rank found the folder gone."""
+        from coordinator import fsdp
+
+        ranks = self._ranks
+        assert ranks is not None
+        fsdp.lead(ranks, "_load_version", version, folder, drop)
+        if drop is not None:
+            self._models.pop(drop, None)
+        try:
+            model = self._first_model(Path(folder)).eval()
+        except FileNotFoundError:  # pruned since rank 0 looked
+            model = None
+        (gone,) = fsdp.all_reduce(ranks, [float(model is None)], "max")
+        if gone:
+            return None
+        fsdp.shard(model, ranks, self.mixed_precision)
+        self._models[version] = model
         return model
 
     def _first_model(self, folder: Path) -> Any:
@@ -272,6 +388,40 @@ class Verifier:
         from shared.policy import load_model
 
         return load_model(folder, self.device, self.dtype, own_memory=True)
+
+
+class _Lockstep:
+    """A sharded model as :func:`shared.policy.generate` sees it on a verifier's ranks. Every rank samples the
+    same tokens from the same seed and weights, so all stop together — unless a kernel is not bit-reproducible
+    across devices, and then one rank would stop while another waits in a forward pass's all-gather forever. So
+    each forward pass is preceded by an all-reduce saying whether any rank still generates, and a rank that is done
+    runs throw-away passes (:meth:`drain`) until none is: the ranks run the same collectives whatever they
+    sample."""
+
+    def __init__(self, model: Any, ranks: Ranks, pad_id: int) -> None:
+        self._model = model
+        self._ranks = ranks
+        self._pad_id = pad_id
+
+    def __getattr__(self, name: str) -> Any:  # parameters(), forward (its signature), config, …
+        return getattr(self._model, name)
+
+    def _anyone(self, generating: bool) -> bool:
+        from coordinator import fsdp
+
+        return bool(fsdp.all_reduce(self._ranks, [float(generating)], "max")[0])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._anyone(True)
+        return self._model(*args, **kwargs)
+
+    def drain(self) -> None:
+        import torch
+
+        device = next(self._model.parameters()).device
+        with torch.inference_mode():
+            while self._anyone(False):
+                self._model(input_ids=torch.tensor([[self._pad_id]], device=device))
 
 
 def _load_into(model: Any, state: dict[str, Any], folder: Path) -> None:

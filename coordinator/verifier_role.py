@@ -5,6 +5,11 @@ own model replicas on its own device (``verification.device``), or inside the on
 layout. Concurrent requests of one version are batched into one forward pass by :class:`coordinator.verifier.
 Verifier`. Only the first worker (``verifier-0``) runs held-out evaluations, one at a time, on its own thread.
 
+With ``verification.placement = "fsdp"`` a worker is a group of ``verification.world_size`` ranks
+(coordinator.fsdp): this process is rank 0, claims and answers as above, and leads the others, which only compute
+(:func:`follower_verifier`). A rank that exits takes the group down with it (:func:`coordinator.fsdp.broken`), so
+the supervisor's restart of the worker restarts every rank.
+
 A worker that dies leaves its claims behind; they run out after ``verification.claim_s`` and another worker takes
 them, or the restarted worker hands them back at once (:meth:`Store.work_unclaim`).
 """
@@ -17,7 +22,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.snapshots import SnapshotStore
@@ -26,6 +31,9 @@ from coordinator.tasks import Task
 from coordinator.text import TextCodec
 from coordinator.workqueue import POLL_S, Bell, stats_answer
 from shared import wire
+
+if TYPE_CHECKING:
+    from coordinator.fsdp import Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +61,9 @@ async def wait_for_first_version(store: Store, bell: Bell, role: str) -> int:
 
 class VerifierWorker:
     def __init__(self, config: CoordinatorConfig, store: Store, bell: Bell, snapshots: SnapshotStore, task: Task,
-                 *, index: int = 0) -> None:
+                 *, index: int = 0, ranks: Ranks | None = None) -> None:
         self.config = config
+        self.ranks = ranks
         self.store = store
         self.bell = bell
         self.snapshots = snapshots
@@ -77,13 +86,10 @@ class VerifierWorker:
         codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists()
                                       else self.snapshots.folder(current))
         vcfg = self.config.verification
-        threads = vcfg.threads or self.config.learner.threads
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)  # process-wide: this role's own pool, not the learner's
-        device = pick_device(self.config.model.device if vcfg.device == "auto" else vcfg.device)
-        self.verifier = _make_verifier(self.config, self.snapshots, self.store, device, codec)
+        _set_threads(self.config)
+        device = self.ranks.device if self.ranks is not None else pick_device(
+            self.config.model.device if vcfg.device == "auto" else vcfg.device)
+        self.verifier = _make_verifier(self.config, self.snapshots, self.store, device, codec, self.ranks)
         self.evaluator: Any = None
         if "evaluate" in self.kinds:
             from coordinator.evaluation import Evaluator
@@ -123,6 +129,11 @@ class VerifierWorker:
                                               time.time() + self.config.verification.claim_s)
                     self.snapshots.observe(v["version"] for v in self.store.versions())
                     self._report()
+                if not fsdp_followers_alive(self.ranks):
+                    from coordinator import fsdp
+
+                    assert self.ranks is not None
+                    fsdp.broken(self.ranks, f"{self.name}: a rank of its group exited")
                 await self.bell.wait(POLL_S)
         finally:
             for task in list(self._inflight.values()):
@@ -187,21 +198,57 @@ class VerifierWorker:
             evaluator.close()
 
 
+def fsdp_followers_alive(ranks: Ranks | None) -> bool:
+    if ranks is None:
+        return True
+    from coordinator import fsdp
+
+    return fsdp.followers_alive(ranks)
+
+
+def _set_threads(config: CoordinatorConfig) -> None:
+    threads = config.verification.threads or config.learner.threads
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # process-wide: this role's own pool, not the learner's
+
+
 def _make_verifier(config: CoordinatorConfig, snapshots: SnapshotStore, store: Store, device: str,
-                   codec: TextCodec) -> Any:
+                   codec: TextCodec, ranks: Ranks | None = None) -> Any:
     """A :class:`coordinator.verifier.Verifier` reading this run's published folders (a LoRA version is the shared
-    base plus its adapter, coordinator.lora)."""
-    from coordinator.lora import VersionLoader
-    from coordinator.verifier import Verifier
+    base plus its adapter, coordinator.lora). On ranks it leads the others' :func:`follower_verifier`."""
+    from coordinator import fsdp
 
     def folder_of(version: int) -> Path | None:
         return snapshots.folder(version) if snapshots.signed_manifest(version) is not None else None
 
+    base = str(snapshots.base_dir) if config.learner.lora_rank > 0 else None
+    fsdp.lead(ranks, "init", codec.pad_id, list(codec.stop_ids), base)
+    return _verifier(config, folder_of, device, codec.pad_id, codec.stop_ids, base, ranks)
+
+
+def _verifier(config: CoordinatorConfig, folder_of: Any, device: str, pad_id: int, stop_ids: list[int],
+              lora_base: str | None, ranks: Ranks | None) -> Any:
+    from coordinator.lora import VersionLoader
+    from coordinator.verifier import Verifier
+
     loaders: dict[str, Any] = {}
-    if config.learner.lora_rank > 0:
-        lora_versions = VersionLoader(snapshots.base_dir)
+    if lora_base is not None:
+        lora_versions = VersionLoader(Path(lora_base))
         loaders = {"load_first": lora_versions.load_first, "load_into": lora_versions.load_into,
                    "load_state": lora_versions.load_state}
     return Verifier(folder_of, device=device, dtype=config.model.dtype, temperature=config.sampling.temperature,
-                    pad_id=codec.pad_id, stop_ids=codec.stop_ids, cached_versions=config.verification.cached_versions,
-                    **loaders)
+                    pad_id=pad_id, stop_ids=stop_ids, cached_versions=config.verification.cached_versions,
+                    ranks=ranks, mixed_precision=config.verification.mixed_precision, **loaders)
+
+
+def follower_verifier(ranks: Ranks, config: CoordinatorConfig, pad_id: int, stop_ids: list[int],
+                      lora_base: str | None) -> Any:
+    """Ranks 1…N-1 of a verifier group: the Verifier rank 0 leads (it names the folders; this one only loads them
+    and computes its share)."""
+    from shared.policy import import_backends
+
+    import_backends()
+    _set_threads(config)
+    return _verifier(config, lambda _v: None, ranks.device, pad_id, stop_ids, lora_base, ranks)

@@ -231,6 +231,12 @@ def coordinator(
     verifiers: Annotated[Optional[int], typer.Option(help="Verifier processes to start (layout processes).")] = None,
     learner_ranks: Annotated[Optional[int], typer.Option(help="learner.world_size: FSDP ranks of the learner (one per "
                                                               "GPU; gloo processes on CPU).")] = None,
+    verifier_placement: Annotated[Optional[str], typer.Option(help="verification.placement: replicas (each verifier "
+                                                                   "one process with a whole replica) or fsdp "
+                                                                   "(each verifier a group of --verifier-ranks "
+                                                                   "FSDP ranks).")] = None,
+    verifier_ranks: Annotated[Optional[int], typer.Option(help="verification.world_size: ranks of each verifier "
+                                                               "with --verifier-placement fsdp.")] = None,
     role: Annotated[str, typer.Option(help="Run only this role of the run: api, learner, verifier or p2p (e.g. another "
                                            "verifier on another GPU: --role verifier --index 1 with "
                                            "verification.device set); 'all' runs every role.")] = "all",
@@ -259,6 +265,7 @@ def coordinator(
             "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
             "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
             "verification.workers": verifiers, "store.url": store_url, "learner.world_size": learner_ranks,
+            "verification.placement": verifier_placement, "verification.world_size": verifier_ranks,
             "p2p.enabled": p2p,
         })
     except ConfigError as exc:

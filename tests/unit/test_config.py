@@ -273,3 +273,36 @@ def test_learner_on_ranks_defaults_and_fsdp_follows_world_size() -> None:
 def test_learner_on_ranks_refuses_what_cannot_run(overrides: dict[str, object], hint: str) -> None:
     with pytest.raises(ConfigError, match=hint.replace(".", r"\.").replace("(", r"\(")):
         load_config(None, overrides)
+
+
+def test_verifier_placement_defaults_to_replicas_and_fsdp_groups_take_ranks() -> None:
+    cfg = load_config(None)
+    assert (cfg.verification.placement, cfg.verification.world_size) == ("replicas", 1)
+    fsdp = load_config(None, {"verification.placement": "fsdp", "verification.world_size": 2,
+                              "verification.mixed_precision": "bf16"}).verification
+    assert (fsdp.placement, fsdp.world_size, fsdp.mixed_precision) == ("fsdp", 2, "bf16")
+    # after the learner's GPUs: ranks on cuda:4 and cuda:5
+    on_gpus = load_config(None, {"model.device": "cuda", "learner.world_size": 4, "verification.placement": "fsdp",
+                                 "verification.world_size": 2, "verification.device": "cuda:4"})
+    assert on_gpus.verification.device == "cuda:4"
+
+
+@pytest.mark.parametrize(("overrides", "hint"), [
+    ({"verification.world_size": 2}, "set verification.placement = 'fsdp'"),
+    ({"verification.mixed_precision": "bf16"}, "needs verification.placement = 'fsdp'"),
+    ({"verification.placement": "fsdp", "verification.device": "cuda:x"}, "'cuda' or 'cuda:K'"),
+    ({"verification.placement": "fsdp", "model.device": "mps"}, "verification.device = 'cuda' or 'cpu'"),
+    ({"verification.placement": "fsdp", "verification.device": "cuda:4", "verification.workers": 2},
+     "--role verifier --index i"),
+    ({"verification.placement": "fsdp", "model.device": "cuda", "learner.world_size": 4,
+      "verification.device": "cuda:2"}, "verification.device = 'cuda:4'"),
+    ({"verification.placement": "fsdp", "model.device": "cuda"}, "verification.device = 'cuda:1'"),
+    ({"verification.placement": "fsdp", "layout": "one-process"}, "layout = 'processes'"),
+    ({"verification.placement": "fsdp", "verification.mixed_precision": "bf16", "model.dtype": "bfloat16"},
+     "model.dtype = 'float32'"),
+    ({"verification.placement": "sharded"}, "verification.placement"),
+    ({"verification.placement": "fsdp", "verification.world_size": 0}, "verification.world_size"),
+])
+def test_verifier_groups_refuse_what_cannot_run(overrides: dict[str, object], hint: str) -> None:
+    with pytest.raises(ConfigError, match=hint.replace(".", r"\.").replace("(", r"\(")):
+        load_config(None, overrides)

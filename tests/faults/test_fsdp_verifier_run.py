@@ -1,0 +1,97 @@
+"""`echo-swarm coordinator` with its verifier as a group of 2 FSDP ranks (gloo, CPU; ``verification.placement =
+"fsdp"``) and a real torch client (issue 16).
+
+The verifier role starts its second rank itself. Honest results (the client's, and one sent by a raw protocol
+client) are accepted; the same result with fabricated logprobs is refused with ``logprob_mismatch``, as on a
+single-device verifier. Mid-run the second rank is killed: verifier-0 notices, exits, and the supervisor restarts
+it, which starts a new second rank; the run completes with every step's results ingested exactly once.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from shared import wire
+from shared.messages import ResultSubmission, SubmitResponse
+from tests.integration.helpers import (
+    RawClient,
+    db_rows,
+    get_status,
+    start_client,
+    start_coordinator,
+    stop_all,
+    wait_until,
+    write_config,
+)
+from tests.integration.ops_helpers import honest_result, register, try_lease
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def _rank_pids(log: Path) -> list[int]:
+    return [int(p) for p in re.findall(r"started verifier-0 ranks 1\.\.1 \(pids \[(\d+)\]\)", log.read_text())]
+
+
+def _tampered_then_honest(url: str, run_dir: Path) -> None:
+    """A raw client leases a job: its result with made-up logprobs is refused, the honest one accepted."""
+    (key,) = db_rows(run_dir, "SELECT value FROM meta WHERE key='coordinator_public_key'")[0]
+    live = SimpleNamespace(url=url, run_dir=run_dir, coordinator=SimpleNamespace(public_key=bytes.fromhex(key)))
+    client = register(live)  # type: ignore[arg-type]
+    job = wait_until(lambda: try_lease(client, live.coordinator.public_key), 300, "a job for the raw client")
+    result = honest_result(live, job)  # type: ignore[arg-type]
+    data = copy.deepcopy(result.model_dump())
+    for c in data["completions"]:
+        c["logprobs"] = [-0.01] * len(c["logprobs"])  # "the model was very sure": not what the policy says
+    status, raw = client.post("/v1/results", ResultSubmission.model_validate(data))
+    assert (status, RawClient.error(raw).error) == (422, "logprob_mismatch"), raw
+    status, raw = client.post("/v1/results", result)
+    assert status == 200 and wire.decode(raw, SubmitResponse).accepted, raw
+
+
+def test_verifier_on_two_ranks_verifies_and_survives_a_dead_rank(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, top={"layout": "processes"},
+                       learner={"max_steps": STEPS}, model={"device": "cpu"},
+                       verification={"placement": "fsdp", "world_size": 2})
+    log = tmp_path / "coord.log"
+    coord, url = start_coordinator(cfg, log)
+    client = start_client(url, tmp_path / "c0", tmp_path / "c0.log", "--exit-when-finished")
+    try:
+        wait_until(lambda: (s := get_status(url)) and s["version"] >= 1, 300, "a first step verified on two ranks")
+        _tampered_then_honest(url, run_dir)
+        roles = (get_status(url) or {})["roles"]
+        assert roles["verifier-0"]["ranks"] == 2 and roles["verifier-0"]["rank_pids"] == _rank_pids(log)[-1:]
+        wait_until(lambda: (s := get_status(url)) and s["version"] >= 3, 300, "three steps")
+        follower = _rank_pids(log)[-1]
+        os.kill(follower, signal.SIGKILL)
+        final = wait_until(lambda: (s := get_status(url)) and s["finished"] and s, 400, "the run to finish")
+        assert client.proc.wait(120) == 0, client.output()[-3000:]
+    finally:
+        stop_all(client, coord)
+    out = log.read_text()
+    assert coord.proc.returncode == 0, out[-3000:]
+    for pid in _rank_pids(log):  # no rank outlives the coordinator
+        wait_until(lambda pid=pid: not _alive(pid), 30, f"verifier rank {pid} to exit")
+    assert final["version"] == STEPS
+    assert len(_rank_pids(log)) >= 2  # the restarted verifier started a new second rank
+    assert re.search(r"verifier-0 \(pid \d+\) exited with 1; restarting it", out), out[-3000:]
+    assert "a rank of its group exited" in out or "on the verifier's ranks failed" in out, out[-3000:]
+    per_step = db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results WHERE ingested_step IS NOT NULL "
+                                "GROUP BY ingested_step ORDER BY 1")
+    assert per_step == [(step, 2) for step in range(1, STEPS + 1)]
+    reasons = db_rows(run_dir, "SELECT reason FROM rejections")
+    assert reasons == [("logprob_mismatch",)]

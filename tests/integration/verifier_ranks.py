@@ -1,0 +1,87 @@
+"""Verifier recomputes and a replay on fixed batches, run as its own process by tests/integration/
+test_fsdp_verifier.py.
+
+``python -m tests.integration.verifier_ranks OUT SPEC.json GROUP``: GROUP 1 is a single-device replica (the
+reference, ``verification.placement = "replicas"``); with N > 1 this process is rank 0 of a verifier group and
+starts the other ranks itself (coordinator.fsdp.start, as the verifier role does), which follow it; ``bf16`` is a
+group of 2 with ``verification.mixed_precision = "bf16"``.
+
+SPEC names the version folders (``full``: two full-weight versions; ``lora``: two LoRA versions and their base
+folder) and the requests. OUT/results.json gets, per case, the TokenStats of each request (logprobs, entropy,
+surprisal variance, top logprob) and the replayed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+
+
+async def _cases(ver: Any, spec: dict[str, Any], versions: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for version in versions:  # one cached replica: the second version's load drops the first's shards
+        stats = await asyncio.gather(*(ver.recompute_stats(r["prompts"], r["completions"], version)
+                                       for r in spec["requests"]))  # queued together: one batch, split over ranks
+        lone = await ver.recompute_stats(spec["lone"]["prompts"], spec["lone"]["completions"], version)
+        out[str(version)] = [[s.logprobs, s.entropy, s.variance, s.top] for s in [*stats, lone]]
+    out["replay"] = await ver.replay(spec["lone"]["prompts"], group_size=2, seed=11, max_tokens=6,
+                                     version=versions[-1])
+    out["loads"] = ver.stats.loads
+    return out
+
+
+def _diverged(ver: Any, ranks: Any, spec: dict[str, Any], version: int) -> int:
+    """Rank 0 generates up to 12 tokens while it tells the followers 3 (a replica: 3), so the ranks' generations
+    take different numbers of forward passes: the lockstep must still end every rank's generation together.
+    Returns the longest completion's length."""
+    from coordinator import fsdp
+    from coordinator.verifier import _Lockstep
+    from shared.policy import generate
+
+    prompts = spec["requests"][0]["prompts"]
+    model = ver._models[version]
+    if ranks is not None:
+        fsdp.lead(ranks, "_replay_rows", version, prompts, 2, 1, 3)
+        model = _Lockstep(model, ranks, spec["pad_id"])
+    samples = generate(model, prompts, group_size=2, temperature=1.0, max_tokens=3 if ranks is None else 12,
+                       stop_ids=[], seed=1, pad_id=spec["pad_id"])
+    if ranks is not None:
+        model.drain()
+    return max(len(s.token_ids) for s in samples)
+
+
+def main(out: Path, spec: dict[str, Any], group: str) -> None:
+    from coordinator import fsdp
+    from coordinator.verifier_role import _verifier
+
+    world = 2 if group == "bf16" else int(group)
+    config = CoordinatorConfig(run_dir=out / "run", model={"device": "cpu"},
+                               verification={"placement": "fsdp" if world > 1 else "replicas", "world_size": world,
+                                             "mixed_precision": "bf16" if group == "bf16" else "off"})
+    ranks = fsdp.start(config, "verifier", 0) if world > 1 else None
+    results: dict[str, Any] = {}
+    try:
+        for case, lora_base in (("full", None), ("lora", spec["lora_base"])):
+            folders = {int(v): Path(f) for v, f in spec[case].items()}
+            fsdp.lead(ranks, "init", spec["pad_id"], spec["stop_ids"], lora_base)
+            ver = _verifier(config, folders.get, ranks.device if ranks else "cpu", spec["pad_id"], spec["stop_ids"],
+                            lora_base, ranks)
+            try:
+                results[case] = asyncio.run(_cases(ver, spec, sorted(folders)))
+                if case == "full" and group != "bf16":
+                    results["diverged"] = _diverged(ver, ranks, spec, max(folders))
+            finally:
+                ver.close()
+    finally:
+        if ranks is not None:
+            fsdp.stop(ranks)
+    (out / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), sys.argv[3])
