@@ -344,6 +344,10 @@ def summarise(mode: str, steps: list[dict[str, Any]], versions: list[tuple[int, 
         "healthz_p50_ms": pct(in_run_h, 0.5),
         "healthz_p99_ms": pct(in_run_h, 0.99),
         "probes": len(in_run),
+        # the slowest signed requests, as seconds after the first step began: lined up with the coordinator's log
+        # (publications, result intake, step commits) they say what a slow request waited behind
+        "signed_slowest": [[round(t - first_step_at, 2), round(ms, 1)] for t, ms in sorted(
+            ((t, ms) for t, ms in lat["signed"] if first_step_at <= t <= steps[-1]["at"]), key=lambda x: -x[1])[:8]],
         "run_s": steps[-1]["at"] - v0_at,
         "versions": final["version"],
     }

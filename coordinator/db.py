@@ -22,15 +22,21 @@ psycopg is imported only when a PostgreSQL URL is opened (the ``postgres`` extra
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+logger = logging.getLogger(__name__)
 Dialect = Literal["sqlite", "postgresql"]
+#: A wait for the write lock, or a commit, longer than this is logged: on a role's event loop it is time every
+#: request waits (who held the lock, a checkpoint's fsync), and the log says which.
+SLOW_S = 0.1
 #: Seconds a statement waits for a lock another writer holds before it fails (SQLite's busy_timeout, PostgreSQL's
 #: lock_timeout), and a connection attempt to a PostgreSQL server may take.
 LOCK_TIMEOUT_S = 5.0
@@ -115,6 +121,7 @@ class Db:
 
     def __init__(self, target: str | Path, *, light: bool = False) -> None:
         self._changes = 0
+        self._light = light
         #: commits made through this connection (a durability watermark: coordinator.service.Coordinator.flush)
         self.commits = 0
         self._sql: dict[str, str] = {}
@@ -226,21 +233,31 @@ class Db:
 
     # -- transactions -------------------------------------------------------------------------------------
     def begin(self, exclusive: bool = False) -> None:
+        t0 = time.monotonic()
         if self._lite is not None:
             self._lite.execute("BEGIN EXCLUSIVE" if exclusive else "BEGIN IMMEDIATE")
+            self._slow("waited for the write lock", t0)
         else:
             self._pg_execute("BEGIN", ())
         self._in_tx = True
 
     def commit(self) -> None:
+        t0 = time.monotonic()
         try:
             if self._lite is not None:
-                self._lite.execute("COMMIT")
+                self._lite.execute("COMMIT")  # (a WAL checkpoint, when one is due, runs inside it)
+                self._slow("committed", t0)
             else:
                 self._pg.execute("COMMIT")
             self.commits += 1
         finally:
             self._in_tx = False
+
+    def _slow(self, what: str, t0: float) -> None:
+        took = time.monotonic() - t0
+        if took > SLOW_S:
+            logger.warning("slow database: %s in %.0f ms (%s, %s connection)", what, took * 1000,
+                           Path(self._file).name, "light" if self._light else "main")
 
     def rollback(self) -> None:
         self._in_tx = False
