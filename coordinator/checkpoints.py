@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.writeback import flushed_while_writing
-
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -84,10 +82,9 @@ class CheckpointStore:
         try:
             if state.sharded is None:
                 try:
-                    with flushed_while_writing(tmp):  # (coordinator.writeback: no dirty-page storm)
-                        save_file({k: v.detach().contiguous() for k, v in state.weights.items()},
-                                  str(tmp / WEIGHTS_FILE))
-                        torch.save(state.optimizer, tmp / OPTIMIZER_FILE)
+                    save_file({k: v.detach().contiguous() for k, v in state.weights.items()},
+                              str(tmp / WEIGHTS_FILE))
+                    torch.save(state.optimizer, tmp / OPTIMIZER_FILE)
                 finally:
                     state.release()
                 for name in (WEIGHTS_FILE, OPTIMIZER_FILE):

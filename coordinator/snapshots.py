@@ -23,7 +23,6 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from coordinator.writeback import flushed_while_writing
 from shared import wire
 from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.messages import Manifest, ManifestFile, SignedManifest
@@ -107,8 +106,7 @@ class SnapshotStore:
         if not (path.exists() and sidecar.exists()):
             tmp = self.base_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
             try:
-                with flushed_while_writing(tmp):  # (coordinator.writeback: no dirty-page storm)
-                    write(tmp)
+                write(tmp)
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
                 digest, pieces = file_digests(tmp, self.piece_size)
@@ -135,8 +133,7 @@ class SnapshotStore:
         tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            with flushed_while_writing(tmp):  # (coordinator.writeback: no dirty-page storm)
-                files.write(tmp)
+            files.write(tmp)
             _fsync_tree(tmp)
             manifest = build_manifest(tmp, run_id=self.run_id, version=version, created_at=now,
                                       piece_size=self.piece_size)

@@ -128,6 +128,7 @@ class Store:
         self.path = Path(path) if self.url is None else Path("postgresql")
         self.conn = Db(self.url or self.path)
         self._nonce_conn: Db | None = None
+        self._nonce_file: Path | None = None
         self._migrate()
         # Leases, the transient work queue and role reports (which a power loss may drop: requesters resend,
         # roles report again, a forgotten lease's job is issued again) go through a second connection, which
@@ -165,7 +166,17 @@ class Store:
 
     @property
     def nonce_path(self) -> Path:
-        """SQLite: the nonce database's file, beside the main one."""
+        """SQLite: the nonce database's file — in memory (coordinator.tmpfs) where the host has a tmpfs, else
+        beside the main one."""
+        if self._nonce_file is None:
+            from coordinator.tmpfs import run_folder
+
+            folder = run_folder(self.path)
+            self._nonce_file = folder / "nonces.sqlite" if folder is not None else self._disk_nonce_path
+        return self._nonce_file
+
+    @property
+    def _disk_nonce_path(self) -> Path:
         return self.path.with_name(self.path.stem + "-nonces.sqlite")
 
     def _nonce_db(self) -> Db:
@@ -173,11 +184,14 @@ class Store:
 
         Every signed request writes one nonce. In SQLite's main database that insert queued behind the file's
         single write lock, which every role's transactions take (and, before syncs moved out of commits,
-        held through an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot). A file of its own has a write lock only API processes take. synchronous=NORMAL: durable across a
+        held through an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot). A file
+        of its own has a write lock only API processes take. synchronous=NORMAL: durable across a
         kill -9 (the OS keeps the WAL), not a power loss, which can reopen a replay window of at most
         request_window_s for requests captured just before it — the price of not paying an fsync on every
-        signed request. PostgreSQL locks rows, not the database: nonces stay a table there, written through the
-        light connection (synchronous_commit=off)."""
+        signed request. On a host with a tmpfs the file lives there (coordinator.tmpfs: a disk write, fsync or
+        not, stalls for up to seconds while the publisher's gigabytes go to the same disk; kill -9 keeps tmpfs).
+        PostgreSQL locks rows, not the database: nonces stay a table there, written through the light
+        connection (synchronous_commit=off)."""
         if self._nonce_conn is None:
             if self.conn.postgres:
                 self._nonce_conn = self.light_conn
@@ -186,7 +200,28 @@ class Store:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(NONCE_SCHEMA)
                 self._nonce_conn = db
+                self._adopt_disk_nonces(db)
         return self._nonce_conn
+
+    def _adopt_disk_nonces(self, db: Db) -> None:
+        """Nonces a release before coordinator.tmpfs kept beside the main file move into the tmpfs one (a replay
+        of a request captured just before the upgrade must still be refused); the old file is removed."""
+        old = self._disk_nonce_path
+        if old == self.nonce_path or not old.exists():
+            return
+        import sqlite3
+
+        src = sqlite3.connect(str(old))
+        try:
+            rows = src.execute("SELECT nonce, expires FROM nonces").fetchall()
+        except sqlite3.Error:
+            rows = []
+        finally:
+            src.close()
+        with _Tx(db):
+            db.executemany("INSERT INTO nonces(nonce, expires) VALUES(?,?) ON CONFLICT DO NOTHING", rows)
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(old) + suffix).unlink(missing_ok=True)
 
     def _nonce_schema(self) -> None:
         """Inside the migration: PostgreSQL keeps nonces in the main database. SQLite's schema up to 4 did too;

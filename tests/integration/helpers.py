@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from coordinator.tmpfs import run_folder
 from shared import crypto, wire
 from shared.messages import ErrorBody, Message
 
@@ -144,7 +145,8 @@ def get_status(url: str) -> dict[str, Any] | None:
 def db_rows(run_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Read the coordinator's database (WAL lets a reader in while the coordinator writes)."""
     conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
-    nonces = run_dir / "coordinator-nonces.sqlite"
+    folder = run_folder(run_dir / "coordinator.sqlite")
+    nonces = folder / "nonces.sqlite" if folder is not None else run_dir / "coordinator-nonces.sqlite"
     if nonces.exists():  # replay protection has its own file (coordinator.store.Store.nonce_path)
         conn.execute("ATTACH DATABASE ? AS n", (f"file:{nonces}?mode=ro",))
     try:
