@@ -136,5 +136,7 @@ def test_two_ranks_recompute_what_one_replica_does(tmp_path: Path, tiny_model_di
             for req_a, req_b in zip(one[case][version], bf16[case][version], strict=True):
                 a, b = _flat(req_a[0]), _flat(req_b[0])  # logprobs
                 gaps = [abs(x - y) for x, y in zip(a, b, strict=True)]
-                assert sum(gaps) / len(gaps) < tol.logprob_mean_tol / 2, (case, version)
+                # inside the tolerances (measured 0.006–0.028 mean; docs/operations.md §5 says to widen the mean
+                # tolerance with a bf16 group, since an honest client's own rounding shares it)
+                assert sum(gaps) / len(gaps) < tol.logprob_mean_tol, (case, version)
                 assert max(gaps) < tol.logprob_max_tol / 2, (case, version)
