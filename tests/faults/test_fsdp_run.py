@@ -19,8 +19,10 @@ import pytest
 from tests.integration.helpers import (
     db_rows,
     get_status,
+    process_alive,
     start_client,
     start_coordinator,
+    started_rank_pids,
     stop_all,
     wait_until,
     write_config,
@@ -31,13 +33,6 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 
 
-def _alive(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "zombie" not in status.read_text()
-
-
-def _rank_pids(log: Path) -> list[int]:
-    return [int(p) for p in re.findall(r"started learner ranks 1\.\.1 \(pids \[(\d+)\]\)", log.read_text())]
 
 
 def test_learner_on_two_ranks_trains_and_survives_a_dead_rank(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -49,7 +44,7 @@ def test_learner_on_two_ranks_trains_and_survives_a_dead_rank(tmp_path: Path, ti
     client = start_client(url, tmp_path / "c0", tmp_path / "c0.log", "--exit-when-finished")
     try:
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 3, 300, "three steps on two ranks")
-        follower = _rank_pids(log)[-1]
+        follower = started_rank_pids(log, "learner")[-1]
         os.kill(follower, signal.SIGKILL)
         final = wait_until(lambda: (s := get_status(url)) and s["finished"] and s, 400, "the run to finish")
         assert client.proc.wait(120) == 0, client.output()[-3000:]
@@ -57,10 +52,10 @@ def test_learner_on_two_ranks_trains_and_survives_a_dead_rank(tmp_path: Path, ti
         stop_all(client, coord)
     out = log.read_text()
     assert coord.proc.returncode == 0, out[-3000:]
-    for pid in _rank_pids(log):  # no rank outlives the coordinator
-        wait_until(lambda pid=pid: not _alive(pid), 30, f"learner rank {pid} to exit")
+    for pid in started_rank_pids(log, "learner"):  # no rank outlives the coordinator
+        wait_until(lambda pid=pid: not process_alive(pid), 30, f"learner rank {pid} to exit")
     assert final["version"] == STEPS
-    assert len(_rank_pids(log)) >= 2  # the restarted learner started a new second rank
+    assert len(started_rank_pids(log, "learner")) >= 2  # the restarted learner started a new second rank
     assert re.search(r"learner \(pid \d+\) exited with 1; restarting it", out), out[-3000:]
     assert re.search(r"restored the checkpoint of version \d+ and replayed \d+ steps", out), out[-3000:]
     per_step = db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results WHERE ingested_step IS NOT NULL "

@@ -24,8 +24,10 @@ from tests.integration.helpers import (
     RawClient,
     db_rows,
     get_status,
+    process_alive,
     start_client,
     start_coordinator,
+    started_rank_pids,
     stop_all,
     wait_until,
     write_config,
@@ -37,13 +39,6 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 
 
-def _alive(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "zombie" not in status.read_text()
-
-
-def _rank_pids(log: Path) -> list[int]:
-    return [int(p) for p in re.findall(r"started verifier-0 ranks 1\.\.1 \(pids \[(\d+)\]\)", log.read_text())]
 
 
 def _tampered_then_honest(url: str, run_dir: Path) -> None:
@@ -74,9 +69,9 @@ def test_verifier_on_two_ranks_verifies_and_survives_a_dead_rank(tmp_path: Path,
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 1, 300, "a first step verified on two ranks")
         _tampered_then_honest(url, run_dir)
         roles = (get_status(url) or {})["roles"]
-        assert roles["verifier-0"]["ranks"] == 2 and roles["verifier-0"]["rank_pids"] == _rank_pids(log)[-1:]
+        assert roles["verifier-0"]["ranks"] == 2 and roles["verifier-0"]["rank_pids"] == started_rank_pids(log, "verifier-0")[-1:]
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 3, 300, "three steps")
-        follower = _rank_pids(log)[-1]
+        follower = started_rank_pids(log, "verifier-0")[-1]
         os.kill(follower, signal.SIGKILL)
         final = wait_until(lambda: (s := get_status(url)) and s["finished"] and s, 400, "the run to finish")
         assert client.proc.wait(120) == 0, client.output()[-3000:]
@@ -84,10 +79,10 @@ def test_verifier_on_two_ranks_verifies_and_survives_a_dead_rank(tmp_path: Path,
         stop_all(client, coord)
     out = log.read_text()
     assert coord.proc.returncode == 0, out[-3000:]
-    for pid in _rank_pids(log):  # no rank outlives the coordinator
-        wait_until(lambda pid=pid: not _alive(pid), 30, f"verifier rank {pid} to exit")
+    for pid in started_rank_pids(log, "verifier-0"):  # no rank outlives the coordinator
+        wait_until(lambda pid=pid: not process_alive(pid), 30, f"verifier rank {pid} to exit")
     assert final["version"] == STEPS
-    assert len(_rank_pids(log)) >= 2  # the restarted verifier started a new second rank
+    assert len(started_rank_pids(log, "verifier-0")) >= 2  # the restarted verifier started a new second rank
     assert re.search(r"verifier-0 \(pid \d+\) exited with 1; restarting it", out), out[-3000:]
     assert "a rank of its group exited" in out or "on the verifier's ranks failed" in out, out[-3000:]
     per_step = db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results WHERE ingested_step IS NOT NULL "

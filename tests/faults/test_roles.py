@@ -20,6 +20,7 @@ from swarm_client.identity import load_identity
 from tests.integration.helpers import (
     db_rows,
     get_status,
+    process_alive,
     start_client,
     start_coordinator,
     stop_all,
@@ -42,21 +43,13 @@ def _pid(url: str, role: str) -> int | None:
     return int(pid) if pid else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/status").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
-
-
 def _maps(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
 def _restarted(url: str, role: str, old: int) -> int | bool:
     pid = _pid(url, role)
-    return pid if pid is not None and pid != old and _alive(pid) else False
+    return pid if pid is not None and pid != old and process_alive(pid) else False
 
 
 def test_each_role_killed_mid_work_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -153,6 +154,20 @@ def db_rows(run_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple
         return conn.execute(sql, params).fetchall()
     finally:
         conn.close()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, exited but not yet reaped by its parent, is not)."""
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "zombie" not in status.read_text()
+    except OSError:
+        return False
+
+
+def started_rank_pids(log: Path, role: str) -> list[int]:
+    """Follower rank pids a role's rank 0 logged starting (coordinator.fsdp), oldest first."""
+    return [int(p) for p in re.findall(rf"started {re.escape(role)} ranks 1\.\.1 \(pids \[(\d+)\]\)", log.read_text())]
 
 
 class RawClient:
