@@ -129,7 +129,7 @@ class Db:
         self._in_tx = False
         if isinstance(target, str) and is_postgres_url(target):
             self.dialect: Dialect = "postgresql"
-            self._url, self._light = target, light
+            self._url = target
             self._pg = _connect_pg(target, light)  # says how to install psycopg if it is missing
             import psycopg
 

@@ -131,12 +131,10 @@ class CoordinatorPeer:
         self._task = asyncio.create_task(self._publish_loop(), name="p2p-publish")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self.node is not None:
-            await self.node.stop()
-            self.node = None
+        from shared.p2p import stop_peer
+
+        await stop_peer(self.node, self._task)
+        self.node = None
         if self.relay is not None:
             await self.relay.close()
             self.relay = None

@@ -218,8 +218,7 @@ class Store:
             rows = []
         finally:
             src.close()
-        with _Tx(db):
-            db.executemany("INSERT INTO nonces(nonce, expires) VALUES(?,?) ON CONFLICT DO NOTHING", rows)
+        _carry_nonces(db, rows)
         for suffix in ("", "-wal", "-shm"):
             Path(str(old) + suffix).unlink(missing_ok=True)
 
@@ -233,10 +232,7 @@ class Store:
         if not self.conn.has_table("nonces"):
             return
         rows = self.conn.execute("SELECT nonce, expires FROM nonces").fetchall()
-        db = self._nonce_db()
-        with _Tx(db):
-            db.executemany("INSERT INTO nonces(nonce, expires) VALUES(?,?) ON CONFLICT DO NOTHING",
-                           [(r["nonce"], r["expires"]) for r in rows])
+        _carry_nonces(self._nonce_db(), [(r["nonce"], r["expires"]) for r in rows])
         self.conn.execute("DROP TABLE nonces")
 
     def close(self) -> None:
@@ -903,6 +899,12 @@ class Store:
 
 class _Abort(Exception):
     """Raised inside a transaction to roll it back."""
+
+
+def _carry_nonces(db: Db, rows: list[tuple[Any, Any]]) -> None:
+    """(nonce, expires) pairs from an older layout into the nonce database, in one transaction."""
+    with _Tx(db):
+        db.executemany("INSERT INTO nonces(nonce, expires) VALUES(?,?) ON CONFLICT DO NOTHING", rows)
 
 
 class _Tx:

@@ -180,6 +180,16 @@ def _validator_class() -> type:
 BlobResolver = Callable[[str], Path | None]
 
 
+async def stop_peer(node: PeerNode | None, loop: asyncio.Task[None] | None) -> None:
+    """Stop a peer and the background loop that uses it (the coordinator's publisher, a volunteer's announcer):
+    the loop first, so it never calls a node that is shutting down."""
+    if loop is not None:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    if node is not None:
+        await node.stop()
+
+
 class PeerNode:
     """One libp2p peer: a p2pd daemon, a DHT node in this event loop, the blob stream server."""
 

@@ -116,12 +116,10 @@ class ClientPeer:
         return True
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self.node is not None:
-            await self.node.stop()
-            self.node = None
+        from shared.p2p import stop_peer
+
+        await stop_peer(self.node, self._task)
+        self.node = None
 
     def held(self) -> list[str]:
         return sorted(p.name for p in self.blobs.iterdir() if _BLOB.fullmatch(p.name))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -154,6 +155,23 @@ def db_rows(run_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple
         return conn.execute(sql, params).fetchall()
     finally:
         conn.close()
+
+
+def perturbed_copy(src: Path, dst: Path, scale: float) -> None:
+    """A second 'version': the same model with every weight nudged, saved as a Hugging Face folder."""
+    import torch
+
+    from shared.policy import load_model
+
+    shutil.copytree(src, dst)
+    model = load_model(src)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(str(dst), safe_serialization=True)
 
 
 def process_alive(pid: int) -> bool:

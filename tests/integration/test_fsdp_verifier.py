@@ -27,25 +27,11 @@ from typing import Any
 
 import pytest
 
+from tests.integration.helpers import perturbed_copy
+
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4
-
-
-def _perturbed(src: Path, dst: Path, scale: float) -> None:
-    import torch
-
-    from shared.policy import load_model
-
-    shutil.copytree(src, dst)
-    model = load_model(src)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    for f in dst.glob("*.safetensors"):
-        f.unlink()
-    model.save_pretrained(str(dst), safe_serialization=True)
 
 
 def _lora_versions(model_dir: Path, root: Path) -> tuple[dict[str, str], str]:
@@ -92,7 +78,7 @@ def test_two_ranks_recompute_what_one_replica_does(tmp_path: Path, tiny_model_di
 
     v0 = tmp_path / "v0"
     shutil.copytree(tiny_model_dir, v0)
-    _perturbed(tiny_model_dir, tmp_path / "v1", 0.05)
+    perturbed_copy(tiny_model_dir, tmp_path / "v1", 0.05)
     lora, lora_base = _lora_versions(tiny_model_dir, tmp_path / "lora")
     tokenizer = load_tokenizer(tiny_model_dir)
     rng = random.Random(5)

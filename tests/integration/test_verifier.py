@@ -12,26 +12,10 @@ from typing import Any
 import pytest
 
 from coordinator.verifier import Verifier, VersionGone
+from tests.integration.helpers import perturbed_copy
 
 PROMPTS = [[5, 17, 33, 4], [9, 2, 41]]
 COMPLETIONS = [[12, 40, 7, 1], [3, 3, 90]]
-
-
-def _perturbed_copy(src: Path, dst: Path, scale: float) -> None:
-    """A second 'version': the same model with every weight nudged, saved as a Hugging Face folder."""
-    import torch
-
-    from shared.policy import load_model
-
-    shutil.copytree(src, dst)
-    model = load_model(src)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    for f in dst.glob("*.safetensors"):
-        f.unlink()
-    model.save_pretrained(str(dst), safe_serialization=True)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +23,7 @@ def versions(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     root = tmp_path_factory.mktemp("versions")
     v0 = root / "v0"
     shutil.copytree(tiny_model_dir, v0)
-    _perturbed_copy(tiny_model_dir, root / "v1", 0.05)
+    perturbed_copy(tiny_model_dir, root / "v1", 0.05)
     return {0: v0, 1: root / "v1"}
 
 
