@@ -55,7 +55,10 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     coord, url = start_coordinator(cfg, tmp / "coord.log")
     honest = [start_client(url, tmp / f"honest{k}", tmp / f"honest{k}.log", "--backend", "torch") for k in range(2)]
     try:
-        wait_until(lambda: (s := get_status(url)) and s["version"] >= 2, 240, "honest clients to train")
+        # Both honest clients must have registered and had a result accepted before any attack: async push-pull
+        # can reach version 2 on one client's results while the other is still loading its model.
+        wait_until(lambda: (s := get_status(url)) and s["version"] >= 2 and len(db_rows(
+            run_dir, "SELECT client_id FROM clients WHERE accepted > 0")) == 2, 240, "both honest clients to train")
         yield Swarm(url, run_dir, tmp, honest)
     finally:
         for p in (*honest, coord):
