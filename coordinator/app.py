@@ -281,14 +281,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             assert files is not None and learner is not None
             worker = VerifierWorker(coord.config, files.store, coord.bell, files.snapshots, files.task)
             await worker.start()
-            background.append(asyncio.create_task(worker.run(), name="verifier-0"))
+            verifying = asyncio.create_task(worker.run(), name="verifier-0")
+            background.append(verifying)
             task = asyncio.create_task(learner.run(), name="learner-loop")
 
-            def _on_done(t: asyncio.Task[None]) -> None:
+            def _on_done(t: asyncio.Task[None]) -> None:  # either loop ending on an error ends the run, loudly
                 if not t.cancelled() and t.exception() is not None:
-                    logger.critical("learner loop stopped: %s", t.exception())
+                    logger.critical("%s stopped: %r", t.get_name(), t.exception(), exc_info=t.exception())
                     app[FATAL].set()
 
+            verifying.add_done_callback(_on_done)
             task.add_done_callback(_on_done)
             app[LEARNER_TASK] = task
             background.append(task)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +11,13 @@ from typing import Any
 
 from coordinator.tasks import Task, TaskItem
 
+YIELD_BATCH = 128  # prompts per greedy batch when the evaluator yields between batches (Evaluator.yield_to)
+
 
 def greedy_accuracy(model: Any, tokenizer: Any, task: Task, items: Sequence[TaskItem], max_tokens: int,
-                    batch_size: int = 256) -> float:
-    """Share of ``items`` whose greedy completion earns reward 1 under the task's own reward."""
+                    batch_size: int = 256, before_batch: Callable[[], object] | None = None) -> float:
+    """Share of ``items`` whose greedy completion earns reward 1 under the task's own reward. ``before_batch``
+    runs before each batch of ``batch_size`` prompts (the evaluator lets verification go first there)."""
     from shared.policy import generate, stop_token_ids
 
     episodes = getattr(task, "greedy_success", None)
@@ -30,6 +33,8 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Task, items: Sequence[Task
     stops = stop_token_ids(tokenizer)
     correct = 0.0
     for start in range(0, len(items), batch_size):
+        if before_batch is not None:
+            before_batch()
         chunk = items[start : start + batch_size]
         prompts = [tokenizer.encode(it.prompt) for it in chunk]
         outs = generate(model, prompts, group_size=1, temperature=1.0, max_tokens=max_tokens, stop_ids=stops,
@@ -67,7 +72,7 @@ class Evaluator:
     """
 
     def __init__(self, task: Task, items: Sequence[TaskItem], max_tokens: int, *, device: str = "cpu",
-                 load: Any = None, keep_model: bool = False) -> None:
+                 load: Any = None, keep_model: bool = False, yield_to: Callable[[], object] | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.task = task
@@ -76,6 +81,7 @@ class Evaluator:
         self.device = device
         self._load = load or self._load_folder
         self.keep_model = keep_model
+        self.yield_to = yield_to  # called before the load and each batch: lets more urgent work on the host go first
         self._model: Any = None
         self._tokenizer: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
@@ -104,10 +110,14 @@ class Evaluator:
 
     def _evaluate(self, version: int, folder: Path) -> EvalOutcome:
         t0 = time.monotonic()
+        if self.yield_to is not None:
+            self.yield_to()
         model, tokenizer = self._load(folder)
         load_s = time.monotonic() - t0
         try:
-            acc = greedy_accuracy(model, tokenizer, self.task, self.items, self.max_tokens)
+            acc = greedy_accuracy(model, tokenizer, self.task, self.items, self.max_tokens,
+                                  batch_size=YIELD_BATCH if self.yield_to is not None else 256,
+                                  before_batch=self.yield_to)
         finally:
             if self.keep_model:
                 self._model, self._tokenizer = model, tokenizer

@@ -120,6 +120,10 @@ class Learner:
             self.model = lora.load_base_model(model_dir, self.device, model_cfg.dtype)
         else:
             self.model = load_model(model_dir, self.device, model_cfg.dtype)
+        # each GRPO group's prompt runs once per micro-batch, its KV cache copied to the group's completions (a
+        # group repeats its prompt group_size times). Not where the cache is not a plain one: activation
+        # checkpointing turns it off, peft's wrapper hides its name, FSDP ranks must all run the same passes
+        self.share_prompts = not (cfg.activation_checkpointing or self.lora or ranks is not None)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
@@ -190,7 +194,7 @@ class Learner:
         for chunk, real in self._micro_batches(samples):
             prompts, comps = [c.prompt_ids for c in chunk], [c.completion_ids for c in chunk]
             logp, mask = completion_logprobs(self.model, prompts, comps, temperature=self.temperature,
-                                             pad_id=self.pad_id)
+                                             pad_id=self.pad_id, share_prompts=self.share_prompts)
             if not real:  # a rank with no samples left still joins FSDP's collectives, contributing nothing
                 mask = mask * 0
             if any(c.loss_mask is not None for c in chunk):  # observation tokens: context, never trained on

@@ -79,7 +79,9 @@ async def run_learner(config: CoordinatorConfig) -> int:
     files = RunFiles.open(config)
     stop = asyncio.Event()
     _install_stop(stop)
-    learner = LearnerRole(config, files.store, Bell(), files.snapshots, files.task, ranks=ranks)
+    bell = Bell()
+    bell.connect(Path(config.run_dir), "learner")
+    learner = LearnerRole(config, files.store, bell, files.snapshots, files.task, ranks=ranks)
     try:
         try:
             await learner.start()
@@ -93,6 +95,7 @@ async def run_learner(config: CoordinatorConfig) -> int:
         return 0 if work.exception() is None else 1
     finally:
         await learner.stop()
+        bell.close()
         files.close()
 
 
@@ -113,7 +116,9 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
     files = RunFiles.open(config)
     stop = asyncio.Event()
     _install_stop(stop)
-    worker = VerifierWorker(config, files.store, Bell(), files.snapshots, files.task, index=index, ranks=ranks)
+    bell = Bell()
+    bell.connect(Path(config.run_dir), f"verifier-{index}")
+    worker = VerifierWorker(config, files.store, bell, files.snapshots, files.task, index=index, ranks=ranks)
     try:
         start = asyncio.create_task(worker.start())
         await _until(stop, start)
@@ -123,6 +128,7 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
         return 0
     finally:
         worker.close()
+        bell.close()
         files.close()
         if ranks is not None:
             from coordinator import fsdp

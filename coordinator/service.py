@@ -148,8 +148,9 @@ class Coordinator:
 
     async def start(self) -> None:
         self._owns_files = self._files is None
-        if self._files is None:
+        if self._files is None:  # a process of its own: the other roles' rings reach it through the doorbell
             self._files = RunFiles.open(self.config)
+            self.bell.connect(self.run_dir, self.api_name)
         files = self._files
         self.store: Store = files.store
         self.key = files.key
@@ -268,6 +269,7 @@ class Coordinator:
         self._io.shutdown(wait=True)
         self._syncer.shutdown(wait=True)
         if self._owns_files and self._files is not None:
+            self.bell.close()
             self._files.close()
 
     # -- authentication -----------------------------------------------------------------------------------

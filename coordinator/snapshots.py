@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +88,9 @@ class SnapshotStore:
         self.run_id = run_id
         self._blobs: dict[str, Path] = {}
         self._signed: dict[int, bytes] = {}
+        # the index is read and changed from several threads where roles share one process (the publisher's thread
+        # indexes and prunes while the API and the verifier observe it from the event loop)
+        self._index_lock = threading.RLock()
 
     def folder(self, version: int) -> Path:
         return self.root / f"v{version:06d}"
@@ -123,7 +128,8 @@ class SnapshotStore:
         raw = piece_sidecar.read_bytes()
         entry = ManifestFile(path=name, size=path.stat().st_size, sha256=digest, form=file_form(name),  # type: ignore[arg-type]
                              piece_size=self.piece_size, pieces=[raw[i:i + 32] for i in range(0, len(raw), 32)])
-        self._blobs.setdefault(digest, path)
+        with self._index_lock:
+            self._blobs.setdefault(digest, path)
         return entry
 
     def publish(self, version: int, write_files: FileWriter | SnapshotFiles, now: float) -> str:
@@ -134,9 +140,12 @@ class SnapshotStore:
         tmp.mkdir()
         try:
             files.write(tmp)
-            _fsync_tree(tmp)
-            manifest = build_manifest(tmp, run_id=self.run_id, version=version, created_at=now,
-                                      piece_size=self.piece_size)
+            # the fsync (waiting on the disk) and the hashing (reading the same files from the page cache) overlap
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-fsync") as pool:
+                synced = pool.submit(_fsync_tree, tmp)
+                manifest = build_manifest(tmp, run_id=self.run_id, version=version, created_at=now,
+                                          piece_size=self.piece_size)
+                synced.result()
             if files.shared:
                 own = {f.path for f in manifest.files}
                 extra = [self.base_file(name, w) for name, w in sorted(files.shared.items())]
@@ -159,19 +168,21 @@ class SnapshotStore:
         return sha256_bytes(wire.decode(signed, SignedManifest).manifest)
 
     def _index(self, version: int, manifest: Manifest, signed: bytes) -> None:
-        for f in manifest.files:  # a file shared by several versions is served from the newest indexed one
-            self._blobs[f.sha256] = self._file_of(version, f.path)
-        self._signed[version] = signed
+        with self._index_lock:
+            for f in manifest.files:  # a file shared by several versions is served from the newest indexed one
+                self._blobs[f.sha256] = self._file_of(version, f.path)
+            self._signed[version] = signed
 
     def _reindex(self) -> None:
         """Rebuild the blob index from the versions still on disk, oldest first (so the newest copy wins)."""
-        for version in [v for v in self._signed if not (self.folder(v) / MANIFEST_FILE).exists()]:
-            del self._signed[version]
-        self._blobs.clear()
-        for version in sorted(self._signed):
-            manifest = wire.decode(wire.decode(self._signed[version], SignedManifest).manifest, Manifest)
-            for f in manifest.files:
-                self._blobs[f.sha256] = self._file_of(version, f.path)
+        with self._index_lock:
+            for version in [v for v in self._signed if not (self.folder(v) / MANIFEST_FILE).exists()]:
+                del self._signed[version]
+            self._blobs.clear()
+            for version in sorted(self._signed):
+                manifest = wire.decode(wire.decode(self._signed[version], SignedManifest).manifest, Manifest)
+                for f in manifest.files:
+                    self._blobs[f.sha256] = self._file_of(version, f.path)
 
     def _file_of(self, version: int, name: str) -> Path:
         """Where a version's manifest entry lives: its own folder, else the run-level base folder."""
@@ -217,12 +228,14 @@ class SnapshotStore:
         """In a process that reads snapshots another one publishes (the API, the verifiers): index the committed
         versions not seen yet, forget the ones whose folder the publisher pruned. Writes nothing."""
         committed = set(committed)
-        gone = [v for v in self._signed if v not in committed or not (self.folder(v) / MANIFEST_FILE).exists()]
-        for version in gone:
-            del self._signed[version]
-        if gone:
-            self._reindex()
-        for version in sorted(committed - self._signed.keys()):
+        with self._index_lock:
+            gone = [v for v in self._signed if v not in committed or not (self.folder(v) / MANIFEST_FILE).exists()]
+            for version in gone:
+                del self._signed[version]
+            if gone:
+                self._reindex()
+            new = sorted(committed - self._signed.keys())
+        for version in new:
             manifest_file = self.folder(version) / MANIFEST_FILE
             try:
                 signed = manifest_file.read_bytes()
@@ -234,8 +247,9 @@ class SnapshotStore:
     def prune(self, keep: Iterable[int]) -> None:
         """Delete published versions not in ``keep`` and rebuild the blob index from what remains."""
         keep = set(keep)
-        for version in list(self._signed):
-            if version not in keep:
-                shutil.rmtree(self.folder(version), ignore_errors=True)
-                del self._signed[version]
-        self._reindex()
+        with self._index_lock:
+            for version in list(self._signed):
+                if version not in keep:
+                    shutil.rmtree(self.folder(version), ignore_errors=True)
+                    del self._signed[version]
+            self._reindex()

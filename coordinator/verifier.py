@@ -31,12 +31,13 @@ collectives, kept in lockstep by :class:`_Lockstep`); rank 0's tokens are the an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,9 @@ class Verifier:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier")
         self._queue: list[_Request] = []
         self._lock = threading.Lock()
+        self._answering = 0  # requests queued or being answered (recomputes, replays, loads ahead)
+        self._quiet = threading.Event()  # set while that is 0: what the evaluator waits for (wait_quiet)
+        self._quiet.set()
         self._worker: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self.stats = VerifierStats()
@@ -143,18 +147,53 @@ class Verifier:
         (for the sampling test, coordinator.core.verify.check_sampling)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[TokenStats] = loop.create_future()
-        self._queue.append(_Request(version, prompts, completions, fut))
-        self._ensure_worker()
-        assert self._wake is not None
-        self._wake.set()
-        return await fut
+        with self._answering_one():
+            self._queue.append(_Request(version, prompts, completions, fut))
+            self._ensure_worker()
+            assert self._wake is not None
+            self._wake.set()
+            return await fut
 
     async def replay(self, prompts: list[list[int]], *, group_size: int, seed: int, max_tokens: int, version: int
                      ) -> list[list[int]]:
         """The coordinator's own seeded replay of a job at ``version`` (the spot-check arbiter)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._replay_sync, prompts, group_size, seed,
-                                          max_tokens, version)
+        with self._answering_one():
+            return await loop.run_in_executor(self._executor, self._replay_sync, prompts, group_size, seed,
+                                              max_tokens, version)
+
+    async def preload(self, version: int) -> bool:
+        """Load ``version`` before its first request arrives (a version just published), on the verifier's thread
+        and so in turn with recomputes; False if it is no longer kept. Loading is then off the critical path of the
+        version's first result."""
+        try:
+            with self._answering_one():
+                await self.run(self._model_at, version)
+        except VersionGone:
+            return False
+        except Exception:  # the first request for the version tries again and reports it to its asker
+            logger.exception("loading version %d ahead of its results failed", version)
+            return False
+        return True
+
+    def wait_quiet(self, timeout: float) -> bool:
+        """Block (a thread, not the loop) until no request is queued or being answered, at most ``timeout`` s;
+        True if quiet. Held-out evaluation waits for this between chunks: a result's verification is on a
+        client's and the learner's critical path, an evaluation on nobody's."""
+        return self._quiet.wait(timeout)
+
+    @contextlib.contextmanager
+    def _answering_one(self) -> Iterator[None]:
+        with self._lock:
+            self._answering += 1
+            self._quiet.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._answering -= 1
+                if self._answering == 0:
+                    self._quiet.set()
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the verifier's thread (for work that must not interleave with a recompute)."""
@@ -253,8 +292,9 @@ class Verifier:
                 spare = not chunk  # this rank's share is used up: a pass for the collectives only
                 if spare:
                     chunk, chunk_prompts = completions[:1] or [[self.pad_id]], prompts[:1] or [[self.pad_id]]
+                # each GRPO group's prompt once (not on ranks: every rank must run the same passes)
                 stats = completion_stats(model, chunk_prompts, chunk, temperature=self.temperature,
-                                         pad_id=self.pad_id)[:4]
+                                         pad_id=self.pad_id, share_prompts=self._ranks is None)[:4]
                 if not spare:
                     for dst, t in zip(cols, stats, strict=True):
                         dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))

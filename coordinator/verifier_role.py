@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 CLAIM_BATCH = 16
 #: Seconds between this worker's reports in the store (role status, claim renewals).
 REPORT_EVERY_S = 2.0
+#: Longest the evaluator waits, before each of its batches, for the verifier to have nothing to answer: under a
+#: steady stream of results an evaluation still advances a batch at least this often.
+EVAL_YIELD_MAX_S = 5.0
 
 
 def worker_name(index: int) -> str:
@@ -71,6 +74,8 @@ class VerifierWorker:
         self.name = worker_name(index)
         self.kinds: tuple[str, ...] = ("recompute", "replay") + (("evaluate",) if index == 0 else ())
         self._inflight: dict[int, asyncio.Task[None]] = {}
+        self._preloaded = -1  # the newest version this worker loaded ahead of its results
+        self._preload: asyncio.Task[bool] | None = None
         self.evaluations = 0
         self.eval_s = 0.0
 
@@ -96,8 +101,10 @@ class VerifierWorker:
             from coordinator.lora import VersionLoader
 
             lora_eval = VersionLoader(self.snapshots.base_dir).load_eval if lora else None
+            verifier = self.verifier
             self.evaluator = Evaluator(self.task, self.task.heldout[: self.config.learner.eval_size],
-                                       self.config.sampling.max_tokens, device=device, load=lora_eval)
+                                       self.config.sampling.max_tokens, device=device, load=lora_eval,
+                                       yield_to=lambda: verifier.wait_quiet(EVAL_YIELD_MAX_S))
         handed_back = self.store.work_unclaim(self.name)
         if handed_back:
             logger.info("%s: took back %d requests its previous run had claimed", self.name, handed_back)
@@ -114,21 +121,10 @@ class VerifierWorker:
         next_report = time.monotonic() + REPORT_EVERY_S
         try:
             while True:
-                free = CLAIM_BATCH - len(self._inflight)
-                if free > 0:
-                    now = time.time()
-                    for row in self.store.work_claim(self.name, self.kinds, free,
-                                                     now + self.config.verification.claim_s, now):
-                        task = asyncio.create_task(self._answer(row), name=f"{self.name}-{row['id']}")
-                        self._inflight[int(row["id"])] = task
-                        task.add_done_callback(self._forget)
-                if time.monotonic() >= next_report:
-                    next_report = time.monotonic() + REPORT_EVERY_S
-                    if self._inflight:
-                        self.store.work_renew(self.name, list(self._inflight),
-                                              time.time() + self.config.verification.claim_s)
-                    self.snapshots.observe(v["version"] for v in self.store.versions())
-                    self._report()
+                try:
+                    next_report = self._look(next_report)
+                except Exception:  # a busy database must not end the worker; the next look retries
+                    logger.exception("%s: looking for work failed", self.name)
                 if not fsdp_followers_alive(self.ranks):
                     from coordinator import fsdp
 
@@ -138,6 +134,44 @@ class VerifierWorker:
         finally:
             for task in list(self._inflight.values()):
                 task.cancel()
+            if self._preload is not None:
+                self._preload.cancel()
+
+    def _look(self, next_report: float) -> float:
+        """Claim what there is room for, renew claims and report when due, load a new version ahead; the time of
+        the next report."""
+        free = CLAIM_BATCH - len(self._inflight)
+        if free > 0:
+            now = time.time()
+            for row in self.store.work_claim(self.name, self.kinds, free, now + self.config.verification.claim_s,
+                                             now):
+                task = asyncio.create_task(self._answer(row), name=f"{self.name}-{row['id']}")
+                self._inflight[int(row["id"])] = task
+                task.add_done_callback(self._forget)
+        if time.monotonic() >= next_report:
+            next_report = time.monotonic() + REPORT_EVERY_S
+            if self._inflight:
+                self.store.work_renew(self.name, list(self._inflight), time.time() + self.config.verification.claim_s)
+            self.snapshots.observe(v["version"] for v in self.store.versions())
+            self._report()
+        self._preload_newest()
+        return next_report
+
+    def _preload_newest(self) -> None:
+        """Load a newly published version at once, so its first result does not wait for the load. Only where
+        that evicts nothing still needed: in sequential pull (results of an older version are not trained on
+        any more) or with room for more than one version (async push-pull keeps verifying the previous ones)."""
+        if self._preload is not None and not self._preload.done():
+            return
+        if self.config.sync_mode != "sequential-pull" and self.config.verification.cached_versions < 2:
+            return
+        current = self.store.current_version()
+        if current is None or current <= self._preloaded:
+            return
+        self._preloaded = current
+        if self.snapshots.signed_manifest(current) is None:
+            self.snapshots.observe(v["version"] for v in self.store.versions())
+        self._preload = asyncio.create_task(self.verifier.preload(current), name=f"{self.name}-preload")
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         for item, t in list(self._inflight.items()):

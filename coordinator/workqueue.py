@@ -6,8 +6,9 @@ API picks the answer up. The learner asks for held-out evaluations the same way.
 a socket, is what lets any role be killed and restarted on its own: a claim runs out and another worker (or the
 restarted one) takes the row; a restarted API drops the requests nobody waits for any more.
 
-Within one process a :class:`Bell` wakes the waiting side at once; between processes the side polls every
-``POLL_S``, a small fraction of a recompute's cost.
+A :class:`Bell` wakes the waiting side at once: within one process directly, between the processes of one host
+through coordinator.doorbell. Every waiter also looks at the store every ``POLL_S`` (roles on other hosts of a
+PostgreSQL store rely on that alone).
 """
 
 from __future__ import annotations
@@ -16,24 +17,52 @@ import asyncio
 import contextlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from coordinator.core.verify import TokenStats
 from coordinator.store import Store, WorkKind
 from coordinator.verifier import VersionGone
 from shared import wire
 
+if TYPE_CHECKING:
+    from coordinator.doorbell import Doorbell
+
 #: Seconds between looks at the store when another process may have changed it.
 POLL_S = 0.02
 
 
 class Bell:
-    """Wakes every waiter in this process when a role changed the store (new result, new version, an answer)."""
+    """Wakes every waiter in this process when a role changed the store (new result, new version, an answer); once
+    :meth:`connect`-ed, also every other role process of the run on this host (coordinator.doorbell)."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._doorbell: Doorbell | None = None
+
+    def connect(self, run_dir: Path, name: str) -> bool:
+        """Ring and be rung across processes (call on the running loop); False: this process polls only."""
+        from coordinator.doorbell import Doorbell, folder_for
+
+        folder = folder_for(run_dir)
+        if folder is None or self._doorbell is not None:
+            return self._doorbell is not None
+        doorbell = Doorbell(folder, name, self._wake)
+        if doorbell.open():
+            self._doorbell = doorbell
+        return self._doorbell is not None
+
+    def close(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
 
     def ring(self) -> None:
+        self._wake()
+        if self._doorbell is not None:
+            self._doorbell.send()
+
+    def _wake(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
 

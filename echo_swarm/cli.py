@@ -103,6 +103,10 @@ def join(
     retries: Annotated[Optional[int], typer.Option(min=1, max=100, help="Attempts per request when the coordinator "
                                                    "is unreachable, with exponential backoff from 0.5 s to 30 s, "
                                                    "before giving up. (default: 8)")] = None,
+    wait_for_coordinator: Annotated[Optional[float], typer.Option(min=0, max=86_400, help="Seconds to keep looking, "
+                                                                  "every half second, for a coordinator that is "
+                                                                  "not up yet (one being started) before the "
+                                                                  "retries begin. (default: 0)")] = None,
     coordinator_key: Annotated[Optional[str], typer.Option(help="The coordinator's public key (hex) as published "
                                                                 "by its operator. Without it, the key seen on "
                                                                 "first contact is pinned (trust on first use).")] = None,
@@ -134,7 +138,8 @@ def join(
                  max_memory_gb=max_memory_gb, min_free_disk_gb=min_free_disk_gb, cache_max_gb=cache_max_gb,
                  idle_only=idle_only, idle_min_percent=idle_min_percent, windows=window, benchmark=benchmark,
                  panel=panel, name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished,
-                 max_cpu_percent=max_cpu_percent, retries=retries, coordinator_key=coordinator_key,
+                 max_cpu_percent=max_cpu_percent, retries=retries, wait_for_coordinator_s=wait_for_coordinator,
+                 coordinator_key=coordinator_key,
                  invite=invite, p2p=p2p, p2p_serve=serve, p2p_max_upload_gb=max_upload_gb, p2p_jobs=p2p_jobs,
                  p2p_coordinator=p2p_coordinator)
     try:

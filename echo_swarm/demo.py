@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -117,7 +118,9 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
     task = DEMO_TASKS[cfg.task]
     path.write_text(
         f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
-        f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n\n'
+        f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n'
+        # GGUF only for llama.cpp clients: with torch clients alone (or none) nobody would download it
+        + ('gguf = "off"\n' if cfg.clients == 0 or cfg.backend == "torch" else "") + "\n"
         # a local demonstration: its clients are the project's own, and one seed should draw the same jobs run
         # after run (bench/sync_modes.py compares modes seed by seed)
         f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
@@ -196,26 +199,37 @@ def _demo_store(cfg: DemoConfig) -> Iterator[str | None]:
                                   f"server) or a postgresql://USER@HOST:PORT/DB URL")
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _run(cfg: DemoConfig, run_dir: Path, store_url: str | None, t0: float) -> int:
+    cfg = replace(cfg, port=cfg.port or _free_port())  # known before it listens: the clients start with it
     config_path = _write_config(cfg, run_dir, store_url)
     py = [sys.executable, "-m", "echo_swarm"]
     coord = _Proc("coordinator", py + ["coordinator", "--config", str(config_path)],
                   cfg.out / "logs" / "coordinator.log", watch="listening on ")
     procs: list[_Proc] = []
+    # a loaded machine can take minutes to start the roles and publish version 0
+    start_s = min(600.0, cfg.timeout_s)
     try:
-        # a loaded machine can take minutes to start the roles and publish version 0
-        if not coord.found.wait(min(600.0, cfg.timeout_s)) or coord.proc.poll() is not None:
-            console.print(f"[red]coordinator did not start; see {cfg.out / 'logs' / 'coordinator.log'}[/]")
-            return 1
-        url = coord.line.split("listening on ")[1].split()[0]
-        console.print(f"coordinator up at {url} (live status page: {url}/); starting {cfg.clients} clients")
+        # The clients start with the coordinator, as volunteers already running when a run begins: their seconds of
+        # torch and transformers imports overlap its start-up, and they look for it until it listens
+        url = f"http://127.0.0.1:{cfg.port}"
         for k in range(cfg.clients):
             home = (cfg.out / "clients" / f"client{k}").resolve()
             procs.append(_Proc(f"client{k}", py + ["join", url, "--home", str(home), "--threads",
                                                    str(cfg.client_threads), "--name", f"demo-{k}",
                                                    "--exit-when-finished", "--backend", cfg.client_backend(k),
+                                                   "--wait-for-coordinator", f"{start_s:g}",
                                                    *(["--p2p"] if cfg.p2p else [])],
                                cfg.out / "logs" / f"client{k}.log"))
+        if not coord.found.wait(start_s) or coord.proc.poll() is not None:
+            console.print(f"[red]coordinator did not start; see {cfg.out / 'logs' / 'coordinator.log'}[/]")
+            return 1
+        console.print(f"coordinator up at {url} (live status page: {url}/) with {cfg.clients} clients")
         status = _follow(url, cfg, coord, procs, t0)
         if status is None:
             return 1

@@ -71,8 +71,11 @@ def import_backends() -> None:
     """Import torch and the transformers classes this module uses, on the calling thread, before a process starts
     threads that load models: transformers' lazy module is not safe to import from two threads at once (one of
     them gets "cannot import name 'AutoModelForCausalLM'"), as a verifier role's verifier and evaluator threads
-    would otherwise do."""
+    would otherwise do. Also the machinery under every model class (transformers.modeling_utils: seconds of
+    imports), so a process that calls this early — a client starting, a verifier waiting for version 0 — does not
+    pay for it when its first model is needed."""
     import torch  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
 
@@ -238,6 +241,50 @@ def _completion_logits(
     return logits[:, start : start + width, :].float() / temperature, c_ids, c_mask
 
 
+def _shared_prompt_logits(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_completion_logits` for completions that share prompts (a GRPO group: ``group_size`` completions
+    of each prompt): each distinct prompt is run once, its KV cache copied to the rows that continue it, and the
+    completions are run on that cache — as a client generated them (prefill, then the completion tokens). Why:
+    a group of G repeats its prompt G times, so the plain pass spends most of its work on prompts whenever
+    they are long against the completions; the logits are the same up to float rounding (a unit test bounds it).
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    p_ids, p_mask = _left_pad(list(index), pad_id, str(device))
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
+                **_last_logits_only(model))
+    sel = torch.tensor(rows, dtype=torch.long, device=device)
+    first = out.logits[:, -1, :][sel]  # predicts each completion's first token
+    width = max(1, max(len(c) for c in completions))
+    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long, device=device)
+    c_mask = torch.zeros((len(completions), width), dtype=torch.long, device=device)
+    for i, c in enumerate(completions):
+        if c:
+            c_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long, device=device)
+            c_mask[i, : len(c)] = 1
+    logits = first[:, None, :]
+    if width > 1:  # the completion's tokens but its last predict the ones after them
+        cache = _cache_of(out)
+        cache.reorder_cache(sel)
+        mask = torch.cat([p_mask[sel], c_mask[:, :-1]], dim=1)
+        positions = p_pos[sel][:, -1:] + 1 + torch.arange(width - 1, device=device)[None, :]
+        rest = model(input_ids=c_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
+                     **{_cache_kwarg(model): cache}).logits
+        logits = torch.cat([logits, rest], dim=1)
+    return logits.float() / temperature, c_ids, c_mask
+
+
 def completion_logprobs(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -245,15 +292,20 @@ def completion_logprobs(
     *,
     temperature: float,
     pad_id: int,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs of each completion given its prompt, as (logprobs [B, T], mask [B, T]).
 
     Differentiable when called under grad mode (the learner's loss); wrap in no_grad to verify. Prompts are
-    left-padded so every completion starts at the same column.
+    left-padded so every completion starts at the same column. ``share_prompts``: each distinct prompt runs once
+    (:func:`_shared_prompt_logits`; gradients flow through its copied KV cache, so they are the plain pass's up to
+    float rounding) — for a model that keeps a KV cache in training (not under activation checkpointing).
     """
     import torch
 
-    logits, c_ids, c_mask = _completion_logits(model, prompts, completions, temperature=temperature, pad_id=pad_id)
+    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
+    logits, c_ids, c_mask = (_shared_prompt_logits if repeated else _completion_logits)(
+        model, prompts, completions, temperature=temperature, pad_id=pad_id)
     logp = torch.log_softmax(logits, -1).gather(2, c_ids[:, :, None]).squeeze(2)
     return logp, c_mask.to(logp.dtype)
 
@@ -270,6 +322,7 @@ def completion_stats(
     *,
     temperature: float,
     pad_id: int,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`completion_logprobs` plus, from the same forward pass, the entropy H, the variance of the
     surprisal V = E[(−log p)²] − H² and the largest logprob (of the likeliest token) of the tempered
@@ -281,10 +334,15 @@ def completion_stats(
     (the sampling test, coordinator.core.verify.check_sampling). The logprobs are bit-identical to
     completion_logprobs'. No gradient flows into the entropy terms. The full [T, vocab] distribution is
     expanded STATS_ELEMENTS entries at a time, so the extra memory is bounded whatever the batch.
+
+    ``share_prompts``: run each distinct prompt once (:func:`_shared_prompt_logits`; the verifier's recompute of
+    GRPO groups) — then equal to the plain pass up to float rounding, not bit for bit.
     """
     import torch
 
-    logits, c_ids, c_mask = _completion_logits(model, prompts, completions, temperature=temperature, pad_id=pad_id)
+    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
+    logits, c_ids, c_mask = (_shared_prompt_logits if repeated else _completion_logits)(
+        model, prompts, completions, temperature=temperature, pad_id=pad_id)
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(2, c_ids[:, :, None]).squeeze(2)
     entropy = torch.empty_like(logp, requires_grad=False)

@@ -25,6 +25,7 @@ from swarm_client.identity import Identity
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+UP_POLL_S = 0.5  # how often a client started with its coordinator looks for it (CoordinatorClient.up)
 
 
 class CoordinatorUnreachable(EchoSwarmError):
@@ -135,3 +136,19 @@ class CoordinatorClient:
 
     async def info(self) -> Info:
         return await self.get("/v1/info", Info)
+
+    async def up(self, seconds: float, every_s: float = UP_POLL_S) -> bool:
+        """Look for a coordinator that is starting: one quick GET of /healthz every ``every_s`` (no backoff) until
+        it answers 200 or ``seconds`` have passed. For a client started with (or before) its coordinator."""
+        give_up = time.monotonic() + seconds
+        timeout = aiohttp.ClientTimeout(total=max(every_s, 2.0))
+        while True:
+            try:
+                async with self._session.get(self.base_url + "/healthz", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return True
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                pass
+            if time.monotonic() + every_s > give_up:
+                return False
+            await asyncio.sleep(every_s)

@@ -105,6 +105,9 @@ class JoinConfig(BaseModel):
     exit_when_finished: bool = Field(False, description="Exit when the coordinator's run has finished.")
     max_cpu_percent: float = Field(100.0, gt=0, le=100, description="Duty cycle of generation, in percent.")
     retries: int = Field(8, ge=1, le=100, description="Attempts per request before giving up (backoff 0.5 s → 30 s).")
+    wait_for_coordinator_s: float = Field(0.0, ge=0, le=86_400, description="Seconds to keep looking (every half "
+                                          "second) for a coordinator that is not up yet before the first request; "
+                                          "0 = only the usual retries.")
     coordinator_key: str | None = Field(None, description="Expected coordinator public key (hex); else pinned on first use.")
     invite: str = Field("", max_length=128, description="Invite token for a private swarm (registration.mode = "
                         "'invite' on the coordinator); empty for open swarms.")
@@ -471,6 +474,9 @@ class Runner:
 
     async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend) -> int:
         self.backend = backend
+        wait = self.cfg.wait_for_coordinator_s
+        if wait > 0 and not await api.up(wait):
+            self._say(f"the coordinator at {self.cfg.url} did not come up within {wait:g}s; trying with retries")
         info = await api.info()
         if info.protocol != PROTOCOL_VERSION:
             raise ProtocolError(Reason.PROTOCOL_VERSION, f"coordinator speaks protocol {info.protocol}, "

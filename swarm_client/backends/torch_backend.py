@@ -29,7 +29,7 @@ from shared.adapters import (
     read_adapter,
 )
 from shared.messages import Job
-from shared.policy import Sampled, generate, load_model, load_tokenizer, pick_device
+from shared.policy import Sampled, generate, import_backends, load_model, load_tokenizer, pick_device
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ class TorchBackend:
     def __init__(self, device: str = "auto", threads: int | None = None) -> None:
         import torch
 
+        # seconds of torch and transformers imports: taken while the client starts (and, started with its
+        # coordinator, waits for it), not when the first job is waiting
+        import_backends()
         if threads:
             torch.set_num_threads(threads)
         self.device = pick_device(device)

@@ -123,3 +123,31 @@ def test_replay_is_the_seeded_generation_of_that_version(versions: dict[int, Pat
     want = generate(load_model(versions[1]).eval(), PROMPTS, group_size=2, temperature=1.0, max_tokens=6,
                     stop_ids=[1], seed=11, pad_id=0)
     assert got == [list(s.token_ids) for s in want]
+
+
+def test_the_verifier_is_quiet_only_when_nothing_waits_for_it(versions: dict[int, Path]) -> None:
+    """What the held-out evaluation waits for between its batches: a queued recompute, a running replay and a
+    load ahead of results each make the verifier busy until answered; then it is quiet again."""
+    import threading
+
+    async def main() -> None:
+        ver = _verifier(versions, cached_versions=2)
+        gate = threading.Event()
+        try:
+            assert ver.wait_quiet(0)
+            blocked = asyncio.ensure_future(ver.run(gate.wait))  # the verifier's thread is held up
+            asked = asyncio.ensure_future(ver.recompute(PROMPTS, COMPLETIONS, 0))
+            replayed = asyncio.ensure_future(ver.replay(PROMPTS, group_size=1, seed=3, max_tokens=2, version=0))
+            loaded = asyncio.ensure_future(ver.preload(1))
+            await asyncio.sleep(0)  # each has registered (and queued behind the held-up thread)
+            assert not ver.wait_quiet(0)
+            gate.set()
+            await asyncio.gather(blocked, asked, replayed)
+            assert await loaded is True
+            assert ver.wait_quiet(0)
+            assert ver.stats.per_version_loads == {0: 1, 1: 1}  # version 1 was loaded ahead, once
+        finally:
+            gate.set()
+            ver.close()
+
+    asyncio.run(main())

@@ -257,15 +257,21 @@ def test_evaluator_scores_the_published_snapshot_off_the_learner(tmp_path: Path,
     folder = tmp_path / "v0"
     folder.mkdir()
     learner.snapshot_files("float32").write(folder)
-    items = task.heldout[:64]
+    items = task.heldout[:130]
     evaluator = Evaluator(task, items, 8)
+    yields: list[int] = []
+    yielding = Evaluator(task, items, 8, yield_to=lambda: yields.append(1))  # before the load and each batch
     try:
         out = evaluator.submit(0, folder).result(timeout=120)
+        polite = yielding.submit(0, folder).result(timeout=120)
     finally:
         evaluator.close()
-    assert out.version == 0 and out.n == 64 and out.seconds > 0
+        yielding.close()
+    assert out.version == 0 and out.n == 130 and out.seconds > 0
     assert out.accuracy == learner.evaluate(task, items, 8)
     assert evaluator.eval_s_total == out.seconds
+    assert len(yields) == 1 + 2  # the load, then batches of 128 and 2 prompts
+    assert abs(polite.accuracy - out.accuracy) <= 2 / 130  # other batch shapes: at most a float-rounding tie apart
 
 
 def test_config_refuses_no_checkpoint_trigger_and_knows_the_dtypes() -> None:
@@ -322,3 +328,35 @@ def test_sharded_checkpoint_is_completed_by_the_publisher_and_refused_on_another
     learner = _learner(tiny_model_dir)
     with pytest.raises(ValueError, match=r"written by a learner on 2 FSDP ranks.*learner\.world_size = 2"):
         learner.load_sharded_checkpoint(store.folder(3), 3, 2, True)
+
+
+def test_one_process_can_observe_the_index_while_its_publisher_thread_publishes_and_prunes(tmp_path: Path) -> None:
+    """The one-process layout: the publisher's thread indexes and prunes versions while the event loop observes
+    the same SnapshotStore (the verifier worker does every two seconds). Observing must never see the index change
+    under it (a "dictionary changed size during iteration" once ended the worker's loop, and evaluations stopped)."""
+    store = SnapshotStore(tmp_path / "snapshots", crypto.generate_key(), "run1")
+    published: list[int] = []
+    failures: list[BaseException] = []
+
+    def write(folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"w" * 64)
+
+    def publisher() -> None:
+        try:
+            for version in range(150):
+                store.publish(version, write, 0.0)
+                published.append(version)
+                store.prune({version - 1, version})
+        except BaseException as exc:  # noqa: BLE001 — reported by the test
+            failures.append(exc)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    try:
+        while thread.is_alive():
+            store.observe(list(published))
+            store.blob_path("0" * 64)
+    finally:
+        thread.join()
+    assert failures == []
+    assert store.signed_manifest(149) is not None and store.signed_manifest(100) is None

@@ -156,3 +156,55 @@ def test_completion_stats_matches_logprobs_and_the_distribution(tiny_model_dir: 
                 assert torch.allclose(top[i, : len(c)].double(), logq.max(-1).values, atol=1e-4)
                 assert torch.allclose(lp[i, : len(c)].double(), logq.gather(1, torch.tensor(c)[:, None])[:, 0],
                                       atol=1e-4)
+
+
+def test_shared_prompts_give_the_plain_pass_numbers(tiny_model_dir: Path) -> None:
+    """GRPO groups (each prompt repeated, prompts of different lengths, completions of different lengths, one
+    empty): running each prompt once and the completions on its cache gives the plain pass's logprobs, entropy,
+    variance and top logprob up to float rounding, in the same rows."""
+    import torch
+
+    from shared.policy import completion_stats, load_model
+
+    model = load_model(tiny_model_dir).eval()
+    groups = {(5, 6, 7, 8): [[20, 21, 22], [23], [24, 25, 26, 27, 28], []], (9, 10): [[30, 31], [32, 33, 34], [35],
+                                                                                    [36, 37, 38, 39]]}
+    prompts = [list(p) for p, cs in groups.items() for _ in cs]
+    completions = [c for cs in groups.values() for c in cs]
+    prompts.insert(3, [40, 41, 42])  # a prompt of its own between two groups' rows
+    completions.insert(3, [43, 44])
+    with torch.no_grad():
+        plain = completion_stats(model, prompts, completions, temperature=0.7, pad_id=0)
+        shared = completion_stats(model, prompts, completions, temperature=0.7, pad_id=0, share_prompts=True)
+    assert torch.equal(plain[4], shared[4])  # the same mask
+    for a, b in zip(plain[:4], shared[:4], strict=True):
+        assert torch.allclose(a * plain[4], b * shared[4], atol=1e-5), (a - b).abs().max()
+
+
+def test_shared_prompts_give_the_plain_pass_gradients(tiny_model_dir: Path) -> None:
+    """The learner's use: a loss over the completions' logprobs has the same value and the same gradient in every
+    parameter whether each group's prompt runs once (its KV cache copied, gradients flowing back through it) or
+    once per completion."""
+    import torch
+
+    from shared.policy import completion_logprobs, load_model
+
+    model = load_model(tiny_model_dir)
+    model.train()
+    prompts = [[5, 6, 7, 8]] * 3 + [[9, 10]] * 3
+    completions = [[20, 21, 22], [23], [24, 25, 26, 27], [30, 31], [32, 33, 34], [35]]
+    weights = torch.tensor([0.5, -1.0, 2.0, 1.5, -0.5, 1.0])[:, None]
+
+    def loss_and_grads(share: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logp, mask = completion_logprobs(model, prompts, completions, temperature=0.9, pad_id=0, share_prompts=share)
+        loss = (logp * mask * weights).sum() / mask.sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain = loss_and_grads(False)
+    shared_loss, shared = loss_and_grads(True)
+    assert torch.allclose(plain_loss, shared_loss, atol=1e-6)
+    assert plain.keys() == shared.keys() and len(plain) > 10
+    for name, g in plain.items():
+        assert torch.allclose(g, shared[name], atol=1e-6, rtol=1e-4), name
