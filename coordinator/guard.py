@@ -187,6 +187,10 @@ class Guard:
         held) keeps the original out of training until a conclusive judgement, or until it is dropped."""
         return self.store.add_replica(job_id, version, original_client, original_class, now, hold_until, judge)
 
+    def drop_replica(self, replica_id: str) -> None:
+        """Remove a replica written for a result that was then not accepted (spotcheck.drop_hold)."""
+        self.store.drop_replica(replica_id)
+
     @staticmethod
     def _replica(row: Row) -> ReplicaRow:
         view = LeaseView(row["replica_id"], JobState(row["state"]), int(row["version"]), float(row["created_at"]),

@@ -460,9 +460,7 @@ class Coordinator:
                 return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
                                       credit=float(earlier["n_tokens"]),
                                       total_credit=float(client["credit"]) if client is not None else 0.0)
-            resp = await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
-            self._after_accept(req.client_id, sub, bclass)
-            return resp
+            return await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
         except ProtocolError as exc:
             if exc.reason is Reason.UNAVAILABLE:
                 raise  # the coordinator's own shortfall: nothing is recorded against the client
@@ -494,9 +492,6 @@ class Coordinator:
     async def _submit_replica(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str,
                               bclass: str) -> SubmitResponse:
         return await spotcheck.submit_replica(self, client_id, sub, size, content_sha, bclass)
-
-    def _after_accept(self, client_id: str, sub: ResultSubmission, bclass: str) -> None:
-        spotcheck.after_accept(self, client_id, sub, bclass)
 
     def audit(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
               reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
@@ -580,10 +575,15 @@ class Coordinator:
             "reward_means": reward_means,
         })
         credit = float(n_tokens)
+        # a spot-check's hold is written before the result it holds (spotcheck.hold_before_accept): nothing awaits in
+        # between, and the learner never sees the result unheld
+        hold = None if own else spotcheck.hold_before_accept(self, client_id, sub, self.backend_class(client_id))
         if not self.store.accept_result(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
                                         version=sub.version, content_sha256=content_sha, payload=payload,
                                         rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock()):
+            spotcheck.drop_hold(self, hold)
             raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
+        spotcheck.after_accept(self, hold)
         self.issuer.observe(client_id, fresh.view, self.clock())
         self.bell.ring()  # the learner may have a batch now
         client = self.store.get_client(client_id)

@@ -61,26 +61,54 @@ def arbiter_class(coord: Coordinator) -> str:
     return backend_class("torch", str(coord.verifier.device))
 
 
-def after_accept(coord: Coordinator, client_id: str, sub: ResultSubmission, bclass: str) -> None:
-    """Maybe queue a spot-check of an accepted result, held until a conclusive judgement (see the module doc)."""
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """A spot-check decided for a result about to be accepted: its replica, already written and holding the result."""
+
+    replica_id: str
+    judge: str  # "arbiter" (the coordinator's own replay) or "peer"
+
+
+def hold_before_accept(coord: Coordinator, client_id: str, sub: ResultSubmission, bclass: str) -> Hold | None:
+    """Decide whether an about-to-be-accepted result is spot-checked and, if so, write its held replica now —
+    before the result is committed. Why before: a learner in another process is woken by the result's commit and
+    may read the pending results at once; a hold written after that commit could come too late, and a result
+    meant to wait for its judgement would be trained on first. Call :func:`after_accept` once the result is
+    committed, or :func:`drop_hold` if it was not."""
     if not coord.config.trust.spot_checks:
-        return
+        return None
     if sub.completions[0].turns is not None:  # episodes: verified by replay (coordinator.episodes), not by replica
-        return
+        return None
     state = coord.guard.trust(client_id)
     if not should_replicate(state, coord.guard.policy, sub.job_id, _secret(coord)):
-        return
+        return None
     now = coord.clock()
     hold_until = now + coord.config.trust.hold_for(coord.config.jobs.lease_timeout_s)
     if bclass == arbiter_class(coord):
-        replica_id = coord.guard.add_replica(sub.job_id, sub.version, client_id, bclass, now, hold_until, "arbiter")
-        _start_arbiter(coord, replica_id)
-    elif coord.guard.peer_available(client_id, bclass, now, coord.config.trust.active_window_s):
-        coord.guard.add_replica(sub.job_id, sub.version, client_id, bclass, now, hold_until, "peer")
-        coord.notify_jobs()  # a replica is waiting: a long-polling independent peer may take it now
+        return Hold(coord.guard.add_replica(sub.job_id, sub.version, client_id, bclass, now, hold_until, "arbiter"),
+                    "arbiter")
+    if coord.guard.peer_available(client_id, bclass, now, coord.config.trust.active_window_s):
+        return Hold(coord.guard.add_replica(sub.job_id, sub.version, client_id, bclass, now, hold_until, "peer"),
+                    "peer")
+    logger.debug("no conclusive spot-check possible for %s (%s): none of its class is independent and active",
+                 sub.job_id, bclass)
+    return None
+
+
+def after_accept(coord: Coordinator, hold: Hold | None) -> None:
+    """The result is committed: start its judgement."""
+    if hold is None:
+        return
+    if hold.judge == "arbiter":
+        _start_arbiter(coord, hold.replica_id)
     else:
-        logger.debug("no conclusive spot-check possible for %s (%s): none of its class is independent and active",
-                     sub.job_id, bclass)
+        coord.notify_jobs()  # a replica is waiting: a long-polling independent peer may take it now
+
+
+def drop_hold(coord: Coordinator, hold: Hold | None) -> None:
+    """The result was not accepted after all: its replica goes, unjudged."""
+    if hold is not None:
+        coord.guard.drop_replica(hold.replica_id)
 
 
 def _start_arbiter(coord: Coordinator, replica_id: str) -> None:

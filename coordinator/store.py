@@ -727,6 +727,10 @@ class Store:
                  judge, hold_until, seq))
         return replica_id
 
+    def drop_replica(self, replica_id: str) -> None:
+        with self._tx():
+            self.conn.execute("DELETE FROM replicas WHERE replica_id=?", (replica_id,))
+
     def replica_row(self, replica_id: str) -> Row | None:
         return self.conn.execute("SELECT * FROM replicas WHERE replica_id=?", (replica_id,)).fetchone()
 
