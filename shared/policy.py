@@ -209,6 +209,20 @@ def generate(
     ]
 
 
+def _right_pad(completions: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completions as [B, T] ids and mask, padded on the right (T ≥ 1, so an all-empty batch still has a column)."""
+    import torch
+
+    width = max(1, max(len(c) for c in completions))
+    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long, device=device)
+    c_mask = torch.zeros((len(completions), width), dtype=torch.long, device=device)
+    for i, c in enumerate(completions):
+        if c:
+            c_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long, device=device)
+            c_mask[i, : len(c)] = 1
+    return c_ids, c_mask
+
+
 def _completion_logits(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -226,13 +240,8 @@ def _completion_logits(
 
     device = next(model.parameters()).device
     p_ids, p_mask = _left_pad(prompts, pad_id, str(device))
-    width = max(1, max(len(c) for c in completions))
-    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long, device=device)
-    c_mask = torch.zeros((len(completions), width), dtype=torch.long, device=device)
-    for i, c in enumerate(completions):
-        if c:
-            c_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long, device=device)
-            c_mask[i, : len(c)] = 1
+    c_ids, c_mask = _right_pad(completions, pad_id, device)
+    width = c_ids.shape[1]
     ids = torch.cat([p_ids, c_ids], dim=1)
     mask = torch.cat([p_mask, c_mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -266,13 +275,8 @@ def _shared_prompt_logits(
                 **_last_logits_only(model))
     sel = torch.tensor(rows, dtype=torch.long, device=device)
     first = out.logits[:, -1, :][sel]  # predicts each completion's first token
-    width = max(1, max(len(c) for c in completions))
-    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long, device=device)
-    c_mask = torch.zeros((len(completions), width), dtype=torch.long, device=device)
-    for i, c in enumerate(completions):
-        if c:
-            c_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long, device=device)
-            c_mask[i, : len(c)] = 1
+    c_ids, c_mask = _right_pad(completions, pad_id, device)
+    width = c_ids.shape[1]
     logits = first[:, None, :]
     if width > 1:  # the completion's tokens but its last predict the ones after them
         cache = _cache_of(out)
@@ -283,6 +287,14 @@ def _shared_prompt_logits(
                      **{_cache_kwarg(model): cache}).logits
         logits = torch.cat([logits, rest], dim=1)
     return logits.float() / temperature, c_ids, c_mask
+
+
+def _logits(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], temperature: float,
+            pad_id: int, share_prompts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain pass, or each prompt once where ``share_prompts`` and some prompt repeats."""
+    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
+    return (_shared_prompt_logits if repeated else _completion_logits)(
+        model, prompts, completions, temperature=temperature, pad_id=pad_id)
 
 
 def completion_logprobs(
@@ -303,9 +315,7 @@ def completion_logprobs(
     """
     import torch
 
-    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
-    logits, c_ids, c_mask = (_shared_prompt_logits if repeated else _completion_logits)(
-        model, prompts, completions, temperature=temperature, pad_id=pad_id)
+    logits, c_ids, c_mask = _logits(model, prompts, completions, temperature, pad_id, share_prompts)
     logp = torch.log_softmax(logits, -1).gather(2, c_ids[:, :, None]).squeeze(2)
     return logp, c_mask.to(logp.dtype)
 
@@ -340,9 +350,7 @@ def completion_stats(
     """
     import torch
 
-    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
-    logits, c_ids, c_mask = (_shared_prompt_logits if repeated else _completion_logits)(
-        model, prompts, completions, temperature=temperature, pad_id=pad_id)
+    logits, c_ids, c_mask = _logits(model, prompts, completions, temperature, pad_id, share_prompts)
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(2, c_ids[:, :, None]).squeeze(2)
     entropy = torch.empty_like(logp, requires_grad=False)
