@@ -123,9 +123,7 @@ class Doorbell:
         while True:
             try:
                 self._sock.recv(64)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+            except OSError:  # BlockingIOError: every ring read
                 break
             rung = True
             self.received += 1
