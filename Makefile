@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential; \
 	  else echo "error: no C/C++ compiler; install build-essential (Debian/Ubuntu) or Xcode tools" >&2; exit 1; fi; }
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e ".[dev,llama,math,data,postgres,reasoning-gym,p2p]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e ".[dev,coordinator,torch,llama,math,data,postgres,reasoning-gym,p2p]"
 	touch $@
 
 setup: $(VENV)/.installed

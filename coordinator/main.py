@@ -66,6 +66,14 @@ async def start_site(app: web.Application, config: CoordinatorConfig) -> tuple[w
 def run(config: CoordinatorConfig, role: str = "all", index: int = 0, parent: int | None = None) -> int:
     from shared import safe_text  # every record one line, client text escaped (issue 13)
 
+    if parent is None:  # started by the operator (a supervisor's own children were checked before it started them)
+        from coordinator.preflight import PreflightError, check
+
+        try:
+            check(config, role)
+        except PreflightError as exc:  # one line, before any role starts or anything is written
+            print(f"error: {exc.message}", file=sys.stderr, flush=True)
+            return int(exc.code)
     label = "" if role == "all" else f"{role}{index if role == 'verifier' else ''} "
     safe_text.configure_logging(logging.INFO, f"%(asctime)s %(levelname)s {label}%(name)s: %(message)s", sys.stderr)
     from coordinator.roles import CONFIG_ERROR, fsdp_env

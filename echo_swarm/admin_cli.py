@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from echo_swarm.admin_client import AdminClient
 
 console = Console()
+errors = Console(stderr=True)  # errors on stderr, so a script reading --json output never parses one
 
 admin_app = typer.Typer(
     name="admin",
@@ -65,7 +66,7 @@ class _Target:
 
 
 def _fail(message: str) -> NoReturn:
-    console.print(Text.assemble(("error:", "red"), " ", _text(message)), highlight=False)
+    errors.print(Text.assemble(("error:", "red"), " ", _text(message)), highlight=False)
     raise typer.Exit(1)
 
 

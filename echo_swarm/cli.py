@@ -13,28 +13,62 @@ import typer
 
 from echo_swarm.admin_cli import admin_app
 from echo_swarm.demo_tasks import DEMO_TASKS
+from shared.exit_codes import ExitCode, codes_text
+from swarm_client.settings import JoinConfig
 
 app = typer.Typer(
     name="echo-swarm",
     help="RL post-training of language models on volunteer hardware.\n\n"
     "A coordinator hosts the GRPO learner and hands out signed rollout jobs; volunteers run `echo-swarm join` "
-    "to generate rollouts on their own CPU or GPU. Start with `echo-swarm demo` to see both on one machine.",
+    "to generate rollouts on their own CPU or GPU. Start with `echo-swarm demo` to see both on one machine.\n\n"
+    "Exit codes: " + codes_text() + ".",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 app.add_typer(admin_app, name="admin")
 
 
-JOIN_HELP = """Contribute this machine's compute to a coordinator's training run.
+def _show_version(value: bool) -> None:
+    if value:
+        from swarm_client.panel import software_version
 
-Creates an identity on first use, detects this machine's hardware, runs a few-second self-benchmark,
-registers, then loops: lease a signed job, fetch and verify the policy version it names, generate, submit.
-Ctrl-C releases the current job and exits. `echo-swarm client pause|resume|status` controls a running client.
+        typer.echo(f"echo-swarm {software_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_show_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """RL post-training of language models on volunteer hardware."""
+
+
+def _h(name: str) -> str:
+    """A `join` flag's --help: the description of its JoinConfig field, the one source of the config file's keys,
+    the flags and the options table in docs/client.md."""
+    field = JoinConfig.model_fields[name]
+    text = (field.description or "").replace("None = ", "unset: ").replace("None: ", "unset: ")
+    default = field.default
+    if default is not None and not isinstance(default, bool) and default != [] and "default" not in text.lower():
+        text += f" [default: {default}]"
+    return text
+
+
+JOIN_HELP = f"""Contribute this machine's compute to a coordinator's training run.
+
+Checks the coordinator first (a wrong URL fails at once, with a message that says what answered), creates an
+identity on first use, detects this machine's hardware, runs a few-second self-benchmark, registers, then loops:
+lease a signed job, fetch and verify the policy version it names, generate, submit. Once joined it waits out a
+coordinator restart or a network outage (one line when lost, one when back), and when the run finishes it waits
+for the operator's next run at the same URL. Ctrl-C releases the current job and exits. `echo-swarm client
+pause|resume|snooze|finish|status|open` control a running client; `echo-swarm client install-service` runs it at
+login.
 
 Settings come from, highest precedence first: the flags given here, then the config file (TOML; default
 client.toml in your user config dir, or $ECHO_SWARM_CONFIG, or --config), then the built-in defaults. Config
-keys are the option names with underscores, e.g.:
+keys are the option names with underscores (a flag's own name or its setting's, e.g. wait_for_coordinator or
+wait_for_coordinator_s), e.g.:
 
     url = "http://coordinator.example:8470"\n
     threads = 4\n
@@ -42,115 +76,84 @@ keys are the option names with underscores, e.g.:
     window = ["22:00-07:00"]\n
     idle_only = true
 
-Exit codes: 0 done, 2 coordinator unreachable, 3 refused by the coordinator (e.g. banned), 4 this machine
-lacks the memory or disk for the run's model.
+Exit codes: {codes_text((ExitCode.OK, ExitCode.USAGE, ExitCode.REFUSED, ExitCode.RESOURCES, ExitCode.UNREACHABLE,
+                        ExitCode.NOT_A_COORDINATOR))}.
 """
 
 
+# The flags of `join`, declared here and nowhere else; their help comes from JoinConfig (swarm_client/settings.py)
 @app.command(help=JOIN_HELP)
 def join(
-    url: Annotated[Optional[str], typer.Argument(help="Coordinator URL, e.g. http://127.0.0.1:8470 (or `url` in "
-                                                     "the config file).", show_default=False)] = None,
+    url: Annotated[Optional[str], typer.Argument(help=_h("url"), show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="Client config file (TOML). Default: "
                                                    "client.toml in your user config dir, or $ECHO_SWARM_CONFIG.")] = None,
-    home: Annotated[Optional[Path], typer.Option(help="Folder for this client's identity key, pinned coordinator "
-                                                      "keys, snapshot cache and pause/status files. Default: your "
-                                                      "user config dir (or $ECHO_SWARM_HOME).")] = None,
-    backend: Annotated[Optional[str], typer.Option(help="Generation backend: 'llama' (llama.cpp, fastest per "
-                                                        "sequence; needs llama-cpp-python, built for Metal/CUDA/CPU "
-                                                        "as the README explains), 'torch', or 'auto' (llama where "
-                                                        "installed, else torch). (default: auto)")] = None,
-    device: Annotated[Optional[str], typer.Option(help="'auto' picks CUDA, then Apple MPS, then CPU. "
-                                                       "(default: auto)")] = None,
-    threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for generation (default: the "
-                                                               "backend's choice).")] = None,
-    gpu_layers: Annotated[Optional[int], typer.Option(min=0, help="Model layers to put on the GPU; 0 turns the GPU "
-                                                                  "off (CPU only). The torch backend puts all or "
-                                                                  "nothing on the GPU. [default: all, if a GPU is "
-                                                                  "found]")] = None,
-    max_memory_gb: Annotated[Optional[float], typer.Option(help="Memory ceiling in GiB. Before downloading a "
-                                                               "model the client estimates its memory need "
-                                                               "(file sizes × 1.2 + 0.5 GiB) and refuses one that "
-                                                               "does not fit. (default: 80% of RAM)")] = None,
-    min_free_disk_gb: Annotated[Optional[float], typer.Option(help="Refuse a download that would leave less free "
-                                                                  "disk than this, in GiB. (default: 1)")] = None,
-    cache_max_gb: Annotated[Optional[float], typer.Option(help="Cap on the snapshot cache, in GiB; the least "
-                                                              "recently used versions are pruned. [default: no cap "
-                                                              "beyond keeping the newest two versions]")] = None,
-    idle_only: Annotated[Optional[bool], typer.Option("--idle-only/--always", help="Start a job only while the "
-                                                      "machine is otherwise idle: at least --idle-min-percent of "
-                                                      "CPU time idle over a 1 s sample between jobs (Linux "
-                                                      "/proc/stat; elsewhere the load average). [default: "
-                                                      "always]", show_default=False)] = None,
-    idle_min_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help="CPU idle share that counts as "
-                                                                                  "idle. (default: 80)")] = None,
-    window: Annotated[Optional[list[str]], typer.Option(help="Daily local-time window HH:MM-HH:MM in which new "
-                                                             "jobs may start, e.g. 22:00-07:00 (repeat for "
-                                                             "several). (default: any time)")] = None,
-    benchmark: Annotated[Optional[bool], typer.Option("--benchmark/--no-benchmark", help="Run a few-second "
-                                                      "self-benchmark at startup and report its tokens/s at "
-                                                      "registration. (default: on)", show_default=False)] = None,
-    panel: Annotated[Optional[bool], typer.Option("--panel/--no-panel", help="Live terminal panel, or plain log "
-                                                  "lines. (default: panel when stdout is a terminal)",
-                                                  show_default=False)] = None,
-    name: Annotated[Optional[str], typer.Option(help="Display name shown on the coordinator's leaderboard.")] = None,
-    max_jobs: Annotated[Optional[int], typer.Option(help="Exit after this many accepted results.")] = None,
-    exit_when_finished: Annotated[Optional[bool], typer.Option("--exit-when-finished", help="Exit once the "
-                                                               "coordinator's run has finished.")] = None,
-    max_cpu_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help="Use at most this share of time "
-                                                             "for generation (1-100): the client idles between "
-                                                             "decoding steps. (default: 100)")] = None,
-    retries: Annotated[Optional[int], typer.Option(min=1, max=100, help="Attempts per request when the coordinator "
-                                                   "is unreachable, with exponential backoff from 0.5 s to 30 s, "
-                                                   "before giving up. (default: 8)")] = None,
-    wait_for_coordinator: Annotated[Optional[float], typer.Option(min=0, max=86_400, help="Seconds to keep looking, "
-                                                                  "every half second, for a coordinator that is "
-                                                                  "not up yet (one being started) before the "
-                                                                  "retries begin. (default: 0)")] = None,
-    coordinator_key: Annotated[Optional[str], typer.Option(help="The coordinator's public key (hex) as published "
-                                                                "by its operator. Without it, the key seen on "
-                                                                "first contact is pinned (trust on first use).")] = None,
-    invite: Annotated[Optional[str], typer.Option(help="Invite token from the operator of a private swarm (one "
-                                                       "whose coordinator runs registration.mode = 'invite'). "
-                                                       "Not needed for open swarms.", show_default=False)] = None,
-    p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", help="Fetch snapshot files from other volunteers "
-                                                "over libp2p when the coordinator offers it (every piece is checked "
-                                                "against the signed manifest; HTTP is the fallback). Needs the p2p "
-                                                "extra. [default: off]", show_default=False)] = None,
-    serve: Annotated[Optional[bool], typer.Option("--serve/--no-serve", help="With --p2p: serve verified snapshot "
-                                                  "files to other volunteers. [default: serve]",
-                                                  show_default=False)] = None,
-    max_upload_gb: Annotated[Optional[float], typer.Option(help="With --p2p: stop serving peers after this many GB "
-                                                           "uploaded in this session. [default: no cap]")] = None,
-    p2p_jobs: Annotated[Optional[bool], typer.Option("--p2p-jobs/--no-p2p-jobs", help="With --p2p: send register, "
-                                                     "lease, release and results to the coordinator's libp2p peer "
-                                                     "(HTTP is the fallback). [default: off]",
+    home: Annotated[Optional[Path], typer.Option(help=_h("home"))] = None,
+    backend: Annotated[Optional[str], typer.Option(help=_h("backend"))] = None,
+    device: Annotated[Optional[str], typer.Option(help=_h("device"))] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help=_h("threads"))] = None,
+    gpu_layers: Annotated[Optional[int], typer.Option(min=0, help=_h("gpu_layers"))] = None,
+    max_memory_gb: Annotated[Optional[float], typer.Option(help=_h("max_memory_gb"))] = None,
+    min_free_disk_gb: Annotated[Optional[float], typer.Option(help=_h("min_free_disk_gb"))] = None,
+    cache_max_gb: Annotated[Optional[float], typer.Option(help=_h("cache_max_gb"))] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(help=_h("cache_dir"))] = None,
+    idle_only: Annotated[Optional[bool], typer.Option("--idle-only/--always", help=_h("idle_only"),
+                                                      show_default=False)] = None,
+    idle_min_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help=_h("idle_min_percent"))] = None,
+    idle_input_minutes: Annotated[Optional[float], typer.Option(help=_h("idle_input_minutes"))] = None,
+    window: Annotated[Optional[list[str]], typer.Option(help=_h("windows"))] = None,
+    pause_on_battery: Annotated[Optional[bool], typer.Option("--pause-on-battery/--run-on-battery",
+                                                             help=_h("pause_on_battery"), show_default=False)] = None,
+    max_mbps: Annotated[Optional[float], typer.Option(help=_h("max_mbps"))] = None,
+    max_gb_per_month: Annotated[Optional[float], typer.Option(help=_h("max_gb_per_month"))] = None,
+    benchmark: Annotated[Optional[bool], typer.Option("--benchmark/--no-benchmark", help=_h("benchmark"),
+                                                      show_default=False)] = None,
+    panel: Annotated[Optional[bool], typer.Option("--panel/--no-panel", help=_h("panel"), show_default=False)] = None,
+    control_page: Annotated[Optional[bool], typer.Option("--control-page/--no-control-page", help=_h("control_page"),
+                                                         show_default=False)] = None,
+    control_port: Annotated[Optional[int], typer.Option(help=_h("control_port"))] = None,
+    log_level: Annotated[Optional[str], typer.Option(help=_h("log_level"))] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help=_h("log_dir"))] = None,
+    name: Annotated[Optional[str], typer.Option(help=_h("name"))] = None,
+    max_jobs: Annotated[Optional[int], typer.Option(help=_h("max_jobs"))] = None,
+    exit_when_finished: Annotated[Optional[bool], typer.Option("--exit-when-finished", help=_h("exit_when_finished"))
+                                  ] = None,
+    max_cpu_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help=_h("max_cpu_percent"))] = None,
+    retries: Annotated[Optional[int], typer.Option(min=1, max=100, help=_h("retries"))] = None,
+    give_up_after: Annotated[Optional[float], typer.Option(help=_h("give_up_after_s"))] = None,
+    wait_for_coordinator: Annotated[Optional[float], typer.Option(min=0, max=86_400, help=_h("wait_for_coordinator_s"))
+                                    ] = None,
+    coordinator_key: Annotated[Optional[str], typer.Option(help=_h("coordinator_key"))] = None,
+    invite: Annotated[Optional[str], typer.Option(help=_h("invite"), show_default=False)] = None,
+    p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", help=_h("p2p"), show_default=False)] = None,
+    serve: Annotated[Optional[bool], typer.Option("--serve/--no-serve", help=_h("p2p_serve"), show_default=False)] = None,
+    max_upload_gb: Annotated[Optional[float], typer.Option(help=_h("p2p_max_upload_gb"))] = None,
+    p2p_jobs: Annotated[Optional[bool], typer.Option("--p2p-jobs/--no-p2p-jobs", help=_h("p2p_jobs"),
                                                      show_default=False)] = None,
-    p2p_coordinator: Annotated[Optional[list[str]], typer.Option(help="With --p2p: the coordinator peer's multiaddr, "
-                                                                      "ending in /p2p/<peer id> (repeat for several). "
-                                                                      "[default: what its GET /v1/p2p says]",
-                                                                 show_default=False)] = None,
+    p2p_coordinator: Annotated[Optional[list[str]], typer.Option(help=_h("p2p_coordinator"), show_default=False)] = None,
 ) -> None:
     from swarm_client.config import ClientConfigError, build
     from swarm_client.runner import run
 
     flags = dict(url=url, home=home, backend=backend, device=device, threads=threads, gpu_layers=gpu_layers,
                  max_memory_gb=max_memory_gb, min_free_disk_gb=min_free_disk_gb, cache_max_gb=cache_max_gb,
-                 idle_only=idle_only, idle_min_percent=idle_min_percent, windows=window, benchmark=benchmark,
-                 panel=panel, name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished,
-                 max_cpu_percent=max_cpu_percent, retries=retries, wait_for_coordinator_s=wait_for_coordinator,
-                 coordinator_key=coordinator_key,
-                 invite=invite, p2p=p2p, p2p_serve=serve, p2p_max_upload_gb=max_upload_gb, p2p_jobs=p2p_jobs,
-                 p2p_coordinator=p2p_coordinator)
+                 cache_dir=cache_dir, idle_only=idle_only, idle_min_percent=idle_min_percent,
+                 idle_input_minutes=idle_input_minutes, windows=window, pause_on_battery=pause_on_battery,
+                 max_mbps=max_mbps, max_gb_per_month=max_gb_per_month, benchmark=benchmark, panel=panel,
+                 control_page=control_page, control_port=control_port, log_level=log_level, log_dir=log_dir,
+                 name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished, max_cpu_percent=max_cpu_percent,
+                 retries=retries, give_up_after_s=give_up_after, wait_for_coordinator_s=wait_for_coordinator,
+                 coordinator_key=coordinator_key, invite=invite, p2p=p2p, p2p_serve=serve,
+                 p2p_max_upload_gb=max_upload_gb, p2p_jobs=p2p_jobs, p2p_coordinator=p2p_coordinator)
     try:
         cfg = build(flags, config)
     except ClientConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.USAGE) from None
     raise typer.Exit(run(cfg))
 
 
-client_app = typer.Typer(help="Control a running `echo-swarm join` on this machine: pause, resume, status.\n\n"
+client_app = typer.Typer(help="Control a running `echo-swarm join` on this machine: pause, resume, snooze, finish, "
+                              "status, its control page, and the service that starts it at login.\n\n"
                               "Works through small files in the client home, so it needs no network and works "
                               "whether or not the client is running (a pause set while it is stopped applies "
                               "when it starts).", no_args_is_help=True)
@@ -158,48 +161,88 @@ app.add_typer(client_app, name="client")
 HomeOption = Annotated[Optional[Path], typer.Option(help="The client home (as given to `join --home`). Default: "
                                                          "`home` in the client config file, else your user config "
                                                          "dir (or $ECHO_SWARM_HOME).")]
+ConfigOption = Annotated[Optional[Path], typer.Option("--config", help="Client config file (TOML), as given to "
+                                                      "`join --config`.")]
 
 
-def _client_home(home: Optional[Path]) -> Path:
+def _client_home(home: Optional[Path], config: Optional[Path] = None) -> Path:
     from swarm_client.config import ClientConfigError, resolve_home
 
     try:
-        return resolve_home(home)
+        return resolve_home(home, config)
     except ClientConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.USAGE) from None
 
 
 @client_app.command()
-def pause(home: HomeOption = None) -> None:
+def pause(home: HomeOption = None, config: ConfigOption = None) -> None:
     """Stop fetching new work within one poll (about a second). The job being generated, if any, is
     finished and submitted first. The pause lasts, across restarts, until `echo-swarm client resume`."""
     from swarm_client.control import set_paused
 
-    set_paused(_client_home(home), True)
+    set_paused(_client_home(home, config), True)
     typer.echo("paused: the client fetches no new work (a job in progress is finished first)")
 
 
 @client_app.command()
-def resume(home: HomeOption = None) -> None:
-    """Start fetching work again within one poll."""
+def resume(home: HomeOption = None, config: ConfigOption = None) -> None:
+    """Start fetching work again within one poll (also ends a snooze)."""
     from swarm_client.control import set_paused
 
-    set_paused(_client_home(home), False)
+    set_paused(_client_home(home, config), False)
     typer.echo("resumed: the client fetches work again")
+
+
+@client_app.command()
+def snooze(
+    duration: Annotated[str, typer.Argument(help="How long: 30m, 2h, 1h30m, 90s (a bare number is minutes); at "
+                                                 "most 7 days.")],
+    home: HomeOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """No new work for a while (the job in hand is finished first), then work resumes by itself.
+    `echo-swarm client resume` ends it early."""
+    import datetime as dt
+
+    from swarm_client.control import parse_duration
+    from swarm_client.control import snooze as set_snooze
+
+    try:
+        seconds = parse_duration(duration)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(ExitCode.USAGE) from None
+    until = set_snooze(_client_home(home, config), seconds)
+    typer.echo(f"snoozed until {dt.datetime.fromtimestamp(until):%Y-%m-%d %H:%M}: no new work before then")
+
+
+@client_app.command()
+def finish(home: HomeOption = None, config: ConfigOption = None) -> None:
+    """Finish the job in hand, submit its result, then exit (exit code 0: a service is not restarted)."""
+    from swarm_client.control import describe, update_controls
+
+    where = _client_home(home, config)
+    if not describe(where)["running"]:
+        typer.echo(f"error: no client is running with home {where}; nothing to finish", err=True)
+        raise typer.Exit(ExitCode.FAILED)
+    update_controls(where, finish=True)
+    typer.echo("finishing: the client submits the job in hand, then exits")
 
 
 @client_app.command()
 def status(
     home: HomeOption = None,
+    config: ConfigOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
-    """Show whether the client runs, whether it is paused, its state, counters and credit."""
+    """Show whether the client runs, whether it is paused or snoozed, its state, counters and credit."""
+    import datetime as dt
     import json
 
     from swarm_client.control import describe
 
-    info = describe(_client_home(home))
+    info = describe(_client_home(home, config))
     if json_out:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -207,11 +250,112 @@ def status(
         typer.echo(f"no client has run with home {info['home']} yet" + (" (paused)" if info["paused"] else ""))
         return
     state = info.get("state", "?") if info["running"] else "not running"
-    typer.echo(f"client {info['client_id']}: {state}{' (paused)' if info['paused'] else ''}\n"
+    held = " (paused)" if info["paused"] else ""
+    if info.get("snoozed_until"):
+        held += f" (snoozed until {dt.datetime.fromtimestamp(info['snoozed_until']):%H:%M})"
+    if info.get("finishing") and info["running"]:
+        held += " (finishing)"
+    typer.echo(f"client {info['client_id']}: {state}{held}\n"
+               f"  coordinator {info.get('url') or '-'}, run {info.get('run_id') or '-'}\n"
                f"  policy version {info.get('version')}, last job {info.get('last_job') or '-'}, "
                f"{info.get('tokens_per_s', 0):,.1f} tokens/s\n"
                f"  accepted {info.get('accepted', 0)}, rejected {info.get('rejected', 0)}, "
-               f"credit {info.get('credit', 0):,.1f}")
+               f"credit {info.get('credit', 0):,.1f}" + (f"\n  data {info['bandwidth']}" if info.get("bandwidth") else ""))
+
+
+@client_app.command("open")
+def open_page(
+    home: HomeOption = None,
+    config: ConfigOption = None,
+    print_only: Annotated[bool, typer.Option("--print", help="Print the URL (with its token) instead of opening a "
+                                                             "browser.")] = False,
+) -> None:
+    """Open the running client's control page (127.0.0.1 only) in your browser."""
+    import webbrowser
+
+    from swarm_client.control import pid_alive
+    from swarm_client.webcontrol import load_or_create_token, page_info
+
+    where = _client_home(home, config)
+    info = page_info(where)
+    if info is None or not pid_alive(info.get("pid")):
+        typer.echo(f"error: no client with a control page is running with home {where}: start `echo-swarm join` "
+                   f"(without --no-control-page)", err=True)
+        raise typer.Exit(ExitCode.FAILED)
+    url = f"{info['url']}?token={load_or_create_token(where)}"
+    if print_only or not webbrowser.open(url):
+        typer.echo(url)
+    else:
+        typer.echo(f"opened {info['url']} in your browser")
+
+
+@client_app.command("install-service")
+def install_service(
+    url: Annotated[Optional[str], typer.Argument(help="Coordinator URL (default: `url` in the config file).",
+                                                 show_default=False)] = None,
+    home: HomeOption = None,
+    config: ConfigOption = None,
+    start: Annotated[bool, typer.Option("--start/--no-start", help="Enable and start it now (else only write "
+                                                                   "it).")] = True,
+    print_only: Annotated[bool, typer.Option("--print", help="Print the unit (or agent) instead of installing "
+                                                             "it.")] = False,
+    extra: Annotated[Optional[list[str]], typer.Option("--join-arg", help="A further argument for `join` (repeat), "
+                                                       "e.g. --join-arg=--idle-only.")] = None,
+) -> None:
+    """Run `echo-swarm join` at login, restarted after a failure: a systemd user unit (Linux) or a launchd agent
+    (macOS), with this installation's Python and your client settings."""
+    from swarm_client.config import ClientConfigError, build, client_paths
+    from swarm_client.service import ServiceSpec, install, join_argv, render
+
+    try:  # the settings must be valid now, not at the first boot
+        build({"url": url, "home": home}, config)
+    except ClientConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(ExitCode.USAGE) from None
+    paths = client_paths(home, config)
+    spec = ServiceSpec(join_argv(url, config, home, list(extra or [])), paths.home, paths.logs)
+    if print_only:
+        typer.echo(render(spec).decode(), nl=False)
+        return
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    for line in install(spec, start=start):
+        typer.echo(line)
+
+
+@client_app.command("uninstall-service")
+def uninstall_service() -> None:
+    """Stop the service `install-service` set up and remove its unit (or agent). Settings, identity and credit
+    stay."""
+    from swarm_client.service import uninstall
+
+    for line in uninstall():
+        typer.echo(line)
+
+
+@app.command()
+def env(
+    home: HomeOption = None,
+    config: ConfigOption = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """What to paste into a bug report: versions, backends, devices and paths (imports no heavy library)."""
+    import json
+
+    from echo_swarm.envreport import render, report
+
+    data = report(home, config)
+    typer.echo(json.dumps(data, indent=2) if json_out else render(data))
+
+
+def _needs_coordinator_extra(command: str) -> None:
+    """`coordinator` and `demo` need the learner's libraries, which a client-only install lacks: say so."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        typer.echo(f"error: `echo-swarm {command}` needs the coordinator's libraries ({', '.join(missing)} missing): "
+                   f"pip install 'echo-swarm[coordinator]'", err=True)
+        raise typer.Exit(ExitCode.USAGE)
 
 
 @app.command()
@@ -258,8 +402,11 @@ def coordinator(
 ) -> None:
     """Serve a training run: the learner, job leasing, result verification and snapshot downloads.
 
-    Restarting with the same run directory resumes at the last published policy version.
+    Restarting with the same run directory resumes at the last published policy version. Before any role starts,
+    the port, the model folder, the run directory and the free disk are checked; a problem is one line on stderr
+    and its own exit code (see `echo-swarm --help`), and nothing is written.
     """
+    _needs_coordinator_extra("coordinator")
     from coordinator.config import ConfigError, load_config
     from coordinator.main import run
 
@@ -275,10 +422,10 @@ def coordinator(
         })
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.USAGE) from None
     if role not in ("all", "api", "learner", "verifier", "p2p"):
         typer.echo(f"error: --role {role!r} is not a role; use all, api, learner, verifier or p2p", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.USAGE)
     raise typer.Exit(run(cfg, role, index))
 
 
@@ -308,11 +455,12 @@ def demo(
     on 127.0.0.1, training the built-in tiny model on one of the built-in task types (--task). Prints a summary;
     writes summary.json and a reward-curve plot to --out.
     """
+    _needs_coordinator_extra("demo")
     from echo_swarm.demo import DemoConfig, run
 
     if task not in DEMO_TASKS:
         typer.echo(f"error: --task {task!r} is not a demo task; choose one of {', '.join(DEMO_TASKS)}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.USAGE)
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
                                     sync_mode=sync_mode, max_staleness=max_staleness, backend=backend,
                                     store=store, task=task, p2p=p2p)))
@@ -330,12 +478,15 @@ def build_tiny_model(
 
 def main() -> None:
     import logging
+    import sys
 
+    from echo_swarm.argv import hoist_group_options
     from shared.safe_text import configure_logging
 
     # escaped, one line per record; the coordinator and join reconfigure it with their own level and format
     configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
-    app()
+    # a group's options may come after its subcommand (`admin status --run-dir X`), as people type them
+    app(args=hoist_group_options(typer.main.get_command(app), sys.argv[1:]), prog_name="echo-swarm")
 
 
 if __name__ == "__main__":

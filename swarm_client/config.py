@@ -17,9 +17,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from shared.errors import EchoSwarmError
+from swarm_client.settings import FLAG_FIELDS as ALIASES  # a flag's name is also a valid key
 
 FILE_NAME = "client.toml"
-ALIASES = {"window": "windows"}
 
 
 class ClientConfigError(EchoSwarmError):
@@ -51,8 +51,9 @@ def load_file(path: Path, *, required: bool) -> dict[str, Any]:
         out[ALIASES.get(name, name)] = value
     if isinstance(out.get("windows"), str):
         out["windows"] = [out["windows"]]
-    if "home" in out and isinstance(out["home"], str):
-        out["home"] = str(Path(out["home"]).expanduser())
+    for key in ("home", "cache_dir", "log_dir"):
+        if isinstance(out.get(key), str):
+            out[key] = str(Path(out[key]).expanduser())
     return out
 
 
@@ -63,31 +64,46 @@ def merge(file_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(flags: dict[str, Any], config_path: Path | None = None) -> Any:
-    """Flags (None = not given) + config file → a validated JoinConfig, or ClientConfigError."""
-    from swarm_client.identity import default_home
-    from swarm_client.runner import JoinConfig
+    """Flags (None = not given) + config file → a validated JoinConfig, or ClientConfigError. Without a home (flag,
+    key or $ECHO_SWARM_HOME) the cache and the log go to the platform's folders (swarm_client.paths)."""
+    from swarm_client.paths import ClientPaths
+    from swarm_client.settings import JoinConfig
 
     path = config_path or default_config_path()
     values = merge(load_file(path, required=config_path is not None), flags)
     if not values.get("url"):
         raise ClientConfigError("no coordinator URL: run `echo-swarm join URL`, or put url = \"http://...\" in "
                                 f"{path}")
-    values.setdefault("home", default_home())
-    if isinstance(values["home"], str):
-        values["home"] = Path(values["home"])
+    home = values.get("home")
+    paths = ClientPaths.defaults_for(Path(home) if isinstance(home, str | Path) else None)
+    values["home"] = paths.home
+    values.setdefault("cache_dir", paths.cache)
+    values.setdefault("log_dir", paths.logs)
     try:
         return JoinConfig.model_validate(values)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors())
         if any(e["type"] == "extra_forbidden" for e in exc.errors()):
-            problems += f" (valid keys: {', '.join(sorted(set(JoinConfig.model_fields) | {'window'}))})"
+            problems += f" (valid keys: {', '.join(sorted(set(JoinConfig.model_fields) | set(ALIASES)))})"
         raise ClientConfigError(f"invalid client settings (from flags or {path}): {problems}") from None
+
+
+def client_paths(home_flag: Path | None, config_path: Path | None = None) -> Any:
+    """The folders a client started with these options uses (for `echo-swarm env` and `client` commands)."""
+    from swarm_client.paths import ClientPaths
+
+    values = load_file(config_path or default_config_path(), required=config_path is not None)
+    home = home_flag if home_flag is not None else values.get("home")
+    paths = ClientPaths.defaults_for(Path(home) if isinstance(home, str | Path) else None)
+    return ClientPaths.of(paths.home, Path(values["cache_dir"]) if isinstance(values.get("cache_dir"), str)
+                          else paths.cache, Path(values["log_dir"]) if isinstance(values.get("log_dir"), str)
+                          else paths.logs)
 
 
 def resolve_home(flag: Path | None, config_path: Path | None = None) -> Path:
     """The client home as `join` would pick it (flag → config file's ``home`` → default), so that
     `echo-swarm client pause` finds a client whose home was set only in the config file."""
-    from swarm_client.identity import default_home
+    from swarm_client.paths import default_home
 
     if flag is not None:
         return flag

@@ -17,15 +17,6 @@ class CoordinatorKeyChanged(EchoSwarmError):
     """The coordinator at a known URL presents a different signing key than the one pinned earlier."""
 
 
-def default_home() -> Path:
-    env = os.environ.get("ECHO_SWARM_HOME")
-    if env:
-        return Path(env)
-    from platformdirs import user_config_dir
-
-    return Path(user_config_dir("echo-swarm"))
-
-
 @dataclass
 class Identity:
     key: Ed25519PrivateKey

@@ -29,6 +29,9 @@ class StatsView(Protocol):
     state: str
     download: str
     p2p: dict[str, int]
+    bandwidth: str
+    job_steps: int
+    job_expected_steps: int
 
 
 def software_version() -> str:
@@ -52,8 +55,10 @@ class Display:
         self.url = url
         self.hardware = hardware
         self.software = software_version()
+        self.page_url = ""  # the local control page, once it listens
         self._live: Any = None
         self._console: Any = None
+        self._err_console: Any = None
         self._last_line = ""
 
     def start(self) -> None:
@@ -63,6 +68,7 @@ class Display:
         from rich.live import Live
 
         self._console = Console()
+        self._err_console = Console(stderr=True)
         self._live = Live(self, console=self._console, refresh_per_second=2, transient=False)
         self._live.start()
 
@@ -79,6 +85,14 @@ class Display:
             self._console.print(text, markup=False, highlight=False)
         else:
             print(text, flush=True)
+
+    def error(self, text: str) -> None:
+        """An error or warning line, on stderr (above the panel when there is one)."""
+        text = "\n".join(escape(line) for line in text.split("\n"))
+        if self._live is not None and self._err_console is not None:
+            self._err_console.print(text, markup=False, highlight=False, style="red")
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def update(self, *, line: bool = False) -> None:
         """Counters changed; ``line``: also worth a log line when there is no panel (a job finished)."""
@@ -99,12 +113,16 @@ class Display:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold cyan", justify="right")
         grid.add_column()
-        state_style = {"generating": "green", "paused": "yellow", "coordinator paused": "yellow", "stopped": "red"}.get(s.state, "white")
+        state_style = {"generating": "green", "paused": "yellow", "coordinator paused": "yellow", "stopped": "red"}.get(
+            s.state, "yellow" if s.state.startswith(("run finished", "coordinator unreachable", "snoozed")) else "white")
         grid.add_row("state", Text(escape(s.state), style=state_style))  # Text, not markup: never parsed
         grid.add_row("coordinator", Text(escape(self.url)))
         grid.add_row("client", s.client_id[:16])
         grid.add_row("policy version", str(s.version) if s.version >= 0 else "-")
-        grid.add_row("current job", Text(escape(s.last_job or "-")))
+        job = s.last_job or "-"
+        if s.state == "generating" and s.job_expected_steps:
+            job += f"  ({min(99, 100 * s.job_steps // s.job_expected_steps)} % at most)"
+        grid.add_row("current job", Text(escape(job)))
         if s.download:
             grid.add_row("downloading", Text(escape(s.download), style="magenta"))
         if s.p2p:
@@ -113,7 +131,11 @@ class Display:
         grid.add_row("tokens/s", f"{s.tokens_per_s:,.1f}")
         grid.add_row("accepted / rejected", Text.assemble((str(s.accepted), "green"), " / ", (str(s.rejected), "red")))
         grid.add_row("credit", f"{s.credit:,.1f}")
+        if s.bandwidth:
+            grid.add_row("data", Text(escape(s.bandwidth)))
         if self.hardware:
             grid.add_row("machine", Text(escape(self.hardware)))
+        if self.page_url:
+            grid.add_row("control page", Text(escape(self.page_url.split("?")[0])))
         return Panel(grid, title=f"echo-swarm {self.software}",
-                     subtitle="Ctrl-C: stop · `echo-swarm client pause`: pause", border_style="blue")
+                     subtitle="Ctrl-C: stop · `echo-swarm client pause` / `finish` / `open`", border_style="blue")

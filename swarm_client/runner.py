@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared import PROTOCOL_VERSION
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
+from shared.exit_codes import ExitCode
 from shared.messages import (
     Completion,
     Info,
@@ -48,10 +48,18 @@ from shared.messages import (
     SubmitResponse,
 )
 from shared.records import open_job
-from swarm_client.api import CoordinatorClient, CoordinatorUnreachable, RetryPolicy, refusal_code
+from swarm_client import logs
+from swarm_client.api import (
+    CoordinatorClient,
+    CoordinatorUnreachable,
+    NotACoordinator,
+    RetryPolicy,
+    refusal_code,
+)
 from swarm_client.backends import Backend
+from swarm_client.bandwidth import GB, MB, USAGE_FILE, MonthlyMeter, Throttle
 from swarm_client.benchmark import run_benchmark
-from swarm_client.control import is_paused, write_status
+from swarm_client.control import Controls, read_controls, update_controls, write_status
 
 if TYPE_CHECKING:
     from swarm_client.peer_calls import PeerCalls
@@ -71,6 +79,8 @@ from swarm_client.footprint import (
 from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
 from swarm_client.panel import Display
+from swarm_client.paths import ClientPaths, migrate_cache
+from swarm_client.presence import input_idle_s, on_battery
 from swarm_client.resources import (
     GIB,
     Limits,
@@ -80,101 +90,16 @@ from swarm_client.resources import (
     check_memory,
     disk_full_message,
 )
-from swarm_client.schedule import work_gate
+from swarm_client.schedule import IdleProbe, work_gate
+from swarm_client.settings import JoinConfig
 from swarm_client.snapshots import DownloadStalled, SnapshotCache, Transfer
+from swarm_client.webcontrol import ControlPage, PageSource
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_UNREACHABLE, EXIT_REFUSED, EXIT_RESOURCES = 0, 2, 3, 4
+EXIT_OK, EXIT_REFUSED, EXIT_RESOURCES = ExitCode.OK, ExitCode.REFUSED, ExitCode.RESOURCES
+EXIT_UNREACHABLE, EXIT_NOT_A_COORDINATOR = ExitCode.UNREACHABLE, ExitCode.NOT_A_COORDINATOR
 STOP_CODES = {"banned", "quarantined"}  # refusals that end the client: retrying cannot help
-
-
-class JoinConfig(BaseModel):
-    """Settings of one `echo-swarm join` process."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = Field(description="Coordinator base URL, e.g. http://127.0.0.1:8470")
-    home: Path = Field(description="Identity, pinned coordinator keys and snapshot cache live here.")
-    backend: str = Field("auto", description="Generation backend: auto (llama where llama-cpp-python is installed) "
-                         "| torch | llama.")
-    device: str = Field("auto", description="auto | cpu | cuda | mps.")
-    threads: int | None = Field(None, ge=1, description="CPU threads for generation.")
-    name: str = Field("", max_length=64, description="Display name on the leaderboard.")
-    max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted jobs.")
-    exit_when_finished: bool = Field(False, description="Exit when the coordinator's run has finished.")
-    max_cpu_percent: float = Field(100.0, gt=0, le=100, description="Duty cycle of generation, in percent.")
-    retries: int = Field(8, ge=1, le=100, description="Attempts per request before giving up (backoff 0.5 s → 30 s).")
-    wait_for_coordinator_s: float = Field(0.0, ge=0, le=86_400, description="Seconds to keep looking (every half "
-                                          "second) for a coordinator that is not up yet before the first request; "
-                                          "0 = only the usual retries.")
-    coordinator_key: str | None = Field(None, description="Expected coordinator public key (hex); else pinned on first use.")
-    invite: str = Field("", max_length=128, description="Invite token for a private swarm (registration.mode = "
-                        "'invite' on the coordinator); empty for open swarms.")
-    # volunteer experience: resource caps, when to work, cache, benchmark (see swarm_client/schedule.py)
-    gpu_layers: int | None = Field(None, ge=0, le=10_000, description="Layers to put on the GPU; 0 = GPU off "
-                                   "(CPU only), None = the backend's default (all layers when a GPU is found).")
-    max_memory_gb: float | None = Field(None, gt=0, le=1e6, description="Memory ceiling in GiB checked against "
-                                        "each model before download; None = 80 % of RAM.")
-    min_free_disk_gb: float = Field(1.0, ge=0, le=1e6, description="GiB of disk that must stay free after a download.")
-    cache_max_gb: float | None = Field(None, gt=0, le=1e6, description="Snapshot cache cap in GiB (least recently "
-                                       "used versions are pruned); None = no cap beyond the newest two versions.")
-    idle_only: bool = Field(False, description="Start jobs only while the machine is otherwise idle.")
-    idle_min_percent: float = Field(80.0, gt=0, le=100, description="CPU idle share, in percent, that counts as "
-                                    "idle for --idle-only.")
-    windows: list[str] = Field(default_factory=list, max_length=16, description="Daily local-time windows "
-                               "HH:MM-HH:MM in which new jobs may start; empty = any time.")
-    benchmark: bool = Field(True, description="Run a short self-benchmark at startup and report it at registration.")
-    panel: bool | None = Field(None, description="Live terminal panel; None = when stdout is a terminal.")
-    # snapshots from other volunteers over libp2p (the p2p extra; swarm_client/peer_fetch.py)
-    p2p: bool = Field(False, description="Fetch snapshot files from peers over libp2p when the coordinator runs a "
-                      "peer (every piece checked against the signed manifest; HTTP is the fallback).")
-    p2p_serve: bool = Field(True, description="With p2p: serve verified files to other volunteers (--no-serve).")
-    p2p_max_upload_gb: float | None = Field(None, gt=0, le=1e6, description="With p2p: stop serving after this many "
-                                            "GB uploaded in this session; None = no cap.")
-    p2p_uploads: int = Field(2, ge=1, le=64, description="With p2p: uploads served at once (U).")
-    p2p_uploads_per_blob: int = Field(3, ge=1, le=1000, description="With p2p: uploads of one file in this session (T).")
-    p2p_deadline_s: float = Field(20.0, gt=0, le=3600, description="With p2p: how long to look for a peer holding a "
-                                  "file before fetching it over HTTP.")
-    p2p_listen: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], min_length=1, max_length=8,
-                                  description="With p2p: libp2p listen addresses (multiaddrs).")
-    p2p_coordinator: list[str] = Field(default_factory=list, max_length=16, description="With p2p: the "
-                                       "coordinator peer's multiaddrs, each ending in /p2p/<peer id> (default: "
-                                       "what its GET /v1/p2p says).")
-    p2p_jobs: bool = Field(False, description="With p2p: send register, lease, release and results to the "
-                           "coordinator's libp2p peer (HTTP is the fallback; docs/protocol.md §6b).")
-
-    @field_validator("name")
-    @classmethod
-    def _printable_name(cls, v: str) -> str:
-        from shared.safe_text import check_printable
-
-        return check_printable(v)  # the coordinator refuses control characters in a profile; say so up front
-
-    @field_validator("p2p_coordinator")
-    @classmethod
-    def _coordinator_maddrs(cls, v: list[str]) -> list[str]:
-        from swarm_client.peer_fetch import coordinator_info
-
-        if v:
-            coordinator_info(v)  # ValueError says the expected form
-        return v
-
-    @model_validator(mode="after")
-    def _jobs_need_p2p(self) -> JoinConfig:
-        if self.p2p_jobs and not self.p2p:
-            raise ValueError("p2p_jobs sends jobs through this client's libp2p peer, which only p2p starts: add --p2p "
-                             "(p2p = true), or drop --p2p-jobs")
-        return self
-
-    @field_validator("windows")
-    @classmethod
-    def _windows_parse(cls, v: list[str]) -> list[str]:
-        from swarm_client.schedule import parse_window
-
-        for w in v:
-            parse_window(w)  # ValueError says the expected form
-        return v
 
 
 @dataclass
@@ -195,20 +120,31 @@ class ClientStats:
     benchmark_tokens_per_s: float | None = None
     download: str = ""  # the snapshot file being downloaded: bytes, rate, time left ("" when none)
     p2p: dict[str, int] = field(default_factory=dict)  # `--p2p`: bytes served to / received from peers, fallbacks
+    run_id: str = ""
+    url: str = ""
+    bandwidth: str = ""  # data used this month, the cap, the rate limit (for the panel and the control page)
+    job_steps: int = 0  # decoding steps of the job being generated (its progress)
+    job_expected_steps: int = 0  # the most it can take (max_tokens × rollouts decoded one by one)
+    job_started_at: float = 0.0  # unix time
+    history: list[dict[str, object]] = field(default_factory=list)  # the latest results, newest last
 
 
 class Pacer:
-    """Throttles decoding to a duty cycle: after each step that took t seconds, idle t·(100/p − 1)."""
+    """Throttles decoding to a duty cycle: after each step that took t seconds, idle t·(100/p − 1). Counts the
+    steps of the job in hand (its progress, for the panel and the control page)."""
 
     def __init__(self, percent: float, stop: threading.Event) -> None:
         self.factor = 100.0 / percent - 1.0
         self.stop = stop
         self.last = time.monotonic()
+        self.steps = 0
 
     def reset(self) -> None:
         self.last = time.monotonic()
+        self.steps = 0
 
     def __call__(self) -> bool:
+        self.steps += 1
         if self.factor > 0:
             busy = time.monotonic() - self.last
             self.stop.wait(busy * self.factor)
@@ -218,11 +154,18 @@ class Pacer:
 
 GATE_POLL_S = 1.0  # how often a paused / waiting client re-reads its control file and the clock
 PULL_WAIT_S = 30.0  # longest an idle client waits for an announced version to arrive before asking again
+FINISHED_POLL_S = 15.0  # how often a client whose run has finished asks whether a new run has started
+BATTERY_POLL_S = 10.0  # how often the power supply is read (a pmset subprocess on macOS)
+HISTORY = 20  # results kept in the status for the control page
+#: The state of a client whose run has finished (the panel, `client status`, the control page).
+FINISHED_STATE = "run finished — waiting for the operator's next run"
+UNREACHABLE_STATE = "coordinator unreachable — retrying"
+NEW_RUN = -1  # _work's outcome when the coordinator now serves another run: join it
 
 
 class Runner:
     def __init__(self, cfg: JoinConfig) -> None:
-        from swarm_client.schedule import IdleProbe, parse_window
+        from swarm_client.schedule import parse_window
 
         self.cfg = cfg
         self.stop = threading.Event()
@@ -230,7 +173,6 @@ class Runner:
         self.display = Display(self.stats, live=cfg.panel, url=cfg.url)
         self._download_decile = -1
         self.windows = [parse_window(w) for w in cfg.windows]
-        self.idle_probe = IdleProbe(cfg.idle_min_percent / 100) if cfg.idle_only else None
         self.hardware: Hardware | None = None
         self.prefetch: asyncio.Task[object] | None = None
         self.calls: PeerCalls | None = None  # `--p2p-jobs`: signed calls over libp2p (swarm_client/peer_calls.py)
@@ -246,10 +188,46 @@ class Runner:
         self.on_result: Callable[[float, Job, int], None] | None = None
         self.backend: Backend | None = None
         self._batch = DEFAULT_BATCH  # the batch of the job in hand (or the last one): what the memory checks assume
+        self.paths = ClientPaths.of(cfg.home, cfg.cache_dir, cfg.log_dir)
+        self.meter = MonthlyMeter(cfg.home / USAGE_FILE,
+                                  None if cfg.max_gb_per_month is None else int(cfg.max_gb_per_month * GB))
+        self.throttle = Throttle(None if cfg.max_mbps is None else cfg.max_mbps * MB)
+        self.controls = Controls()  # the last read of control.json
+        self._battery: tuple[float, bool] = (-1e9, False)  # (monotonic time read, on battery)
+        self._state_before_outage: str | None = None
+        self.next_info: Info | None = None  # the new run _work found (NEW_RUN)
+        self.pacer: Pacer | None = None
+        self.page: ControlPage | None = None  # the local control page (swarm_client/webcontrol.py)
+        self.idle_probe = IdleProbe(cfg.idle_min_percent / 100, input_idle=input_idle_s,
+                                    min_input_idle_s=cfg.idle_input_minutes * 60) if cfg.idle_only else None
 
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
         self.display.say(text)
+        logger.info("%s", text)
+
+    def _error(self, text: str) -> None:
+        """An error line: on stderr (and in the log file)."""
+        self.display.error(text)
+        logger.error("%s", text)
+
+    def _warn(self, text: str) -> None:
+        """A warning or a retry line: on stderr, beside the panel."""
+        self.display.error(text)
+
+    def _on_outage(self, what: str | None) -> None:
+        """The coordinator was lost (``what`` failed) or answers again (None): one line each, not per attempt."""
+        if what is not None:
+            limit = self.cfg.give_up_after_s
+            self._warn(f"lost the coordinator at {self.cfg.url} ({what}); retrying with backoff (at most "
+                       f"{self.cfg.retry_max_s:g}s apart) " + ("until it is back" if limit is None else
+                                                               f"for up to {limit:g}s"))
+            self._state_before_outage = self.stats.state
+            self._set_state(UNREACHABLE_STATE)
+        else:
+            self._say(f"the coordinator at {self.cfg.url} answers again")
+            if self.stats.state == UNREACHABLE_STATE:
+                self._set_state(self._state_before_outage or "waiting")
 
     def _write_status(self) -> None:
         if self.peer is not None:
@@ -257,6 +235,11 @@ class Runner:
                               "wasted_bytes": self.peer.stats.wasted_bytes, "fallbacks": self.peer.stats.fallbacks}
             if self.calls is not None:
                 self.stats.p2p |= {"calls": self.calls.sent, "call_fallbacks": self.calls.fallbacks}
+        self.stats.bandwidth = self.meter.describe() + (
+            f" · limit {self.throttle.rate / MB:g} MB/s" if self.throttle.rate else "")
+        if self.pacer is not None and self.stats.state == "generating":
+            self.stats.job_steps = self.pacer.steps
+        self.meter.flush()
         try:
             write_status(self.cfg.home, asdict(self.stats))
         except OSError as exc:  # e.g. disk full: the status file is a convenience, never a reason to stop
@@ -273,49 +256,70 @@ class Runner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
-        identity = load_identity(self.cfg.home)
-        self.stats.client_id = identity.client_id
-        self.hardware = detect(self.cfg.home)
-        self.display.hardware = self.hardware.summary()
-        self.display.start()
-        if identity.created:
-            self._say(f"created a new identity {identity.client_id} in {self.cfg.home}")
-        self._say(f"this machine: {self.hardware.summary()}")
-        if is_paused(self.cfg.home):
-            self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
-        from swarm_client.backends import make_backend
-
+        self.stats.url = self.cfg.url
+        log_file = logs.setup(self.paths.logs, self.cfg.log_level, self._warn)
+        logger.info("echo-swarm join %s (log %s)", self.cfg.url, log_file)
         try:
-            backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
-                                   gpu_layers=self.cfg.gpu_layers)
-        except ValueError as exc:  # unknown backend, or llama-cpp-python not installed: the message says what to do
-            self._say(f"error: {exc}")
-            return EXIT_REFUSED
-        self.backend = backend
-        self.device = str(backend.device)
-        from swarm_client.backends import backend_forms
+            return await self._run()
+        finally:
+            self.meter.flush()
+            logs.teardown()
 
-        self._forms = backend_forms(backend)
-        api = CoordinatorClient(self.cfg.url, identity, on_retry=self._say,
-                                retry=RetryPolicy(attempts=self.cfg.retries))
+    async def _run(self) -> int:
+        cfg = self.cfg
+        api = CoordinatorClient(cfg.url, None, on_retry=self._warn, on_outage=self._on_outage, count=self.meter.add,
+                                retry=RetryPolicy(attempts=cfg.retries, max_s=cfg.retry_max_s,
+                                                  give_up_after_s=cfg.give_up_after_s))
         try:
-            return await self._serve(api, identity, backend)
+            info = None
+            if cfg.wait_for_coordinator_s == 0:  # a wrong URL fails here, before anything is printed or written
+                info = await api.info()
+            backend = self._make_backend()
+            if backend is None:
+                return EXIT_REFUSED
+            if info is None:  # started with its coordinator: the backend's imports overlapped the wait
+                if not await api.up(cfg.wait_for_coordinator_s):
+                    self._warn(f"the coordinator at {cfg.url} did not come up within {cfg.wait_for_coordinator_s:g}s; "
+                               f"trying with retries")
+                info = await api.info()
+            identity = load_identity(cfg.home)
+            api.identity = identity
+            self.stats.client_id = identity.client_id
+            self.hardware = detect(cfg.home)
+            self.display.hardware = self.hardware.summary()
+            self.display.start()
+            if identity.created:
+                self._say(f"created a new identity {identity.client_id} in {cfg.home}")
+            self._say(f"this machine: {self.hardware.summary()}")
+            moved = migrate_cache(cfg.home, self.paths.cache)
+            if moved is not None:
+                self._say(f"moved the snapshot cache from {moved} to {self.paths.cache} (the platform's cache folder)")
+            self.controls = read_controls(cfg.home)
+            if self.controls.finish:  # a finish meant for a client that has since stopped
+                update_controls(cfg.home, finish=False)
+            if self.controls.paused:
+                self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
+            await self._start_page()
+            return await self._serve(api, identity, backend, info)
         except CoordinatorUnreachable as exc:
-            self._say(f"error: {exc}")
+            self._error(f"error: {exc}")
             return EXIT_UNREACHABLE
+        except NotACoordinator as exc:
+            self._error(f"error: {exc}")
+            return EXIT_NOT_A_COORDINATOR
         except CoordinatorKeyChanged as exc:
-            self._say(f"error: {exc}")
+            self._error(f"error: {exc}")
             return EXIT_REFUSED
         except ResourceRefusal as exc:
-            self._say(f"error: {exc}")
+            self._error(f"error: {exc}")
             return EXIT_RESOURCES
         except ProtocolError as exc:
-            self._say(self._refusal_text(exc, identity.client_id))
+            self._error(self._refusal_text(exc, self.stats.client_id))
             return EXIT_REFUSED
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
-            self._say(f"error: {disk_full_message(exc.filename or self.cfg.home)}")
+            self._error(f"error: {disk_full_message(exc.filename or cfg.home)}")
             return EXIT_RESOURCES
         finally:
             if self._submitting is not None:  # a finished job's result is still on its way: deliver it if it can
@@ -327,10 +331,66 @@ class Runner:
                     await self.prefetch
             if self.peer is not None:
                 await self.peer.stop()
-            self.stats.state = "stopped"
-            self._write_status()
+            if self.page is not None:
+                await self.page.stop()
+            if self.stats.client_id:
+                self.stats.state = "stopped"
+                self._write_status()
             self.display.stop()
             await api.close()
+
+    def _make_backend(self) -> Backend | None:
+        """The generation backend, with its libraries' logging routed into ours (swarm_client/logs.py)."""
+        from swarm_client.backends import backend_forms, make_backend
+
+        try:
+            backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
+                                   gpu_layers=self.cfg.gpu_layers)
+        except ValueError as exc:  # unknown backend, or llama-cpp-python not installed: the message says what to do
+            self._error(f"error: {exc}")
+            return None
+        from swarm_client.backends import backend_kind
+
+        if backend_kind(backend) == "llama":
+            logs.route_llama_cpp()
+        else:
+            logs.quiet_transformers()
+        self.backend = backend
+        self.device = str(backend.device)
+        self._forms = backend_forms(backend)
+        return backend
+
+    async def _start_page(self) -> None:
+        """The local control page (127.0.0.1 only). A port in use is a warning, not a reason to stop working."""
+        if not self.cfg.control_page:
+            return
+        try:
+            page = ControlPage(PageSource(self.cfg.home, self._page_state, self._apply_controls))
+            url = await page.start(self.cfg.control_port)
+        except OSError as exc:
+            self._warn(f"the control page could not listen on 127.0.0.1:{self.cfg.control_port} ({exc.strerror}); "
+                       f"running without it (pass another --control-port)")
+            return
+        self.page = page
+        self.display.page_url = url
+        self._say(f"control page: {url} (open it with `echo-swarm client open`)")
+
+    def _page_state(self) -> dict[str, object]:
+        """What the control page shows: the live counters, plus the caps in force."""
+        if self.pacer is not None and self.stats.state == "generating":
+            self.stats.job_steps = self.pacer.steps
+        return asdict(self.stats) | {
+            "software": self.display.software, "machine": self.display.hardware, "backend": self.device,
+            "data_bytes": self.meter.used(), "data_cap_bytes": self.meter.cap_bytes,
+            "max_mbps": None if not self.throttle.rate else self.throttle.rate / MB,
+            "config_max_mbps": self.cfg.max_mbps}
+
+    def _apply_controls(self) -> Controls:
+        """Read control.json and apply what takes effect at once (the bandwidth cap, also mid-download)."""
+        controls = self.controls = read_controls(self.cfg.home)
+        rate = controls.max_mbps if controls.max_mbps is not None else self.cfg.max_mbps
+        self.throttle.set_rate(None if rate is None else rate * MB)
+        return controls
 
     async def _start_p2p(self, cache: SnapshotCache, api: CoordinatorClient, info: Info) -> None:
         from swarm_client.peer_fetch import ClientPeer, PeerSettings
@@ -419,19 +479,41 @@ class Runner:
             return
         self._check_need(need, version)
 
+    def _on_battery(self) -> bool:
+        """Whether this machine runs on battery, read at most every BATTERY_POLL_S (False unless asked to care)."""
+        if not self.cfg.pause_on_battery:
+            return False
+        read_at, value = self._battery
+        if time.monotonic() - read_at >= BATTERY_POLL_S:
+            value = on_battery()
+            self._battery = (time.monotonic(), value)
+        return value
+
+    def _held_back(self) -> bool:
+        """Paused, snoozed or finishing: a job that arrives now is handed back at once."""
+        c = read_controls(self.cfg.home)
+        return c.paused or c.finish or c.snoozed(time.time())
+
     async def _gate(self) -> str | None:
-        """Why no new work may start now (paused, outside the time windows, machine busy), or None."""
-        paused = is_paused(self.cfg.home)
+        """Why no new work may start now (paused, snoozed, on battery, over the data cap, outside the time
+        windows, machine busy), or None. Also applies a bandwidth cap set at run time."""
+        controls = self._apply_controls()
+        now = time.time()
+        snoozed = datetime.fromtimestamp(controls.snooze_until) if controls.snoozed(now) and controls.snooze_until \
+            else None
+        battery = await asyncio.to_thread(self._on_battery)
+        blocked = controls.paused or snoozed is not None or battery
         idle = True
-        if self.idle_probe is not None and not paused:
+        if self.idle_probe is not None and not blocked:
             idle = await asyncio.to_thread(self.idle_probe.measure, GATE_POLL_S, self.stop.wait)
-        return work_gate(datetime.now(), paused=paused, windows=self.windows, idle_only=self.cfg.idle_only,
-                         idle=idle)
+        return work_gate(datetime.fromtimestamp(now), paused=controls.paused, windows=self.windows,
+                         idle_only=self.cfg.idle_only, idle=idle, snoozed_until=snoozed, on_battery=battery,
+                         data_cap=self.meter.blocked())
 
     async def _wait_unless_paused(self, seconds: float) -> None:
-        """Wait as the coordinator asked, but notice a pause (or Ctrl-C) within one poll."""
+        """Wait as the coordinator asked, but notice a pause, snooze or finish (or Ctrl-C) within one poll."""
         end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0 and not self.stop.is_set() and not is_paused(self.cfg.home):
+        while (left := end - time.monotonic()) > 0 and not self.stop.is_set() and not self._held_back():
             await asyncio.to_thread(self.stop.wait, min(left, GATE_POLL_S))
 
     def _on_download(self, transfer: Transfer | None) -> None:
@@ -472,41 +554,77 @@ class Runner:
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError) as exc:
             logger.info("could not read earlier credit: %s", exc)
 
-    async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend) -> int:
+    async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend,
+                     info: Info | None = None) -> int:
+        """Join the coordinator's run and work until stopped; when the run finishes, wait for the operator's next
+        run at the same URL and join that (unless --exit-when-finished)."""
         self.backend = backend
-        wait = self.cfg.wait_for_coordinator_s
-        if wait > 0 and not await api.up(wait):
-            self._say(f"the coordinator at {self.cfg.url} did not come up within {wait:g}s; trying with retries")
-        info = await api.info()
+        if info is None:
+            wait = self.cfg.wait_for_coordinator_s
+            if wait > 0 and not await api.up(wait):
+                self._warn(f"the coordinator at {self.cfg.url} did not come up within {wait:g}s; trying with retries")
+            info = await api.info()
+        self._pin(info)
+        api.patient = True  # joined: from now on outages are waited out (--give-up-after), one line each way
+        cache = SnapshotCache(self.paths.cache, api, info.coordinator_public_key, precheck=self._precheck,
+                              max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB),
+                              forms=self._forms, on_progress=self._on_download, throttle=self.throttle,
+                              count=self.meter.add)
+        if self.cfg.p2p:
+            await self._start_p2p(cache, api, info)
+        if self.cfg.benchmark:
+            await self._benchmark(cache, backend, info)  # also refuses a model too big, before registering
+        while True:
+            outcome = await self._work(api, identity, backend, info, cache)
+            if outcome != NEW_RUN or self.next_info is None:
+                break
+            info, self.next_info = self.next_info, None
+            self._pin(info)
+            cache.coordinator_key = info.coordinator_public_key
+            self._say(f"a new run ({info.run_id}) has started at {self.cfg.url}: joining it")
+        await self._settle()
+        if read_controls(self.cfg.home).finish:
+            update_controls(self.cfg.home, finish=False)  # obeyed: the next start works normally
+        self.stats.state = "stopped"
+        self.display.stop()
+        self._say(f"stopped: {self.stats.accepted - self.accepted_before} results accepted, "
+                  f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
+        return EXIT_OK
+
+    def _pin(self, info: Info) -> None:
         if info.protocol != PROTOCOL_VERSION:
             raise ProtocolError(Reason.PROTOCOL_VERSION, f"coordinator speaks protocol {info.protocol}, "
                                                          f"this client {PROTOCOL_VERSION}; upgrade echo-swarm")
         expected = bytes.fromhex(self.cfg.coordinator_key) if self.cfg.coordinator_key else None
         if pin_coordinator(self.cfg.home, self.cfg.url, info.coordinator_public_key, expected=expected):
             self._say(f"pinned coordinator key {info.coordinator_public_key.hex()[:16]}… for {self.cfg.url}")
-        cache = SnapshotCache(self.cfg.home / "cache", api, info.coordinator_public_key, precheck=self._precheck,
-                              max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB),
-                              forms=self._forms, on_progress=self._on_download)
-        if self.cfg.p2p:
-            await self._start_p2p(cache, api, info)
-        if self.cfg.benchmark:
-            await self._benchmark(cache, backend, info)  # also refuses a model too big, before registering
+
+    async def _work(self, api: CoordinatorClient, identity: Identity, backend: Backend, info: Info,
+                    cache: SnapshotCache) -> int:
+        """Register with ``info``'s run and loop lease → fetch → generate → submit. EXIT_OK when stopped (Ctrl-C,
+        `client finish`, --max-jobs, a finished run with --exit-when-finished); NEW_RUN (with ``next_info``) when
+        the coordinator now serves another run."""
         prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
         reg = await api.post("/v1/register", RegisterRequest(public_key=identity.public_key, profile=prof,
                                                              invite=self.cfg.invite),
                              RegisterResponse)
+        self.stats.run_id = reg.run_id
         await self._load_totals(api, reg.client_id)
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
         from swarm_client.backends import backend_kind
 
         kind = backend_kind(backend)
-        pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
+        pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
         held = -1
         gated: str | None = None
         coordinator_paused = False
         while not self.stop.is_set():
             gate = await self._gate()
+            if self.controls.finish:
+                self._say("finishing (`echo-swarm client finish`): no new job; the last result is submitted, then "
+                          "the client exits")
+                break
             if gate != gated:
                 self._say(f"not fetching new work: {gate}" if gate else "fetching work again")
                 gated = gate
@@ -522,7 +640,14 @@ class Runner:
             # staleness bound, so prefetching (when the coordinator asks for it) keeps rollouts as fresh as the
             # swarm allows
             held = max(held, self.ready_version)
-            resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=held), LeaseResponse)
+            try:
+                resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=held), LeaseResponse)
+            except ProtocolError as exc:
+                if exc.reason != Reason.UNKNOWN_CLIENT:
+                    raise
+                # the coordinator no longer knows this client: another run at this URL, or a store started afresh
+                self.next_info = await api.info()
+                return NEW_RUN
             pull = self._consider_prefetch(resp, held, cache, reg.run_id)
             if resp.paused != coordinator_paused:
                 coordinator_paused = resp.paused
@@ -532,6 +657,11 @@ class Runner:
                 if resp.finished and self.cfg.exit_when_finished:
                     self._say(f"the run has finished at version {resp.current_version}")
                     break
+                if resp.finished:
+                    self.next_info = await self._await_next_run(api, reg.run_id, resp.current_version)
+                    if self.next_info is None:
+                        break
+                    return NEW_RUN
                 if not resp.paused and pull and await self._pulled(resp.current_version):
                     continue  # woken to pull a new version while idle: pulled it, so ask again with it in hand
                 self._set_state("coordinator paused" if resp.paused else "waiting")
@@ -541,7 +671,7 @@ class Runner:
             if job.client_id != identity.client_id:
                 raise ProtocolError(Reason.NOT_LEASE_HOLDER, "coordinator sent a job leased to another client")
             self.stats.leases += 1
-            if is_paused(self.cfg.home):  # paused while this lease request was in flight: hand the job back
+            if self._held_back():  # paused (or finishing) while this lease request was in flight: hand the job back
                 await self._release(api, job.job_id, job.lease_id)
                 continue
             self.stats.last_job = job.job_id
@@ -560,20 +690,24 @@ class Runner:
             try:
                 await asyncio.to_thread(backend.load, folder)
             except FileNotFoundError as exc:  # e.g. a llama client and a coordinator that publishes no GGUF
-                self._say(f"error: {exc}")
+                self._error(f"error: {exc}")
                 await self._release(api, job.job_id, job.lease_id)
                 return EXIT_REFUSED
             held = self.stats.version = job.version
+            rollouts = job.group_size * len(job.prompts)
+            self.stats.job_steps, self.stats.job_started_at = 0, time.time()
+            self.stats.job_expected_steps = job.sampling.max_tokens * (rollouts if kind == "llama" else 1)
             self._set_state("generating")
             t0 = time.monotonic()
             pacer.reset()
             try:
                 completions = await asyncio.to_thread(self._generate, backend, job, folder, pacer)
             except ProtocolError as exc:  # a multi-turn job this client cannot play (environment_mismatch)
-                self._say(f"error: {exc.message}; releasing the job")
+                self._error(f"error: {exc.message}; releasing the job")
                 await self._release(api, job.job_id, job.lease_id)
                 return EXIT_REFUSED
             elapsed = time.monotonic() - t0
+            self.stats.job_steps = pacer.steps
             if self.stop.is_set():
                 await self._release(api, job.job_id, job.lease_id)
                 break
@@ -591,12 +725,32 @@ class Runner:
                 await self._settle()  # the last job needed: know whether it counted before leasing another
                 if self.stats.accepted - self.accepted_before >= self.cfg.max_jobs:
                     break
-        await self._settle()
-        self.stats.state = "stopped"
-        self.display.stop()
-        self._say(f"stopped: {self.stats.accepted - self.accepted_before} results accepted, "
-                  f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
         return EXIT_OK
+
+    async def _await_next_run(self, api: CoordinatorClient, run_id: str, version: int) -> Info | None:
+        """The run has finished: stop generating (no lease is asked for) and look every FINISHED_POLL_S for the
+        operator's next run at the same URL. Its Info when one starts; None when stopped (Ctrl-C or `client
+        finish`) first. Through a coordinator restart in between, the requests wait it out (patient mode)."""
+        self._say(f"the run has finished at version {version}: waiting for the operator's next run at "
+                  f"{self.cfg.url} (Ctrl-C or `echo-swarm client finish` to stop)")
+        if self.prefetch is not None and not self.prefetch.done():
+            self.prefetch.cancel()
+        await self._settle()
+        self._set_state(FINISHED_STATE)
+        while not self.stop.is_set():
+            end = time.monotonic() + FINISHED_POLL_S
+            while (left := end - time.monotonic()) > 0 and not self.stop.is_set():
+                if read_controls(self.cfg.home).finish:
+                    return None
+                await asyncio.to_thread(self.stop.wait, min(left, GATE_POLL_S))
+            if self.stop.is_set():
+                break
+            info = await api.info()
+            if info.run_id != run_id or not info.finished:
+                return info
+            if self.stats.state == UNREACHABLE_STATE:
+                self._set_state(FINISHED_STATE)
+        return None
 
     @staticmethod
     def _generate(backend: Backend, job: Job, folder: Path, pacer: Pacer) -> list[Completion]:
@@ -615,11 +769,14 @@ class Runner:
     async def _submit(self, api: CoordinatorClient, job: Job, sub: ResultSubmission, n_tok: int,
                       elapsed: float) -> None:
         job_id, lease_id = job.job_id, job.lease_id
+        entry: dict[str, object] = {"at": time.time(), "job": job_id, "version": job.version, "tokens": n_tok,
+                                    "seconds": round(elapsed, 2)}
         try:
             res = await api.post("/v1/results", sub, SubmitResponse)
             self.stats.accepted += 1
             self.stats.credit = res.total_credit
             self.stats.tokens += n_tok
+            entry |= {"outcome": "accepted", "credit": res.credit}
             if self.on_result is not None:
                 self.on_result(time.monotonic(), job, n_tok)
         except ProtocolError as exc:
@@ -628,9 +785,11 @@ class Runner:
             self.stats.rejected += 1
             code = refusal_code(exc)
             self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1
+            entry |= {"outcome": code, "credit": 0.0}
             self._say(f"result for {job_id} refused ({code}): {exc.message}")
             if exc.reason not in (Reason.JOB_COMPLETED, Reason.LEASE_EXPIRED, Reason.NOT_LEASE_HOLDER):
                 await self._release(api, job_id, lease_id)
+        self.stats.history = [*self.stats.history, entry][-HISTORY:]
         self.stats.tokens_per_s = n_tok / max(elapsed, 1e-9)
         self.display.update(line=True)
         self._write_status()

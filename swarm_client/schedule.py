@@ -3,11 +3,16 @@
 The client asks :func:`work_gate` before every lease. It never interrupts a job it has already started
 (a job takes seconds to a few minutes); it only declines to fetch the next one.
 
-Idle heuristic (`--idle-only`), Linux: the machine counts as idle when, over the last sample (about a second,
-taken between jobs, so while this client itself is not generating), at least ``min_idle`` (default 80 %) of all
-CPU time was idle, measured from /proc/stat. Elsewhere (no /proc/stat) it falls back to the 1-minute load
-average: idle when the load per core is below ``1 - min_idle``. Keyboard and mouse activity is not observed
-(that needs desktop-session access a background process usually lacks); a busy user shows up as CPU load.
+Idle (`--idle-only`): where the platform says how long ago the keyboard or mouse was last used
+(swarm_client.presence: macOS's HID idle time, a Linux desktop's idle monitor), the machine is idle once nobody
+has touched it for ``--idle-input-minutes``. Where it does not (a server, a service without a desktop session),
+CPU load decides, as before: on Linux the machine counts as idle when, over the last sample (about a second, taken
+between jobs, so while this client itself is not generating), at least ``min_idle`` (default 80 %) of all CPU
+time was idle, measured from /proc/stat; elsewhere (no /proc/stat) the 1-minute load average per core must be
+below ``1 - min_idle``.
+
+On battery (``--pause-on-battery``, the default) and over the monthly data cap (``--max-gb-per-month``) no new
+job starts either; each reason is a short state shown on the panel and the control page.
 """
 
 from __future__ import annotations
@@ -92,10 +97,19 @@ def is_idle(fraction: float | None, load1: float | None, cpus: int, min_idle: fl
     return True  # nothing to measure with: do not block work forever
 
 
-def work_gate(now: datetime, *, paused: bool, windows: list[Window], idle_only: bool, idle: bool) -> str | None:
-    """Why new work must not start now (a short state shown to the volunteer), or None to go ahead."""
+def work_gate(now: datetime, *, paused: bool, windows: list[Window], idle_only: bool, idle: bool,
+              snoozed_until: datetime | None = None, on_battery: bool = False,
+              data_cap: str | None = None) -> str | None:
+    """Why new work must not start now (a short state shown to the volunteer), or None to go ahead.
+    ``data_cap``: why the monthly data cap blocks work (swarm_client.bandwidth), or None."""
     if paused:
         return "paused"
+    if snoozed_until is not None and now < snoozed_until:
+        return f"snoozed until {snoozed_until:%H:%M}"
+    if on_battery:
+        return "on battery"
+    if data_cap is not None:
+        return data_cap
     if not in_windows(now, windows):
         return "outside " + ", ".join(str(w) for w in windows)
     if idle_only and not idle:
@@ -104,11 +118,16 @@ def work_gate(now: datetime, *, paused: bool, windows: list[Window], idle_only: 
 
 
 class IdleProbe:
-    """Samples the machine for :func:`is_idle` (the only impure part: reads /proc/stat or the load average)."""
+    """Samples the machine for :func:`is_idle` (the only impure part: reads /proc/stat or the load average, and
+    asks ``input_idle`` for the seconds since the last keyboard or mouse input, None where unknown)."""
 
-    def __init__(self, min_idle: float, proc_stat: Path = Path("/proc/stat")) -> None:
+    def __init__(self, min_idle: float, proc_stat: Path = Path("/proc/stat"), *,
+                 input_idle: Callable[[], float | None] | None = None, min_input_idle_s: float = 300.0) -> None:
         self.min_idle = min_idle
         self.proc_stat = proc_stat
+        self.input_idle = input_idle
+        self.min_input_idle_s = min_input_idle_s
+        self.source = "cpu"  # what decided last: "input" or "cpu"
         self._last: CpuTimes | None = self._read()
 
     def _read(self) -> CpuTimes | None:
@@ -118,7 +137,14 @@ class IdleProbe:
             return None
 
     def idle(self) -> bool:
-        """Idle since the previous call (the first call compares with construction time)."""
+        """Idle since the previous call (the first call compares with construction time); by keyboard and mouse
+        input where the platform tells it, else by CPU load."""
+        seconds = self.input_idle() if self.input_idle is not None else None
+        if seconds is not None:
+            self.source = "input"
+            self._last = self._read()
+            return seconds >= self.min_input_idle_s
+        self.source = "cpu"
         now = self._read()
         fraction = idle_fraction(self._last, now) if self._last and now else None
         self._last = now

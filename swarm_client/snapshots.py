@@ -31,12 +31,14 @@ from shared.hashing import sha256_file
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
 from swarm_client.api import CoordinatorClient
+from swarm_client.bandwidth import Throttle
 
 if TYPE_CHECKING:
     from swarm_client.peer_fetch import ClientPeer
 
 logger = logging.getLogger(__name__)
 CHUNK = 1 << 20
+THROTTLED_CHUNK = 64 << 10  # reads under a rate cap: fine-grained enough to hold a cap of well under 1 MB/s
 #: A download is flushed to disk every this many bytes, in a thread while it goes on: the verified bytes a resume
 #: starts from survive a power loss, and a multi-gigabyte file never piles up as dirty pages, which would stall
 #: every other program on the volunteer's machine that writes (Linux throttles all writers beyond a threshold).
@@ -111,7 +113,8 @@ class SnapshotCache:
                  max_bytes: int | None = None, precheck: Callable[[Manifest, int], None] | None = None,
                  forms: frozenset[str] | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 on_progress: Callable[[Transfer | None], None] | None = None) -> None:
+                 on_progress: Callable[[Transfer | None], None] | None = None,
+                 throttle: Throttle | None = None, count: Callable[[int], None] | None = None) -> None:
         self.root = Path(root)
         self.forms = forms  # the file forms this client's backend needs (None: all); see ManifestFile.form
         self.blobs = self.root / "blobs"
@@ -131,6 +134,8 @@ class SnapshotCache:
         self.connect_timeout_s = connect_timeout_s
         self.on_progress = on_progress  # the transfer in progress (None when it ends), for the client's panel
         self.peers: ClientPeer | None = None  # `join --p2p`: try other volunteers first (swarm_client/peer_fetch.py)
+        self.throttle = throttle  # the volunteer's download rate cap (swarm_client.bandwidth)
+        self.count = count  # every byte downloaded, for the monthly data budget
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -264,9 +269,15 @@ class SnapshotCache:
                 with open(partial, mode) as fh:
                     transfer.restart(fh.tell() if mode == "ab" else 0)
                     flushed, flushing = fh.tell(), None
+                    throttle = self.throttle if self.throttle is not None and self.throttle.rate else None
                     try:
-                        async for chunk in resp.content.iter_chunked(CHUNK):
+                        # capped: small reads, each taken from the bucket before the next (TCP then slows the sender)
+                        async for chunk in resp.content.iter_chunked(THROTTLED_CHUNK if throttle else CHUNK):
                             fh.write(chunk)
+                            if self.count is not None:
+                                self.count(len(chunk))
+                            if throttle is not None:
+                                await throttle.take(len(chunk))
                             self.bytes_downloaded += len(chunk)
                             transfer.advance(len(chunk))
                             self._report(transfer)

@@ -32,11 +32,19 @@ def llama_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def torch_available() -> bool:
+    """True when torch and transformers are installed (the `torch` extra), without importing them."""
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
 def resolve_backend(name: str) -> str:
     """'auto' → 'llama' where llama-cpp-python is installed, else 'torch'."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     if name == "auto":
+        if not llama_available() and not torch_available():
+            raise ValueError("no generation backend is installed: pip install 'echo-swarm[llama]' (llama.cpp) or "
+                             "'echo-swarm[torch]', or run installer/install.sh")
         return "llama" if llama_available() else "torch"
     return name
 
@@ -54,6 +62,9 @@ def make_backend(name: str, *, device: str = "auto", threads: int | None = None,
         from swarm_client.backends.llama_backend import LlamaBackend
 
         return LlamaBackend(device=device, threads=threads, n_gpu_layers=gpu_layers)
+    if not torch_available():
+        raise ValueError("the torch backend needs torch and transformers: pip install 'echo-swarm[torch]' (see "
+                         "installer/README.md), or join with --backend llama")
     if gpu_layers == 0:
         device = "cpu"
     from swarm_client.backends.torch_backend import TorchBackend

@@ -25,7 +25,7 @@ def test_flag_beats_file_beats_default(tmp_path: Path) -> None:
     assert cfg.threads == 2  # flag
     assert cfg.name == "from-file" and cfg.url == "http://file:8470" and cfg.idle_only  # file
     assert cfg.windows == ["22:00-07:00"] and cfg.max_memory_gb == 6.5  # file (dash/alias/str→list)
-    assert cfg.retries == 8 and cfg.min_free_disk_gb == 1.0 and cfg.benchmark  # defaults
+    assert cfg.retries == 5 and cfg.min_free_disk_gb == 1.0 and cfg.benchmark  # defaults
     assert cfg.home == tmp_path / "home"
     # a flag explicitly turning a file's boolean off wins too
     assert build(flags(idle_only=False, home=tmp_path), cfg_file).idle_only is False

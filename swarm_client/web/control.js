@@ -1,0 +1,103 @@
+// echo-swarm's local control page: polls /api/state every second; buttons POST JSON to /api/<action>.
+// The page's cookie (set by /?token=…) authorises every request; no inline script or style (strict CSP).
+"use strict";
+const POLL_MS = 1000;
+const $ = (id) => document.getElementById(id);
+window.echoControl = { polls: 0, errors: 0, last: null, actions: 0 };
+
+function mb(n) { return n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : `${((n || 0) / 1e6).toFixed(1)} MB`; }
+function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
+
+function cell(tr, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  tr.appendChild(td);
+}
+
+function draw(s) {
+  const c = s.controls || {};
+  const st = $("state");
+  st.textContent = s.state + (c.finishing ? " (finishing)" : "");
+  st.className = "pill " + (s.state === "generating" || s.state === "fetching" || s.state === "waiting" ? "working"
+    : s.state === "stopped" || s.state.startsWith("coordinator unreachable") ? "off" : "held");
+  st.dataset.state = s.state;
+  st.dataset.paused = String(!!c.paused);
+  $("url").textContent = `${s.url} (run ${s.run_id || "–"})`;
+  $("version").textContent = s.version >= 0 ? String(s.version) : "–";
+  $("job").textContent = s.last_job || "–";
+  const pct = s.state === "generating" && s.job_expected_steps ? Math.min(99, (100 * s.job_steps) / s.job_expected_steps) : 0;
+  $("progress").style.width = `${pct.toFixed(0)}%`;  // a style property set from script (CSP allows it)
+  $("progress-text").textContent = s.state === "generating" ? `${s.job_steps} decoding steps (at most ${pct.toFixed(0)} % of the longest job)` : "–";
+  $("download").textContent = s.download || "–";
+  $("speed").textContent = `${Number(s.tokens_per_s || 0).toFixed(1)} tokens/s (last job)`;
+  $("results").textContent = `${s.accepted} accepted, ${s.rejected} refused`;
+  $("credit").textContent = Math.round(s.credit).toLocaleString();
+  $("data").textContent = s.bandwidth || "–";
+  $("machine").textContent = `${s.machine || "–"} · ${s.backend}`;
+  const input = $("bandwidth");
+  if (document.activeElement !== input) input.value = s.max_mbps === null || s.max_mbps === undefined ? "" : String(s.max_mbps);
+  input.dataset.current = String(s.max_mbps);
+  const rows = (s.history || []).slice().reverse();
+  $("history").tBodies[0].replaceChildren(...rows.map((h) => {
+    const tr = document.createElement("tr");
+    tr.dataset.outcome = h.outcome;
+    cell(tr, clock(h.at)); cell(tr, h.job); cell(tr, h.version, "num"); cell(tr, h.tokens, "num");
+    cell(tr, Number(h.seconds).toFixed(1), "num"); cell(tr, h.outcome); cell(tr, Math.round(h.credit), "num");
+    return tr;
+  }));
+  $("history-empty").style.display = rows.length ? "none" : "";
+}
+
+async function poll() {
+  try {
+    const resp = await fetch("/api/state", { cache: "no-store", credentials: "same-origin" });
+    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    const s = await resp.json();
+    draw(s);
+    window.echoControl.polls += 1;
+    window.echoControl.last = { state: s.state, paused: !!(s.controls || {}).paused };
+  } catch (err) {
+    window.echoControl.errors += 1;
+    const st = $("state");
+    st.textContent = "client not running — retrying";
+    st.className = "pill off";
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+async function act(action, body) {
+  const msg = $("message");
+  try {
+    const resp = await fetch(`/api/${action}`, {
+      method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body || {}),
+    });
+    const data = await resp.json();
+    if (!resp.ok) throw new Error(data.error || `HTTP ${resp.status}`);
+    window.echoControl.actions += 1;
+    msg.className = "message";
+    msg.textContent = { pause: "Paused: the job in hand is finished, then no new work.", resume: "Resumed.",
+      finish: "Finishing: the job in hand is submitted, then the client stops.", snooze: "Snoozed.",
+      bandwidth: "Download cap set." }[action];
+  } catch (err) {
+    msg.className = "message bad";
+    msg.textContent = `Could not ${action}: ${err.message}`;
+  }
+}
+
+$("pause").addEventListener("click", () => act("pause"));
+$("resume").addEventListener("click", () => act("resume"));
+$("finish").addEventListener("click", () => act("finish"));
+for (const id of ["snooze-30", "snooze-120"]) {
+  $(id).addEventListener("click", (e) => act("snooze", { minutes: Number(e.currentTarget.dataset.minutes) }));
+}
+function setBandwidth() {
+  const v = Number($("bandwidth").value);
+  act("bandwidth", { mbps: v > 0 ? v : null });
+}
+$("bandwidth-set").addEventListener("click", setBandwidth);
+$("bandwidth").addEventListener("keydown", (e) => { if (e.key === "Enter") setBandwidth(); });
+$("bandwidth-clear").addEventListener("click", () => { $("bandwidth").value = ""; act("bandwidth", { mbps: null }); });
+poll();
