@@ -10,6 +10,7 @@ and a strict Content-Security-Policy; ``/v1/status`` is shared and rate-limited 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -21,6 +22,7 @@ from coordinator import netguard, p2p_relay
 from coordinator.config import CoordinatorConfig
 from coordinator.core.connections import Phase
 from coordinator.learner_role import LearnerRole
+from coordinator.p2p_seed import EGRESS_COUNTER, EGRESS_FLUSH_S
 from coordinator.public_reads import PUBLIC_READS, PublicReads
 from coordinator.runfiles import RunFiles
 from coordinator.service import MAX_REQUEST_BYTES, Coordinator
@@ -296,6 +298,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             background.append(task)
         coord.store.prune_nonces(coord.clock())  # opens (creates) the API's nonce database before serving
         background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
+        background.append(asyncio.create_task(_keep_counters(coord), name="counters"))
         if coord.config.p2p.enabled and app[ALL_ROLES]:  # the process layout runs the peer as its own role
             from coordinator.p2p_seed import CoordinatorPeer
 
@@ -312,6 +315,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        with contextlib.suppress(Exception):  # the last seconds' bytes; a store already closed loses only them
+            coord.egress.flush(lambda n: coord.store.add_to_counter(EGRESS_COUNTER, n))
         if worker is not None:
             worker.close()
         if learner is not None:
@@ -319,6 +324,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await coord.stop()
         if files is not None:
             files.close()
+
+
+async def _keep_counters(coord: Coordinator) -> None:
+    """Add the snapshot bytes served to the store's counter every few seconds, so the status page's figure
+    survives a restart."""
+    while True:
+        await asyncio.sleep(EGRESS_FLUSH_S)
+        coord.egress.flush(lambda n: coord.store.add_to_counter(EGRESS_COUNTER, n))
 
 
 async def _prune_nonces(coord: Coordinator) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import signal
@@ -14,6 +15,7 @@ from aiohttp import web
 from coordinator import netguard
 from coordinator.app import CONN_GUARD, COORDINATOR, FATAL, create_app
 from coordinator.config import CoordinatorConfig
+from shared.exit_codes import ExitCode
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +26,15 @@ async def serve(config: CoordinatorConfig, *, all_roles: bool = True, name: str 
     shared PostgreSQL store (it writes endpoint-api-N.json)."""
     app = create_app(config, all_roles=all_roles)
     app[COORDINATOR].api_name = name
-    runner, site = await start_site(app, config)
+    try:
+        runner, site = await start_site(app, config)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        # taken after the pre-flight check (two coordinators started at once): a restart cannot fix it
+        logger.critical("port %d on %s is in use: pass another --port (server.port; 0 picks a free one), or stop "
+                        "what uses it", config.server.port, config.server.host)
+        return int(ExitCode.PORT_IN_USE)
     port = site.port
     url = f"http://{config.server.host}:{port}"
     from coordinator.roles import report_pid

@@ -218,3 +218,58 @@ def reward_means(store: Store) -> dict[str, list[list[float]]]:
         for name, mean in json.loads(raw).items():
             out.setdefault(str(name), []).append([int(step), float(mean)])
     return out
+
+
+# ---- the status page's per-volunteer view ---------------------------------------------------------------------
+VOLUNTEER_MATCHES = 20
+VOLUNTEER_RESULTS = 50
+
+
+def find_volunteers(store: Store, query: str, limit: int = VOLUNTEER_MATCHES) -> list[dict[str, Any]]:
+    """Volunteers whose display name contains ``query`` (any case), or whose client id starts with it: the best
+    credit first. Banned clients are not listed (they are not on the leaderboard either)."""
+    q = query.strip().lower()
+    if not q:
+        return []
+    db = store.conn
+    name = db.json_text("profile", "name")
+    like = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    prefix = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    rows = db.execute(f"SELECT client_id, {name} AS name, accepted, credit FROM clients WHERE banned = 0 AND "
+                      f"(LOWER(COALESCE({name}, '')) LIKE ? ESCAPE '\\' OR client_id LIKE ? ESCAPE '\\') "
+                      f"ORDER BY credit DESC, registered_at LIMIT ?", (like, prefix, limit)).fetchall()
+    return [{"client_id": r["client_id"], "name": r["name"] or r["client_id"][:8], "accepted": int(r["accepted"]),
+             "credit": float(r["credit"])} for r in rows]
+
+
+def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) -> dict[str, Any] | None:
+    """One volunteer's page: who (name, backend, platform), standing (state, rank, accepted, refused, credit),
+    their latest results, the policy versions they generated for, and their refusals by reason."""
+    db = store.conn
+    row = db.execute("SELECT * FROM clients WHERE client_id = ?", (client_id,)).fetchone()
+    if row is None or row["banned"]:
+        return None
+    profile = json.loads(row["profile"])
+    rank = 1 + int(db.execute("SELECT COUNT(*) FROM clients WHERE banned = 0 AND (credit > ? OR (credit = ? AND "
+                              "registered_at < ?))", (row["credit"], row["credit"], row["registered_at"])
+                              ).fetchone()[0])
+    results = db.execute("SELECT job_id, version, received_at, n_tokens, mean_reward FROM results WHERE client_id = ? "
+                         "ORDER BY received_at DESC LIMIT ?", (client_id, VOLUNTEER_RESULTS)).fetchall()
+    by_version = db.execute("SELECT version, COUNT(*) AS n, SUM(n_tokens) AS tokens FROM results WHERE client_id = ? "
+                            "GROUP BY version ORDER BY version DESC LIMIT ?", (client_id, VOLUNTEER_RESULTS)).fetchall()
+    refusals = db.execute("SELECT reason, COUNT(*) AS n FROM rejections WHERE client_id = ? GROUP BY reason",
+                          (client_id,)).fetchall()
+    holders = live_lease_holders(store, now)
+    return {
+        "client_id": client_id, "name": profile.get("name") or client_id[:8], "backend": profile.get("backend", "?"),
+        "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
+        "software": profile.get("software", ""), "registered_at": row["registered_at"], "last_seen": row["last_seen"],
+        "state": client_state(banned=False, holds_live_lease=client_id in holders, last_seen=float(row["last_seen"]),
+                              now=now, window_s=active_window_s(lease_timeout_s)),
+        "rank": rank, "accepted": int(row["accepted"]), "rejected": int(row["rejected"]), "credit": float(row["credit"]),
+        "results": [{"job_id": r["job_id"], "version": int(r["version"]), "received_at": r["received_at"],
+                     "tokens": int(r["n_tokens"]), "mean_reward": r["mean_reward"]} for r in results],
+        "versions": [{"version": int(r["version"]), "results": int(r["n"]), "tokens": int(r["tokens"])}
+                     for r in by_version],
+        "refusals": {str(r["reason"]): int(r["n"]) for r in refusals},
+    }

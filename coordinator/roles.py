@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
+from shared.exit_codes import ExitCode
 
 logger = logging.getLogger(__name__)
 
 #: Exit code of a role whose start-up failed for a reason a restart cannot fix (bad model folder, bad config).
-CONFIG_ERROR = 2
+CONFIG_ERROR = int(ExitCode.USAGE)
 #: A role that dies this many times within RESTART_WINDOW_S stops the run.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
@@ -304,9 +305,9 @@ def supervise(config: CoordinatorConfig) -> int:
                     child.done = True
                     logger.info("learner finished the run; the API and verifiers keep serving")
                     continue
-                if rc == CONFIG_ERROR:
+                if rc in (CONFIG_ERROR, ExitCode.PORT_IN_USE):
                     logger.critical("%s cannot start (see its log above); stopping the run", child.name)
-                    return 1
+                    return int(ExitCode.PORT_IN_USE) if rc == ExitCode.PORT_IN_USE else 1
                 now = time.monotonic()
                 child.deaths.append(now)
                 while child.deaths and child.deaths[0] < now - RESTART_WINDOW_S:

@@ -14,21 +14,32 @@ page, so many viewers must not cost more than one.
 
 The page's HTML loads one script and one stylesheet of its own and has no inline script or style, so it works
 under the strict Content-Security-Policy that coordinator.app sends with every response.
+
+``/volunteer`` is the per-volunteer page: a volunteer finds themselves by display name or client id
+(``GET /v1/volunteers?q=``) and sees their standing, latest results and the versions they generated for
+(``GET /v1/volunteers/{client_id}``). Both are public reads under the same per-address limit as /v1/status.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from coordinator import readmodels
+from coordinator.public_reads import PUBLIC_READS
+from shared.errors import ProtocolError, Reason
+from coordinator.p2p_seed import EGRESS_COUNTER
 from coordinator.service import Coordinator
 
 WEB_DIR = Path(__file__).with_name("web")
 STATUS_COORDINATOR = web.AppKey("status_coordinator", Coordinator)
 THROUGHPUT_BINS = 48
+MAX_QUERY = 64  # characters of a volunteer search
+CLIENT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def page_views(coord: Coordinator) -> dict[str, Any]:
@@ -41,7 +52,8 @@ def page_views(coord: Coordinator) -> dict[str, Any]:
         "clients_summary": readmodels.client_summary(readmodels.client_states(coord.store, now, timeout)),
         "leaderboard": readmodels.top_clients(coord.store, now, timeout),
         "recent_versions": readmodels.versions(coord.store, coord.snapshots.signed_manifest, limit=10),
-        "snapshot_egress": coord.egress.view(),  # coordinator egress vs bytes peers served (p2p, issue 14)
+        # coordinator egress vs bytes peers served (p2p, issue 14), counted across restarts (the store's counter)
+        "snapshot_egress": coord.egress.view(coord.store.counter(EGRESS_COUNTER)),
     }
 
 
@@ -76,8 +88,42 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+async def volunteer_page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(WEB_DIR / "volunteer.html", headers={"Cache-Control": "no-cache"})
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(data, default=str).encode(), status=status, content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+
+async def find_volunteers(request: web.Request) -> web.Response:
+    """``GET /v1/volunteers?q=TEXT``: volunteers by display name (contains, any case) or client id prefix."""
+    request.app[PUBLIC_READS].check(request)
+    query = request.query.get("q", "")[:MAX_QUERY]
+    return _json({"query": query, "volunteers": readmodels.find_volunteers(request.app[STATUS_COORDINATOR].store,
+                                                                           query)})
+
+
+async def volunteer(request: web.Request) -> web.Response:
+    """``GET /v1/volunteers/{client_id}``: one volunteer's results, credit and versions (404 when unknown)."""
+    request.app[PUBLIC_READS].check(request)
+    client_id = request.match_info["client_id"]
+    coord = request.app[STATUS_COORDINATOR]
+    found = None
+    if CLIENT_ID.fullmatch(client_id):
+        found = readmodels.volunteer(coord.store, client_id, coord.clock(), coord.config.jobs.lease_timeout_s)
+    if found is None:
+        raise ProtocolError(Reason.NOT_FOUND, f"no volunteer {client_id[:64]!r} in this run: find yourself by name "
+                                              f"or id at /volunteer")
+    return _json(found)
+
+
 def install(app: web.Application, coord: Coordinator) -> None:
-    """Serve ``/`` and ``/static/*`` (the page's own JS and CSS)."""
+    """Serve ``/``, ``/volunteer``, their JSON (``/v1/volunteers``) and ``/static/*`` (the pages' own JS and CSS)."""
     app[STATUS_COORDINATOR] = coord
     app.router.add_get("/", index)
+    app.router.add_get("/volunteer", volunteer_page)
+    app.router.add_get("/v1/volunteers", find_volunteers)
+    app.router.add_get("/v1/volunteers/{client_id}", volunteer)
     app.router.add_static("/static/", WEB_DIR, append_version=False)

@@ -57,6 +57,7 @@ CREATE TABLE IF NOT EXISTS results(
   rewards TEXT NOT NULL, mean_reward REAL NOT NULL, n_tokens INTEGER NOT NULL, ingested_step INTEGER,
   stale_at INTEGER);
 CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
+CREATE INDEX IF NOT EXISTS results_by_client ON results(client_id, received_at);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
@@ -300,6 +301,17 @@ class Store:
         with self._tx():
             self.conn.execute("INSERT INTO meta(key,value) VALUES(?,?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                               (key, value))
+
+    def add_to_counter(self, key: str, delta: int) -> None:
+        """Add ``delta`` to a counter kept in meta (e.g. snapshot bytes served): counters the status page shows
+        survive restarts, and several API processes on one store each add their own share."""
+        with _Tx(self.light_conn):
+            self.light_conn.execute("INSERT INTO meta(key,value) VALUES(?,?) ON CONFLICT(key) DO UPDATE SET "
+                                    "value=CAST(CAST(meta.value AS BIGINT) + ? AS TEXT)", (key, str(delta), delta))
+
+    def counter(self, key: str) -> int:
+        raw = self.get_meta(key)
+        return 0 if raw is None else int(raw)
 
     # -- clients ------------------------------------------------------------------------------------------
     def _add_client_columns(self) -> None:

@@ -122,15 +122,22 @@ usage() {
 Usage: bash installer/install.sh [OPTIONS]
 
 Install the echo-swarm volunteer client into its own Python virtual environment, with the torch build
-that fits this machine, and link the `echo-swarm` command. Linux and macOS.
+that fits this machine (or no torch at all: --no-torch), and link the `echo-swarm` command. Linux and macOS.
 
 Steps: detect OS / CPU / GPU, find Python >= 3.11, create the venv (and upgrade pip in it), install torch,
 install echo-swarm, self-check, link the executable. Each step prints a "==> [n/7]" heading.
+
+What is installed:
+  default      the torch client: echo-swarm[torch] and the torch build for this machine (below)
+  --no-torch   a llama.cpp client: echo-swarm[llama], compiled for the GPU found; no torch, transformers or
+               peft (a venv of about 220 MB instead of 1-6 GB)
 
 torch build chosen by default:
   Linux + NVIDIA GPU (nvidia-smi works)  torch from PyPI (CUDA build)
   Linux, no GPU                          CPU build from --index-url https://download.pytorch.org/whl/cpu
   macOS (Apple silicon: Metal / MPS)     torch from PyPI
+After installing, the self-check warns when the torch build does not match the machine (a CUDA build without an
+NVIDIA GPU: gigabytes for nothing; a CPU build with one: the GPU unused) and says how to fix it.
 
 Options:
   --python PATH          Python interpreter to build the venv from (>= 3.11). Default: $PYTHON if set,
@@ -157,6 +164,14 @@ Options:
                          CUDA toolkit's nvcc), else the CPU. Set CMAKE_ARGS yourself to override.
   --with-p2p             Also install peer-to-peer snapshot transfer (hivemind==1.1.12 with its bundled
                          libp2p daemon; wheels for Linux and macOS only). Turn it on with `join --p2p`.
+                         hivemind depends on torch, so with --no-torch it brings torch in.
+  --no-torch             A llama.cpp client without torch: installs echo-swarm[llama] (implies --with-llama)
+                         and skips the torch step.
+  --uninstall            Remove what this installer installed: the service (`echo-swarm client
+                         uninstall-service`), the link and the virtual environment at --prefix. Your identity,
+                         settings and credit stay, unless --purge.
+  --purge                With --uninstall: also delete the client's identity key, settings, snapshot cache and
+                         logs (the echo-swarm folders in your config, cache and state dirs).
   --dry-run              Detect the machine and print the plan and the commands it would run, without
                          creating, downloading or changing anything.
   -h, --help             Show this help and exit.
@@ -184,6 +199,9 @@ BIN_DIR=""
 NO_LINK=0
 WITH_LLAMA=0
 WITH_P2P=0
+NO_TORCH=0
+UNINSTALL=0
+PURGE=0
 readonly LLAMA_REQ="llama-cpp-python>=0.3.36,<0.4"
 readonly P2P_REQ="hivemind==1.1.12"  # pyproject.toml's [p2p] extra
 
@@ -234,6 +252,9 @@ while [ $# -gt 0 ]; do
         --no-link) NO_LINK=1 ;;
         --with-llama) WITH_LLAMA=1 ;;
         --with-p2p) WITH_P2P=1 ;;
+        --no-torch) NO_TORCH=1 ;;
+        --uninstall) UNINSTALL=1 ;;
+        --purge) PURGE=1 ;;
         -*) usage_error "unknown option: $opt" ;;
         *) usage_error "unexpected argument: $opt (this installer takes options only)" ;;
     esac
@@ -242,6 +263,15 @@ done
 
 if [ -n "$TORCH_INDEX_URL" ] && [ "$NO_TORCH_INDEX" = 1 ]; then
     usage_error "--torch-index-url and --no-torch-index contradict each other; pass one"
+fi
+if [ "$NO_TORCH" = 1 ] && { [ -n "$TORCH_SPEC" ] || [ -n "$TORCH_INDEX_URL" ] || [ "$NO_TORCH_INDEX" = 1 ]; }; then
+    usage_error "--no-torch installs no torch, so --torch-spec / --torch-index-url / --no-torch-index make no sense with it"
+fi
+if [ "$PURGE" = 1 ] && [ "$UNINSTALL" = 0 ]; then
+    usage_error "--purge only goes with --uninstall"
+fi
+if [ "$NO_TORCH" = 1 ]; then
+    WITH_LLAMA=1 # a client without torch generates with llama.cpp
 fi
 if [ -n "$SOURCE" ] && [ "$FROM_PYPI" = 1 ]; then
     usage_error "--source and --from-pypi contradict each other; pass one"
@@ -260,6 +290,84 @@ if [ -z "$BIN_DIR" ]; then
     BIN_DIR="${HOME:-}/.local/bin"
 fi
 BIN_DIR=$(abspath "$BIN_DIR")
+
+# ---------------------------------------------------------------------------------------------- --uninstall
+
+# remove_path PATH WHAT: delete PATH (a file, link or folder), or under --dry-run say that it would.
+remove_path() {
+    if [ ! -e "$1" ] && [ ! -L "$1" ]; then
+        return 0
+    fi
+    if [ "$DRY_RUN" = 1 ]; then
+        info "would remove $2: $1"
+    else
+        rm -rf -- "$1" || die "could not remove $1" "check its permissions and remove it by hand"
+        info "removed $2: $1"
+    fi
+}
+
+uninstall() {
+    local venv_cli="$PREFIX/bin/echo-swarm" link="$BIN_DIR/echo-swarm" target
+    if [ "$DRY_RUN" = 1 ]; then
+        banner "Uninstalling (dry run: nothing will be changed)"
+    else
+        banner "Uninstalling echo-swarm"
+    fi
+    if [ -e "$PREFIX" ] && [ ! -f "$PREFIX/pyvenv.cfg" ]; then
+        die "$PREFIX is not a virtual environment, so it was left alone" \
+            "pass --prefix DIR with the folder the installer created (default ${XDG_DATA_HOME:-$HOME/.local/share}/echo-swarm/venv)"
+    fi
+    if [ -x "$venv_cli" ]; then  # the service runs this venv's python: stop it before the venv goes
+        if [ "$DRY_RUN" = 1 ]; then
+            info "would run: $(quote_cmd "$venv_cli" client uninstall-service)"
+        else
+            "$venv_cli" client uninstall-service | sed 's/^/    /' ||
+                warn "could not remove the service; run: echo-swarm client uninstall-service (before the venv goes) or remove its unit by hand"
+        fi
+    fi
+    if [ -L "$link" ]; then
+        target=$(readlink "$link" 2>/dev/null) || target=""
+        if [ "$target" = "$venv_cli" ]; then
+            remove_path "$link" "the command link"
+        else
+            info "left $link alone: it points to $target, not to this installation"
+        fi
+    fi
+    if [ -e "$PREFIX" ]; then
+        remove_path "$PREFIX" "the virtual environment"
+    else
+        info "no virtual environment at $PREFIX (already removed?)"
+    fi
+    local config_dir cache_dir state_dir
+    if [ "$OS_NAME" = Darwin ]; then
+        config_dir="$HOME/Library/Application Support/echo-swarm"
+        cache_dir="$HOME/Library/Caches/echo-swarm"
+        state_dir="$HOME/Library/Application Support/echo-swarm"
+    else
+        config_dir="${XDG_CONFIG_HOME:-$HOME/.config}/echo-swarm"
+        cache_dir="${XDG_CACHE_HOME:-$HOME/.cache}/echo-swarm"
+        state_dir="${XDG_STATE_HOME:-$HOME/.local/state}/echo-swarm"
+    fi
+    if [ "$PURGE" = 1 ]; then
+        remove_path "$config_dir" "identity, settings and pause files"
+        remove_path "$cache_dir" "snapshot cache"
+        remove_path "$state_dir" "logs"
+    else
+        info "kept your identity and settings ($config_dir), snapshot cache ($cache_dir) and logs ($state_dir);"
+        info "re-run with --uninstall --purge to delete them too"
+    fi
+    if [ "$DRY_RUN" = 1 ]; then
+        banner "Dry run finished: nothing was changed"
+    else
+        banner "Done: echo-swarm is uninstalled"
+    fi
+}
+
+if [ "$UNINSTALL" = 1 ]; then
+    OS_NAME=$(uname -s)
+    uninstall
+    exit 0
+fi
 
 if [ "$FROM_PYPI" = 0 ]; then
     if [ -z "$SOURCE" ]; then
@@ -451,7 +559,8 @@ if [ "$FROM_PYPI" = 0 ]; then
 import re, sys, tomllib
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f).get("project", {})
-torch = [d for d in project.get("dependencies", []) if re.match(r"torch\s*(?:[<>=!~;\[]|$)", d)]
+deps = project.get("dependencies", []) + project.get("optional-dependencies", {}).get("torch", [])
+torch = [d for d in deps if re.match(r"torch\s*(?:[<>=!~;\[]|$)", d)]
 print(project.get("name", ""))
 print(torch[0].strip() if torch else "")' "$SOURCE/pyproject.toml" 2>&1) ||
         die "cannot read $SOURCE/pyproject.toml: ${meta##*$'\n'}" "pass --source PATH to an echo-swarm checkout"
@@ -505,22 +614,35 @@ VENV_PY="$PREFIX/bin/python"
 EXE="$PREFIX/bin/echo-swarm"
 LINK="$BIN_DIR/echo-swarm"
 
+# echo-swarm's extras (pyproject.toml): only what this client's backend needs
+if [ "$NO_TORCH" = 1 ]; then
+    EXTRAS="llama"
+elif [ "$WITH_LLAMA" = 1 ]; then
+    EXTRAS="torch,llama"
+else
+    EXTRAS="torch"
+fi
+
 if [ "$DRY_RUN" = 1 ]; then
     banner "Plan (dry run: nothing will be created, downloaded or changed)"
 else
     banner "Plan"
 fi
 info "virtual environment: $PREFIX"
-info "torch:               $TORCH_SPEC, $torch_why"
-if [ -n "$TORCH_INDEX" ]; then
-    info "torch index:         $TORCH_INDEX"
+if [ "$NO_TORCH" = 1 ]; then
+    info "torch:               none (--no-torch: a llama.cpp client)"
 else
-    info "torch index:         pip's default (PyPI, plus PIP_* variables and pip.conf)"
+    info "torch:               $TORCH_SPEC, $torch_why"
+    if [ -n "$TORCH_INDEX" ]; then
+        info "torch index:         $TORCH_INDEX"
+    else
+        info "torch index:         pip's default (PyPI, plus PIP_* variables and pip.conf)"
+    fi
 fi
 if [ "$FROM_PYPI" = 1 ]; then
-    info "echo-swarm:          from PyPI"
+    info "echo-swarm:          echo-swarm[$EXTRAS] from PyPI"
 else
-    info "echo-swarm:          from the checkout $SOURCE"
+    info "echo-swarm:          echo-swarm[$EXTRAS] from the checkout $SOURCE"
 fi
 if [ "$WITH_LLAMA" = 1 ]; then
     info "llama.cpp backend:   $LLAMA_REQ, $llama_why (CMAKE_ARGS=$LLAMA_CMAKE)"
@@ -536,6 +658,11 @@ if [ "$NO_LINK" = 1 ]; then
     info "command:             $EXE (no link: --no-link)"
 else
     info "command:             $LINK -> $EXE"
+fi
+if [ "$NO_TORCH" = 0 ] && [ "$OS" = Linux ] && [ "$GPU_KIND" != nvidia ] && [ -z "$TORCH_INDEX" ] &&
+    [ -z "${PIP_FIND_LINKS:-}" ] && [ -z "${PIP_INDEX_URL:-}" ] && [ -z "${PIP_EXTRA_INDEX_URL:-}" ]; then
+    warn "this machine has no NVIDIA GPU, but pip's default index serves the CUDA build of torch on Linux (several GB"
+    warn "of NVIDIA libraries it cannot use). Drop --no-torch-index for the CPU build, or use --no-torch for a llama.cpp client."
 fi
 
 # ---------------------------------------------------------------------------------------------- 3. venv
@@ -570,16 +697,20 @@ run "pip could not reach the package index: check the network connection / proxy
 # ---------------------------------------------------------------------------------------------- 4. torch
 
 heading 4 "Installing torch"
-info "$torch_why"
-if [ "$GPU_KIND" = nvidia ] && [ -z "$TORCH_INDEX" ] && [ "$NO_TORCH_INDEX" = 0 ]; then
-    info "the CUDA build of torch and its NVIDIA libraries are a few GB: this download takes a while"
-fi
-torch_hint="check the network connection and free disk space (torch needs several GB); to pick another build pass
-  --torch-spec SPEC (e.g. torch==2.6.0) and/or --torch-index-url URL (e.g. $CPU_INDEX_URL)"
-if [ -n "$TORCH_INDEX" ]; then
-    run "$torch_hint" "$VENV_PY" -m pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
+if [ "$NO_TORCH" = 1 ]; then
+    info "skipped (--no-torch): this client generates with llama.cpp"
 else
-    run "$torch_hint" "$VENV_PY" -m pip install "$TORCH_SPEC"
+    info "$torch_why"
+    if [ "$GPU_KIND" = nvidia ] && [ -z "$TORCH_INDEX" ] && [ "$NO_TORCH_INDEX" = 0 ]; then
+        info "the CUDA build of torch and its NVIDIA libraries are a few GB: this download takes a while"
+    fi
+    torch_hint="check the network connection and free disk space (torch needs several GB); to pick another build pass
+  --torch-spec SPEC (e.g. torch==2.6.0) and/or --torch-index-url URL (e.g. $CPU_INDEX_URL), or --no-torch"
+    if [ -n "$TORCH_INDEX" ]; then
+        run "$torch_hint" "$VENV_PY" -m pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
+    else
+        run "$torch_hint" "$VENV_PY" -m pip install "$TORCH_SPEC"
+    fi
 fi
 
 # ---------------------------------------------------------------------------------------------- 5. echo-swarm
@@ -613,10 +744,25 @@ else:
     shutil.copytree(src, dst, ignore=ignore, dirs_exist_ok=True)
 print(len(files) if files else "all")'
 
+# llama.cpp first: echo-swarm[llama] then finds it built for this machine's accelerator
+if [ "$WITH_LLAMA" = 1 ]; then
+    info "building llama.cpp for the llama backend ($llama_why); this compiles C++ for a few minutes"
+    if [ "$DRY_RUN" = 0 ] && ! command -v c++ >/dev/null 2>&1; then
+        die "no C++ compiler found; llama-cpp-python compiles llama.cpp" \
+            "install one (Debian/Ubuntu: sudo apt-get install build-essential; macOS: xcode-select --install), then re-run"
+    fi
+    if [ "$GPU_KIND" = nvidia ] && [ -z "${CMAKE_ARGS:-}" ] && ! command -v nvcc >/dev/null 2>&1; then
+        warn "nvcc (the CUDA toolkit) is not on PATH: the CUDA build of llama.cpp will fail without it."
+        warn "Install the CUDA toolkit, or set CMAKE_ARGS=-DLLAVA_BUILD=OFF for a CPU build."
+    fi
+    run "check the compiler output above; for a CPU-only build set CMAKE_ARGS=-DLLAVA_BUILD=OFF and re-run" \
+        env "CMAKE_ARGS=$LLAMA_CMAKE" "$VENV_PY" -m pip install "$LLAMA_REQ"
+fi
+
 # only-if-needed: the torch installed in step 4 satisfies echo-swarm's range and is kept as it is.
 if [ "$FROM_PYPI" = 1 ]; then
     run "check the network connection; to install from a checkout instead pass --source PATH" \
-        "$VENV_PY" -m pip install --upgrade --upgrade-strategy only-if-needed echo-swarm
+        "$VENV_PY" -m pip install --upgrade --upgrade-strategy only-if-needed "echo-swarm[$EXTRAS]"
 else
     if [ "$DRY_RUN" = 1 ]; then
         info "would copy the source files of $SOURCE to a temporary folder and install from there"
@@ -636,21 +782,7 @@ else
         info "copied $copied source files of $SOURCE to $BUILD_SRC"
     fi
     run "check that $SOURCE is a complete echo-swarm checkout and that PyPI is reachable (dependencies come from there)" \
-        "$VENV_PY" -m pip install --upgrade --upgrade-strategy only-if-needed "$BUILD_SRC"
-fi
-
-if [ "$WITH_LLAMA" = 1 ]; then
-    info "building llama.cpp for the llama backend ($llama_why); this compiles C++ for a few minutes"
-    if [ "$DRY_RUN" = 0 ] && ! command -v c++ >/dev/null 2>&1; then
-        die "no C++ compiler found; llama-cpp-python compiles llama.cpp" \
-            "install one (Debian/Ubuntu: sudo apt-get install build-essential; macOS: xcode-select --install), then re-run"
-    fi
-    if [ "$GPU_KIND" = nvidia ] && [ -z "${CMAKE_ARGS:-}" ] && ! command -v nvcc >/dev/null 2>&1; then
-        warn "nvcc (the CUDA toolkit) is not on PATH: the CUDA build of llama.cpp will fail without it."
-        warn "Install the CUDA toolkit, or set CMAKE_ARGS=-DLLAVA_BUILD=OFF for a CPU build."
-    fi
-    run "check the compiler output above; for a CPU-only build set CMAKE_ARGS=-DLLAVA_BUILD=OFF and re-run" \
-        env "CMAKE_ARGS=$LLAMA_CMAKE" "$VENV_PY" -m pip install "$LLAMA_REQ"
+        "$VENV_PY" -m pip install --upgrade --upgrade-strategy only-if-needed "$BUILD_SRC[$EXTRAS]"
 fi
 
 if [ "$WITH_P2P" = 1 ]; then
@@ -681,9 +813,21 @@ print("python %s, torch %s (CUDA build: %s), transformers %s" % (
 print("torch_cuda=%s" % (torch.version.cuda or ""))
 print("device=%s (%s)" % (device, detail))'
 
+# --no-torch: the llama.cpp backend must import, and torch must be absent (unless --with-p2p brought it)
+LLAMA_CHECK='import importlib.util, sys
+import llama_cpp
+import swarm_client.backends.llama_backend
+print("python %s, llama-cpp-python %s, GPU offload: %s" % (
+    sys.version.split()[0], llama_cpp.__version__, "yes" if llama_cpp.llama_supports_gpu_offload() else "no (CPU)"))
+print("torch=%s" % ("installed" if importlib.util.find_spec("torch") else "absent"))'
+
 if [ "$DRY_RUN" = 1 ]; then
     info "would run: $(quote_cmd "$EXE" --help)"
-    info "would run: $(quote_cmd "$VENV_PY" -I -c "import torch, transformers, swarm_client.backends.torch_backend; print(device)")"
+    if [ "$NO_TORCH" = 1 ]; then
+        info "would run: $(quote_cmd "$VENV_PY" -I -c "import llama_cpp, swarm_client.backends.llama_backend")"
+    else
+        info "would run: $(quote_cmd "$VENV_PY" -I -c "import torch, transformers, swarm_client.backends.torch_backend; print(device)")"
+    fi
 else
     help_rc=0
     help_out=$("$EXE" --help 2>&1) || help_rc=$?
@@ -693,6 +837,23 @@ else
             "the echo-swarm install is incomplete: re-run this installer; if it fails again, report the output above"
     fi
     info "ok: echo-swarm --help"
+fi
+if [ "$DRY_RUN" = 0 ] && [ "$NO_TORCH" = 1 ]; then
+    check_rc=0
+    check_out=$("$VENV_PY" -I -c "$LLAMA_CHECK" 2>&1) || check_rc=$?
+    if [ "$check_rc" -ne 0 ]; then
+        printf '%s\n' "$check_out" >&2
+        die "importing llama_cpp / swarm_client.backends.llama_backend in the venv failed (exit $check_rc)" \
+            "read the Python error above; a broken llama.cpp build is fixed by re-running this installer" \
+            "(with a C/C++ compiler, and CMAKE_ARGS=-DLLAVA_BUILD=OFF for a CPU build)"
+    fi
+    info "ok: $(printf '%s\n' "$check_out" | sed -n '1p')"
+    if [ "$(printf '%s\n' "$check_out" | sed -n 's/^torch=//p')" = absent ]; then
+        info "no torch installed: this client generates with llama.cpp (echo-swarm join picks it)"
+    else
+        info "torch is installed too (hivemind, for --with-p2p, depends on it)"
+    fi
+elif [ "$DRY_RUN" = 0 ]; then
     check_rc=0
     check_out=$("$VENV_PY" -I -c "$SELF_CHECK" 2>&1) || check_rc=$?
     if [ "$check_rc" -ne 0 ]; then
@@ -715,6 +876,10 @@ else
             warn "Fix: update the NVIDIA driver, or re-run with --torch-index-url https://download.pytorch.org/whl/cuXYZ"
             warn "for a CUDA version your driver supports (e.g. cu118). echo-swarm still works, on the CPU."
         fi
+    elif [ "$GPU_KIND" != nvidia ] && [ -n "$torch_cuda" ]; then
+        warn "torch is a CUDA $torch_cuda build (several GB of NVIDIA libraries), but this machine has no usable NVIDIA GPU:"
+        warn "it runs on the CPU and the NVIDIA libraries are dead weight. Fix: $(quote_cmd "$VENV_PY" -m pip install --force-reinstall "$TORCH_SPEC" --index-url "$CPU_INDEX_URL")"
+        warn "(the CPU build), or reinstall with --no-torch for a llama.cpp client."
     elif [ "$GPU_KIND" = mps ] && [ "$device" != mps ]; then
         warn "this is an Apple silicon Mac but torch cannot use Metal (MPS): macOS 12.3+ and an arm64 Python are needed."
         warn "echo-swarm still works, on the CPU."

@@ -35,10 +35,15 @@ from swarm_client.identity import Identity
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 UP_POLL_S = 0.5  # how often a client started with its coordinator looks for it (CoordinatorClient.up)
+STOP_POLL_S = 0.25  # how soon a backoff notices that the client is stopping
 
 
 class CoordinatorUnreachable(EchoSwarmError):
     """The coordinator could not be reached after all retries."""
+
+
+class ClientStopping(EchoSwarmError):
+    """The client is stopping (Ctrl-C, SIGTERM) while a request was waiting to be retried: not a failure."""
 
 
 class NotACoordinator(EchoSwarmError):
@@ -123,6 +128,7 @@ class CoordinatorClient:
         self.on_retry = on_retry or (lambda msg: logger.warning("%s", msg))
         self.on_outage = on_outage
         self.count = count
+        self.stopping: Callable[[], bool] = lambda: False  # the client is stopping: abandon retries at once
         self.patient = False  # set once joined: retry through outages, report state changes only
         self.down_since: float | None = None  # monotonic time the current outage began (patient mode)
         self.timeout_s = timeout_s
@@ -172,7 +178,18 @@ class CoordinatorClient:
                     f"coordinator is running (try: curl {self.base_url}/healthz)")
             else:
                 self.on_retry(f"{self.base_url}: {last}; retry {attempt + 1}/{self.retry.attempts} in {wait:.1f}s")
-            await asyncio.sleep(wait)
+            await self._backoff(wait)
+
+    async def _backoff(self, seconds: float) -> None:
+        """Sleep before the next attempt, but give up at once when the client is stopping (an outage's waits
+        reach a minute: Ctrl-C must not wait for them)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self.stopping():
+                raise ClientStopping("stopping: the coordinator was not reached")
+            await asyncio.sleep(min(left, STOP_POLL_S))
+        if self.stopping():
+            raise ClientStopping("stopping: the coordinator was not reached")
 
     def _reachable(self) -> None:
         if self.down_since is not None:
@@ -252,6 +269,6 @@ class CoordinatorClient:
                         return True
             except (TimeoutError, aiohttp.ClientError, OSError):
                 pass
-            if time.monotonic() + every_s > give_up:
+            if time.monotonic() + every_s > give_up or self.stopping():
                 return False
             await asyncio.sleep(every_s)

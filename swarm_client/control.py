@@ -138,12 +138,16 @@ def pid_alive(pid: object) -> bool:
     return True
 
 
+def controls_view(home: Path, now: float | None = None) -> dict[str, Any]:
+    """The controls in force: paused, snoozed until (None when not snoozed now), finishing, the run-time cap."""
+    controls = read_controls(home)
+    t = time.time() if now is None else now
+    return {"paused": controls.paused, "snoozed_until": controls.snooze_until if controls.snoozed(t) else None,
+            "finishing": controls.finish, "max_mbps": controls.max_mbps}
+
+
 def describe(home: Path, now: float | None = None) -> dict[str, Any]:
     """What `echo-swarm client status` shows: the running client's last status and the controls."""
     status = read_status(home) or {}
-    controls = read_controls(home)
     running = status.get("state") not in (None, "stopped") and pid_alive(status.get("pid"))
-    t = time.time() if now is None else now
-    return {"home": str(home), "running": running, "paused": controls.paused,
-            "snoozed_until": controls.snooze_until if controls.snoozed(t) else None,
-            "finishing": controls.finish, **status}
+    return {"home": str(home), "running": running, **controls_view(home, now), **status}

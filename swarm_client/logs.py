@@ -36,6 +36,8 @@ FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 GGML_LEVELS = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 GGML_CONT = 5
 
+#: ``extra={SHOWN: True}`` marks a record whose text the client already printed: only the log file gets it.
+SHOWN = "echo_swarm_shown"
 _installed: dict[str, Any] = {}  # what this process installed: handlers and the llama.cpp callback (kept alive)
 
 
@@ -66,6 +68,8 @@ class ToDisplay(logging.Handler):
         self.addFilter(OncePerMessage())
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, SHOWN, False):  # the client printed it itself; the record is for the log file
+            return
         try:
             self.say(f"{record.levelname.lower()}: {record.name}: {record.getMessage()}")
         except Exception:  # noqa: BLE001 — logging must never take the client down

@@ -50,6 +50,7 @@ from shared.messages import (
 from shared.records import open_job
 from swarm_client import logs
 from swarm_client.api import (
+    ClientStopping,
     CoordinatorClient,
     CoordinatorUnreachable,
     NotACoordinator,
@@ -204,16 +205,17 @@ class Runner:
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
         self.display.say(text)
-        logger.info("%s", text)
+        logger.info("%s", text, extra={logs.SHOWN: True})
 
     def _error(self, text: str) -> None:
         """An error line: on stderr (and in the log file)."""
         self.display.error(text)
-        logger.error("%s", text)
+        logger.error("%s", text, extra={logs.SHOWN: True})
 
     def _warn(self, text: str) -> None:
-        """A warning or a retry line: on stderr, beside the panel."""
+        """A warning or a retry line: on stderr, beside the panel (and in the log file)."""
         self.display.error(text)
+        logger.warning("%s", text, extra={logs.SHOWN: True})
 
     def _on_outage(self, what: str | None) -> None:
         """The coordinator was lost (``what`` failed) or answers again (None): one line each, not per attempt."""
@@ -257,31 +259,35 @@ class Runner:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
         self.stats.url = self.cfg.url
-        log_file = logs.setup(self.paths.logs, self.cfg.log_level, self._warn)
+        log_file = logs.setup(self.paths.logs, self.cfg.log_level, self.display.error)
         logger.info("echo-swarm join %s (log %s)", self.cfg.url, log_file)
         try:
             return await self._run()
         finally:
-            self.meter.flush()
+            if self.stats.client_id:  # joined: what it downloaded counts toward the month's budget
+                self.meter.flush()
             logs.teardown()
 
     async def _run(self) -> int:
         cfg = self.cfg
-        api = CoordinatorClient(cfg.url, None, on_retry=self._warn, on_outage=self._on_outage, count=self.meter.add,
+        api = CoordinatorClient(cfg.url, None, on_retry=self._warn, on_outage=self._on_outage,
                                 retry=RetryPolicy(attempts=cfg.retries, max_s=cfg.retry_max_s,
                                                   give_up_after_s=cfg.give_up_after_s))
+        api.stopping = self.stop.is_set
         try:
             info = None
             if cfg.wait_for_coordinator_s == 0:  # a wrong URL fails here, before anything is printed or written
                 info = await api.info()
             backend = self._make_backend()
-            if backend is None:
-                return EXIT_REFUSED
+            if backend is None:  # not installed, or an unknown name: the message says what to install
+                return ExitCode.USAGE
             if info is None:  # started with its coordinator: the backend's imports overlapped the wait
                 if not await api.up(cfg.wait_for_coordinator_s):
                     self._warn(f"the coordinator at {cfg.url} did not come up within {cfg.wait_for_coordinator_s:g}s; "
                                f"trying with retries")
                 info = await api.info()
+            # a coordinator answered: from here on the client writes its state (identity, data used, status)
+            api.count = self.meter.add
             identity = load_identity(cfg.home)
             api.identity = identity
             self.stats.client_id = identity.client_id
@@ -301,6 +307,10 @@ class Runner:
                 self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
             await self._start_page()
             return await self._serve(api, identity, backend, info)
+        except ClientStopping:  # Ctrl-C while the coordinator was away: a normal stop
+            self._say(f"stopped while the coordinator at {cfg.url} was unreachable: {self.stats.accepted - self.accepted_before} "
+                      f"results accepted this session")
+            return EXIT_OK
         except CoordinatorUnreachable as exc:
             self._error(f"error: {exc}")
             return EXIT_UNREACHABLE
@@ -748,6 +758,7 @@ class Runner:
             info = await api.info()
             if info.run_id != run_id or not info.finished:
                 return info
+            logger.debug("run %s still finished; looking again in %.0fs", run_id, FINISHED_POLL_S)
             if self.stats.state == UNREACHABLE_STATE:
                 self._set_state(FINISHED_STATE)
         return None

@@ -25,10 +25,11 @@ class JoinConfig(BaseModel):
     home: Path = Field(description="Folder for this client's identity key, pinned coordinator keys and pause/status "
                        "files (and, when given, its snapshot cache and log). Default: your user config dir (or "
                        "$ECHO_SWARM_HOME).")
-    backend: str = Field("auto", description="Generation backend: auto (llama where llama-cpp-python is installed) "
-                         "| torch | llama.")
-    device: str = Field("auto", description="auto | cpu | cuda | mps.")
-    threads: int | None = Field(None, ge=1, description="CPU threads for generation.")
+    backend: str = Field("auto", description="Generation backend: 'llama' (llama.cpp, fastest per sequence; needs "
+                         "the llama extra, built for Metal/CUDA/CPU as the README explains), 'torch' (needs the torch "
+                         "extra), or 'auto' (llama where installed, else torch).")
+    device: str = Field("auto", description="'auto' picks CUDA, then Apple MPS, then CPU; or cpu, cuda, mps.")
+    threads: int | None = Field(None, ge=1, description="CPU threads for generation; unset: the backend's choice.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
     max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted results (this session).")
     exit_when_finished: bool = Field(False, description="Exit once the coordinator's run has finished, instead of "
@@ -54,24 +55,36 @@ class JoinConfig(BaseModel):
                                    "(~/.cache/echo-swarm/snapshots) for the default home, else HOME/cache.")
     log_dir: Path | None = Field(None, description="Log folder. Default: the platform's log dir "
                                  "(~/.local/state/echo-swarm/log) for the default home, else HOME/logs.")
-    coordinator_key: str | None = Field(None, description="Expected coordinator public key (hex); else pinned on first use.")
+    coordinator_key: str | None = Field(None, description="The coordinator's public key (hex) as published by its "
+                                        "operator; unset: the key seen on first contact is pinned (trust on first "
+                                        "use).")
     invite: str = Field("", max_length=128, description="Invite token for a private swarm (registration.mode = "
                         "'invite' on the coordinator); empty for open swarms.")
     # volunteer experience: resource caps, when to work, cache, benchmark (see swarm_client/schedule.py)
-    gpu_layers: int | None = Field(None, ge=0, le=10_000, description="Layers to put on the GPU; 0 = GPU off "
-                                   "(CPU only), None = the backend's default (all layers when a GPU is found).")
-    max_memory_gb: float | None = Field(None, gt=0, le=1e6, description="Memory ceiling in GiB checked against "
-                                        "each model before download; None = 80 % of RAM.")
-    min_free_disk_gb: float = Field(1.0, ge=0, le=1e6, description="GiB of disk that must stay free after a download.")
+    gpu_layers: int | None = Field(None, ge=0, le=10_000, description="Model layers to put on the GPU; 0 turns the "
+                                   "GPU off (CPU only); unset: all layers when a GPU is found. The torch backend puts "
+                                   "all or nothing on the GPU.")
+    max_memory_gb: float | None = Field(None, gt=0, le=1e6, description="Memory ceiling in GiB. The model's memory "
+                                        "need — the backend's measured peak: weights, loading, the KV cache and "
+                                        "prefill of a job's batch (swarm_client/footprint.py) — is checked against it "
+                                        "from the signed manifest before anything is downloaded, and again before "
+                                        "loading; a model that does not fit is refused. Unset: 80 % of RAM.")
+    min_free_disk_gb: float = Field(1.0, ge=0, le=1e6, description="Refuse a download that would leave less free "
+                                    "disk than this, in GiB.")
     cache_max_gb: float | None = Field(None, gt=0, le=1e6, description="Snapshot cache cap in GiB (least recently "
                                        "used versions are pruned); None = no cap beyond the newest two versions.")
-    idle_only: bool = Field(False, description="Start jobs only while the machine is otherwise idle.")
-    idle_min_percent: float = Field(80.0, gt=0, le=100, description="CPU idle share, in percent, that counts as "
-                                    "idle for --idle-only.")
+    idle_only: bool = Field(False, description="Start a job only while the machine is otherwise idle: nobody has "
+                            "used keyboard or mouse for idle_input_minutes where the platform says, else at least "
+                            "idle_min_percent of CPU time idle over a 1 s sample between jobs.")
+    idle_min_percent: float = Field(80.0, gt=0, le=100, description="With idle_only, where input is not observed: "
+                                    "the CPU idle share, in percent, that counts as idle.")
     windows: list[str] = Field(default_factory=list, max_length=16, description="Daily local-time windows "
-                               "HH:MM-HH:MM in which new jobs may start; empty = any time.")
-    benchmark: bool = Field(True, description="Run a short self-benchmark at startup and report it at registration.")
-    panel: bool | None = Field(None, description="Live terminal panel; None = when stdout is a terminal.")
+                               "HH:MM-HH:MM in which new jobs may start, e.g. 22:00-07:00 (repeat the flag for "
+                               "several); empty = any time.")
+    benchmark: bool = Field(True, description="Run a few-second self-benchmark at startup and report its tokens/s "
+                            "at registration.")
+    panel: bool | None = Field(None, description="Live terminal panel, or plain log lines; unset: the panel when "
+                               "stdout is a terminal.")
     # volunteer controls (swarm_client/bandwidth.py, swarm_client/presence.py, swarm_client/webcontrol.py)
     max_mbps: float | None = Field(None, gt=0, le=1e5, description="Cap on snapshot download speed, in MB/s "
                                    "(the control page can change it while the client runs); None = no cap.")

@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from swarm_client.control import describe, set_paused, snooze, update_controls
+from swarm_client.control import controls_view, set_paused, snooze, update_controls
 
 TOKEN_FILE = "control-page.token"
 PAGE_FILE = "control-page.json"
@@ -160,7 +160,7 @@ class ControlPage:
         return web.FileResponse(WEB_DIR / name)
 
     async def _state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.source.state() | {"controls": describe(self.source.home)})
+        return web.json_response(self.source.state() | {"controls": controls_view(self.source.home)})
 
     async def _act(self, request: web.Request) -> web.Response:
         if request.content_type != "application/json":
@@ -193,4 +193,4 @@ class ControlPage:
         else:
             raise web.HTTPNotFound()
         self.source.applied()
-        return web.json_response({"ok": True, "controls": describe(home)})
+        return web.json_response({"ok": True, "controls": controls_view(home)})

@@ -1,53 +1,16 @@
 // echo-swarm status page: polls /v1/status and redraws in place. No libraries: charts are plain SVG.
 "use strict";
 const POLL_MS = 2000;
-const NS = "http://www.w3.org/2000/svg";
 const MEANS_COLORS = ["#7b4fa0", "#2a9d8f", "#d4a017", "#8a5a44", "#e76f51", "#5a7d2a"];
 const $ = (id) => document.getElementById(id);
 window.echoSwarm = { polls: 0, errors: 0, last: null };
 
-function el(tag, attrs, parent) {
-  const n = document.createElementNS(NS, tag);
-  for (const [k, v] of Object.entries(attrs || {})) n.setAttribute(k, v);
-  if (parent) parent.appendChild(n);
-  return n;
-}
+const lineChart = window.echoCharts.lineChart;  // charts.js, loaded first
 
 function fmt(x, digits = 3) { return x === null || x === undefined ? "–" : Number(x).toFixed(digits); }
 function ago(t, now) {
   const s = Math.max(0, now - t);
   return s < 120 ? `${s.toFixed(0)} s ago` : s < 7200 ? `${(s / 60).toFixed(0)} min ago` : `${(s / 3600).toFixed(1)} h ago`;
-}
-
-// A line chart: series = [{points: [[x, y]...], cls, dots}], fixed or data-driven y range.
-function lineChart(host, series, opts) {
-  const w = host.clientWidth || 800, h = host.clientHeight || 240;
-  const m = { l: 44, r: 12, t: 10, b: 26 };
-  const all = series.flatMap((s) => s.points);
-  const xs = all.map((p) => p[0]);
-  let x0 = opts.x0 ?? Math.min(...xs, 0), x1 = Math.max(...xs, x0 + 1);
-  let y0 = opts.y0 ?? 0, y1 = opts.y1 ?? Math.max(1e-9, ...all.map((p) => p[1])) * 1.1;
-  const X = (x) => m.l + ((x - x0) / (x1 - x0)) * (w - m.l - m.r);
-  const Y = (y) => h - m.b - ((y - y0) / (y1 - y0)) * (h - m.t - m.b);
-  const svg = el("svg", { viewBox: `0 0 ${w} ${h}`, preserveAspectRatio: "none" });
-  for (let k = 0; k <= 4; k++) {
-    const y = y0 + ((y1 - y0) * k) / 4;
-    el("line", { x1: m.l, x2: w - m.r, y1: Y(y), y2: Y(y), class: "axis" }, svg);
-    el("text", { x: m.l - 6, y: Y(y) + 4, "text-anchor": "end" }, svg).textContent = opts.yfmt ? opts.yfmt(y) : y.toFixed(2);
-  }
-  for (let k = 0; k <= 5; k++) {
-    const x = x0 + ((x1 - x0) * k) / 5;
-    el("text", { x: X(x), y: h - 8, "text-anchor": "middle" }, svg).textContent = opts.xfmt ? opts.xfmt(x) : x.toFixed(0);
-  }
-  for (const s of series) {
-    if (!s.points.length) continue;
-    if (s.line !== false) {
-      const d = s.points.map((p, i) => `${i ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
-      el("path", { d, fill: "none", stroke: s.color, "stroke-width": s.width || 1.5, class: s.cls }, svg);
-    }
-    if (s.dots) for (const p of s.points) el("circle", { cx: X(p[0]), cy: Y(p[1]), r: 3.5, fill: s.color, class: s.cls + "-dot" }, svg);
-  }
-  host.replaceChildren(svg);
 }
 
 function css(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
@@ -71,7 +34,8 @@ function drawReward(s) {
     { points: smooth, color: css("--smooth"), cls: "smooth", width: 2 },
     ...means,
     { points: evals, color: css("--acc"), cls: "acc", dots: true },
-  ], { x0: 0, y0: Math.min(0, ...means.flatMap((m) => m.points.map((p) => p[1]))), y1: top });
+  ], { x0: 0, y0: Math.min(0, ...means.flatMap((m) => m.points.map((p) => p[1]))), y1: top, xint: true,
+       xlabel: "learner step (policy version)", ylabel: "reward / accuracy" });
   host.dataset.points = String(pts.length);
   host.dataset.evals = String(evals.length);
   const legend = $("reward-means");
@@ -92,7 +56,7 @@ function drawThroughput(s) {
   const pts = t.map((b) => [b.t - start, b.tokens_per_s]);
   const host = $("throughput-chart");
   lineChart(host, [{ points: pts, color: css("--tput"), cls: "tput", width: 2 }],
-    { x0: 0, y0: 0, yfmt: (y) => y.toFixed(0), xfmt: (x) => (x < 120 ? `${x.toFixed(0)}s` : `${(x / 60).toFixed(0)}m`) });
+    { x0: 0, y0: 0, xtime: true, xlabel: "time since the run started", ylabel: "tokens per second" });
   host.dataset.points = String(pts.filter((p) => p[1] > 0).length);
   const tot = s.totals || {};
   $("totals").textContent = ` · ${tot.accepted ?? 0} results accepted, ${tot.rejected ?? 0} refused, ${tot.reissued_jobs ?? 0} jobs reissued`;
@@ -143,7 +107,14 @@ function drawLeaderboard(s) {
     const tr = document.createElement("tr");
     tr.dataset.client = r.client_id;
     tr.dataset.credit = String(r.credit);
-    cell(tr, r.rank); cell(tr, r.name); cell(tr, r.backend); cell(tr, r.platform);
+    cell(tr, r.rank);
+    const who = document.createElement("td");
+    const link = document.createElement("a");
+    link.href = `/volunteer?id=${encodeURIComponent(r.client_id)}`;  // their own page
+    link.textContent = r.name;
+    who.appendChild(link);
+    tr.appendChild(who);
+    cell(tr, r.backend); cell(tr, r.platform);
     cell(tr, r.accepted, "num"); cell(tr, Math.round(r.credit).toLocaleString(), "num");
     return tr;
   }));

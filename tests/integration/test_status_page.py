@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from echo_swarm.cli import app
 from tests.integration.browser import Chromium, Page, open_page
-from tests.integration.helpers import REPO, Proc, start_client, start_coordinator, write_config
+from tests.integration.helpers import REPO, Proc, db_rows, start_client, start_coordinator, write_config
 from tests.integration.ops_helpers import scrape
 
 ARTIFACTS = REPO / "test-artifacts"
@@ -63,9 +63,42 @@ async def watch_page(url: str, browser: Chromium, shot: Path) -> dict[str, Any]:
             version: document.getElementById('version').textContent,
             errors: window.echoSwarm.errors,
         }})""")
+        charts = await page.evaluate(CHARTS)
         size = await page.screenshot(shot)
+
+        # the per-volunteer page: found by name, then their standing, results and versions
+        await page.send("Page.navigate", url=url + "/volunteer?q=vol-1")
+        await wait_for(page, "window.echoVolunteer && window.echoVolunteer.shown", 60, "vol-1's page")
+        volunteer = await page.evaluate("""({
+            who: document.getElementById('who').textContent,
+            facts: document.getElementById('facts').textContent,
+            results: document.querySelectorAll('#results tbody tr').length,
+            versions: Number(document.getElementById('by-version').dataset.points),
+            xlabel: (document.querySelector('#by-version .axis-label.x') || {}).textContent,
+            credit: document.querySelector('.credit-note').textContent,
+            errors: window.echoVolunteer.errors,
+        })""")
+        await page.screenshot(shot.with_name("volunteer-page.png"))
+        await page.send("Page.navigate", url=url + "/volunteer?q=no-such-volunteer")
+        await wait_for(page, "window.echoVolunteer && window.echoVolunteer.searches >= 1", 60, "an empty search")
+        nobody = await page.evaluate("document.getElementById('matches-empty').textContent")
         await page.ws.close()
-    return {"first": first, "later": later, "screenshot_bytes": size}
+    return {"first": first, "later": later, "screenshot_bytes": size, "charts": charts, "volunteer": volunteer,
+            "nobody": nobody}
+
+
+# both charts' axes: labels, and tick labels that never repeat (the throughput axis once read "3m" twice)
+CHARTS = """(() => {
+    const axis = (id) => ({
+        xlabel: (document.querySelector(`#${id} .axis-label.x`) || {}).textContent,
+        ylabel: (document.querySelector(`#${id} .axis-label.y`) || {}).textContent,
+        xticks: [...document.querySelectorAll(`#${id} .tick.x`)].map((t) => t.textContent),
+        yticks: [...document.querySelectorAll(`#${id} .tick.y`)].map((t) => t.textContent),
+    });
+    return {reward: axis('reward-chart'), throughput: axis('throughput-chart'),
+            credit: document.getElementById('credit-note').textContent,
+            link: (document.querySelector('#leaderboard tbody a') || {}).href};
+})()"""
 
 
 @pytest.mark.slow
@@ -93,6 +126,32 @@ def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_d
         assert later["throughput"] >= 1 and ("torch" in later["backends"] or "llama" in later["backends"]) and later["versions"] >= 2
         assert later["errors"] == 0
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and seen["screenshot_bytes"] > 20_000
+
+        charts = seen["charts"]
+        assert charts["reward"]["xlabel"] == "learner step (policy version)"
+        assert charts["reward"]["ylabel"] == "reward / accuracy"
+        assert charts["throughput"]["xlabel"] == "time since the run started"
+        assert charts["throughput"]["ylabel"] == "tokens per second"
+        for name, axis in charts.items():
+            if name in ("reward", "throughput"):
+                for ticks in (axis["xticks"], axis["yticks"]):
+                    assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), f"{name} ticks repeat: {ticks}"
+        assert "one unit per generated token" in charts["credit"] and "/volunteer?id=" in charts["link"]
+        volunteer = seen["volunteer"]
+        assert volunteer["who"].startswith("vol-1 — rank ") and "results accepted:" in volunteer["facts"]
+        assert volunteer["results"] >= 1 and volunteer["versions"] >= 1 and volunteer["errors"] == 0
+        assert volunteer["xlabel"] == "policy version" and "verified and accepted" in volunteer["credit"]
+        assert "No volunteer matches" in seen["nobody"]
+        found = json.loads(urllib.request.urlopen(url + "/v1/volunteers?q=VOL-", timeout=30).read())
+        assert {v["name"] for v in found["volunteers"]} == {"vol-0", "vol-1"}  # any case, by name
+        one = found["volunteers"][0]
+        mine = json.loads(urllib.request.urlopen(f"{url}/v1/volunteers/{one['client_id']}", timeout=30).read())
+        assert mine["accepted"] >= len(mine["results"]) >= 1 and mine["rank"] in (1, 2)
+        assert {r["job_id"] for r in mine["results"]} <= {r[0] for r in db_rows(
+            run_dir, "SELECT job_id FROM results WHERE client_id = ?", (one["client_id"],))}
+        by_prefix = json.loads(urllib.request.urlopen(f"{url}/v1/volunteers?q={one['client_id'][:6]}",
+                                                      timeout=30).read())
+        assert one["client_id"] in {v["client_id"] for v in by_prefix["volunteers"]}
 
         full, page = (json.loads(urllib.request.urlopen(url + q, timeout=30).read())
                       for q in ("/v1/status", "/v1/status?view=page"))

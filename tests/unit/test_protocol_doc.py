@@ -21,7 +21,7 @@ OPERATIONS_DOC = DOCS / "operations.md"
 
 # Operator surfaces are documented in docs/operations.md, not in the volunteer protocol (protocol.md §4 says so).
 ADMIN_PREFIX = "/v1/admin/"
-OPERATOR_PATHS = {"/metrics", "/"}
+OPERATOR_PATHS = {"/metrics", "/", "/volunteer"}  # the status page's two HTML pages and the metrics
 STATIC_PREFIX = "/static"  # the status page's own JS and CSS files: not an endpoint
 
 

@@ -1,0 +1,78 @@
+"""Reference tables generated from the code, for docs/client.md and README.md (tests keep them in step): the
+`join` options from JoinConfig and the command's own flags, so the config keys, the flags, their --help and the
+docs cannot disagree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BEGIN = "<!-- generated: {name} (echo_swarm/reference.py) -->"
+END = "<!-- end generated: {name} -->"
+
+
+def _flags(command: Any) -> dict[str, str]:
+    """JoinConfig field → the flag spelling(s) of `join` that set it."""
+    from swarm_client.settings import FLAG_FIELDS
+
+    out: dict[str, str] = {}
+    for param in command.params:
+        kind = getattr(param, "param_type_name", "")
+        field = FLAG_FIELDS.get(param.name, param.name)
+        if kind == "argument":
+            out[field] = f"`{param.name.upper()}` (argument)"
+        elif kind == "option":
+            out[field] = " / ".join(f"`{o}`" for o in (*param.opts, *param.secondary_opts))
+    return out
+
+
+def join_options_markdown() -> str:
+    import typer
+
+    from echo_swarm.cli import app
+    from swarm_client.settings import FLAG_FIELDS, JoinConfig
+
+    join = typer.main.get_command(app).commands["join"]  # type: ignore[attr-defined]
+    flags = _flags(join)
+    keys = {field: flag for flag, field in FLAG_FIELDS.items()}
+    rows = ["| config key | flag | default | meaning |", "|---|---|---|---|"]
+    for name, field in JoinConfig.model_fields.items():
+        key = f"`{name}`" + (f" or `{keys[name]}`" if name in keys else "")
+        default = field.default if not callable(field.default_factory) else field.default_factory()  # type: ignore[call-arg]
+        shown = ("—" if field.is_required() else "unset" if default is None
+                 else f'`"{default}"`' if isinstance(default, str) else f"`{default}`")
+        text = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {key} | {flags.get(name, '—')} | {shown} | {text} |")
+    return "\n".join(rows)
+
+
+def exit_codes_markdown() -> str:
+    from shared.exit_codes import codes_table
+
+    return codes_table()
+
+
+TABLES = {"join-options": join_options_markdown, "exit-codes": exit_codes_markdown}
+
+
+def block(name: str) -> str:
+    return f"{BEGIN.format(name=name)}\n{TABLES[name]()}\n{END.format(name=name)}"
+
+
+def refresh(text: str) -> str:
+    """``text`` with every generated block rewritten from the code."""
+    for name in TABLES:
+        begin, end = BEGIN.format(name=name), END.format(name=name)
+        if begin in text:
+            head, _, rest = text.partition(begin)
+            _, _, tail = rest.partition(end)
+            text = head + block(name) + tail
+    return text
+
+
+if __name__ == "__main__":  # python -m echo_swarm.reference FILE...: rewrite the generated blocks in place
+    import sys
+    from pathlib import Path
+
+    for arg in sys.argv[1:]:
+        path = Path(arg)
+        path.write_text(refresh(path.read_text()))

@@ -1,0 +1,172 @@
+"""A client that runs for months (issue 25): when the run finishes it stops leasing and waits for the operator's
+next run at the same URL, then joins it; `client finish` ends it after the job in hand; a coordinator that no longer
+knows it (a new run) is rejoined; snooze, battery and the data budget hold back new work. The real join loop
+(``Runner._serve``) runs against the scripted coordinator of client_fakes.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared import PROTOCOL_VERSION, crypto
+from shared.errors import ProtocolError, Reason
+from shared.messages import Info, Job, LeaseResponse, RegisterResponse
+from shared.policy import Sampled
+from swarm_client import runner as runner_mod
+from swarm_client.control import read_controls, snooze, update_controls
+from swarm_client.identity import Identity
+from swarm_client.runner import FINISHED_STATE, Runner
+
+from .client_fakes import COORDINATOR_KEY, NullBackend, ScriptedCoordinator, make_client, reply, serve
+
+
+def finished(version: int) -> LeaseResponse:
+    return LeaseResponse(job=None, retry_after_s=0.0, current_version=version, finished=True)
+
+
+class NewRunCoordinator(ScriptedCoordinator):
+    """Serves run-1 until ``infos`` is spent, then run-2; records registrations and every state the client
+    reported while it waited."""
+
+    def __init__(self, runner: Runner, identity: Identity, script: list[Any], infos: list[str]) -> None:
+        super().__init__(runner, identity, script)
+        self.infos = list(infos)
+        self.registered: list[str] = []
+        self.states_at_info: list[str] = []
+
+    def run_id(self) -> str:
+        return self.infos[0] if self.infos else "run-2"
+
+    async def info(self) -> Info:
+        self.states_at_info.append(self.runner.stats.state)
+        run = self.infos.pop(0) if self.infos else "run-2"
+        return Info(protocol=PROTOCOL_VERSION, run_id=run, coordinator_public_key=crypto.public_bytes(COORDINATOR_KEY),
+                    current_version=0, sync_mode="sequential-pull", task="arithmetic", finished=run == "run-1",
+                    server_time=1000.0)
+
+    async def post(self, path: str, message: Any, response_type: type) -> Any:
+        if path == "/v1/register":
+            run = "run-1" if not self.registered else "run-2"
+            self.registered.append(run)
+            return RegisterResponse(client_id=self.identity.client_id, new=True, run_id=run)
+        return await super().post(path, message, response_type)
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner_mod, "FINISHED_POLL_S", 0.0)
+    monkeypatch.setattr(runner_mod, "GATE_POLL_S", 0.01)
+
+
+def _serve(runner: Runner, identity: Identity, coordinator: ScriptedCoordinator,
+           backend: NullBackend | None = None) -> int:
+    async def go() -> int:
+        try:
+            return await runner._serve(coordinator, identity, backend or NullBackend())  # type: ignore[arg-type]
+        finally:
+            if runner.prefetch is not None and not runner.prefetch.done():
+                runner.prefetch.cancel()
+
+    return asyncio.run(go())
+
+
+def test_a_finished_run_stops_leasing_and_the_next_run_is_joined(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, identity = make_client(tmp_path / "home", monkeypatch)
+    cid = identity.client_id
+    coordinator = NewRunCoordinator(runner, identity, [finished(3), reply(0, job_version=0, client_id=cid)],
+                                    infos=["run-1", "run-1", "run-1"])  # first contact, then two polls: still run-1
+    assert _serve(runner, identity, coordinator) == runner_mod.EXIT_OK
+    assert coordinator.registered == ["run-1", "run-2"]
+    # while the finished run was polled the client said so, and asked for no job (one lease before, then run-2's)
+    assert coordinator.states_at_info[1:] == [FINISHED_STATE] * 3
+    assert len(coordinator.held) == 3  # finished(3); then in run-2: the job, and the spent script's stop
+    assert coordinator.submitted == [0] and runner.stats.run_id == "run-2"
+
+
+def test_exit_when_finished_exits_instead_of_waiting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, identity = make_client(tmp_path / "home", monkeypatch, exit_when_finished=True)
+    coordinator, _ = serve(runner, identity, [finished(3), reply(3)])
+    assert len(coordinator.held) == 1  # no lease after the finished reply
+
+
+class FinishingBackend(NullBackend):
+    """Generates, and meanwhile the volunteer runs `echo-swarm client finish`."""
+
+    def __init__(self, home: Path) -> None:
+        super().__init__()
+        self.home = home
+
+    def generate(self, job: Job, should_stop: Any) -> list[Sampled]:
+        update_controls(self.home, finish=True)
+        return super().generate(job, should_stop)
+
+
+def test_finish_submits_the_job_in_hand_then_exits_and_clears_itself(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    runner, identity = make_client(home, monkeypatch)
+    cid = identity.client_id
+    coordinator = ScriptedCoordinator(runner, identity, [reply(0, job_version=0, client_id=cid),
+                                                         reply(0, job_version=0, client_id=cid, job_id="v0-j1")])
+    assert _serve(runner, identity, coordinator, FinishingBackend(home)) == runner_mod.EXIT_OK
+    assert coordinator.submitted == [0]  # the job in hand was submitted...
+    assert len(coordinator.held) == 1  # ...and no other job leased
+    assert not read_controls(home).finish  # obeyed: the next start works normally
+
+
+def test_a_lease_arriving_after_finish_is_handed_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    runner, identity = make_client(home, monkeypatch)
+    cid = identity.client_id
+
+    def finish_then_job(r: Runner) -> LeaseResponse:
+        update_controls(home, finish=True)  # lands while this lease request is in flight
+        return reply(0, job_version=0, client_id=cid)
+
+    coordinator = ScriptedCoordinator(runner, identity, [finish_then_job])
+    assert _serve(runner, identity, coordinator) == runner_mod.EXIT_OK
+    assert coordinator.released == ["v0-j0"] and coordinator.submitted == []
+
+
+def test_a_coordinator_that_forgot_the_client_is_joined_again(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, identity = make_client(tmp_path / "home", monkeypatch)
+
+    def unknown(r: Runner) -> LeaseResponse:
+        raise ProtocolError(Reason.UNKNOWN_CLIENT, "this client is not registered; register first")
+
+    coordinator = NewRunCoordinator(runner, identity, [unknown, reply(0)], infos=["run-1"])
+    assert _serve(runner, identity, coordinator) == runner_mod.EXIT_OK
+    assert coordinator.registered == ["run-1", "run-2"]
+
+
+def test_snooze_battery_and_data_budget_hold_back_new_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    runner, _ = make_client(home, monkeypatch, max_gb_per_month=1.0)
+    until = snooze(home, 1800)
+    assert asyncio.run(runner._gate()) == f"snoozed until {datetime.fromtimestamp(until):%H:%M}"
+    update_controls(home, snooze_until=None)
+    assert asyncio.run(runner._gate()) is None
+    runner._battery = (time.monotonic(), True)  # read a moment ago: on battery
+    assert asyncio.run(runner._gate()) == "on battery"
+    runner._battery = (time.monotonic(), False)
+    runner.meter.add(10**9)
+    assert asyncio.run(runner._gate()).startswith("monthly data cap reached (1.00 of 1 GB)")
+
+
+def test_a_bandwidth_cap_set_at_run_time_applies_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    runner, _ = make_client(home, monkeypatch, max_mbps=5.0)
+    assert runner.throttle.rate == 5e6
+    update_controls(home, max_mbps=0.5)
+    runner._apply_controls()
+    assert runner.throttle.rate == 5e5
+    update_controls(home, max_mbps=None)  # back to the configured cap
+    runner._apply_controls()
+    assert runner.throttle.rate == 5e6

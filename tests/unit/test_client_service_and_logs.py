@@ -1,0 +1,151 @@
+"""The client's place on the machine (issue 25): the systemd user unit and launchd agent `client install-service`
+writes (rendered, then validated by systemd-analyze and plistlib), the cache in the platform cache dir (with the
+move of an old cache), and logging that keeps the panel readable (each distinct warning shown once, llama.cpp's
+log pieces joined into lines, everything in a rotated file)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import plistlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.exit_codes import NO_RESTART
+from swarm_client import logs
+from swarm_client.paths import ClientPaths, migrate_cache
+from swarm_client.service import ServiceSpec, join_argv, render_launchd, render_systemd, systemd_quote, unit_path
+
+
+# ---- the service --------------------------------------------------------------------------------------------------
+def _spec(tmp_path: Path) -> ServiceSpec:
+    home = tmp_path / "a home with spaces"
+    argv = join_argv("http://coordinator.example:8470", tmp_path / "client 100%.toml", home, ["--idle-only"])
+    return ServiceSpec(argv, home, home / "logs")
+
+
+def _unit_words(unit: str) -> list[str]:
+    line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
+    return line.removeprefix("ExecStart=").split(" ")
+
+
+def test_the_systemd_unit_runs_join_with_this_python_and_restarts_only_when_that_can_help(tmp_path: Path) -> None:
+    unit = render_systemd(_spec(tmp_path))
+    words = _unit_words(unit)
+    assert words[:4] == [systemd_quote(sys.executable), "-m", "echo_swarm", "join"]
+    assert "--no-panel" in words and "--idle-only" in words
+    assert '"--config"' not in unit and f'"{tmp_path}/client 100%%.toml"' in unit  # quoted, % escaped
+    assert "Restart=on-failure" in unit
+    assert f"RestartPreventExitStatus={' '.join(str(int(c)) for c in NO_RESTART)}" in unit
+    assert "WantedBy=default.target" in unit
+
+
+def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    unit_file = tmp_path / "echo-swarm.service"
+    unit_file.write_text(render_systemd(_spec(tmp_path)))
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:  # a machine without systemd (macOS): the rendering test above is what runs there
+        assert unit_file.read_text().count("[Service]") == 1
+        return
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    res = subprocess.run([analyze, "verify", "--user", str(unit_file)], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"XDG_RUNTIME_DIR": str(runtime)})
+    complaints = [line for line in res.stderr.splitlines() if unit_file.name in line]
+    assert res.returncode == 0 and not complaints, res.stderr
+    # and it does complain about a broken one, so the check above is a real one
+    unit_file.write_text(render_systemd(_spec(tmp_path)).replace("Restart=on-failure", "Restart=sometimes"))
+    res = subprocess.run([analyze, "verify", "--user", str(unit_file)], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"XDG_RUNTIME_DIR": str(runtime)})
+    assert "restart specifier" in res.stderr and unit_file.name in res.stderr
+
+
+def test_the_launchd_agent_is_a_valid_plist(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    agent = plistlib.loads(render_launchd(spec))
+    assert agent["ProgramArguments"] == spec.argv  # no shell quoting: launchd takes the argv as is
+    assert agent["KeepAlive"] == {"SuccessfulExit": False} and agent["RunAtLoad"] is True
+    assert agent["StandardErrorPath"].startswith(str(spec.log_dir))
+    plutil = shutil.which("plutil")
+    if plutil is not None:
+        path = tmp_path / "agent.plist"
+        path.write_bytes(render_launchd(spec))
+        assert subprocess.run([plutil, "-lint", str(path)], capture_output=True, timeout=60).returncode == 0
+
+
+def test_unit_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    assert unit_path("linux") == tmp_path / "cfg" / "systemd" / "user" / "echo-swarm.service"
+    assert unit_path("darwin") == tmp_path / "Library" / "LaunchAgents" / "org.echo-swarm.client.plist"
+
+
+# ---- where things go ------------------------------------------------------------------------------------------
+def test_the_default_home_puts_the_cache_in_the_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ECHO_SWARM_HOME", raising=False)
+    monkeypatch.setenv("ECHO_SWARM_CACHE", str(tmp_path / "cache"))
+    paths = ClientPaths.defaults_for(None)
+    assert paths.cache == tmp_path / "cache" / "snapshots" and paths.cache.parent != paths.home
+    given = ClientPaths.defaults_for(tmp_path / "h")
+    assert given == ClientPaths(tmp_path / "h", tmp_path / "h" / "cache", tmp_path / "h" / "logs")
+    monkeypatch.setenv("ECHO_SWARM_HOME", str(tmp_path / "env"))
+    assert ClientPaths.defaults_for(None).cache == tmp_path / "env" / "cache"
+
+
+def test_an_old_cache_in_the_home_moves_once(tmp_path: Path) -> None:
+    home, cache = tmp_path / "config", tmp_path / "cache" / "snapshots"
+    blob = home / "cache" / "blobs" / ("a" * 64)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"weights")
+    assert migrate_cache(home, cache) == home / "cache"
+    assert (cache / "blobs" / ("a" * 64)).read_bytes() == b"weights" and not (home / "cache").exists()
+    (home / "cache").mkdir()  # a later stray folder does not overwrite the moved cache
+    assert migrate_cache(home, cache) is None and (cache / "blobs").exists()
+
+
+# ---- logging -------------------------------------------------------------------------------------------------
+def test_each_distinct_warning_reaches_the_terminal_once_and_the_file_always(tmp_path: Path) -> None:
+    shown: list[str] = []
+    path = logs.setup(tmp_path / "logs", "info", shown.append)
+    try:
+        log = logging.getLogger("llama.cpp")
+        for _ in range(3):
+            log.warning("llama_context: n_ctx_seq (%d) > n_ctx_train (%d)", 2048, 64)
+        log.warning("another warning")
+        log.info("an info line")
+        logging.getLogger("swarm_client.runner").error("printed already", extra={logs.SHOWN: True})
+    finally:
+        logs.teardown()
+    assert shown == ["warning: llama.cpp: llama_context: n_ctx_seq (2048) > n_ctx_train (64)",
+                     "warning: llama.cpp: another warning"]
+    text = path.read_text()
+    assert text.count("n_ctx_seq") == 3 and "an info line" in text and "printed already" in text
+
+
+def test_llama_cpp_log_pieces_become_lines_at_their_level(caplog: pytest.LogCaptureFixture) -> None:
+    sink = logs.LlamaLog()
+    with caplog.at_level(logging.DEBUG, logger="llama.cpp"):
+        sink(2, b"llama_model_loader: loaded meta data", None)
+        sink(5, b" with 22 pairs\n", None)  # a continuation, at the level of what it continues
+        sink(3, b"llama_context: n_ctx_seq > n_ctx_train\n", None)
+        sink(5, b".", None)
+        sink(5, b".\n", None)  # progress dots are no message
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "llama.cpp"]
+    assert records == [(logging.INFO, "llama_model_loader: loaded meta data with 22 pairs"),
+                       (logging.WARNING, "llama_context: n_ctx_seq > n_ctx_train")]
+
+
+def test_the_log_file_rotates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "LOG_BYTES", 2000)
+    path = logs.setup(tmp_path, "debug", lambda _: None)
+    try:
+        for i in range(200):
+            logging.getLogger("x").info("line %d %s", i, "." * 40)
+    finally:
+        logs.teardown()
+    assert path.stat().st_size <= 2000 and (tmp_path / "client.log.1").exists()
+    assert len(list(tmp_path.glob("client.log*"))) == logs.LOG_BACKUPS + 1
