@@ -30,10 +30,10 @@ from typing import Any
 from aiohttp import web
 
 from coordinator import readmodels
-from coordinator.public_reads import PUBLIC_READS
-from shared.errors import ProtocolError, Reason
 from coordinator.p2p_seed import EGRESS_COUNTER
+from coordinator.public_reads import PUBLIC_READS
 from coordinator.service import Coordinator
+from shared.errors import ProtocolError, Reason
 
 WEB_DIR = Path(__file__).with_name("web")
 STATUS_COORDINATOR = web.AppKey("status_coordinator", Coordinator)

@@ -93,14 +93,14 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
 
     too_small = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=180, env=_env(env))
     assert too_small.returncode == 4, too_small.stdout + too_small.stderr
-    assert "model too big for this machine" in too_small.stdout and "--max-memory-gb" in too_small.stdout
+    assert "model too big for this machine" in too_small.stderr and "--max-memory-gb" in too_small.stderr
     assert _blobs(home) == [], "bytes were downloaded before the memory check"
     assert len(_clients(live_coordinator)) == 0, "a refused client registered"
 
     no_disk = subprocess.run(argv + ["--max-memory-gb", "64", "--min-free-disk-gb", "1000000"], capture_output=True,
                              text=True, cwd=REPO, timeout=180, env=_env(env))
     assert no_disk.returncode == 4, no_disk.stdout + no_disk.stderr
-    assert "not enough free disk" in no_disk.stdout and "--min-free-disk-gb" in no_disk.stdout
+    assert "not enough free disk" in no_disk.stderr and "--min-free-disk-gb" in no_disk.stderr
     assert _blobs(home) == []
 
     # the disk fills up during a download (the weights' partial file is /dev/full): stop and say what to do
@@ -111,7 +111,7 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     disk_full = subprocess.run(argv[:5] + [str(full_home)] + argv[6:] + ["--max-memory-gb", "64"],
                                capture_output=True, text=True, cwd=REPO, timeout=180, env=_env(env))
     assert disk_full.returncode == 4, disk_full.stdout + disk_full.stderr
-    assert "disk full while writing" in disk_full.stdout and "free some disk space" in disk_full.stdout
+    assert "disk full while writing" in disk_full.stderr and "free some disk space" in disk_full.stderr
 
     # the flag overrides the file's too-small ceiling; the file's url and name still apply
     ok = subprocess.run(argv + ["--max-memory-gb", "64", "--max-jobs", "1"], capture_output=True, text=True,
@@ -136,7 +136,7 @@ def test_memory_and_disk_prechecks_refuse_before_download_and_flags_override_the
     banned = subprocess.run(argv + ["--max-memory-gb", "64", "--no-benchmark"], capture_output=True, text=True,
                             cwd=REPO, timeout=180, env=_env(env))
     assert banned.returncode == 3, banned.stdout + banned.stderr
-    assert "has banned this client" in banned.stdout and "contact the coordinator's operator" in banned.stdout
+    assert "has banned this client" in banned.stderr and "contact the coordinator's operator" in banned.stderr
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

@@ -67,9 +67,9 @@ def test_join_reports_an_unreachable_coordinator(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     proc = subprocess.run([sys.executable, "-m", "echo_swarm", "join", f"http://127.0.0.1:{port}", "--home",
                            str(tmp_path / "home"), "--retries", "2"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Check that the URL is right" in proc.stdout
-    assert (tmp_path / "home" / "identity.key").stat().st_mode & 0o777 == 0o600
+    assert proc.returncode == 5, proc.stdout + proc.stderr  # shared.exit_codes.ExitCode.UNREACHABLE
+    assert "Check the host and port in the URL" in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "home" / "identity.key").exists()  # nothing is written before a coordinator answers
 
 
 def test_demo_runs_the_reasoning_gym_task_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "installer" / "install.sh"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 OPTIONS = ["--python", "--prefix", "--torch-spec", "--torch-index-url", "--no-torch-index", "--source",
-           "--from-pypi", "--bin-dir", "--no-link", "--with-llama", "--with-p2p", "--dry-run", "--help"]
+           "--from-pypi", "--bin-dir", "--no-link", "--with-llama", "--with-p2p", "--no-torch", "--uninstall",
+           "--purge", "--dry-run", "--help"]
 STEP_HEADINGS = [f"==> [{n}/7]" for n in range(1, 8)]
 
 
@@ -248,3 +249,91 @@ def test_full_install_into_a_fresh_home(tmp_path: Path, home: Path) -> None:
     assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
     assert "reusing the existing virtual environment" in again.stdout
     assert link.is_symlink() and Path(os.readlink(link)) == venv / "bin" / "echo-swarm"
+
+
+# ---- install by role, uninstall (issue 25) -------------------------------------------------------------------------
+def test_no_torch_plans_a_llama_client_without_torch(tmp_path: Path, home: Path) -> None:
+    env = installer_env(home)
+    env.pop("CMAKE_ARGS", None)
+    res = run_installer("--no-torch", "--dry-run", "--no-link", env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "torch:               none (--no-torch: a llama.cpp client)" in out
+    assert "skipped (--no-torch)" in out and "pip install torch" not in out and "'torch" not in out
+    assert "echo-swarm[llama]" in out and "[llama]'" in out  # the extra, from the checkout's copy
+    # llama.cpp is built before echo-swarm[llama] is installed, so the extra finds it built for this machine
+    assert out.index("llama-cpp-python>=0.3.36") < out.index("[llama]'")
+    assert "import llama_cpp, swarm_client.backends.llama_backend" in out
+    assert tree(home) == []
+
+
+def test_the_default_installs_the_torch_extra(tmp_path: Path, home: Path) -> None:
+    res = run_installer("--dry-run", "--no-link", env=installer_env(home), cwd=tmp_path)
+    assert res.returncode == 0 and "echo-swarm[torch] from the checkout" in res.stdout
+    res = run_installer("--dry-run", "--no-link", "--with-llama", env=installer_env(home), cwd=tmp_path)
+    assert "echo-swarm[torch,llama] from the checkout" in res.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--no-torch", "--torch-spec", "torch==2.13.0"], "--no-torch installs no torch"),
+    (["--purge"], "--purge only goes with --uninstall"),
+])
+def test_contradictory_role_options_are_refused(tmp_path: Path, home: Path, args: list[str], message: str) -> None:
+    res = run_installer(*args, "--dry-run", env=installer_env(home), cwd=tmp_path)
+    assert res.returncode == 2 and message in res.stderr
+
+
+def test_a_cuda_download_on_a_machine_without_gpu_is_warned_about_before_it_starts(tmp_path: Path,
+                                                                                   home: Path) -> None:
+    if platform.system() != "Linux" or shutil.which("nvidia-smi") is not None:
+        fakes = tmp_path / "fakes"  # a Linux machine without an NVIDIA GPU, whatever runs the test
+        fake_command(fakes, "uname", 'case "$1" in -m) echo x86_64 ;; *) echo Linux ;; esac\n')
+        env = installer_env(home, fakes)
+    else:
+        env = installer_env(home)
+    for var in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        env.pop(var, None)
+    res = run_installer("--no-torch-index", "--dry-run", "--no-link", env=env, cwd=tmp_path)
+    assert res.returncode == 0
+    assert "pip's default index serves the CUDA build of torch" in res.stderr and "--no-torch" in res.stderr
+    quiet = run_installer("--dry-run", "--no-link", env=env, cwd=tmp_path)  # the CPU index: nothing to warn about
+    assert "CUDA build of torch" not in quiet.stderr
+
+
+def test_uninstall_removes_the_venv_and_the_link_and_keeps_the_volunteers_data(tmp_path: Path, home: Path) -> None:
+    venv = home / ".local" / "share" / "echo-swarm" / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    marker = tmp_path / "uninstall-service-ran"
+    fake_command(venv / "bin", "echo-swarm", f'[ "$1 $2" = "client uninstall-service" ] && touch {marker}\n'
+                                             'echo "removed the unit"\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "echo-swarm").symlink_to(venv / "bin" / "echo-swarm")
+    (bin_dir / "other").symlink_to("/bin/true")
+    identity = home / ".config" / "echo-swarm" / "identity.key"
+    identity.parent.mkdir(parents=True)
+    identity.write_text("secret")
+    env = installer_env(home)
+
+    dry = run_installer("--uninstall", "--dry-run", "--bin-dir", str(bin_dir), env=env, cwd=tmp_path)
+    assert dry.returncode == 0 and "would remove the virtual environment" in dry.stdout
+    assert venv.exists() and (bin_dir / "echo-swarm").is_symlink() and not marker.exists()
+
+    res = run_installer("--uninstall", "--bin-dir", str(bin_dir), env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert marker.exists(), "the service was not removed before the venv"
+    assert not venv.exists() and not (bin_dir / "echo-swarm").exists() and (bin_dir / "other").is_symlink()
+    assert identity.read_text() == "secret" and "--uninstall --purge" in res.stdout
+
+    purge = run_installer("--uninstall", "--purge", "--bin-dir", str(bin_dir), env=env, cwd=tmp_path)
+    assert purge.returncode == 0 and not identity.exists()
+
+
+def test_uninstall_leaves_a_folder_that_is_not_a_venv_alone(tmp_path: Path, home: Path) -> None:
+    prefix = tmp_path / "precious"
+    prefix.mkdir()
+    (prefix / "thesis.tex").write_text("...")
+    res = run_installer("--uninstall", "--prefix", str(prefix), "--no-link", env=installer_env(home), cwd=tmp_path)
+    assert res.returncode == 1 and "is not a virtual environment" in res.stderr
+    assert (prefix / "thesis.tex").exists()

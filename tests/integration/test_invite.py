@@ -28,9 +28,9 @@ def test_join_needs_the_invite_of_a_private_swarm(tmp_path: Path, tiny_model_dir
     with running_coordinator(tmp_path, tiny_model_dir, sections={"registration": registration}) as live:
         refused = join(live.url, tmp_path / "stranger")
         assert refused.returncode == 3, refused.stdout + refused.stderr
-        assert "registration_closed" in refused.stdout and "invite" in refused.stdout
+        assert "registration_closed" in refused.stderr and "invite" in refused.stderr  # errors on stderr
         wrong = join(live.url, tmp_path / "guesser", "--invite", "not-the-token")
-        assert wrong.returncode == 3 and "not valid" in wrong.stdout, wrong.stdout
+        assert wrong.returncode == 3 and "not valid" in wrong.stderr, wrong.stderr
         assert db_rows(live.run_dir, "SELECT COUNT(*) FROM clients") == [(0,)]
 
         invited = join(live.url, tmp_path / "friend", "--invite", TOKEN)

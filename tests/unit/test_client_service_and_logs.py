@@ -18,7 +18,14 @@ import pytest
 from shared.exit_codes import NO_RESTART
 from swarm_client import logs
 from swarm_client.paths import ClientPaths, migrate_cache
-from swarm_client.service import ServiceSpec, join_argv, render_launchd, render_systemd, systemd_quote, unit_path
+from swarm_client.service import (
+    ServiceSpec,
+    join_argv,
+    render_launchd,
+    render_systemd,
+    systemd_quote,
+    unit_path,
+)
 
 
 # ---- the service --------------------------------------------------------------------------------------------------

@@ -18,7 +18,13 @@ from coordinator.preflight import PreflightError, check, check_disk, check_model
 from shared import wire
 from shared.exit_codes import ExitCode
 from shared.messages import ErrorBody
-from swarm_client.api import ClientStopping, CoordinatorClient, CoordinatorUnreachable, NotACoordinator, RetryPolicy
+from swarm_client.api import (
+    ClientStopping,
+    CoordinatorClient,
+    CoordinatorUnreachable,
+    NotACoordinator,
+    RetryPolicy,
+)
 from swarm_client.config import ClientConfigError, build
 
 

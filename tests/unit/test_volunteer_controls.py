@@ -14,7 +14,15 @@ import pytest
 
 from swarm_client import presence
 from swarm_client.bandwidth import MonthlyMeter, Throttle, next_month
-from swarm_client.control import Controls, describe, parse_duration, read_controls, set_paused, snooze, update_controls
+from swarm_client.control import (
+    Controls,
+    describe,
+    parse_duration,
+    read_controls,
+    set_paused,
+    snooze,
+    update_controls,
+)
 from swarm_client.schedule import IdleProbe, parse_window, work_gate
 
 
