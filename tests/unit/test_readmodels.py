@@ -90,3 +90,37 @@ def test_reward_means_are_each_rewards_series_by_step(store: Store) -> None:
         store.commit_step(step=step, trained_version=step - 1, job_ids=[], new_version=step, manifest_sha="m" * 64,
                           mean_reward=0.5, metrics=metrics, now=T0 + step)
     assert readmodels.reward_means(store) == {"last_number": [[1, 0.25], [3, 0.5]], "plug:f": [[1, 1.0], [3, 0.0]]}
+
+
+def test_volunteers_are_found_by_name_or_id_prefix_and_shown(store: Store) -> None:
+    bob, eve = "b" * 32, "e" * 32
+    store.register_client(bob, b"b" * 32, PROFILE | {"name": "Bob_100%"}, T0 + 1)
+    store.register_client(eve, b"e" * 32, PROFILE | {"name": "eve"}, T0 + 2)
+    store.conn.execute("UPDATE clients SET banned = 1 WHERE client_id = ?", (eve,))
+    assert [v["client_id"] for v in readmodels.find_volunteers(store, "ALI")] == [ALICE]  # name, any case
+    assert [v["client_id"] for v in readmodels.find_volunteers(store, "bbbbbb")] == [bob]  # id prefix
+    assert [v["name"] for v in readmodels.find_volunteers(store, "_100%")] == ["Bob_100%"]  # LIKE's wildcards, literal
+    assert [v["client_id"] for v in readmodels.find_volunteers(store, "%")] == [bob]  # not everyone
+    assert readmodels.find_volunteers(store, "  ") == []
+    assert readmodels.find_volunteers(store, "eve") == [] and readmodels.volunteer(store, eve, T0, 30.0) is None
+    me = readmodels.volunteer(store, ALICE, T0 + 10, 30.0)
+    assert me is not None and me["name"] == "alice" and me["rank"] == 1 and me["credit"] == 10.0
+    assert me["results"] == [{"job_id": "j0", "version": 0, "received_at": T0 + 5, "tokens": 10, "mean_reward": 0.5}]
+    assert me["versions"] == [{"version": 0, "results": 1, "tokens": 10}]
+    assert me["refusals"] == {"logprob_mismatch": 1} and me["accepted"] == 1
+    assert readmodels.volunteer(store, bob, T0 + 10, 30.0)["rank"] == 2  # type: ignore[index]
+    assert readmodels.volunteer(store, "c" * 32, T0, 30.0) is None
+
+
+def test_counters_add_up_across_writers_and_restarts(store_target: str | Path) -> None:
+    first = Store(store_target)
+    first.add_to_counter("counter:x", 5)
+    second = Store(store_target)  # another API process on the same store
+    second.add_to_counter("counter:x", 7)
+    first.close()
+    second.close()
+    again = Store(store_target)  # a restart
+    try:
+        assert again.counter("counter:x") == 12 and again.counter("counter:none") == 0
+    finally:
+        again.close()
