@@ -269,7 +269,8 @@ def audit(
 @admin_app.command()
 def checkpoint(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Export the current version now: model folder, optimizer state and a database backup, under
-    <run dir>/exports/. (Every version is also checkpointed automatically when it is published.)"""
+    <run dir>/exports/. (The learner also writes checkpoints by itself, every learner.checkpoint_every_steps
+    steps or learner.checkpoint_every_s seconds, not every version; docs/run-dir.md §5.)"""
     r = _run(ctx, "checkpoint")
     if as_json:
         return _dump(r)
