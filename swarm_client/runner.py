@@ -19,6 +19,7 @@ import contextlib
 import errno
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -155,7 +156,8 @@ class Pacer:
 
 GATE_POLL_S = 1.0  # how often a paused / waiting client re-reads its control file and the clock
 PULL_WAIT_S = 30.0  # longest an idle client waits for an announced version to arrive before asking again
-FINISHED_POLL_S = 15.0  # how often a client whose run has finished asks whether a new run has started
+FINISHED_POLL_S = 15.0  # a client whose run has finished asks whether a new run has started after this long,
+FINISHED_POLL_MAX_S = 300.0  # then twice as long each time up to this: a finished run's swarm costs little
 BATTERY_POLL_S = 10.0  # how often the power supply is read (a pmset subprocess on macOS)
 HISTORY = 20  # results kept in the status for the control page
 #: The state of a client whose run has finished (the panel, `client status`, the control page).
@@ -738,8 +740,8 @@ class Runner:
         return EXIT_OK
 
     async def _await_next_run(self, api: CoordinatorClient, run_id: str, version: int) -> Info | None:
-        """The run has finished: stop generating (no lease is asked for) and look every FINISHED_POLL_S for the
-        operator's next run at the same URL. Its Info when one starts; None when stopped (Ctrl-C or `client
+        """The run has finished: stop generating (no lease is asked for) and look, FINISHED_POLL_S apart and then
+        less and less often (up to FINISHED_POLL_MAX_S), for the operator's next run at the same URL. Its Info when one starts; None when stopped (Ctrl-C or `client
         finish`) first. Through a coordinator restart in between, the requests wait it out (patient mode)."""
         self._say(f"the run has finished at version {version}: waiting for the operator's next run at "
                   f"{self.cfg.url} (Ctrl-C or `echo-swarm client finish` to stop)")
@@ -747,8 +749,12 @@ class Runner:
             self.prefetch.cancel()
         await self._settle()
         self._set_state(FINISHED_STATE)
+        polls = 0
         while not self.stop.is_set():
-            end = time.monotonic() + FINISHED_POLL_S
+            # spread out (±20 %) so that a large swarm does not ask all at once
+            delay = min(FINISHED_POLL_MAX_S, FINISHED_POLL_S * 2 ** min(polls, 16)) * random.uniform(0.8, 1.2)
+            polls += 1
+            end = time.monotonic() + delay
             while (left := end - time.monotonic()) > 0 and not self.stop.is_set():
                 if read_controls(self.cfg.home).finish:
                     return None
@@ -758,7 +764,7 @@ class Runner:
             info = await api.info()
             if info.run_id != run_id or not info.finished:
                 return info
-            logger.debug("run %s still finished; looking again in %.0fs", run_id, FINISHED_POLL_S)
+            logger.debug("run %s still finished; looking again later", run_id)
             if self.stats.state == UNREACHABLE_STATE:
                 self._set_state(FINISHED_STATE)
         return None
