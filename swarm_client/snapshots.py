@@ -208,6 +208,8 @@ class SnapshotCache:
 
                 def advanced(n: int) -> None:
                     transfer.advance(n)
+                    if self.count is not None:  # bytes from peers count toward the month's budget too
+                        self.count(n)
                     self._report(transfer)
 
                 await self.peers.fetch(file, partial, advanced)
