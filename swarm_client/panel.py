@@ -121,7 +121,7 @@ class Display:
         grid.add_row("policy version", str(s.version) if s.version >= 0 else "-")
         job = s.last_job or "-"
         if s.state == "generating" and s.job_expected_steps:
-            job += f"  ({min(99, 100 * s.job_steps // s.job_expected_steps)} % at most)"
+            job += f"  (≥ {min(99, 100 * s.job_steps // s.job_expected_steps)} % done)"  # stops end rollouts early
         grid.add_row("current job", Text(escape(job)))
         if s.download:
             grid.add_row("downloading", Text(escape(s.download), style="magenta"))

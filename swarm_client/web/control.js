@@ -28,7 +28,8 @@ function draw(s) {
   $("job").textContent = s.last_job || "–";
   const pct = s.state === "generating" && s.job_expected_steps ? Math.min(99, (100 * s.job_steps) / s.job_expected_steps) : 0;
   $("progress").style.width = `${pct.toFixed(0)}%`;  // a style property set from script (CSP allows it)
-  $("progress-text").textContent = s.state === "generating" ? `${s.job_steps} decoding steps (at most ${pct.toFixed(0)} % of the longest job)` : "–";
+  // steps over the most a job can take: a lower bound of the progress (stop tokens end rollouts early)
+  $("progress-text").textContent = s.state === "generating" ? `${s.job_steps} decoding steps (at least ${pct.toFixed(0)} % done)` : "–";
   $("download").textContent = s.download || "–";
   $("speed").textContent = `${Number(s.tokens_per_s || 0).toFixed(1)} tokens/s (last job)`;
   $("results").textContent = `${s.accepted} accepted, ${s.rejected} refused`;
