@@ -102,7 +102,8 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """``42s``, ``2m17s``, ``1h05m``: how long, as the client's messages and panel say it."""
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
@@ -168,13 +169,13 @@ class CoordinatorClient:
                 limit = self.retry.give_up_after_s
                 if limit is not None and time.monotonic() - self.down_since + wait > limit:
                     raise CoordinatorUnreachable(
-                        f"the coordinator at {self.base_url} has not answered for {_duration(time.monotonic() - self.down_since)} "
+                        f"the coordinator at {self.base_url} has not answered for {duration_text(time.monotonic() - self.down_since)} "
                         f"({last}); gave up after --give-up-after {limit:g}s")
                 logger.info("coordinator at %s did not answer %s (%s); retrying in %.1fs", self.base_url, path, last, wait)
             elif attempt >= self.retry.attempts:
                 raise CoordinatorUnreachable(
                     f"cannot reach the coordinator at {self.base_url}: {last} ({attempt} attempts over "
-                    f"{_duration(time.monotonic() - started)}). Check the host and port in the URL and that the "
+                    f"{duration_text(time.monotonic() - started)}). Check the host and port in the URL and that the "
                     f"coordinator is running (try: curl {self.base_url}/healthz)")
             else:
                 self.on_retry(f"{self.base_url}: {last}; retry {attempt + 1}/{self.retry.attempts} in {wait:.1f}s")

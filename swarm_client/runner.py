@@ -5,11 +5,18 @@ that version (verified against the signed manifest) before generating. Ctrl-C (o
 current decoding step, releases the lease so the job is reissued at once, and exits cleanly; a second
 Ctrl-C exits immediately.
 
-Before every lease the client asks swarm_client/schedule.py whether it may start work (pause, time windows,
-`--idle-only`); before downloading a version it checks memory and disk (swarm_client/resources.py), and before
-loading one for a job, memory again from the verified files and the job's batch (swarm_client/footprint.py).
-The panel is swarm_client/panel.py, the pause/status files swarm_client/control.py, the config file
-swarm_client/config.py.
+A client people leave running for months: the first contact happens before anything is written, so a wrong URL
+fails at once with a message of its own (swarm_client/api.py); once joined, an outage is waited out with one line
+when the coordinator is lost and one when it is back; when the run finishes the client stops leasing, says so, and
+joins the operator's next run at the same URL (``_await_next_run``); `echo-swarm client finish` ends it after the
+job in hand.
+
+Before every lease the client asks swarm_client/schedule.py whether it may start work (pause, snooze, battery, the
+monthly data budget, time windows, `--idle-only`); before downloading a version it checks memory and disk
+(swarm_client/resources.py), and before loading one for a job, memory again from the verified files and the job's
+batch (swarm_client/footprint.py). The panel is swarm_client/panel.py, the control and status files
+swarm_client/control.py (and the local control page swarm_client/webcontrol.py), the settings
+swarm_client/settings.py, the config file swarm_client/config.py, the log swarm_client/logs.py.
 """
 
 from __future__ import annotations

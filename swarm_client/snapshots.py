@@ -30,7 +30,7 @@ from shared.errors import EchoSwarmError, IntegrityError
 from shared.hashing import sha256_file
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
-from swarm_client.api import CoordinatorClient
+from swarm_client.api import CoordinatorClient, duration_text
 from swarm_client.bandwidth import Throttle
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class Transfer:
         if self.rate > 0:
             text += f" · {self.rate / 1e6:.1f} MB/s"
         if (eta := self.eta_s) is not None:
-            text += f" · {_duration(eta)} left"
+            text += f" · {duration_text(eta)} left"
         return text
 
 
@@ -103,9 +103,6 @@ def _mb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
-def _duration(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class SnapshotCache:
