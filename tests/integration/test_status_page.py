@@ -136,11 +136,11 @@ def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_d
             if name in ("reward", "throughput"):
                 for ticks in (axis["xticks"], axis["yticks"]):
                     assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), f"{name} ticks repeat: {ticks}"
-        assert "one unit per generated token" in charts["credit"] and "/volunteer?id=" in charts["link"]
+        assert "one unit per generated token" in " ".join(charts["credit"].split()) and "/volunteer?id=" in charts["link"]
         volunteer = seen["volunteer"]
         assert volunteer["who"].startswith("vol-1 — rank ") and "results accepted:" in volunteer["facts"]
         assert volunteer["results"] >= 1 and volunteer["versions"] >= 1 and volunteer["errors"] == 0
-        assert volunteer["xlabel"] == "policy version" and "verified and accepted" in volunteer["credit"]
+        assert volunteer["xlabel"] == "policy version" and "verified and accepted" in " ".join(volunteer["credit"].split())
         assert "No volunteer matches" in seen["nobody"]
         found = json.loads(urllib.request.urlopen(url + "/v1/volunteers?q=VOL-", timeout=30).read())
         assert {v["name"] for v in found["volunteers"]} == {"vol-0", "vol-1"}  # any case, by name
