@@ -229,7 +229,7 @@ class ReasoningGymTaskConfig(_Strict):
                              "'{metadata[expression]}'), and must name one, e.g. 'Q: {question} A:' (write literal "
                              "braces as '{{' and '}}')")
         # lazy: reasoning-gym takes seconds to import, and only a run of this task type needs it
-        from coordinator.reasoning_gym_task import check_dataset_config
+        from coordinator.tasks.reasoning_gym import check_dataset_config
 
         check_dataset_config(self.dataset, self.config)
         return self
@@ -348,7 +348,7 @@ class LearnerConfig(_Strict):
 
     @property
     def sharded(self) -> bool:
-        """Whether the learner runs under torch.distributed with FSDP2 (coordinator.fsdp)."""
+        """Whether the learner runs under torch.distributed with FSDP2 (coordinator.engine.fsdp)."""
         return bool(self.fsdp) or (self.fsdp is None and self.world_size > 1)
 
     @model_validator(mode="after")
@@ -451,7 +451,7 @@ class VerificationConfig(_Strict):
                                                    "model: 'replicas' (one process, a whole replica on `device`) or "
                                                    "'fsdp' (a group of `world_size` ranks sharding each version "
                                                    "with FSDP2 and splitting each recompute batch among them; rank 0 "
-                                                   "talks to the store, coordinator.fsdp).")
+                                                   "talks to the store, coordinator.engine.fsdp).")
     world_size: int = Field(1, ge=1, le=64, description="Ranks of each verifier worker with placement 'fsdp' (one "
                             "GPU each on CUDA, rank r on cuda:K+r for device 'cuda:K'; gloo processes on CPU).")
     mixed_precision: Literal["off", "bf16"] = Field("off", description="With placement 'fsdp': gather parameters "
@@ -564,7 +564,7 @@ class RegistrationConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept volunteers from the network.")
     port: int = Field(8470, ge=0, le=65535, description="Listen port (0: pick a free one).")
-    # Bounded connections (coordinator.core.connections, coordinator.netguard; docs/operations.md)
+    # Bounded connections (coordinator.core.connections, coordinator.api.netguard; docs/operations.md)
     max_connections: int = Field(0, ge=0, le=1_000_000, description="Open connections at most, all clients "
                                  "together. 0: derived from the file limit (raised to its hard limit at start): "
                                  "(limit - reserved_fds - 512 for accepts in flight) / 2. When full, an idle or stalled connection gives up its "
@@ -638,7 +638,7 @@ class P2PConfig(_Strict):
                             "before leaving it to them (k).")
     record_ttl_s: float = Field(300.0, ge=30, le=86_400, description="Lifetime of the signed 'latest version' DHT "
                                 "record; it is republished every fifth of this.")
-    # the signed calls over libp2p (coordinator.p2p_relay; docs/protocol.md §6b)
+    # the signed calls over libp2p (coordinator.roles.p2p_relay; docs/protocol.md §6b)
     calls: bool = Field(True, description="Also serve the signed calls (register, lease, release, results) on the "
                         "libp2p peer, relayed to the API over loopback HTTP (`join --p2p-jobs`).")
     calls_at_once: int = Field(32, ge=1, le=4096, description="Signed calls relayed at once, all peers together "

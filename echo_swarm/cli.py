@@ -261,7 +261,7 @@ def coordinator(
     Restarting with the same run directory resumes at the last published policy version.
     """
     from coordinator.config import ConfigError, load_config
-    from coordinator.main import run
+    from coordinator.launch.main import run
 
     try:
         cfg = load_config(config, {

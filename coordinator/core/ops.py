@@ -1,6 +1,6 @@
 """Pure rules behind the operator and contributor views (admin API, status page, /metrics).
 
-Everything here takes plain values and ``now``; the read models in :mod:`coordinator.readmodels` feed it
+Everything here takes plain values and ``now``; the read models in :mod:`coordinator.store.readmodels` feed it
 rows from the store.
 """
 

@@ -15,8 +15,8 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from coordinator.admin_keys import ADMIN_KEY_FILE
-from coordinator.service import Coordinator
+from coordinator.api.admin_keys import ADMIN_KEY_FILE
+from coordinator.api.service import Coordinator
 from echo_swarm.cli import app
 from shared import crypto, wire
 from shared.admin import AdminEmpty

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from coordinator.config import ConfigError, DatasetTaskConfig, load_config
-from coordinator.tasks import (
+from coordinator.tasks.builtin import (
     ArithmeticTask,
     DatasetTask,
     JsonlQATask,

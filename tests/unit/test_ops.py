@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.admin_keys import parse_admin_keys
+from coordinator.api.admin_keys import parse_admin_keys
 from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.ops import (
     ClientLookupError,

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import ArithmeticTaskConfig, ConfigError, JsonlTaskConfig, load_config
-from coordinator.tasks import (
+from coordinator.tasks.builtin import (
     ArithmeticTask,
     JsonlQATask,
     TaskError,
