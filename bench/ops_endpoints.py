@@ -34,11 +34,11 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from coordinator.api.admin_keys import ADMIN_KEY_FILE  # noqa: E402
-from coordinator.api.app import create_app  # noqa: E402
 from coordinator.api.public_reads import PUBLIC_READS  # noqa: E402
 from coordinator.api.service import Coordinator  # noqa: E402
 from coordinator.config import load_config  # noqa: E402
-from coordinator.launch.main import start_site  # noqa: E402
+from coordinator.launch.one_process import create_app  # noqa: E402
+from coordinator.launch.serve import start_site  # noqa: E402
 from shared import crypto, wire  # noqa: E402
 from shared.admin import AdminList  # noqa: E402
 

@@ -45,7 +45,7 @@ def run_one(lag: int, correction: str, seed: int, steps: int, eval_every: int) -
     from coordinator.core.jobs import plan_job
     from coordinator.engine.learner import Learner, Sample
     from coordinator.engine.tiny_model import ensure_tiny_model
-    from coordinator.tasks.builtin import make_task
+    from coordinator.tasks.factory import make_task
     from shared.policy import completion_logprobs, generate
 
     cfg = CoordinatorConfig.model_validate({"learner": {"threads": 1, "seed": seed, "correction": correction}})

@@ -116,7 +116,8 @@ def run_trl(seed: int, steps: int, out_dir: Path, eval_every: int, threads: int 
 
     from coordinator.engine.evaluation import greedy_accuracy
     from coordinator.engine.tiny_model import ensure_tiny_model
-    from coordinator.tasks.builtin import ArithmeticTask, TaskItem
+    from coordinator.tasks.base import TaskItem
+    from coordinator.tasks.builtin import ArithmeticTask
     from shared.policy import load_model, load_tokenizer
 
     hf_logging.disable_progress_bar()

@@ -10,6 +10,7 @@ and a strict Content-Security-Policy; ``/v1/status`` is shared and rate-limited 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -17,25 +18,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from coordinator.api import netguard
+from coordinator.api import admin, metrics, netguard, status_page
 from coordinator.api.public_reads import PUBLIC_READS, PublicReads
-from coordinator.api.service import MAX_REQUEST_BYTES, Coordinator
+from coordinator.api.service import Coordinator
+from coordinator.api.status_page import select_status
 from coordinator.config import CoordinatorConfig
 from coordinator.core.connections import Phase
-from coordinator.roles import p2p_relay
-from coordinator.roles.learner import LearnerRole
-from coordinator.roles.verifier import VerifierWorker
-from coordinator.run.runfiles import RunFiles
+from coordinator.limits import MAX_REQUEST_BYTES, SIGNED_POSTS
+from coordinator.run.names import P2P
+from coordinator.run.relay import TOKEN_HEADER, relayed_address
 from shared import wire
 from shared.errors import ProtocolError, Reason
-from shared.messages import ErrorBody
+from shared.messages import ErrorBody, P2PInfo
 
 logger = logging.getLogger(__name__)
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
-LEARNER_TASK = web.AppKey("learner_task", asyncio.Task)
-LEARNER = web.AppKey("learner", LearnerRole)
-ALL_ROLES = web.AppKey("all_roles", bool)
+#: Set when a role this process runs beside the API has failed: the process stops (coordinator.launch.serve).
 FATAL = web.AppKey("fatal", asyncio.Event)
 CONN_GUARD = web.AppKey("conn_guard", netguard.ConnectionGuard)
 MSGPACK = "application/msgpack"
@@ -141,14 +140,14 @@ ADDRESS = web.RequestKey("client_address", str)  # set by errors_middleware for 
 
 def client_address(request: web.Request) -> str:
     """Whom the per-address budgets count a request against: its remote address, or for a call the coordinator's
-    own p2p role relays (its token in the header, coordinator.roles.p2p_relay) the caller's libp2p peer id. A relay
+    own p2p role relays (its token in the header, coordinator.run.relay) the caller's libp2p peer id. A relay
     header without the token raises ``bad_relay``."""
-    if p2p_relay.TOKEN_HEADER not in request.headers:
+    if TOKEN_HEADER not in request.headers:
         return request.remote or ""
     coord = request.app[COORDINATOR]
     if getattr(coord, "key", None) is None:  # not started: no token to check against, so no relay yet
         raise ProtocolError(Reason.BAD_RELAY, "the coordinator is starting; it accepts no relayed call yet")
-    return p2p_relay.relayed_address(request.headers, coord.relay_token) or ""
+    return relayed_address(request.headers, coord.relay_token) or ""
 
 
 async def read_body(request: web.Request, cap: int) -> bytes:
@@ -199,10 +198,10 @@ async def results(request: web.Request) -> web.Response:
     return _packed(wire.encode(await request.app[COORDINATOR].submit(await _body(request))))
 
 
-#: The signed POST endpoints (docs/protocol.md §3-4): the routes of this app, and the calls the coordinator's libp2p
-#: peer relays to them (coordinator.roles.p2p_relay, §6b) — one table for both.
-SIGNED_POSTS: dict[str, Callable[[web.Request], Awaitable[web.Response]]] = {
-    "/v1/register": register, "/v1/lease": lease, "/v1/release": release, "/v1/results": results}
+#: The handlers of the signed POST endpoints, in the order of coordinator.limits.SIGNED_POSTS (the paths the
+#: coordinator's libp2p peer relays here too, §6b).
+SIGNED_HANDLERS: dict[str, Callable[[web.Request], Awaitable[web.Response]]] = dict(
+    zip(SIGNED_POSTS, (register, lease, release, results), strict=True))
 
 
 async def snapshot_manifest(request: web.Request) -> web.Response:
@@ -225,8 +224,6 @@ async def blob(request: web.Request) -> web.StreamResponse:
 
 
 async def p2p_info(request: web.Request) -> web.Response:
-    from shared.messages import P2PInfo
-
     coord = request.app[COORDINATOR]
     return _packed(wire.encode(coord.egress.info() if coord.config.p2p.enabled else P2PInfo(enabled=False)))
 
@@ -240,8 +237,6 @@ async def _count_blob_bytes(request: web.Request, response: web.StreamResponse) 
 
 
 async def status(request: web.Request) -> web.Response:
-    from coordinator.api.status_page import select_status  # the base status plus the status page's views
-
     public = request.app[PUBLIC_READS]
     public.check(request)
     coord = request.app[COORDINATOR]
@@ -260,66 +255,30 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "version": request.app[COORDINATOR].version})
 
 
-async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """Start the roles this process runs: the API alone (the process layout, coordinator.launch.processes), or the learner,
-    one verifier and the API around one store (the one-process layout)."""
+@contextlib.asynccontextmanager
+async def api_role(app: web.Application) -> AsyncIterator[None]:
+    """Start and stop the API role: its store connection and watch (Coordinator.start), the nonce pruner, and with
+    ``p2p.enabled`` the p2p role's report as the egress source. The one-process layout (coordinator.launch.
+    one_process) starts the other roles around this, sharing the API's run files and doorbell."""
     coord = app[COORDINATOR]
-    background: list[asyncio.Task[None]] = []
-    learner: LearnerRole | None = None
-    worker: VerifierWorker | None = None
-    files: RunFiles | None = None
+    pruner: asyncio.Task[None] | None = None
     try:
-        if app[ALL_ROLES]:
-            files = RunFiles.open(coord.config)
-            coord.attach(files)
-            learner = LearnerRole(coord.config, files.store, coord.bell, files.snapshots, files.task,
-                                  clock=coord.clock, model_dir=coord.model_dir, local_intake=coord.accept_local,
-                                  plan_job=coord.new_job)
-            app[LEARNER] = learner
-            await learner.start()
         await coord.start()
-        if app[ALL_ROLES]:
-            assert files is not None and learner is not None
-            worker = VerifierWorker(coord.config, files.store, coord.bell, files.snapshots, files.task)
-            await worker.start()
-            verifying = asyncio.create_task(worker.run(), name="verifier-0")
-            background.append(verifying)
-            task = asyncio.create_task(learner.run(), name="learner-loop")
-
-            def _on_done(t: asyncio.Task[None]) -> None:  # either loop ending on an error ends the run, loudly
-                if not t.cancelled() and t.exception() is not None:
-                    logger.critical("%s stopped: %r", t.get_name(), t.exception(), exc_info=t.exception())
-                    app[FATAL].set()
-
-            verifying.add_done_callback(_on_done)
-            task.add_done_callback(_on_done)
-            app[LEARNER_TASK] = task
-            background.append(task)
         coord.store.prune_nonces(coord.clock())  # opens (creates) the API's nonce database before serving
-        background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
-        if coord.config.p2p.enabled and app[ALL_ROLES]:  # the process layout runs the peer as its own role
-            from coordinator.roles.p2p import CoordinatorPeer
-
-            coord.egress.peer = CoordinatorPeer(coord)
-            await coord.egress.peer.start()
-        elif coord.config.p2p.enabled:
-            from coordinator.roles.p2p import ROLE
-
-            coord.egress.remote = lambda: coord.store.role_status(ROLE)
+        pruner = asyncio.create_task(_prune_nonces(coord), name="nonce-pruner")
+        if coord.config.p2p.enabled:  # the peer's report, from its own role process (or from this process's peer)
+            coord.egress.remote = lambda: coord.store.role_status(P2P)
         yield
     finally:
-        if coord.egress.peer is not None:
-            await coord.egress.peer.stop()
-        for t in background:
-            t.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        if worker is not None:
-            worker.close()
-        if learner is not None:
-            await learner.stop()
+        if pruner is not None:
+            pruner.cancel()
+            await asyncio.gather(pruner, return_exceptions=True)
         await coord.stop()
-        if files is not None:
-            files.close()
+
+
+async def _api_alone(app: web.Application) -> AsyncIterator[None]:
+    async with api_role(app):
+        yield
 
 
 async def _prune_nonces(coord: Coordinator) -> None:
@@ -328,30 +287,29 @@ async def _prune_nonces(coord: Coordinator) -> None:
         coord.store.prune_nonces(coord.clock())
 
 
-def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None, *, all_roles: bool = True
-               ) -> web.Application:
-    """The HTTP app of the API role; with ``all_roles`` the learner and a verifier start in this process too."""
+def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None, *,
+               roles: Callable[[web.Application], AsyncIterator[None]] = _api_alone) -> web.Application:
+    """The HTTP app of the API role. ``roles`` starts and stops what this process runs (an aiohttp cleanup
+    context): the API alone by default (the process layout), or the one-process layout's roles around
+    :func:`api_role` (coordinator.launch.one_process)."""
     app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[connection_middleware, durability_middleware, errors_middleware])
     app[COORDINATOR] = coordinator or Coordinator(config)
-    app[ALL_ROLES] = all_roles
     app[FATAL] = asyncio.Event()
     app[CONN_GUARD] = netguard.ConnectionGuard(config.server)
     app[PUBLIC_READS] = PublicReads(config.server)
     app.on_response_prepare.append(_security_headers)
     app.on_response_prepare.append(_count_blob_bytes)
-    app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(roles)
     app.router.add_get("/v1/info", info)
-    for path, handler in SIGNED_POSTS.items():
+    for path, handler in SIGNED_HANDLERS.items():
         app.router.add_post(path, handler)
     app.router.add_get("/v1/snapshots/{version}", snapshot_manifest)
     app.router.add_get("/v1/blobs/{sha256}", blob)
     app.router.add_get("/v1/p2p", p2p_info)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
-    from coordinator.api import admin as admin_api
-    from coordinator.api import metrics, status_page  # issue 6: /metrics, /v1/admin/*, /
-
+    # issue 6: /metrics, /v1/admin/*, /
     metrics.install(app, app[COORDINATOR], app[CONN_GUARD])
-    admin_api.install(app, app[COORDINATOR])
+    admin.install(app, app[COORDINATOR])
     status_page.install(app, app[COORDINATOR])
     return app

@@ -15,7 +15,7 @@ from typing import Any
 from coordinator.api.admin_keys import AdminKey, load_admin_keys, write_admin_keys
 from coordinator.api.service import Coordinator
 from coordinator.core.leases import lease_live
-from coordinator.core.ops import ClientLookupError, resolve_client
+from coordinator.core.ops import ADMIN_KEYS, ClientLookupError, resolve_client
 from coordinator.publish.checkpoints import CheckpointStore
 from coordinator.store import readmodels
 from shared import crypto
@@ -140,10 +140,9 @@ def add_key(coord: Coordinator, operator: str, public_key: bytes, comment: str) 
 def remove_key(coord: Coordinator, operator: str, ref: str) -> dict[str, Any]:
     keys = load_admin_keys(coord.run_dir)
     try:
-        key_id = resolve_client(ref, [k.key_id for k in keys])
+        key_id = resolve_client(ref, [k.key_id for k in keys], ADMIN_KEYS)
     except ClientLookupError as exc:
-        raise ProtocolError(Reason.NOT_FOUND, str(exc).replace("client", "admin key").replace(
-            "`echo-swarm admin clients`", "`echo-swarm admin keys list`")) from None
+        raise ProtocolError(Reason.NOT_FOUND, str(exc)) from None
     rest = [k for k in keys if k.key_id != key_id]
     if not rest:
         raise ProtocolError(Reason.ADMIN_REFUSED, "that is the only operator key; removing it would lock every "

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.api import spotcheck
+from coordinator.api.egress import SnapshotEgress
 from coordinator.api.guard import Guard
 from coordinator.api.issuer import Issuer
-from coordinator.config import CoordinatorConfig, EnvironmentTaskConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_job, plan_key
@@ -38,15 +39,15 @@ from coordinator.core.verify import (
     sampling_stats,
     verify_submission,
 )
-from coordinator.engine.verifier import VersionGone
+from coordinator.errors import VersionGone
+from coordinator.limits import MAX_REQUEST_BYTES
 from coordinator.publish.snapshots import SnapshotStore
-from coordinator.roles.learner import LOCAL_CLIENT
-from coordinator.roles.learner import ROLE as LEARNER_ROLE
-from coordinator.roles.verifier import wait_for_first_version
-from coordinator.run.runfiles import RunFiles
+from coordinator.run.names import API, LEARNER
+from coordinator.run.relay import relay_token
+from coordinator.run.runfiles import RunFiles, wait_for_first_version
 from coordinator.run.workqueue import POLL_S, Bell, RemoteVerifier, VerificationError, VerifierUnavailable
 from coordinator.store.store import JobRow, Store
-from coordinator.tasks.builtin import Task
+from coordinator.tasks.base import Task
 from coordinator.tasks.episodes import REWARD_NAME as EPISODE_REWARD
 from coordinator.tasks.episodes import EnvTask, episode_record, select
 from coordinator.tasks.rewards import RewardFailed
@@ -73,36 +74,7 @@ from shared.records import sign_job
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 16 * 1024 * 1024
-SMALL_REQUEST_BYTES = 64 * 1024  # register, lease, release
-ENVELOPE_BYTES = 1024  # signed-request frame around a body: ids, nonce, signature, msgpack headers
-__all__ = ["LOCAL_CLIENT", "Coordinator", "result_size_cap"]
-
-
-def result_size_cap(n_completions: int, max_tokens: int, turns: int = 0, observation_tokens: int = 0) -> int:
-    """Upper bound on an honest result's encoded size: ≤ 5 bytes per token id, 9 per float64, slack.
-    (coordinator.config refuses settings whose cap would exceed the 8 MiB message limit.) A multi-turn job's
-    episodes (``turns`` > 0) carry up to ``turns`` actions and observations each."""
-    if turns:
-        return 4096 + n_completions * (64 + turns * (64 + max_tokens * 14 + observation_tokens * 5))
-    return 4096 + n_completions * (64 + max_tokens * 14)
-
-
-def result_cap(config: CoordinatorConfig, n_completions: int) -> int:
-    """result_size_cap for this run's jobs (episodes: the task's turns and observation tokens)."""
-    cfg = config.task
-    if isinstance(cfg, EnvironmentTaskConfig):
-        return result_size_cap(n_completions, config.sampling.max_tokens, cfg.max_turns, cfg.max_observation_tokens)
-    return result_size_cap(n_completions, config.sampling.max_tokens)
-
-
-def body_cap(config: CoordinatorConfig, path: str) -> int:
-    """Largest request body accepted on ``path``: results are capped by the largest job this run signs (its
-    max_result_bytes plus the signed envelope), every other request by SMALL_REQUEST_BYTES. The API and the p2p
-    role's relay (coordinator.roles.p2p_relay) apply the same caps."""
-    if path == "/v1/results":
-        return ENVELOPE_BYTES + result_cap(config, config.jobs.prompts_per_job * config.learner.group_size)
-    return SMALL_REQUEST_BYTES
+__all__ = ["Coordinator"]
 
 
 class Coordinator:
@@ -135,11 +107,9 @@ class Coordinator:
         self.issuing_paused = False  # set by the operator (coordinator.api.admin): no new leases while True
         self._watcher: asyncio.Task[None] | None = None
         self._owns_files = False
-        #: which API process this is ("api", "api-1", …: several may share one PostgreSQL store; main.serve sets it)
-        self.api_name = "api"
-        from coordinator.roles.p2p import SnapshotEgress
-
-        self.egress = SnapshotEgress()  # snapshot bytes out over HTTP / libp2p (coordinator.api.app, p2p_seed)
+        #: which API process this is ("api", "api-1", …: several may share one PostgreSQL store; launch.serve sets it)
+        self.api_name = API
+        self.egress = SnapshotEgress()  # snapshot bytes out over HTTP / libp2p (coordinator.api.egress)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def attach(self, files: RunFiles) -> None:
@@ -165,7 +135,7 @@ class Coordinator:
         dropped = self.store.work_drop(("recompute", "replay"), self.api_name)
         if dropped:
             logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
-        self.version = await wait_for_first_version(self.store, self.bell, "api")
+        self.version = await wait_for_first_version(self.store, self.bell, API)
         self.snapshots.observe(v["version"] for v in self.store.versions())
         folder = self.snapshots.folder(self.version)
         base = self.snapshots.base_dir
@@ -200,7 +170,7 @@ class Coordinator:
 
     def learner_status(self) -> dict[str, Any]:
         """The learner's last report (coordinator.roles.learner), or {} before its first."""
-        return self.store.role_status(LEARNER_ROLE) or {}
+        return self.store.role_status(LEARNER) or {}
 
     @property
     def in_training(self) -> frozenset[str]:
@@ -423,7 +393,7 @@ class Coordinator:
         )
 
     def _result_cap(self, n_completions: int) -> int:
-        return result_cap(self.config, n_completions)
+        return self.config.result_cap(n_completions)
 
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.authenticate(raw, "/v1/release")
@@ -477,13 +447,11 @@ class Coordinator:
         return self.guard.pinned_class(client_id)
 
     def body_cap(self, path: str) -> int:
-        return body_cap(self.config, path)
+        return self.config.body_cap(path)
 
     @functools.cached_property
     def relay_token(self) -> str:
         """The token the p2p role's relayed calls carry (coordinator.roles.p2p_relay); known once started."""
-        from coordinator.roles.p2p_relay import relay_token
-
         return relay_token(self.key, self.run_id)
 
     def _lease_replica(self, client_id: str) -> LeaseResponse | None:

@@ -35,6 +35,7 @@ from coordinator.core.leases import deadline_for
 from coordinator.core.replicas import Verdict, agreement, judge, judge_original, needs_arbiter
 from coordinator.core.trust import backend_class, should_replicate
 from coordinator.core.verify import check_logprobs, logprob_stats, verify_submission
+from coordinator.limits import result_size_cap
 from shared import wire
 from shared.errors import ProtocolError, Reason
 from shared.messages import LeaseResponse, ResultSubmission, SubmitResponse
@@ -201,8 +202,6 @@ def _oldest(coord: Coordinator) -> int:
 
 async def submit_replica(coord: Coordinator, client_id: str, sub: ResultSubmission, size: int, content_sha: str,
                          bclass: str) -> SubmitResponse:
-    from coordinator.api.service import result_size_cap
-
     rep = coord.guard.get_replica(sub.job_id)
     row = coord.store.get_job(rep.job_id) if rep is not None else None
     if rep is None or row is None:

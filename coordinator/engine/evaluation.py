@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.tasks.builtin import Task, TaskItem
+from coordinator.tasks.base import Task, TaskItem
+from shared.policy import generate, load_model, load_tokenizer, stop_token_ids
 
 YIELD_BATCH = 128  # prompts per greedy batch when the evaluator yields between batches (Evaluator.yield_to)
 
@@ -18,7 +19,6 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Task, items: Sequence[Task
                     batch_size: int = 256, before_batch: Callable[[], object] | None = None) -> float:
     """Share of ``items`` whose greedy completion earns reward 1 under the task's own reward. ``before_batch``
     runs before each batch of ``batch_size`` prompts (the evaluator lets verification go first there)."""
-    from shared.policy import generate, stop_token_ids
 
     episodes = getattr(task, "greedy_success", None)
     if episodes is not None:  # a multi-turn task: the share of held-out episodes solved (coordinator.tasks.episodes)
@@ -88,8 +88,6 @@ class Evaluator:
         self.eval_s_total = 0.0  # seconds spent evaluating, for the step metrics
 
     def _load_folder(self, folder: Path) -> tuple[Any, Any]:
-        from shared.policy import load_model, load_tokenizer
-
         if self._model is not None:  # same architecture: load the new weights in place
             from safetensors.torch import load_file
 

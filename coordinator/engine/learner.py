@@ -34,9 +34,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.config import LearnerConfig, ModelConfig
+from coordinator.engine import fsdp, lora
 from coordinator.engine.evaluation import greedy_accuracy, pad_id
+from coordinator.engine.fsdp import single_rank
 from coordinator.publish.checkpoints import CheckpointState
-from coordinator.tasks.builtin import Task, TaskItem
+from coordinator.publish.gguf_export import write_model_gguf
+from coordinator.publish.snapshots import SnapshotFiles
+from coordinator.tasks.base import Task, TaskItem
+from shared.policy import completion_logprobs, load_model, load_tokenizer, pick_device, stop_token_ids
 
 if TYPE_CHECKING:
     from coordinator.engine.fsdp import Ranks
@@ -94,9 +99,6 @@ class Learner:
         device without FSDP. On rank 0 of several, the other ranks build the same learner from ``model_dir``."""
         import torch
         from transformers.utils import logging as hf_logging
-
-        from coordinator.engine import fsdp, lora
-        from shared.policy import load_model, load_tokenizer, pick_device, stop_token_ids
 
         hf_logging.disable_progress_bar()
 
@@ -161,9 +163,6 @@ class Learner:
         """Logprobs of each completion token under the learner's current weights, no gradient."""
         import torch
 
-        from coordinator.engine.fsdp import single_rank
-        from shared.policy import completion_logprobs
-
         single_rank(self.ranks, "Learner.recompute")
         out: list[list[float]] = []
         with torch.no_grad():
@@ -178,9 +177,6 @@ class Learner:
     # -- training -----------------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         import torch
-
-        from coordinator.engine import fsdp
-        from shared.policy import completion_logprobs
 
         fsdp.lead(self.ranks, "train_step", samples)
         t0 = time.monotonic()
@@ -274,7 +270,6 @@ class Learner:
     # -- persistence --------------------------------------------------------------------------------------
     def save_model(self, folder: Path) -> None:
         """Write a version: the Hugging Face folder, plus its GGUF form(s) when ``gguf`` is not "off"."""
-        from coordinator.engine.fsdp import single_rank
 
         single_rank(self.ranks, "Learner.save_model (the publisher's snapshot_files gathers the shards)")
         if self.lora:  # a self-contained LoRA version: the base files and this version's adapter in one folder
@@ -286,8 +281,6 @@ class Learner:
         self.model.save_pretrained(str(folder), safe_serialization=True)
         self.tokenizer.save_pretrained(str(folder))
         if self.gguf != "off":
-            from coordinator.publish.gguf_export import write_model_gguf
-
             write_model_gguf(folder / "model.gguf", folder, self.model.state_dict(), self.gguf)
 
     # -- publication (coordinator.publish.publisher) -----------------------------------------------------------
@@ -302,9 +295,6 @@ class Learner:
         learner goes on training. Full weights: one CPU copy of the state dict in the publish dtype (the copy
         is the dtype conversion); safetensors, config/tokenizer files and GGUF are written from it later."""
         import torch
-
-        from coordinator.engine import fsdp
-        from coordinator.publish.snapshots import SnapshotFiles
 
         fsdp.lead(self.ranks, "snapshot_files", dtype)
         if self.lora:
@@ -329,8 +319,6 @@ class Learner:
             for name, data in static.items():
                 (folder / name).write_bytes(data)
             if gguf != "off":
-                from coordinator.publish.gguf_export import write_model_gguf
-
                 write_model_gguf(folder / "model.gguf", folder, state, gguf)
 
         return SnapshotFiles(write)
@@ -341,9 +329,6 @@ class Learner:
         import json
 
         import torch
-
-        from coordinator.engine import fsdp, lora
-        from coordinator.publish.snapshots import SnapshotFiles
 
         if self.ranks is not None:  # the adapter gathered every version, the frozen base once per process
             keep = self.ranks.leader
@@ -397,8 +382,6 @@ class Learner:
         On FSDP ranks every rank writes its shards into ``staging`` now (torch.distributed.checkpoint); the
         publisher then only completes the checkpoint (coordinator.publish.checkpoints)."""
         if self.ranks is not None:
-            from coordinator.engine import fsdp
-
             if staging is None:
                 raise ValueError("a sharded checkpoint needs a staging folder")
             fsdp.lead(self.ranks, "checkpoint_state", staging)
@@ -421,7 +404,6 @@ class Learner:
 
     def load_sharded_checkpoint(self, folder: Path, version: int, world_size: int, with_optimizer: bool) -> None:
         """Restore a sharded checkpoint (written on ``world_size`` ranks) on every rank; then at ``version``."""
-        from coordinator.engine import fsdp
 
         mine = self.ranks.world_size if self.ranks is not None else 1
         if self.ranks is None or world_size != mine:
@@ -461,8 +443,6 @@ class Learner:
         return True
 
     def evaluate(self, task: Task, items: list[TaskItem], max_tokens: int) -> float:
-        from coordinator.engine.fsdp import single_rank
-
         single_rank(self.ranks, "Learner.evaluate (the verifiers evaluate published versions)")
         return greedy_accuracy(self.model, self.tokenizer, task, items, max_tokens)
 

@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import LearnerConfig
+from coordinator.publish.gguf_export import write_lora_gguf, write_model_gguf
+from coordinator.publish.snapshots import BASE_DIR
 from shared.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
     AdapterError,
     apply_adapter,
     base_weight_files,
@@ -43,8 +46,10 @@ from shared.adapters import (
     load_base_model,
     load_version_model,
     mark_base,
+    peft_key,
     read_adapter,
 )
+from shared.policy import load_tokenizer
 
 __all__ = ["AdapterError", "AdapterSnapshot", "VersionLoader", "adapter_snapshot", "base_folder_for",
            "base_writers", "is_adapter_folder", "load_adapter", "load_base_model",
@@ -129,7 +134,6 @@ class AdapterSnapshot:
 
     def pairs(self) -> dict[str, tuple[Any, Any]]:
         """{HF weight name: (A, B)} as the GGUF writer takes them."""
-        from shared.adapters import PEFT_PREFIX
 
         out: dict[str, tuple[Any, Any]] = {}
         for key in self.tensors:
@@ -158,8 +162,6 @@ def write_adapter(folder: Path, snap: AdapterSnapshot, hf_config: Mapping[str, A
     save_file(snap.tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_bytes(snap.config_json)
     if gguf != "off":
-        from coordinator.publish.gguf_export import write_lora_gguf
-
         write_lora_gguf(folder / ADAPTER_GGUF, hf_config, snap.pairs(), snap.alpha,
                         "f32" if gguf == "f32" else "f16")
 
@@ -196,8 +198,6 @@ def base_writers(peft_model: Any, static_files: Mapping[str, bytes], dtype: Any,
                    for k, v in state().items()}, str(path), metadata={"format": "pt"})
 
     def write_gguf(path: Path) -> None:
-        from coordinator.publish.gguf_export import write_model_gguf
-
         with tempfile.TemporaryDirectory(prefix="echo-swarm-base-") as tmp:  # the GGUF writer reads these files
             for name, data in static_files.items():
                 (Path(tmp) / name).write_bytes(data)
@@ -217,8 +217,6 @@ def load_adapter(peft_model: Any, folder: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from shared.adapters import peft_key
-
     read_adapter(folder)  # checks the files
     tensors = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
     pairs, _ = adapter_pairs(peft_model)
@@ -236,7 +234,6 @@ def load_adapter(peft_model: Any, folder: Path) -> None:
 def base_folder_for(version_folder: Path) -> Path:
     """Where a version's base lives: the version folder itself when it holds base weights (a folder written by
     :meth:`Learner.save_model` alone), else the run-level ``snapshots/base/`` beside it."""
-    from coordinator.publish.snapshots import BASE_DIR
 
     version_folder = Path(version_folder)
     if base_weight_files(version_folder):
@@ -266,7 +263,6 @@ class VersionLoader:
 
     def load_eval(self, folder: Path, device: str = "cpu") -> tuple[Any, Any]:
         """(model, tokenizer) of a version, for coordinator.engine.evaluation.Evaluator's ``load``."""
-        from shared.policy import load_tokenizer
 
         folder = Path(folder)
         model = self.load_first(folder, device, "float32")

@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.config import ArithmeticTaskConfig
+from coordinator.engine.evaluation import greedy_accuracy
+from coordinator.tasks.builtin import ArithmeticTask
+
 logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
@@ -116,10 +120,6 @@ def _new_model(recipe: TinyRecipe, vocab_size: int, eos_id: int) -> Any:
 
 def _warm_start(model: Any, tokenizer: Any, recipe: TinyRecipe, progress: Callable[[int, int, float], None]) -> float:
     import torch
-
-    from coordinator.config import ArithmeticTaskConfig
-    from coordinator.engine.evaluation import greedy_accuracy
-    from coordinator.tasks.builtin import ArithmeticTask
 
     task = ArithmeticTask(ArithmeticTaskConfig(max_operand=recipe.max_operand, heldout_size=recipe.heldout_size,
                                                split_seed=recipe.split_seed))

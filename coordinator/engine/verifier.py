@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.core.verify import TokenStats
+from coordinator.errors import VersionGone
 
 if TYPE_CHECKING:
     from coordinator.engine.fsdp import Ranks
@@ -55,10 +56,6 @@ MICRO_BATCH = 64  # completions per forward pass, as the learner's
 # Loads a version folder's weights as a plain (Hugging Face names) state dict on a device. The default reads
 # every *.safetensors file in the folder; a LoRA layout passes its own (base + adapter).
 StateLoader = Callable[[Path, str], dict[str, Any]]
-
-
-class VersionGone(LookupError):
-    """The requested version is no longer kept (pruned), so it cannot be verified."""
 
 
 def read_safetensors_state(folder: Path, device: str) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """The process layout: the API, the learner and the verifiers as separate processes around the run's store.
 
 ``echo-swarm coordinator`` (layout ``processes``) runs :func:`supervise`: it starts one learner, ``verification.
-workers`` verifiers and the API as child processes (``python -m coordinator.launch.processes ROLE CONFIG.json``), forwards
+workers`` verifiers and the API as child processes (``python -m coordinator.launch.main ROLE CONFIG.json``), forwards
 SIGINT/SIGTERM to them, and restarts a role that dies (a crash, an OOM kill, ``kill -9``) — the store holds everything
 accepted, so the restarted role catches up from it. A role that fails again and again, or fails its start-up
 for a reason a restart cannot fix (exit code ``CONFIG_ERROR``), stops the run with exit code 1.
 
 A verifier with ``verification.placement = "fsdp"`` is a group of processes: the child the supervisor starts is its
-rank 0 and starts the others (coordinator.engine.fsdp), which die with it, so restarting the child restarts the group.
+rank 0 and starts the others (coordinator.launch.ranks), which die with it, so restarting the child restarts the group.
 
 Each role can also be started on its own (``echo-swarm coordinator --role verifier --index 1``), e.g. to add a
 verifier on another GPU of the same host: it joins the run through the run directory.
@@ -29,6 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
+from coordinator.engine import fsdp
+from coordinator.launch.children import die_with_parent
+from coordinator.launch.ranks import main_under_torchrun
+from coordinator.launch.ranks import start as start_ranks
+from coordinator.launch.serve import serve
+from coordinator.roles import p2p
+from coordinator.roles.learner import LearnerRole
+from coordinator.roles.verifier import VerifierWorker
+from coordinator.run.names import API, LEARNER, P2P, ROLES, api_name, verifier_name
+from coordinator.run.runfiles import RunFiles
+from coordinator.run.workqueue import Bell
 
 logger = logging.getLogger(__name__)
 
@@ -57,22 +68,11 @@ async def _until(stop: asyncio.Event, work: asyncio.Task[Any]) -> None:
         await work
 
 
-def report_pid(store: Any, role: str) -> None:
-    """The API's entry in the roles' status (the learner and the verifiers report their own)."""
-    store.set_role_status(role, {"pid": os.getpid(), "started_at": time.time()})
-
-
 async def run_learner(config: CoordinatorConfig) -> int:
-    from coordinator.roles.learner import LearnerRole
-    from coordinator.run.runfiles import RunFiles
-    from coordinator.run.workqueue import Bell
-
     ranks = None
-    if config.learner.sharded or fsdp_env():  # rank 0 of the learner's FSDP ranks (coordinator.engine.fsdp)
-        from coordinator.engine import fsdp
-
+    if config.learner.sharded or fsdp_env():  # rank 0 of the learner's FSDP ranks (coordinator.launch.ranks)
         try:
-            ranks = fsdp.start(config)
+            ranks = start_ranks(config)
         except ValueError as exc:
             logger.critical("learner could not start its ranks: %s", exc)
             return CONFIG_ERROR
@@ -80,7 +80,7 @@ async def run_learner(config: CoordinatorConfig) -> int:
     stop = asyncio.Event()
     _install_stop(stop)
     bell = Bell()
-    bell.connect(Path(config.run_dir), "learner")
+    bell.connect(Path(config.run_dir), LEARNER)
     learner = LearnerRole(config, files.store, bell, files.snapshots, files.task, ranks=ranks)
     try:
         try:
@@ -100,24 +100,18 @@ async def run_learner(config: CoordinatorConfig) -> int:
 
 
 async def run_verifier(config: CoordinatorConfig, index: int) -> int:
-    from coordinator.roles.verifier import VerifierWorker
-    from coordinator.run.runfiles import RunFiles
-    from coordinator.run.workqueue import Bell
-
     ranks = None
-    if config.verification.placement == "fsdp":  # rank 0 of this worker's FSDP group (coordinator.engine.fsdp)
-        from coordinator.engine import fsdp
-
+    if config.verification.placement == "fsdp":  # rank 0 of this worker's FSDP group (coordinator.launch.ranks)
         try:
-            ranks = fsdp.start(config, "verifier", index)
+            ranks = start_ranks(config, "verifier", index)
         except ValueError as exc:
-            logger.critical("verifier-%d could not start its ranks: %s", index, exc)
+            logger.critical("%s could not start its ranks: %s", verifier_name(index), exc)
             return CONFIG_ERROR
     files = RunFiles.open(config)
     stop = asyncio.Event()
     _install_stop(stop)
     bell = Bell()
-    bell.connect(Path(config.run_dir), f"verifier-{index}")
+    bell.connect(Path(config.run_dir), verifier_name(index))
     worker = VerifierWorker(config, files.store, bell, files.snapshots, files.task, index=index, ranks=ranks)
     try:
         start = asyncio.create_task(worker.start())
@@ -131,17 +125,13 @@ async def run_verifier(config: CoordinatorConfig, index: int) -> int:
         bell.close()
         files.close()
         if ranks is not None:
-            from coordinator.engine import fsdp
-
             fsdp.stop(ranks)
 
 
 async def run_p2p(config: CoordinatorConfig) -> int:
-    from coordinator.roles import p2p as p2p_seed
-
     stop = asyncio.Event()
     _install_stop(stop)
-    return await p2p_seed.run_role(config, stop)
+    return await p2p.run_role(config, stop)
 
 
 def fsdp_env() -> bool:
@@ -151,24 +141,20 @@ def fsdp_env() -> bool:
 
 def run_role(config: CoordinatorConfig, role: str, index: int = 0, parent: int | None = None) -> int:
     """One role in this process (the CLI's ``--role``; the supervisor's children, which stop with ``parent``)."""
-    from coordinator.launch import main
-
-    if role not in ("api", "learner", "verifier", "p2p"):
-        raise ValueError(f"unknown role {role!r}; use api, learner, verifier or p2p")
-    if role == "learner" and fsdp_env() and int(os.environ.get("RANK") or 0) > 0:
-        from coordinator.engine import fsdp  # torchrun's ranks 1..N-1 only compute: no store, no role lock
-
-        return fsdp.main_under_torchrun(config)
-    name = f"verifier-{index}" if role == "verifier" else f"api-{index}" if role == "api" and index else role
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; use {', '.join(ROLES[:-1])} or {ROLES[-1]}")
+    if role == LEARNER and fsdp_env() and int(os.environ.get("RANK") or 0) > 0:
+        return main_under_torchrun(config)  # torchrun's ranks 1..N-1 only compute: no store, no role lock
+    name = verifier_name(index) if role == "verifier" else api_name(index) if role == API else role
 
     async def body() -> int:
         watcher = asyncio.create_task(_watch_parent(parent), name="parent-watch") if parent is not None else None
         try:
-            if role == "api":
-                return await main.serve(config, all_roles=False, name=name)
-            if role == "learner":
+            if role == API:
+                return await serve(config, all_roles=False, name=name)
+            if role == LEARNER:
                 return await run_learner(config)
-            if role == "p2p":
+            if role == P2P:
                 return await run_p2p(config)
             return await run_verifier(config, index)
         finally:
@@ -195,24 +181,12 @@ class _Child:
         # torch's OpenMP threads busy-wait between parallel regions by default; with the learner and verifiers in
         # separate processes sharing the cores that spinning starves the others (unless the operator chose)
         env = {"OMP_WAIT_POLICY": "PASSIVE"} | os.environ
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=die_with_parent)  # noqa: PLW1509
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
 
 
 def _role_argv(config_path: Path, role: str, index: int = 0) -> list[str]:
-    return [sys.executable, "-m", "coordinator.launch.processes", role, str(config_path), str(index), str(os.getpid())]
-
-
-def _die_with_parent() -> None:
-    """In a child, before exec: the kernel kills this role if the supervisor dies (Linux; elsewhere the role
-    notices its parent is gone within a second, :func:`_watch_parent`), so a killed coordinator leaves no role
-    behind to race its restart."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    return [sys.executable, "-m", "coordinator.launch.main", role, str(config_path), str(index), str(os.getpid())]
 
 
 async def _watch_parent(parent: int) -> None:
@@ -270,12 +244,12 @@ def supervise(config: CoordinatorConfig) -> int:
     config_path = run_dir / "roles" / "config.json"
     _write_config(config, config_path)
     (run_dir / "endpoint.json").unlink(missing_ok=True)
-    children = [_Child("learner", _role_argv(config_path, "learner"))]
-    children += [_Child(f"verifier-{i}", _role_argv(config_path, "verifier", i))
+    children = [_Child(LEARNER, _role_argv(config_path, LEARNER))]
+    children += [_Child(verifier_name(i), _role_argv(config_path, "verifier", i))
                  for i in range(config.verification.workers)]
     if config.p2p.enabled:  # hivemind imports torch: its peer gets a process of its own, not the API's
-        children.append(_Child("p2p", _role_argv(config_path, "p2p")))
-    api = _Child("api", _role_argv(config_path, "api"))
+        children.append(_Child(P2P, _role_argv(config_path, P2P)))
+    api = _Child(API, _role_argv(config_path, API))
     children.append(api)
     stopping = {"flag": False}
 
@@ -300,7 +274,7 @@ def supervise(config: CoordinatorConfig) -> int:
                 rc = child.proc.poll()
                 if rc is None or child.done:
                     continue
-                if child.name == "learner" and rc == 0:
+                if child.name == LEARNER and rc == 0:
                     child.done = True
                     logger.info("learner finished the run; the API and verifiers keep serving")
                     continue
@@ -340,18 +314,3 @@ def _stop_all(children: list[_Child]) -> None:
             logger.warning("%s did not stop within %.0f s; killing it", child.name, STOP_GRACE_S)
             child.proc.kill()
             child.proc.wait()
-
-
-def main(argv: list[str]) -> int:
-    """``python -m coordinator.launch.processes ROLE CONFIG.json [INDEX]``: how :func:`supervise` starts its children."""
-    from coordinator.launch import main as entry
-
-    role, config_path = argv[0], Path(argv[1])
-    index = int(argv[2]) if len(argv) > 2 else 0
-    parent = int(argv[3]) if len(argv) > 3 else None
-    config = CoordinatorConfig.model_validate_json(config_path.read_text())
-    return entry.run(config, role, index, parent)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

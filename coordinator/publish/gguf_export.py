@@ -21,9 +21,12 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
+# numpy and gguf are imported where a file is written: every role process imports this module, and only the learner
+# ever writes GGUF (the API process stays light)
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 # the writer logs every file it writes at INFO: one line per tensor file per published version
@@ -196,6 +199,7 @@ def _add_tokenizer(writer: Any, folder: Path, config: Mapping[str, Any]) -> None
 def _encode(arr: np.ndarray, precision: str) -> tuple[np.ndarray, Any]:
     """The tensor as stored: (data, raw ggml type). Vectors stay f32; matrices follow the precision."""
     import gguf
+    import numpy as np
 
     q = gguf.GGMLQuantizationType
     arr = np.ascontiguousarray(arr, dtype=np.float32)
@@ -245,6 +249,7 @@ def write_lora_gguf(out: Path, config: Path | Mapping[str, Any], lora: Mapping[s
     (``model.layers.0.self_attn.q_proj.weight``) to its (A [r, in], B [out, r]) pair, as peft stores them;
     llama.cpp applies ``W + alpha/r · B·A``."""
     import gguf
+    import numpy as np
 
     hf: Mapping[str, Any] = json.loads((config / "config.json").read_text()) if isinstance(config, Path) else config
     arch = gguf_arch(hf)
@@ -268,6 +273,8 @@ def write_lora_gguf(out: Path, config: Path | Mapping[str, Any], lora: Mapping[s
 
 
 def _as_numpy(value: Any) -> np.ndarray:
+    import numpy as np
+
     if isinstance(value, np.ndarray):
         return value.astype(np.float32, copy=False)
     return value.detach().to("cpu").float().numpy()

@@ -27,21 +27,23 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.advantages import group_advantages
 from coordinator.core.leases import deadline_for
 from coordinator.core.scheduling import select_batch, staleness_weight
+from coordinator.engine import fsdp
+from coordinator.engine.learner import Learner, Sample
+from coordinator.engine.tiny_model import ensure_tiny_model
 from coordinator.publish.checkpoints import CheckpointState, CheckpointStore
 from coordinator.publish.publisher import Publication, Published, Publisher
 from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
+from coordinator.run.names import LEARNER, LOCAL_CLIENT, VERIFIER_PREFIX
 from coordinator.run.workqueue import POLL_S, Bell
 from coordinator.store.store import JobRow, Store
-from coordinator.tasks.builtin import Task
+from coordinator.tasks.base import Task
 from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import wire
+from shared.hashing import prompt_hash, sha256_bytes
+from shared.messages import ResultSubmission
+from shared.policy import generate, import_backends
 
 logger = logging.getLogger(__name__)
-
-#: The role status key the API reads for the sequential-pull guard and the status page.
-ROLE = "learner"
-#: The co-located baseline's own generator, registered like any client.
-LOCAL_CLIENT = "0" * 32
 
 # (client id, submission, size, content sha) → the intake's verdict; the co-located baseline submits its own rollouts
 LocalIntake = Callable[[str, Any, int, str], Awaitable[Any]]
@@ -49,8 +51,6 @@ LocalIntake = Callable[[str, Any, int, str], Awaitable[Any]]
 
 def resolve_model_dir(config: CoordinatorConfig) -> Path:
     if config.model.path == "tiny":
-        from coordinator.engine.tiny_model import ensure_tiny_model
-
         return ensure_tiny_model()
     path = Path(config.model.path).expanduser()
     if not (path / "config.json").exists():
@@ -102,7 +102,6 @@ class LearnerRole:
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Publish version 0 from the model folder, or resume the run at its current version."""
-        from shared.policy import import_backends
 
         import_backends()  # before the learner's and publisher's threads use them
         committed = [v["version"] for v in self.store.versions()]
@@ -141,13 +140,9 @@ class LearnerRole:
             self.publisher.close()
         self._executor.shutdown(wait=True)
         if self._ranks is not None:
-            from coordinator.engine import fsdp
-
             fsdp.stop(self._ranks)
 
     def _make_learner(self, model_dir: Path) -> Any:
-        from coordinator.engine.learner import Learner
-
         return Learner(model_dir, self.config.model, self.config.learner, self.config.sampling.temperature,
                        gguf=self.config.snapshots.gguf, ranks=self._ranks)
 
@@ -210,7 +205,7 @@ class LearnerRole:
     def _report(self) -> None:
         """The learner's progress for the API (sequential-pull guard, spot-checks) and the status page."""
         target = max([self.learner.model_version, *self._unpublished]) if hasattr(self, "learner") else self.version
-        self.store.set_role_status(ROLE, {
+        self.store.set_role_status(LEARNER, {
             "pid": os.getpid(), "at": time.time(), "target": target, "version": self.version, "in_training": sorted(self.in_training),
             "busy_s": self.busy_s, "last_error": self.last_error, "publishing": sorted(self._unpublished),
             "last_checkpoint": self.checkpoints.latest(self.version) if hasattr(self, "checkpoints") else None,
@@ -307,7 +302,6 @@ class LearnerRole:
         """Generate the completions of ``rows`` with the learner's model as it is in memory, all in one batch on
         the learner thread (one batch of a whole step samples far faster than one per job, as a trainer that
         generates its own rollouts does). The first job's seed seeds the sampler: the run stays reproducible."""
-        from shared.policy import generate
 
         prompts = [self.prompt_tokens(i) for row in rows for i in row.prompt_ids]
         group = rows[0].group_size
@@ -325,8 +319,6 @@ class LearnerRole:
 
     async def _submit_local(self, rows: list[JobRow], rollouts: list[list[Any]], version: int) -> None:
         """Lease each job to the co-located learner at ``version`` (published) and hand its rollouts to intake."""
-        from shared.hashing import prompt_hash, sha256_bytes
-        from shared.messages import ResultSubmission
 
         assert self._local_intake is not None
         for row, samples in zip(rows, rollouts, strict=True):
@@ -347,7 +339,6 @@ class LearnerRole:
     def _batch_samples(self, version: int, job_ids: list[str]) -> Batch:
         """The training samples of a batch of accepted results, for a step that updates ``version`` (also used
         to replay recorded steps after a restart), with what the step's metrics report about them."""
-        from coordinator.engine.learner import Sample
 
         rows = self.store.result_rows(job_ids)
         samples: list[Sample] = []
@@ -438,7 +429,7 @@ class LearnerRole:
 
     def _verifier_totals(self) -> tuple[float, float]:
         """Seconds the verifiers spent recomputing and evaluating so far, as they report them."""
-        statuses = [s for name, s in self.store.role_statuses().items() if name.startswith("verifier-")]
+        statuses = [s for name, s in self.store.role_statuses().items() if name.startswith(VERIFIER_PREFIX)]
         return (sum(float(s.get("recompute_s", 0.0)) for s in statuses),
                 sum(float(s.get("eval_s", 0.0)) for s in statuses))
 

@@ -19,28 +19,28 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from shared import records, wire
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from coordinator.config import CoordinatorConfig
+from coordinator.publish.snapshots import SnapshotStore
+from coordinator.roles.p2p_relay import CallRelay
+from coordinator.run.names import P2P
+from coordinator.run.relay import relay_token
+from coordinator.run.runfiles import RunFiles, wait_for_first_version
+from coordinator.run.workqueue import Bell
+from coordinator.store.store import Store
+from shared import crypto, records, wire
 from shared.hashing import sha256_bytes
-from shared.messages import Manifest, P2PInfo, SignedManifest
-
-if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from coordinator.config import CoordinatorConfig
-    from coordinator.publish.snapshots import SnapshotStore
-    from coordinator.roles.p2p_relay import CallRelay
-    from coordinator.store.store import Store
-    from shared.p2p import PeerNode
+from shared.messages import Manifest, SignedManifest
+from shared.p2p import P2PUnavailable, PeerNode, Uploads, stop_peer
+from shared.p2p_calls import CALL_PROTOCOL
 
 logger = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the new-version check runs (a dict lookup; cheap)
 RETRY_S = 10.0  # after a failed publication
 REPORT_EVERY_S = 2.0  # the p2p role's report in the store (what GET /v1/p2p and the status page show)
-ROLE = "p2p"
 
 
 class PeerContext(Protocol):
@@ -56,33 +56,6 @@ class PeerContext(Protocol):
 
     @property
     def version(self) -> int: ...
-
-
-@dataclass
-class SnapshotEgress:
-    """Snapshot file bytes that left the coordinator (HTTP and libp2p) against bytes volunteers say they served
-    each other, for the status page (``snapshot_egress``) and bench/egress.py."""
-
-    http_bytes: int = 0
-    peer: CoordinatorPeer | None = None  # one-process layout: the peer in this process
-    remote: Callable[[], dict[str, Any] | None] | None = None  # process layout: the p2p role's last report
-
-    def report(self) -> dict[str, Any] | None:
-        if self.peer is not None:
-            return self.peer.report()
-        return self.remote() if self.remote is not None else None
-
-    def info(self) -> P2PInfo:
-        r = self.report()
-        if not r or not r.get("peer_id"):
-            return P2PInfo(enabled=False)
-        return P2PInfo(enabled=True, peer_id=r["peer_id"], maddrs=list(r.get("maddrs", []))[:16])
-
-    def view(self) -> dict[str, Any]:
-        r = self.report() or {}
-        p2p = int(r.get("served_bytes", 0))
-        return {"p2p": bool(r.get("peer_id")), "http_bytes": self.http_bytes, "p2p_bytes": p2p,
-                "coordinator_bytes": self.http_bytes + p2p, "peer_bytes": int(r.get("peer_served_bytes", 0))}
 
 
 class CoordinatorPeer:
@@ -107,8 +80,6 @@ class CoordinatorPeer:
                 "calls": self.relay.report() if self.relay is not None else None}
 
     async def start(self) -> None:
-        from shared.p2p import P2PUnavailable, PeerNode, Uploads
-
         coord = self.coord
         node = PeerNode(coord.run_id, coord.public_key, coord.snapshots.blob_path,
                         Uploads(concurrent=max(4, self.config.seed_peers), per_blob=self.config.seed_peers))
@@ -121,9 +92,6 @@ class CoordinatorPeer:
             return
         self.node = node
         if self.config.calls:
-            from coordinator.roles.p2p_relay import CallRelay, relay_token
-            from shared.p2p_calls import CALL_PROTOCOL
-
             self.relay = CallRelay(coord.config, relay_token(coord.key, coord.run_id))
             await node.p2p.add_binary_stream_handler(CALL_PROTOCOL, self.relay.serve)
         self.maddrs = await node.visible_maddrs()
@@ -131,8 +99,6 @@ class CoordinatorPeer:
         self._task = asyncio.create_task(self._publish_loop(), name="p2p-publish")
 
     async def stop(self) -> None:
-        from shared.p2p import stop_peer
-
         await stop_peer(self.node, self._task)
         self.node = None
         if self.relay is not None:
@@ -189,8 +155,6 @@ class RoleContext:
 
     @property
     def public_key(self) -> bytes:
-        from shared import crypto
-
         return crypto.public_bytes(self.key)
 
     @property
@@ -204,14 +168,11 @@ class RoleContext:
 
 async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     """The p2p role process: start the peer once version 0 exists, report it in the store until ``stop``."""
-    from coordinator.roles.verifier import wait_for_first_version
-    from coordinator.run.runfiles import RunFiles
-    from coordinator.run.workqueue import Bell
 
     files = RunFiles.open(config)
     peer: CoordinatorPeer | None = None
     try:
-        first = asyncio.create_task(wait_for_first_version(files.store, Bell(), ROLE))
+        first = asyncio.create_task(wait_for_first_version(files.store, Bell(), P2P))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({first, stopped}, return_when=asyncio.FIRST_COMPLETED)
         for t in (first, stopped):
@@ -222,7 +183,7 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
         peer = CoordinatorPeer(ctx)
         await peer.start()
         while True:
-            files.store.set_role_status(ROLE, peer.report() | {"pid": os.getpid(), "at": time.time()})
+            files.store.set_role_status(P2P, peer.report() | {"pid": os.getpid(), "at": time.time()})
             try:
                 await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)
                 return 0
@@ -231,5 +192,5 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     finally:
         if peer is not None:
             await peer.stop()
-        files.store.set_role_status(ROLE, {"peer_id": None, "pid": os.getpid(), "at": time.time()})
+        files.store.set_role_status(P2P, {"peer_id": None, "pid": os.getpid(), "at": time.time()})
         files.close()

@@ -3,66 +3,36 @@ call to the API over loopback HTTP and streams the API's status and reply back, 
 the checks and the store writes are the HTTP ones — one code path, whichever transport a client used.
 
 Bounds, in the order a call meets them: the head within 10 s; only the paths the API routes as signed POSTs
-(``coordinator.api.app.SIGNED_POSTS``, the one table); a body no larger than the API's cap for its path (refused
+(``coordinator.limits.SIGNED_POSTS``, the one table); a body no larger than the API's cap for its path (refused
 here, before a byte of it is read and without calling the API); at most ``p2p.calls_at_once`` calls relayed at
 once (and no more than the API's connections per address; 503 rate_limited past it) and ``p2p.calls_per_peer`` per peer (429); the body within 10 s per chunk and
 ``server.body_timeout_s`` in all; the API's reply within ``p2p.call_timeout_s``; each reply chunk written within 10 s.
 
 The API's per-address budgets must see the caller, not this relay's 127.0.0.1: the relay names the caller's
-libp2p peer id in a header, with a token that only holders of the run's key can compute (an HMAC of the coordinator
-key); the API honours the header only with that token and refuses it otherwise (``bad_relay``). A libp2p peer id
-costs nothing to make, so over libp2p these budgets are per peer, not per host.
+libp2p peer id in a header, with a token that only holders of the run's key can compute (coordinator.run.relay).
+A libp2p peer id costs nothing to make, so over libp2p these budgets are per peer, not per host.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
-import re
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import aiohttp
+
+from coordinator.config import CoordinatorConfig
+from coordinator.limits import SIGNED_POSTS
+from coordinator.run.relay import PEER_HEADER, TOKEN_HEADER
 from shared import wire
 from shared.errors import ProtocolError, Reason
-from shared.messages import ErrorBody
-
-if TYPE_CHECKING:
-    import asyncio
-
-    import aiohttp
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from coordinator.config import CoordinatorConfig
+from shared.messages import MAX_CALL_BYTES, CallReply, CallRequest, ErrorBody
+from shared.p2p_calls import CHUNK, IDLE_S, read_body, read_head, write_body, write_head
 
 logger = logging.getLogger(__name__)
-TOKEN_HEADER = "X-Echo-Swarm-Relay"
-PEER_HEADER = "X-Echo-Swarm-Peer"
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58btc, as libp2p writes peer ids
-
-
-def relay_token(key: Ed25519PrivateKey, run_id: str) -> str:
-    """HMAC-SHA256 of the run id under the coordinator's private key: every role that holds the run's key (the API,
-    the p2p role) derives it; nothing else can. Never sent beyond loopback."""
-    from cryptography.hazmat.primitives import serialization
-
-    raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
-    return hmac.new(raw, b"echo-swarm/p2p-relay/v1\x00" + run_id.encode(), hashlib.sha256).hexdigest()
-
-
-def relayed_address(headers: Any, token: str) -> str | None:
-    """The rate-limit identity a relayed call stands for (``p2p:<peer id>``), None for a call without the relay
-    header; ProtocolError ``bad_relay`` for a header without the token (anyone but the p2p role)."""
-    claimed = headers.get(TOKEN_HEADER)
-    if claimed is None:
-        return None
-    peer = headers.get(PEER_HEADER, "")
-    if not hmac.compare_digest(claimed.encode(), token.encode()) or not _PEER_ID.fullmatch(peer):
-        raise ProtocolError(Reason.BAD_RELAY, f"the {TOKEN_HEADER} header is for the coordinator's own p2p role; "
-                                              f"send the request without it")
-    return f"p2p:{peer}"
 
 
 def _error(reason: Reason, message: str, status: int | None = None) -> tuple[int, bytes]:
@@ -73,10 +43,6 @@ def _error(reason: Reason, message: str, status: int | None = None) -> tuple[int
 async def _discard(reader: asyncio.StreamReader, limit: int) -> None:
     """Read and drop up to ``limit`` bytes until the caller closes its side (the reference client stops sending when
     the reply arrives), for at most 10 s."""
-    import asyncio
-
-    from shared.p2p_calls import CHUNK, IDLE_S
-
     async def drop() -> None:
         left = limit
         while left > 0 and (chunk := await reader.read(min(CHUNK, left))):
@@ -115,8 +81,6 @@ class CallRelay:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def session(self) -> aiohttp.ClientSession:
-        import aiohttp
-
         if self._session is None:
             cfg = self.config.p2p
             self._session = aiohttp.ClientSession(
@@ -130,9 +94,6 @@ class CallRelay:
             self._session = None
 
     async def serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from shared.messages import CallReply, CallRequest
-        from shared.p2p_calls import read_head, write_body, write_head
-
         peer = info.peer_id.to_base58()
         admitted = False
         try:
@@ -159,14 +120,11 @@ class CallRelay:
 
     def _admit(self, peer: str, head: Any) -> tuple[int, bytes]:
         """(0, b"") when the call may go to the API, else the refusal to send back."""
-        from coordinator.api.app import SIGNED_POSTS
-        from coordinator.api.service import body_cap
-
         cfg = self.config.p2p
         if head.path not in SIGNED_POSTS:
             return _error(Reason.NOT_FOUND, f"{head.path[:80]} is not a signed call; over libp2p only "
                                             f"{', '.join(SIGNED_POSTS)} are served (docs/protocol.md §6b)")
-        cap = body_cap(self.config, head.path)
+        cap = self.config.body_cap(head.path)
         if head.length > cap:
             return _error(Reason.BODY_TOO_LARGE, f"request body is {head.length} bytes; the limit for {head.path} "
                                                  f"is {cap}")
@@ -181,13 +139,6 @@ class CallRelay:
         return 0, b""
 
     async def _relay(self, peer: str, head: Any, reader: asyncio.StreamReader) -> tuple[int, bytes]:
-        import asyncio
-
-        import aiohttp
-
-        from shared.messages import MAX_CALL_BYTES
-        from shared.p2p_calls import read_body
-
         body = await asyncio.wait_for(read_body(reader, head.length), self.config.server.body_timeout_s)
         headers = {"Content-Type": "application/msgpack", TOKEN_HEADER: self.token, PEER_HEADER: peer}
         try:

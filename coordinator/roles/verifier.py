@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.publish.snapshots import SnapshotStore
+from coordinator.run.names import verifier_name
+from coordinator.run.runfiles import wait_for_first_version
 from coordinator.run.workqueue import POLL_S, Bell, stats_answer
 from coordinator.store.store import Store
-from coordinator.tasks.builtin import Task
+from coordinator.tasks.base import Task
 from coordinator.tasks.text import TextCodec
 from shared import wire
 
@@ -47,21 +49,6 @@ REPORT_EVERY_S = 2.0
 EVAL_YIELD_MAX_S = 5.0
 
 
-def worker_name(index: int) -> str:
-    return f"verifier-{index}"
-
-
-async def wait_for_first_version(store: Store, bell: Bell, role: str) -> int:
-    """Roles that read snapshots start once the learner has published version 0."""
-    said = False
-    while (current := store.current_version()) is None:
-        if not said:
-            logger.info("%s: waiting for the learner to publish version 0", role)
-            said = True
-        await bell.wait(POLL_S * 4)
-    return current
-
-
 class VerifierWorker:
     def __init__(self, config: CoordinatorConfig, store: Store, bell: Bell, snapshots: SnapshotStore, task: Task,
                  *, index: int = 0, ranks: Ranks | None = None) -> None:
@@ -71,7 +58,7 @@ class VerifierWorker:
         self.bell = bell
         self.snapshots = snapshots
         self.task = task
-        self.name = worker_name(index)
+        self.name = verifier_name(index)
         self.kinds: tuple[str, ...] = ("recompute", "replay") + (("evaluate",) if index == 0 else ())
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._preloaded = -1  # the newest version this worker loaded ahead of its results
@@ -179,7 +166,7 @@ class VerifierWorker:
                 del self._inflight[item]
 
     async def _answer(self, row: Any) -> None:
-        from coordinator.engine.verifier import VersionGone
+        from coordinator.errors import VersionGone
 
         item, kind, version = int(row["id"]), str(row["kind"]), int(row["version"])
         request = wire.unpack(row["request"], max_bytes=len(row["request"]))

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from coordinator.store.tmpfs import run_folder
+
 logger = logging.getLogger(__name__)
 
 LIST_EVERY_S = 1.0  # how stale a sender's list of the other processes' sockets may be
@@ -33,7 +35,6 @@ MAX_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
 def folder_for(run_dir: Path) -> Path | None:
     """The run's doorbell folder: in its private tmpfs folder (coordinator.store.tmpfs), else ``run_dir/roles``."""
-    from coordinator.store.tmpfs import run_folder
 
     base = run_folder(Path(run_dir)) or Path(run_dir) / "roles"
     folder = base / "bells"

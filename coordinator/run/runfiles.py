@@ -1,4 +1,5 @@
-"""What every role opens first: the run directory's database, signing key, run id, task and snapshot folder.
+"""What every role opens first: the run directory's database, signing key, run id, task and snapshot folder;
+and, for the roles that read snapshots, the wait for the learner's version 0.
 
 Several role processes may open a new run directory at the same moment; the key and the run id are created under
 an exclusive file lock, so all of them sign with the same key and speak of the same run.
@@ -16,8 +17,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.config import CoordinatorConfig
 from coordinator.publish.snapshots import SnapshotStore
+from coordinator.run.workqueue import POLL_S, Bell
 from coordinator.store.store import Store
-from coordinator.tasks.builtin import Task, make_task
+from coordinator.tasks.base import Task
+from coordinator.tasks.factory import make_task
 from shared import crypto
 
 logger = logging.getLogger(__name__)
@@ -83,3 +86,13 @@ def _same_key(store: Store, public_hex: str, run_dir: Path) -> None:
 class KeyMismatch(RuntimeError):
     """This host's coordinator key is not the run's."""
 
+
+async def wait_for_first_version(store: Store, bell: Bell, role: str) -> int:
+    """Roles that read snapshots start once the learner has published version 0."""
+    said = False
+    while (current := store.current_version()) is None:
+        if not said:
+            logger.info("%s: waiting for the learner to publish version 0", role)
+            said = True
+        await bell.wait(POLL_S * 4)
+    return current

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.core.verify import TokenStats
-from coordinator.engine.verifier import VersionGone
+from coordinator.errors import VersionGone
 from coordinator.store.store import Store, WorkKind
 from shared import wire
 

@@ -35,6 +35,7 @@ from coordinator.core.jobs import JobPlan
 from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.scheduling import Pending
 from coordinator.store.db import Db, Row, is_postgres_url, pg_ddl
+from coordinator.store.tmpfs import run_folder
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -169,8 +170,6 @@ class Store:
         """SQLite: the nonce database's file — in memory (coordinator.store.tmpfs) where the host has a tmpfs, else
         beside the main one."""
         if self._nonce_file is None:
-            from coordinator.store.tmpfs import run_folder
-
             folder = run_folder(self.path)
             self._nonce_file = folder / "nonces.sqlite" if folder is not None else self._disk_nonce_path
         return self._nonce_file

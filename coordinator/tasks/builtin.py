@@ -6,20 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from coordinator.config import (
-    ArithmeticTaskConfig,
-    DatasetTaskConfig,
-    EnvironmentTaskConfig,
-    JsonlTaskConfig,
-    ReasoningGymTaskConfig,
-    TaskConfig,
-)
-from coordinator.tasks.data import MissingDependency, TaskError, read_rows, split_items
+from coordinator.config import ArithmeticTaskConfig, DatasetTaskConfig, JsonlTaskConfig
+from coordinator.errors import MissingDependency, TaskError
+from coordinator.tasks.base import TaskItem, chat_formatter
+from coordinator.tasks.data import read_rows, split_items
 from coordinator.tasks.rewards import (
     BUILTINS,
     MissingExtra,
@@ -35,35 +29,10 @@ from coordinator.tasks.rewards import (
     regex_reward,
 )
 
-if TYPE_CHECKING:
-    from coordinator.tasks.prompts import ChatFormatter
-
-__all__ = ["ArithmeticTask", "DatasetTask", "JsonlQATask", "MissingDependency", "RewardFailed", "ScoredBatch",
-           "Task", "TaskError", "TaskItem", "first_integer", "make_task", "parse_final_number"]
+__all__ = ["ArithmeticTask", "DatasetTask", "JsonlQATask", "RewardFailed", "ScoredBatch", "first_integer",
+           "parse_final_number"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TaskItem:
-    prompt: str  # the formatted prompt text: what the job's tokens encode (TextCodec.encode)
-    answer: str
-    source: str | None = field(default=None, compare=False)  # the dataset's prompt before formatting
-    columns: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)  # extra columns
-
-
-class Task(Protocol):
-    name: str
-    train: list[TaskItem]
-    heldout: list[TaskItem]
-
-    def reward(self, item: TaskItem, completion: str) -> float:
-        """One completion's reward, for evaluation and displays (a reward that fails counts 0 here)."""
-        ...
-
-    def score(self, items: Sequence[TaskItem], completions: Sequence[str]) -> ScoredBatch:
-        """The rewards of a result's completions, what the learner trains on; raises :class:`RewardFailed`."""
-        ...
 
 
 class _OneReward:
@@ -145,18 +114,6 @@ class JsonlQATask(_OneReward):
 
     def reward(self, item: TaskItem, completion: str) -> float:
         return 1.0 if numbers_match(completion, item.answer) else 0.0
-
-
-def chat_formatter(enabled: bool, folder: Path | None) -> ChatFormatter | None:
-    """The model's chat template when a task asks for one (``folder``: task.tokenizer_path, else model.path)."""
-    if not enabled:
-        return None
-    if folder is None:
-        raise TaskError("task.chat_template needs the model's tokenizer folder: set model.path to a model folder, or "
-                        "task.tokenizer_path")
-    from coordinator.tasks.prompts import ChatFormatter
-
-    return ChatFormatter(folder)
 
 
 def _reward_set(config: DatasetTaskConfig) -> RewardSet:
@@ -263,22 +220,3 @@ def _is_conversation(value: Any) -> bool:
 def _last_user(messages: list[dict[str, Any]]) -> str:
     users = [m["content"] for m in messages if m.get("role") == "user"]
     return str(users[-1]) if users else ""
-
-
-def make_task(config: TaskConfig, model_dir: Path | str | None = None) -> Task:
-    """The task of a run. ``model_dir`` is the model folder (model.path; None for 'tiny'): a chat template is read
-    from it when the task asks for one."""
-    if isinstance(config, ArithmeticTaskConfig):
-        return ArithmeticTask(config)
-    folder = None if model_dir in (None, "tiny") else Path(str(model_dir)).expanduser()
-    if isinstance(config, DatasetTaskConfig):
-        return DatasetTask(config, folder)
-    if isinstance(config, ReasoningGymTaskConfig):
-        from coordinator.tasks.reasoning_gym import ReasoningGymTask
-
-        return ReasoningGymTask(config, folder)
-    if isinstance(config, EnvironmentTaskConfig):
-        from coordinator.tasks.episodes import EnvTask
-
-        return EnvTask(config)  # multi-turn episodes, verified by replay
-    return JsonlQATask(config)

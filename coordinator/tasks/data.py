@@ -13,18 +13,10 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.errors import EchoSwarmError
+from coordinator.errors import MissingDependency, TaskError
 
 Row = dict[str, Any]
 Format = Literal["auto", "jsonl", "parquet", "hf"]
-
-
-class TaskError(EchoSwarmError):
-    """A task's data file is missing or malformed, or its prompts or rewards cannot be set up."""
-
-
-class MissingDependency(TaskError):
-    """A configured task needs an optional package that is not installed; the message says what to install."""
 
 
 def resolve_format(path: Path, fmt: Format) -> Literal["jsonl", "parquet", "hf"]:

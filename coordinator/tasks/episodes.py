@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.config import EnvironmentTaskConfig
-from coordinator.tasks.data import TaskError
+from coordinator.errors import TaskError
 from coordinator.tasks.rewards import ScoredBatch
 from shared.envs import (
     EnvError,
@@ -33,8 +33,10 @@ from shared.envs import (
     params_json,
     parse_params,
 )
+from shared.envs.play import play
 from shared.errors import ProtocolError, Reason
 from shared.messages import Completion, EnvironmentSpec
+from shared.policy import generate, stop_token_ids
 
 REWARD_NAME = "episode"
 
@@ -166,8 +168,6 @@ class EnvTask:
     # -- held-out evaluation --------------------------------------------------------------------------------
     def greedy_success(self, model: Any, tokenizer: Any, items: Sequence[Any], max_tokens: int) -> float:
         """Share of held-out episodes the greedy policy solves (the environment's own ``solved``)."""
-        from shared.envs.play import play
-        from shared.policy import generate, stop_token_ids
 
         tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
         stops = stop_token_ids(tokenizer)

@@ -23,8 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from coordinator.tasks.data import TaskError
-from coordinator.tasks.text import TextCodec
+from coordinator.errors import TaskError
+from coordinator.tasks.text import TextCodec, TokenizerMissing
 
 Message = dict[str, Any]
 
@@ -152,8 +152,6 @@ class ChatFormatter:
     prompt texts its jobs carry (rendered, then aligned with :class:`TextCodec` by :func:`aligned_prompts`)."""
 
     def __init__(self, folder: Path) -> None:
-        from coordinator.tasks.text import TokenizerMissing
-
         self.chat = ChatTemplate.from_folder(folder)
         try:
             self.codec = TextCodec.from_folder(folder)

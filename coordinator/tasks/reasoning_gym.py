@@ -15,53 +15,14 @@ it is imported only by a run that names this task type.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import ReasoningGymTaskConfig
-from coordinator.tasks.data import MissingDependency, TaskError
+from coordinator.config import ReasoningGymTaskConfig, reasoning_gym_datasets
+from coordinator.errors import TaskError
+from coordinator.tasks.base import TaskItem, chat_formatter
 from coordinator.tasks.rewards import RewardFailed, RewardSet, RewardTerm, ScoredBatch, final_answer
-
-INSTALL = "pip install 'echo-swarm[reasoning-gym]' (or pip install reasoning-gym)"
-RESERVED = ("seed", "size")  # set by the task itself, from task.seed and task.size
-
-
-def _registry() -> Mapping[str, tuple[type, type]]:
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a generator must never reach a hub
-    try:
-        from reasoning_gym.factory import DATASETS
-    except ImportError:
-        raise MissingDependency(f"the reasoning-gym task needs reasoning-gym: {INSTALL}") from None
-    return DATASETS  # type: ignore[no-any-return]
-
-
-def check_dataset_config(name: str, config: Mapping[str, Any]) -> None:
-    """Raise ValueError, saying how to fix it, unless ``name`` is a reasoning-gym dataset and ``config`` a valid
-    configuration of it (checked by the dataset's own config class and its ``validate``)."""
-    try:
-        registry = _registry()
-    except MissingDependency as exc:
-        raise ValueError(str(exc)) from None
-    if name not in registry:
-        raise ValueError(f"task.dataset {name!r} is not a reasoning-gym dataset; known datasets: "
-                         f"{', '.join(sorted(registry))}")
-    _, config_cls = registry[name]
-    names = [f.name for f in dataclasses.fields(config_cls) if f.name not in RESERVED]
-    reserved = sorted(set(config) & set(RESERVED))
-    if reserved:
-        raise ValueError(f"task.config may not set {reserved}: use task.seed and task.size")
-    unknown = sorted(set(config) - set(names))
-    if unknown:
-        raise ValueError(f"task.config has {unknown}, which {name} does not take; its settings are: {', '.join(names)}")
-    try:
-        made = config_cls(**config, seed=0, size=1)
-        if hasattr(made, "validate"):
-            made.validate()
-    except (AssertionError, TypeError, ValueError) as exc:
-        raise ValueError(f"task.config is not a valid {name} configuration: {exc or type(exc).__name__}") from None
 
 
 def _fill(template: str, entry: dict[str, Any]) -> str:
@@ -79,10 +40,8 @@ class ReasoningGymTask:
     name = "reasoning-gym"
 
     def __init__(self, config: ReasoningGymTaskConfig, tokenizer_dir: Path | None = None) -> None:
-        from coordinator.tasks.builtin import TaskItem, chat_formatter
-
         self.config = config
-        _registry()  # a missing extra stops the run here, with what to install
+        reasoning_gym_datasets()  # a missing extra stops the run here, with what to install
         import reasoning_gym
 
         try:

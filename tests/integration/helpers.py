@@ -184,7 +184,7 @@ def process_alive(pid: int) -> bool:
 
 
 def started_rank_pids(log: Path, role: str) -> list[int]:
-    """Follower rank pids a role's rank 0 logged starting (coordinator.engine.fsdp), oldest first."""
+    """Follower rank pids a role's rank 0 logged starting (coordinator.launch.ranks), oldest first."""
     return [int(p) for p in re.findall(rf"started {re.escape(role)} ranks 1\.\.1 \(pids \[(\d+)\]\)", log.read_text())]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.roles.p2p_relay import PEER_HEADER, TOKEN_HEADER
+from coordinator.run.relay import PEER_HEADER, TOKEN_HEADER
 from shared.messages import ClientProfile, RegisterRequest
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import RawClient, db_rows

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.engine.verifier import Verifier, VersionGone
+from coordinator.engine.verifier import Verifier
+from coordinator.errors import VersionGone
 from tests.integration.helpers import perturbed_copy
 
 PROMPTS = [[5, 17, 33, 4], [9, 2, 41]]

@@ -3,7 +3,7 @@ test_fsdp_verifier.py.
 
 ``python -m tests.integration.verifier_ranks OUT SPEC.json GROUP``: GROUP 1 is a single-device replica (the
 reference, ``verification.placement = "replicas"``); with N > 1 this process is rank 0 of a verifier group and
-starts the other ranks itself (coordinator.engine.fsdp.start, as the verifier role does), which follow it; ``bf16`` is a
+starts the other ranks itself (coordinator.launch.ranks.start, as the verifier role does), which follow it; ``bf16`` is a
 group of 2 with ``verification.mixed_precision = "bf16"``.
 
 SPEC names the version folders (``full``: two full-weight versions; ``lora``: two LoRA versions and their base
@@ -57,13 +57,14 @@ def _diverged(ver: Any, ranks: Any, spec: dict[str, Any], version: int) -> int:
 
 def main(out: Path, spec: dict[str, Any], group: str) -> None:
     from coordinator.engine import fsdp
+    from coordinator.launch import ranks as rank_start
     from coordinator.roles.verifier import _verifier
 
     world = 2 if group == "bf16" else int(group)
     config = CoordinatorConfig(run_dir=out / "run", model={"device": "cpu"},
                                verification={"placement": "fsdp" if world > 1 else "replicas", "world_size": world,
                                              "mixed_precision": "bf16" if group == "bf16" else "off"})
-    ranks = fsdp.start(config, "verifier", 0) if world > 1 else None
+    ranks = rank_start.start(config, "verifier", 0) if world > 1 else None
     results: dict[str, Any] = {}
     try:
         for case, lora_base in (("full", None), ("lora", spec["lora_base"])):

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import pytest
 
 from coordinator.config import EnvironmentTaskConfig
-from coordinator.tasks.data import TaskError
+from coordinator.errors import TaskError
 from coordinator.tasks.episodes import EnvTask
 from coordinator.tasks.text import TextCodec
 from shared import envs

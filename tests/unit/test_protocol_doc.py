@@ -40,8 +40,8 @@ def doc() -> str:
 @pytest.fixture(scope="module")
 def routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
     """(method, path) of every route the real app registers (HEAD, which aiohttp adds to each GET, left out)."""
-    from coordinator.api.app import create_app
     from coordinator.config import load_config
+    from coordinator.launch.one_process import create_app
 
     config = load_config(None, {"run_dir": str(tmp_path_factory.mktemp("run"))})
     app = create_app(config)  # registers every route; the coordinator is not started, nothing is loaded
@@ -143,14 +143,14 @@ def test_reason_table_matches_the_code(doc: str) -> None:
 
 # ---- signed calls over libp2p (§6b) --------------------------------------------------------------------------
 def test_the_call_protocol_section_matches_the_code(doc: str) -> None:
-    from coordinator.api.app import SIGNED_POSTS
+    from coordinator.limits import SIGNED_POSTS
     from shared.messages import MAX_CALL_BYTES, CallReply, CallRequest
     from shared.p2p_calls import CALL_PROTOCOL, MAX_HEAD
 
     body = section(doc, "6b")
     assert f"`{CALL_PROTOCOL}`" in body, f"§6b does not name the stream protocol id {CALL_PROTOCOL}"
     missing = [p for p in SIGNED_POSTS if f"`{p}`" not in body]
-    assert not missing, f"§6b does not list the relayed calls {missing} (coordinator.api.app.SIGNED_POSTS)"
+    assert not missing, f"§6b does not list the relayed calls {missing} (coordinator.limits.SIGNED_POSTS)"
     for model in (CallRequest, CallReply):
         fields = re.search(rf"`{model.__name__}` = (.*?)(?:, then|\)\n|$)", body, re.S)
         assert fields is not None, f"§6b does not define `{model.__name__}` = ..."

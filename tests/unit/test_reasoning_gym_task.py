@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from coordinator.config import ConfigError, ReasoningGymTaskConfig, load_config
-from coordinator.tasks.builtin import MissingDependency, TaskError, make_task
+from coordinator.errors import MissingDependency, TaskError
+from coordinator.tasks.factory import make_task
 from coordinator.tasks.reasoning_gym import ReasoningGymTask
 from coordinator.tasks.text import TextCodec
 from tests.unit.test_prompts import CHATML, hf_ids, tokenizer_folder
@@ -119,7 +120,7 @@ def test_the_task_loads_no_torch() -> None:
     """The API process builds the task and scores every result with it, and never loads torch."""
     import subprocess
 
-    code = ("import sys; from coordinator.config import ReasoningGymTaskConfig; from coordinator.tasks.builtin import make_task; "
+    code = ("import sys; from coordinator.config import ReasoningGymTaskConfig; from coordinator.tasks.factory import make_task; "
             "t = make_task(ReasoningGymTaskConfig(dataset='basic_arithmetic', size=10, heldout_size=2)); "
             "t.score(t.train[:1], ['1']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.core.verify import TokenStats
-from coordinator.engine.verifier import VersionGone
+from coordinator.errors import VersionGone
 from coordinator.run.workqueue import (
     Bell,
     RemoteVerifier,
