@@ -64,4 +64,4 @@ test: lint browser postgres
 	$(BIN)/python -m pytest -ra
 
 clean:
-	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
