@@ -43,13 +43,14 @@ from coordinator.errors import VersionGone
 from coordinator.limits import MAX_REQUEST_BYTES
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import API, LEARNER
+from coordinator.run.records import AcceptedResult
 from coordinator.run.relay import relay_token
 from coordinator.run.runfiles import RunFiles, wait_for_first_version
 from coordinator.run.workqueue import POLL_S, Bell, RemoteVerifier, VerificationError, VerifierUnavailable
 from coordinator.store.store import JobRow, Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.episodes import REWARD_NAME as EPISODE_REWARD
-from coordinator.tasks.episodes import EnvTask, episode_record, select
+from coordinator.tasks.episodes import EnvTask, episode_behaviour, select
 from coordinator.tasks.rewards import RewardFailed
 from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import PROTOCOL_VERSION, crypto, wire
@@ -524,24 +525,23 @@ class Coordinator:
         if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) not in (
                 LeaseCheck.OK, LeaseCheck.EXPIRED):
             raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} changed while it was verified")
-        record: dict[str, Any] = {"completions": completions, "behaviour_logprobs": reported,
-                                  "recomputed_logprobs": recomputed}
+        behaviour, loss_mask = reported, None
         if replayed is not None:  # rewards from the replay; the learner trains on the model's tokens only
             rewards = replayed.rewards
             reward_means = {EPISODE_REWARD: sum(rewards) / len(rewards)}
             assert token_stats is not None, "episodes are always recomputed (no colocated baseline plays them)"
-            record = episode_record(replayed, full_recomputed)
+            behaviour, loss_mask = episode_behaviour(replayed, full_recomputed), replayed.masks
+            recomputed = [list(r) for r in full_recomputed]
             n_tokens = sum(len(r) for r in replayed.reported)
         else:
             items = [self.task.train[i] for i in row.prompt_ids for _ in range(row.group_size)]
             scored = self.task.score(items, [self.codec.decode(c) for c in completions])  # RewardFailed: a refusal
             rewards, reward_means = scored.rewards, scored.per_reward_means
             n_tokens = sum(len(c) for c in completions)
-        payload = wire.pack(record | {
-            "finish_reasons": [c.finish_reason for c in sub.completions],
-            "logprob_mean_abs_diff": stats.mean_abs,
-            "reward_means": reward_means,
-        })
+        payload = AcceptedResult(
+            completions=completions, behaviour_logprobs=behaviour, recomputed_logprobs=recomputed,
+            finish_reasons=[c.finish_reason for c in sub.completions], logprob_mean_abs_diff=stats.mean_abs,
+            reward_means=reward_means, loss_mask=loss_mask).encode()
         credit = float(n_tokens)
         # a spot-check's hold is written before the result it holds (spotcheck.hold_before_accept): nothing awaits in
         # between, and the learner never sees the result unheld

@@ -34,6 +34,7 @@ from coordinator.publish.checkpoints import CheckpointState, CheckpointStore
 from coordinator.publish.publisher import Publication, Published, Publisher
 from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
 from coordinator.run.names import LEARNER, LOCAL_CLIENT, VERIFIER_PREFIX
+from coordinator.run.records import AcceptedResult
 from coordinator.run.workqueue import POLL_S, Bell
 from coordinator.store.store import JobRow, Store
 from coordinator.tasks.base import Task
@@ -348,18 +349,19 @@ class LearnerRole:
         for r in rows:
             job = self.store.get_job(r.job_id)
             assert job is not None
-            data = wire.unpack(r.payload, max_bytes=len(r.payload))
-            for name, mean in (data.get("reward_means") or {}).items():  # each reward's own mean (task.rewards)
-                reward_parts.setdefault(str(name), []).append(float(mean))
+            result = AcceptedResult.decode(r.payload)
+            for name, mean in result.reward_means.items():  # each reward's own mean (task.rewards)
+                reward_parts.setdefault(name, []).append(mean)
             advs = group_advantages(r.rewards, job.group_size)
             stale = version - r.version
             assert 0 <= stale <= self.config.sync_policy.bound, f"staleness {stale} outside the bound"
             staleness_hist[str(stale)] = staleness_hist.get(str(stale), 0) + 1
             weight = staleness_weight(stale, self.config.learner.staleness_decay)
             prompts = [self.prompt_tokens(i) for i in job.prompt_ids for _ in range(job.group_size)]
-            masks = data.get("loss_mask") or [None] * len(prompts)  # episodes: observation tokens masked out
-            for k, (p, c) in enumerate(zip(prompts, data["completions"], strict=True)):
-                samples.append(Sample(p, c, data["recomputed_logprobs"][k], data["behaviour_logprobs"][k], advs[k],
+            # episodes: observation tokens masked out
+            masks: list[list[int] | None] = list(result.loss_mask) if result.loss_mask else [None] * len(prompts)
+            for k, (p, c) in enumerate(zip(prompts, result.completions, strict=True)):
+                samples.append(Sample(p, c, result.recomputed_logprobs[k], result.behaviour_logprobs[k], advs[k],
                                       stale, weight, masks[k]))
             rewards_all.extend(r.rewards)
         return Batch(samples, rewards_all, staleness_hist, rows,

@@ -213,13 +213,12 @@ def select(rows: Sequence[Sequence[float]], masks: Sequence[Sequence[int]]) -> l
     return [[v for v, m in zip(row, mask, strict=True) if m] for row, mask in zip(rows, masks, strict=True)]
 
 
-def episode_record(replayed: Replayed, recomputed: list[list[float]]) -> dict[str, Any]:
-    """What an accepted result stores for the learner: each episode as one completion (actions and observations),
-    π_b the verifier's recompute over the whole sequence, the client's logprobs at the model's tokens (π_b's
-    values at the observations, which the loss mask leaves out), and the loss mask."""
+def episode_behaviour(replayed: Replayed, recomputed: list[list[float]]) -> list[list[float]]:
+    """π_b of each episode over its whole sequence, for the learner: the client's logprobs at the model's tokens,
+    the verifier's recompute (``recomputed``, over the whole sequence) at the observations, which the loss mask
+    leaves out."""
     behaviour: list[list[float]] = []
     for mask, reported, rec in zip(replayed.masks, replayed.reported, recomputed, strict=True):
         it = iter(reported)
         behaviour.append([next(it) if m else r for m, r in zip(mask, rec, strict=True)])
-    return {"completions": replayed.sequences, "behaviour_logprobs": behaviour,
-            "recomputed_logprobs": [list(r) for r in recomputed], "loss_mask": replayed.masks}
+    return behaviour
