@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.publish.snapshots import fsync_dir
+
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -45,14 +47,6 @@ class CheckpointState:
     optimizer: dict[str, Any]  # torch optimizer state_dict()
     release: Any  # callable: the learner may update these tensors again
     sharded: dict[str, Any] | None = None  # FSDP: {"dir": staging folder already written, "world_size", "optimizer"}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointStore:
@@ -94,12 +88,12 @@ class CheckpointStore:
                 json.dump(info, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             final = self.folder(state.version)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

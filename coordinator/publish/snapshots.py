@@ -51,7 +51,8 @@ class SnapshotFiles:
     shared: Mapping[str, FileWriter] = field(default_factory=dict)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (the directory entry itself), as atomic publication needs."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -64,7 +65,7 @@ def _fsync_tree(folder: Path) -> None:
         if p.is_file():
             with open(p, "rb") as fh:
                 os.fsync(fh.fileno())
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -74,7 +75,7 @@ def write_atomic(path: Path, data: bytes) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 class SnapshotStore:
@@ -158,7 +159,7 @@ class SnapshotStore:
             if final.exists():  # left over by a crash before the database recorded this version
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
