@@ -1,6 +1,6 @@
 # Quick start targets. Each one sets up what it needs (a local .venv) and is safe to re-run.
 #   make demo   — coordinator + 2 volunteer clients + learner on the built-in tiny model (a few minutes)
-#   make test   — lint, type check and the whole test suite
+#   make test   — lint, type check, the import contracts (docs/architecture.md) and the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 # The CPU build of torch for the quick start; GPU users can pass e.g. TORCH_SPEC="torch" for their own build.
@@ -36,6 +36,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # Headless Chromium for the status-page browser test: Debian's package, installed once (needs root and apt;
 # skipped when a chromium is already on PATH or $$ECHO_SWARM_CHROMIUM names one).
@@ -63,4 +64,4 @@ test: lint browser postgres
 	$(BIN)/python -m pytest -ra
 
 clean:
-	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

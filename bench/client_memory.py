@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 GIB = 2**30
 SHAPES: dict[str, dict[str, Any]] = {
-    # the built-in tiny model's shape (coordinator/tiny_model.py), byte-level vocabulary
+    # the built-in tiny model's shape (coordinator/engine/tiny_model.py), byte-level vocabulary
     "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=257, tie_word_embeddings=True),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -59,7 +59,7 @@ def build_versions(shape: str, dtype: str, out: Path, gguf: bool) -> list[Path]:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from coordinator.tiny_model import build_tokenizer
+    from coordinator.engine.tiny_model import build_tokenizer
 
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, use_sliding_window=False,
                       bos_token_id=256, eos_token_id=256, pad_token_id=256)
@@ -73,7 +73,7 @@ def build_versions(shape: str, dtype: str, out: Path, gguf: bool) -> list[Path]:
         tokenizer.save_pretrained(str(folder))
         del model
         if gguf:
-            from coordinator.gguf_export import export_folder
+            from coordinator.publish.gguf_export import export_folder
 
             export_folder(folder, folder / "model.gguf", "f16")
         folders.append(folder)

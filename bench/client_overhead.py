@@ -38,7 +38,7 @@ def build_model(folder: Path, hidden: int = 128, layers: int = 4) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from coordinator.tiny_model import build_tokenizer
+    from coordinator.engine.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def raw_rate(backend: Any, job: Any, jobs: int) -> float:
 
 def snapshot_bytes(model: Path, tmp: Path) -> dict[str, int]:
     from coordinator.config import LearnerConfig, ModelConfig
-    from coordinator.learner import Learner
+    from coordinator.engine.learner import Learner
 
     out: dict[str, int] = {}
     for precision in ("f32", "f16", "q8_0"):

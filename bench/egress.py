@@ -42,7 +42,7 @@ def build_model(out: Path, mib: int) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from coordinator.tiny_model import build_tokenizer
+    from coordinator.engine.tiny_model import build_tokenizer
 
     if (out / "model.safetensors").exists():
         return out
@@ -67,9 +67,9 @@ class Coordinator:
     def __init__(self, run_dir: Path, model: Path, p2p: bool, seed_peers: int) -> None:
         from aiohttp import web
 
-        from coordinator.app import create_app
+        from coordinator.api.service import Coordinator as Service
         from coordinator.config import load_config
-        from coordinator.service import Coordinator as Service
+        from coordinator.launch.one_process import create_app
 
         cfg = load_config(None, {"run_dir": str(run_dir), "model.path": str(model), "layout": "one-process",
                                  "learner.max_steps": 1, "learner.eval_every": 0, "learner.threads": 1,

@@ -43,8 +43,8 @@ def measure(model_dir: Path, precisions: list[str], n_prompts: int, group: int, 
     import torch
 
     from coordinator.config import ArithmeticTaskConfig
-    from coordinator.gguf_export import export_folder
-    from coordinator.tasks import ArithmeticTask
+    from coordinator.publish.gguf_export import export_folder
+    from coordinator.tasks.builtin import ArithmeticTask
     from shared.policy import completion_logprobs, load_model, load_tokenizer, stop_token_ids
     from swarm_client.backends.llama_backend import LlamaBackend
     from swarm_client.backends.torch_backend import TorchBackend
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.model == "tiny":
-        from coordinator.tiny_model import ensure_tiny_model
+        from coordinator.engine.tiny_model import ensure_tiny_model
 
         model_dir = ensure_tiny_model()
     else:

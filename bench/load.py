@@ -272,7 +272,7 @@ async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], ro
     backends = pg_backends(args.store_url, api_pids) if db_pid else []
 
     def coordinator_cpu() -> float:
-        """The API processes, and on PostgreSQL the server backends serving them (coordinator.db names each
+        """The API processes, and on PostgreSQL the server backends serving them (coordinator.store.db names each
         connection after its process): the learner's and verifiers' own queries are not the API's cost."""
         return cpu_ms(api_pids + backends)
 
@@ -335,7 +335,7 @@ async def run(args: argparse.Namespace, urls: list[str], api_pids: list[int], ro
 
 def one_run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the coordinator (and a second API process, and a PostgreSQL server, as asked), load it, stop it."""
-    from coordinator.tiny_model import ensure_tiny_model
+    from coordinator.engine.tiny_model import ensure_tiny_model
     from echo_swarm.pgserver import LocalPostgres
 
     with tempfile.TemporaryDirectory(prefix="echo-load-") as tmp, contextlib.ExitStack() as stack:
@@ -360,7 +360,7 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
                 urls.append(u)
             api_pids = [p.pid for p in procs[1:]]
             # the supervisor's children: the API (named in its status) and the learner and verifier roles
-            from coordinator.store import Store
+            from coordinator.store.store import Store
 
             store = Store(store_url or run_dir / "coordinator.sqlite")
             statuses = store.role_statuses()

@@ -35,7 +35,7 @@ def build_qwen05(out: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from coordinator.tiny_model import build_tokenizer
+    from coordinator.engine.tiny_model import build_tokenizer
 
     if (out / "model.safetensors").exists():
         return out
@@ -95,8 +95,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from coordinator.config import LearnerConfig, ModelConfig
-    from coordinator.learner import Learner
-    from coordinator.snapshots import SnapshotStore
+    from coordinator.engine.learner import Learner
+    from coordinator.publish.snapshots import SnapshotStore
     from shared import crypto
     from swarm_client.backends.torch_backend import TorchBackend
 
@@ -105,7 +105,7 @@ def main() -> None:
         model = build_qwen05(args.build_qwen05)
         print(f"model at {model} ({time.perf_counter() - t0:.1f}s)")
     elif args.model == "tiny":
-        from coordinator.tiny_model import ensure_tiny_model
+        from coordinator.engine.tiny_model import ensure_tiny_model
 
         model = ensure_tiny_model()
     else:

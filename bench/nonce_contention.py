@@ -4,7 +4,7 @@ Every signed request remembers its nonce. Until schema 5 the nonce was a row in 
 insert took the file's single write lock — which the learner, verifiers and result intake hold through a
 synchronous=FULL commit, an fsync that takes seconds while the publisher writes a multi-gigabyte snapshot to the
 same disk (the 0.5 B scale bench measured signed-request p99 of 193–344 ms). Now nonces have their own file
-(``coordinator.store.Store.nonce_path``).
+(``coordinator.store.store.Store.nonce_path``).
 
 This bench reproduces the pressure with real processes and the real ``Store``: one process writes ``--gib`` of data
 and fsyncs it, over and over (a publisher); another commits a small synchronous=FULL transaction to the main
@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.store import Store  # noqa: E402
+from coordinator.store.store import Store  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "## Signed requests under snapshot I/O: the nonce file (`bench/nonce_contention.py`)"

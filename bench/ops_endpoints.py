@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from coordinator.admin_keys import ADMIN_KEY_FILE  # noqa: E402
-from coordinator.app import create_app  # noqa: E402
+from coordinator.api.admin_keys import ADMIN_KEY_FILE  # noqa: E402
+from coordinator.api.public_reads import PUBLIC_READS  # noqa: E402
+from coordinator.api.service import Coordinator  # noqa: E402
 from coordinator.config import load_config  # noqa: E402
-from coordinator.main import start_site  # noqa: E402
-from coordinator.public_reads import PUBLIC_READS  # noqa: E402
-from coordinator.service import Coordinator  # noqa: E402
+from coordinator.launch.one_process import create_app  # noqa: E402
+from coordinator.launch.serve import start_site  # noqa: E402
 from shared import crypto, wire  # noqa: E402
 from shared.admin import AdminList  # noqa: E402
 

@@ -43,9 +43,9 @@ def run_one(lag: int, correction: str, seed: int, steps: int, eval_every: int) -
     from coordinator.config import CoordinatorConfig
     from coordinator.core.advantages import group_advantages
     from coordinator.core.jobs import plan_job
-    from coordinator.learner import Learner, Sample
-    from coordinator.tasks import make_task
-    from coordinator.tiny_model import ensure_tiny_model
+    from coordinator.engine.learner import Learner, Sample
+    from coordinator.engine.tiny_model import ensure_tiny_model
+    from coordinator.tasks.factory import make_task
     from shared.policy import completion_logprobs, generate
 
     cfg = CoordinatorConfig.model_validate({"learner": {"threads": 1, "seed": seed, "correction": correction}})
@@ -160,7 +160,7 @@ def main() -> None:
         ap.error(f"corrections must be among {', '.join(CORRECTIONS)} and lags ≥ 0 (got {a.corrections!r}, {a.lags!r})")
     configs = [(k, c) for k in lags for c in (corrections[:1] if k == 0 else corrections)]
     a.out.mkdir(parents=True, exist_ok=True)
-    from coordinator.tiny_model import ensure_tiny_model
+    from coordinator.engine.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()  # built once here, not raced by the workers on a fresh machine
     jobs = [(k, c, s) for s in range(a.seeds) for k, c in configs]

@@ -5,7 +5,7 @@ refused (must be never) and how often cheating results are caught, per backend, 
         [--rl-steps 60] [--json out.json]
 
 What runs is the real code: honest torch results come from the client's TorchBackend, honest llama.cpp results
-from the client's LlamaBackend on GGUFs written by coordinator.gguf_export (f16 and q8_0, llama.cpp's default f16
+from the client's LlamaBackend on GGUFs written by coordinator.publish.gguf_export (f16 and q8_0, llama.cpp's default f16
 KV cache), the recompute is shared.policy.completion_stats (the verifier's function) and the verdict
 coordinator.core.verify.sampling_stats + check_sampling with the thresholds of coordinator.config's
 VerificationConfig defaults. Results are shaped like the default run's jobs: jobs.prompts_per_job × learner.group_size
@@ -259,8 +259,8 @@ def rl_policy(base: Path, out: Path, steps: int, shape: tuple[int, int, int], se
 
     from coordinator.config import ArithmeticTaskConfig, LearnerConfig, ModelConfig
     from coordinator.core.advantages import group_advantages
-    from coordinator.learner import Learner, Sample
-    from coordinator.tasks import ArithmeticTask
+    from coordinator.engine.learner import Learner, Sample
+    from coordinator.tasks.builtin import ArithmeticTask
     from shared.policy import generate
 
     per_result, group, max_tokens = shape
@@ -287,8 +287,8 @@ def rl_policy(base: Path, out: Path, steps: int, shape: tuple[int, int, int], se
 
 def load_setup(folder: Path, temperature: float) -> Setup:
     from coordinator.config import ArithmeticTaskConfig
-    from coordinator.evaluation import pad_id
-    from coordinator.tasks import ArithmeticTask
+    from coordinator.engine.evaluation import pad_id
+    from coordinator.tasks.builtin import ArithmeticTask
     from shared.policy import load_model, load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(folder)
@@ -401,14 +401,14 @@ def main() -> None:
     import torch
 
     from coordinator.config import JobsConfig, LearnerConfig, SamplingConfig, VerificationConfig
-    from coordinator.gguf_export import export_folder
+    from coordinator.publish.gguf_export import export_folder
 
     torch.set_num_threads(max(1, args.workers))
     torch.manual_seed(0)
     shape = (JobsConfig().prompts_per_job, LearnerConfig().group_size, SamplingConfig().max_tokens)
     ks = tuple(int(k) for k in args.ks.split(",") if k)
     if args.model_dir is None:
-        from coordinator.tiny_model import ensure_tiny_model
+        from coordinator.engine.tiny_model import ensure_tiny_model
 
         base = ensure_tiny_model()
     else:

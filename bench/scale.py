@@ -63,7 +63,7 @@ MODES: dict[str, dict[str, Any]] = {"sequential": {"sync_mode": "sequential-pull
 
 def build_model(kind: str, into: Path) -> Path:
     """The model folder: the cached tiny model, or a freshly built random Qwen2.5-0.5B-shaped one."""
-    from coordinator.tiny_model import ensure_tiny_model
+    from coordinator.engine.tiny_model import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     if kind == "tiny":

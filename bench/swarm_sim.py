@@ -1,6 +1,6 @@
 """SIMULATION of the coordinator's scheduling with 1 to 1,000 heterogeneous clients (no network, no model).
 
-The decisions are the coordinator's own code — its issuer (``coordinator.issuer.Issuer``: paces, who waits,
+The decisions are the coordinator's own code — its issuer (``coordinator.api.issuer.Issuer``: paces, who waits,
 due times, ``decide_lease`` for admission, reissue and version binding, the speed-aware rules of
 ``coordinator.core.pacing``), ``check_lease`` (is a returned result still wanted) and ``select_batch``
 (oldest-first batches within the staleness bound) — driven by a discrete-event clock. What is simulated: clients whose job times are spread log-uniformly over 100× (fastest 1 s); each
@@ -30,10 +30,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coordinator.api.issuer import Issuer  # noqa: E402
 from coordinator.core.leases import JobState, LeaseCheck, LeaseView, check_lease, deadline_for  # noqa: E402
 from coordinator.core.pacing import due_at  # noqa: E402
 from coordinator.core.scheduling import Pending, SyncPolicy, admits, occupies_slot, select_batch  # noqa: E402
-from coordinator.issuer import Issuer  # noqa: E402
 
 
 @dataclass

@@ -7,7 +7,7 @@ slower per step than a standard trainer on this machine).
 
 What is matched (see ``trl_args``): the tiny model and its byte-level tokenizer loaded the way the learner
 loads them, the arithmetic task's training split as the prompt pool and its reward function, the held-out
-greedy accuracy on the same 512 prompts (``coordinator.evaluation.greedy_accuracy``), and every learner and
+greedy accuracy on the same 512 prompts (``coordinator.engine.evaluation.greedy_accuracy``), and every learner and
 sampling hyper-parameter. What cannot be matched exactly is listed in ``KNOWN_DIFFERENCES``.
 
     python bench/trl_peer.py --steps 40 --out bench-out/trl   # one run on its own; prints the result JSON
@@ -114,9 +114,10 @@ def run_trl(seed: int, steps: int, out_dir: Path, eval_every: int, threads: int 
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
 
-    from coordinator.evaluation import greedy_accuracy
-    from coordinator.tasks import ArithmeticTask, TaskItem
-    from coordinator.tiny_model import ensure_tiny_model
+    from coordinator.engine.evaluation import greedy_accuracy
+    from coordinator.engine.tiny_model import ensure_tiny_model
+    from coordinator.tasks.base import TaskItem
+    from coordinator.tasks.builtin import ArithmeticTask
     from shared.policy import load_model, load_tokenizer
 
     hf_logging.disable_progress_bar()

@@ -6,16 +6,23 @@ a silently ignored setting.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 import string
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coordinator.core.scheduling import SyncPolicy
+from coordinator.errors import MissingDependency
+from coordinator.limits import MAX_MESSAGE_BYTES, body_cap, result_size_cap
+from shared.envs import EnvError, parse_params
 from shared.errors import EchoSwarmError
+from shared.messages import MAX_COMPLETIONS
 
 
 class ConfigError(EchoSwarmError):
@@ -184,6 +191,49 @@ class DatasetTaskConfig(_Strict):
         return self
 
 
+#: How to get the reasoning-gym task type's optional extra.
+REASONING_GYM_INSTALL = "pip install 'echo-swarm[reasoning-gym]' (or pip install reasoning-gym)"
+#: A reasoning-gym dataset's settings that the task sets itself, from task.seed and task.size.
+REASONING_GYM_RESERVED = ("seed", "size")
+
+
+def reasoning_gym_datasets() -> Mapping[str, tuple[type, type]]:
+    """reasoning-gym's datasets (name → dataset class, config class); MissingDependency without the extra. The
+    library is imported here, not at the top: it takes seconds, and only a run of this task type needs it."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a generator must never reach a hub
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise MissingDependency(f"the reasoning-gym task needs reasoning-gym: {REASONING_GYM_INSTALL}") from None
+    return DATASETS  # type: ignore[no-any-return]
+
+
+def check_reasoning_gym_dataset(name: str, config: Mapping[str, Any]) -> None:
+    """Raise ValueError, saying how to fix it, unless ``name`` is a reasoning-gym dataset and ``config`` a valid
+    configuration of it (checked by the dataset's own config class and its ``validate``)."""
+    try:
+        registry = reasoning_gym_datasets()
+    except MissingDependency as exc:
+        raise ValueError(str(exc)) from None
+    if name not in registry:
+        raise ValueError(f"task.dataset {name!r} is not a reasoning-gym dataset; known datasets: "
+                         f"{', '.join(sorted(registry))}")
+    _, config_cls = registry[name]
+    names = [f.name for f in dataclasses.fields(config_cls) if f.name not in REASONING_GYM_RESERVED]
+    reserved = sorted(set(config) & set(REASONING_GYM_RESERVED))
+    if reserved:
+        raise ValueError(f"task.config may not set {reserved}: use task.seed and task.size")
+    unknown = sorted(set(config) - set(names))
+    if unknown:
+        raise ValueError(f"task.config has {unknown}, which {name} does not take; its settings are: {', '.join(names)}")
+    try:
+        made = config_cls(**config, seed=0, size=1)
+        if hasattr(made, "validate"):
+            made.validate()
+    except (AssertionError, TypeError, ValueError) as exc:
+        raise ValueError(f"task.config is not a valid {name} configuration: {exc or type(exc).__name__}") from None
+
+
 class ReasoningGymTaskConfig(_Strict):
     """A reasoning-gym procedural dataset (basic_arithmetic, gsm_symbolic, countdown, maze, sokoban, ...):
     ``size`` questions generated offline from ``seed`` with the dataset's own ``config``; the dataset's scorer
@@ -228,10 +278,7 @@ class ReasoningGymTaskConfig(_Strict):
             raise ValueError("prompt_template may name only the item's '{question}' and its metadata (e.g. "
                              "'{metadata[expression]}'), and must name one, e.g. 'Q: {question} A:' (write literal "
                              "braces as '{{' and '}}')")
-        # lazy: reasoning-gym takes seconds to import, and only a run of this task type needs it
-        from coordinator.reasoning_gym_task import check_dataset_config
-
-        check_dataset_config(self.dataset, self.config)
+        check_reasoning_gym_dataset(self.dataset, self.config)
         return self
 
 
@@ -255,8 +302,6 @@ class EnvironmentTaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _known(self) -> EnvironmentTaskConfig:
-        from shared.envs import EnvError, parse_params
-
         try:
             parse_params(self.env, self.params)
         except EnvError as exc:
@@ -348,7 +393,7 @@ class LearnerConfig(_Strict):
 
     @property
     def sharded(self) -> bool:
-        """Whether the learner runs under torch.distributed with FSDP2 (coordinator.fsdp)."""
+        """Whether the learner runs under torch.distributed with FSDP2 (coordinator.engine.fsdp)."""
         return bool(self.fsdp) or (self.fsdp is None and self.world_size > 1)
 
     @model_validator(mode="after")
@@ -451,7 +496,7 @@ class VerificationConfig(_Strict):
                                                    "model: 'replicas' (one process, a whole replica on `device`) or "
                                                    "'fsdp' (a group of `world_size` ranks sharding each version "
                                                    "with FSDP2 and splitting each recompute batch among them; rank 0 "
-                                                   "talks to the store, coordinator.fsdp).")
+                                                   "talks to the store, coordinator.engine.fsdp).")
     world_size: int = Field(1, ge=1, le=64, description="Ranks of each verifier worker with placement 'fsdp' (one "
                             "GPU each on CUDA, rank r on cuda:K+r for device 'cuda:K'; gloo processes on CPU).")
     mixed_precision: Literal["off", "bf16"] = Field("off", description="With placement 'fsdp': gather parameters "
@@ -564,7 +609,7 @@ class RegistrationConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept volunteers from the network.")
     port: int = Field(8470, ge=0, le=65535, description="Listen port (0: pick a free one).")
-    # Bounded connections (coordinator.core.connections, coordinator.netguard; docs/operations.md)
+    # Bounded connections (coordinator.core.connections, coordinator.api.netguard; docs/operations.md)
     max_connections: int = Field(0, ge=0, le=1_000_000, description="Open connections at most, all clients "
                                  "together. 0: derived from the file limit (raised to its hard limit at start): "
                                  "(limit - reserved_fds - 512 for accepts in flight) / 2. When full, an idle or stalled connection gives up its "
@@ -638,7 +683,7 @@ class P2PConfig(_Strict):
                             "before leaving it to them (k).")
     record_ttl_s: float = Field(300.0, ge=30, le=86_400, description="Lifetime of the signed 'latest version' DHT "
                                 "record; it is republished every fifth of this.")
-    # the signed calls over libp2p (coordinator.p2p_relay; docs/protocol.md §6b)
+    # the signed calls over libp2p (coordinator.roles.p2p_relay; docs/protocol.md §6b)
     calls: bool = Field(True, description="Also serve the signed calls (register, lease, release, results) on the "
                         "libp2p peer, relayed to the API over loopback HTTP (`join --p2p-jobs`).")
     calls_at_once: int = Field(32, ge=1, le=4096, description="Signed calls relayed at once, all peers together "
@@ -722,19 +767,34 @@ class CoordinatorConfig(_Strict):
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
 
+    @property
+    def completions_per_job(self) -> int:
+        return self.jobs.prompts_per_job * self.learner.group_size
+
+    def result_cap(self, n_completions: int) -> int:
+        """limits.result_size_cap for this run's jobs (episodes: the task's turns and observation tokens)."""
+        task = self.task
+        if isinstance(task, EnvironmentTaskConfig):
+            return result_size_cap(n_completions, self.sampling.max_tokens, task.max_turns,
+                                   task.max_observation_tokens)
+        return result_size_cap(n_completions, self.sampling.max_tokens)
+
+    def body_cap(self, path: str) -> int:
+        """Largest request body the API (and the p2p role's relay) accepts on ``path`` in this run (limits.body_cap
+        with this run's largest job)."""
+        return body_cap(path, self.result_cap(self.completions_per_job))
+
     @model_validator(mode="after")
     def _fits_the_protocol(self) -> CoordinatorConfig:
-        from shared.messages import MAX_COMPLETIONS
-
-        per_job = self.jobs.prompts_per_job * self.learner.group_size
+        per_job = self.completions_per_job
         if per_job > MAX_COMPLETIONS:
             raise ValueError(f"jobs.prompts_per_job × learner.group_size = {per_job} completions per job; the "
                              f"protocol allows {MAX_COMPLETIONS}. Lower prompts_per_job")
-        size = 4096 + per_job * (64 + self.sampling.max_tokens * 14)
-        if size > 8 * 1024 * 1024:
+        size = result_size_cap(per_job, self.sampling.max_tokens)
+        if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"a job of {per_job} completions × {self.sampling.max_tokens} tokens could need "
-                             f"{size / 2**20:.1f} MiB per result; the limit is 8 MiB. Lower jobs.prompts_per_job "
-                             f"or sampling.max_tokens")
+                             f"{size / 2**20:.1f} MiB per result; the limit is {MAX_MESSAGE_BYTES // 2**20} MiB. "
+                             f"Lower jobs.prompts_per_job or sampling.max_tokens")
         return self
 
     @model_validator(mode="after")
@@ -753,12 +813,13 @@ class CoordinatorConfig(_Strict):
             raise ValueError("the colocated baseline does not play multi-turn episodes; use sync_mode = "
                              "'sequential-pull' or 'async-push-pull' with task.type = 'environment'")
         if isinstance(self.task, EnvironmentTaskConfig):
-            per_job = self.jobs.prompts_per_job * self.learner.group_size
+            per_job = self.completions_per_job
             t = self.task
-            size = 4096 + per_job * (64 + t.max_turns * (64 + self.sampling.max_tokens * 14 + t.max_observation_tokens * 5))
-            if size > 8 * 1024 * 1024:
+            size = self.result_cap(per_job)
+            if size > MAX_MESSAGE_BYTES:
                 raise ValueError(f"a job of {per_job} episodes × {t.max_turns} turns could need {size / 2**20:.1f} MiB "
-                                 f"per result; the limit is 8 MiB. Lower jobs.prompts_per_job, task.max_turns, "
+                                 f"per result; the limit is {MAX_MESSAGE_BYTES // 2**20} MiB. Lower "
+                                 f"jobs.prompts_per_job, task.max_turns, "
                                  f"sampling.max_tokens or task.max_observation_tokens")
         return self
 

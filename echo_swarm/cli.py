@@ -408,7 +408,7 @@ def coordinator(
     """
     _needs_coordinator_extra("coordinator")
     from coordinator.config import ConfigError, load_config
-    from coordinator.main import run
+    from coordinator.launch.main import run
 
     try:
         cfg = load_config(config, {

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.db import is_postgres_url
+from coordinator.store.db import is_postgres_url
 from echo_swarm.demo_tasks import DEMO_TASKS
 from echo_swarm.pgserver import LocalPostgres, PostgresUnavailable
 
@@ -60,7 +60,7 @@ class DemoConfig:
 
 
 def build_model_with_progress(cache_dir: Path | None = None) -> Path:
-    from coordinator.tiny_model import TinyRecipe, ensure_tiny_model
+    from coordinator.engine.tiny_model import TinyRecipe, ensure_tiny_model
 
     recipe = TinyRecipe()
     with Progress(TextColumn("[bold]building tiny model[/] (cached after the first run)"), BarColumn(),
@@ -284,8 +284,8 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
 
 def _rejection_reasons(db: Path | str) -> dict[str, int]:
     """Refusals by reason code, read from the run's database so a demo says why anything was refused."""
-    from coordinator.readmodels import rejection_counts
-    from coordinator.store import Store
+    from coordinator.store.readmodels import rejection_counts
+    from coordinator.store.store import Store
 
     if isinstance(db, Path) and not db.exists():
         return {}

@@ -38,10 +38,10 @@ DEMO_TASKS: dict[str, DemoTask] = {
                               'heldout_size = 64\nprompt_template = "Q: {metadata[expression]}= A:"\n'
                               "config = { min_terms = 2, max_terms = 2, max_digits = 1, operators = [\"+\"], "
                               "allow_parentheses = false, allow_negation = false }\n", lr=3e-4),
-    # multi-turn, verified by replay (coordinator.episodes): a 3×3 grid, four turns of one digit each; held out:
+    # multi-turn, verified by replay (coordinator.tasks.episodes): a 3×3 grid, four turns of one digit each; held out:
     # 24 of the 72 starting states (docs/benchmarks.md, "Multi-turn gridworld")
     "gridworld": DemoTask("multi-turn episodes in a 3×3 gridworld, verified by replaying every action "
-                          "(coordinator.episodes)",
+                          "(coordinator.tasks.episodes)",
                           '[task]\ntype = "environment"\nenv = "gridworld"\nparams = { width = 3, height = 3 }\n'
                           'max_turns = 4\nheldout_size = 24\nmax_observation_tokens = 16\n\n'
                           '[sampling]\nmax_tokens = 1\n',

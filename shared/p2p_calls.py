@@ -1,7 +1,7 @@
 """The protocol's signed calls over libp2p (docs/protocol.md §6b): a client that joined the swarm's DHT can send
 ``/v1/register``, ``/v1/lease``, ``/v1/release`` and ``/v1/results`` to the coordinator's libp2p peer instead of
 its HTTP address. The bytes are the HTTP ones: the same SignedRequest envelope goes out, the same status and reply
-body (msgpack) come back, because the coordinator's peer relays each call to its own API (coordinator.p2p_relay),
+body (msgpack) come back, because the coordinator's peer relays each call to its own API (coordinator.roles.p2p_relay),
 so both transports share one code path and one set of checks.
 
 Requests and replies travel in a stream, never in hivemind's unary replies (a reply over 4 MiB hangs the caller,

@@ -33,7 +33,7 @@ def default_home() -> Path:
 
 
 def platform_cache_dir() -> Path:
-    env = os.environ.get("ECHO_SWARM_CACHE")  # also where the tiny model is cached (coordinator.tiny_model)
+    env = os.environ.get("ECHO_SWARM_CACHE")  # also where the tiny model is cached (coordinator.engine.tiny_model)
     if env:
         return Path(env) / SNAPSHOTS
     from platformdirs import user_cache_dir

@@ -3,7 +3,7 @@
 Every open connection costs a file descriptor, and the process has a fixed number of them; the database, the
 snapshots and the learner need some too. A client that opens connections and sends nothing, or sends its
 headers a byte at a time (slowloris), must not be able to use them all. So the listener (the I/O shell in
-:mod:`coordinator.netguard`) tracks each connection's *phase* and asks these rules two questions:
+:mod:`coordinator.api.netguard`) tracks each connection's *phase* and asks these rules two questions:
 
 - may a new connection from this address be admitted — and if the address (or the whole server) is at its
   cap, which existing connection that is *not doing useful work* gives up its place? Connections waiting for

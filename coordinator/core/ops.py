@@ -1,12 +1,13 @@
 """Pure rules behind the operator and contributor views (admin API, status page, /metrics).
 
-Everything here takes plain values and ``now``; the read models in :mod:`coordinator.readmodels` feed it
+Everything here takes plain values and ``now``; the read models in :mod:`coordinator.store.readmodels` feed it
 rows from the store.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 from coordinator.core.leases import JobState, LeaseView
@@ -46,21 +47,36 @@ def job_status(view: LeaseView, now: float) -> JobStatus:
 
 
 class ClientLookupError(LookupError):
-    """An operator named a client that does not exist, or a prefix matching several."""
+    """An operator named a client (or an operator key) that does not exist, or a prefix matching several."""
 
 
-def resolve_client(text: str, client_ids: Iterable[str]) -> str:
-    """A full client id or a unique prefix of at least MIN_CLIENT_PREFIX hex digits → the full id."""
+@dataclass(frozen=True)
+class IdKind:
+    """What an operator names by a hex id or its prefix, in the words of the lookup's refusals: the id's name, the
+    plural, and the command that lists them."""
+
+    noun: str
+    plural: str
+    lister: str
+
+
+CLIENTS = IdKind("client id", "clients", "echo-swarm admin clients")
+ADMIN_KEYS = IdKind("admin key id", "admin keys", "echo-swarm admin keys list")
+
+
+def resolve_client(text: str, client_ids: Iterable[str], kind: IdKind = CLIENTS) -> str:
+    """A full id or a unique prefix of at least MIN_CLIENT_PREFIX hex digits → the full id; ``kind`` says what
+    the ids are (a client's by default, or an operator key's) in the refusal's message."""
     text = text.strip().lower()
     if len(text) < MIN_CLIENT_PREFIX:
-        raise ClientLookupError(f"give at least {MIN_CLIENT_PREFIX} characters of the client id (got {text!r}); "
-                                f"`echo-swarm admin clients` lists them")
+        raise ClientLookupError(f"give at least {MIN_CLIENT_PREFIX} characters of the {kind.noun} (got {text!r}); "
+                                f"`{kind.lister}` lists them")
     matches = sorted(c for c in client_ids if c.startswith(text))
     if not matches:
-        raise ClientLookupError(f"no client id starts with {text!r}; `echo-swarm admin clients` lists them")
+        raise ClientLookupError(f"no {kind.noun} starts with {text!r}; `{kind.lister}` lists them")
     if len(matches) > 1:
-        raise ClientLookupError(f"{text!r} matches {len(matches)} clients ({', '.join(m[:12] for m in matches[:5])}"
-                                f"…); give more characters")
+        raise ClientLookupError(f"{text!r} matches {len(matches)} {kind.plural} "
+                                f"({', '.join(m[:12] for m in matches[:5])}…); give more characters")
     return matches[0]
 
 

@@ -13,7 +13,7 @@ Who may judge whom (so an attacker cannot steer a replica to an accomplice): a r
 class is judged by the arbiter alone (:func:`judge_original`; no replica leaves the coordinator). Any other
 class is replayed only by an identity of the same class that is :func:`independent` of the original's by
 what the coordinator observes. An ``inconclusive`` judgement never validates anything: the original stays
-held (coordinator.spotcheck).
+held (coordinator.api.spotcheck).
 """
 
 from __future__ import annotations

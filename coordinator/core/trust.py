@@ -2,7 +2,7 @@
 
 Trust is kept per *identity* first: an identity's backend class is established by the coordinator at its
 first registration, from a small fixed set (:data:`BACKEND_CLASSES`), and pinned to it (see
-coordinator.guard), so claiming another backend or device later changes nothing — a quarantined identity
+coordinator.api.guard), so claiming another backend or device later changes nothing — a quarantined identity
 is quarantined whatever it claims. The trust row is keyed (client, class) only so that standings say which
 class the evidence is about. A new identity starts untrusted, so rotating keys (a sybil) only ever buys the
 untrusted treatment:
@@ -32,7 +32,7 @@ INVALIDATING: frozenset[Reason] = frozenset({
     Reason.WRONG_VERSION, Reason.BINDING_MISMATCH, Reason.SHAPE_MISMATCH, Reason.TOKEN_OUT_OF_RANGE,
     Reason.FINISH_REASON, Reason.LOGPROB_MISMATCH, Reason.REPLICA_MISMATCH, Reason.SCHEMA, Reason.MALFORMED,
     Reason.BODY_TOO_LARGE, Reason.SAMPLING_MISMATCH,
-    # a multi-turn episode that replay refuses (coordinator.episodes)
+    # a multi-turn episode that replay refuses (coordinator.tasks.episodes)
     Reason.OBSERVATION_MISMATCH, Reason.EXTRA_TURN, Reason.MISSING_TURN, Reason.UNSEEN_ACTION, Reason.REWARD_CLAIMED,
 })
 

@@ -73,7 +73,7 @@ def verify_submission(
                                                        "turns" if terms.episodes else "this job is not multi-turn: "
                                                        "send no turns"))
         if terms.episodes:
-            continue  # each turn is checked as a completion is, while it is replayed (coordinator.episodes)
+            continue  # each turn is checked as a completion is, while it is replayed (coordinator.tasks.episodes)
         n = len(comp.token_ids)
         if n != len(comp.logprobs):
             raise ProtocolError(Reason.SHAPE_MISMATCH,

@@ -1,6 +1,6 @@
 """Multi-turn environments that both sides run: the client plays episodes in them, the coordinator replays the
 client's actions in its own copy from the job's seed and refuses a trajectory the environment would not have
-produced (coordinator.episodes).
+produced (coordinator.tasks.episodes).
 
 Why in ``shared``: replay verification is only sound if the client and the coordinator step the *same* code.
 A job names its environment by id, parameters and :func:`code_hash` (the sha256 of the environment's source

@@ -335,7 +335,7 @@ class Adversary:
             await self.send(api, "/v1/register", self.envelope(ident, "/v1/register", body), f"registration {i}")
 
     async def unauthenticated_admin(self) -> None:
-        """Call the operator's admin API (coordinator/admin_api.py) without an operator key: once unsigned with a
+        """Call the operator's admin API (coordinator/api/admin.py) without an operator key: once unsigned with a
         made-up bearer token, once signed with this volunteer's own (registered, but not listed) key."""
         api = await self.identity("a")
         victim = self.identities[0]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load_config
-from coordinator.learner_role import LearnerRole
-from coordinator.runfiles import RunFiles
-from coordinator.workqueue import Bell
+from coordinator.roles.learner import LearnerRole
+from coordinator.run.runfiles import RunFiles
+from coordinator.run.workqueue import Bell
 from tests.integration.helpers import (
     Proc,
     db_rows,

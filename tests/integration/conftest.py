@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from coordinator.app import create_app
+from coordinator.api.service import Coordinator
 from coordinator.config import load_config
-from coordinator.service import Coordinator
+from coordinator.launch.one_process import create_app
 from tests.integration.helpers import write_config
 
 
@@ -72,7 +72,7 @@ def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] 
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     port = asyncio.run_coroutine_threadsafe(start(), loop).result(180)
-    # as coordinator.main.serve: the run's endpoint (the p2p role's call relay finds the API there)
+    # as coordinator.launch.serve.serve: the run's endpoint (the p2p role's call relay finds the API there)
     (run_dir / "endpoint.json").write_text(json.dumps({"url": f"http://127.0.0.1:{port}", "port": port}))
     try:
         yield LiveCoordinator(f"http://127.0.0.1:{port}", coord, clock, run_dir, loop)

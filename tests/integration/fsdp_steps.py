@@ -2,7 +2,7 @@
 
 ``python -m tests.integration.fsdp_steps OUT MODEL_DIR WORLD_SIZE``: with WORLD_SIZE 1 the learner on one device
 without FSDP (the reference); with N > 1 this process is rank 0 of an FSDP learner and starts the other ranks
-itself (coordinator.fsdp.start, as the learner role does), which follow it through every operation. WORLD_SIZE
+itself (coordinator.launch.ranks.start, as the learner role does), which follow it through every operation. WORLD_SIZE
 ``bf16``: FSDP over one device with bf16 mixed precision and activation checkpointing, full fine-tuning only.
 
 It writes into OUT: ``metrics.json`` (each step's loss and grad norm) and, after each step, the published form of
@@ -24,7 +24,7 @@ from coordinator.config import CoordinatorConfig, LearnerConfig
 
 def batches(tokenizer: Any) -> tuple[list[Any], list[Any]]:
     """Step 1: nine samples (odd, so the ranks' shares differ); step 2: one sample (a rank gets none)."""
-    from coordinator.learner import Sample
+    from coordinator.engine.learner import Sample
 
     rng = random.Random(7)
     out = []
@@ -52,16 +52,17 @@ def write(learner: Any, folder: Path) -> None:
 def main(out: Path, model_dir: Path, world: str) -> None:
     import torch
 
-    from coordinator import fsdp
-    from coordinator.checkpoints import CheckpointStore
-    from coordinator.learner import Learner
+    from coordinator.engine import fsdp
+    from coordinator.engine.learner import Learner
+    from coordinator.launch import ranks as rank_start
+    from coordinator.publish.checkpoints import CheckpointStore
 
     mixed = world == "bf16"
     world_size = 1 if mixed else int(world)
     learner_cfg = LearnerConfig(lr=1e-3, world_size=world_size, checkpoint_every_steps=1, fsdp=mixed or None,
                                 mixed_precision="bf16" if mixed else "off", activation_checkpointing=mixed)
     config = CoordinatorConfig(run_dir=out / "run", learner=learner_cfg, model={"device": "cpu"})
-    ranks = fsdp.start(config) if learner_cfg.sharded else None
+    ranks = rank_start.start(config) if learner_cfg.sharded else None
     metrics: dict[str, list[float]] = {}
 
     def learner(cfg: LearnerConfig) -> Learner:

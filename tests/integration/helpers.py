@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from coordinator.tmpfs import run_folder
+from coordinator.store.tmpfs import run_folder
 from shared import crypto, wire
 from shared.messages import ErrorBody, Message
 
@@ -149,7 +149,7 @@ def db_rows(run_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple
     conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
     folder = run_folder(run_dir / "coordinator.sqlite")
     nonces = folder / "nonces.sqlite" if folder is not None else run_dir / "coordinator-nonces.sqlite"
-    if nonces.exists():  # replay protection has its own file (coordinator.store.Store.nonce_path)
+    if nonces.exists():  # replay protection has its own file (coordinator.store.store.Store.nonce_path)
         conn.execute("ATTACH DATABASE ? AS n", (f"file:{nonces}?mode=ro",))
     try:
         return conn.execute(sql, params).fetchall()
@@ -184,7 +184,7 @@ def process_alive(pid: int) -> bool:
 
 
 def started_rank_pids(log: Path, role: str) -> list[int]:
-    """Follower rank pids a role's rank 0 logged starting (coordinator.fsdp), oldest first."""
+    """Follower rank pids a role's rank 0 logged starting (coordinator.launch.ranks), oldest first."""
     return [int(p) for p in re.findall(rf"started {re.escape(role)} ranks 1\.\.1 \(pids \[(\d+)\]\)", log.read_text())]
 
 

@@ -15,8 +15,8 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from coordinator.admin_keys import ADMIN_KEY_FILE
-from coordinator.service import Coordinator
+from coordinator.api.admin_keys import ADMIN_KEY_FILE
+from coordinator.api.service import Coordinator
 from echo_swarm.cli import app
 from shared import crypto, wire
 from shared.admin import AdminEmpty
@@ -218,6 +218,9 @@ def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp
     assert "not an operator key" in cli(live, "status", key=new_key, ok=False)
     assert cli_json(live, "keys", "add", gen["public_key"], "--comment", "ops laptop")["added"] is True
     assert cli_json(live, "status", key=new_key)["version"] == 0
+    unknown = next(c for c in "0123456789abcdef" if c not in (mine["key_id"][0], gen["key_id"][0])) * 8
+    assert (f"no admin key id starts with '{unknown}'; `echo-swarm admin keys list` lists them"
+            in cli(live, "keys", "remove", unknown, key=new_key, ok=False))
     assert cli_json(live, "keys", "remove", mine["key_id"][:8], key=new_key)["remaining"] == 1
     assert "not an operator key" in cli(live, "status", ok=False)
     assert "only operator key" in cli(live, "keys", "remove", gen["key_id"], key=new_key, ok=False)

@@ -7,7 +7,7 @@ completion request (rank 1's share is empty: it runs a throw-away pass), at two 
 LoRA versions (base + adapter), with one cached replica so the second version replaces the first on every rank.
 Compared: every token's logprob and the sampling test's statistics (entropy, surprisal variance, top logprob),
 and a seeded replay's tokens; a replay whose ranks generate different numbers of tokens still ends on every
-rank (coordinator.verifier._Lockstep). A third group of 2 computes in bf16 (``verification.mixed_precision``): its
+rank (coordinator.engine.verifier._Lockstep). A third group of 2 computes in bf16 (``verification.mixed_precision``): its
 logprobs stay well inside the verification tolerances of the float32 replica's.
 
 Tolerance: the sharded forward gathers the same float32 weights, so the only differences are the batch's padding
@@ -39,8 +39,8 @@ def _lora_versions(model_dir: Path, root: Path) -> tuple[dict[str, str], str]:
     import torch
 
     from coordinator.config import LearnerConfig, ModelConfig
-    from coordinator.learner import Learner
-    from coordinator.snapshots import SnapshotStore
+    from coordinator.engine.learner import Learner
+    from coordinator.publish.snapshots import SnapshotStore
     from shared import crypto
 
     learner = Learner(model_dir, ModelConfig(device="cpu"), LearnerConfig(lora_rank=4, threads=1), temperature=1.0)

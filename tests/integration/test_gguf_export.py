@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.gguf_export import GGUFExportError, export_folder, gguf_tensor_name, llama_permute
+from coordinator.publish.gguf_export import GGUFExportError, export_folder, gguf_tensor_name, llama_permute
 
 # f32 weights with an f32 KV cache are float-rounding exact (measured max 3e-6 nats); the f16 KV cache
 # that llama.cpp uses by default adds up to ~2e-3 (../shared/notes/llama-cpp.md, docs/benchmarks.md). These
@@ -22,7 +22,7 @@ def _random_model(folder: Path, arch: str) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from coordinator.tiny_model import build_tokenizer
+    from coordinator.engine.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

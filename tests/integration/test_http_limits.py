@@ -1,4 +1,4 @@
-"""The listener's limits on a real coordinator (aiohttp on 127.0.0.1 behind coordinator.netguard, real
+"""The listener's limits on a real coordinator (aiohttp on 127.0.0.1 behind coordinator.api.netguard, real
 SQLite), driven over raw sockets as a hostile client would: bodies refused at the endpoint's cap while they
 stream (chunked included), a hang-up mid-body is not an internal error, idle and slowloris connections are
 capped and timed out, every response carries CSP and nosniff, and /v1/status is built once for quick readers
@@ -24,13 +24,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from coordinator.app import CONN_GUARD, create_app
+from coordinator.api.app import CONN_GUARD
+from coordinator.api.netguard import ConnectionGuard
+from coordinator.api.public_reads import PUBLIC_READS
+from coordinator.api.status_page import WEB_DIR
 from coordinator.config import load_config
-from coordinator.main import start_site
-from coordinator.netguard import ConnectionGuard
-from coordinator.public_reads import PUBLIC_READS
-from coordinator.service import SMALL_REQUEST_BYTES
-from coordinator.status_page import WEB_DIR
+from coordinator.launch.one_process import create_app
+from coordinator.launch.serve import start_site
+from coordinator.limits import SMALL_REQUEST_BYTES
 from shared import wire
 from shared.messages import ErrorBody
 from tests.integration.helpers import db_rows, wait_until, write_config
@@ -51,7 +52,7 @@ class Served:
 
 @contextlib.contextmanager
 def guarded_coordinator(tmp_path: Path, model_dir: Path, **server: Any) -> Iterator[Served]:
-    """A coordinator served exactly as `echo-swarm coordinator` serves it (coordinator.main.start_site), in a
+    """A coordinator served exactly as `echo-swarm coordinator` serves it (coordinator.launch.serve.start_site), in a
     background thread; ``server`` overrides [server] keys."""
     run_dir = tmp_path / "run"
     cfg = load_config(write_config(tmp_path / "run.toml", run_dir, model_dir, learner={"max_steps": 50},

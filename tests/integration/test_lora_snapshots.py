@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from coordinator.config import LearnerConfig, ModelConfig
-from coordinator.learner import Learner
-from coordinator.snapshots import MANIFEST_FILE, SnapshotStore
+from coordinator.engine.learner import Learner
+from coordinator.publish.snapshots import MANIFEST_FILE, SnapshotStore
 from shared import crypto, wire
 from shared.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, read_adapter
 from shared.messages import Manifest, SignedManifest
@@ -121,12 +121,12 @@ def test_version_zero_is_the_base(lora_run: dict[str, Any]) -> None:
 
 
 def test_stale_versions_verify_as_base_plus_their_adapter(lora_run: dict[str, Any]) -> None:
-    """The verifier (coordinator.verifier, wired with coordinator.lora.VersionLoader as the coordinator wires it)
+    """The verifier (coordinator.engine.verifier, wired with coordinator.engine.lora.VersionLoader as the coordinator wires it)
     applies each version's adapter to the shared base in place: one replica, not one per version."""
     import asyncio
 
-    from coordinator.lora import VersionLoader
-    from coordinator.verifier import Verifier
+    from coordinator.engine.lora import VersionLoader
+    from coordinator.engine.verifier import Verifier
 
     store: SnapshotStore = lora_run["store"]
     prompt, completion, want = lora_run["prompt"], lora_run["completion"], lora_run["want"]
@@ -171,7 +171,7 @@ def test_a_learner_resumes_from_a_lora_version_folder(lora_run: dict[str, Any], 
 def test_an_older_run_directory_with_merged_weights_still_verifies(lora_run: dict[str, Any]) -> None:
     """Versions published before the base was shared hold merged weights and no adapter_config.json: the
     verifier loads them whole (and goes back to base + adapter for a new-layout version afterwards)."""
-    from coordinator.lora import VersionLoader
+    from coordinator.engine.lora import VersionLoader
     from shared.adapters import load_version_model
 
     store: SnapshotStore = lora_run["store"]

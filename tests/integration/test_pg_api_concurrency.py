@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from coordinator.store import Store
+from coordinator.store.store import Store
 from shared import crypto, wire
 from shared.messages import Info, LeaseRequest, LeaseResponse, RegisterRequest
 from shared.records import open_job

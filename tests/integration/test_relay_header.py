@@ -1,4 +1,4 @@
-"""The relay header of the p2p call relay (coordinator.p2p_relay, docs/protocol.md §6b) over plain HTTP: with the
+"""The relay header of the p2p call relay (coordinator.roles.p2p_relay, docs/protocol.md §6b) over plain HTTP: with the
 run's relay token the API counts a call against the libp2p peer it names; without it the header is refused
 (``bad_relay``), is charged to the sender's own address, and cannot buy a fresh rate-limit budget."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.p2p_relay import PEER_HEADER, TOKEN_HEADER
+from coordinator.run.relay import PEER_HEADER, TOKEN_HEADER
 from shared.messages import ClientProfile, RegisterRequest
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import RawClient, db_rows

@@ -198,7 +198,7 @@ def test_other_protocol_version_is_refused(setup: Any) -> None:
 def test_a_failing_reward_refuses_the_result_and_changes_nothing(setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An operator's reward that raises fails that result (reward_failed, 422, in the audit log), writes no result
     and costs the client no trust; the next result is scored again."""
-    from coordinator.rewards import RewardFailed
+    from coordinator.tasks.rewards import RewardFailed
 
     live, client, job, result = setup
     task = live.coordinator.task

@@ -1,4 +1,4 @@
-"""Durability without holding the write lock through an fsync (coordinator.db, durability): SQLite commits reach
+"""Durability without holding the write lock through an fsync (coordinator.store.db, durability): SQLite commits reach
 the WAL unsynced, and the API fsyncs it after the commit and before the reply that tells a client about it.
 A lease, whose state can be re-created, never waits for an fsync. Real coordinator on loopback, real SQLite;
 ``os.fsync`` is wrapped to record which files were flushed."""

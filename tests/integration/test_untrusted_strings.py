@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.admin_keys import ADMIN_KEY_FILE
+from coordinator.api.admin_keys import ADMIN_KEY_FILE
 from echo_swarm.cli import app
 from shared import wire
 from shared.safe_text import SafeFormatter, escape, first_unsafe
@@ -23,7 +23,7 @@ from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import RawClient, db_rows
 from tests.integration.ops_helpers import register
 
-FORGED = "\n2026-11-30 23:59:59,000 CRITICAL coordinator.app: learner loop stopped"
+FORGED = "\n2026-11-30 23:59:59,000 CRITICAL coordinator.api.app: learner loop stopped"
 CLEAR = "\x1b[2J\x1b[H"
 OSC8 = "\x1b]8;;https://evil.example\x07here\x1b]8;;\x07"
 
@@ -40,7 +40,7 @@ def admin(live: LiveCoordinator, *args: str) -> str:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("name", "m\n2026-11-30 23:59:59,000 CRITICAL coordinator.app: learner"), ("name", "x" + CLEAR), ("device", "cuda:" + OSC8), ("platform", "Linux\r"),
+    ("name", "m\n2026-11-30 23:59:59,000 CRITICAL coordinator.api.app: learner"), ("name", "x" + CLEAR), ("device", "cuda:" + OSC8), ("platform", "Linux\r"),
     ("software", "echo-swarm \u202e1.0"), ("gpu", "RTX\u20283060"),
 ])
 def test_a_registration_with_control_characters_is_refused_and_writes_nothing(
@@ -50,7 +50,7 @@ def test_a_registration_with_control_characters_is_refused_and_writes_nothing(
     body = {"public_key": client.public_key, "profile": profile("torch", "cpu", "m").model_dump() | {field: value}}
     before = {t: db_rows(live.run_dir, f"SELECT * FROM {t}") for t in ("clients", "nonces")}
     log = io.StringIO()
-    handler = logging.StreamHandler(log)  # what coordinator.main.run installs: the SafeFormatter, at INFO
+    handler = logging.StreamHandler(log)  # what coordinator.launch.main.run installs: the SafeFormatter, at INFO
     handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     coordinator_log = logging.getLogger("coordinator")
     coordinator_log.addHandler(handler)

@@ -1,4 +1,4 @@
-"""The verifier role (coordinator.verifier) on the real tiny model: it recomputes from published snapshot folders
+"""The verifier role (coordinator.engine.verifier) on the real tiny model: it recomputes from published snapshot folders
 exactly what the policy computes from the same weights, batches queued requests of one version into one pass,
 keeps a bounded number of replicas, and says so when a version is gone."""
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.verifier import Verifier, VersionGone
+from coordinator.engine.verifier import Verifier
+from coordinator.errors import VersionGone
 from tests.integration.helpers import perturbed_copy
 
 PROMPTS = [[5, 17, 33, 4], [9, 2, 41]]

@@ -3,7 +3,7 @@ test_fsdp_verifier.py.
 
 ``python -m tests.integration.verifier_ranks OUT SPEC.json GROUP``: GROUP 1 is a single-device replica (the
 reference, ``verification.placement = "replicas"``); with N > 1 this process is rank 0 of a verifier group and
-starts the other ranks itself (coordinator.fsdp.start, as the verifier role does), which follow it; ``bf16`` is a
+starts the other ranks itself (coordinator.launch.ranks.start, as the verifier role does), which follow it; ``bf16`` is a
 group of 2 with ``verification.mixed_precision = "bf16"``.
 
 SPEC names the version folders (``full``: two full-weight versions; ``lora``: two LoRA versions and their base
@@ -39,8 +39,8 @@ def _diverged(ver: Any, ranks: Any, spec: dict[str, Any], version: int) -> int:
     """Rank 0 generates up to 12 tokens while it tells the followers 3 (a replica: 3), so the ranks' generations
     take different numbers of forward passes: the lockstep must still end every rank's generation together.
     Returns the longest completion's length."""
-    from coordinator import fsdp
-    from coordinator.verifier import _Lockstep
+    from coordinator.engine import fsdp
+    from coordinator.engine.verifier import _Lockstep
     from shared.policy import generate
 
     prompts = spec["requests"][0]["prompts"]
@@ -56,14 +56,15 @@ def _diverged(ver: Any, ranks: Any, spec: dict[str, Any], version: int) -> int:
 
 
 def main(out: Path, spec: dict[str, Any], group: str) -> None:
-    from coordinator import fsdp
-    from coordinator.verifier_role import _verifier
+    from coordinator.engine import fsdp
+    from coordinator.launch import ranks as rank_start
+    from coordinator.roles.verifier import _verifier
 
     world = 2 if group == "bf16" else int(group)
     config = CoordinatorConfig(run_dir=out / "run", model={"device": "cpu"},
                                verification={"placement": "fsdp" if world > 1 else "replicas", "world_size": world,
                                              "mixed_precision": "bf16" if group == "bf16" else "off"})
-    ranks = fsdp.start(config, "verifier", 0) if world > 1 else None
+    ranks = rank_start.start(config, "verifier", 0) if world > 1 else None
     results: dict[str, Any] = {}
     try:
         for case, lora_base in (("full", None), ("lora", spec["lora_base"])):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.store import Store
+from coordinator.store.store import Store
 from shared import wire
 from shared.errors import ProtocolError
 from shared.messages import ClientProfile

@@ -11,16 +11,10 @@ from typing import Any
 import pytest
 
 from coordinator.config import ConfigError, DatasetTaskConfig, load_config
-from coordinator.tasks import (
-    ArithmeticTask,
-    DatasetTask,
-    JsonlQATask,
-    MissingDependency,
-    RewardFailed,
-    TaskError,
-    TaskItem,
-    make_task,
-)
+from coordinator.errors import MissingDependency, TaskError
+from coordinator.tasks.base import TaskItem
+from coordinator.tasks.builtin import ArithmeticTask, DatasetTask, JsonlQATask, RewardFailed
+from coordinator.tasks.factory import make_task
 
 ROWS = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}", "level": i % 3}
         for i in range(40)]

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coordinator.config import load_config
-from coordinator.tasks import make_task
+from coordinator.tasks.factory import make_task
 from echo_swarm.cli import app
 from echo_swarm.demo import DemoConfig, _write_config
 from echo_swarm.demo_tasks import DEMO_TASKS

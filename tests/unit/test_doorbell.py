@@ -11,8 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from coordinator.doorbell import Doorbell, folder_for
-from coordinator.workqueue import Bell
+from coordinator.run.doorbell import Doorbell, folder_for
+from coordinator.run.workqueue import Bell
 
 LONG = 60.0  # a waiter's poll interval in these tests: far longer than any test waits, so only a ring ends it
 
@@ -24,7 +24,7 @@ def test_a_ring_in_one_process_wakes_a_waiter_in_another(tmp_path: Path) -> None
         [sys.executable, "-c", textwrap.dedent(f"""
             import asyncio, sys
             from pathlib import Path
-            from coordinator.workqueue import Bell
+            from coordinator.run.workqueue import Bell
 
             async def main():
                 bell = Bell()

@@ -1,5 +1,5 @@
 """The built-in environments (shared.envs) and the coordinator's replay verification of episodes
-(coordinator.episodes): honest episodes replay, every kind of tampering is refused with its own reason code."""
+(coordinator.tasks.episodes): honest episodes replay, every kind of tampering is refused with its own reason code."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 import pytest
 
 from coordinator.config import EnvironmentTaskConfig
-from coordinator.episodes import EnvTask
-from coordinator.task_data import TaskError
-from coordinator.text import TextCodec
+from coordinator.errors import TaskError
+from coordinator.tasks.episodes import EnvTask
+from coordinator.tasks.text import TextCodec
 from shared import envs
 from shared.envs import (
     EnvError,

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from coordinator.config import LearnerConfig, ModelConfig
-from coordinator.learner import Learner, Sample
+from coordinator.engine.learner import Learner, Sample
 
 
 def _step(folder: Path, sample: Sample) -> tuple[dict[str, float], dict[str, torch.Tensor]]:

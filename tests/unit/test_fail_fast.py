@@ -14,7 +14,14 @@ import pytest
 from aiohttp import web
 
 from coordinator.config import load_config
-from coordinator.preflight import PreflightError, check, check_disk, check_model, check_port, check_run_dir
+from coordinator.launch.preflight import (
+    PreflightError,
+    check,
+    check_disk,
+    check_model,
+    check_port,
+    check_run_dir,
+)
 from shared import wire
 from shared.exit_codes import ExitCode
 from shared.messages import ErrorBody

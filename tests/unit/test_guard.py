@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.api.guard import Guard
 from coordinator.config import CoordinatorConfig
 from coordinator.core.jobs import JobPlan
 from coordinator.core.replicas import Party
-from coordinator.guard import Guard
-from coordinator.store import Store
+from coordinator.store.store import Store
 from shared.errors import ProtocolError, Reason
 
 T0 = 1_000_000.0

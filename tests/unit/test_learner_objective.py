@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from coordinator.learner import token_objective
+from coordinator.engine.learner import token_objective
 
 
 def t(*rows: list[float]) -> torch.Tensor:

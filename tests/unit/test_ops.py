@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.admin_keys import parse_admin_keys
+from coordinator.api.admin_keys import parse_admin_keys
 from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.ops import (
+    ADMIN_KEYS,
     ClientLookupError,
     active_window_s,
     client_state,
@@ -45,6 +46,23 @@ def test_resolve_client_needs_a_unique_prefix() -> None:
         resolve_client("ffffff", ids)
     with pytest.raises(ClientLookupError, match="at least 6"):
         resolve_client("abc", ids)
+
+
+def test_resolve_names_what_it_looked_up_and_how_to_list_them() -> None:
+    """The refusals speak of what was looked up: an operator key's id says `echo-swarm admin keys list` (it once
+    said "`echo-swarm admin admin keys` lists them", a client's message rewritten word by word)."""
+    keys = ["abcdef0123", "abcdef9999"]
+    cases = {"ffffff": "no admin key id starts with 'ffffff'; `echo-swarm admin keys list` lists them",
+             "abc": "give at least 6 characters of the admin key id (got 'abc'); `echo-swarm admin keys list` lists "
+                    "them",
+             "abcdef": "'abcdef' matches 2 admin keys (abcdef0123, abcdef9999…); give more characters"}
+    for ref, message in cases.items():
+        with pytest.raises(ClientLookupError) as caught:
+            resolve_client(ref, keys, ADMIN_KEYS)
+        assert str(caught.value) == message
+    with pytest.raises(ClientLookupError) as caught:
+        resolve_client("ffffff", keys)
+    assert str(caught.value) == "no client id starts with 'ffffff'; `echo-swarm admin clients` lists them"
 
 
 def test_throughput_series_buckets_tokens_per_second() -> None:

@@ -1,4 +1,4 @@
-"""The call relay's bounds and its token (coordinator.p2p_relay, docs/protocol.md §6b), without a libp2p peer: what
+"""The call relay's bounds and its token (coordinator.roles.p2p_relay, docs/protocol.md §6b), without a libp2p peer: what
 it refuses from the head alone, and who may claim to be it."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load_config
-from coordinator.p2p_relay import PEER_HEADER, TOKEN_HEADER, CallRelay, relay_token, relayed_address
+from coordinator.roles.p2p_relay import CallRelay
+from coordinator.run.relay import PEER_HEADER, TOKEN_HEADER, relay_token, relayed_address
 from shared import crypto, wire
 from shared.errors import ProtocolError, Reason
 from shared.messages import CallRequest, ErrorBody

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from coordinator.config import DatasetTaskConfig, load_config
-from coordinator.prompts import ChatTemplate, ChatTemplateError
-from coordinator.tasks import DatasetTask, TaskError, make_task
-from coordinator.text import TextCodec
+from coordinator.errors import TaskError
+from coordinator.tasks.builtin import DatasetTask
+from coordinator.tasks.factory import make_task
+from coordinator.tasks.prompts import ChatTemplate, ChatTemplateError
+from coordinator.tasks.text import TextCodec
 
 CHATML = (
     "{%- for message in messages %}"
@@ -158,7 +160,7 @@ def test_the_chat_path_and_rewards_load_no_torch(tiny_model_dir: Path, tmp_path:
     folder = tokenizer_folder(tiny_model_dir, tmp_path / "tok", CHATML, bos_prefix=False)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    probe = ("import sys; from coordinator.config import DatasetTaskConfig; from coordinator.tasks import make_task; "
+    probe = ("import sys; from coordinator.config import DatasetTaskConfig; from coordinator.tasks.factory import make_task; "
              f"t = make_task(DatasetTaskConfig(train_path={str(data)!r}, heldout_size=1, prompt_column='question', "
              f"chat_template=True, rewards={rewards}), {str(folder)!r}); "
              "t.score(t.train[:1], ['\\\\boxed{4}']); "

@@ -40,8 +40,8 @@ def doc() -> str:
 @pytest.fixture(scope="module")
 def routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
     """(method, path) of every route the real app registers (HEAD, which aiohttp adds to each GET, left out)."""
-    from coordinator.app import create_app
     from coordinator.config import load_config
+    from coordinator.launch.one_process import create_app
 
     config = load_config(None, {"run_dir": str(tmp_path_factory.mktemp("run"))})
     app = create_app(config)  # registers every route; the coordinator is not started, nothing is loaded
@@ -94,13 +94,13 @@ def volunteer_routes(routes: set[tuple[str, str]]) -> set[tuple[str, str]]:
 
 def test_every_registered_endpoint_has_a_heading(doc: str, routes: set[tuple[str, str]]) -> None:
     missing = volunteer_routes(routes) - documented_endpoints(doc)
-    assert not missing, (f"coordinator/app.py registers {sorted(missing)} but docs/protocol.md has no '### METHOD "
+    assert not missing, (f"coordinator/api/app.py registers {sorted(missing)} but docs/protocol.md has no '### METHOD "
                          f"/path' heading for them: document each endpoint (§4)")
 
 
 def test_every_documented_endpoint_exists(doc: str, routes: set[tuple[str, str]]) -> None:
     extra = documented_endpoints(doc) - volunteer_routes(routes)
-    assert not extra, f"docs/protocol.md documents {sorted(extra)}, which coordinator/app.py does not register"
+    assert not extra, f"docs/protocol.md documents {sorted(extra)}, which coordinator/api/app.py does not register"
 
 
 def test_admin_endpoints_are_the_ones_operations_md_lists(routes: set[tuple[str, str]]) -> None:
@@ -143,14 +143,14 @@ def test_reason_table_matches_the_code(doc: str) -> None:
 
 # ---- signed calls over libp2p (§6b) --------------------------------------------------------------------------
 def test_the_call_protocol_section_matches_the_code(doc: str) -> None:
-    from coordinator.app import SIGNED_POSTS
+    from coordinator.limits import SIGNED_POSTS
     from shared.messages import MAX_CALL_BYTES, CallReply, CallRequest
     from shared.p2p_calls import CALL_PROTOCOL, MAX_HEAD
 
     body = section(doc, "6b")
     assert f"`{CALL_PROTOCOL}`" in body, f"§6b does not name the stream protocol id {CALL_PROTOCOL}"
     missing = [p for p in SIGNED_POSTS if f"`{p}`" not in body]
-    assert not missing, f"§6b does not list the relayed calls {missing} (coordinator.app.SIGNED_POSTS)"
+    assert not missing, f"§6b does not list the relayed calls {missing} (coordinator.limits.SIGNED_POSTS)"
     for model in (CallRequest, CallReply):
         fields = re.search(rf"`{model.__name__}` = (.*?)(?:, then|\)\n|$)", body, re.S)
         assert fields is not None, f"§6b does not define `{model.__name__}` = ..."

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from coordinator.checkpoints import CheckpointState, CheckpointStore
 from coordinator.config import ArithmeticTaskConfig, LearnerConfig, ModelConfig, load_config
-from coordinator.learner import Learner, Sample
-from coordinator.publisher import Publication, Publisher
-from coordinator.snapshots import SnapshotFiles, SnapshotStore
+from coordinator.engine.learner import Learner, Sample
+from coordinator.publish.checkpoints import CheckpointState, CheckpointStore
+from coordinator.publish.publisher import Publication, Publisher
+from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
 from shared import crypto, wire
 from shared.hashing import sha256_file
 from shared.messages import Manifest, SignedManifest
@@ -249,8 +249,8 @@ def test_crash_between_publication_and_commit_leaves_nothing_behind(tmp_path: Pa
 
 
 def test_evaluator_scores_the_published_snapshot_off_the_learner(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from coordinator.evaluation import Evaluator
-    from coordinator.tasks import ArithmeticTask
+    from coordinator.engine.evaluation import Evaluator
+    from coordinator.tasks.builtin import ArithmeticTask
 
     task = ArithmeticTask(ArithmeticTaskConfig())
     learner = _learner(tiny_model_dir)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig, DatasetTaskConfig, ReasoningGymTaskConfig
-from coordinator.rewards import RewardSet, RewardTerm, load_plugin
+from coordinator.tasks.rewards import RewardSet, RewardTerm, load_plugin
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

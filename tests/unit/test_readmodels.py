@@ -1,4 +1,4 @@
-"""coordinator/readmodels.py against a real store (SQLite and PostgreSQL): the audit view merges results and refusals, or reads
+"""coordinator/store/readmodels.py against a real store (SQLite and PostgreSQL): the audit view merges results and refusals, or reads
 a dedicated audit log where the coordinator keeps one; trust standings are attached where they exist."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import readmodels
 from coordinator.core.jobs import plan_job
-from coordinator.store import Store
+from coordinator.store import readmodels
+from coordinator.store.store import Store
 
 T0 = 1000.0
 ALICE = "a" * 32

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from coordinator.config import ConfigError, ReasoningGymTaskConfig, load_config
-from coordinator.reasoning_gym_task import ReasoningGymTask
-from coordinator.tasks import MissingDependency, TaskError, make_task
-from coordinator.text import TextCodec
+from coordinator.errors import MissingDependency, TaskError
+from coordinator.tasks.factory import make_task
+from coordinator.tasks.reasoning_gym import ReasoningGymTask
+from coordinator.tasks.text import TextCodec
 from tests.unit.test_prompts import CHATML, hf_ids, tokenizer_folder
 
 SMALL = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"], "allow_parentheses": False,
@@ -119,7 +120,7 @@ def test_the_task_loads_no_torch() -> None:
     """The API process builds the task and scores every result with it, and never loads torch."""
     import subprocess
 
-    code = ("import sys; from coordinator.config import ReasoningGymTaskConfig; from coordinator.tasks import make_task; "
+    code = ("import sys; from coordinator.config import ReasoningGymTaskConfig; from coordinator.tasks.factory import make_task; "
             "t = make_task(ReasoningGymTaskConfig(dataset='basic_arithmetic', size=10, heldout_size=2)); "
             "t.score(t.train[:1], ['1']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

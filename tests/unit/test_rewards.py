@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from coordinator.core.trust import is_invalidating
-from coordinator.rewards import (
+from coordinator.tasks.rewards import (
     RewardFailed,
     RewardSet,
     RewardTerm,
@@ -107,7 +107,7 @@ def test_math_equivalence(math_fn: Any, completion: str, answer: str, want: floa
 
 
 def test_math_without_math_verify_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from coordinator.rewards import MissingExtra
+    from coordinator.tasks.rewards import MissingExtra
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails
     with pytest.raises(MissingExtra, match=r"echo-swarm\[math\]"):
@@ -190,18 +190,18 @@ def test_plugin_from_a_file_and_from_a_module(tmp_path: Path, monkeypatch: pytes
 
 @pytest.mark.parametrize(("spec", "match"), [
     ("no_such_module_xyz:f", r"importing no_such_module_xyz failed: ModuleNotFoundError"),
-    ("coordinator.rewards:no_such_function", r"has no function 'no_such_function'"),
+    ("coordinator.tasks.rewards:no_such_function", r"has no function 'no_such_function'"),
     ("/nonexistent/r.py:f", r"there is no file"),
 ])
 def test_a_plugin_that_cannot_load_is_named(spec: str, match: str) -> None:
-    from coordinator.rewards import PluginError
+    from coordinator.tasks.rewards import PluginError
 
     with pytest.raises(PluginError, match=match):
         load_plugin(spec)
 
 
 def test_a_plugin_that_raises_on_import_is_named(tmp_path: Path) -> None:
-    from coordinator.rewards import PluginError
+    from coordinator.tasks.rewards import PluginError
 
     (tmp_path / "bad.py").write_text("raise RuntimeError('no licence key')\n")
     with pytest.raises(PluginError, match="RuntimeError: no licence key"):

@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 
 from coordinator.core.verify import TokenStats
-from coordinator.store import SCHEMA_VERSION, Store
-from coordinator.verifier import VersionGone
-from coordinator.workqueue import Bell, RemoteVerifier, VerificationError, VerifierUnavailable, stats_answer
+from coordinator.errors import VersionGone
+from coordinator.run.workqueue import (
+    Bell,
+    RemoteVerifier,
+    VerificationError,
+    VerifierUnavailable,
+    stats_answer,
+)
+from coordinator.store.store import SCHEMA_VERSION, Store
 from shared import wire
 
 
@@ -157,10 +163,10 @@ def test_text_codec_matches_transformers_without_torch(tiny_model_dir: Path) -> 
     import random
     import subprocess
 
-    from coordinator.text import TextCodec
+    from coordinator.tasks.text import TextCodec
     from shared.policy import load_tokenizer, stop_token_ids
 
-    probe = ("import sys; from coordinator.text import TextCodec; "
+    probe = ("import sys; from coordinator.tasks.text import TextCodec; "
              f"c = TextCodec.from_folder({str(tiny_model_dir)!r}); c.decode(c.encode('1+2=')); "
              "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -179,7 +185,7 @@ def test_text_codec_matches_transformers_without_torch(tiny_model_dir: Path) -> 
 def test_a_role_with_another_coordinator_key_is_refused(store: Store, tmp_path: Path) -> None:
     """Roles on several hosts share the store: the first records the run's public key; a host whose
     coordinator.key was created there instead of copied refuses to start, saying what to copy."""
-    from coordinator.runfiles import KeyMismatch, _same_key
+    from coordinator.run.runfiles import KeyMismatch, _same_key
 
     _same_key(store, "aa" * 32, tmp_path)
     _same_key(store, "aa" * 32, tmp_path)  # the same key again: fine

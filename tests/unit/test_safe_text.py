@@ -20,7 +20,7 @@ from shared.safe_text import CONTINUATION, SafeFormatter, check_printable, escap
 
 from .factories import profile
 
-FORGED = "\n2026-11-30 23:59:59,000 CRITICAL coordinator.app: learner loop stopped"
+FORGED = "\n2026-11-30 23:59:59,000 CRITICAL coordinator.api.app: learner loop stopped"
 CLEAR = "\x1b[2J\x1b[H"
 OSC8 = "\x1b]8;;https://evil.example\x07click\x1b]8;;\x07"
 
@@ -169,7 +169,7 @@ def test_a_forged_record_in_client_text_stays_one_escaped_line(where: str) -> No
     else:
         log.info("registered client %s (%s, %s)", name, "torch", "cuda:\r\x1b]8;;http://x\x07")
     (line,) = assert_records(stream.getvalue(), 1)
-    assert "\\n2026-11-30 23:59:59,000 CRITICAL coordinator.app: learner loop stopped" in line
+    assert "\\n2026-11-30 23:59:59,000 CRITICAL coordinator.api.app: learner loop stopped" in line
     assert "\\x1b[2J\\x1b[H" in line and "\\u202e" in line
     assert " CRITICAL " not in line.split(": ", 1)[0]  # the level the reader sees is the real one
 
@@ -185,7 +185,7 @@ def test_an_exception_message_cannot_start_a_record() -> None:
     assert record.endswith("internal error handling POST /v1/register")
     rest = out.splitlines()[1:]
     assert rest[0] == CONTINUATION + "Traceback (most recent call last):"
-    assert any("CRITICAL coordinator.app: learner loop stopped" in line for line in rest)  # kept, but indented
+    assert any("CRITICAL coordinator.api.app: learner loop stopped" in line for line in rest)  # kept, but indented
     assert any("\\x1b[2J" in line for line in rest)
 
 
@@ -220,12 +220,12 @@ def test_configure_logging_is_what_the_entry_points_install() -> None:
         "configure_logging(logging.WARNING, '%(levelname)s %(name)s: %(message)s')\n"
         f"configure_logging(logging.INFO, {FMT!r}, sys.stderr)\n"
         "assert len(logging.getLogger().handlers) == 1\n"
-        f"logging.getLogger('coordinator.service').info('registered client %s', {('x' + FORGED + CLEAR)!r})\n"
+        f"logging.getLogger('coordinator.api.service').info('registered client %s', {('x' + FORGED + CLEAR)!r})\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     (line,) = assert_records(done.stderr, 1)
-    assert " INFO coordinator.service: registered client x\\n2026-11-30" in line
+    assert " INFO coordinator.api.service: registered client x\\n2026-11-30" in line
 
 
 def test_configure_logging_leaves_foreign_handlers_alone() -> None:

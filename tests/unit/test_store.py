@@ -1,4 +1,4 @@
-"""coordinator/store.py against a real SQLite database in tmp_path and a real PostgreSQL database (each test
+"""coordinator/store/store.py against a real SQLite database in tmp_path and a real PostgreSQL database (each test
 runs on both: conftest.store_target)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
-from coordinator.db import IntegrityError
-from coordinator.store import Store
+from coordinator.store.db import IntegrityError
+from coordinator.store.store import Store
 
 T0 = 1000.0
 ALICE = "a" * 32

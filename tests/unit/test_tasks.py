@@ -6,15 +6,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import ArithmeticTaskConfig, ConfigError, JsonlTaskConfig, load_config
-from coordinator.tasks import (
-    ArithmeticTask,
-    JsonlQATask,
-    TaskError,
-    TaskItem,
-    first_integer,
-    make_task,
-    parse_final_number,
-)
+from coordinator.errors import TaskError
+from coordinator.tasks.base import TaskItem
+from coordinator.tasks.builtin import ArithmeticTask, JsonlQATask, first_integer, parse_final_number
+from coordinator.tasks.factory import make_task
 
 # ---- arithmetic -----------------------------------------------------------------------------------------
 

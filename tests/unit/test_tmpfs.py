@@ -1,4 +1,4 @@
-"""coordinator.tmpfs: the run's private folder in /dev/shm for the nonce database (real tmpfs, real SQLite)."""
+"""coordinator.store.tmpfs: the run's private folder in /dev/shm for the nonce database (real tmpfs, real SQLite)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import tmpfs
-from coordinator.store import Store
+from coordinator.store import tmpfs
+from coordinator.store.store import Store
 
 pytestmark = pytest.mark.skipif(not tmpfs._is_tmpfs(tmpfs.SHM), reason="this host has no tmpfs at /dev/shm")
 
@@ -48,7 +48,7 @@ def test_nonces_live_in_tmpfs_and_old_ones_on_disk_are_adopted(tmp_path: Path) -
     store.close()
     import sqlite3
 
-    old = sqlite3.connect(disk)  # what a release before coordinator.tmpfs left beside the main file
+    old = sqlite3.connect(disk)  # what a release before coordinator.store.tmpfs left beside the main file
     old.execute("CREATE TABLE nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)")
     old.execute("INSERT INTO nonces VALUES(?, ?)", (b"r" * 16, time.time() + 300))
     old.commit()

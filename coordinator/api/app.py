@@ -1,0 +1,327 @@
+"""HTTP surface of the coordinator (aiohttp). Handlers parse, call the Coordinator, and encode; every
+domain error becomes an HTTP status plus a msgpack ``{error, message}`` body in one middleware.
+
+Availability (issue 13): the outer middleware tells the connection guard (coordinator.api.netguard) what each
+connection is doing, and every POST body is capped at its endpoint's limit *while it streams*; a client that hangs
+up mid-request is answered 499 (counted, never logged as an internal error); every response carries nosniff
+and a strict Content-Security-Policy; ``/v1/status`` is shared and rate-limited (coordinator.api.public_reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from coordinator.api import admin, metrics, netguard, status_page
+from coordinator.api.egress import EGRESS_COUNTER, EGRESS_FLUSH_S
+from coordinator.api.public_reads import PUBLIC_READS, PublicReads
+from coordinator.api.service import Coordinator
+from coordinator.api.status_page import select_status
+from coordinator.config import CoordinatorConfig
+from coordinator.core.connections import Phase
+from coordinator.limits import MAX_REQUEST_BYTES, SIGNED_POSTS
+from coordinator.run.names import P2P
+from coordinator.run.relay import TOKEN_HEADER, relayed_address
+from shared import wire
+from shared.errors import ProtocolError, Reason
+from shared.messages import ErrorBody, P2PInfo
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+#: Set when a role this process runs beside the API has failed: the process stops (coordinator.launch.serve).
+FATAL = web.AppKey("fatal", asyncio.Event)
+CONN_GUARD = web.AppKey("conn_guard", netguard.ConnectionGuard)
+MSGPACK = "application/msgpack"
+#: The status page loads only its own script, stylesheet and JSON; nothing inline, no frames, no forms.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": CSP,
+                    "Referrer-Policy": "no-referrer"}
+#: nginx's code for "client closed the request": counted under its own status, not as a server error.
+CLIENT_CLOSED = 499
+BODY_CHUNK = 64 * 1024
+#: Body bytes still read (and discarded) after a request was answered without reading all of its body, so the
+#: client sees the answer instead of a reset; beyond it the connection is closed.
+DRAIN_AFTER_REFUSAL = 256 * 1024
+_SHA = re.compile(r"[0-9a-f]{64}")
+_VERSION = re.compile(r"[0-9]{1,9}", re.ASCII)
+
+
+def _packed(data: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=data, status=status, content_type=MSGPACK)
+
+
+def error_response(reason: Reason, message: str, status: int | None = None) -> web.Response:
+    err = ProtocolError(reason, message)
+    return _packed(wire.encode(ErrorBody(error=reason.value, message=message[:2048])), status or err.http_status)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request was read: nothing to answer, nothing wrong here."""
+
+
+@web.middleware
+async def connection_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Outermost: marks the connection busy for the guard (netguard.ReplyWritten marks it idle once the
+    reply is out), caps any POST body at its endpoint's limit (aiohttp's own ``read()`` then stops there
+    too), and bounds what is still read of a body the answer did not need."""
+    netguard.mark(request, Phase.HANDLING)
+    if request.method == "POST":
+        request = request.clone(client_max_size=request.app[COORDINATOR].body_cap(request.path))
+    try:
+        return await handler(request)
+    finally:
+        if not request.content.is_eof():  # answered before its body was read: discard a little, then close
+            netguard.limit_drain(request, DRAIN_AFTER_REFUSAL)
+
+
+@web.middleware
+async def durability_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """No reply leaves before what its request committed is power-safe (an accepted result above all): the
+    store's commits are not fsynced under SQLite's write lock, so a lease never waits for a disk flush
+    (coordinator.store.db, durability); the flush happens here, after the commit, off the event loop."""
+    response = await handler(request)
+    await request.app[COORDINATOR].flush()
+    return response
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                            ) -> web.StreamResponse:
+    try:
+        if request.method == "POST":  # per-address budget before reading a byte of the body (coordinator.api.guard)
+            coord = request.app[COORDINATOR]
+            try:
+                request[ADDRESS] = client_address(request)
+            except ProtocolError:  # a forged relay header: counted against the sender's own address, then refused
+                coord.guard.check_address(request.remote or "", coord.clock())
+                raise
+            coord.guard.check_address(request[ADDRESS], coord.clock())
+        return await handler(request)
+    except ProtocolError as exc:
+        response = error_response(exc.reason, exc.message)
+        if exc.reason is Reason.BODY_TOO_LARGE:
+            response.force_close()
+        return response
+    except ClientGone:
+        logger.info("client %s hung up during %s %s", request.remote, request.method, request.path[:200])
+        return web.Response(status=CLIENT_CLOSED)
+    except web.HTTPRequestEntityTooLarge:  # a handler's own request.read() passed the cap set above
+        response = error_response(Reason.BODY_TOO_LARGE, f"request body exceeds {request.client_max_size} bytes, "
+                                                          f"the limit for {request.path[:200]}")
+        response.force_close()
+        return response
+    except web.HTTPNotFound:  # the router found no route (e.g. a name with characters a route never matches)
+        if request.path.startswith("/v1/blobs/"):
+            return error_response(Reason.NO_SUCH_BLOB, f"no file named {request.path[10:74]!r} is being served")
+        if request.path.startswith("/v1/snapshots/"):
+            return error_response(Reason.NO_SUCH_VERSION, f"{request.path[14:40]!r} is not a published version")
+        return error_response(Reason.NOT_FOUND, f"there is no endpoint {request.path[:200]}; see docs/protocol.md")
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response(Reason.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path[:200]}; "
+                                                         f"use {', '.join(sorted(exc.allowed_methods))}")
+    except web.HTTPException:
+        raise
+    except Exception:
+        logger.exception("internal error handling %s %s", request.method, request.path)
+        return error_response(Reason.INTERNAL, "the coordinator hit an internal error; it has been logged")
+
+
+ADDRESS = web.RequestKey("client_address", str)  # set by errors_middleware for every POST
+
+
+def client_address(request: web.Request) -> str:
+    """Whom the per-address budgets count a request against: its remote address, or for a call the coordinator's
+    own p2p role relays (its token in the header, coordinator.run.relay) the caller's libp2p peer id. A relay
+    header without the token raises ``bad_relay``."""
+    if TOKEN_HEADER not in request.headers:
+        return request.remote or ""
+    coord = request.app[COORDINATOR]
+    if getattr(coord, "key", None) is None:  # not started: no token to check against, so no relay yet
+        raise ProtocolError(Reason.BAD_RELAY, "the coordinator is starting; it accepts no relayed call yet")
+    return relayed_address(request.headers, coord.relay_token) or ""
+
+
+async def read_body(request: web.Request, cap: int) -> bytes:
+    """The request body, refused (413) as soon as it passes ``cap`` — from Content-Length before a byte is
+    read, or while it streams (chunked uploads carry no length): at most ``cap`` + one chunk is ever held.
+    A client that hangs up meanwhile raises :class:`ClientGone`."""
+    if request.content_length is not None and request.content_length > cap:
+        raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {request.content_length} bytes; "
+                                                   f"the limit for {request.path} is {cap}")
+    netguard.mark(request, Phase.BODY)
+    body = bytearray()
+    try:
+        while chunk := await request.content.read(BODY_CHUNK):
+            body += chunk
+            if len(body) > cap:
+                raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body passed {cap} bytes, the limit for "
+                                                           f"{request.path[:200]}; reading stopped there")
+    except ConnectionError as exc:  # aiohttp sets ConnectionResetError("Connection lost") on the payload
+        raise ClientGone(str(exc)) from None
+    except web.RequestPayloadError as exc:  # e.g. a broken chunked encoding
+        raise ProtocolError(Reason.MALFORMED, f"the request body could not be read: {exc}") from None
+    finally:
+        netguard.mark(request, Phase.HANDLING)
+    return bytes(body)
+
+
+async def _body(request: web.Request) -> bytes:
+    return await read_body(request, min(MAX_REQUEST_BYTES, request.app[COORDINATOR].body_cap(request.path)))
+
+
+async def info(request: web.Request) -> web.Response:
+    return _packed(wire.encode(request.app[COORDINATOR].info()))
+
+
+async def register(request: web.Request) -> web.Response:
+    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request), request.get(ADDRESS, ""))))
+
+
+async def lease(request: web.Request) -> web.Response:
+    return _packed(wire.encode(await request.app[COORDINATOR].lease(await _body(request))))
+
+
+async def release(request: web.Request) -> web.Response:
+    return _packed(wire.encode(request.app[COORDINATOR].release(await _body(request))))
+
+
+async def results(request: web.Request) -> web.Response:
+    return _packed(wire.encode(await request.app[COORDINATOR].submit(await _body(request))))
+
+
+#: The handlers of the signed POST endpoints, in the order of coordinator.limits.SIGNED_POSTS (the paths the
+#: coordinator's libp2p peer relays here too, §6b).
+SIGNED_HANDLERS: dict[str, Callable[[web.Request], Awaitable[web.Response]]] = dict(
+    zip(SIGNED_POSTS, (register, lease, release, results), strict=True))
+
+
+async def snapshot_manifest(request: web.Request) -> web.Response:
+    raw = request.match_info["version"]
+    coord = request.app[COORDINATOR]
+    version = coord.version if raw == "latest" else int(raw) if _VERSION.fullmatch(raw) else -1
+    signed = coord.snapshots.signed_manifest(version)
+    if signed is None:
+        raise ProtocolError(Reason.NO_SUCH_VERSION, f"version {raw} is not published (or was pruned); "
+                                                    f"current is {coord.version}")
+    return _packed(signed)
+
+
+async def blob(request: web.Request) -> web.StreamResponse:
+    sha = request.match_info["sha256"]
+    path = request.app[COORDINATOR].snapshots.blob_path(sha) if _SHA.fullmatch(sha) else None
+    if path is None:
+        raise ProtocolError(Reason.NO_SUCH_BLOB, f"no file with sha256 {sha[:64]} is being served")
+    return web.FileResponse(path, headers={"Cache-Control": "public, max-age=31536000, immutable"})
+
+
+async def p2p_info(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    return _packed(wire.encode(coord.egress.info() if coord.config.p2p.enabled else P2PInfo(enabled=False)))
+
+
+async def _count_blob_bytes(request: web.Request, response: web.StreamResponse) -> None:
+    """Snapshot file bytes sent over HTTP, for the status page's coordinator egress (coordinator.roles.p2p)."""
+    resource = request.match_info.route.resource
+    if (resource is not None and resource.canonical == "/v1/blobs/{sha256}" and response.status in (200, 206)
+            and response.content_length):
+        request.app[COORDINATOR].egress.http_bytes += response.content_length
+
+
+async def status(request: web.Request) -> web.Response:
+    public = request.app[PUBLIC_READS]
+    public.check(request)
+    coord = request.app[COORDINATOR]
+    view = "page" if request.query.get("view") == "page" else "full"
+    data = public.cache.get(f"status-{view}", coord.version, coord.store.conn.total_changes,
+                            lambda: json.dumps(select_status(coord, view), default=str).encode())
+    return web.Response(body=data, content_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True, "version": request.app[COORDINATOR].version})
+
+
+@contextlib.asynccontextmanager
+async def api_role(app: web.Application) -> AsyncIterator[None]:
+    """Start and stop the API role: its store connection and watch (Coordinator.start), the nonce pruner, and with
+    ``p2p.enabled`` the p2p role's report as the egress source. The one-process layout (coordinator.launch.
+    one_process) starts the other roles around this, sharing the API's run files and doorbell."""
+    coord = app[COORDINATOR]
+    background: list[asyncio.Task[None]] = []
+    try:
+        await coord.start()
+        coord.store.prune_nonces(coord.clock())  # opens (creates) the API's nonce database before serving
+        background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
+        background.append(asyncio.create_task(_keep_counters(coord), name="counters"))
+        if coord.config.p2p.enabled:  # the peer's report, from its own role process (or from this process's peer)
+            coord.egress.remote = lambda: coord.store.role_status(P2P)
+        yield
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        with contextlib.suppress(Exception):  # the last seconds' bytes; a store already closed loses only them
+            coord.egress.flush(lambda n: coord.store.add_to_counter(EGRESS_COUNTER, n))
+        await coord.stop()
+
+
+async def _api_alone(app: web.Application) -> AsyncIterator[None]:
+    async with api_role(app):
+        yield
+
+
+async def _keep_counters(coord: Coordinator) -> None:
+    """Add the snapshot bytes served to the store's counter every few seconds, so the status page's figure
+    survives a restart."""
+    while True:
+        await asyncio.sleep(EGRESS_FLUSH_S)
+        coord.egress.flush(lambda n: coord.store.add_to_counter(EGRESS_COUNTER, n))
+
+
+async def _prune_nonces(coord: Coordinator) -> None:
+    while True:
+        await asyncio.sleep(60)
+        coord.store.prune_nonces(coord.clock())
+
+
+def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None, *,
+               roles: Callable[[web.Application], AsyncIterator[None]] = _api_alone) -> web.Application:
+    """The HTTP app of the API role. ``roles`` starts and stops what this process runs (an aiohttp cleanup
+    context): the API alone by default (the process layout), or the one-process layout's roles around
+    :func:`api_role` (coordinator.launch.one_process)."""
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[connection_middleware, durability_middleware, errors_middleware])
+    app[COORDINATOR] = coordinator or Coordinator(config)
+    app[FATAL] = asyncio.Event()
+    app[CONN_GUARD] = netguard.ConnectionGuard(config.server)
+    app[PUBLIC_READS] = PublicReads(config.server)
+    app.on_response_prepare.append(_security_headers)
+    app.on_response_prepare.append(_count_blob_bytes)
+    app.cleanup_ctx.append(roles)
+    app.router.add_get("/v1/info", info)
+    for path, handler in SIGNED_HANDLERS.items():
+        app.router.add_post(path, handler)
+    app.router.add_get("/v1/snapshots/{version}", snapshot_manifest)
+    app.router.add_get("/v1/blobs/{sha256}", blob)
+    app.router.add_get("/v1/p2p", p2p_info)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/healthz", healthz)
+    # issue 6: /metrics, /v1/admin/*, /
+    metrics.install(app, app[COORDINATOR], app[CONN_GUARD])
+    admin.install(app, app[COORDINATOR])
+    status_page.install(app, app[COORDINATOR])
+    return app

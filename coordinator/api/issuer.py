@@ -1,0 +1,118 @@
+"""The issuer: which client gets which job, and when — the API role's in-memory issuance state around the pure
+rules of :mod:`coordinator.core.scheduling` and :mod:`coordinator.core.pacing`.
+
+It knows each client's pace (a declared self-benchmark until a result is observed), who is long-polling for work,
+who was woken for the current version, and how fast versions come. It holds no I/O: the API
+(:class:`coordinator.api.service.Coordinator`) feeds it the jobs from the store and acts on its decisions, and
+``bench/swarm_sim.py`` drives this same object with simulated clients, so the simulation cannot drift from
+what the coordinator does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from coordinator.core import pacing
+from coordinator.core.leases import LeaseView, lease_live
+from coordinator.core.scheduling import LeaseDecision, SyncPolicy, decide_lease
+
+
+class Issuer:
+    def __init__(self, policy: SyncPolicy, *, lease_timeout_s: float, speed_aware: bool = True) -> None:
+        self.policy = policy
+        self.lease_timeout_s = lease_timeout_s
+        self.speed_aware = speed_aware
+        self.pace: dict[str, float] = {}  # seconds from lease to result, per client (core.pacing)
+        self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
+        self._waiting: dict[str, int] = {}  # long-polling clients → requests waiting
+        self._woken: set[str] = set()  # clients a new version woke to pull it (next_in_line), for that version
+        self._woken_version = -1
+        self.version_interval: float | None = None  # recent seconds between policy versions
+        self._version_at: float | None = None
+
+    # -- what the issuer observes -------------------------------------------------------------------------
+    def declare(self, client_id: str, pace_s: float | None) -> None:
+        """A declared self-benchmark seeds the pace until a result is seen (never overrides an observed one)."""
+        if pace_s is not None and client_id not in self.pace:
+            self.pace[client_id] = pace_s
+
+    def observe(self, client_id: str, view: LeaseView, now: float) -> None:
+        """Lease-to-result seconds of an accepted result update the client's pace."""
+        if view.lease_deadline is None:
+            return
+        leased_at = view.lease_deadline - self.lease_timeout_s
+        # the first observation replaces a declared (untrusted, optimistic) self-benchmark outright
+        previous = self.pace.get(client_id) if client_id in self._pace_observed else None
+        self.pace[client_id] = pacing.update_pace(previous, now - leased_at)
+        self._pace_observed.add(client_id)
+
+    def new_version(self, now: float) -> None:
+        """A version became current at ``now`` (monotonic seconds): how fast versions come."""
+        if self._version_at is not None:
+            self.version_interval = pacing.update_pace(self.version_interval, now - self._version_at)
+        self._version_at = now
+
+    def begin_wait(self, client_id: str) -> None:
+        """A lease request of ``client_id`` starts long-polling (requests of one client are counted)."""
+        self._waiting[client_id] = self._waiting.get(client_id, 0) + 1
+
+    def end_wait(self, client_id: str) -> None:
+        left = self._waiting.pop(client_id, 1) - 1
+        if left > 0:
+            self._waiting[client_id] = left
+
+    @contextmanager
+    def waiting(self, client_id: str) -> Iterator[None]:
+        """While a lease request of ``client_id`` long-polls."""
+        self.begin_wait(client_id)
+        try:
+            yield
+        finally:
+            self.end_wait(client_id)
+
+    def waiting_clients(self) -> Iterable[str]:
+        return self._waiting.keys()
+
+    # -- decisions ----------------------------------------------------------------------------------------
+    def next_in_line(self, client_id: str, version: int) -> bool:
+        """Is this client among the B fastest of those waiting for work when ``version`` appeared (unknown pace
+        counts as slowest)? Only they are woken by a new version to pull it: in a large idle swarm the others
+        would download every version for nothing while faster clients take the work, so pulls per version stay
+        bounded by B. Clients already woken for this version still count as ahead, so the outcome does not
+        depend on the order in which the waiting requests re-check."""
+        if self._woken_version != version:
+            self._woken_version, self._woken = version, set()
+        b = self.policy.jobs_per_step
+        ahead = (self.pace.get(c) for c in self._waiting.keys() | self._woken if c != client_id)
+        if len(self._woken - {client_id}) >= b or pacing.faster_count(self.pace.get(client_id), ahead) >= b:
+            return False  # the B woken so far (ties, unknown paces) or B faster ones waiting are ahead of it
+        self._woken.add(client_id)
+        return True
+
+    def with_due(self, view: LeaseView) -> LeaseView:
+        """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known."""
+        if view.lease_client is None or view.lease_deadline is None:
+            return view
+        leased_at = view.lease_deadline - self.lease_timeout_s
+        pace = self.pace.get(view.lease_client)
+        return replace(view, due_at=pacing.due_at(leased_at, pace, self.version_interval),
+                       expected_at=pacing.expected_back(leased_at, pace))
+
+    def speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
+        mine = self.pace.get(client_id)
+        others = (self.pace.get(c) for c in self._waiting if c != client_id)
+        exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self.pace
+                        and v.lease_client != client_id)
+        return pacing.ClientSpeed(pace_s=mine, faster_waiting=pacing.faster_count(mine, others),
+                                  exploring=exploring, step_s=self.version_interval)
+
+    def decide(self, client_id: str, views: list[LeaseView], queued: int, now: float, version: int,
+               held_version: int, withheld: frozenset[str] = frozenset()) -> LeaseDecision | None:
+        """core.scheduling.decide_lease with this client's speed and every lease's due times."""
+        speed = None
+        if self.speed_aware:
+            views = [self.with_due(v) for v in views]
+            speed = self.speed_of(client_id, views, now)
+        return decide_lease(views, queued, now, version, held_version, self.policy, speed, withheld)

@@ -1,0 +1,152 @@
+"""What an operator can change on a running coordinator: ban/unban, pause/resume issuing, export a
+checkpoint, add/remove operator keys. Called by :mod:`coordinator.api.admin` after authentication; each
+action is logged and appended to ``admin.log`` (JSON lines) in the run directory as an audit trail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.api.admin_keys import AdminKey, load_admin_keys, write_admin_keys
+from coordinator.api.service import Coordinator
+from coordinator.core.leases import lease_live
+from coordinator.core.ops import ADMIN_KEYS, ClientLookupError, resolve_client
+from coordinator.publish.checkpoints import CheckpointStore
+from coordinator.store import readmodels
+from shared import crypto
+from shared.errors import ProtocolError, Reason
+
+logger = logging.getLogger(__name__)
+
+
+def record(coord: Coordinator, operator: str, action: str, **details: Any) -> None:
+    entry = {"at": coord.clock(), "operator": operator, "action": action} | details
+    logger.warning("operator %s: %s %s", operator[:8], action, json.dumps(details))
+    with open(coord.run_dir / "admin.log", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def find_client(coord: Coordinator, ref: str) -> str:
+    try:
+        return resolve_client(ref, readmodels.client_ids(coord.store))
+    except ClientLookupError as exc:
+        raise ProtocolError(Reason.NOT_FOUND, str(exc)) from None
+
+
+def set_banned(coord: Coordinator, operator: str, ref: str, banned: bool, note: str) -> dict[str, Any]:
+    """Ban: every later request of the client is refused (403 ``banned``) and its live leases are released
+    at once so that other clients pick the work up. Unban restores it. Credit and history are kept."""
+    client_id = find_client(coord, ref)
+    coord.store.set_banned(client_id, banned)
+    released = []
+    if banned:
+        now = coord.clock()
+        for j in coord.store.active_jobs():
+            if j.view.lease_client == client_id and lease_live(j.view, now) and j.view.lease_id is not None \
+                    and coord.store.release_lease(j.view.job_id, j.view.lease_id, client_id):
+                released.append(j.view.job_id)
+        if released:
+            coord.notify_jobs()
+    record(coord, operator, "ban" if banned else "unban", client_id=client_id, note=note, released_jobs=released)
+    return {"client_id": client_id, "banned": banned, "released_jobs": released}
+
+
+def set_issuing(coord: Coordinator, operator: str, paused: bool) -> dict[str, Any]:
+    """Pause: lease requests get 'no job, retry later' (live leases may still be returned and are credited);
+    the setting survives a restart. Resume wakes every waiting lease request."""
+    changed = coord.issuing_paused != paused
+    coord.issuing_paused = paused
+    coord.store.set_meta("issuing_paused", "1" if paused else "0")
+    if not paused:
+        coord.notify_jobs()
+    if changed:
+        record(coord, operator, "pause" if paused else "resume")
+    return {"paused": paused, "changed": changed}
+
+
+async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]:
+    """Write a self-contained copy of the current version to ``exports/v<version>-<UTC time>/``: the model
+    folder as published (a Hugging Face folder: usable as another run's ``model.path``; for a LoRA run the
+    adapter, with the run's shared base beside it in ``base/``), the newest learner checkpoint at or below the
+    version (weights and optimizer state: what a restart resumes from), and an online backup of the database.
+    The API copies the files on its I/O thread; the learner (another process) only prunes versions older than
+    ``snapshots.keep_last``, so the current one stays while it is read — if it vanished all the same, the
+    export fails with a message and leaves nothing behind. The folder appears under its final name only when
+    complete."""
+    version = coord.version
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(coord.clock()))
+    root = coord.run_dir / "exports"
+    dest = root / f"v{version:06d}-{stamp}"
+    k = 1
+    while dest.exists():
+        k += 1
+        dest = root / f"v{version:06d}-{stamp}-{k}"
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    database = coord.store.backup_to(tmp / "coordinator.sqlite")
+    checkpoints = CheckpointStore(coord.run_dir / "checkpoints")
+    newest = checkpoints.latest(version)
+    base = coord.snapshots.base_dir if coord.config.learner.lora_rank > 0 else None
+    try:
+        await coord.run_io(_copy_files, coord.snapshots.folder(version), base,
+                           None if newest is None else checkpoints.folder(newest), tmp)
+    except FileNotFoundError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ProtocolError(Reason.NOT_FOUND, f"version {version} or its checkpoint was pruned while it was "
+                                              f"copied ({exc.filename}); run the export again") from None
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {"version": version, "run_id": coord.run_id, "created_at": coord.clock(), "files": files,
+                "checkpoint_version": newest, "database": database}
+    (tmp / "checkpoint.json").write_text(json.dumps(manifest, indent=2))
+    tmp.rename(dest)
+    total = sum(files.values())
+    record(coord, operator, "checkpoint", version=version, path=str(dest), bytes=total)
+    return {"version": version, "path": str(dest), "bytes": total, "files": len(files) + 1}
+
+
+def _copy_files(model_dir: Path, base: Path | None, checkpoint: Path | None, dest: Path) -> None:
+    shutil.copytree(model_dir, dest / "model")
+    if base is not None and base.exists():
+        shutil.copytree(base, dest / "base", ignore=shutil.ignore_patterns(".*"))
+    if checkpoint is not None:
+        shutil.copytree(checkpoint, dest / "checkpoint")
+
+
+def list_keys(coord: Coordinator, caller: str) -> dict[str, Any]:
+    return {
+        "admin_keys": [k.as_dict() | {"you": k.key_id == caller} for k in load_admin_keys(coord.run_dir)],
+        "coordinator_public_key": coord.public_key.hex(),
+        "coordinator_key_id": crypto.client_id_for(coord.public_key),
+        "keys_file": str(coord.run_dir / "admin_keys"),
+    }
+
+
+def add_key(coord: Coordinator, operator: str, public_key: bytes, comment: str) -> dict[str, Any]:
+    keys = load_admin_keys(coord.run_dir)
+    key = AdminKey(crypto.client_id_for(public_key), public_key, comment)
+    added = all(k.key_id != key.key_id for k in keys)
+    if added:
+        write_admin_keys(coord.run_dir, [*keys, key])
+        record(coord, operator, "key_add", key_id=key.key_id, comment=comment)
+    return {"key_id": key.key_id, "added": added}
+
+
+def remove_key(coord: Coordinator, operator: str, ref: str) -> dict[str, Any]:
+    keys = load_admin_keys(coord.run_dir)
+    try:
+        key_id = resolve_client(ref, [k.key_id for k in keys], ADMIN_KEYS)
+    except ClientLookupError as exc:
+        raise ProtocolError(Reason.NOT_FOUND, str(exc)) from None
+    rest = [k for k in keys if k.key_id != key_id]
+    if not rest:
+        raise ProtocolError(Reason.ADMIN_REFUSED, "that is the only operator key; removing it would lock every "
+                                                  "operator out. Add another key first (`echo-swarm admin keys add`)")
+    write_admin_keys(coord.run_dir, rest)
+    record(coord, operator, "key_remove", key_id=key_id)
+    return {"key_id": key_id, "removed": True, "remaining": len(rest)}

@@ -1,0 +1,612 @@
+"""The API role's shell: issuance (leases, pacing, long-poll), the result intake and the run's public state.
+
+Request handling here parses, calls the pure rules in :mod:`coordinator.core`, and writes the outcome;
+:mod:`coordinator.api.app` only moves bytes between HTTP and these methods. This module never imports torch: the
+learner (:mod:`coordinator.roles.learner`) and the verifiers (:mod:`coordinator.roles.verifier`) are other roles,
+reached through the store — recomputes are asked of the verifiers (:class:`coordinator.run.workqueue.RemoteVerifier`),
+new versions and the learner's progress are read from it (``_watch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from coordinator.api import spotcheck
+from coordinator.api.egress import SnapshotEgress
+from coordinator.api.guard import Guard
+from coordinator.api.issuer import Issuer
+from coordinator.config import CoordinatorConfig
+from coordinator.core import pacing
+from coordinator.core.auth import check_timestamp, nonce_expiry
+from coordinator.core.jobs import plan_job, plan_key
+from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, lease_live
+from coordinator.core.trust import class_backend, is_invalidating
+from coordinator.core.verify import (
+    JobTerms,
+    TokenStats,
+    check_logprobs,
+    check_sampling,
+    logprob_stats,
+    sampling_stats,
+    verify_submission,
+)
+from coordinator.errors import VersionGone
+from coordinator.limits import MAX_REQUEST_BYTES
+from coordinator.publish.snapshots import SnapshotStore
+from coordinator.run.names import API, LEARNER
+from coordinator.run.records import AcceptedResult
+from coordinator.run.relay import relay_token
+from coordinator.run.runfiles import RunFiles, wait_for_first_version
+from coordinator.run.workqueue import POLL_S, Bell, RemoteVerifier, VerificationError, VerifierUnavailable
+from coordinator.store.store import JobRow, Store
+from coordinator.tasks.base import Task
+from coordinator.tasks.episodes import REWARD_NAME as EPISODE_REWARD
+from coordinator.tasks.episodes import EnvTask, episode_behaviour, select
+from coordinator.tasks.rewards import RewardFailed
+from coordinator.tasks.text import PromptTokens, TextCodec
+from shared import PROTOCOL_VERSION, crypto, wire
+from shared.errors import ProtocolError, Reason
+from shared.hashing import prompt_hash, sha256_bytes
+from shared.messages import (
+    Info,
+    Job,
+    JobPrompt,
+    LeaseRequest,
+    LeaseResponse,
+    RegisterRequest,
+    RegisterResponse,
+    ReleaseRequest,
+    ReleaseResponse,
+    ResultSubmission,
+    SamplingParams,
+    SignedRequest,
+    SubmitResponse,
+)
+from shared.records import sign_job
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """The API role. The run files (coordinator.run.runfiles, via ``attach``) and ``bell`` are shared with the other
+    roles when they run in the same process; alone, it opens its own and polls the store."""
+
+    def __init__(self, config: CoordinatorConfig, *, clock: Callable[[], float] = time.time,
+                 bell: Bell | None = None, model_dir: Path | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.model_dir = model_dir  # one-process layout: the learner starts from this folder, not model.path
+        self.run_dir = Path(config.run_dir)
+        self._files: RunFiles | None = None
+        self.bell = bell or Bell()
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-io")  # file copies, never torch
+        # fsyncs of the store (flush): one at a time, each covering every commit made before it began
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-sync")
+        self._sync_lock = asyncio.Lock()
+        self._synced = 0  # the store's commit count the last finished sync covered
+        self._jobs_event = asyncio.Event()
+        self.finished = False
+        self.version = 0
+        self.started_at = clock()
+        # speed-aware issuance (coordinator.api.issuer): per-client pace, long-polling clients, how fast versions come
+        self.issuer = Issuer(config.sync_policy, lease_timeout_s=config.jobs.lease_timeout_s,
+                             speed_aware=config.jobs.speed_aware)
+        # jobs whose result is being verified (job id → submissions in verification): never reissued meanwhile,
+        # so a lease that runs out while the coordinator is busy verifying does not cost the honest holder
+        self._verifying: dict[str, int] = {}
+        self.issuing_paused = False  # set by the operator (coordinator.api.admin): no new leases while True
+        self._watcher: asyncio.Task[None] | None = None
+        self._owns_files = False
+        #: which API process this is ("api", "api-1", …: several may share one PostgreSQL store; launch.serve sets it)
+        self.api_name = API
+        self.egress = SnapshotEgress()  # snapshot bytes out over HTTP / libp2p (coordinator.api.egress)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def attach(self, files: RunFiles) -> None:
+        """Share the run files another role of this process opened (the one-process layout)."""
+        self._files = files
+
+    async def start(self) -> None:
+        self._owns_files = self._files is None
+        if self._files is None:  # a process of its own: the other roles' rings reach it through the doorbell
+            self._files = RunFiles.open(self.config)
+            self.bell.connect(self.run_dir, self.api_name)
+        files = self._files
+        self.store: Store = files.store
+        self.key = files.key
+        self.public_key = files.public_key
+        self.run_id = files.run_id
+        self.task: Task = files.task
+        self.snapshots: SnapshotStore = files.snapshots
+        self.issuing_paused = self.store.get_meta("issuing_paused") == "1"
+        self._synced = self.store.commits
+        self.guard = Guard(self.config, self.store)
+        # asked by this API's previous run; nobody waits for them (other API processes' requests stay)
+        dropped = self.store.work_drop(("recompute", "replay"), self.api_name)
+        if dropped:
+            logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
+        self.version = await wait_for_first_version(self.store, self.bell, API)
+        self.snapshots.observe(v["version"] for v in self.store.versions())
+        folder = self.snapshots.folder(self.version)
+        base = self.snapshots.base_dir
+        self.codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists() else base)
+        self.vocab_size = self.codec.vocab_size
+        self.prompt_tokens = PromptTokens(self.codec, self.task.train)
+        vcfg = self.config.verification
+        self.verifier = RemoteVerifier(self.store, self.bell, wait_s=vcfg.wait_s,
+                                       device="cpu" if vcfg.device == "auto" else vcfg.device)
+        self.verifier.requester = self.api_name
+        self.finished = self.version >= self.config.learner.max_steps
+        self.issuer.new_version(time.monotonic())
+        self._watcher = asyncio.create_task(self._watch(), name="api-watch")
+
+    async def _watch(self) -> None:
+        """Follow the store: a version the learner committed becomes current here (clients are woken for it)."""
+        while True:
+            try:
+                current = self.store.current_version()
+                if current is not None and current > self.version:
+                    self._on_new_version(current)
+            except Exception:  # a busy database must not end the watch; the next look retries
+                logger.exception("reading the run's current version failed")
+            await self.bell.wait(POLL_S)
+
+    def _on_new_version(self, current: int) -> None:
+        self.snapshots.observe(v["version"] for v in self.store.versions())
+        self.version = current
+        self.issuer.new_version(time.monotonic())
+        self.finished = current >= self.config.learner.max_steps  # before waking: no work past the last step
+        self.notify_jobs()
+
+    def learner_status(self) -> dict[str, Any]:
+        """The learner's last report (coordinator.roles.learner), or {} before its first."""
+        return self.store.role_status(LEARNER) or {}
+
+    @property
+    def in_training(self) -> frozenset[str]:
+        """Job ids of the steps the learner trained and has not recorded yet (spot-checks must not re-open them)."""
+        return frozenset(self.learner_status().get("in_training", ()))
+
+    async def flush(self) -> None:
+        """Make what this process committed so far power-safe before a reply tells a client about it
+        (coordinator.api.app's durability middleware). The fsync runs in a thread, holding no database lock, while
+        the event loop serves other requests; requests that committed while one was running share the next."""
+        store = getattr(self, "store", None)
+        if store is None:  # not started
+            return
+        target = store.commits
+        if self._synced >= target:
+            return
+        async with self._sync_lock:
+            if self._synced >= target:  # a sync that began after our commit finished meanwhile
+                return
+            upto = store.commits
+            await asyncio.get_running_loop().run_in_executor(self._syncer, store.sync)
+            self._synced = max(self._synced, upto)
+
+    async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking file work (exports) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    def _plan_key(self) -> int | str:
+        """core.jobs.plan_key: the run seed, with the run's secret (created once, kept in the store) unless
+        jobs.secret_plans is off."""
+        secret: str | None = None
+        if self.config.jobs.secret_plans:
+            secret = self.store.get_meta("plan_secret")
+            if secret is None:
+                secret = secrets.token_hex(16)
+                self.store.set_meta("plan_secret", secret)
+        return plan_key(self.config.learner.seed, secret)
+
+    def new_job(self) -> JobRow:
+        key, n, per_job = self._plan_key(), len(self.task.train), self.config.jobs.prompts_per_job
+        # the next number is drawn under the store's job-stream lock: API processes sharing one database
+        return self.store.create_next_job(lambda seq: plan_job(key, seq, n, per_job), self.config.learner.group_size,
+                                          self.clock())
+
+    async def accept_local(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
+                           ) -> SubmitResponse:
+        """The co-located baseline's own rollouts go through the same intake as any client's, except the
+        recompute: they were generated by the learner's own model at the bound version, whose logprobs they
+        carry, and nobody untrusted handled them (a co-located trainer uses its sampling logprobs likewise).
+
+        A reward that fails on them fails that result only, as for a client's: the refusal is recorded in the audit
+        log (reason ``reward_failed``), the job's lease is released, and the learner goes on with other jobs."""
+        try:
+            return await self._verify_and_accept(client_id, sub, size, content_sha, own=True)
+        except RewardFailed as exc:
+            self.store.record_rejection(client_id, sub.job_id, exc.reason.value, exc.message, content_sha,
+                                        self.clock(), sub.version)
+            self.store.release_lease(sub.job_id, sub.lease_id, client_id)
+            logger.warning("co-located result for %s refused: %s", sub.job_id, exc.message)
+            return SubmitResponse(accepted=False, job_id=sub.job_id, mean_reward=0.0, credit=0.0, total_credit=0.0)
+
+    async def stop(self) -> None:
+        if self._watcher is not None and not self._watcher.done():  # (done: its event loop already ended)
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+        self._io.shutdown(wait=True)
+        self._syncer.shutdown(wait=True)
+        if self._owns_files and self._files is not None:
+            self.bell.close()
+            self._files.close()
+
+    # -- authentication -----------------------------------------------------------------------------------
+    def open_envelope(self, raw: bytes, path: str) -> SignedRequest:
+        req = wire.decode(raw, SignedRequest, max_bytes=MAX_REQUEST_BYTES)
+        if req.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(Reason.PROTOCOL_VERSION, f"this coordinator speaks protocol {PROTOCOL_VERSION}, the "
+                                                         f"request uses {req.protocol}; upgrade echo-swarm")
+        if req.path != path:
+            raise ProtocolError(Reason.BAD_SIGNATURE, f"request was signed for {req.path}, sent to {path}")
+        return req
+
+    def check_fresh(self, req: SignedRequest) -> None:
+        now = self.clock()
+        window = self.config.verification.request_window_s
+        check_timestamp(req.timestamp, now, window)
+        if not self.store.remember_nonce(req.nonce, nonce_expiry(max(req.timestamp, now), window)):
+            raise ProtocolError(Reason.REPLAYED_NONCE, "this request was already received (replayed nonce)")
+
+    def authenticate(self, raw: bytes, path: str) -> SignedRequest:
+        """Envelope (protocol, path) → known client → signature → not banned → timestamp → nonce, in that order.
+
+        The ban check follows the signature so that nobody learns whether an id is banned without its key."""
+        req = self.open_envelope(raw, path)
+        client = self.store.get_client(req.client_id)
+        if client is None:
+            raise ProtocolError(Reason.UNKNOWN_CLIENT, "this client is not registered; register first")
+        crypto.verify_request(req, bytes(client["public_key"]))
+        if client["banned"]:
+            raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+        self.guard.check_identity(req.client_id, self.clock())
+        self.guard.seen(req.client_id, self.clock())
+        self.check_fresh(req)
+        return req
+
+    # -- endpoints ----------------------------------------------------------------------------------------
+    def info(self) -> Info:
+        return Info(protocol=PROTOCOL_VERSION, run_id=self.run_id, coordinator_public_key=self.public_key,
+                    current_version=self.version, sync_mode=self.config.sync_mode, task=self.task.name,
+                    finished=self.finished, server_time=self.clock())
+
+    def register(self, raw: bytes, peer: str = "") -> RegisterResponse:
+        req = self.open_envelope(raw, "/v1/register")
+        body = wire.decode(req.body, RegisterRequest)
+        crypto.verify_request(req, body.public_key)
+        existing = self.store.get_client(req.client_id)
+        if existing is not None and existing["banned"]:
+            raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+        self.guard.check_registration(peer, body.invite, self.clock(), is_new=existing is None)
+        # the class is the coordinator's to establish: one of a fixed set, pinned at the first registration
+        bclass = self.guard.class_for_registration(req.client_id, body.profile.backend, body.profile.device,
+                                                   is_new=existing is None)
+        self.check_fresh(req)
+        new = self.store.register_client(req.client_id, body.public_key, body.profile.model_dump(), self.clock(),
+                                         backend_class=bclass, address=peer or None)
+        # a declared self-benchmark seeds the pace until a result is seen
+        per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size * self.config.sampling.max_tokens
+        self.issuer.declare(req.client_id, pacing.declared_pace(body.profile.benchmark_tokens_per_s, per_job))
+        if new:
+            logger.info("registered client %s (%s, %s)", req.client_id[:8], body.profile.backend, body.profile.device)
+        return RegisterResponse(client_id=req.client_id, new=new, run_id=self.run_id)
+
+    def notify_jobs(self) -> None:
+        """Wake every long-polling lease request: a new version's jobs exist, or a lease was released."""
+        self._jobs_event.set()
+        self._jobs_event = asyncio.Event()
+
+    async def lease(self, raw: bytes) -> LeaseResponse:
+        """Lease the oldest available job, long-polling up to ``jobs.long_poll_s`` for one to appear, so an
+        idle client learns of a new policy version as soon as it is published (push), then fetches it (pull).
+
+        A version published while the client waits ends the wait at once, with or without a job, if the
+        client is next in line for work (``Issuer.next_in_line``): it should spend the idle time pulling the
+        newest weights, not sit on old ones and later be handed a job bound to them (async push-pull lets a job
+        keep the client's version while within S). That reply says ``prefetch``; no other does, so clients the
+        coordinator does not expect to work on a version do not download it ahead of a job."""
+        req = self.authenticate(raw, "/v1/lease")
+        body = wire.decode(req.body, LeaseRequest)
+        self.guard.check_quarantine(req.client_id, self.clock())  # per identity, whatever backend it claims
+        give_up = time.monotonic() + self.config.jobs.long_poll_s
+        announced = max(self.version, body.held_version)  # what the client knows of once this request began
+        with self.issuer.waiting(req.client_id):
+            while True:
+                event = self._jobs_event
+                resp = self._try_lease(req.client_id, body.held_version)
+                remaining = give_up - time.monotonic()
+                if resp.job is not None or resp.finished or remaining <= 0:
+                    return resp
+                if resp.current_version > announced and self.issuer.next_in_line(req.client_id, self.version):
+                    # push: pull the new version now, then ask again holding it
+                    return resp.model_copy(update={"prefetch": True})
+                # expired or overdue leases free slots without an event: re-check at least every second
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
+
+    def _try_lease(self, client_id: str, held_version: int) -> LeaseResponse:
+        """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while
+        the queue (live leases + untrained results) is below B·(S+1); bind the version it is generated with."""
+        retry = self.config.jobs.retry_after_s
+        if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished,
+                                 paused=self.issuing_paused and not self.finished)
+        if self.config.sync_mode == "sequential-pull" and self.learner_status().get("target", 0) > self.version:
+            # a step is training past the current version (or being published): a job bound to the current
+            # version now would be stale (bound 0) before it returns — wasted client work
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        replica = self._lease_replica(client_id)  # spot-checks first: they release held results
+        if replica is not None:
+            return replica
+        now = self.clock()
+        active = {j.view.job_id: j for j in self.store.active_jobs()}
+        views = [j.view for j in active.values()]
+        queued = len(self.store.pending()) + self.guard.held_count()
+        reissuable = [v.job_id for v in views if not lease_live(v, now)]
+        withheld = self.store.refused_jobs(client_id, reissuable) | self._verifying.keys()
+        decision = self.issuer.decide(client_id, views, queued, now, self.version, held_version, frozenset(withheld))
+        if decision is None:
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        row = active[decision.job_id] if decision.job_id is not None else self.new_job()
+        version = decision.version
+        if self.store.manifest_sha(version) is None or self.snapshots.signed_manifest(version) is None:
+            version = self.version
+        lease_id = secrets.token_hex(8)
+        deadline = deadline_for(now, self.config.jobs.lease_timeout_s)
+        if not self.store.lease_job(row.view.job_id, lease_id, client_id, deadline, version, now):
+            return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
+        if row.issue_count > 0:
+            logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
+        job = self.job_message(row, version, lease_id, client_id, now, deadline)
+        return LeaseResponse(job=sign_job(self.key, job), retry_after_s=retry, current_version=self.version,
+                             finished=False)
+
+    def job_message(self, row: JobRow, version: int, lease_id: str, client_id: str, now: float, deadline: float
+                     ) -> Job:
+        prompts = [JobPrompt(prompt_id=i, token_ids=self.prompt_tokens(i), text=self.task.train[i].prompt)
+                   for i in row.prompt_ids]
+        n = len(prompts) * row.group_size
+        manifest_sha = self.store.manifest_sha(version)
+        assert manifest_sha is not None
+        return Job(
+            protocol=PROTOCOL_VERSION, run_id=self.run_id, job_id=row.view.job_id, lease_id=lease_id,
+            client_id=client_id, version=version, manifest_sha256=manifest_sha, prompts=prompts,
+            prompt_hash=prompt_hash([p.token_ids for p in prompts]), group_size=row.group_size,
+            sampling=SamplingParams(temperature=self.config.sampling.temperature,
+                                    max_tokens=self.config.sampling.max_tokens,
+                                    stop_token_ids=self.codec.stop_ids),
+            seed=row.seed, issued_at=now, deadline=deadline, max_result_bytes=self._result_cap(n),
+            environment=self.task.spec(row.prompt_ids) if isinstance(self.task, EnvTask) else None,
+        )
+
+    def _result_cap(self, n_completions: int) -> int:
+        return self.config.result_cap(n_completions)
+
+    def release(self, raw: bytes) -> ReleaseResponse:
+        req = self.authenticate(raw, "/v1/release")
+        body = wire.decode(req.body, ReleaseRequest)
+        if self.guard.get_replica(body.job_id) is not None:
+            return ReleaseResponse(released=self.guard.release_replica(body.job_id, body.lease_id, req.client_id))
+        released = self.store.release_lease(body.job_id, body.lease_id, req.client_id)
+        if released:
+            logger.info("client %s released job %s", req.client_id[:8], body.job_id)
+            self.notify_jobs()
+        return ReleaseResponse(released=released)
+
+    async def submit(self, raw: bytes) -> SubmitResponse:
+        req = self.authenticate(raw, "/v1/results")
+        content_sha = sha256_bytes(req.body)
+        job_id: str | None = None
+        version: int | None = None
+        bclass = self.backend_class(req.client_id)
+        try:
+            sub = wire.decode(req.body, ResultSubmission)
+            job_id, version = sub.job_id, sub.version
+            self.guard.check_quarantine(req.client_id, self.clock())
+            if sub.backend != class_backend(bclass):
+                raise ProtocolError(Reason.BINDING_MISMATCH,
+                                    f"this result says backend {sub.backend!r}, but this identity registered as "
+                                    f"{bclass}; results are verified as the registered class. Send results from "
+                                    f"the backend it registered with (or use a new identity for another backend)")
+            if self.guard.get_replica(sub.job_id) is not None:
+                return await self._submit_replica(req.client_id, sub, len(req.body), content_sha, bclass)
+            earlier = self.store.accepted_result(sub.job_id)
+            if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
+                # the same client resending the same result (its first reply was lost): answer as before
+                client = self.store.get_client(req.client_id)
+                return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
+                                      credit=float(earlier["n_tokens"]),
+                                      total_credit=float(client["credit"]) if client is not None else 0.0)
+            return await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
+        except ProtocolError as exc:
+            if exc.reason is Reason.UNAVAILABLE:
+                raise  # the coordinator's own shortfall: nothing is recorded against the client
+            self.store.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha, self.clock(),
+                                        version)
+            if is_invalidating(exc.reason):
+                self.guard.record_invalid(req.client_id, self.clock())
+            logger.info("rejected result from %s for %s: %s", req.client_id[:8], job_id, exc)
+            raise
+
+    # -- trust boundary (logic in coordinator.api.guard and coordinator.api.spotcheck) ------------------------------
+    def backend_class(self, client_id: str) -> str:
+        """The class the coordinator pinned to this identity (never what a request claims)."""
+        return self.guard.pinned_class(client_id)
+
+    def body_cap(self, path: str) -> int:
+        return self.config.body_cap(path)
+
+    @functools.cached_property
+    def relay_token(self) -> str:
+        """The token the p2p role's relayed calls carry (coordinator.roles.p2p_relay); known once started."""
+        return relay_token(self.key, self.run_id)
+
+    def _lease_replica(self, client_id: str) -> LeaseResponse | None:
+        return spotcheck.lease_replica(self, client_id)
+
+    async def _submit_replica(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str,
+                              bclass: str) -> SubmitResponse:
+        return await spotcheck.submit_replica(self, client_id, sub, size, content_sha, bclass)
+
+    def audit(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
+              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """The audit log: every result's outcome (accepted, rejected, replica_accepted, invalidated…) with
+        client, job, version, reason and content hash, newest first. For the admin API and CLI."""
+        return self.store.audit(client_id=client_id, job_id=job_id, outcome=outcome, reason=reason, since=since,
+                                limit=limit)
+
+    def terms(self, row: JobRow) -> JobTerms:
+        return JobTerms(version=-1 if row.view.version is None else row.view.version, prompt_hash=prompt_hash([self.prompt_tokens(i) for i in row.prompt_ids]),
+                        seed=row.seed, group_size=row.group_size, n_prompts=len(row.prompt_ids),
+                        max_tokens=self.config.sampling.max_tokens, stop_token_ids=frozenset(self.codec.stop_ids),
+                        vocab_size=self.vocab_size, episodes=isinstance(self.task, EnvTask))
+
+    async def _verify_and_accept(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str, *,
+                                 own: bool = False) -> SubmitResponse:
+        self._verifying[sub.job_id] = self._verifying.get(sub.job_id, 0) + 1
+        try:
+            return await self._verify_and_accept_held(client_id, sub, size, content_sha, own)
+        finally:
+            left = self._verifying.pop(sub.job_id) - 1
+            if left > 0:
+                self._verifying[sub.job_id] = left
+
+    async def _verify_and_accept_held(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str,
+                                      own: bool) -> SubmitResponse:
+        row = self.store.get_job(sub.job_id)
+        if row is None:
+            raise ProtocolError(Reason.UNKNOWN_JOB, f"there is no job {sub.job_id}")
+        cap = self._result_cap(len(row.prompt_ids) * row.group_size)
+        if size > cap:
+            raise ProtocolError(Reason.BODY_TOO_LARGE, f"result is {size} bytes; this job allows at most {cap}")
+        oldest = max(0, self.version - self.config.snapshots.keep_last + 1)
+        verify_submission(sub, row.view, self.terms(row), client_id, self.clock(), oldest)
+        prompts = [self.prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
+        completions = [list(c.token_ids) for c in sub.completions]
+        reported: list[list[float]] = [list(c.logprobs) for c in sub.completions]
+        replayed = None
+        if isinstance(self.task, EnvTask):  # episodes: replayed here, before any forward pass is spent on them
+            replayed = self.task.replay(
+                sub.completions, [self.task.train[i].seed for i in row.prompt_ids for _ in range(row.group_size)],
+                tokenizer=self.codec.tokenizer, max_tokens=self.config.sampling.max_tokens,
+                stop_ids=frozenset(self.codec.stop_ids), vocab_size=self.vocab_size)
+            completions, reported = replayed.sequences, replayed.reported
+        token_stats = None if own else await self._recompute_stats_at(prompts, completions, sub.version)
+        if replayed is not None and token_stats is not None:  # the model's tokens only, never the observations'
+            full_recomputed = token_stats.logprobs
+            token_stats = TokenStats(*(select(rows, replayed.masks) for rows in (
+                token_stats.logprobs, token_stats.entropy, token_stats.variance, token_stats.top)))
+        recomputed = reported if token_stats is None else token_stats.logprobs
+        stats = logprob_stats(reported, recomputed)
+        check_logprobs(stats, *self.config.verification.tolerances(self.backend_class(client_id),
+                                                                   self.config.snapshots.gguf))
+        vcfg = self.config.verification
+        if vcfg.sampling_check and token_stats is not None:  # are the tokens as surprising as sampling makes them?
+            check_sampling(sampling_stats(token_stats, vcfg.sampling_var_floor), z_low=vcfg.sampling_z_low,
+                           z_high=vcfg.sampling_z_high, top_z=vcfg.sampling_top_z, min_tokens=vcfg.sampling_min_tokens,
+                           temperature=self.config.sampling.temperature)
+        # the result arrived within its lease (verify_submission); if the lease ran out while the learner kept the
+        # verification waiting, that delay was the coordinator's, and the job was not reissued meanwhile
+        fresh = self.store.get_job(sub.job_id)
+        if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) not in (
+                LeaseCheck.OK, LeaseCheck.EXPIRED):
+            raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} changed while it was verified")
+        behaviour, loss_mask = reported, None
+        if replayed is not None:  # rewards from the replay; the learner trains on the model's tokens only
+            rewards = replayed.rewards
+            reward_means = {EPISODE_REWARD: sum(rewards) / len(rewards)}
+            assert token_stats is not None, "episodes are always recomputed (no colocated baseline plays them)"
+            behaviour, loss_mask = episode_behaviour(replayed, full_recomputed), replayed.masks
+            recomputed = [list(r) for r in full_recomputed]
+            n_tokens = sum(len(r) for r in replayed.reported)
+        else:
+            items = [self.task.train[i] for i in row.prompt_ids for _ in range(row.group_size)]
+            scored = self.task.score(items, [self.codec.decode(c) for c in completions])  # RewardFailed: a refusal
+            rewards, reward_means = scored.rewards, scored.per_reward_means
+            n_tokens = sum(len(c) for c in completions)
+        payload = AcceptedResult(
+            completions=completions, behaviour_logprobs=behaviour, recomputed_logprobs=recomputed,
+            finish_reasons=[c.finish_reason for c in sub.completions], logprob_mean_abs_diff=stats.mean_abs,
+            reward_means=reward_means, loss_mask=loss_mask).encode()
+        credit = float(n_tokens)
+        # a spot-check's hold is written before the result it holds (spotcheck.hold_before_accept): nothing awaits in
+        # between, and the learner never sees the result unheld
+        hold = None if own else spotcheck.hold_before_accept(self, client_id, sub, self.backend_class(client_id))
+        if not self.store.accept_result(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
+                                        version=sub.version, content_sha256=content_sha, payload=payload,
+                                        rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock()):
+            spotcheck.drop_hold(self, hold)
+            raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
+        spotcheck.after_accept(self, hold)
+        self.issuer.observe(client_id, fresh.view, self.clock())
+        self.bell.ring()  # the learner may have a batch now
+        client = self.store.get_client(client_id)
+        return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
+                              credit=credit, total_credit=float(client["credit"]) if client else credit)
+
+    async def recompute_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                            ) -> list[list[float]]:
+        """Logprobs under the version that generated the rollout, by the verifier."""
+        return (await self._recompute_stats_at(prompts, completions, version)).logprobs
+
+    async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                                  ) -> TokenStats:
+        """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass)."""
+        try:
+            return await self.verifier.recompute_stats(prompts, completions, version)
+        except VersionGone:
+            raise ProtocolError(Reason.WRONG_VERSION,
+                                f"policy version {version} is no longer kept for verification") from None
+        except VerifierUnavailable as exc:
+            raise ProtocolError(Reason.UNAVAILABLE, f"the coordinator could not verify this result now ({exc}); "
+                                                    f"resend it later within its lease") from None
+        except VerificationError as exc:
+            raise RuntimeError(f"verification failed: {exc}") from None
+
+    # -- status -------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        jobs = self.store.active_jobs()
+        steps = self.store.steps()
+        return {
+            "run_id": self.run_id,
+            "version": self.version,
+            "max_steps": self.config.learner.max_steps,
+            "finished": self.finished,
+            "sync_mode": self.config.sync_mode,
+            "max_staleness": self.config.sync_policy.bound,
+            "task": self.task.name,
+            "uptime_s": now - self.started_at,
+            "learner": self.learner_status(),  # its own report: trained_version runs ahead while publishing
+            "roles": self.store.role_statuses(),
+            "jobs": {
+                "open": sum(1 for j in jobs if not lease_live(j.view, now)),
+                "leased": sum(1 for j in jobs if lease_live(j.view, now)),
+                "buffered": len(self.store.pending()),
+                "in_flight": [
+                    {"job_id": j.view.job_id, "client_id": j.view.lease_client, "deadline": j.view.lease_deadline,
+                     "version": j.view.version, "issue_count": j.issue_count}
+                    for j in jobs if lease_live(j.view, now)
+                ],
+            },
+            "totals": self.store.totals(),
+            "reward_curve": [s["mean_reward"] for s in steps],
+            "steps": steps[-200:],
+            "evals": self.store.evals(),
+            "clients": self.store.clients(),
+            "trust": {"standings": self.guard.standings(), "spot_checks": self.guard.replicas_summary()},
+        }

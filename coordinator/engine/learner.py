@@ -1,0 +1,451 @@
+"""The GRPO learner: recomputes behaviour logprobs for verification and takes clipped policy-gradient steps.
+
+Loss per token, token-mean over the batch. Two off-policy corrections (``learner.correction``):
+
+- ``behaviour-clip`` (default), PPO anchored at the behaviour policy:
+      w · −dualclip(min(r·A, clip(r, 1−ε, 1+ε)·A)),   r = πθ/π_b
+  The importance ratio r multiplies the gradient, and PPO's trust region is centred on the policy that
+  generated the rollout: a token the learner has already moved past 1±ε since that version (by training on
+  other batches) gets no further push in the same direction. For a negative advantage the ratio is cut at
+  c = ``is_cap`` (dual clip), so one unlikely token cannot dominate the batch.
+- ``decoupled`` (as in AReaL), the trust region around this step's policy π_prox, a truncated weight for
+  the behaviour gap:
+      w · min(c, π_prox/π_b) · −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A),   ρ = πθ/π_prox
+  With one optimiser step per batch ρ = 1 when the gradient is taken, so nothing bounds how far earlier steps
+  have already moved a stale token. With rollouts 3 versions old (bench/policy_lag.py, 3 seeds) it kept 74 % of
+  on-policy GRPO's improvement in held-out accuracy, ``behaviour-clip`` 97 %.
+
+π_b is the coordinator's own recompute (coordinator.engine.verifier, from the published snapshot of the version that
+generated the rollout; trusted, unlike the client's report); π_prox the learner's policy at the start of this
+step (no gradient); w = ``staleness_decay`` ** staleness; A the group-normalised advantage. For a fresh
+rollout π_b = π_prox = πθ when the gradient is taken, both corrections are plain GRPO, and co-located or
+sequential-pull training is unaffected by the choice. The learner's model is touched only by the learner's
+thread; verification, publication and evaluation read published snapshots or copies handed over after a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coordinator.config import LearnerConfig, ModelConfig
+from coordinator.engine import fsdp, lora
+from coordinator.engine.evaluation import greedy_accuracy, pad_id
+from coordinator.engine.fsdp import single_rank
+from coordinator.publish.checkpoints import CheckpointState
+from coordinator.publish.gguf_export import write_model_gguf
+from coordinator.publish.snapshots import SnapshotFiles
+from coordinator.tasks.base import Task, TaskItem
+from shared.policy import completion_logprobs, load_model, load_tokenizer, pick_device, stop_token_ids
+
+if TYPE_CHECKING:
+    from coordinator.engine.fsdp import Ranks
+    from coordinator.publish.snapshots import SnapshotFiles
+
+logger = logging.getLogger(__name__)
+
+MICRO_BATCH = 64
+
+
+def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any, mask: Any, eps: float,
+                    cap: float, level: str = "token", correction: str = "behaviour-clip") -> tuple[Any, Any, Any]:
+    """Per-token loss (module docstring), plus the clipped ratio (πθ/π_b for ``behaviour-clip``, πθ/π_prox
+    for ``decoupled``) and log(π_prox/π_b) for metrics.
+
+    All tensors are [sequences, tokens] (``adv`` and ``weight`` broadcast from [sequences, 1]); ``mask`` is 1
+    on real completion tokens. ``level`` ("token" or "sequence") applies to the decoupled importance weight,
+    which carries no gradient.
+    """
+    import torch
+
+    log_is = ((prox - behaviour) * mask).detach()
+    if correction == "behaviour-clip":
+        ratio = torch.exp((logp - behaviour.detach()) * mask)
+        objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+        objective = torch.where(adv < 0, torch.maximum(objective, cap * adv), objective)  # dual clip
+        return -objective * weight * mask, ratio, log_is
+    if level == "sequence":  # one weight per rollout: the probability ratio of the whole completion
+        is_weight = torch.clamp(torch.exp(log_is.sum(dim=-1, keepdim=True)), max=cap)
+    else:
+        is_weight = torch.clamp(torch.exp(log_is), max=cap)
+    ratio = torch.exp((logp - prox.detach()) * mask)
+    unclipped = ratio * adv
+    clipped_obj = torch.clamp(ratio, 1 - eps, 1 + eps) * adv
+    per_token = -torch.minimum(unclipped, clipped_obj) * is_weight * weight * mask
+    return per_token, ratio, log_is
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]  # the verifier's recompute at the behaviour version (π_b)
+    behaviour_logprobs: list[float]  # as reported by the client
+    advantage: float
+    staleness: int = 0
+    weight: float = 1.0
+    loss_mask: list[int] | None = None  # 1 on the model's tokens, 0 on an episode's observation tokens (not trained)
+
+
+class Learner:
+    def __init__(self, model_dir: Path, model_cfg: ModelConfig, cfg: LearnerConfig, temperature: float,
+                 gguf: str = "off", ranks: Ranks | None = None) -> None:
+        """``ranks``: this process's place among the learner's FSDP ranks (coordinator.engine.fsdp), None on one
+        device without FSDP. On rank 0 of several, the other ranks build the same learner from ``model_dir``."""
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+        fsdp.lead(ranks, "init", str(model_dir), cfg.model_dump(mode="json"))
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.temperature = temperature
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else pick_device(model_cfg.device)
+        self.gguf = gguf  # precision of the GGUF form published with every version ("off": none)
+        self.lora = cfg.lora_rank > 0
+        # a LoRA version folder (resuming a run) holds an adapter: the model is its base plus that adapter
+        adapter_dir = Path(model_dir) if lora.is_adapter_folder(Path(model_dir)) else None
+        if adapter_dir is not None:
+            model_dir = lora.base_folder_for(adapter_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        if adapter_dir is not None and not self.lora:  # LoRA switched off mid-run: train the merged policy
+            self.model = lora.load_version_model(model_dir, adapter_dir, self.device, model_cfg.dtype)
+        elif adapter_dir is not None:
+            self.model = lora.load_base_model(model_dir, self.device, model_cfg.dtype)
+        else:
+            self.model = load_model(model_dir, self.device, model_cfg.dtype)
+        # each GRPO group's prompt runs once per micro-batch, its KV cache copied to the group's completions (a
+        # group repeats its prompt group_size times). Not where the cache is not a plain one: activation
+        # checkpointing turns it off, peft's wrapper hides its name, FSDP ranks must all run the same passes
+        self.share_prompts = not (cfg.activation_checkpointing or self.lora or ranks is not None)
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            self.model = lora.wrap(self.model, cfg)
+            if adapter_dir is not None:
+                lora.load_adapter(self.model, adapter_dir)
+        if ranks is not None:  # every rank holds the whole model until here; now each keeps its shards
+            if self.lora and adapter_dir is None:  # fresh adapters are random: every rank takes rank 0's
+                fsdp.from_leader(ranks, [p for p in self.model.parameters() if p.requires_grad])
+            fsdp.shard(self.model, ranks, cfg.mixed_precision)
+        self.model.train()
+        self.pad_id = pad_id(self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        if not self.stop_ids:
+            raise ValueError(f"the tokenizer in {model_dir} defines no end-of-sequence token; set eos_token in its "
+                             f"tokenizer_config.json so completions can stop")
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           weight_decay=cfg.weight_decay)
+        self.model_version = 0
+        # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
+        self._checkpoint_gate: threading.Event | None = None
+        self._static_files: dict[str, bytes] | None = None  # config and tokenizer files of every snapshot
+        self._lora_base: dict[str, Any] | None = None  # FSDP + LoRA: the frozen base, gathered once (rank 0)
+
+    # -- prompts ------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    # -- the current policy's logprobs (benches and tests; results are verified by coordinator.engine.verifier) ------
+    def recompute(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        """Logprobs of each completion token under the learner's current weights, no gradient."""
+        import torch
+
+        single_rank(self.ranks, "Learner.recompute")
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for s in range(0, len(completions), MICRO_BATCH):
+                lp, _ = completion_logprobs(self.model, prompts[s : s + MICRO_BATCH],
+                                            completions[s : s + MICRO_BATCH], temperature=self.temperature,
+                                            pad_id=self.pad_id)
+                rows = lp.tolist()
+                out.extend(row[: len(c)] for row, c in zip(rows, completions[s : s + MICRO_BATCH], strict=True))
+        return out
+
+    # -- training -----------------------------------------------------------------------------------------
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        import torch
+
+        fsdp.lead(self.ranks, "train_step", samples)
+        t0 = time.monotonic()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = sum(len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples)
+        eps, cap = self.cfg.clip_eps, self.cfg.is_cap
+        loss_sum = ratio_sum = clipped = is_sum = is_truncated = prox_kl = 0.0
+        ratio_max = is_max = 0.0
+        world = self.ranks.world_size if self.ranks is not None else 1
+        for chunk, real in self._micro_batches(samples):
+            prompts, comps = [c.prompt_ids for c in chunk], [c.completion_ids for c in chunk]
+            logp, mask = completion_logprobs(self.model, prompts, comps, temperature=self.temperature,
+                                             pad_id=self.pad_id, share_prompts=self.share_prompts)
+            if not real:  # a rank with no samples left still joins FSDP's collectives, contributing nothing
+                mask = mask * 0
+            if any(c.loss_mask is not None for c in chunk):  # observation tokens: context, never trained on
+                mask = mask.clone()
+                for i, c in enumerate(chunk):
+                    if c.loss_mask is not None:
+                        mask[i, : len(c.loss_mask)] *= torch.tensor(c.loss_mask, dtype=mask.dtype, device=mask.device)
+            behaviour = torch.zeros_like(logp)
+            for i, c in enumerate(chunk):
+                behaviour[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)
+            # π_prox is this step's starting policy: the weights ``logp`` was just computed with (the
+            # optimiser steps only after every micro-batch), so its values need no second forward pass
+            prox = logp.detach() if any(c.staleness > 0 for c in chunk) else behaviour
+            adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
+            weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
+            per_token, ratio, log_is = token_objective(logp, prox, behaviour, adv, weight, mask, eps, cap,
+                                                       self.cfg.is_level, self.cfg.correction)
+            loss = per_token.sum() / max(1, total_tokens)
+            (loss * world).backward()  # FSDP averages gradients over the ranks; the loss is already the batch's
+            with torch.no_grad():
+                loss_sum += float(loss)
+                ratio_sum += float((ratio * mask).sum())
+                ratio_max = max(ratio_max, float((ratio * mask).max()))
+                clipped += float((((ratio < 1 - eps) | (ratio > 1 + eps)).to(mask.dtype) * mask).sum())
+                raw_is = torch.exp(log_is)
+                is_sum += float((raw_is * mask).sum())
+                is_max = max(is_max, float((raw_is * mask).max()))
+                is_truncated += float(((raw_is > cap).to(mask.dtype) * mask).sum())
+                # k3 estimate of KL(π_b ‖ π_prox) from tokens sampled by π_b: r − log r − 1, r = π_prox/π_b
+                prox_kl += float(((raw_is - log_is - 1) * mask).sum())
+        if self.ranks is not None:  # each rank saw its share of the batch
+            loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl = fsdp.all_reduce(
+                self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl], "sum")
+            ratio_max, is_max = fsdp.all_reduce(self.ranks, [ratio_max, is_max], "max")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        gate_s = self._await_checkpoint()
+        self.optimizer.step()
+        self.model_version += 1
+        mismatch = [
+            (b - o) for smp in samples for b, o in zip(smp.behaviour_logprobs, smp.old_logprobs, strict=True)
+        ]
+        # k3 estimator of KL(behaviour || learner) from log r = old - behaviour: r - log r - 1
+        kl = sum(math.exp(-d) + d - 1 for d in mismatch) / max(1, len(mismatch))
+        return {
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "ratio_mean": ratio_sum / max(1, total_tokens),
+            "ratio_max": ratio_max,
+            "clipped_fraction": clipped / max(1, total_tokens),
+            "is_ratio_mean": is_sum / max(1, total_tokens),
+            "is_ratio_max": is_max,
+            "is_truncated_fraction": is_truncated / max(1, total_tokens),
+            "behaviour_prox_kl": prox_kl / max(1, total_tokens),
+            "staleness_mean": sum(smp.staleness for smp in samples) / max(1, len(samples)),
+            "staleness_max": float(max((smp.staleness for smp in samples), default=0)),
+            "mismatch_kl": kl,
+            "tokens": float(total_tokens),
+            "samples": float(len(samples)),
+            "train_s": time.monotonic() - t0,
+            "checkpoint_gate_s": gate_s,  # part of train_s spent waiting for a checkpoint write to finish
+        }
+
+    def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
+        """This rank's micro-batches, each flagged real or not. On N ranks each takes every N-th sample and all
+        take the same number of micro-batches (FSDP gathers every block once per forward on every rank): a rank
+        whose share ran out gets a one-token stand-in whose loss is masked to zero."""
+        if self.ranks is None:
+            return [(samples[s : s + MICRO_BATCH], True) for s in range(0, len(samples), MICRO_BATCH)]
+        world = self.ranks.world_size
+        mine = samples[self.ranks.rank :: world]
+        count = max(1, math.ceil(math.ceil(len(samples) / world) / MICRO_BATCH))
+        filler = [Sample([self.pad_id], [self.pad_id], [0.0], [0.0], 0.0, 0, 0.0)]
+        chunks = [mine[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for i in range(count)]
+        return [(chunk, True) if chunk else (filler, False) for chunk in chunks]
+
+    # -- persistence --------------------------------------------------------------------------------------
+    def save_model(self, folder: Path) -> None:
+        """Write a version: the Hugging Face folder, plus its GGUF form(s) when ``gguf`` is not "off"."""
+
+        single_rank(self.ranks, "Learner.save_model (the publisher's snapshot_files gathers the shards)")
+        if self.lora:  # a self-contained LoRA version: the base files and this version's adapter in one folder
+            files = self._lora_snapshot_files("training")
+            for name, write_shared in files.shared.items():
+                write_shared(folder / name)
+            files.write(folder)
+            return
+        self.model.save_pretrained(str(folder), safe_serialization=True)
+        self.tokenizer.save_pretrained(str(folder))
+        if self.gguf != "off":
+            write_model_gguf(folder / "model.gguf", folder, self.model.state_dict(), self.gguf)
+
+    # -- publication (coordinator.publish.publisher) -----------------------------------------------------------
+    def publish_dtype(self, configured: str) -> str:
+        """The dtype snapshots are written in: ``snapshots.dtype``, where "training" means the model's own."""
+        if configured != "training":
+            return configured
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    def snapshot_files(self, dtype: str = "training") -> SnapshotFiles:
+        """On the learner thread, right after a step: what the publisher needs to write this version while the
+        learner goes on training. Full weights: one CPU copy of the state dict in the publish dtype (the copy
+        is the dtype conversion); safetensors, config/tokenizer files and GGUF are written from it later."""
+        import torch
+
+        fsdp.lead(self.ranks, "snapshot_files", dtype)
+        if self.lora:
+            return self._lora_snapshot_files(dtype)
+        target = getattr(torch, self.publish_dtype(dtype))
+        if self.ranks is not None:  # gathered from the shards, one tensor at a time; only rank 0 keeps them
+            state = fsdp.full_tensors(self.model.state_dict().items(), self.ranks.leader, target)
+            if not self.ranks.leader:
+                return SnapshotFiles(lambda folder: None)
+        else:
+            state = {k: v.detach().to("cpu", dtype=target if v.is_floating_point() else v.dtype, copy=True)
+                     for k, v in self.model.state_dict().items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied to the embeddings, stored once (as save_pretrained does)
+        static = self._snapshot_static_files(self.publish_dtype(dtype))
+        gguf = self.gguf
+
+        def write(folder: Path) -> None:
+            from safetensors.torch import save_file
+
+            save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            for name, data in static.items():
+                (folder / name).write_bytes(data)
+            if gguf != "off":
+                write_model_gguf(folder / "model.gguf", folder, state, gguf)
+
+        return SnapshotFiles(write)
+
+    def _lora_snapshot_files(self, dtype: str) -> SnapshotFiles:
+        """A LoRA version (coordinator.engine.lora has the layout): its own files are the adapter, copied here (a few
+        MB at most); the frozen base (HF files and base.gguf) is a run-level shared file set, written once."""
+        import json
+
+        import torch
+
+        if self.ranks is not None:  # the adapter gathered every version, the frozen base once per process
+            keep = self.ranks.leader
+            trainable = fsdp.full_tensors(((n, p) for n, p in self.model.named_parameters() if p.requires_grad),
+                                          keep, torch.float32)
+            if self._lora_base is None:
+                self._lora_base = lora.plain_names(fsdp.full_tensors(
+                    ((n, v) for n, v in self.model.state_dict().items() if ".lora_" not in n), keep))
+            if not keep:
+                return SnapshotFiles(lambda folder: None)
+            snap = lora.adapter_snapshot(self.model, trainable)
+        else:
+            snap = lora.adapter_snapshot(self.model)
+        publish = self.publish_dtype(dtype)
+        static = self._snapshot_static_files(publish)
+        hf_config = json.loads(static["config.json"])
+        gguf = self.gguf
+        shared = lora.base_writers(self.model, static, getattr(torch, publish), gguf, self._lora_base)
+
+        def write(folder: Path) -> None:
+            lora.write_adapter(folder, snap, hf_config, gguf)
+
+        return SnapshotFiles(write, shared)
+
+    def _snapshot_static_files(self, dtype: str) -> dict[str, bytes]:
+        """config.json (its dtype set to the publish dtype), generation config and tokenizer files, once."""
+        if self._static_files is None:
+            import json
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="echo-swarm-static-") as tmp:
+                self.model.config.save_pretrained(tmp)
+                if getattr(self.model, "generation_config", None) is not None:
+                    self.model.generation_config.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+            config = json.loads(files["config.json"])
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = dtype
+            files["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+            self._static_files = files
+        return self._static_files
+
+    # -- checkpoints (coordinator.publish.checkpoints) ----------------------------------------------------------
+    def checkpoint_state(self, staging: Path | None = None) -> CheckpointState:
+        """References to the trainable weights and the optimizer state at this version, for the publisher to
+        write while the next step's forward and backward passes run; that step's optimizer update waits until
+        the publisher calls ``release`` (:meth:`_await_checkpoint`), so nothing is copied.
+
+        On FSDP ranks every rank writes its shards into ``staging`` now (torch.distributed.checkpoint); the
+        publisher then only completes the checkpoint (coordinator.publish.checkpoints)."""
+        if self.ranks is not None:
+            if staging is None:
+                raise ValueError("a sharded checkpoint needs a staging folder")
+            fsdp.lead(self.ranks, "checkpoint_state", staging)
+            with_optimizer = fsdp.save_checkpoint(self.model, self.optimizer, staging)
+            return CheckpointState(self.model_version, {}, {}, lambda: None,
+                                   sharded={"dir": str(staging), "world_size": self.ranks.world_size,
+                                            "optimizer": with_optimizer})
+        gate = threading.Event()
+        self._checkpoint_gate = gate
+        weights = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        return CheckpointState(self.model_version, weights, self.optimizer.state_dict(), gate.set)
+
+    def _await_checkpoint(self) -> float:
+        gate, self._checkpoint_gate = self._checkpoint_gate, None
+        if gate is None or gate.is_set():
+            return 0.0
+        t0 = time.monotonic()
+        gate.wait()
+        return time.monotonic() - t0
+
+    def load_sharded_checkpoint(self, folder: Path, version: int, world_size: int, with_optimizer: bool) -> None:
+        """Restore a sharded checkpoint (written on ``world_size`` ranks) on every rank; then at ``version``."""
+
+        mine = self.ranks.world_size if self.ranks is not None else 1
+        if self.ranks is None or world_size != mine:
+            raise ValueError(f"the checkpoint of version {version} was written by a learner on {world_size} FSDP "
+                             f"ranks and this learner has {mine if self.ranks is not None else 'no FSDP ranks'}; "
+                             f"resume with learner.world_size = {world_size} (the run's own setting)")
+        fsdp.lead(self.ranks, "load_sharded_checkpoint", folder, version, world_size, with_optimizer)
+        fsdp.load_checkpoint(self.model, self.optimizer, Path(folder), with_optimizer)
+        self.model_version = version
+
+    def load_checkpoint(self, weights: dict[str, Any], optimizer: dict[str, Any], version: int) -> None:
+        """Restore a checkpoint's trainable weights and optimizer state; the learner is then at ``version``."""
+        import torch
+
+        if self.ranks is not None:
+            raise ValueError(f"the checkpoint of version {version} was written by a learner on one device without "
+                             f"FSDP; resume with learner.world_size = 1 and learner.fsdp unset")
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(weights) - set(params))
+        if unknown:
+            raise ValueError(f"the checkpoint of version {version} has weights this model lacks: {unknown[:3]}")
+        with torch.no_grad():
+            for name, value in weights.items():
+                params[name].copy_(value.to(params[name].device, params[name].dtype))
+        self.optimizer.load_state_dict(optimizer)
+        self.model_version = version
+
+    def load_optimizer(self, path: Path) -> bool:
+        import torch
+
+        if not path.exists():
+            return False
+        if self.ranks is not None:
+            raise ValueError(f"{path} is a single-device optimizer state; resume this run with learner.world_size "
+                             f"= 1 and learner.fsdp unset")
+        self.optimizer.load_state_dict(torch.load(path, weights_only=True, map_location=self.device))
+        return True
+
+    def evaluate(self, task: Task, items: list[TaskItem], max_tokens: int) -> float:
+        single_rank(self.ranks, "Learner.evaluate (the verifiers evaluate published versions)")
+        return greedy_accuracy(self.model, self.tokenizer, task, items, max_tokens)
+
+    def describe(self) -> dict[str, Any]:
+        n = sum(p.numel() for p in self.model.parameters())
+        return {"parameters": n, "device": self.device, "vocab_size": self.vocab_size}

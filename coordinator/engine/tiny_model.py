@@ -1,0 +1,211 @@
+"""The built-in tiny model: a deterministic byte-level tokenizer and a ~1M-parameter Qwen2 causal LM,
+warm-started with a short supervised run on the arithmetic task so RL begins from a partially competent
+policy (held-out accuracy roughly 20–50 %).
+
+No model hub is reachable on the machines this project is tested on, so the project builds its own. The
+result is an ordinary Hugging Face folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json): exactly the code path a real local model folder takes. It is cached under a key
+derived from the recipe, built in a temporary folder and renamed into place, so concurrent or interrupted
+builds never leave a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import ArithmeticTaskConfig
+from coordinator.engine.evaluation import greedy_accuracy
+from coordinator.tasks.builtin import ArithmeticTask
+
+logger = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 64
+    seed: int = 1234
+    lr: float = 1e-3
+    batch_size: int = 64
+    max_sft_steps: int = 1500
+    check_every: int = 10
+    first_check: int = 300
+    target_accuracy: float = 0.22  # stop the warm start once greedy accuracy on a train slice reaches this
+    check_size: int = 256
+    max_operand: int = 99
+    split_seed: int = 0
+    heldout_size: int = 512
+    recipe_version: int = 1
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("ECHO_SWARM_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("echo-swarm"))
+
+
+def byte_level_alphabet() -> list[str]:
+    """The 256 printable stand-ins for bytes used by byte-level BPE (GPT-2's mapping)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return [mapping[b] for b in range(256)]
+
+
+def build_tokenizer() -> Any:
+    """Byte-level BPE with no merges: one byte = one token, plus the end-of-text token (id 256)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(byte_level_alphabet())}
+    vocab[EOS] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+
+
+def _new_model(recipe: TinyRecipe, vocab_size: int, eos_id: int) -> Any:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(recipe.seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        max_position_embeddings=recipe.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        use_sliding_window=False,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def _warm_start(model: Any, tokenizer: Any, recipe: TinyRecipe, progress: Callable[[int, int, float], None]) -> float:
+    import torch
+
+    task = ArithmeticTask(ArithmeticTaskConfig(max_operand=recipe.max_operand, heldout_size=recipe.heldout_size,
+                                               split_seed=recipe.split_seed))
+    rng = random.Random(recipe.seed)
+    check_items = task.train[: recipe.check_size]
+    eos = tokenizer.eos_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    acc = 0.0
+    for step in range(1, recipe.max_sft_steps + 1):
+        model.train()
+        batch = rng.sample(task.train, recipe.batch_size)
+        seqs, labels = [], []
+        for it in batch:
+            p = tokenizer.encode(it.prompt)
+            a = tokenizer.encode(" " + it.answer) + [eos]
+            seqs.append(p + a)
+            labels.append([-100] * len(p) + a)
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), eos)
+        lab = torch.full((len(seqs), width), -100)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, (s, lbl) in enumerate(zip(seqs, labels, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            lab[i, : len(s)] = torch.tensor(lbl)
+            mask[i, : len(s)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step >= recipe.first_check and step % recipe.check_every == 0:
+            acc = greedy_accuracy(model, tokenizer, task, check_items, max_tokens=8)
+            progress(step, recipe.max_sft_steps, acc)
+            if acc >= recipe.target_accuracy:
+                return acc
+        elif step % 50 == 0:
+            progress(step, recipe.max_sft_steps, acc)
+    return acc
+
+
+def ensure_tiny_model(
+    cache_dir: Path | None = None,
+    recipe: TinyRecipe | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> Path:
+    """Return the folder of the built tiny model, building it first if the cache lacks it (~1 minute)."""
+    recipe = recipe or TinyRecipe()
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    final = cache_dir / "models" / f"tiny-qwen2-arith-{recipe.key()}"
+    if _built(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # one build at a time per cache: concurrent callers (parallel test runs, a demo beside a test) wait for the
+    # first build instead of each paying a minute of CPU for the same bytes
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _built(final):
+            return final
+        return _build(final, recipe, progress)
+
+
+def _built(final: Path) -> bool:
+    return (final / "model.safetensors").exists() and (final / "echo_swarm_recipe.json").exists()
+
+
+def _build(final: Path, recipe: TinyRecipe, progress: Callable[[int, int, float], None] | None) -> Path:
+    import torch
+
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+    try:
+        t0 = time.monotonic()
+        tokenizer = build_tokenizer()
+        model = _new_model(recipe, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id)
+        with torch.random.fork_rng():
+            acc = _warm_start(model, tokenizer, recipe, progress or (lambda *_: None))
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "echo_swarm_recipe.json").write_text(
+            json.dumps({"recipe": asdict(recipe), "warm_start_accuracy": acc,
+                        "build_s": round(time.monotonic() - t0, 1)}, indent=2)
+        )
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished the same build first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("built tiny model at %s (warm-start accuracy %.3f)", final, acc)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

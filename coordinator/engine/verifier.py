@@ -1,0 +1,472 @@
+"""The verifier role: recomputes behaviour logprobs of returned rollouts, and replays jobs for spot-check
+arbitration, from the *published* snapshots, with its own model replica on its own worker thread.
+
+Why a separate unit: verification is a forward pass over every result, a third of the training compute for
+full fine-tuning and half of it for LoRA (docs/benchmarks.md, "Real model size"). Done on the learner's thread
+with the learner's model, it sits on the critical path of every step and pins a second model copy on the
+learner's device for stale versions. Here it runs beside the learner, on its own device if configured, and the
+learner takes the verifier's recompute as π_b (it is stored with each accepted result).
+
+Verifying against the published snapshot — the exact bytes the clients downloaded — rather than against the
+learner's live weights is also the more faithful check: a snapshot published in bf16 is what honest clients
+generated from.
+
+Requests that are queued together for the same version are recomputed in one batched forward pass (up to
+``MICRO_BATCH`` completions), so a burst of results costs one pass instead of one per result. Nothing waits to
+form a batch: a lone request is computed at once.
+
+The model is loaded once (``load_model`` on the first snapshot) and later versions are loaded into it in place
+(their safetensors), keeping at most ``cached_versions`` replicas in memory (least recently used dropped).
+
+On FSDP ranks (``verification.placement = "fsdp"``, ``ranks`` given): rank 0's Verifier leads, the other ranks'
+Verifiers follow (coordinator.engine.fsdp). Each version is loaded whole on every rank and then sharded (fully_shard), so
+a version is always a fresh load rather than an in-place one; which version to drop is rank 0's choice, sent with
+the load, so every rank keeps the same ones. A recompute batch is split as the learner splits a step's batch
+(rank r takes every N-th completion; every rank runs as many forward passes, a rank without a share running a
+throw-away one, because each pass is a collective) and the rows are gathered back to rank 0 in their order. A
+replay runs the same seeded generation on every rank (generation is sequential forward passes, all of them
+collectives, kept in lockstep by :class:`_Lockstep`); rank 0's tokens are the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coordinator.core.verify import TokenStats
+from coordinator.errors import VersionGone
+
+if TYPE_CHECKING:
+    from coordinator.engine.fsdp import Ranks
+
+logger = logging.getLogger(__name__)
+
+MICRO_BATCH = 64  # completions per forward pass, as the learner's
+
+# Loads a version folder's weights as a plain (Hugging Face names) state dict on a device. The default reads
+# every *.safetensors file in the folder; a LoRA layout passes its own (base + adapter).
+StateLoader = Callable[[Path, str], dict[str, Any]]
+
+
+def read_safetensors_state(folder: Path, device: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    shards = sorted(Path(folder).glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no weights in {folder}")
+    state: dict[str, Any] = {}
+    for shard in shards:
+        state.update(load_file(str(shard), device=device))
+    return state
+
+
+@dataclass
+class _Request:
+    version: int
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    future: asyncio.Future[TokenStats]
+
+
+@dataclass
+class VerifierStats:
+    """Cumulative figures for the step metrics and the status page."""
+
+    recompute_s: float = 0.0
+    replay_s: float = 0.0
+    load_s: float = 0.0
+    results: int = 0
+    batches: int = 0
+    loads: int = 0
+    per_version_loads: dict[int, int] = field(default_factory=dict)
+
+
+class Verifier:
+    """Recompute and replay at any kept version, off the learner.
+
+    ``folder_of(version)`` returns the published snapshot folder of a version, or None when it is not (or no
+    longer) published; ``load_state`` reads a folder's weights (default: its safetensors files).
+    """
+
+    def __init__(self, folder_of: Callable[[int], Path | None], *, device: str, dtype: str, temperature: float,
+                 pad_id: int, stop_ids: Sequence[int], cached_versions: int = 1,
+                 load_state: StateLoader = read_safetensors_state,
+                 load_first: Callable[[Path, str, str], Any] | None = None,
+                 load_into: Callable[[Any, Path], None] | None = None, ranks: Ranks | None = None,
+                 mixed_precision: str = "off") -> None:
+        """``ranks``: this worker's FSDP group (coordinator.engine.fsdp), None for a single-device replica;
+        ``mixed_precision`` "bf16" gathers the shards and computes in bf16 there."""
+        self._folder_of = folder_of
+        self.device = device
+        self.dtype = dtype
+        self.temperature = temperature
+        self.pad_id = pad_id
+        self.stop_ids = list(stop_ids)
+        self._cached = max(1, cached_versions)
+        self._load_state = load_state
+        self._load_first = load_first
+        # rewrites a loaded replica's weights in place from a version folder (a LoRA layout rewrites only the
+        # adapted weights); default: load the folder's full state dict (load_state) into it
+        self._load_into = load_into or (lambda model, folder: _load_into(model, self._load_state(folder, self.device),
+                                                                         folder))
+        self._ranks = ranks
+        self.mixed_precision = mixed_precision
+        self._models: OrderedDict[int, Any] = OrderedDict()  # version → model, most recently used last
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier")
+        self._queue: list[_Request] = []
+        self._lock = threading.Lock()
+        self._answering = 0  # requests queued or being answered (recomputes, replays, loads ahead)
+        self._quiet = threading.Event()  # set while that is 0: what the evaluator waits for (wait_quiet)
+        self._quiet.set()
+        self._worker: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self.stats = VerifierStats()
+
+    # -- public, called from the event loop -----------------------------------------------------------------
+    async def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                        ) -> list[list[float]]:
+        """Per-token logprobs of each completion under ``version`` (raises VersionGone if it is not kept)."""
+        return (await self.recompute_stats(prompts, completions, version)).logprobs
+
+    async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                              ) -> TokenStats:
+        """:meth:`recompute` plus each position's entropy and surprisal variance, from the same forward pass
+        (for the sampling test, coordinator.core.verify.check_sampling)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[TokenStats] = loop.create_future()
+        with self._answering_one():
+            self._queue.append(_Request(version, prompts, completions, fut))
+            self._ensure_worker()
+            assert self._wake is not None
+            self._wake.set()
+            return await fut
+
+    async def replay(self, prompts: list[list[int]], *, group_size: int, seed: int, max_tokens: int, version: int
+                     ) -> list[list[int]]:
+        """The coordinator's own seeded replay of a job at ``version`` (the spot-check arbiter)."""
+        loop = asyncio.get_running_loop()
+        with self._answering_one():
+            return await loop.run_in_executor(self._executor, self._replay_sync, prompts, group_size, seed,
+                                              max_tokens, version)
+
+    async def preload(self, version: int) -> bool:
+        """Load ``version`` before its first request arrives (a version just published), on the verifier's thread
+        and so in turn with recomputes; False if it is no longer kept. Loading is then off the critical path of the
+        version's first result."""
+        try:
+            with self._answering_one():
+                await self.run(self._model_at, version)
+        except VersionGone:
+            return False
+        except Exception:  # the first request for the version tries again and reports it to its asker
+            logger.exception("loading version %d ahead of its results failed", version)
+            return False
+        return True
+
+    def wait_quiet(self, timeout: float) -> bool:
+        """Block (a thread, not the loop) until no request is queued or being answered, at most ``timeout`` s;
+        True if quiet. Held-out evaluation waits for this between chunks: a result's verification is on a
+        client's and the learner's critical path, an evaluation on nobody's."""
+        return self._quiet.wait(timeout)
+
+    @contextlib.contextmanager
+    def _answering_one(self) -> Iterator[None]:
+        with self._lock:
+            self._answering += 1
+            self._quiet.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._answering -= 1
+                if self._answering == 0:
+                    self._quiet.set()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the verifier's thread (for work that must not interleave with a recompute)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        self._executor.shutdown(wait=True)
+        self._models.clear()
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stats
+        ranks = self._ranks
+        return {"device": self.device, "cached_versions": list(self._models),
+                "ranks": 1 if ranks is None else ranks.world_size,
+                "rank_pids": [] if ranks is None else [p.pid for p in ranks.followers], "recompute_s": s.recompute_s,
+                "replay_s": s.replay_s, "load_s": s.load_s, "results": s.results, "batches": s.batches,
+                "loads": s.loads}
+
+    # -- batching worker --------------------------------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        if self._worker is None or self._worker.done():
+            self._wake = asyncio.Event()
+            self._worker = asyncio.get_running_loop().create_task(self._drain(), name="verifier")
+
+    async def _drain(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = self._take_batch()
+                try:
+                    out = await loop.run_in_executor(self._executor, self._recompute_batch, batch)
+                except BaseException as exc:  # every waiter hears the failure; the worker keeps serving
+                    for req in batch:
+                        if not req.future.done():
+                            req.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                for req, rows in zip(batch, out, strict=True):
+                    if not req.future.done():
+                        req.future.set_result(rows)
+
+    def _take_batch(self) -> list[_Request]:
+        """The oldest request plus those queued behind it for the same version, up to MICRO_BATCH completions."""
+        first = self._queue.pop(0)
+        batch, size = [first], len(first.completions)
+        rest: list[_Request] = []
+        for req in self._queue:
+            if req.version == first.version and size + len(req.completions) <= MICRO_BATCH:
+                batch.append(req)
+                size += len(req.completions)
+            else:
+                rest.append(req)
+        self._queue = rest
+        return batch
+
+    # -- on the verifier thread -------------------------------------------------------------------------------
+    def _recompute_batch(self, batch: list[_Request]) -> list[TokenStats]:
+        t0 = time.monotonic()
+        model = self._model_at(batch[0].version)
+        prompts = [p for req in batch for p in req.prompts]
+        completions = [c for req in batch for c in req.completions]
+        if self._ranks is None:
+            rows, ents, vars_, tops = self._rows(model, prompts, completions)
+        else:
+            rows, ents, vars_, tops = self._in_group("recompute", self._recompute_rows, batch[0].version, prompts,
+                                                     completions)
+        out: list[TokenStats] = []
+        k = 0
+        for req in batch:
+            n = len(req.completions)
+            out.append(TokenStats(rows[k : k + n], ents[k : k + n], vars_[k : k + n], tops[k : k + n]))
+            k += n
+        self.stats.recompute_s += time.monotonic() - t0
+        self.stats.results += len(batch)
+        self.stats.batches += 1
+        return out
+
+    def _rows(self, model: Any, prompts: list[list[int]], completions: list[list[int]], passes: int = 0
+              ) -> tuple[list[list[float]], ...]:
+        """Per-token (logprobs, entropy, surprisal variance, top logprob) of each completion, MICRO_BATCH at a
+        time; at least ``passes`` forward passes (those past the completions run on the first one, discarded)."""
+        import torch
+
+        from shared.policy import completion_stats
+
+        cols: tuple[list[list[float]], ...] = ([], [], [], [])
+        with torch.no_grad():
+            for s in range(0, max(len(completions), passes * MICRO_BATCH), MICRO_BATCH):
+                chunk, chunk_prompts = completions[s : s + MICRO_BATCH], prompts[s : s + MICRO_BATCH]
+                spare = not chunk  # this rank's share is used up: a pass for the collectives only
+                if spare:
+                    chunk, chunk_prompts = completions[:1] or [[self.pad_id]], prompts[:1] or [[self.pad_id]]
+                # each GRPO group's prompt once (not on ranks: every rank must run the same passes)
+                stats = completion_stats(model, chunk_prompts, chunk, temperature=self.temperature,
+                                         pad_id=self.pad_id, share_prompts=self._ranks is None)[:4]
+                if not spare:
+                    for dst, t in zip(cols, stats, strict=True):
+                        dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))
+        return cols
+
+    def _recompute_rows(self, version: int, prompts: list[list[int]], completions: list[list[int]]
+                        ) -> tuple[list[list[float]], ...]:
+        """Every rank: its share of the batch (every N-th completion), gathered back to rank 0 in order."""
+        from coordinator.engine import fsdp
+
+        ranks = self._ranks
+        assert ranks is not None
+        fsdp.lead(ranks, "_recompute_rows", version, prompts, completions)
+        n, r = ranks.world_size, ranks.rank
+        passes = math.ceil(math.ceil(len(completions) / n) / MICRO_BATCH)  # of the largest share
+        mine = self._rows(self._models[version], prompts[r::n], completions[r::n], passes)
+        shares = fsdp.gather(ranks, mine)
+        if shares is None:
+            return ([], [], [], [])
+        out: tuple[list[list[float]], ...] = ([], [], [], [])
+        for i in range(len(completions)):
+            for dst, col in zip(out, shares[i % n], strict=True):
+                dst.append(col[i // n])
+        return out
+
+    def _in_group(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Rank 0: run a led operation; a failure mid-collective breaks the group (coordinator.engine.fsdp.broken)."""
+        from coordinator.engine import fsdp
+
+        assert self._ranks is not None
+        try:
+            return fn(*args)
+        except VersionGone:
+            raise
+        except Exception as exc:
+            fsdp.broken(self._ranks, f"{what} on the verifier's ranks failed: {type(exc).__name__}: {exc}")
+            raise  # not reached
+
+    def _replay_sync(self, prompts: list[list[int]], group_size: int, seed: int, max_tokens: int, version: int
+                     ) -> list[list[int]]:
+        from shared.policy import generate
+
+        t0 = time.monotonic()
+        model = self._model_at(version)
+        if self._ranks is not None:
+            tokens: list[list[int]] = self._in_group("replay", self._replay_rows, version, prompts, group_size,
+                                                     seed, max_tokens)
+        else:
+            samples = generate(model, prompts, group_size=group_size, temperature=self.temperature,
+                               max_tokens=max_tokens, stop_ids=self.stop_ids, seed=seed, pad_id=self.pad_id)
+            tokens = [list(s.token_ids) for s in samples]
+        self.stats.replay_s += time.monotonic() - t0
+        return tokens
+
+    def _replay_rows(self, version: int, prompts: list[list[int]], group_size: int, seed: int, max_tokens: int
+                     ) -> list[list[int]]:
+        """Every rank: the same seeded generation (each step's forward pass is a collective)."""
+        from coordinator.engine import fsdp
+        from shared.policy import generate
+
+        assert self._ranks is not None
+        fsdp.lead(self._ranks, "_replay_rows", version, prompts, group_size, seed, max_tokens)
+        model = _Lockstep(self._models[version], self._ranks, self.pad_id)
+        samples = generate(model, prompts, group_size=group_size, temperature=self.temperature,
+                           max_tokens=max_tokens, stop_ids=self.stop_ids, seed=seed, pad_id=self.pad_id)
+        model.drain()
+        return [list(s.token_ids) for s in samples]
+
+    def _model_at(self, version: int) -> Any:
+        if version in self._models:
+            self._models.move_to_end(version)
+            return self._models[version]
+        folder = self._folder_of(version)
+        if folder is None:
+            raise VersionGone(f"policy version {version} is no longer kept for verification")
+        t0 = time.monotonic()
+        if self._ranks is not None:
+            drop = next(iter(self._models)) if len(self._models) >= self._cached else None
+            model = self._in_group("load", self._load_version, version, str(folder), drop)
+            if model is None:
+                raise VersionGone(f"policy version {version} is no longer kept for verification")
+            self._count_load(version, t0)
+            return model
+        try:
+            if len(self._models) >= self._cached:  # reuse the least recently used replica's memory
+                _, model = self._models.popitem(last=False)
+                self._load_into(model, folder)
+            elif self._models:
+                import copy
+
+                model = copy.deepcopy(next(iter(self._models.values())))
+                self._load_into(model, folder)
+            else:
+                model = self._first_model(folder)
+        except FileNotFoundError:  # pruned between the lookup and the read
+            raise VersionGone(f"policy version {version} is no longer kept for verification") from None
+        model.eval()
+        self._models[version] = model
+        self._count_load(version, t0)
+        return model
+
+    def _count_load(self, version: int, t0: float) -> None:
+        self.stats.load_s += time.monotonic() - t0
+        self.stats.loads += 1
+        self.stats.per_version_loads[version] = self.stats.per_version_loads.get(version, 0) + 1
+
+    def _load_version(self, version: int, folder: str, drop: int | None) -> Any:
+        """Every rank: drop version ``drop``'s shards, load ``folder`` whole and shard it; None (on every rank) when
+        any rank found the folder gone."""
+        from coordinator.engine import fsdp
+
+        ranks = self._ranks
+        assert ranks is not None
+        fsdp.lead(ranks, "_load_version", version, folder, drop)
+        if drop is not None:
+            self._models.pop(drop, None)
+        try:
+            model = self._first_model(Path(folder)).eval()
+        except FileNotFoundError:  # pruned since rank 0 looked
+            model = None
+        (gone,) = fsdp.all_reduce(ranks, [float(model is None)], "max")
+        if gone:
+            return None
+        fsdp.shard(model, ranks, self.mixed_precision)
+        self._models[version] = model
+        return model
+
+    def _first_model(self, folder: Path) -> Any:
+        if self._load_first is not None:
+            return self._load_first(folder, self.device, self.dtype)
+        from shared.policy import load_model
+
+        return load_model(folder, self.device, self.dtype, own_memory=True)
+
+
+class _Lockstep:
+    """A sharded model as :func:`shared.policy.generate` sees it on a verifier's ranks. Every rank samples the
+    same tokens from the same seed and weights, so all stop together — unless a kernel is not bit-reproducible
+    across devices, and then one rank would stop while another waits in a forward pass's all-gather forever. So
+    each forward pass is preceded by an all-reduce saying whether any rank still generates, and a rank that is done
+    runs throw-away passes (:meth:`drain`) until none is: the ranks run the same collectives whatever they
+    sample."""
+
+    def __init__(self, model: Any, ranks: Ranks, pad_id: int) -> None:
+        self._model = model
+        self._ranks = ranks
+        self._pad_id = pad_id
+
+    def __getattr__(self, name: str) -> Any:  # parameters(), forward (its signature), config, …
+        return getattr(self._model, name)
+
+    def _anyone(self, generating: bool) -> bool:
+        from coordinator.engine import fsdp
+
+        return bool(fsdp.all_reduce(self._ranks, [float(generating)], "max")[0])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._anyone(True)
+        return self._model(*args, **kwargs)
+
+    def drain(self) -> None:
+        import torch
+
+        device = next(self._model.parameters()).device
+        with torch.inference_mode():
+            while self._anyone(False):
+                self._model(input_ids=torch.tensor([[self._pad_id]], device=device))
+
+
+def _load_into(model: Any, state: dict[str, Any], folder: Path) -> None:
+    """Load a full state dict in place. A tied output layer is stored once (as save_pretrained does), so only
+    tied weights may be missing; anything else missing means the folder is not this model's snapshot."""
+    result = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise ValueError(f"the weights in {folder} do not match the verifier's model: missing "
+                         f"{sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}")

@@ -1,0 +1,301 @@
+"""Writing policy snapshots as GGUF, the file format llama.cpp loads, with the ``gguf`` package's writer.
+
+Supported: Hugging Face Qwen2 and Llama causal LMs with a byte-level BPE tokenizer (``tokenizer.json``),
+written whole (:func:`write_model_gguf`) or as a LoRA adapter on top of a base GGUF (:func:`write_lora_gguf`).
+llama.cpp's own ``convert_hf_to_gguf.py`` is not on PyPI and refuses tokenizers whose pre-tokenizer it does
+not recognise, so the coordinator writes the file itself (see ../shared/notes/llama-cpp.md for the keys).
+
+Two details llama.cpp silently depends on:
+- Llama's HF q/k projections are stored permuted for the "rotate half" rope; llama.cpp's Llama rope pairs
+  adjacent dimensions, so q and k (and a LoRA's B matrices on them) are permuted back. Qwen2 uses the NEOX
+  rope in llama.cpp and needs no permutation.
+- ``tokenizer.ggml.bos_token_id`` must be written: without it llama.cpp assumes token 11 is BOS.
+
+Precisions: f32; f16 (matrices in f16, norms and biases in f32, as llama.cpp's converter does); q8_0
+(matrices whose rows are a multiple of 32 quantised with gguf's own Q8_0 quantiser, the rest f16).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+# numpy and gguf are imported where a file is written: every role process imports this module, and only the learner
+# ever writes GGUF (the API process stays light)
+if TYPE_CHECKING:
+    import numpy as np
+
+logger = logging.getLogger(__name__)
+# the writer logs every file it writes at INFO: one line per tensor file per published version
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
+
+Precision = Literal["f32", "f16", "q8_0"]
+PRECISIONS: tuple[str, ...] = ("f32", "f16", "q8_0")
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+# HF module name (inside model.layers.N.) → GGUF tensor name (inside blk.N.)
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+class GGUFExportError(ValueError):
+    """The model cannot be written as GGUF; the message says what is unsupported."""
+
+
+def gguf_arch(config: Mapping[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    model_type = config.get("model_type")
+    if model_type in ARCHITECTURES.values():
+        return str(model_type)
+    raise GGUFExportError(f"GGUF export supports {', '.join(ARCHITECTURES)}; this model is {archs or model_type}. "
+                          f"Set snapshots.gguf = 'off' to publish safetensors only (torch clients).")
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """GGUF name of an HF parameter (``model.layers.3.self_attn.q_proj.weight`` → ``blk.3.attn_q.weight``);
+    None for parameters llama.cpp does not use (rotary caches)."""
+    module, _, kind = hf_name.rpartition(".")
+    if module in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[module]}.{kind}"
+    parts = module.split(".")
+    if len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        rest = ".".join(parts[3:])
+        if rest in _LAYER_NAMES:
+            return f"blk.{parts[2]}.{_LAYER_NAMES[rest]}.{kind}"
+    if "rotary_emb" in module:
+        return None
+    raise GGUFExportError(f"do not know the GGUF name of parameter {hf_name!r}")
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder the output rows of a Llama q/k projection from HF's rotate-half layout to llama.cpp's."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _permute_heads(arch: str, gguf_name: str, config: Mapping[str, Any]) -> int | None:
+    """The head count to permute rows by, or None when this tensor needs no permutation."""
+    if arch != "llama":
+        return None
+    if ".attn_q." in gguf_name:
+        return int(config["num_attention_heads"])
+    if ".attn_k." in gguf_name:
+        return int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    return None
+
+
+def _add_hparams(writer: Any, arch: str, config: Mapping[str, Any]) -> None:
+    n_head = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // n_head)
+    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(int(config.get("num_key_value_heads") or n_head))
+    writer.add_rope_freq_base(float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
+        "rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim * n_head != hidden:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(int(config["vocab_size"]))
+
+
+def _pre_tokenizer_name(tok: Mapping[str, Any]) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenization regex. A vocabulary without merges tokenises one
+    byte per token whatever the splitting, so any name is exact for it; otherwise the regex must be known."""
+    merges = (tok.get("model") or {}).get("merges") or []
+    if not merges:
+        return "default"
+    text = json.dumps(tok.get("pre_tokenizer"))
+    if r"\\p{N}{1,3}" in text and "(?i:'s" in text:
+        return "llama-bpe"
+    if r"\\p{N}" in text and "(?i:'s" in text:
+        return "qwen2"
+    pre = tok.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    raise GGUFExportError("the tokenizer's pre-tokenizer regex is not one llama.cpp knows (qwen2, llama-bpe, gpt-2)")
+
+
+def _add_tokenizer(writer: Any, folder: Path, config: Mapping[str, Any]) -> None:
+    import gguf
+
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise GGUFExportError(f"{folder} has no tokenizer.json; GGUF export needs a fast (BPE) tokenizer")
+    tok = json.loads(path.read_text())
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE":
+        raise GGUFExportError(f"GGUF export supports byte-level BPE tokenizers; {path} is {model.get('type')}")
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    special: set[int] = set()
+    for added in tok.get("added_tokens") or []:
+        vocab[added["content"]] = int(added["id"])
+        if added.get("special", False):
+            special.add(int(added["id"]))
+    n_vocab = max(int(config["vocab_size"]), max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [int(gguf.TokenType.UNUSED)] * n_vocab
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = int(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer_name(tok))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    if not merges:
+        # llama.cpp refuses a "gpt2" vocabulary without the merges key, and GGUF cannot store an empty array.
+        # One merge of a control token with itself never fires (BPE works on byte symbols; a control token's
+        # text is never a single symbol), so tokenisation stays one byte per token.
+        control = next((tokens[i] for i in sorted(special)), None)
+        if control is None:
+            raise GGUFExportError(f"{path}: a tokenizer without merges needs a special token (e.g. eos)")
+        merges = [f"{control} {control}"]
+    writer.add_token_merges(merges)
+    tcfg_path = folder / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.exists() else {}
+
+    def token_id(key: str) -> int | None:
+        value = tcfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value in vocab:
+            return vocab[value]
+        cid = config.get(f"{key}_id")
+        return int(cid) if isinstance(cid, int) else None
+
+    eos = token_id("eos_token")
+    if eos is None:
+        raise GGUFExportError(f"{folder}: no eos_token in tokenizer_config.json or config.json")
+    writer.add_eos_token_id(eos)
+    bos = token_id("bos_token")
+    writer.add_bos_token_id(eos if bos is None else bos)  # always written: llama.cpp's fallback is token 11
+    pad = token_id("pad_token")
+    if pad is not None:
+        writer.add_pad_token_id(pad)
+    writer.add_add_bos_token(bool(config.get("model_type") == "llama" and bos is not None))
+
+
+def _encode(arr: np.ndarray, precision: str) -> tuple[np.ndarray, Any]:
+    """The tensor as stored: (data, raw ggml type). Vectors stay f32; matrices follow the precision."""
+    import gguf
+    import numpy as np
+
+    q = gguf.GGMLQuantizationType
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.ndim < 2 or precision == "f32":
+        return arr, q.F32
+    if precision == "q8_0" and arr.shape[-1] % 32 == 0:
+        return gguf.quants.quantize(arr, q.Q8_0), q.Q8_0
+    return arr.astype(np.float16), q.F16
+
+
+_FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_F16 / MOSTLY_Q8_0
+
+
+def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precision: str = "f16",
+                     name: str = "echo-swarm policy") -> None:
+    """Write a whole model as GGUF. ``folder`` holds the HF config and tokenizer files; ``state`` maps HF
+    parameter names to arrays (torch tensors or numpy), e.g. the model's ``state_dict()``."""
+    import gguf
+
+    if precision not in PRECISIONS:
+        raise GGUFExportError(f"unknown GGUF precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    config = json.loads((folder / "config.json").read_text())
+    arch = gguf_arch(config)
+    tied = bool(config.get("tie_word_embeddings", False))
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(name)
+    writer.add_file_type(_FILE_TYPES[precision])
+    _add_hparams(writer, arch, config)
+    _add_tokenizer(writer, folder, config)
+    for hf_name, value in state.items():
+        gname = gguf_tensor_name(hf_name)
+        if gname is None or (tied and gname == "output.weight"):
+            continue
+        arr = _as_numpy(value)
+        heads = _permute_heads(arch, gname, config)
+        if heads is not None:
+            arr = llama_permute(arr, heads)
+        data, raw = _encode(arr, precision)
+        writer.add_tensor(gname, data, raw_dtype=raw)
+    _finish(writer)
+
+
+def write_lora_gguf(out: Path, config: Path | Mapping[str, Any], lora: Mapping[str, tuple[Any, Any]], alpha: float,
+                    precision: str = "f32") -> None:
+    """Write a LoRA adapter as GGUF. ``config`` is the base model's HF config (a dict, or a folder holding its
+    config.json: only the architecture and head counts are read); ``lora`` maps an HF weight name
+    (``model.layers.0.self_attn.q_proj.weight``) to its (A [r, in], B [out, r]) pair, as peft stores them;
+    llama.cpp applies ``W + alpha/r · B·A``."""
+    import gguf
+    import numpy as np
+
+    hf: Mapping[str, Any] = json.loads((config / "config.json").read_text()) if isinstance(config, Path) else config
+    arch = gguf_arch(hf)
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(alpha))
+    dtype = np.float32 if precision == "f32" else np.float16
+    raw = gguf.GGMLQuantizationType.F32 if precision == "f32" else gguf.GGMLQuantizationType.F16
+    for hf_name, (a, b) in lora.items():
+        gname = gguf_tensor_name(hf_name)
+        if gname is None:
+            continue
+        b_arr = _as_numpy(b)
+        heads = _permute_heads(arch, gname, hf)
+        if heads is not None:
+            b_arr = llama_permute(b_arr, heads)
+        writer.add_tensor(f"{gname}.lora_a", np.ascontiguousarray(_as_numpy(a), dtype=dtype), raw_dtype=raw)
+        writer.add_tensor(f"{gname}.lora_b", np.ascontiguousarray(b_arr, dtype=dtype), raw_dtype=raw)
+    _finish(writer)
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return value.astype(np.float32, copy=False)
+    return value.detach().to("cpu").float().numpy()
+
+
+def _finish(writer: Any) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def export_folder(folder: Path, out: Path, precision: str = "f16") -> None:
+    """Export a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) to one GGUF file."""
+    from safetensors.numpy import load_file
+
+    gguf_arch(json.loads((Path(folder) / "config.json").read_text()))  # refuse unsupported models first
+    state: dict[str, np.ndarray] = {}
+    shards = sorted(Path(folder).glob("*.safetensors"))
+    if not shards:
+        raise GGUFExportError(f"{folder} has no *.safetensors weights")
+    for shard in shards:
+        state.update(load_file(str(shard)))
+    write_model_gguf(out, Path(folder), state, precision)

@@ -1,0 +1,256 @@
+"""Publishing policy versions as signed, content-addressed snapshots, atomically.
+
+A version is written into a temporary folder, fsynced, renamed to ``snapshots/vNNNNNN``, and only then is
+its signed manifest written (also via rename). Readers treat a folder without a manifest as not there. A
+version becomes *current* only when the database records it (after publication), so a crash at any point
+leaves either the old version current with a stray folder (removed at restart) or the new one complete.
+
+Run-level shared files (``snapshots/base/``): a file that is identical in every version (the frozen base of
+a LoRA run) is written once per run and listed, by name, size and sha256, in each version's manifest. Clients
+fetch files by sha256, so they neither know nor care where the coordinator keeps it; the version folder holds
+only what changes. The sha256 is kept in a sidecar so a restart does not hash gigabytes again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared import wire
+from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
+from shared.messages import Manifest, ManifestFile, SignedManifest
+from shared.records import build_manifest, file_form, sign_manifest
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.msgpack"
+BASE_DIR = "base"  # run-level files shared by every version's manifest (written once)
+
+FileWriter = Callable[[Path], None]
+
+
+@dataclass(frozen=True)
+class SnapshotFiles:
+    """What one version consists of, as the learner hands it over for publication.
+
+    ``write(folder)`` writes the version's own files into ``folder``; ``shared`` maps a manifest file name to a
+    writer of a run-level file (``writer(path)`` writes exactly that file) that is the same in every version:
+    it is written into ``snapshots/base/`` the first time and reused afterwards. Both run on the publisher's
+    thread, after the learner has moved on, so they must read copies (or weights that never change)."""
+
+    write: FileWriter
+    shared: Mapping[str, FileWriter] = field(default_factory=dict)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (the directory entry itself), as atomic publication needs."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.is_file():
+            with open(p, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(folder)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class SnapshotStore:
+    """The ``snapshots/`` folder of a run, plus an in-memory index of servable files by sha256."""
+
+    def __init__(self, root: Path, key: Ed25519PrivateKey, run_id: str, *, piece_size: int = PIECE_SIZE) -> None:
+        self.root = Path(root)
+        self.piece_size = piece_size  # of the manifests' per-piece hashes (ManifestFile.pieces)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.key = key
+        self.run_id = run_id
+        self._blobs: dict[str, Path] = {}
+        self._signed: dict[int, bytes] = {}
+        # the index is read and changed from several threads where roles share one process (the publisher's thread
+        # indexes and prunes while the API and the verifier observe it from the event loop)
+        self._index_lock = threading.RLock()
+
+    def folder(self, version: int) -> Path:
+        return self.root / f"v{version:06d}"
+
+    @property
+    def base_dir(self) -> Path:
+        return self.root / BASE_DIR
+
+    def base_file(self, name: str, write: FileWriter) -> ManifestFile:
+        """The run-level file ``snapshots/base/<name>``, written by ``write(path)`` (atomically, fsynced) only if
+        it does not exist yet; its manifest entry (sha256 from the sidecar, computed once)."""
+        if "/" in name or name.startswith(".") or name == MANIFEST_FILE:
+            raise ValueError(f"bad shared file name {name!r}: a plain file name, not hidden, not the manifest")
+        self.base_dir.mkdir(exist_ok=True)
+        path = self.base_dir / name
+        sidecar = self.base_dir / f".{name}.sha256"
+        piece_sidecar = self.base_dir / f".{name}.pieces-{self.piece_size}"  # raw piece hashes (protocol 4)
+        if not (path.exists() and sidecar.exists()):
+            tmp = self.base_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+            try:
+                write(tmp)
+                with open(tmp, "rb") as fh:
+                    os.fsync(fh.fileno())
+                digest, pieces = file_digests(tmp, self.piece_size)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            write_atomic(piece_sidecar, b"".join(pieces))
+            write_atomic(sidecar, digest.encode())
+        digest = sidecar.read_text().strip()
+        if not piece_sidecar.exists():  # a base written before piece hashes: hash it once more, then never again
+            _, pieces = file_digests(path, self.piece_size)
+            write_atomic(piece_sidecar, b"".join(pieces))
+        raw = piece_sidecar.read_bytes()
+        entry = ManifestFile(path=name, size=path.stat().st_size, sha256=digest, form=file_form(name),  # type: ignore[arg-type]
+                             piece_size=self.piece_size, pieces=[raw[i:i + 32] for i in range(0, len(raw), 32)])
+        with self._index_lock:
+            self._blobs.setdefault(digest, path)
+        return entry
+
+    def publish(self, version: int, write_files: FileWriter | SnapshotFiles, now: float) -> str:
+        """Write a version's files via ``write_files(tmp_folder)`` (or a :class:`SnapshotFiles`, whose shared
+        files are listed from ``snapshots/base/``); return the signed manifest's sha256."""
+        files = write_files if isinstance(write_files, SnapshotFiles) else SnapshotFiles(write_files)
+        tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            files.write(tmp)
+            # the fsync (waiting on the disk) and the hashing (reading the same files from the page cache) overlap
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-fsync") as pool:
+                synced = pool.submit(_fsync_tree, tmp)
+                manifest = build_manifest(tmp, run_id=self.run_id, version=version, created_at=now,
+                                          piece_size=self.piece_size)
+                synced.result()
+            if files.shared:
+                own = {f.path for f in manifest.files}
+                extra = [self.base_file(name, w) for name, w in sorted(files.shared.items())]
+                clash = own & {f.path for f in extra}
+                if clash:
+                    raise ValueError(f"version {version} writes {sorted(clash)} itself and as a shared file")
+                manifest = manifest.model_copy(update={"files": sorted([*manifest.files, *extra],
+                                                                       key=lambda f: f.path)})
+            final = self.folder(version)
+            if final.exists():  # left over by a crash before the database recorded this version
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        signed = wire.encode(sign_manifest(self.key, manifest))
+        write_atomic(final / MANIFEST_FILE, signed)
+        self._index(version, manifest, signed)
+        return sha256_bytes(wire.decode(signed, SignedManifest).manifest)
+
+    def _index(self, version: int, manifest: Manifest, signed: bytes) -> None:
+        with self._index_lock:
+            for f in manifest.files:  # a file shared by several versions is served from the newest indexed one
+                self._blobs[f.sha256] = self._file_of(version, f.path)
+            self._signed[version] = signed
+
+    def _reindex(self) -> None:
+        """Rebuild the blob index from the versions still on disk, oldest first (so the newest copy wins)."""
+        with self._index_lock:
+            for version in [v for v in self._signed if not (self.folder(v) / MANIFEST_FILE).exists()]:
+                del self._signed[version]
+            self._blobs.clear()
+            for version in sorted(self._signed):
+                manifest = wire.decode(wire.decode(self._signed[version], SignedManifest).manifest, Manifest)
+                for f in manifest.files:
+                    self._blobs[f.sha256] = self._file_of(version, f.path)
+
+    def _file_of(self, version: int, name: str) -> Path:
+        """Where a version's manifest entry lives: its own folder, else the run-level base folder."""
+        own = self.folder(version) / name
+        return own if own.exists() or not (self.base_dir / name).exists() else self.base_dir / name
+
+    def disk_bytes(self) -> int:
+        """Bytes under ``snapshots/`` (every kept version plus the shared base), for status and benches."""
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+    def signed_manifest(self, version: int) -> bytes | None:
+        return self._signed.get(version)
+
+    def blob_path(self, sha256: str) -> Path | None:
+        path = self._blobs.get(sha256)
+        if path is not None and not path.exists():
+            # the version it was indexed from was pruned (by another process: the learner publishes and prunes, the
+            # API serves); a file shared with a kept version is still there
+            self._reindex()
+            path = self._blobs.get(sha256)
+        return path if path is not None and path.exists() else None
+
+    def reconcile(self, committed: Iterable[int]) -> None:
+        """At start-up: drop temp folders and versions the database never recorded; index the rest."""
+        keep = set(committed)
+        for entry in sorted(self.root.iterdir()):
+            name = entry.name
+            if name == BASE_DIR:
+                for tmp in entry.glob(".*.tmp"):  # a shared file whose writing a crash interrupted
+                    tmp.unlink(missing_ok=True)
+                continue
+            version = int(name[1:]) if name.startswith("v") and name[1:].isdigit() else None
+            manifest_file = entry / MANIFEST_FILE
+            if version is None or version not in keep or not manifest_file.exists():
+                logger.info("removing unpublished snapshot folder %s", entry)
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+                continue
+            signed = manifest_file.read_bytes()
+            manifest = wire.decode(wire.decode(signed, SignedManifest).manifest, Manifest)
+            self._index(version, manifest, signed)
+
+    def observe(self, committed: Iterable[int]) -> None:
+        """In a process that reads snapshots another one publishes (the API, the verifiers): index the committed
+        versions not seen yet, forget the ones whose folder the publisher pruned. Writes nothing."""
+        committed = set(committed)
+        with self._index_lock:
+            gone = [v for v in self._signed if v not in committed or not (self.folder(v) / MANIFEST_FILE).exists()]
+            for version in gone:
+                del self._signed[version]
+            if gone:
+                self._reindex()
+            new = sorted(committed - self._signed.keys())
+        for version in new:
+            manifest_file = self.folder(version) / MANIFEST_FILE
+            try:
+                signed = manifest_file.read_bytes()
+            except FileNotFoundError:
+                continue  # pruned (or not this host's folder)
+            manifest = wire.decode(wire.decode(signed, SignedManifest).manifest, Manifest)
+            self._index(version, manifest, signed)
+
+    def prune(self, keep: Iterable[int]) -> None:
+        """Delete published versions not in ``keep`` and rebuild the blob index from what remains."""
+        keep = set(keep)
+        with self._index_lock:
+            for version in list(self._signed):
+                if version not in keep:
+                    shutil.rmtree(self.folder(version), ignore_errors=True)
+                    del self._signed[version]
+            self._reindex()

@@ -1,0 +1,275 @@
+"""The verifier role: claims recompute, replay and evaluation requests from the store and answers them.
+
+One or more run beside the learner, each in its own process (``echo-swarm coordinator --role verifier``) with its
+own model replicas on its own device (``verification.device``), or inside the one process of the in-process
+layout. Concurrent requests of one version are batched into one forward pass by :class:`coordinator.engine.verifier.
+Verifier`. Only the first worker (``verifier-0``) runs held-out evaluations, one at a time, on its own thread.
+
+With ``verification.placement = "fsdp"`` a worker is a group of ``verification.world_size`` ranks
+(coordinator.engine.fsdp): this process is rank 0, claims and answers as above, and leads the others, which only compute
+(:func:`follower_verifier`). A rank that exits takes the group down with it (:func:`coordinator.engine.fsdp.broken`), so
+the supervisor's restart of the worker restarts every rank.
+
+A worker that dies leaves its claims behind; they run out after ``verification.claim_s`` and another worker takes
+them, or the restarted worker hands them back at once (:meth:`Store.work_unclaim`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coordinator.config import CoordinatorConfig
+from coordinator.publish.snapshots import SnapshotStore
+from coordinator.run.names import verifier_name
+from coordinator.run.runfiles import wait_for_first_version
+from coordinator.run.workqueue import POLL_S, Bell, stats_answer
+from coordinator.store.store import Store
+from coordinator.tasks.base import Task
+from coordinator.tasks.text import TextCodec
+from shared import wire
+
+if TYPE_CHECKING:
+    from coordinator.engine.fsdp import Ranks
+
+logger = logging.getLogger(__name__)
+
+#: Requests one worker holds at once: enough to fill a batched forward pass, few enough that a dead worker
+#: strands little.
+CLAIM_BATCH = 16
+#: Seconds between this worker's reports in the store (role status, claim renewals).
+REPORT_EVERY_S = 2.0
+#: Longest the evaluator waits, before each of its batches, for the verifier to have nothing to answer: under a
+#: steady stream of results an evaluation still advances a batch at least this often.
+EVAL_YIELD_MAX_S = 5.0
+
+
+class VerifierWorker:
+    def __init__(self, config: CoordinatorConfig, store: Store, bell: Bell, snapshots: SnapshotStore, task: Task,
+                 *, index: int = 0, ranks: Ranks | None = None) -> None:
+        self.config = config
+        self.ranks = ranks
+        self.store = store
+        self.bell = bell
+        self.snapshots = snapshots
+        self.task = task
+        self.name = verifier_name(index)
+        self.kinds: tuple[str, ...] = ("recompute", "replay") + (("evaluate",) if index == 0 else ())
+        self._inflight: dict[int, asyncio.Task[None]] = {}
+        self._preloaded = -1  # the newest version this worker loaded ahead of its results
+        self._preload: asyncio.Task[bool] | None = None
+        self.evaluations = 0
+        self.eval_s = 0.0
+
+    async def start(self) -> None:
+        from shared.policy import import_backends, pick_device
+
+        import_backends()  # on this thread, before the verifier's and evaluator's threads load models
+
+        current = await wait_for_first_version(self.store, self.bell, self.name)
+        self.snapshots.observe(v["version"] for v in self.store.versions())
+        lora = self.config.learner.lora_rank > 0
+        folder = self.snapshots.base_dir if lora else self.snapshots.folder(current)
+        codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists()
+                                      else self.snapshots.folder(current))
+        vcfg = self.config.verification
+        _set_threads(self.config)
+        device = self.ranks.device if self.ranks is not None else pick_device(
+            self.config.model.device if vcfg.device == "auto" else vcfg.device)
+        self.verifier = _make_verifier(self.config, self.snapshots, self.store, device, codec, self.ranks)
+        self.evaluator: Any = None
+        if "evaluate" in self.kinds:
+            from coordinator.engine.evaluation import Evaluator
+            from coordinator.engine.lora import VersionLoader
+
+            lora_eval = VersionLoader(self.snapshots.base_dir).load_eval if lora else None
+            verifier = self.verifier
+            self.evaluator = Evaluator(self.task, self.task.heldout[: self.config.learner.eval_size],
+                                       self.config.sampling.max_tokens, device=device, load=lora_eval,
+                                       yield_to=lambda: verifier.wait_quiet(EVAL_YIELD_MAX_S))
+        handed_back = self.store.work_unclaim(self.name)
+        if handed_back:
+            logger.info("%s: took back %d requests its previous run had claimed", self.name, handed_back)
+        self._report()
+        logger.info("%s ready on %s", self.name, device)
+
+    def _report(self) -> None:
+        self.store.set_role_status(self.name, {
+            "pid": os.getpid(), "device": self.verifier.device, "at": time.time(), "in_flight": len(self._inflight),
+            "evaluations": self.evaluations, "eval_s": self.eval_s, **self.verifier.describe()})
+
+    async def run(self) -> None:
+        """Claim, answer, report — until cancelled."""
+        next_report = time.monotonic() + REPORT_EVERY_S
+        try:
+            while True:
+                try:
+                    next_report = self._look(next_report)
+                except Exception:  # a busy database must not end the worker; the next look retries
+                    logger.exception("%s: looking for work failed", self.name)
+                if not fsdp_followers_alive(self.ranks):
+                    from coordinator.engine import fsdp
+
+                    assert self.ranks is not None
+                    fsdp.broken(self.ranks, f"{self.name}: a rank of its group exited")
+                await self.bell.wait(POLL_S)
+        finally:
+            for task in list(self._inflight.values()):
+                task.cancel()
+            if self._preload is not None:
+                self._preload.cancel()
+
+    def _look(self, next_report: float) -> float:
+        """Claim what there is room for, renew claims and report when due, load a new version ahead; the time of
+        the next report."""
+        free = CLAIM_BATCH - len(self._inflight)
+        if free > 0:
+            now = time.time()
+            for row in self.store.work_claim(self.name, self.kinds, free, now + self.config.verification.claim_s,
+                                             now):
+                task = asyncio.create_task(self._answer(row), name=f"{self.name}-{row['id']}")
+                self._inflight[int(row["id"])] = task
+                task.add_done_callback(self._forget)
+        if time.monotonic() >= next_report:
+            next_report = time.monotonic() + REPORT_EVERY_S
+            if self._inflight:
+                self.store.work_renew(self.name, list(self._inflight), time.time() + self.config.verification.claim_s)
+            self.snapshots.observe(v["version"] for v in self.store.versions())
+            self._report()
+        self._preload_newest()
+        return next_report
+
+    def _preload_newest(self) -> None:
+        """Load a newly published version at once, so its first result does not wait for the load. Only where
+        that evicts nothing still needed: in sequential pull (results of an older version are not trained on
+        any more) or with room for more than one version (async push-pull keeps verifying the previous ones)."""
+        if self._preload is not None and not self._preload.done():
+            return
+        if self.config.sync_mode != "sequential-pull" and self.config.verification.cached_versions < 2:
+            return
+        current = self.store.current_version()
+        if current is None or current <= self._preloaded:
+            return
+        self._preloaded = current
+        if self.snapshots.signed_manifest(current) is None:
+            self.snapshots.observe(v["version"] for v in self.store.versions())
+        self._preload = asyncio.create_task(self.verifier.preload(current), name=f"{self.name}-preload")
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        for item, t in list(self._inflight.items()):
+            if t is task:
+                del self._inflight[item]
+
+    async def _answer(self, row: Any) -> None:
+        from coordinator.errors import VersionGone
+
+        item, kind, version = int(row["id"]), str(row["kind"]), int(row["version"])
+        request = wire.unpack(row["request"], max_bytes=len(row["request"]))
+        try:
+            if kind == "evaluate":
+                await self._evaluate(item, version)
+                return
+            if self.snapshots.signed_manifest(version) is None:  # published since the last look?
+                self.snapshots.observe(v["version"] for v in self.store.versions())
+            if kind == "recompute":
+                answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
+                                                                          version))
+            else:
+                tokens = await self.verifier.replay(request["prompts"], group_size=int(request["group_size"]),
+                                                    seed=int(request["seed"]), max_tokens=int(request["max_tokens"]),
+                                                    version=version)
+                answer = wire.pack({"tokens": tokens})
+            self.store.work_finish(item, self.name, answer)
+        except (VersionGone, FileNotFoundError):
+            self.store.work_finish(item, self.name, wire.pack({"gone": True}))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("%s: %s request %d failed", self.name, kind, item)
+            self.store.work_finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
+        self.bell.ring()
+
+    async def _evaluate(self, item: int, version: int) -> None:
+        """A held-out evaluation of a published version, recorded in the store; nobody waits for the answer."""
+        assert self.evaluator is not None
+        try:
+            out = await asyncio.wrap_future(self.evaluator.submit(version, self.snapshots.folder(version)))
+        except OSError as exc:  # the version was pruned before it was loaded
+            logger.warning("held-out evaluation of version %d skipped: %s", version, exc)
+        else:
+            self.store.record_eval(out.version, out.accuracy, out.n, time.time())
+            self.evaluations += 1
+            self.eval_s += out.seconds
+            logger.info("version %d: held-out greedy accuracy %.3f on %d prompts (%.1fs, off the learner)", version,
+                        out.accuracy, out.n, out.seconds)
+        self.store.work_delete([item])
+
+    def close(self) -> None:
+        for task in list(self._inflight.values()):
+            task.cancel()
+        with contextlib.suppress(AttributeError):
+            self.verifier.close()
+        evaluator = getattr(self, "evaluator", None)
+        if evaluator is not None:
+            evaluator.close()
+
+
+def fsdp_followers_alive(ranks: Ranks | None) -> bool:
+    if ranks is None:
+        return True
+    from coordinator.engine import fsdp
+
+    return fsdp.followers_alive(ranks)
+
+
+def _set_threads(config: CoordinatorConfig) -> None:
+    threads = config.verification.threads or config.learner.threads
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # process-wide: this role's own pool, not the learner's
+
+
+def _make_verifier(config: CoordinatorConfig, snapshots: SnapshotStore, store: Store, device: str,
+                   codec: TextCodec, ranks: Ranks | None = None) -> Any:
+    """A :class:`coordinator.engine.verifier.Verifier` reading this run's published folders (a LoRA version is the shared
+    base plus its adapter, coordinator.engine.lora). On ranks it leads the others' :func:`follower_verifier`."""
+    from coordinator.engine import fsdp
+
+    def folder_of(version: int) -> Path | None:
+        return snapshots.folder(version) if snapshots.signed_manifest(version) is not None else None
+
+    base = str(snapshots.base_dir) if config.learner.lora_rank > 0 else None
+    fsdp.lead(ranks, "init", codec.pad_id, list(codec.stop_ids), base)
+    return _verifier(config, folder_of, device, codec.pad_id, codec.stop_ids, base, ranks)
+
+
+def _verifier(config: CoordinatorConfig, folder_of: Any, device: str, pad_id: int, stop_ids: list[int],
+              lora_base: str | None, ranks: Ranks | None) -> Any:
+    from coordinator.engine.lora import VersionLoader
+    from coordinator.engine.verifier import Verifier
+
+    loaders: dict[str, Any] = {}
+    if lora_base is not None:
+        lora_versions = VersionLoader(Path(lora_base))
+        loaders = {"load_first": lora_versions.load_first, "load_into": lora_versions.load_into,
+                   "load_state": lora_versions.load_state}
+    return Verifier(folder_of, device=device, dtype=config.model.dtype, temperature=config.sampling.temperature,
+                    pad_id=pad_id, stop_ids=stop_ids, cached_versions=config.verification.cached_versions,
+                    ranks=ranks, mixed_precision=config.verification.mixed_precision, **loaders)
+
+
+def follower_verifier(ranks: Ranks, config: CoordinatorConfig, pad_id: int, stop_ids: list[int],
+                      lora_base: str | None) -> Any:
+    """Ranks 1…N-1 of a verifier group: the Verifier rank 0 leads (it names the folders; this one only loads them
+    and computes its share)."""
+    from shared.policy import import_backends
+
+    import_backends()
+    _set_threads(config)
+    return _verifier(config, lambda _v: None, ranks.device, pad_id, stop_ids, lora_base, ranks)

@@ -1,0 +1,153 @@
+"""Verification and evaluation requests between role processes, through the store's ``work`` table.
+
+The API process asks for a recompute (or a spot-check replay) by writing a request row; a verifier worker
+(:mod:`coordinator.roles.verifier`, in its own process or the same one) claims a batch of rows, answers them, and the
+API picks the answer up. The learner asks for held-out evaluations the same way. Going through the database, not
+a socket, is what lets any role be killed and restarted on its own: a claim runs out and another worker (or the
+restarted one) takes the row; a restarted API drops the requests nobody waits for any more.
+
+A :class:`Bell` wakes the waiting side at once: within one process directly, between the processes of one host
+through coordinator.run.doorbell. Every waiter also looks at the store every ``POLL_S`` (roles on other hosts of a
+PostgreSQL store rely on that alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coordinator.core.verify import TokenStats
+from coordinator.errors import VersionGone
+from coordinator.store.store import Store, WorkKind
+from shared import wire
+
+if TYPE_CHECKING:
+    from coordinator.run.doorbell import Doorbell
+
+#: Seconds between looks at the store when another process may have changed it.
+POLL_S = 0.02
+
+
+class Bell:
+    """Wakes every waiter in this process when a role changed the store (new result, new version, an answer); once
+    :meth:`connect`-ed, also every other role process of the run on this host (coordinator.run.doorbell)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._doorbell: Doorbell | None = None
+
+    def connect(self, run_dir: Path, name: str) -> bool:
+        """Ring and be rung across processes (call on the running loop); False: this process polls only."""
+        from coordinator.run.doorbell import Doorbell, folder_for
+
+        folder = folder_for(run_dir)
+        if folder is None or self._doorbell is not None:
+            return self._doorbell is not None
+        doorbell = Doorbell(folder, name, self._wake)
+        if doorbell.open():
+            self._doorbell = doorbell
+        return self._doorbell is not None
+
+    def close(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
+
+    def ring(self) -> None:
+        self._wake()
+        if self._doorbell is not None:
+            self._doorbell.send()
+
+    def _wake(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        event = self._event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+
+class VerifierUnavailable(RuntimeError):
+    """No verifier answered in time (none running, or all busy far beyond normal)."""
+
+
+class VerificationError(RuntimeError):
+    """A verifier failed on this request (its message says why)."""
+
+
+@dataclass
+class RemoteStats:
+    recompute_s: float = 0.0  # seconds this process waited for recompute answers
+
+
+class RemoteVerifier:
+    """The API's handle on the verifier role: the same calls as :class:`coordinator.engine.verifier.Verifier`, answered by
+    whichever verifier worker claims the request."""
+
+    def __init__(self, store: Store, bell: Bell, *, wait_s: float, device: str) -> None:
+        self.store = store
+        self.bell = bell
+        self.wait_s = wait_s
+        self._device = device
+        self.stats = RemoteStats()
+        self.requester = "api"  # the asking API process's name (Coordinator.api_name), kept with each request
+
+    @property
+    def device(self) -> str:
+        """The device the verifiers replay on (the spot-check arbiter's class), as the first of them reports it."""
+        status = self.store.role_status("verifier-0")
+        return str(status["device"]) if status and status.get("device") else self._device
+
+    async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                              ) -> TokenStats:
+        t0 = time.monotonic()
+        try:
+            answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions})
+        finally:
+            self.stats.recompute_s += time.monotonic() - t0
+        if answer.get("gone"):
+            raise VersionGone(f"policy version {version} is no longer kept for verification")
+        return TokenStats(**answer["stats"])
+
+    async def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int
+                        ) -> list[list[float]]:
+        return (await self.recompute_stats(prompts, completions, version)).logprobs
+
+    async def replay(self, prompts: list[list[int]], *, group_size: int, seed: int, max_tokens: int, version: int
+                     ) -> list[list[int]]:
+        answer = await self.ask("replay", version, {"prompts": prompts, "group_size": group_size, "seed": seed,
+                                                    "max_tokens": max_tokens})
+        if answer.get("gone"):
+            raise VersionGone(f"policy version {version} is no longer kept for verification")
+        return [list(t) for t in answer["tokens"]]
+
+    async def ask(self, kind: WorkKind, version: int, request: dict[str, Any]) -> dict[str, Any]:
+        item = self.store.work_submit(kind, version, wire.pack(request), time.time(), self.requester)
+        self.bell.ring()
+        give_up = time.monotonic() + self.wait_s
+        try:
+            while True:
+                row = self.store.work_item(item)
+                if row is None:
+                    raise VerificationError("the request was dropped (the verifier queue was reset)")
+                if row["state"] == "done":
+                    return dict(wire.unpack(row["answer"], max_bytes=len(row["answer"])))
+                if row["state"] == "failed":
+                    raise VerificationError(str(row["error"]))
+                if time.monotonic() > give_up:
+                    raise VerifierUnavailable(f"no verifier answered within {self.wait_s:.0f}s")
+                await self.bell.wait(POLL_S)
+        finally:
+            self.store.work_delete([item])
+
+    def close(self) -> None:
+        """Nothing to release: requests in flight are deleted by their waiters."""
+
+
+def stats_answer(stats: TokenStats) -> bytes:
+    return wire.pack({"stats": asdict(stats)})

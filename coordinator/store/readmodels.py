@@ -1,0 +1,275 @@
+"""Read-only views over the coordinator's database for operators (admin API), contributors (status page)
+and monitoring (/metrics).
+
+These queries only read; every write still goes through :class:`coordinator.store.store.Store`. They run on the
+event-loop thread like all other store access. Each listing is bounded by a ``limit`` so that a long run
+cannot make one admin call or one scrape arbitrarily expensive.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.core.leases import lease_live
+from coordinator.core.ops import (
+    active_window_s,
+    bucket_width,
+    client_state,
+    count_by,
+    job_status,
+    throughput_series,
+)
+from coordinator.store.store import Store
+
+_HIDDEN_CLIENT_COLUMNS = {"public_key", "profile"}
+
+
+def live_lease_holders(store: Store, now: float) -> set[str]:
+    return {j.view.lease_client for j in store.active_jobs() if j.view.lease_client and lease_live(j.view, now)}
+
+
+def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_000, *, exclude_banned: bool = False
+            ) -> list[dict[str, Any]]:
+    """Every client with its profile flattened, counters, credit, state — and any extra columns another
+    component keeps on the clients table (e.g. a trust score) passed through unchanged."""
+    holders = live_lease_holders(store, now)
+    window = active_window_s(lease_timeout_s)
+    trust = trust_by_client(store, now)
+    where = " WHERE banned = 0" if exclude_banned else ""
+    rows = store.conn.execute(f"SELECT * FROM clients{where} ORDER BY credit DESC, registered_at LIMIT ?",
+                              (limit,)).fetchall()
+    out = []
+    for r in rows:
+        row = dict(r)
+        profile = json.loads(row["profile"])
+        extra = {k: v for k, v in row.items() if k not in _HIDDEN_CLIENT_COLUMNS and not isinstance(v, bytes)}
+        if row["client_id"] in trust:
+            extra["trust"] = trust[row["client_id"]]
+        out.append(extra | {
+            "name": profile.get("name", ""), "backend": profile.get("backend", "?"),
+            "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
+            "cpu_count": profile.get("cpu_count"), "memory_gb": profile.get("memory_gb"),
+            "software": profile.get("software", ""), "banned": bool(row["banned"]),
+            "state": client_state(banned=bool(row["banned"]), holds_live_lease=row["client_id"] in holders,
+                                  last_seen=float(row["last_seen"]), now=now, window_s=window),
+        })
+    return out
+
+
+def client_ids(store: Store) -> list[str]:
+    return [str(r[0]) for r in store.conn.execute("SELECT client_id FROM clients").fetchall()]
+
+
+def client_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts of clients by state, and of non-idle, non-banned clients by backend and by platform."""
+    live = [c for c in rows if c["state"] in ("working", "active")]
+    return {
+        "total": len(rows),
+        "by_state": {s: sum(1 for c in rows if c["state"] == s) for s in ("working", "active", "idle", "banned")},
+        "active_by_backend": count_by(c["backend"] for c in live),
+        "active_by_platform": count_by(c["platform"] for c in live),
+    }
+
+
+def leaderboard(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
+    ranked = sorted((c for c in rows if not c["banned"]), key=lambda c: (-c["credit"], c["registered_at"]))[:top]
+    return [{"rank": k + 1, "client_id": c["client_id"], "name": c["name"] or c["client_id"][:8],
+             "backend": c["backend"], "platform": c["platform"], "accepted": c["accepted"], "credit": c["credit"],
+             "state": c["state"]} for k, c in enumerate(ranked)]
+
+
+def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
+    """Jobs not yet done (open, leased, expired) with their holder and deadline; counts over all jobs."""
+    active = store.active_jobs()
+    listed = []
+    for j in active[:limit]:
+        listed.append({"job_id": j.view.job_id, "state": job_status(j.view, now), "client_id": j.view.lease_client,
+                       "version": j.view.version, "deadline": j.view.lease_deadline,
+                       "expires_in_s": None if j.view.lease_deadline is None else j.view.lease_deadline - now,
+                       "issue_count": j.issue_count, "reissued": j.issue_count > 1})
+    row = store.conn.execute("SELECT COUNT(*) AS done, "
+                             "(SELECT COUNT(*) FROM jobs WHERE issue_count > 1) AS reissued, "
+                             "(SELECT COALESCE(SUM(issue_count), 0) FROM jobs) AS leases "
+                             "FROM jobs WHERE state='done'").fetchone()
+    counts = count_by(job_status(j.view, now) for j in active)
+    return {
+        "counts": {s: counts.get(s, 0) for s in ("open", "leased", "expired")} | {"done": int(row["done"])},
+        "reissued": int(row["reissued"]),
+        "leases_issued": int(row["leases"]),
+        "buffered_results": len(store.pending()),
+        "jobs": listed,
+    }
+
+
+def _has_table(store: Store, name: str) -> bool:
+    return store.conn.has_table(name)
+
+
+def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_id: str | None = None,
+          outcome: str | None = None) -> list[dict[str, Any]]:
+    """Every result's outcome, newest first: client, job, version, outcome, reason, content hash — from the
+    ``audit`` table, written in the same transaction that makes each outcome durable (coordinator.store.store)."""
+    return _audit_log(store, limit, client_id, job_id, outcome)
+
+
+def _audit_log(store: Store, limit: int, client_id: str | None, job_id: str | None, outcome: str | None
+               ) -> list[dict[str, Any]]:
+    where, params = [], []
+    for col, val in (("client_id", client_id), ("job_id", job_id), ("outcome", outcome)):
+        if val is not None:
+            where.append(f"{col} = ?")
+            params.append(val)
+    cond = (" WHERE " + " AND ".join(where)) if where else ""
+    rows = store.conn.execute(f"SELECT * FROM audit{cond} ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
+    return [{"at": r["at"], "outcome": r["outcome"], "client_id": r["client_id"], "job_id": r["job_id"],
+             "version": r["version"], "reason": r["reason"], "detail": r["detail"],
+             "content_sha256": r["content_sha256"], "mean_reward": None, "n_tokens": None} for r in rows]
+
+
+def trust_by_client(store: Store, now: float) -> dict[str, dict[str, Any]]:
+    """Per-client trust standing where the coordinator keeps one (a ``trust`` table with a row per client and
+    backend class): valid/invalid totals summed over classes, and whether any class is quarantined now."""
+    if not _has_table(store, "trust"):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for r in store.conn.execute("SELECT * FROM trust").fetchall():
+        t = out.setdefault(r["client_id"], {"valid": 0, "invalid": 0, "quarantined": False, "classes": []})
+        t["valid"] += int(r["valid_total"])
+        t["invalid"] += int(r["invalid_total"])
+        t["quarantined"] = t["quarantined"] or float(r["quarantined_until"]) > now
+        t["classes"].append({k: v for k, v in dict(r).items() if k != "client_id"})
+    return out
+
+
+def versions(store: Store, served: Callable[[int], object], limit: int = 50) -> list[dict[str, Any]]:
+    """Published versions, newest first, with the step's mean reward, the held-out accuracy where evaluated,
+    and whether the snapshot is still served (older ones are pruned)."""
+    steps = {r["step"]: r for r in store.conn.execute(
+        "SELECT step, mean_reward, metrics FROM steps ORDER BY step DESC LIMIT ?", (limit,)).fetchall()}
+    evals = {r["version"]: r["accuracy"] for r in store.conn.execute("SELECT version, accuracy FROM evals")}
+    out = []
+    for r in store.conn.execute("SELECT * FROM versions ORDER BY version DESC LIMIT ?", (limit,)).fetchall():
+        v = int(r["version"])
+        step = steps.get(v)
+        metrics = json.loads(step["metrics"]) if step is not None else {}
+        out.append({"version": v, "created_at": r["created_at"], "manifest_sha256": r["manifest_sha256"],
+                    "mean_reward": step["mean_reward"] if step is not None else None,
+                    "heldout_accuracy": evals.get(v), "step_s": metrics.get("step_s"),
+                    "samples": metrics.get("samples"), "served": served(v) is not None})
+    return out
+
+
+def throughput(store: Store, start: float, now: float, bins: int = 60) -> list[dict[str, float]]:
+    """Tokens/s and results/min of accepted results in ``bins`` buckets from ``start`` (or the first result,
+    if earlier) to ``now``; grouped in SQL so a long run costs one indexed-free scan, no Python per row."""
+    first = store.conn.execute("SELECT MIN(received_at) FROM results").fetchone()[0]
+    if first is not None:
+        start = min(start, float(first))
+    width = bucket_width(start, now, bins)
+    bucket = store.conn.floor_int("(received_at - ?) / ?")
+    rows = store.conn.execute(f"SELECT {bucket} AS k, COUNT(*), SUM(n_tokens) FROM results GROUP BY 1",
+                              (start, width)).fetchall()
+    return throughput_series([(int(r[0]), int(r[1]), int(r[2])) for r in rows], start, now, bins)
+
+
+def client_states(store: Store, now: float, lease_timeout_s: float) -> list[dict[str, Any]]:
+    """The few fields the status page and /metrics need per client, without decoding whole profiles."""
+    holders = live_lease_holders(store, now)
+    window = active_window_s(lease_timeout_s)
+    db = store.conn
+    rows = db.execute(f"SELECT client_id, banned, last_seen, {db.json_text('profile', 'backend')} AS backend, "
+                      f"{db.json_text('profile', 'platform')} AS platform FROM clients").fetchall()
+    return [{"backend": r["backend"] or "?", "platform": r["platform"] or "?",
+             "state": client_state(banned=bool(r["banned"]), holds_live_lease=r["client_id"] in holders,
+                                   last_seen=float(r["last_seen"]), now=now, window_s=window)} for r in rows]
+
+
+def top_clients(store: Store, now: float, lease_timeout_s: float, top: int = 20) -> list[dict[str, Any]]:
+    """The credit leaderboard: the top ``top`` clients that are not banned."""
+    return leaderboard(clients(store, now, lease_timeout_s, limit=top, exclude_banned=True), top)
+
+
+def trained_staleness(store: Store) -> dict[int, int]:
+    """How many trained results had each staleness (versions between generation and the step using them)."""
+    rows = store.conn.execute("SELECT ingested_step - 1 - version AS s, COUNT(*) AS n FROM results "
+                              "WHERE ingested_step IS NOT NULL GROUP BY 1").fetchall()
+    return {int(r["s"]): int(r["n"]) for r in rows}
+
+
+def rejection_counts(store: Store) -> dict[str, int]:
+    return {str(r[0]): int(r[1]) for r in store.conn.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason")}
+
+
+def result_totals(store: Store) -> dict[str, int]:
+    r = store.conn.execute("SELECT COUNT(*) AS n, COALESCE(SUM(n_tokens), 0) AS tokens, "
+                           "COUNT(stale_at) AS stale FROM results").fetchone()
+    return {"accepted": int(r["n"]), "tokens": int(r["tokens"]), "too_stale": int(r["stale"])}
+
+
+def reward_means(store: Store) -> dict[str, list[list[float]]]:
+    """Each reward's own mean per step, for a task that combines several rewards (the learner records them in the
+    step's metrics): reward name → [[step, mean], ...], for the status page's learning chart."""
+    means = store.conn.json_text("metrics", "reward_means")
+    rows = store.conn.execute(f"SELECT step, {means} FROM steps WHERE {means} IS NOT NULL ORDER BY step").fetchall()
+    out: dict[str, list[list[float]]] = {}
+    for step, raw in rows:
+        for name, mean in json.loads(raw).items():
+            out.setdefault(str(name), []).append([int(step), float(mean)])
+    return out
+
+
+# ---- the status page's per-volunteer view ---------------------------------------------------------------------
+VOLUNTEER_MATCHES = 20
+VOLUNTEER_RESULTS = 50
+
+
+def find_volunteers(store: Store, query: str, limit: int = VOLUNTEER_MATCHES) -> list[dict[str, Any]]:
+    """Volunteers whose display name contains ``query`` (any case), or whose client id starts with it: the best
+    credit first. Banned clients are not listed (they are not on the leaderboard either)."""
+    q = query.strip().lower()
+    if not q:
+        return []
+    db = store.conn
+    name = db.json_text("profile", "name")
+    like = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    prefix = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    rows = db.execute(f"SELECT client_id, {name} AS name, accepted, credit FROM clients WHERE banned = 0 AND "
+                      f"(LOWER(COALESCE({name}, '')) LIKE ? ESCAPE '\\' OR client_id LIKE ? ESCAPE '\\') "
+                      f"ORDER BY credit DESC, registered_at LIMIT ?", (like, prefix, limit)).fetchall()
+    return [{"client_id": r["client_id"], "name": r["name"] or r["client_id"][:8], "accepted": int(r["accepted"]),
+             "credit": float(r["credit"])} for r in rows]
+
+
+def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) -> dict[str, Any] | None:
+    """One volunteer's page: who (name, backend, platform), standing (state, rank, accepted, refused, credit),
+    their latest results, the policy versions they generated for, and their refusals by reason."""
+    db = store.conn
+    row = db.execute("SELECT * FROM clients WHERE client_id = ?", (client_id,)).fetchone()
+    if row is None or row["banned"]:
+        return None
+    profile = json.loads(row["profile"])
+    rank = 1 + int(db.execute("SELECT COUNT(*) FROM clients WHERE banned = 0 AND (credit > ? OR (credit = ? AND "
+                              "registered_at < ?))", (row["credit"], row["credit"], row["registered_at"])
+                              ).fetchone()[0])
+    results = db.execute("SELECT job_id, version, received_at, n_tokens, mean_reward FROM results WHERE client_id = ? "
+                         "ORDER BY received_at DESC LIMIT ?", (client_id, VOLUNTEER_RESULTS)).fetchall()
+    by_version = db.execute("SELECT version, COUNT(*) AS n, SUM(n_tokens) AS tokens FROM results WHERE client_id = ? "
+                            "GROUP BY version ORDER BY version DESC LIMIT ?", (client_id, VOLUNTEER_RESULTS)).fetchall()
+    refusals = db.execute("SELECT reason, COUNT(*) AS n FROM rejections WHERE client_id = ? GROUP BY reason",
+                          (client_id,)).fetchall()
+    holders = live_lease_holders(store, now)
+    return {
+        "client_id": client_id, "name": profile.get("name") or client_id[:8], "backend": profile.get("backend", "?"),
+        "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
+        "software": profile.get("software", ""), "registered_at": row["registered_at"], "last_seen": row["last_seen"],
+        "state": client_state(banned=False, holds_live_lease=client_id in holders, last_seen=float(row["last_seen"]),
+                              now=now, window_s=active_window_s(lease_timeout_s)),
+        "rank": rank, "accepted": int(row["accepted"]), "rejected": int(row["rejected"]), "credit": float(row["credit"]),
+        "results": [{"job_id": r["job_id"], "version": int(r["version"]), "received_at": r["received_at"],
+                     "tokens": int(r["n_tokens"]), "mean_reward": r["mean_reward"]} for r in results],
+        "versions": [{"version": int(r["version"]), "results": int(r["n"]), "tokens": int(r["tokens"])}
+                     for r in by_version],
+        "refusals": {str(r["reason"]): int(r["n"]) for r in refusals},
+    }
