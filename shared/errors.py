@@ -30,7 +30,8 @@ class Reason(StrEnum):
     NOT_LEASE_HOLDER = "not_lease_holder"  # the job is leased to someone else, or the lease id is not current
     LEASE_EXPIRED = "lease_expired"
     JOB_COMPLETED = "job_completed"  # a result for this job was already accepted
-    WRONG_VERSION = "wrong_version"
+    WRONG_VERSION = "wrong_version"  # the result claims another version than the job it answers was bound to
+    VERSION_RETIRED = "version_retired"  # the job's version is no longer kept, so its result cannot be verified
     BINDING_MISMATCH = "binding_mismatch"  # prompt hash, seed or group size differ from the signed job
     SHAPE_MISMATCH = "shape_mismatch"  # wrong number of completions, token/logprob lengths differ
     TOKEN_OUT_OF_RANGE = "token_out_of_range"  # token id outside the vocabulary, or too many tokens
@@ -75,6 +76,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.LEASE_EXPIRED: 410,
     Reason.JOB_COMPLETED: 409,
     Reason.WRONG_VERSION: 409,
+    Reason.VERSION_RETIRED: 410,
     Reason.BINDING_MISMATCH: 422,
     Reason.SHAPE_MISMATCH: 422,
     Reason.TOKEN_OUT_OF_RANGE: 422,

@@ -28,7 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.jobs import plan_job, plan_key
-from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, lease_live
+from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, kept_versions, lease_live
 from coordinator.core.trust import class_backend, is_invalidating
 from coordinator.core.verify import (
     JobTerms,
@@ -493,7 +493,9 @@ class Coordinator:
         cap = self._result_cap(len(row.prompt_ids) * row.group_size)
         if size > cap:
             raise ProtocolError(Reason.BODY_TOO_LARGE, f"result is {size} bytes; this job allows at most {cap}")
-        oldest = max(0, self.version - self.config.snapshots.keep_last + 1)
+        # the learner keeps the version of every live lease (core.leases.kept_versions), so a lease holder's result
+        # is verifiable however far the policy moved; verify_submission checks the lease before the version
+        oldest = min(kept_versions(self.version, self.config.snapshots.keep_last, [row.view], self.clock()))
         verify_submission(sub, row.view, self.terms(row), client_id, self.clock(), oldest)
         prompts = [self.prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
         completions = [list(c.token_ids) for c in sub.completions]
@@ -569,7 +571,7 @@ class Coordinator:
         try:
             return await self.verifier.recompute_stats(prompts, completions, version)
         except VersionGone:
-            raise ProtocolError(Reason.WRONG_VERSION,
+            raise ProtocolError(Reason.VERSION_RETIRED,
                                 f"policy version {version} is no longer kept for verification") from None
         except VerifierUnavailable as exc:
             raise ProtocolError(Reason.UNAVAILABLE, f"the coordinator could not verify this result now ({exc}); "

@@ -73,3 +73,13 @@ def check_lease(job: LeaseView, client_id: str, lease_id: str, now: float) -> Le
     if job.state is not JobState.LEASED or job.lease_deadline is None or now >= job.lease_deadline:
         return LeaseCheck.EXPIRED
     return LeaseCheck.OK
+
+
+def kept_versions(current: int, keep_last: int, jobs: list[LeaseView], now: float) -> set[int]:
+    """The published versions to keep on disk: the newest ``keep_last``, and every version a live lease is bound
+    to. Why the second part: a slow honest client's result is verified against its job's version, and pruning
+    that version under its lease would refuse the work for something the client did not do (its lease still
+    runs). A lease is bounded by ``jobs.lease_timeout_s``, so this keeps at most that long a few more folders."""
+    keep = set(range(max(0, current - keep_last + 1), current + 1))
+    keep.update(j.version for j in jobs if j.version is not None and j.version <= current and lease_live(j, now))
+    return keep

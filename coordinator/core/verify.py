@@ -51,9 +51,10 @@ def verify_submission(
     if sub.version != terms.version:
         raise ProtocolError(Reason.WRONG_VERSION,
                             f"job {sub.job_id} is for policy version {terms.version}, result claims {sub.version}")
-    if sub.version < oldest_version:
-        raise ProtocolError(Reason.WRONG_VERSION,
-                            f"policy version {sub.version} is too old to be verified (oldest kept: {oldest_version})")
+    if sub.version < oldest_version:  # not the client's fault: its version was retired while it held the lease
+        raise ProtocolError(Reason.VERSION_RETIRED,
+                            f"policy version {sub.version} is too old to be verified (oldest kept: {oldest_version}); "
+                            f"the job will be issued again at a current version")
     if sub.prompt_hash != terms.prompt_hash:
         raise ProtocolError(Reason.BINDING_MISMATCH, "prompt_hash does not match the signed job's prompts")
     if sub.seed != terms.seed:

@@ -25,7 +25,7 @@ from typing import Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.advantages import group_advantages
-from coordinator.core.leases import deadline_for
+from coordinator.core.leases import deadline_for, kept_versions
 from coordinator.core.scheduling import select_batch, staleness_weight
 from coordinator.engine import fsdp
 from coordinator.engine.learner import Learner, Sample
@@ -488,8 +488,10 @@ class LearnerRole:
             await task
 
     def _prune(self, current: int) -> None:
-        """Bound the run directory: keep_last versions, the newest checkpoint, keep_exports exports."""
-        keep = set(range(max(0, current - self.config.snapshots.keep_last + 1), current + 1))
+        """Bound the run directory: keep_last versions (and those under a live lease), the newest checkpoint,
+        keep_exports exports."""
+        keep = kept_versions(current, self.config.snapshots.keep_last, [j.view for j in self.store.active_jobs()],
+                             self.clock())
         self.snapshots.prune(keep)
         self.checkpoints.prune(current)
         exports = self.run_dir / "exports"

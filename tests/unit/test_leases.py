@@ -9,6 +9,7 @@ from coordinator.core.leases import (
     check_lease,
     choose_job,
     deadline_for,
+    kept_versions,
     leasable,
     lease_live,
 )
@@ -170,3 +171,15 @@ def test_released_lease_is_expired_for_its_holder() -> None:
 
 def test_never_leased_job_not_holder() -> None:
     assert check_lease(view(), "alice", "L1", T0) is LeaseCheck.NOT_HOLDER
+
+
+def test_kept_versions_are_the_window_and_every_live_leases_version() -> None:
+    def bound(version: int, deadline: float) -> LeaseView:
+        return view(f"j{version}", JobState.LEASED, version, 0.0, "l", "c", deadline)
+
+    assert kept_versions(9, 4, [], now=100.0) == {6, 7, 8, 9}
+    # a slow client still holding a lease on version 2: its version stays verifiable until the lease ends
+    assert kept_versions(9, 4, [bound(2, 120.0)], now=100.0) == {2, 6, 7, 8, 9}
+    assert kept_versions(9, 4, [bound(2, 90.0)], now=100.0) == {6, 7, 8, 9}  # expired: pruned as usual
+    done = view("d", JobState.DONE, 1, 0.0)
+    assert kept_versions(2, 4, [done], now=100.0) == {0, 1, 2}

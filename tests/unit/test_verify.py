@@ -110,14 +110,14 @@ def test_wrong_version_vs_job_checked_before_age() -> None:
 
 def test_version_too_old_to_verify() -> None:
     err = refused(sub(), oldest=4)  # matches the job, but that version's snapshot is no longer kept
-    assert err.reason is Reason.WRONG_VERSION
+    assert err.reason is Reason.VERSION_RETIRED  # not the client's fault: no trust is lost over it
     assert "too old to be verified" in err.message
     assert "3" in err.message and "4" in err.message
 
 
 def test_version_too_old_boundary() -> None:
     verify_submission(sub(), lease(), terms(), CLIENT, NOW, 3)  # oldest == version: still verifiable
-    assert refused(sub(), oldest=4).reason is Reason.WRONG_VERSION
+    assert refused(sub(), oldest=4).reason is Reason.VERSION_RETIRED
 
 
 def test_lease_checked_before_version() -> None:
@@ -126,7 +126,7 @@ def test_lease_checked_before_version() -> None:
 
 
 def test_version_checked_before_binding() -> None:
-    assert refused(sub(seed=1), oldest=4).reason is Reason.WRONG_VERSION
+    assert refused(sub(seed=1), oldest=4).reason is Reason.VERSION_RETIRED
     assert refused(sub(seed=1, version=2), oldest=0).reason is Reason.WRONG_VERSION
 
 
