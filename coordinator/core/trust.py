@@ -31,7 +31,7 @@ from shared.errors import Reason
 INVALIDATING: frozenset[Reason] = frozenset({
     Reason.WRONG_VERSION, Reason.BINDING_MISMATCH, Reason.SHAPE_MISMATCH, Reason.TOKEN_OUT_OF_RANGE,
     Reason.FINISH_REASON, Reason.LOGPROB_MISMATCH, Reason.REPLICA_MISMATCH, Reason.SCHEMA, Reason.MALFORMED,
-    Reason.BODY_TOO_LARGE, Reason.SAMPLING_MISMATCH,
+    Reason.BODY_TOO_LARGE, Reason.SAMPLING_MISMATCH, Reason.CHOICE_MISMATCH,
     # a multi-turn episode that replay refuses (coordinator.tasks.episodes)
     Reason.OBSERVATION_MISMATCH, Reason.EXTRA_TURN, Reason.MISSING_TURN, Reason.UNSEEN_ACTION, Reason.REWARD_CLAIMED,
 })
