@@ -108,7 +108,7 @@ class Judge:
         with torch.no_grad():
             for s in range(0, len(flat_c), BATCH):
                 chunk = flat_c[s : s + BATCH]
-                lp, ent, var, top, _ = completion_stats(self.s.model, flat_p[s : s + BATCH], chunk,
+                lp, ent, var, top, _, _ = completion_stats(self.s.model, flat_p[s : s + BATCH], chunk,
                                                         temperature=self.s.temperature, pad_id=self.s.pad)
                 for dst, t in ((lps, lp), (ents, ent), (vars_, var), (tops, top)):
                     dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))

@@ -431,7 +431,17 @@ class JobsConfig(_Strict):
 class BackendTolerance(_Strict):
     mean_tol: float = Field(gt=0, description="Max mean |Δ logprob| per token over a result (nats).")
     max_tol: float = Field(gt=0, description="Max |Δ logprob| of any single token (nats).")
+    choice_tol: float | None = Field(None, gt=0, description="Largest keyed-sampler margin of any token "
+                                     "(verification.choice_tol for this class; None: that default).")
 
+
+# Keyed-sampler margins (shared.sampler; a token's score below the best at its position, in tempered-logit units).
+# Source: bench/choice_calibration.py (docs/benchmarks.md, "Keyed sampling: calibration"): the largest honest margin
+# is set by the two implementations' logit difference at a near-tie; the tolerances leave headroom over the worst
+# honest margin measured per class and the estimated false-refusal rate beyond the sample.
+CHOICE_TOL_TORCH = 0.02
+CHOICE_TOL_LLAMA = 0.1
+CHOICE_TOL_LLAMA_Q8 = 0.5
 
 # Source: bench/llama_parity.py (docs/benchmarks.md, "llama.cpp parity with the learner"), llama-cpp-python
 # 0.3.36 on x86_64 CPU, llama.cpp's default f16 KV cache, the tiny model at version 0 and after 183 RL steps
@@ -440,9 +450,9 @@ class BackendTolerance(_Strict):
 # The per-token maximum is heavy-tailed and grows as training sharpens the policy; the tolerances leave
 # ≥ 4x headroom over everything measured (more on the mean, the statistic that catches a wrong policy).
 LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
-    "llama-f32": BackendTolerance(mean_tol=0.01, max_tol=0.5),
-    "llama-f16": BackendTolerance(mean_tol=0.01, max_tol=0.5),
-    "llama-q8_0": BackendTolerance(mean_tol=0.05, max_tol=2.0),
+    "llama-f32": BackendTolerance(mean_tol=0.01, max_tol=0.5, choice_tol=CHOICE_TOL_LLAMA),
+    "llama-f16": BackendTolerance(mean_tol=0.01, max_tol=0.5, choice_tol=CHOICE_TOL_LLAMA),
+    "llama-q8_0": BackendTolerance(mean_tol=0.05, max_tol=2.0, choice_tol=CHOICE_TOL_LLAMA_Q8),
 }
 
 
@@ -475,6 +485,12 @@ class VerificationConfig(_Strict):
     sampling_var_floor: float = Field(0.02, ge=0, description="Per-token variance added to the denominators of "
                                       "both z-scores (nats² for surprisal), so near-deterministic positions and "
                                       "float rounding across backends cannot produce a large z from nothing.")
+    choice_check: bool = Field(True, description="Refuse results with a token that is not the job's keyed sampler's "
+                               "choice from the verifier's logits (reason choice_mismatch; shared.sampler, "
+                               "coordinator.core.verify.check_choices). Every token of every backend is checked.")
+    choice_tol: float = Field(CHOICE_TOL_TORCH, gt=0, description="Largest accepted keyed-sampler margin of any "
+                              "token for torch clients: how far (in tempered-logit units) its noised score may lie "
+                              "below the best one at its position. llama.cpp classes: backend_tolerances.")
     request_window_s: float = Field(300.0, gt=0, description="Accepted clock skew of signed requests (seconds).")
     device: str = Field("auto", description="Device of the verifier's model replica ('cpu', 'cuda:1', ...); "
                         "'auto' uses model.device. Put it on another GPU than the learner's to keep the learner's "
@@ -532,6 +548,14 @@ class VerificationConfig(_Strict):
             if tol is not None:
                 return tol.mean_tol, tol.max_tol
         return self.logprob_mean_tol, self.logprob_max_tol
+
+    def choice_tolerance(self, backend_class: str, gguf: str) -> float:
+        """The largest keyed-sampler margin accepted from ``backend_class`` (pinned, as for :meth:`tolerances`)."""
+        if backend_class.split("/", 1)[0] == "llama":
+            tol = self.backend_tolerances.get(f"llama-{gguf}")
+            if tol is not None and tol.choice_tol is not None:
+                return tol.choice_tol
+        return self.choice_tol
 
 
 # A held result waits for a replica's lease (lease_timeout_s) and one reissue of it: at least twice the lease.

@@ -13,7 +13,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from shared.sampler import choose_torch, margins_torch
 
 if TYPE_CHECKING:
     import torch
@@ -156,9 +158,11 @@ def generate(
 ) -> list[Sampled]:
     """Sample ``group_size`` completions per prompt in one batch (prompt-major order).
 
-    ``seed=None`` means greedy decoding (used for evaluation). Sampling uses a dedicated torch.Generator,
-    so a (model, prompts, seed) triple always gives the same tokens on the same device. Returns early with
-    what it has if ``should_stop()`` becomes true (the caller then discards the partial job).
+    ``seed=None`` means greedy decoding (used for evaluation). Otherwise ``seed`` is the job's sampling key and
+    each token is the keyed Gumbel-max choice (shared.sampler) of rollout ``i·group_size + g`` at its position —
+    the same choice a llama.cpp client or another device makes from the same logits, and the one the verifier
+    checks. Returns early with what it has if ``should_stop()`` becomes true (the caller then discards the
+    partial job).
     """
     import torch
 
@@ -167,11 +171,8 @@ def generate(
     ids, mask = _left_pad(seqs, pad_id, str(device))
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int(seed) % (2**63))
     n = len(seqs)
+    rollouts = torch.arange(n, dtype=torch.long, device=device)
     cache_kw = _cache_kwarg(model)
     tokens: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -180,14 +181,14 @@ def generate(
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                     **_last_logits_only(model))
-        for _ in range(max_tokens):
+        for position in range(max_tokens):
             logits = out.logits[:, -1, :].float()
             if seed is None:
                 nxt = logits.argmax(-1)
                 lp = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1)
             else:
                 logp = torch.log_softmax(logits / temperature, -1)
-                nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+                nxt = choose_torch(logits, temperature, int(seed), rollouts, position)
                 lp = logp.gather(1, nxt[:, None]).squeeze(1)
             nxt_list, lp_list, done_list = nxt.tolist(), lp.tolist(), done.tolist()
             for i in range(n):
@@ -325,6 +326,19 @@ def completion_logprobs(
 STATS_ELEMENTS = 2**25
 
 
+class CompletionStats(NamedTuple):
+    """What :func:`completion_stats` computes, each [B, T]: the logprob of each token, the entropy H, surprisal
+    variance V and largest logprob of the tempered distribution at its position, the mask, and — when the job's
+    sampling key was given — each token's keyed-sampler margin (shared.sampler.margins_torch; None otherwise)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    variance: torch.Tensor
+    top: torch.Tensor
+    mask: torch.Tensor
+    margins: torch.Tensor | None
+
+
 def completion_stats(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -333,17 +347,23 @@ def completion_stats(
     temperature: float,
     pad_id: int,
     share_prompts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    keys: Sequence[int | None] | None = None,
+    rollouts: Sequence[int] | None = None,
+) -> CompletionStats:
     """:func:`completion_logprobs` plus, from the same forward pass, the entropy H, the variance of the
     surprisal V = E[(−log p)²] − H² and the largest logprob (of the likeliest token) of the tempered
-    distribution at every completion position: (logprobs, entropy, surprisal_var, top_logprob, mask), each [B, T].
-    A token is the likeliest exactly when its logprob equals top_logprob (both are read from the same tensor).
+    distribution at every completion position. A token is the likeliest exactly when its logprob equals
+    top_logprob (both are read from the same tensor).
 
     Why: a token sampled honestly at the job's temperature has expected surprisal H and variance V at its
     position, so a result's summed surprisal can be compared with its summed entropy without a second sample
     (the sampling test, coordinator.core.verify.check_sampling). The logprobs are bit-identical to
     completion_logprobs'. No gradient flows into the entropy terms. The full [T, vocab] distribution is
     expanded STATS_ELEMENTS entries at a time, so the extra memory is bounded whatever the batch.
+
+    ``keys`` (each completion's job sampling key, None for a row not keyed) and ``rollouts`` (its rollout index
+    in its job): also each token's margin under the keyed sampler (shared.sampler), from the same logits — the
+    check of every token's choice. A row without a key gets margins of 0.
 
     ``share_prompts``: run each distinct prompt once (:func:`_shared_prompt_logits`; the verifier's recompute of
     GRPO groups) — then equal to the plain pass up to float rounding, not bit for bit.
@@ -366,4 +386,12 @@ def completion_stats(
             dev = torch.where(p > 0, -part - h[..., None], 0.0)
             entropy[b : b + rows] = h
             variance[b : b + rows] = (p * dev * dev).sum(-1)
-    return logp, entropy, variance, top, c_mask.to(logp.dtype)
+    margins = None
+    if keys is not None:
+        if rollouts is None or len(keys) != len(completions) or len(rollouts) != len(completions):
+            raise ValueError("keys and rollouts need one entry per completion")
+        # the logits are already tempered (float32 l/T): the margin's scores are float64(l/T) + G, within float32
+        # rounding of the client's float64(l)/T + G (absorbed by the tolerance, far below it)
+        margins = margins_torch(logits, c_ids, 1.0, keys, torch.tensor(list(rollouts), dtype=torch.long))
+        margins = margins * c_mask
+    return CompletionStats(logp, entropy, variance, top, c_mask.to(logp.dtype), margins)

@@ -33,8 +33,10 @@ from coordinator.core.trust import class_backend, is_invalidating
 from coordinator.core.verify import (
     JobTerms,
     TokenStats,
+    check_choices,
     check_logprobs,
     check_sampling,
+    choice_stats,
     logprob_stats,
     sampling_stats,
     verify_submission,
@@ -507,7 +509,9 @@ class Coordinator:
                 tokenizer=self.codec.tokenizer, max_tokens=self.config.sampling.max_tokens,
                 stop_ids=frozenset(self.codec.stop_ids), vocab_size=self.vocab_size)
             completions, reported = replayed.sequences, replayed.reported
-        token_stats = None if own else await self._recompute_stats_at(prompts, completions, sub.version)
+        # a job's completions are keyed by its seed (shared.sampler); an episode's turns are not checked this way
+        key = None if replayed is not None else row.seed
+        token_stats = None if own else await self._recompute_stats_at(prompts, completions, sub.version, key)
         if replayed is not None and token_stats is not None:  # the model's tokens only, never the observations'
             full_recomputed = token_stats.logprobs
             token_stats = TokenStats(*(select(rows, replayed.masks) for rows in (
@@ -517,6 +521,9 @@ class Coordinator:
         check_logprobs(stats, *self.config.verification.tolerances(self.backend_class(client_id),
                                                                    self.config.snapshots.gguf))
         vcfg = self.config.verification
+        if vcfg.choice_check and token_stats is not None and token_stats.margins is not None:  # every token's choice
+            check_choices(choice_stats(token_stats.margins),
+                          vcfg.choice_tolerance(self.backend_class(client_id), self.config.snapshots.gguf))
         if vcfg.sampling_check and token_stats is not None:  # are the tokens as surprising as sampling makes them?
             check_sampling(sampling_stats(token_stats, vcfg.sampling_var_floor), z_low=vcfg.sampling_z_low,
                            z_high=vcfg.sampling_z_high, top_z=vcfg.sampling_top_z, min_tokens=vcfg.sampling_min_tokens,
@@ -565,11 +572,12 @@ class Coordinator:
         """Logprobs under the version that generated the rollout, by the verifier."""
         return (await self._recompute_stats_at(prompts, completions, version)).logprobs
 
-    async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
-                                  ) -> TokenStats:
-        """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass)."""
+    async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int,
+                                  key: int | None = None) -> TokenStats:
+        """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass), and
+        with the job's sampling ``key`` each token's keyed-sampler margin."""
         try:
-            return await self.verifier.recompute_stats(prompts, completions, version)
+            return await self.verifier.recompute_stats(prompts, completions, version, key)
         except VersionGone:
             raise ProtocolError(Reason.VERSION_RETIRED,
                                 f"policy version {version} is no longer kept for verification") from None

@@ -135,6 +135,7 @@ class TokenStats:
     entropy: list[list[float]]
     variance: list[list[float]]
     top: list[list[float]]
+    margins: list[list[float]] | None = None  # keyed-sampler margin of each token (None: not computed)
 
 
 @dataclass(frozen=True)
@@ -211,3 +212,44 @@ def check_sampling(stats: SamplingStats, *, z_low: float, z_high: float, top_z: 
         f"{stats.z_top:.1f}, accepted ±{top_z}). Sample every completion from the full softmax at the job's "
         f"temperature ({temperature}) with the job's seed, and return each one you sampled.",
     )
+
+
+@dataclass(frozen=True)
+class ChoiceStats:
+    """How a result's tokens compare with the keyed sampler's choices (shared.sampler) under the verifier's logits:
+    ``tokens`` checked, ``off_argmax`` of them not the exact argmax (margin > 0), the ``worst`` margin and where
+    (completion, position)."""
+
+    tokens: int
+    off_argmax: int
+    worst: float
+    worst_at: tuple[int, int] | None
+
+
+def choice_stats(margins: list[list[float]]) -> ChoiceStats:
+    tokens = off = 0
+    worst, at = 0.0, None
+    for c, row in enumerate(margins):
+        tokens += len(row)
+        for t, m in enumerate(row):
+            if m > 0.0:
+                off += 1
+                if m > worst:
+                    worst, at = m, (c, t)
+    return ChoiceStats(tokens, off, worst, at)
+
+
+def check_choices(stats: ChoiceStats, tolerance: float) -> None:
+    """Refuse a result one of whose tokens is not the keyed sampler's choice beyond ``tolerance``.
+
+    An honest token is the argmax of the verifier's noised scores too, except where the two best scores lie
+    closer than the two implementations' logit difference; there its margin is that small difference. A token
+    chosen any other way (forced, picked among samples, greedy, steered) lies below the best by the gap between
+    two Gumbel-noised scores — typically of order 1, and ≈ log V for a forced token over a large vocabulary."""
+    if stats.worst > tolerance and stats.worst_at is not None:
+        c, t = stats.worst_at
+        raise ProtocolError(Reason.CHOICE_MISMATCH,
+                            f"completion {c}, token {t} is not the job's keyed sampler's choice: its score is "
+                            f"{stats.worst:.3g} below the best at that position (tolerance {tolerance:g}; "
+                            f"{stats.off_argmax} of {stats.tokens} tokens off the argmax). Sample every token with "
+                            f"the keyed Gumbel-max sampler (docs/protocol.md §5b) from the job's exact snapshot")

@@ -178,7 +178,7 @@ class VerifierWorker:
                 self.snapshots.observe(v["version"] for v in self.store.versions())
             if kind == "recompute":
                 answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
-                                                                          version))
+                                                                          version, request.get("key")))
             else:
                 tokens = await self.verifier.replay(request["prompts"], group_size=int(request["group_size"]),
                                                     seed=int(request["seed"]), max_tokens=int(request["max_tokens"]),

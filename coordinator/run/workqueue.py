@@ -103,11 +103,12 @@ class RemoteVerifier:
         status = self.store.role_status("verifier-0")
         return str(status["device"]) if status and status.get("device") else self._device
 
-    async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int
-                              ) -> TokenStats:
+    async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
+                              key: int | None = None) -> TokenStats:
         t0 = time.monotonic()
         try:
-            answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions})
+            answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
+                                                           "key": key})
         finally:
             self.stats.recompute_s += time.monotonic() - t0
         if answer.get("gone"):

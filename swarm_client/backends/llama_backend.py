@@ -5,19 +5,16 @@ A version is either one full GGUF (``model.gguf``) or a base GGUF plus a per-ver
 low-level adapter API without reloading it, and the context is reset afterwards (otherwise the KV cache built
 under the old adapter is reused).
 
-Three pitfalls are handled here (measured in ../shared/notes/llama-cpp.md):
-- sampling is the full softmax at the job's temperature: ``top_k=0, top_p=1, min_p=0, repeat_penalty=1``
-  (the library's defaults truncate the distribution, so its logprobs would not be the behaviour policy's);
-- ``generate`` re-seeds its sampler with the instance seed on every call: ``set_seed`` before every rollout;
-- behaviour logprobs are computed here as ``log_softmax(logits / T)`` of the sampled token from the logits
-  llama.cpp sampled from, not taken from ``create_completion`` (raw, untempered, and misaligned by BOS).
+Tokens are chosen by the keyed sampler (shared.sampler) from the logits llama.cpp computes, so the verifier can
+check every choice; llama.cpp's sampler (truncating by default, and seeded per instance) is not used. Behaviour
+logprobs are computed here as ``log_softmax(logits / T)`` of the sampled token from the logits it was chosen
+from, not taken from ``create_completion`` (raw, untempered, and misaligned by BOS).
 Prompts arrive as token ids from the signed job, so llama.cpp's tokenizer is never used to encode.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -28,16 +25,11 @@ import numpy as np
 
 from shared.messages import Job
 from shared.policy import Sampled
+from shared.sampler import choose_np
 
 logger = logging.getLogger(__name__)
 
 GGUF_FORMS = frozenset({"gguf", "gguf-base", "gguf-lora"})
-
-
-def rollout_seed(job_seed: int, prompt_index: int, sample_index: int) -> int:
-    """A 32-bit sampler seed per rollout (llama.cpp seeds are uint32), derived from the signed job seed."""
-    digest = hashlib.sha256(f"{job_seed}:{prompt_index}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def log_softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
@@ -162,12 +154,14 @@ class LlamaBackend:
 
     # -- generation ---------------------------------------------------------------------------------------
     def sample(self, prompt: list[int], *, temperature: float, max_tokens: int, stop_ids: frozenset[int],
-               seed: int, should_stop: Callable[[], bool] | None = None) -> Sampled:
-        """One rollout from the full softmax at ``temperature``, with its behaviour logprobs.
+               key: int, rollout: int, should_stop: Callable[[], bool] | None = None) -> Sampled:
+        """One rollout with the keyed sampler (shared.sampler): llama.cpp computes the logits, we choose the token
+        and feed it back. llama.cpp's own sampler is never used — its inverse-CDF draw cannot be replayed by
+        the verifier.
 
-        Per token, only the logits llama.cpp sampled from are copied (one memmove into a preallocated row);
-        the log-softmax runs vectorised over many steps at once. Converting and normalising each step's logits
-        on its own cost a quarter of the decoding time of a small model (measured: bench/client_overhead.py)."""
+        Per token, the logits are copied once into a preallocated row (one memmove); the keyed choice runs on that
+        row, and the log-softmax runs vectorised over many steps at once (converting and normalising each step's
+        logits on its own cost a quarter of a small model's decoding time: bench/client_overhead.py)."""
         llm = self.llm
         if len(prompt) + max_tokens > self.n_ctx:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context "
@@ -175,17 +169,16 @@ class LlamaBackend:
         rows = self._logit_rows(max_tokens)
         row_bytes = rows.shape[1] * rows.itemsize
         base, memmove, logits_ith, ctx = rows.ctypes.data, ctypes.memmove, self._lib.llama_get_logits_ith, llm.ctx
-        llm.set_seed(seed)
         tokens: list[int] = []
         logprobs: list[float] = []
         finish = "length"
         filled = 0
-        for tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
-                                repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, reset=True):
-            # the generator is paused right after sampling: the context still holds the logits it sampled from
+        self._prefill(list(prompt))
+        for position in range(max_tokens):
             memmove(base + filled * row_bytes, logits_ith(ctx, -1), row_bytes)
+            tok = choose_np(rows[filled], temperature, key, rollout, position)
             filled += 1
-            tokens.append(int(tok))
+            tokens.append(tok)
             if filled == len(rows):
                 logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
                 filled = 0
@@ -194,9 +187,24 @@ class LlamaBackend:
                 break
             if len(tokens) >= max_tokens or (should_stop is not None and should_stop()):
                 break
+            llm.eval([tok])
         if filled:
             logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
         return Sampled(tokens, logprobs, finish)
+
+    def _prefill(self, prompt: list[int]) -> None:
+        """Evaluate ``prompt``, reusing the KV cache of the longest prefix it shares with what the context holds
+        (a GRPO group samples its prompt ``group_size`` times): only the rest is evaluated, at least one token so
+        that the context holds the logits of the prompt's last position."""
+        llm = self.llm
+        held = llm.input_ids[: llm.n_tokens]
+        same = 0
+        for x, y in zip(held, prompt, strict=False):  # the shorter one bounds the shared prefix
+            if int(x) != y:
+                break
+            same += 1
+        llm.n_tokens = min(same, len(prompt) - 1)  # eval() drops the cache past n_tokens
+        llm.eval(prompt[llm.n_tokens :])
 
     def _logit_rows(self, max_tokens: int) -> np.ndarray:
         """A reusable float32 buffer for up to ``max_tokens`` steps of logits, capped at 64 MiB (a 150k-token
@@ -232,8 +240,8 @@ class LlamaBackend:
         for i, p in enumerate(job.prompts):
             for g in range(job.group_size):
                 out.append(self.sample(list(p.token_ids), temperature=job.sampling.temperature,
-                                       max_tokens=job.sampling.max_tokens, stop_ids=stops,
-                                       seed=rollout_seed(job.seed, i, g), should_stop=should_stop))
+                                       max_tokens=job.sampling.max_tokens, stop_ids=stops, key=job.seed,
+                                       rollout=i * job.group_size + g, should_stop=should_stop))
                 if should_stop():
                     return out
         return out

@@ -1,12 +1,15 @@
-"""The sampling test at the trust boundary: a result decoded greedily — with its true behaviour logprobs, so it
-passes the logprob check — is refused with ``sampling_mismatch`` (422) and nothing is written to results; an honest
-result of the same job shape is accepted. A real coordinator on loopback, a raw protocol client, jobs shaped like
+"""The keyed-choice check and the sampling test at the trust boundary: a result decoded greedily — with its true
+behaviour logprobs, so it passes the logprob check — is refused with ``choice_mismatch`` (422: its tokens are not
+the job's keyed sampler's), and, with that check switched off, by the sampling test (``sampling_mismatch``); nothing
+is written to results either way, and an honest result of the same job shape is accepted. A real coordinator on loopback, a raw protocol client, jobs shaped like
 the default run's (8 prompts × 8 samples)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from shared import wire
 from shared.messages import Completion, Job, ResultSubmission, SubmitResponse
@@ -41,19 +44,24 @@ def greedy_result(live: LiveCoordinator, job: Job) -> ResultSubmission:
                             generation_s=0.1, completions=completions)
 
 
-def test_a_greedy_result_is_refused_and_an_honest_one_accepted(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("choice_check", [True, False], ids=["keyed-choice", "sampling-test-alone"])
+def test_a_greedy_result_is_refused_and_an_honest_one_accepted(tmp_path: Path, tiny_model_dir: Path,
+                                                               choice_check: bool) -> None:
+    reason = "choice_mismatch" if choice_check else "sampling_mismatch"
     with running_coordinator(tmp_path, tiny_model_dir, trust={"spot_checks": False}, jobs=JOBS,
-                             learner=LEARNER) as live:
+                             learner=LEARNER, sections={"verification": {"choice_check": choice_check}}) as live:
         lazy, honest = register(live, "lazy"), register(live, "honest")
         job = lease(lazy, live.coordinator.public_key)
         assert len(job.prompts) * job.group_size == 64
         status, raw = lazy.post("/v1/results", greedy_result(live, job))
         err = RawClient.error(raw)
-        assert (status, err.error) == (422, "sampling_mismatch"), f"{status} {err}"
-        assert "more predictable than sampling" in err.message and "greedy" in err.message
+        assert (status, err.error) == (422, reason), f"{status} {err}"
+        if choice_check:
+            assert "not the job's keyed sampler's choice" in err.message and "§5b" in err.message
+        else:
+            assert "more predictable than sampling" in err.message and "greedy" in err.message
         assert db_rows(live.run_dir, "SELECT COUNT(*) FROM results") == [(0,)]
-        assert db_rows(live.run_dir, "SELECT reason FROM rejections WHERE job_id=?", (job.job_id,)) == [
-            ("sampling_mismatch",)]
+        assert db_rows(live.run_dir, "SELECT reason FROM rejections WHERE job_id=?", (job.job_id,)) == [(reason,)]
 
         other = lease(honest, live.coordinator.public_key)
         status, raw = honest.post("/v1/results", honest_result(live, other))

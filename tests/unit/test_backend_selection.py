@@ -7,7 +7,7 @@ import pytest
 from coordinator.config import CoordinatorConfig, VerificationConfig, load_config
 from shared.records import file_form
 from swarm_client.backends import backend_kind, llama_available, resolve_backend
-from swarm_client.backends.llama_backend import log_softmax, rollout_seed
+from swarm_client.backends.llama_backend import log_softmax
 
 
 def test_auto_prefers_llama_where_installed() -> None:
@@ -53,10 +53,13 @@ def test_config_refuses_unknown_precision_with_the_choices() -> None:
         load_config(None, {"learner.lora_rank": -1})
 
 
-def test_rollout_seeds_differ_per_rollout_and_fit_uint32() -> None:
-    seeds = {rollout_seed(7, i, g) for i in range(8) for g in range(8)}
-    assert len(seeds) == 64 and all(0 <= s < 2**31 for s in seeds)
-    assert rollout_seed(7, 1, 2) == rollout_seed(7, 1, 2)
+def test_llama_classes_get_their_choice_tolerance() -> None:
+    v = VerificationConfig(choice_tol=0.03, backend_tolerances={
+        "llama-q8_0": {"mean_tol": 0.07, "max_tol": 1.5, "choice_tol": 0.4},
+        "llama-f16": {"mean_tol": 0.01, "max_tol": 0.5}})
+    assert v.choice_tolerance("llama/cpu", "q8_0") == 0.4
+    assert v.choice_tolerance("torch/cpu", "q8_0") == 0.03  # torch clients never get a llama class's tolerance
+    assert v.choice_tolerance("llama/cpu", "f16") == 0.03  # no choice_tol in the class: the general one
 
 
 def test_log_softmax_is_tempered_and_normalised() -> None:

@@ -142,8 +142,9 @@ def test_completion_stats_matches_logprobs_and_the_distribution(tiny_model_dir: 
     with torch.no_grad():
         for temperature in (1.0, 0.7):
             lp, mask = completion_logprobs(model, prompts, completions, temperature=temperature, pad_id=0)
-            lp2, ent, var, top, mask2 = completion_stats(model, prompts, completions, temperature=temperature,
-                                                         pad_id=0)
+            lp2, ent, var, top, mask2, margins = completion_stats(model, prompts, completions,
+                                                                  temperature=temperature, pad_id=0)
+            assert margins is None  # no sampling keys given
             assert torch.equal(lp, lp2) and torch.equal(mask, mask2)
             for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
                 ids = torch.tensor([p + c])

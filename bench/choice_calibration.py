@@ -1,0 +1,362 @@
+"""Calibration of the keyed-sampler check (coordinator.core.verify.check_choices): how far honest tokens lie
+from the keyed argmax per backend class, how often honest results would be refused (must be never, estimated
+beyond the sample), how much free choice the tolerance leaves an adversary, and how often attacks are caught.
+
+    PYTHONPATH=. nice -n 5 python bench/choice_calibration.py [--results 2000] [--attacks 200]
+        [--temperatures 1.0,0.7] [--classes torch-f32,torch-bf16,llama-f32,llama-f16,llama-q8_0]
+        [--model-dir DIR] [--json out.json] [--write-docs]
+
+What runs is the real code: honest torch results come from the client's TorchBackend (on the model folder, or on
+a copy whose safetensors are bf16 — the verifier then recomputes in float32 from the same bf16 weights, as the
+coordinator does), llama.cpp results from the client's LlamaBackend on GGUFs written by
+coordinator.publish.gguf_export, the recompute is shared.policy.completion_stats with the jobs' keys (the
+verifier's function) and the verdict check_choices with coordinator.config's default tolerance of the class.
+Results are shaped like the default run's jobs: jobs.prompts_per_job × learner.group_size completions of at most
+sampling.max_tokens tokens, arithmetic-task prompts; every result is its own job with its own key.
+
+Beyond the sample: an honest margin is positive only where the two best noised scores lie within the two
+implementations' logit difference. The positive margins' upper tail is fitted with an exponential (the largest
+quarter of them, maximum likelihood), and the per-result false-refusal rate is estimated as
+1 − (1 − P(margin > tolerance))^(tokens per result), with P from the fit times the share of positive margins.
+
+Free choice: at each honest position, the tokens whose noised score is within the tolerance of the best are the
+ones an adversary could send instead without refusal: log2 of their count, averaged over positions, is its free
+choice in bits per token (0 when only the keyed choice passes).
+
+Attacks (judged against the torch verifier at each class's tolerance): greedy decoding; forced-correct answers;
+best-of-16 by reward (honest keyed samples of 16 other keys, the group with the highest reward); top-k steering
+(at every position, the token among the policy's 4 likeliest that continues the correct answer, else the keyed
+choice); junk (random non-stop tokens). A result identical to the honest keyed sample is honest work: counted
+apart ("same as honest"), never as a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sampling_calibration import Prompts, Setup, _job, load_setup  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+SECTION = "## Keyed sampling: calibration"
+
+
+@dataclass
+class ClassRow:
+    name: str
+    temperature: float
+    tolerance: float
+    results: int = 0
+    tokens: int = 0
+    positive: list[float] = field(default_factory=list)  # the positive margins (honest tokens off the argmax)
+    worst: float = 0.0
+    refused: int = 0
+    bits: float = 0.0  # summed over tokens
+    seconds: float = 0.0
+
+    def tail_rate(self) -> float:
+        """Estimated per-result false-refusal rate at the tolerance (see the module docstring)."""
+        if not self.tokens:
+            return float("nan")
+        pos = sorted(self.positive)
+        share = len(pos) / self.tokens
+        if len(pos) < 8:  # too few to fit: a rule-of-three bound on the share, with the largest seen as the scale
+            share = max(share, 3.0 / self.tokens)
+            scale = max(pos[-1] if pos else 1e-6, 1e-6)
+            tail = share * math.exp(-self.tolerance / scale)
+        else:
+            top = pos[-max(8, len(pos) // 4) :]
+            u = top[0]
+            scale = max(1e-12, sum(x - u for x in top) / len(top))
+            tail = share * len(top) / len(pos) * math.exp(-(self.tolerance - u) / scale)
+        per_token = min(1.0, tail)
+        return 1.0 - (1.0 - per_token) ** (self.tokens / max(1, self.results))
+
+
+@dataclass
+class AttackRow:
+    kind: str
+    tolerance_class: str
+    results: int = 0
+    same_as_honest: int = 0
+    refused: int = 0
+
+
+class Judge:
+    """The verifier's recompute and margins (completion_stats with keys), plus each position's free choice."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.s = setup
+
+    def margins(self, results: list[tuple[list[list[int]], list[list[int]], int]], tolerance: float | None = None
+                ) -> list[tuple[list[list[float]], float]]:
+        """Per result: the margins of each completion's tokens, and (with ``tolerance``) the summed free-choice
+        bits over its tokens."""
+        import torch
+
+        from shared.policy import _logits, completion_stats
+        from shared.sampler import job_word, keyed_scores_torch
+
+        out = []
+        with torch.no_grad():
+            for prompts, comps, key in results:
+                stats = completion_stats(self.s.model, prompts, comps, temperature=self.s.temperature,
+                                         pad_id=self.s.pad, share_prompts=True, keys=[key] * len(comps),
+                                         rollouts=list(range(len(comps))))
+                assert stats.margins is not None
+                rows = [r[: len(c)] for r, c in zip(stats.margins.tolist(), comps, strict=True)]
+                bits = 0.0
+                if tolerance is not None:
+                    logits, ids, mask = _logits(self.s.model, prompts, comps, self.s.temperature, self.s.pad, True)
+                    n, width = ids.shape
+                    scores = keyed_scores_torch(
+                        logits, 1.0, torch.full((n, width), job_word(key), dtype=torch.long),
+                        torch.arange(n)[:, None].expand(n, width), torch.arange(width)[None, :].expand(n, width))
+                    best = scores.max(-1).values
+                    within = (scores >= (best - tolerance)[..., None]).sum(-1).to(torch.float64)
+                    bits = float((torch.log2(within) * mask).sum())
+                out.append((rows, bits))
+        return out
+
+
+def _results(idx: list[int], comps: list[list[int]], setup: Setup, per_result: int, group: int, key: int
+             ) -> tuple[list[list[int]], list[list[int]], int]:
+    return [setup.prompts[i] for i in idx for _ in range(group)], comps, key
+
+
+def honest(setup: Setup, judge: Judge, row: ClassRow, backend: Any, n: int, shape: tuple[int, int, int],
+           first: int, tol: float) -> None:
+    from coordinator.core.verify import check_choices, choice_stats
+    from shared.errors import ProtocolError
+
+    per_result, group, max_tokens = shape
+    stream = Prompts(setup, per_result, first)
+    t0 = time.monotonic()
+    for r in range(n):
+        idx = stream.take(1)
+        key = 10_000_019 * (first + r + 1) + int(row.temperature * 1000)
+        job = _job([setup.prompts[i] for i in idx], group, max_tokens, setup.temperature, setup.stops, key)
+        comps = [list(x.token_ids) for x in backend.generate(job, lambda: False)]
+        ((rows, bits),) = judge.margins([_results(idx, comps, setup, per_result, group, key)], tol)
+        row.results += 1
+        row.bits += bits
+        for m in (m for rr in rows for m in rr):
+            row.tokens += 1
+            if m > 0:
+                row.positive.append(m)
+                row.worst = max(row.worst, m)
+        try:
+            check_choices(choice_stats(rows), tol)
+        except ProtocolError:
+            row.refused += 1
+    row.seconds += time.monotonic() - t0
+
+
+def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tolerances: dict[str, float],
+            first: int) -> list[AttackRow]:
+    import torch
+
+    from coordinator.core.verify import check_choices, choice_stats
+    from shared.errors import ProtocolError
+    from shared.policy import generate
+
+    per_result, group, max_tokens = shape
+    stream = Prompts(setup, per_result, first)
+    rng = random.Random(first)
+    eos = setup.stops[0]
+    vocab = int(setup.model.get_input_embeddings().num_embeddings)
+    non_stop = [t for t in range(vocab) if t not in setup.stops]
+    rows: dict[tuple[str, str], AttackRow] = {}
+
+    def sample(prompts: list[list[int]], g: int, key: int | None) -> list[list[int]]:
+        with torch.no_grad():
+            return [list(x.token_ids) for x in generate(setup.model, prompts, group_size=g,
+                                                        temperature=setup.temperature, max_tokens=max_tokens,
+                                                        stop_ids=setup.stops, seed=key, pad_id=setup.pad)]
+
+    def forced(i: int) -> list[int]:
+        return list(setup.tokenizer.encode(" " + setup.answers[i]))[: max_tokens - 1] + [eos]
+
+    def steer(prompt: list[int], target: list[int], key: int, rollout: int) -> list[int]:
+        """Top-4 steering: at each position the likeliest-4 token that continues ``target``, else the keyed one."""
+        from shared.sampler import choose_torch
+
+        out: list[int] = []
+        with torch.no_grad():
+            for t in range(max_tokens):
+                logits = setup.model(input_ids=torch.tensor([prompt + out])).logits[0, -1].float()
+                top = logits.topk(4).indices.tolist()
+                want = target[t] if t < len(target) else eos
+                tok = want if want in top else int(choose_torch(logits[None], setup.temperature, key,
+                                                                torch.tensor([rollout]), t)[0])
+                out.append(tok)
+                if tok in setup.stops:
+                    break
+        return out
+
+    for r in range(n):
+        idx = stream.take(1)
+        key = 7_000_003 * (first + r + 1)
+        prompts = [setup.prompts[i] for i in idx]
+        flat = [p for p in prompts for _ in range(group)]
+        honest_comps = sample(prompts, group, key)
+        cands: dict[str, list[list[int]]] = {
+            "greedy": sample(prompts, group, None),
+            "forced-correct": [forced(i) for i in idx for _ in range(group)],
+            "junk": [[rng.choice(non_stop) for _ in range(max_tokens)] for _ in range(len(flat))],
+            "top-4 steering": [steer(flat[j], forced(idx[j // group]), key, j) for j in range(len(flat))],
+        }
+        pool: list[list[int]] = []  # best-of-16: 16 honest groups under other keys, the best-rewarded group kept
+        for k in range(16):
+            pool += sample(prompts, group, key + 1 + k)
+        picked: list[list[int]] = []
+        for j, i in enumerate(idx):
+            groups = [[pool[(k * per_result + j) * group + g] for g in range(group)] for k in range(16)]
+            score = [sum(setup.task.reward(setup.items[i], setup.tokenizer.decode(c, skip_special_tokens=True))
+                         for c in grp) for grp in groups]
+            picked += groups[int(np.argmax(score))]
+        cands["best-of-16 by reward"] = picked
+        for kind, comps in cands.items():
+            same = comps == honest_comps
+            ((margin_rows, _),) = judge.margins([(flat, comps, key)])
+            for cls, tol in tolerances.items():
+                row = rows.setdefault((kind, cls), AttackRow(kind, cls))
+                row.results += 1
+                if same:
+                    row.same_as_honest += 1
+                    continue
+                try:
+                    check_choices(choice_stats(margin_rows), tol)
+                except ProtocolError:
+                    row.refused += 1
+    return list(rows.values())
+
+
+def bf16_copy(folder: Path, out: Path) -> Path:
+    """The model folder with its safetensors weights rounded to bf16 (a `snapshots.dtype = "bfloat16"` snapshot)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    for shard in sorted(out.glob("*.safetensors")):
+        import torch
+
+        state = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(shard)).items()}
+        save_file(state, str(shard), metadata={"format": "pt"})
+    return out
+
+
+def table(rows: list[ClassRow], atk: list[AttackRow]) -> str:
+    lines = ["| class | T | results | tokens | off the argmax | worst honest margin | tolerance | refused | "
+             "est. false-refusal rate per result | free choice (bits/token) | s/result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.name} | {r.temperature:g} | {r.results} | {r.tokens} | "
+                     f"{len(r.positive) / max(1, r.tokens):.4%} | {r.worst:.3g} | {r.tolerance:g} | {r.refused} | "
+                     f"{r.tail_rate():.1e} | {r.bits / max(1, r.tokens):.2e} | {r.seconds / max(1, r.results):.3f} |")
+    lines += ["", "| attack | tolerance of | results | same as honest | refused of the others |", "|---|---|---|---|---|"]
+    for a in atk:
+        other = a.results - a.same_as_honest
+        rate = f"{a.refused}/{other} ({a.refused / other:.1%})" if other else "–"
+        lines.append(f"| {a.kind} | {a.tolerance_class} | {a.results} | {a.same_as_honest} | {rate} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=int, default=2000, help="honest results per class and temperature")
+    ap.add_argument("--attacks", type=int, default=200, help="results per attack kind (temperature 1.0)")
+    ap.add_argument("--temperatures", default="1.0,0.7")
+    ap.add_argument("--classes", default="torch-f32,torch-bf16,llama-f32,llama-f16,llama-q8_0")
+    ap.add_argument("--model-dir", type=Path, default=None, help="the tiny model's folder (default: build/cache it)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--write-docs", action="store_true", help=f"replace the table under '{SECTION}' in {DOCS}")
+    args = ap.parse_args()
+
+    import torch
+
+    from coordinator.config import JobsConfig, LearnerConfig, SamplingConfig, VerificationConfig
+    from coordinator.publish.gguf_export import export_folder
+    from swarm_client.backends.llama_backend import LlamaBackend
+    from swarm_client.backends.torch_backend import TorchBackend
+
+    torch.set_num_threads(1)
+    shape = (JobsConfig().prompts_per_job, LearnerConfig().group_size, SamplingConfig().max_tokens)
+    if args.model_dir is None:
+        from coordinator.engine.tiny_model import ensure_tiny_model
+
+        base = ensure_tiny_model()
+    else:
+        base = args.model_dir
+    vcfg = VerificationConfig()
+
+    def tolerance(cls: str) -> float:
+        backend, _, precision = cls.partition("-")
+        return vcfg.choice_tolerance("llama/cpu" if backend == "llama" else "torch/cpu", precision)
+
+    t0 = time.monotonic()
+    rows: list[ClassRow] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {"f32": base}
+        for cls in args.classes.split(","):
+            backend_name, _, precision = cls.partition("-")
+            if backend_name == "torch":
+                folder = base if precision == "f32" else folders.get("bf16") or bf16_copy(base, Path(tmp) / "bf16")
+                folders["bf16" if precision == "bf16" else "f32"] = folder
+                backend: Any = TorchBackend(device="cpu", threads=1)
+                backend.load(folder)
+            else:
+                folder = base
+                gdir = Path(tmp) / precision
+                gdir.mkdir()
+                export_folder(base, gdir / "model.gguf", precision)
+                backend = LlamaBackend(device="cpu", threads=1, n_ctx=64)
+                backend.load(gdir)
+            for k, temperature in enumerate(float(t) for t in args.temperatures.split(",")):
+                setup = load_setup(folder, temperature)  # the verifier's replica: float32 from the same weights
+                row = ClassRow(cls, temperature, tolerance(cls))
+                honest(setup, Judge(setup), row, backend, args.results, shape, first=k * args.results,
+                       tol=row.tolerance)
+                rows.append(row)
+                print(f"[{time.monotonic() - t0:6.0f}s] {cls} T={temperature:g}: {row.results} results, "
+                      f"{row.refused} refused, worst {row.worst:.3g}", flush=True)
+            del backend
+        setup = load_setup(base, 1.0)
+        tols = {"torch": tolerance("torch-f32"), "llama-f16": tolerance("llama-f16"),
+                "llama-q8_0": tolerance("llama-q8_0")}
+        atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=10 ** 6) if args.attacks else []
+        print(f"[{time.monotonic() - t0:6.0f}s] attacks done", flush=True)
+    text = table(rows, atk)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"classes": [r.__dict__ | {"positive": sorted(r.positive)[-200:]}
+                                                     for r in rows], "attacks": [a.__dict__ for a in atk]}))
+    if args.write_docs:
+        doc = DOCS.read_text()
+        head = (f"{SECTION}\n\n`python bench/choice_calibration.py --results {args.results} --attacks "
+                f"{args.attacks}` (tiny model, {shape[0]}×{shape[1]} completions of ≤ {shape[2]} tokens per result, "
+                f"2-core CPU, one run):\n\n")
+        if SECTION in doc:
+            start = doc.index(SECTION)
+            end = doc.find("\n## ", start + len(SECTION))
+            doc = doc[:start] + head + text + "\n" + (doc[end:] if end != -1 else "")
+        else:
+            doc = doc.rstrip() + "\n\n" + head + text + "\n"
+        DOCS.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()

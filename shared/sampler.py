@@ -1,0 +1,184 @@
+"""The keyed Gumbel-max sampler: every backend picks each token the same way, so the verifier can check every
+choice from the teacher-forced pass it already runs (docs/protocol.md §5b).
+
+A rollout's token at a position is ``argmax_i(logits_i / T + G_i)``, where the Gumbel noise ``G_i`` is a fixed
+function of (the job's sampling key, the rollout's index in the job, the position, the token id). This samples
+exactly ``softmax(logits / T)`` (the Gumbel-max trick), so the behaviour logprob stays
+``log_softmax(logits / T)[token]``. Why keyed noise rather than a seeded random generator: llama.cpp's sampler
+draws by inverse CDF from ``std::mt19937`` (different across C++ libraries, and flipped by a small logit drift
+anywhere in the CDF), torch's multinomial differs across devices — neither can be replayed by the verifier. With
+the noise fixed, an honest token is the argmax of the verifier's scores too, up to the small difference between
+the two implementations' logits; a forced, cherry-picked or greedy token is not.
+
+The specification, which a client written from docs/protocol.md reproduces bit for bit:
+
+- ``mix32(x)``: for x in [0, 2³²): ``x ^= x >> 16; x = x·0x7feb352d mod 2³²; x ^= x >> 15; x = x·0x846ca68b mod
+  2³²; x ^= x >> 16`` (Wellons' lowbias32; a bijection with full avalanche).
+- the key (the job's ``seed``, 63 bits, secret to the run until the job is leased: core.jobs) gives
+  ``k = mix32((key mod 2³²) ^ mix32((key >> 32) ^ 0x9e3779b9))``; rollout ``r`` (prompt-major index in the job:
+  prompt i, sample g → ``i·group_size + g``) and position ``t`` (index of the token among the completion's tokens)
+  give ``a = mix32(mix32(k ^ mix32(r ^ 0x85ebca6b)) ^ mix32(t ^ 0xc2b2ae35))`` and ``b = mix32(a ^ 0x27d4eb2f)``;
+- token id ``i``: ``bits = mix32(mix32(mix32(i ^ 0x165667b1) ^ a) ^ b)``; ``u = (bits + 0.5) / 2³²`` (exact in
+  float64, never 0 or 1); ``G = −log(−log(u))`` in float64 — the one step where libraries may differ, by at most
+  a few ulp (|ΔG| < 1e-13), which the verifier's tolerance absorbs;
+- score ``s_i = float64(logits_i) / T + G_i`` (logits as the model computed them, in float32); the token is the
+  first index of the largest score.
+
+The integer steps use only ``^ >> & + ·`` on non-negative values below 2⁴⁹ (a 32-bit product is split into 16-bit
+halves), so one implementation runs on Python ints, numpy int64 arrays and torch int64 tensors on any device with
+identical bits. The verifier's *margin* of a token x is ``max_i s_i − s_x ≥ 0``: 0 when x is the keyed choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+SAMPLER_ID = "gumbel-max/lowbias32-v1"  # the specification above; named in the job so a client can refuse another
+
+MASK32 = 0xFFFFFFFF
+_M1, _M2 = 0x7FEB352D, 0x846CA68B
+KEY_SALT, ROLLOUT_SALT, POSITION_SALT, B_SALT, TOKEN_SALT = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F, 0x165667B1
+
+Ints = Any  # an int, a numpy int64 array or a torch int64 tensor: the integer steps run on any of them
+
+
+def _mul32(x: Ints, c: int) -> Ints:
+    """x·c mod 2³² for x in [0, 2³²), without a product ≥ 2⁶³: c split into 16-bit halves."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return ((x * lo) + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: Ints) -> Ints:
+    """lowbias32 (see the module docstring): a 32-bit bijection."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _M1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _M2)
+    return x ^ (x >> 16)
+
+
+def job_word(key: int) -> int:
+    """The 32-bit word a job's 63-bit sampling key reduces to."""
+    key = int(key)
+    return mix32((key & MASK32) ^ mix32(((key >> 32) & MASK32) ^ KEY_SALT))
+
+
+def position_words(k: Ints, rollout: Ints, position: Ints) -> tuple[Ints, Ints]:
+    """(a, b) for rollout(s) and position(s): ints, or broadcastable int64 arrays/tensors."""
+    a = mix32(mix32(k ^ mix32(rollout ^ ROLLOUT_SALT)) ^ mix32(position ^ POSITION_SALT))
+    return a, mix32(a ^ B_SALT)
+
+
+def noise_bits(token_words: Ints, a: Ints, b: Ints) -> Ints:
+    """The 32-bit noise word per token, from the token words ``mix32(i ^ TOKEN_SALT)`` and a position's (a, b)."""
+    return mix32(mix32(token_words ^ a) ^ b)
+
+
+# -- numpy (the llama.cpp client) ------------------------------------------------------------------------------
+_NP_TOKENS: dict[int, np.ndarray] = {}
+
+
+def token_words_np(vocab: int) -> np.ndarray:
+    """``mix32(i ^ TOKEN_SALT)`` for every token id (cached per vocabulary size: it does not depend on the key)."""
+    words = _NP_TOKENS.get(vocab)
+    if words is None:
+        words = mix32(np.arange(vocab, dtype=np.int64) ^ TOKEN_SALT)
+        _NP_TOKENS[vocab] = words
+    return words
+
+
+def gumbel_np(bits: np.ndarray) -> np.ndarray:
+    return -np.log(-np.log((bits.astype(np.float64) + 0.5) * 2.0**-32))
+
+
+def gumbel_row_np(key: int, rollout: int, position: int, vocab: int) -> np.ndarray:
+    """The float64 Gumbel noise of one (job, rollout, position) over the vocabulary."""
+    a, b = position_words(job_word(key), int(rollout), int(position))
+    return gumbel_np(noise_bits(token_words_np(vocab), a, b))
+
+
+def choose_np(logits: np.ndarray, temperature: float, key: int, rollout: int, position: int) -> int:
+    """The keyed choice for one position from a float32 logits row (the llama.cpp client's sampler)."""
+    scores = logits.astype(np.float64) / float(temperature)
+    scores += gumbel_row_np(key, rollout, position, logits.shape[-1])
+    return int(np.argmax(scores))
+
+
+# -- torch (the torch client, the co-located loop, the verifier) -----------------------------------------------
+_TORCH_TOKENS: dict[tuple[str, int], Any] = {}
+
+
+def token_words_torch(vocab: int, device: Any) -> torch.Tensor:
+    import torch
+
+    key = (str(device), vocab)
+    words = _TORCH_TOKENS.get(key)
+    if words is None:
+        words = mix32(torch.arange(vocab, dtype=torch.int64, device=device) ^ TOKEN_SALT)
+        _TORCH_TOKENS[key] = words
+    return words
+
+
+def gumbel_torch(bits: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    u = (bits.to(torch.float64) + 0.5) * 2.0**-32
+    return -torch.log(-torch.log(u))
+
+
+def keyed_scores_torch(logits: torch.Tensor, temperature: float, keys: torch.Tensor, rollouts: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+    """float64 scores ``logits / T + G`` for logits [..., V] (float32, untempered) whose leading dims match the
+    int64 tensors ``keys`` (job words, :func:`job_word`), ``rollouts`` and ``positions``."""
+    import torch
+
+    a, b = position_words(keys, rollouts, positions)
+    bits = noise_bits(token_words_torch(logits.shape[-1], logits.device), a[..., None], b[..., None])
+    return logits.to(torch.float64) / float(temperature) + gumbel_torch(bits)
+
+
+def choose_torch(logits: torch.Tensor, temperature: float, key: int, rollouts: torch.Tensor, position: int
+                 ) -> torch.Tensor:
+    """The keyed choice per row of logits [n, V] for rollouts [n] of one job at one position."""
+    import torch
+
+    n = logits.shape[0]
+    keys = torch.full((n,), job_word(key), dtype=torch.int64, device=logits.device)
+    pos = torch.full((n,), int(position), dtype=torch.int64, device=logits.device)
+    return keyed_scores_torch(logits, temperature, keys, rollouts.to(logits.device), pos).argmax(-1)
+
+
+def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, keys: Sequence[int | None],
+                  rollouts: torch.Tensor, *, chunk_elements: int = 2**24) -> torch.Tensor:
+    """Each token's margin ``max_i s_i − s_token`` (float64, [B, T]) from untempered logits [B, T, V] of
+    completions ``tokens`` [B, T]: row b is rollout ``rollouts[b]`` of the job whose sampling key is
+    ``keys[b]`` (None: not keyed, margins 0); positions are 0..T−1. Computed ``chunk_elements`` scores at a time
+    so the float64 expansion stays bounded whatever B, T and V."""
+    import torch
+
+    bsz, width, vocab = logits.shape
+    device = logits.device
+    out = torch.zeros((bsz, width), dtype=torch.float64, device=device)
+    words = torch.tensor([0 if k is None else job_word(k) for k in keys], dtype=torch.int64, device=device)
+    keyed = [k is not None for k in keys]
+    rows_per = max(1, chunk_elements // max(1, width * vocab))
+    positions = torch.arange(width, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        for s in range(0, bsz, rows_per):
+            if not any(keyed[s : s + rows_per]):
+                continue
+            part = logits[s : s + rows_per].detach()
+            n = part.shape[0]
+            scores = keyed_scores_torch(part, temperature, words[s : s + n, None].expand(n, width),
+                                        rollouts[s : s + n].to(device)[:, None].expand(n, width),
+                                        positions[None, :].expand(n, width))
+            chosen = scores.gather(2, tokens[s : s + n, :, None]).squeeze(2)
+            out[s : s + n] = scores.max(-1).values - chosen
+    out[torch.tensor([not k for k in keyed], dtype=torch.bool, device=device)] = 0.0
+    return out

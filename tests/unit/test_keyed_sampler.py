@@ -1,0 +1,127 @@
+"""The keyed Gumbel-max sampler (shared.sampler): one specification, identical bits on Python ints, numpy and
+torch, the softmax distribution, the published test vectors, and the verifier's margin check on real models."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.core.verify import check_choices, choice_stats
+from shared import sampler
+from shared.errors import ProtocolError, Reason
+
+REPO = Path(__file__).resolve().parents[2]
+
+# (key, rollout, position, token id) → noise word; the same table is printed in docs/protocol.md §5b
+VECTORS = [(0, 0, 0, 0), (1, 0, 0, 0), (123456789012345, 3, 7, 42), (2**63 - 1, 63, 4095, 151935)]
+
+
+def _word(key: int, rollout: int, position: int, token: int) -> int:
+    a, b = sampler.position_words(sampler.job_word(key), rollout, position)
+    return sampler.noise_bits(sampler.mix32(token ^ sampler.TOKEN_SALT), a, b)
+
+
+def test_mix32_is_a_bijection_on_a_sample_and_identical_on_every_integer_kind() -> None:
+    import torch
+
+    xs = [0, 1, 2, 3, 12345, 2**31 - 1, 2**31, 2**32 - 1]
+    ints = [sampler.mix32(x) for x in xs]
+    assert len(set(ints)) == len(xs) and all(0 <= v < 2**32 for v in ints)
+    assert list(sampler.mix32(np.array(xs, dtype=np.int64))) == ints
+    assert sampler.mix32(torch.tensor(xs, dtype=torch.int64)).tolist() == ints
+    sample = np.arange(0, 2**20, dtype=np.int64) * 4093  # distinct inputs map to distinct outputs
+    assert len(np.unique(sampler.mix32(sample))) == len(sample)
+
+
+def test_noise_bits_agree_between_numpy_torch_and_python_over_a_large_vocabulary() -> None:
+    import torch
+
+    vocab = 151_936
+    a, b = sampler.position_words(sampler.job_word(987654321), 5, 17)
+    np_bits = sampler.noise_bits(sampler.token_words_np(vocab), a, b)
+    torch_bits = sampler.noise_bits(sampler.token_words_torch(vocab, "cpu"), torch.tensor(a), torch.tensor(b))
+    assert np.array_equal(np_bits, torch_bits.numpy())
+    assert all(int(np_bits[i]) == _word(987654321, 5, 17, i) for i in (0, 1, 77, vocab - 1))
+    gn, gt = sampler.gumbel_np(np_bits), sampler.gumbel_torch(torch_bits).numpy()
+    assert np.abs(gn - gt).max() < 1e-13  # the documented bound on the float step
+    assert abs(gn.mean() - 0.5772) < 0.01 and abs(gn.std() - math.pi / math.sqrt(6)) < 0.01  # Gumbel(0, 1)
+
+
+def test_published_test_vectors_match_the_code() -> None:
+    text = (REPO / "docs" / "protocol.md").read_text()
+    rows = re.findall(r"^\| `(\d+)` \| (\d+) \| (\d+) \| (\d+) \| `0x([0-9a-f]{8})` \|", text, flags=re.M)
+    assert len(rows) == len(VECTORS), "docs/protocol.md §5b lists the keyed sampler's test vectors"
+    for (key, rollout, position, token, word), vector in zip(rows, VECTORS, strict=True):
+        assert (int(key), int(rollout), int(position), int(token)) == vector
+        assert int(word, 16) == _word(*vector), vector
+
+
+def test_keyed_choices_follow_the_softmax_at_the_temperature() -> None:
+    logits = np.array([0.0, 1.0, 2.0, 0.5, -1.0], dtype=np.float32)
+    for temperature in (1.0, 0.7):
+        n = 20_000
+        counts = np.bincount([sampler.choose_np(logits, temperature, 99, r, 3) for r in range(n)], minlength=5)
+        p = np.exp(logits / temperature)
+        p /= p.sum()
+        chi2 = float((((counts - n * p) ** 2) / (n * p)).sum())
+        assert chi2 < 25.0, (counts / n, p)  # 4 degrees of freedom: p ≈ 5e-5 for an honest sampler
+
+
+def test_numpy_and_torch_choose_the_same_tokens() -> None:
+    import torch
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(16, 1000)).astype(np.float32)
+    rollouts = torch.arange(16)
+    for position in range(5):
+        t = sampler.choose_torch(torch.from_numpy(logits), 0.8, 31337, rollouts, position).tolist()
+        n = [sampler.choose_np(logits[r], 0.8, 31337, r, position) for r in range(16)]
+        assert t == n
+
+
+def test_a_different_key_rollout_or_position_gives_different_noise() -> None:
+    base = sampler.gumbel_row_np(7, 0, 0, 512)
+    for other in (sampler.gumbel_row_np(8, 0, 0, 512), sampler.gumbel_row_np(7, 1, 0, 512),
+                  sampler.gumbel_row_np(7, 0, 1, 512)):
+        assert abs(np.corrcoef(base, other)[0, 1]) < 0.2
+
+
+def test_check_choices_refuses_beyond_the_tolerance_with_where_and_how_far() -> None:
+    check_choices(choice_stats([[0.0, 0.0], [0.004]]), 0.01)
+    with pytest.raises(ProtocolError) as err:
+        check_choices(choice_stats([[0.0, 0.0], [0.0, 2.5, 0.3]]), 0.01)
+    assert err.value.reason is Reason.CHOICE_MISMATCH and err.value.http_status == 422
+    assert "completion 1, token 1" in err.value.message and "2.5 below the best" in err.value.message
+    assert "2 of 5 tokens off the argmax" in err.value.message and "§5b" in err.value.message
+
+
+def test_an_honest_torch_result_has_zero_margins_and_a_forced_one_does_not(tiny_model_dir: Path) -> None:
+    """The client's generate and the verifier's completion_stats on the same model: every honest token is the
+    exact keyed argmax; replacing one token by another changes the margin at that position only."""
+    import torch
+
+    from shared.policy import completion_stats, generate, load_model
+
+    model = load_model(tiny_model_dir).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    with torch.no_grad():
+        samples = generate(model, prompts, group_size=4, temperature=1.0, max_tokens=8, stop_ids=[0], seed=4242,
+                           pad_id=0)
+        comps = [list(s.token_ids) for s in samples]
+        flat = [p for p in prompts for _ in range(4)]
+        stats = completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True,
+                                 keys=[4242] * 8, rollouts=list(range(8)))
+        assert stats.margins is not None and float(stats.margins.abs().max()) == 0.0
+        forged = [list(c) for c in comps]
+        forged[2][0] = (forged[2][0] + 1) % 200 + 1  # another first token for rollout 2
+        forged_stats = completion_stats(model, flat, forged, temperature=1.0, pad_id=0, share_prompts=True,
+                                        keys=[4242] * 8, rollouts=list(range(8)))
+        assert forged_stats.margins is not None and float(forged_stats.margins[2, 0]) > 0.05
+        # the same honest tokens judged as another rollout (another job's noise) are off the argmax too
+        swapped = completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True,
+                                   keys=[4243] * 8, rollouts=list(range(8)))
+        assert swapped.margins is not None and float(swapped.margins.max()) > 0.05
