@@ -53,6 +53,7 @@ from sampling_calibration import Prompts, Setup, _job, load_setup  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "## Keyed sampling: calibration"
+BITS_EVERY = 10  # free choice is measured on every 10th honest result (a second pass over the full scores)
 
 
 @dataclass
@@ -65,7 +66,8 @@ class ClassRow:
     positive: list[float] = field(default_factory=list)  # the positive margins (honest tokens off the argmax)
     worst: float = 0.0
     refused: int = 0
-    bits: float = 0.0  # summed over tokens
+    bits: float = 0.0  # summed over the tokens of every BITS_EVERY-th result
+    bits_tokens: int = 0
     seconds: float = 0.0
 
     def tail_rate(self) -> float:
@@ -151,9 +153,13 @@ def honest(setup: Setup, judge: Judge, row: ClassRow, backend: Any, n: int, shap
         key = 10_000_019 * (first + r + 1) + int(row.temperature * 1000)
         job = _job([setup.prompts[i] for i in idx], group, max_tokens, setup.temperature, setup.stops, key)
         comps = [list(x.token_ids) for x in backend.generate(job, lambda: False)]
-        ((rows, bits),) = judge.margins([_results(idx, comps, setup, per_result, group, key)], tol)
+        measure = r % BITS_EVERY == 0
+        ((rows, bits),) = judge.margins([_results(idx, comps, setup, per_result, group, key)],
+                                        tol if measure else None)
         row.results += 1
-        row.bits += bits
+        if measure:
+            row.bits += bits
+            row.bits_tokens += sum(len(c) for c in comps)
         for m in (m for rr in rows for m in rr):
             row.tokens += 1
             if m > 0:
@@ -266,7 +272,7 @@ def table(rows: list[ClassRow], atk: list[AttackRow]) -> str:
     for r in rows:
         lines.append(f"| {r.name} | {r.temperature:g} | {r.results} | {r.tokens} | "
                      f"{len(r.positive) / max(1, r.tokens):.4%} | {r.worst:.3g} | {r.tolerance:g} | {r.refused} | "
-                     f"{r.tail_rate():.1e} | {r.bits / max(1, r.tokens):.2e} | {r.seconds / max(1, r.results):.3f} |")
+                     f"{r.tail_rate():.1e} | {r.bits / max(1, r.bits_tokens):.2e} | {r.seconds / max(1, r.results):.3f} |")
     lines += ["", "| attack | tolerance of | results | same as honest | refused of the others |", "|---|---|---|---|---|"]
     for a in atk:
         other = a.results - a.same_as_honest

@@ -82,15 +82,36 @@ def noise_bits(token_words: Ints, a: Ints, b: Ints) -> Ints:
 
 # -- numpy (the llama.cpp client) ------------------------------------------------------------------------------
 _NP_TOKENS: dict[int, np.ndarray] = {}
+_U16, _U15 = np.uint32(16), np.uint32(15)
+_UM1, _UM2 = np.uint32(_M1), np.uint32(_M2)
+
+
+def mix32_u32(x: np.ndarray) -> np.ndarray:
+    """:func:`mix32` on a numpy uint32 array, whose multiplication wraps mod 2³² by definition: the same bits in a
+    third of the operations (the client's per-token cost over a 152 k vocabulary)."""
+    x = x ^ (x >> _U16)
+    x *= _UM1
+    x ^= x >> _U15
+    x *= _UM2
+    x ^= x >> _U16
+    return x
 
 
 def token_words_np(vocab: int) -> np.ndarray:
-    """``mix32(i ^ TOKEN_SALT)`` for every token id (cached per vocabulary size: it does not depend on the key)."""
+    """``mix32(i ^ TOKEN_SALT)`` for every token id, uint32 (cached per vocabulary size: it does not depend on the
+    key)."""
     words = _NP_TOKENS.get(vocab)
     if words is None:
-        words = mix32(np.arange(vocab, dtype=np.int64) ^ TOKEN_SALT)
+        words = mix32_u32(np.arange(vocab, dtype=np.uint32) ^ np.uint32(TOKEN_SALT))
         _NP_TOKENS[vocab] = words
     return words
+
+
+def noise_bits_np(token_words: np.ndarray, a: int, b: int) -> np.ndarray:
+    """:func:`noise_bits` for uint32 token words and one position's (a, b)."""
+    x = mix32_u32(token_words ^ np.uint32(a))
+    x ^= np.uint32(b)
+    return mix32_u32(x)
 
 
 def gumbel_np(bits: np.ndarray) -> np.ndarray:
@@ -100,7 +121,7 @@ def gumbel_np(bits: np.ndarray) -> np.ndarray:
 def gumbel_row_np(key: int, rollout: int, position: int, vocab: int) -> np.ndarray:
     """The float64 Gumbel noise of one (job, rollout, position) over the vocabulary."""
     a, b = position_words(job_word(key), int(rollout), int(position))
-    return gumbel_np(noise_bits(token_words_np(vocab), a, b))
+    return gumbel_np(noise_bits_np(token_words_np(vocab), a, b))
 
 
 def choose_np(logits: np.ndarray, temperature: float, key: int, rollout: int, position: int) -> int:

@@ -32,6 +32,7 @@ def test_mix32_is_a_bijection_on_a_sample_and_identical_on_every_integer_kind() 
     ints = [sampler.mix32(x) for x in xs]
     assert len(set(ints)) == len(xs) and all(0 <= v < 2**32 for v in ints)
     assert list(sampler.mix32(np.array(xs, dtype=np.int64))) == ints
+    assert list(sampler.mix32_u32(np.array(xs, dtype=np.uint32))) == ints
     assert sampler.mix32(torch.tensor(xs, dtype=torch.int64)).tolist() == ints
     sample = np.arange(0, 2**20, dtype=np.int64) * 4093  # distinct inputs map to distinct outputs
     assert len(np.unique(sampler.mix32(sample))) == len(sample)
@@ -42,7 +43,9 @@ def test_noise_bits_agree_between_numpy_torch_and_python_over_a_large_vocabulary
 
     vocab = 151_936
     a, b = sampler.position_words(sampler.job_word(987654321), 5, 17)
-    np_bits = sampler.noise_bits(sampler.token_words_np(vocab), a, b)
+    np_bits = sampler.noise_bits_np(sampler.token_words_np(vocab), a, b)
+    generic = sampler.noise_bits(np.arange(vocab, dtype=np.int64), 0, 0)  # the int64 path of the same function
+    assert np.array_equal(generic, sampler.mix32(sampler.mix32(np.arange(vocab, dtype=np.int64))))
     torch_bits = sampler.noise_bits(sampler.token_words_torch(vocab, "cpu"), torch.tensor(a), torch.tensor(b))
     assert np.array_equal(np_bits, torch_bits.numpy())
     assert all(int(np_bits[i]) == _word(987654321, 5, 17, i) for i in (0, 1, 77, vocab - 1))
