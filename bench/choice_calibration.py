@@ -111,14 +111,14 @@ class Judge:
         import torch
 
         from shared.policy import _logits, completion_stats
-        from shared.sampler import job_word, keyed_scores_torch
+        from shared.sampler import job_word, keyed_scores_torch, plain_segments
 
         out = []
         with torch.no_grad():
             for prompts, comps, key in results:
                 stats = completion_stats(self.s.model, prompts, comps, temperature=self.s.temperature,
-                                         pad_id=self.s.pad, share_prompts=True, keys=[key] * len(comps),
-                                         rollouts=list(range(len(comps))))
+                                         pad_id=self.s.pad, share_prompts=True,
+                                         segments=plain_segments(key, [len(c) for c in comps]))
                 assert stats.margins is not None
                 rows = [r[: len(c)] for r, c in zip(stats.margins.tolist(), comps, strict=True)]
                 bits = 0.0

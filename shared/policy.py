@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from shared.sampler import choose_torch, margins_torch
+from shared.sampler import Segment, choose_torch, margins_torch
 
 if TYPE_CHECKING:
     import torch
@@ -347,8 +347,7 @@ def completion_stats(
     temperature: float,
     pad_id: int,
     share_prompts: bool = False,
-    keys: Sequence[int | None] | None = None,
-    rollouts: Sequence[int] | None = None,
+    segments: Sequence[Sequence[Segment]] | None = None,
 ) -> CompletionStats:
     """:func:`completion_logprobs` plus, from the same forward pass, the entropy H, the variance of the
     surprisal V = E[(−log p)²] − H² and the largest logprob (of the likeliest token) of the tempered
@@ -361,9 +360,9 @@ def completion_stats(
     completion_logprobs'. No gradient flows into the entropy terms. The full [T, vocab] distribution is
     expanded STATS_ELEMENTS entries at a time, so the extra memory is bounded whatever the batch.
 
-    ``keys`` (each completion's job sampling key, None for a row not keyed) and ``rollouts`` (its rollout index
-    in its job): also each token's margin under the keyed sampler (shared.sampler), from the same logits — the
-    check of every token's choice. A row without a key gets margins of 0.
+    ``segments`` (per completion, which keyed draws its tokens are: shared.sampler.Segment): also each token's
+    margin under the keyed sampler, from the same logits — the check of every token's choice. Tokens outside every
+    segment get margins of 0.
 
     ``share_prompts``: run each distinct prompt once (:func:`_shared_prompt_logits`; the verifier's recompute of
     GRPO groups) — then equal to the plain pass up to float rounding, not bit for bit.
@@ -387,11 +386,10 @@ def completion_stats(
             entropy[b : b + rows] = h
             variance[b : b + rows] = (p * dev * dev).sum(-1)
     margins = None
-    if keys is not None:
-        if rollouts is None or len(keys) != len(completions) or len(rollouts) != len(completions):
-            raise ValueError("keys and rollouts need one entry per completion")
+    if segments is not None:
+        if len(segments) != len(completions):
+            raise ValueError(f"{len(segments)} segment lists for {len(completions)} completions")
         # the logits are already tempered (float32 l/T): the margin's scores are float64(l/T) + G, within float32
         # rounding of the client's float64(l)/T + G (absorbed by the tolerance, far below it)
-        margins = margins_torch(logits, c_ids, 1.0, keys, torch.tensor(list(rollouts), dtype=torch.long))
-        margins = margins * c_mask
+        margins = margins_torch(logits, c_ids, 1.0, segments) * c_mask
     return CompletionStats(logp, entropy, variance, top, c_mask.to(logp.dtype), margins)

@@ -175,31 +175,52 @@ def choose_torch(logits: torch.Tensor, temperature: float, key: int, rollouts: t
     return keyed_scores_torch(logits, temperature, keys, rollouts.to(logits.device), pos).argmax(-1)
 
 
-def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, keys: Sequence[int | None],
-                  rollouts: torch.Tensor, *, chunk_elements: int = 2**24) -> torch.Tensor:
+#: One run of keyed draws inside a completion: (sampling key, rollout index, offset of its first token in the
+#: completion, token count); its tokens are positions 0, 1, … of that rollout. A plain completion is one segment
+#: (the job's seed, its rollout index, 0, its length); a multi-turn episode one per turn (that turn's seed, the
+#: episode's index among the turn's live episodes, where the turn's action starts, its length) — the observation
+#: tokens between them were not sampled and have no margin.
+Segment = tuple[int, int, int, int]
+
+
+def plain_segments(key: int, lengths: Sequence[int]) -> list[list[Segment]]:
+    """The segments of a job's completions of these lengths: rollout r is completion r, positions from 0."""
+    return [[(int(key), r, 0, int(n))] for r, n in enumerate(lengths)]
+
+
+def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                  segments: Sequence[Sequence[Segment]], *, chunk_elements: int = 2**24) -> torch.Tensor:
     """Each token's margin ``max_i s_i − s_token`` (float64, [B, T]) from untempered logits [B, T, V] of
-    completions ``tokens`` [B, T]: row b is rollout ``rollouts[b]`` of the job whose sampling key is
-    ``keys[b]`` (None: not keyed, margins 0); positions are 0..T−1. Computed ``chunk_elements`` scores at a time
-    so the float64 expansion stays bounded whatever B, T and V."""
+    completions ``tokens`` [B, T], row b keyed by ``segments[b]``; 0 where no segment covers a token. Computed
+    ``chunk_elements`` scores at a time so the float64 expansion stays bounded whatever B, T and V."""
     import torch
 
     bsz, width, vocab = logits.shape
     device = logits.device
+    words = torch.zeros((bsz, width), dtype=torch.int64)
+    rollouts = torch.zeros((bsz, width), dtype=torch.int64)
+    positions = torch.zeros((bsz, width), dtype=torch.int64)
+    keyed = torch.zeros((bsz, width), dtype=torch.bool)
+    for b, row in enumerate(segments):
+        for key, rollout, offset, length in row:
+            end = min(width, offset + length)
+            if offset < 0 or end <= offset:
+                continue
+            words[b, offset:end] = job_word(key)
+            rollouts[b, offset:end] = rollout
+            positions[b, offset:end] = torch.arange(end - offset)
+            keyed[b, offset:end] = True
+    words, rollouts, positions, keyed = (t.to(device) for t in (words, rollouts, positions, keyed))
     out = torch.zeros((bsz, width), dtype=torch.float64, device=device)
-    words = torch.tensor([0 if k is None else job_word(k) for k in keys], dtype=torch.int64, device=device)
-    keyed = [k is not None for k in keys]
     rows_per = max(1, chunk_elements // max(1, width * vocab))
-    positions = torch.arange(width, dtype=torch.int64, device=device)
     with torch.no_grad():
         for s in range(0, bsz, rows_per):
-            if not any(keyed[s : s + rows_per]):
+            if not bool(keyed[s : s + rows_per].any()):
                 continue
             part = logits[s : s + rows_per].detach()
             n = part.shape[0]
-            scores = keyed_scores_torch(part, temperature, words[s : s + n, None].expand(n, width),
-                                        rollouts[s : s + n].to(device)[:, None].expand(n, width),
-                                        positions[None, :].expand(n, width))
+            scores = keyed_scores_torch(part, temperature, words[s : s + n], rollouts[s : s + n],
+                                        positions[s : s + n])
             chosen = scores.gather(2, tokens[s : s + n, :, None]).squeeze(2)
             out[s : s + n] = scores.max(-1).values - chosen
-    out[torch.tensor([not k for k in keyed], dtype=torch.bool, device=device)] = 0.0
-    return out
+    return torch.where(keyed, out, torch.zeros_like(out))

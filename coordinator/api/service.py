@@ -56,6 +56,7 @@ from coordinator.tasks.episodes import EnvTask, episode_behaviour, select
 from coordinator.tasks.rewards import RewardFailed
 from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import PROTOCOL_VERSION, crypto, wire
+from shared.envs.play import episode_segments
 from shared.errors import ProtocolError, Reason
 from shared.hashing import prompt_hash, sha256_bytes
 from shared.messages import (
@@ -74,6 +75,7 @@ from shared.messages import (
     SubmitResponse,
 )
 from shared.records import sign_job
+from shared.sampler import Segment, plain_segments
 
 logger = logging.getLogger(__name__)
 
@@ -509,13 +511,19 @@ class Coordinator:
                 tokenizer=self.codec.tokenizer, max_tokens=self.config.sampling.max_tokens,
                 stop_ids=frozenset(self.codec.stop_ids), vocab_size=self.vocab_size)
             completions, reported = replayed.sequences, replayed.reported
-        # a job's completions are keyed by its seed (shared.sampler); an episode's turns are not checked this way
-        key = None if replayed is not None else row.seed
-        token_stats = None if own else await self._recompute_stats_at(prompts, completions, sub.version, key)
+        # every sampled token's keyed draw (shared.sampler): the job's seed, or each episode turn's (shared.envs.play)
+        if replayed is None:
+            segments = plain_segments(row.seed, [len(c) for c in completions])
+        else:
+            segments = episode_segments(row.seed, [[(len(t.token_ids), len(t.observation_ids)) for t in c.turns or []]
+                                                   for c in sub.completions])
+        token_stats = None if own else await self._recompute_stats_at(prompts, completions, sub.version, segments)
         if replayed is not None and token_stats is not None:  # the model's tokens only, never the observations'
             full_recomputed = token_stats.logprobs
-            token_stats = TokenStats(*(select(rows, replayed.masks) for rows in (
-                token_stats.logprobs, token_stats.entropy, token_stats.variance, token_stats.top)))
+            m = replayed.masks
+            token_stats = TokenStats(
+                select(token_stats.logprobs, m), select(token_stats.entropy, m), select(token_stats.variance, m),
+                select(token_stats.top, m), None if token_stats.margins is None else select(token_stats.margins, m))
         recomputed = reported if token_stats is None else token_stats.logprobs
         stats = logprob_stats(reported, recomputed)
         check_logprobs(stats, *self.config.verification.tolerances(self.backend_class(client_id),
@@ -573,11 +581,11 @@ class Coordinator:
         return (await self._recompute_stats_at(prompts, completions, version)).logprobs
 
     async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int,
-                                  key: int | None = None) -> TokenStats:
+                                  segments: list[list[Segment]] | None = None) -> TokenStats:
         """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass), and
-        with the job's sampling ``key`` each token's keyed-sampler margin."""
+        with the completions' keyed draws (``segments``) each token's keyed-sampler margin."""
         try:
-            return await self.verifier.recompute_stats(prompts, completions, version, key)
+            return await self.verifier.recompute_stats(prompts, completions, version, segments)
         except VersionGone:
             raise ProtocolError(Reason.VERSION_RETIRED,
                                 f"policy version {version} is no longer kept for verification") from None

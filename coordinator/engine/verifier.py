@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
+from shared.sampler import Segment
 
 if TYPE_CHECKING:
     from coordinator.engine.fsdp import Ranks
@@ -76,7 +77,7 @@ class _Request:
     prompts: list[list[int]]
     completions: list[list[int]]
     future: asyncio.Future[TokenStats]
-    key: int | None = None  # the job's sampling key: its completions' keyed-sampler margins are computed too
+    segments: list[list[Segment]] | None = None  # keyed draws per completion: their margins are computed too
 
 
 @dataclass
@@ -140,15 +141,15 @@ class Verifier:
         return (await self.recompute_stats(prompts, completions, version)).logprobs
 
     async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
-                              key: int | None = None) -> TokenStats:
+                              segments: list[list[Segment]] | None = None) -> TokenStats:
         """:meth:`recompute` plus each position's entropy and surprisal variance, from the same forward pass
-        (for the sampling test, coordinator.core.verify.check_sampling); with the job's sampling ``key``, also
-        each token's keyed-sampler margin (completion i is the job's rollout i; coordinator.core.verify.
-        check_choices)."""
+        (for the sampling test, coordinator.core.verify.check_sampling); with ``segments`` (the keyed draws of
+        each completion, shared.sampler.Segment), also each token's keyed-sampler margin
+        (coordinator.core.verify.check_choices)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[TokenStats] = loop.create_future()
         with self._answering_one():
-            self._queue.append(_Request(version, prompts, completions, fut, key))
+            self._queue.append(_Request(version, prompts, completions, fut, segments))
             self._ensure_worker()
             assert self._wake is not None
             self._wake.set()
@@ -261,31 +262,29 @@ class Verifier:
         model = self._model_at(batch[0].version)
         prompts = [p for req in batch for p in req.prompts]
         completions = [c for req in batch for c in req.completions]
-        keys = [req.key for req in batch for _ in req.completions]
-        rollouts = [i for req in batch for i in range(len(req.completions))]
+        segments = [seg for req in batch for seg in (req.segments or [[] for _ in req.completions])]
         if self._ranks is None:
-            rows, ents, vars_, tops, margins = self._rows(model, prompts, completions, keys, rollouts)
+            rows, ents, vars_, tops, margins = self._rows(model, prompts, completions, segments)
         else:
             rows, ents, vars_, tops, margins = self._in_group("recompute", self._recompute_rows, batch[0].version,
-                                                              prompts, completions, keys, rollouts)
+                                                              prompts, completions, segments)
         out: list[TokenStats] = []
         k = 0
         for req in batch:
             n = len(req.completions)
             out.append(TokenStats(rows[k : k + n], ents[k : k + n], vars_[k : k + n], tops[k : k + n],
-                                  margins[k : k + n] if req.key is not None else None))
+                                  margins[k : k + n] if req.segments is not None else None))
             k += n
         self.stats.recompute_s += time.monotonic() - t0
         self.stats.results += len(batch)
         self.stats.batches += 1
         return out
 
-    def _rows(self, model: Any, prompts: list[list[int]], completions: list[list[int]], keys: list[int | None],
-              rollouts: list[int], passes: int = 0) -> tuple[list[list[float]], ...]:
+    def _rows(self, model: Any, prompts: list[list[int]], completions: list[list[int]],
+              segments: list[list[Segment]], passes: int = 0) -> tuple[list[list[float]], ...]:
         """Per-token (logprobs, entropy, surprisal variance, top logprob, keyed-sampler margin) of each completion,
         MICRO_BATCH at a time; at least ``passes`` forward passes (those past the completions run on the first one,
-        discarded). ``keys``/``rollouts``: each completion's job sampling key (None: no margins, 0s) and rollout
-        index in its job."""
+        discarded). ``segments``: each completion's keyed draws (none: margins of 0)."""
         import torch
 
         from shared.policy import completion_stats
@@ -294,16 +293,16 @@ class Verifier:
         with torch.no_grad():
             for s in range(0, max(len(completions), passes * MICRO_BATCH), MICRO_BATCH):
                 chunk, chunk_prompts = completions[s : s + MICRO_BATCH], prompts[s : s + MICRO_BATCH]
-                chunk_keys, chunk_rollouts = keys[s : s + MICRO_BATCH], rollouts[s : s + MICRO_BATCH]
+                chunk_segments = segments[s : s + MICRO_BATCH]
                 spare = not chunk  # this rank's share is used up: a pass for the collectives only
                 if spare:
                     chunk, chunk_prompts = completions[:1] or [[self.pad_id]], prompts[:1] or [[self.pad_id]]
-                    chunk_keys, chunk_rollouts = [None], [0]
-                keyed = any(k is not None for k in chunk_keys)
+                    chunk_segments = [[]]
+                keyed = any(chunk_segments)
                 # each GRPO group's prompt once (not on ranks: every rank must run the same passes)
                 stats = completion_stats(model, chunk_prompts, chunk, temperature=self.temperature,
                                          pad_id=self.pad_id, share_prompts=self._ranks is None,
-                                         keys=chunk_keys if keyed else None, rollouts=chunk_rollouts)
+                                         segments=chunk_segments if keyed else None)
                 margins = stats.margins if stats.margins is not None else torch.zeros_like(stats.logprobs)
                 if not spare:
                     for dst, t in zip(cols, (*stats[:4], margins), strict=True):
@@ -311,17 +310,16 @@ class Verifier:
         return cols
 
     def _recompute_rows(self, version: int, prompts: list[list[int]], completions: list[list[int]],
-                        keys: list[int | None], rollouts: list[int]) -> tuple[list[list[float]], ...]:
+                        segments: list[list[Segment]]) -> tuple[list[list[float]], ...]:
         """Every rank: its share of the batch (every N-th completion), gathered back to rank 0 in order."""
         from coordinator.engine import fsdp
 
         ranks = self._ranks
         assert ranks is not None
-        fsdp.lead(ranks, "_recompute_rows", version, prompts, completions, keys, rollouts)
+        fsdp.lead(ranks, "_recompute_rows", version, prompts, completions, segments)
         n, r = ranks.world_size, ranks.rank
         passes = math.ceil(math.ceil(len(completions) / n) / MICRO_BATCH)  # of the largest share
-        mine = self._rows(self._models[version], prompts[r::n], completions[r::n], keys[r::n], rollouts[r::n],
-                          passes)
+        mine = self._rows(self._models[version], prompts[r::n], completions[r::n], segments[r::n], passes)
         shares = fsdp.gather(ranks, mine)
         if shares is None:
             return ([], [], [], [], [])

@@ -28,7 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
 from coordinator.run.runfiles import wait_for_first_version
-from coordinator.run.workqueue import POLL_S, Bell, stats_answer
+from coordinator.run.workqueue import POLL_S, Bell, segments_from_wire, stats_answer
 from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.text import TextCodec
@@ -178,7 +178,7 @@ class VerifierWorker:
                 self.snapshots.observe(v["version"] for v in self.store.versions())
             if kind == "recompute":
                 answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
-                                                                          version, request.get("key")))
+                                                                          version, segments_from_wire(request.get("segments"))))
             else:
                 tokens = await self.verifier.replay(request["prompts"], group_size=int(request["group_size"]),
                                                     seed=int(request["seed"]), max_tokens=int(request["max_tokens"]),

@@ -24,6 +24,7 @@ from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
 from coordinator.store.store import Store, WorkKind
 from shared import wire
+from shared.sampler import Segment
 
 if TYPE_CHECKING:
     from coordinator.run.doorbell import Doorbell
@@ -104,11 +105,11 @@ class RemoteVerifier:
         return str(status["device"]) if status and status.get("device") else self._device
 
     async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
-                              key: int | None = None) -> TokenStats:
+                              segments: list[list[Segment]] | None = None) -> TokenStats:
         t0 = time.monotonic()
         try:
             answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
-                                                           "key": key})
+                                                           "segments": segments})
         finally:
             self.stats.recompute_s += time.monotonic() - t0
         if answer.get("gone"):
@@ -152,3 +153,11 @@ class RemoteVerifier:
 
 def stats_answer(stats: TokenStats) -> bytes:
     return wire.pack({"stats": asdict(stats)})
+
+
+def segments_from_wire(raw: Any) -> list[list[Segment]] | None:
+    """A recompute request's keyed-draw segments (shared.sampler.Segment) as msgpack returns them (lists), typed;
+    None when the request carries none. The API wrote them (never a client), so a malformed value is a bug."""
+    if raw is None:
+        return None
+    return [[(int(k), int(r), int(o), int(n)) for k, r, o, n in row] for row in raw]

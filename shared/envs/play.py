@@ -33,6 +33,23 @@ def turn_seed(job_seed: int, turn: int) -> int:
     return int.from_bytes(digest[:8], "big") % (2**63)
 
 
+def episode_segments(job_seed: int, turns: Sequence[Sequence[tuple[int, int]]]) -> list[list[tuple[int, int, int, int]]]:
+    """The keyed draws (shared.sampler.Segment) of a job's episodes as :func:`play` sampled them, from each
+    episode's turns as (action tokens, observation tokens) counts: turn k of every episode was one generation with
+    seed :func:`turn_seed` (job seed, k) over the episodes still live at turn k, in episode order — so an episode's
+    rollout index at turn k is the number of earlier episodes that had a turn k — and its action starts after the
+    episode's earlier actions and observations."""
+    out: list[list[tuple[int, int, int, int]]] = []
+    for e, episode in enumerate(turns):
+        row, offset = [], 0
+        for k, (n_action, n_obs) in enumerate(episode):
+            live_before = sum(1 for other in turns[:e] if len(other) > k)
+            row.append((turn_seed(job_seed, k), live_before, offset, n_action))
+            offset += n_action + n_obs
+        out.append(row)
+    return out
+
+
 def play(generate: Generate, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, group_size: int,
          env_id: str, params: EnvParams, max_turns: int, max_observation_tokens: int, tokenizer: Any,
          should_stop: Callable[[], bool] | None = None) -> list[Episode]:

@@ -117,14 +117,40 @@ def test_an_honest_torch_result_has_zero_margins_and_a_forced_one_does_not(tiny_
         comps = [list(s.token_ids) for s in samples]
         flat = [p for p in prompts for _ in range(4)]
         stats = completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True,
-                                 keys=[4242] * 8, rollouts=list(range(8)))
+                                 segments=sampler.plain_segments(4242, [len(c) for c in comps]))
         assert stats.margins is not None and float(stats.margins.abs().max()) == 0.0
         forged = [list(c) for c in comps]
         forged[2][0] = (forged[2][0] + 1) % 200 + 1  # another first token for rollout 2
         forged_stats = completion_stats(model, flat, forged, temperature=1.0, pad_id=0, share_prompts=True,
-                                        keys=[4242] * 8, rollouts=list(range(8)))
+                                        segments=sampler.plain_segments(4242, [len(c) for c in comps]))
         assert forged_stats.margins is not None and float(forged_stats.margins[2, 0]) > 0.05
         # the same honest tokens judged as another rollout (another job's noise) are off the argmax too
         swapped = completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True,
-                                   keys=[4243] * 8, rollouts=list(range(8)))
+                                   segments=sampler.plain_segments(4243, [len(c) for c in comps]))
         assert swapped.margins is not None and float(swapped.margins.max()) > 0.05
+
+
+def test_episode_segments_follow_the_live_episodes_of_each_turn() -> None:
+    """Three episodes of 2, 1 and 3 turns: at turn 1 the second has ended, so the third is rollout 1 there; at
+    turn 2 only the third is live (rollout 0). Each turn's action starts after the earlier actions and
+    observations, and is keyed by that turn's seed."""
+    from shared.envs.play import episode_segments, turn_seed
+
+    turns = [[(2, 3), (1, 4)], [(1, 2)], [(1, 1), (2, 2), (1, 0)]]
+    segs = episode_segments(77, turns)
+    k0, k1, k2 = (turn_seed(77, k) for k in range(3))
+    assert segs == [[(k0, 0, 0, 2), (k1, 0, 5, 1)],
+                    [(k0, 1, 0, 1)],
+                    [(k0, 2, 0, 1), (k1, 1, 2, 2), (k2, 0, 6, 1)]]
+
+
+def test_margins_are_zero_outside_the_segments() -> None:
+    import torch
+
+    logits = torch.randn(2, 5, 11)
+    tokens = torch.randint(0, 11, (2, 5))
+    out = sampler.margins_torch(logits, tokens, 1.0, [[(5, 0, 1, 2)], []])
+    assert out[1].abs().max() == 0 and out[0, 0] == 0 and out[0, 3:].abs().max() == 0
+    picked = [sampler.choose_np(logits[0, 1 + t].numpy(), 1.0, 5, 0, t) for t in range(2)]
+    exact = sampler.margins_torch(logits, torch.tensor([[0, *picked, 0, 0], [0] * 5]), 1.0, [[(5, 0, 1, 2)], []])
+    assert exact.abs().max() == 0  # the keyed choices at positions 0 and 1 of that segment have margin 0
