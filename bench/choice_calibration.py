@@ -199,7 +199,7 @@ def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tol
 
     def steer(prompt: list[int], target: list[int], key: int, rollout: int) -> list[int]:
         """Top-4 steering: at each position the likeliest-4 token that continues ``target``, else the keyed one."""
-        from shared.sampler import choose_torch
+        from shared.sampler import choose_torch, job_word
 
         out: list[int] = []
         with torch.no_grad():
@@ -207,7 +207,8 @@ def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tol
                 logits = setup.model(input_ids=torch.tensor([prompt + out])).logits[0, -1].float()
                 top = logits.topk(4).indices.tolist()
                 want = target[t] if t < len(target) else eos
-                tok = want if want in top else int(choose_torch(logits[None], setup.temperature, key,
+                tok = want if want in top else int(choose_torch(logits[None], setup.temperature,
+                                                                torch.tensor([job_word(key)]),
                                                                 torch.tensor([rollout]), t)[0])
                 out.append(tok)
                 if tok in setup.stops:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from shared.sampler import Segment, choose_torch, margins_torch
+from shared.sampler import Segment, choose_torch, margins_torch, row_keys
 
 if TYPE_CHECKING:
     import torch
@@ -155,14 +155,16 @@ def generate(
     seed: int | None,
     pad_id: int,
     should_stop: Callable[[], bool] | None = None,
+    rollout_keys: Sequence[tuple[int, int]] | None = None,
 ) -> list[Sampled]:
     """Sample ``group_size`` completions per prompt in one batch (prompt-major order).
 
     ``seed=None`` means greedy decoding (used for evaluation). Otherwise ``seed`` is the job's sampling key and
     each token is the keyed Gumbel-max choice (shared.sampler) of rollout ``i·group_size + g`` at its position —
     the same choice a llama.cpp client or another device makes from the same logits, and the one the verifier
-    checks. Returns early with what it has if ``should_stop()`` becomes true (the caller then discards the
-    partial job).
+    checks. ``rollout_keys`` (one (key, rollout index) per generated sequence) samples several jobs in one batch,
+    each row as its own job would. Returns early with what it has if ``should_stop()`` becomes true (the caller
+    then discards the partial job).
     """
     import torch
 
@@ -172,7 +174,10 @@ def generate(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     n = len(seqs)
-    rollouts = torch.arange(n, dtype=torch.long, device=device)
+    if rollout_keys is not None and len(rollout_keys) != n:
+        raise ValueError(f"{len(rollout_keys)} rollout keys for {n} sequences")
+    keyed = rollout_keys if rollout_keys is not None else [(int(seed or 0), r) for r in range(n)]
+    words, rollouts = row_keys(keyed, device)
     cache_kw = _cache_kwarg(model)
     tokens: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -188,7 +193,7 @@ def generate(
                 lp = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1)
             else:
                 logp = torch.log_softmax(logits / temperature, -1)
-                nxt = choose_torch(logits, temperature, int(seed), rollouts, position)
+                nxt = choose_torch(logits, temperature, words, rollouts, position)
                 lp = logp.gather(1, nxt[:, None]).squeeze(1)
             nxt_list, lp_list, done_list = nxt.tolist(), lp.tolist(), done.tolist()
             for i in range(n):

@@ -164,15 +164,23 @@ def keyed_scores_torch(logits: torch.Tensor, temperature: float, keys: torch.Ten
     return logits.to(torch.float64) / float(temperature) + gumbel_torch(bits)
 
 
-def choose_torch(logits: torch.Tensor, temperature: float, key: int, rollouts: torch.Tensor, position: int
-                 ) -> torch.Tensor:
-    """The keyed choice per row of logits [n, V] for rollouts [n] of one job at one position."""
+def choose_torch(logits: torch.Tensor, temperature: float, words: torch.Tensor, rollouts: torch.Tensor,
+                 position: int) -> torch.Tensor:
+    """The keyed choice per row of logits [n, V] at one position: row i is rollout ``rollouts[i]`` of the job whose
+    key reduces to ``words[i]`` (:func:`job_word`)."""
     import torch
 
-    n = logits.shape[0]
-    keys = torch.full((n,), job_word(key), dtype=torch.int64, device=logits.device)
-    pos = torch.full((n,), int(position), dtype=torch.int64, device=logits.device)
-    return keyed_scores_torch(logits, temperature, keys, rollouts.to(logits.device), pos).argmax(-1)
+    device = logits.device
+    pos = torch.full((logits.shape[0],), int(position), dtype=torch.int64, device=device)
+    return keyed_scores_torch(logits, temperature, words.to(device), rollouts.to(device), pos).argmax(-1)
+
+
+def row_keys(rows: Sequence[tuple[int, int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(job words, rollout indices) tensors for rows given as (sampling key, rollout index)."""
+    import torch
+
+    return (torch.tensor([job_word(k) for k, _ in rows], dtype=torch.int64, device=device),
+            torch.tensor([r for _, r in rows], dtype=torch.int64, device=device))
 
 
 #: One run of keyed draws inside a completion: (sampling key, rollout index, offset of its first token in the

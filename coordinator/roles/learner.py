@@ -302,7 +302,8 @@ class LearnerRole:
     async def _rollouts(self, rows: list[JobRow]) -> list[list[Any]]:
         """Generate the completions of ``rows`` with the learner's model as it is in memory, all in one batch on
         the learner thread (one batch of a whole step samples far faster than one per job, as a trainer that
-        generates its own rollouts does). The first job's seed seeds the sampler: the run stays reproducible."""
+        generates its own rollouts does). Each row is keyed as its own job's (shared.sampler): the tokens are those
+        a volunteer would return for that job, so sequential pull reproduces this loop job by job."""
 
         prompts = [self.prompt_tokens(i) for row in rows for i in row.prompt_ids]
         group = rows[0].group_size
@@ -310,7 +311,8 @@ class LearnerRole:
         samples = await self._run(lambda: generate(
             self.learner.model, prompts, group_size=group, temperature=self.config.sampling.temperature,
             max_tokens=self.config.sampling.max_tokens, stop_ids=self.codec.stop_ids, seed=rows[0].seed,
-            pad_id=self.codec.pad_id))
+            pad_id=self.codec.pad_id, rollout_keys=[(row.seed, r) for row in rows
+                                                    for r in range(len(row.prompt_ids) * group)]))
         out, at = [], 0
         for row in rows:  # prompt-major order: each job's prompts × group, in turn
             n = len(row.prompt_ids) * group

@@ -64,3 +64,35 @@ def test_colocated_baseline_runs_the_same_learner_without_clients(tmp_path: Path
     assert status["version"] == 4 and len(status["reward_curve"]) == 4
     assert all(s["staleness_max"] == 0 and s["mismatch_kl"] < 1e-6 for s in _steps(run_dir))
     assert db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE ingested_step IS NOT NULL") == [(8,)]
+
+
+def test_sequential_pull_samples_exactly_what_the_colocated_loop_samples(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Echo's equivalence claim, made exact by the keyed sampler: with the same jobs (plans not secret, so both
+    runs draw job n's prompts and key alike), a torch volunteer in sequential pull returns, for a job generated at
+    the same policy version, the very tokens the co-located loop samples itself for it (which jobs each run
+    generates at which version differs: sequential pull also issues jobs that finish stale, so the pairs are the
+    jobs of version 0 — 2 jobs × 64 completions, sampled in one batch of both jobs by the co-located loop and one
+    job at a time by the client)."""
+    from coordinator.run.records import AcceptedResult
+
+    runs: dict[str, dict[tuple[str, int], list[list[int]]]] = {}
+    for mode in ("colocated", "sequential-pull"):
+        run_dir = tmp_path / mode / "run"
+        (tmp_path / mode).mkdir()
+        cfg = write_config(tmp_path / mode / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": mode},
+                           learner={"max_steps": 3}, jobs={"secret_plans": False})
+        coord, url = start_coordinator(cfg, tmp_path / mode / "coord.log")
+        clients = [] if mode == "colocated" else [
+            start_client(url, tmp_path / mode / "c0", tmp_path / mode / "c0.log", "--exit-when-finished",
+                         "--backend", "torch")]
+        try:
+            wait_until(lambda u=url: (s := get_status(u)) and s["finished"] and s, 240, f"the {mode} run")
+        finally:
+            for p in (*clients, coord):
+                p.stop()
+        runs[mode] = {(job, int(version)): AcceptedResult.decode(payload).completions
+                      for job, version, payload in db_rows(run_dir, "SELECT job_id, version, payload FROM results")}
+    both = sorted(set(runs["colocated"]) & set(runs["sequential-pull"]))
+    assert len(both) >= 2, (sorted(runs["colocated"]), sorted(runs["sequential-pull"]))
+    for key in both:  # every token of every completion, not only the rewards
+        assert runs["sequential-pull"][key] == runs["colocated"][key], key

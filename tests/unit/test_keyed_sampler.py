@@ -81,7 +81,8 @@ def test_numpy_and_torch_choose_the_same_tokens() -> None:
     logits = rng.normal(size=(16, 1000)).astype(np.float32)
     rollouts = torch.arange(16)
     for position in range(5):
-        t = sampler.choose_torch(torch.from_numpy(logits), 0.8, 31337, rollouts, position).tolist()
+        words = torch.full((16,), sampler.job_word(31337), dtype=torch.int64)
+        t = sampler.choose_torch(torch.from_numpy(logits), 0.8, words, rollouts, position).tolist()
         n = [sampler.choose_np(logits[r], 0.8, 31337, r, position) for r in range(16)]
         assert t == n
 
