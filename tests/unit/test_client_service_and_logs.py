@@ -56,8 +56,7 @@ def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     unit_file.write_text(render_systemd(_spec(tmp_path)))
     analyze = shutil.which("systemd-analyze")
     if analyze is None:  # a machine without systemd (macOS): the rendering test above is what runs there
-        assert unit_file.read_text().count("[Service]") == 1
-        return
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd): the unit is not validated")
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
     res = subprocess.run([analyze, "verify", "--user", str(unit_file)], capture_output=True, text=True, timeout=120,
