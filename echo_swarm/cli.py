@@ -131,25 +131,26 @@ def join(
                                                      show_default=False)] = None,
     p2p_coordinator: Annotated[Optional[list[str]], typer.Option(help=_h("p2p_coordinator"), show_default=False)] = None,
 ) -> None:
+    flags = _join_flags(locals())  # first, so that it holds the parameters only
     from swarm_client.config import ClientConfigError, build
     from swarm_client.runner import run
 
-    flags = dict(url=url, home=home, backend=backend, device=device, threads=threads, gpu_layers=gpu_layers,
-                 max_memory_gb=max_memory_gb, min_free_disk_gb=min_free_disk_gb, cache_max_gb=cache_max_gb,
-                 cache_dir=cache_dir, idle_only=idle_only, idle_min_percent=idle_min_percent,
-                 idle_input_minutes=idle_input_minutes, windows=window, pause_on_battery=pause_on_battery,
-                 max_mbps=max_mbps, max_gb_per_month=max_gb_per_month, benchmark=benchmark, panel=panel,
-                 control_page=control_page, control_port=control_port, log_level=log_level, log_dir=log_dir,
-                 name=name, max_jobs=max_jobs, exit_when_finished=exit_when_finished, max_cpu_percent=max_cpu_percent,
-                 retries=retries, give_up_after_s=give_up_after, wait_for_coordinator_s=wait_for_coordinator,
-                 coordinator_key=coordinator_key, invite=invite, p2p=p2p, p2p_serve=serve,
-                 p2p_max_upload_gb=max_upload_gb, p2p_jobs=p2p_jobs, p2p_coordinator=p2p_coordinator)
     try:
         cfg = build(flags, config)
     except ClientConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.USAGE) from None
     raise typer.Exit(run(cfg))
+
+
+def _join_flags(params: dict[str, object]) -> dict[str, object]:
+    """`join`'s parameters (by their Python names) as JoinConfig fields: a flag named differently from its field
+    maps through FLAG_FIELDS, repeated options become lists; ``config`` (the file, not a setting) is left out. One
+    mapping for `join` itself and for `client install-service`, which checks its --join-arg flags with it."""
+    from swarm_client.settings import FLAG_FIELDS
+
+    return {FLAG_FIELDS.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in params.items()
+            if k != "config"}
 
 
 client_app = typer.Typer(help="Control a running `echo-swarm join` on this machine: pause, resume, snooze, finish, "
@@ -307,8 +308,16 @@ def install_service(
     from swarm_client.config import ClientConfigError, build, client_paths
     from swarm_client.service import ServiceSpec, install, join_argv, render
 
-    try:  # the settings must be valid now, not at the first boot
-        build({"url": url, "home": home}, config)
+    # the settings must be valid now, not at the first boot: the --join-arg flags are parsed as `join` parses
+    # them and, with the URL, home and config file, validated as `join` validates them
+    join_args = [*([url] if url else []), *(["--home", str(home)] if home is not None else []), *(extra or [])]
+    try:
+        params = typer.main.get_group(app).commands["join"].make_context("join", join_args).params
+        build(_join_flags(params), params.get("config") or config)
+    except typer.TyperException as exc:  # click's parse errors (an unknown flag, a bad value), which name the flag
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)  # in their format_message
+        typer.echo(f"error: --join-arg: {message}", err=True)
+        raise typer.Exit(ExitCode.USAGE) from None
     except ClientConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.USAGE) from None

@@ -1,6 +1,8 @@
 """The client's local control page (issue 25) in a real headless Chromium, against a real client process working
 for a real coordinator: its Pause and Resume buttons change what the running client does; a request without the
-token is refused; the page answers on 127.0.0.1 and on no other address of this machine."""
+token is refused; the page answers on 127.0.0.1 and on no other address of this machine; its Snooze, bandwidth
+and Finish controls reach the client too (a snooze holds back work until Resume, a typed cap shows in the client's
+status, Finish ends it with exit code 0)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from swarm_client.control import read_status
+from swarm_client.control import read_controls, read_status
 from swarm_client.webcontrol import PAGE_FILE, TOKEN_FILE
 from tests.integration.browser import Chromium, Page, open_page
 from tests.integration.conftest import LiveCoordinator
@@ -136,11 +138,43 @@ def test_the_control_page_pauses_and_resumes_the_running_client(tmp_path: Path,
                 await page.screenshot(REPO / "test-artifacts" / "control-page.png")
                 state = await page.evaluate("""({rows: document.querySelectorAll('#history tbody tr').length,
                     credit: document.getElementById('credit').textContent, errors: window.echoControl.errors})""")
+
+                # Snooze 30 min: no new work, the page and the status say until when; Resume ends it early
+                await _click(page, "snooze-30")
+                await asyncio.to_thread(wait_until, lambda: _status(home).get("state", "").startswith("snoozed until"),
+                                        120, "the client to snooze")
+                at_snooze, polls = _leases(live_coordinator), _status(home)["gated_polls"]
+                await wait_for(page, "document.getElementById('state').dataset.state.startsWith('snoozed until')", 30,
+                               "the page to show the snooze")
+                await asyncio.to_thread(wait_until, lambda: _status(home)["gated_polls"] >= polls + 3, 60,
+                                        "three polls while snoozed")
+                assert _leases(live_coordinator) == at_snooze, "the client leased a job while snoozed"
+                await _click(page, "resume")
+                await asyncio.to_thread(wait_until, lambda: _leases(live_coordinator) > at_snooze, 120,
+                                        "a lease after the snooze was ended")
+
+                # a download cap typed into the page reaches the running client's throttle (its status line)
+                await page.evaluate("document.getElementById('bandwidth').value = '2.5'")
+                await _click(page, "bandwidth-set")
+                await wait_for(page, "document.getElementById('bandwidth').dataset.current === '2.5'", 30,
+                               "the page to show the cap in force")
+                await asyncio.to_thread(wait_until, lambda: str(_status(home).get("bandwidth", "")).endswith(
+                    "limit 2.5 MB/s"), 120, "the client's status to show the 2.5 MB/s cap")
+
+                # Finish and stop: the job in hand is submitted, then the client exits 0 by itself
+                done_before = _status(home)["accepted"]
+                await _click(page, "finish")
                 await page.ws.close()
-                return state | {"shown": shown}
+                await asyncio.to_thread(wait_until, lambda: client.proc.poll() is not None, 240,
+                                        "the client to finish and exit")
+                assert client.proc.returncode == 0, client.output()[-3000:]
+                assert "finishing (`echo-swarm client finish`)" in client.output()
+                return state | {"shown": shown, "accepted_at_finish": done_before}
 
         seen = asyncio.run(drive())
         assert seen["rows"] >= 1 and seen["errors"] == 0 and "accepted" in seen["shown"]
+        assert not read_controls(home).finish  # obeyed and cleared: the next start works normally
+        assert _status(home)["state"] == "stopped" and _status(home)["accepted"] >= seen["accepted_at_finish"]
     finally:
         if browser is not None:
             browser.stop()

@@ -1,7 +1,8 @@
 """Install by role (issue 25): `pip install '.[llama]'` from the checkout into a clean virtual environment gives a
 working llama.cpp client without torch, transformers or peft. The client from that venv joins a real coordinator
 (run from the development venv) and has a llama.cpp result accepted, and torch is neither in its ``sys.modules``
-nor mapped into the process (/proc/PID/maps). Prints the venv's size (README.md and docs/client.md quote it).
+nor mapped into the process (/proc/PID/maps); llama.cpp's own log goes to the client's log file, not over the
+terminal. Prints the venv's size (README.md and docs/client.md quote it).
 
 pip builds from a copy of the checkout's files (as installer/install.sh does) and takes llama-cpp-python's compiled
 wheel from its cache (`make setup` compiled it once, with the same CMAKE_ARGS)."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +24,8 @@ from tests.integration.helpers import REPO, Proc, db_rows, start_coordinator, wa
 
 pytestmark = pytest.mark.slow
 LLAMA_CMAKE_ARGS = "-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF"  # the Makefile's, so pip reuses the wheel it built
+#: how llama.cpp's own log lines begin when it prints them itself (its function names)
+RAW_LLAMA = re.compile(r"^(llama_|ggml_|gguf_|load_tensors|print_info|load:|main:|common_)")
 HEAVY = ("torch", "transformers", "peft", "matplotlib", "prometheus_client")
 
 
@@ -86,3 +90,9 @@ def test_a_llama_install_has_no_torch_and_gets_a_result_accepted(tmp_path: Path,
     imported = set(json.loads(modules.read_text()))
     assert "llama_cpp" in imported and "swarm_client.backends.llama_backend" in imported
     assert not imported & set(HEAVY), f"the client imported {sorted(imported & set(HEAVY))}"
+    # the panel stays readable: llama.cpp's own log (model loader, context) went into the rotated log file through
+    # the client's logger, and no raw llama.cpp line reached the terminal
+    logged = (home / "logs" / "client.log").read_text()
+    assert re.search(r" llama\.cpp: llama_(model_loader|context)", logged), logged[-3000:]
+    raw = [line for line in client.output().splitlines() if RAW_LLAMA.match(line)]
+    assert not raw, f"llama.cpp wrote over the terminal: {raw[:5]}"

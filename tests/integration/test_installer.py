@@ -337,3 +337,43 @@ def test_uninstall_leaves_a_folder_that_is_not_a_venv_alone(tmp_path: Path, home
     res = run_installer("--uninstall", "--prefix", str(prefix), "--no-link", env=installer_env(home), cwd=tmp_path)
     assert res.returncode == 1 and "is not a virtual environment" in res.stderr
     assert (prefix / "thesis.tex").exists()
+
+
+def _stand_in_venv(prefix: Path, torch_cuda: str, device: str) -> None:
+    """An existing venv at ``prefix`` whose python is a stand-in: pip installs succeed without doing anything and
+    the self-check prints what a torch with ``torch_cuda`` (empty: the CPU build) on ``device`` prints — so that the
+    installer's own decisions after the self-check run without downloading torch."""
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    fake_command(prefix / "bin", "python", f"""case "$*" in
+  *"import platform, sys"*) echo "3.11.2 True x86_64 {prefix}/bin/python" ;;
+  "-m pip "*) exit 0 ;;
+  *"import torch"*) echo "python 3.11.2, torch 2.13.0 (CUDA build: {torch_cuda or 'none'}), transformers 4.57.0"
+                    echo "torch_cuda={torch_cuda}"
+                    echo "device={device} (2 threads)" ;;
+  *) echo "unexpected: $*" >&2; exit 9 ;;
+esac
+""")
+    fake_command(prefix / "bin", "echo-swarm", 'echo "Usage: echo-swarm [OPTIONS] COMMAND"\n')
+
+
+@pytest.mark.parametrize(("torch_cuda", "warned"), [("13.0", True), ("", False)])
+def test_the_self_check_warns_when_the_installed_torch_does_not_fit_the_machine(
+        tmp_path: Path, home: Path, torch_cuda: str, warned: bool) -> None:
+    """The issue's install: a CUDA build of torch on a machine without an NVIDIA GPU passed the self-check with
+    "torch will use: cpu" and no word about the GBs of NVIDIA libraries it cannot use. Now it warns, with the fix;
+    the CPU build on the same machine does not."""
+    fakes = tmp_path / "fakes"  # a Linux x86_64 machine without a usable NVIDIA GPU, whatever runs the test
+    fake_command(fakes, "uname", 'case "$1" in -m) echo x86_64 ;; *) echo Linux ;; esac\n')
+    fake_command(fakes, "nvidia-smi", "echo 'NVIDIA-SMI has failed: no driver' >&2; exit 9\n")
+    prefix = tmp_path / "venv"
+    _stand_in_venv(prefix, torch_cuda, "cpu")
+    env = installer_env(home, fakes) | {"TMPDIR": str(tmp_path)}
+    res = run_installer("--prefix", str(prefix), "--source", str(REPO), "--no-link", env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "torch will use: cpu" in res.stdout and "reusing the existing virtual environment" in res.stdout
+    if warned:
+        assert "torch is a CUDA 13.0 build" in res.stderr and "no usable NVIDIA GPU" in res.stderr
+        assert "--index-url https://download.pytorch.org/whl/cpu" in res.stderr and "--no-torch" in res.stderr
+    else:
+        assert "torch is a CUDA" not in res.stderr and "dead weight" not in res.stderr, res.stderr

@@ -208,12 +208,16 @@ def test_a_client_outlasts_a_two_minute_outage_waits_out_a_finished_run_and_join
                    "the outage to last two minutes with the client still running")
         coord = _coordinator(config_a, tmp_path / "coord-a2.log")
         procs.append(coord)
+        # read at once, before the client (backing off up to a minute) downloads anything from the new process: a
+        # counter kept in the process would read about 0 here
+        egress_restarted = _get(url + "/v1/status")["snapshot_egress"]["http_bytes"]  # type: ignore[index]
+        assert egress_restarted >= egress_before, "the snapshots-out counter fell back on the restart"
         wait_until(lambda: int(status().get("accepted", 0)) > accepted, 300, "a result accepted after the outage")
         out = client.output()
         assert out.count("lost the coordinator") == 1 and out.count("answers again") == 1, out[-4000:]
         assert "retry 2/" not in out  # no line per attempt once joined
         egress_after = _get(url + "/v1/status")["snapshot_egress"]["http_bytes"]  # type: ignore[index]
-        assert egress_after >= egress_before, "the snapshots-out counter fell back on the restart"
+        assert egress_after >= egress_restarted
 
         # -- the run finishes: announced, and no job is leased -------------------------------------------------------
         version = int(_get(url + "/healthz")["version"])  # type: ignore[arg-type]
