@@ -266,6 +266,10 @@ def bf16_copy(folder: Path, out: Path) -> Path:
     return out
 
 
+def _row_json(r: ClassRow) -> dict[str, Any]:
+    return r.__dict__ | {"positive": sorted(r.positive), "tail_rate": r.tail_rate()}
+
+
 def table(rows: list[ClassRow], atk: list[AttackRow]) -> str:
     lines = ["| class | T | results | tokens | off the argmax | worst honest margin | tolerance | refused | "
              "est. false-refusal rate per result | free choice (bits/token) | s/result |",
@@ -290,6 +294,8 @@ def main() -> None:
     ap.add_argument("--classes", default="torch-f32,torch-bf16,llama-f32,llama-f16,llama-q8_0")
     ap.add_argument("--model-dir", type=Path, default=None, help="the tiny model's folder (default: build/cache it)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--add", type=Path, action="append", default=[], help="add the class rows and attacks of an "
+                    "earlier run's --json to the table (another run's classes)")
     ap.add_argument("--write-docs", action="store_true", help=f"replace the table under '{SECTION}' in {DOCS}")
     args = ap.parse_args()
 
@@ -340,17 +346,22 @@ def main() -> None:
                 rows.append(row)
                 print(f"[{time.monotonic() - t0:6.0f}s] {cls} T={temperature:g}: {row.results} results, "
                       f"{row.refused} refused, worst {row.worst:.3g}", flush=True)
+                if args.json:  # what is done so far, so a run cut short still leaves its figures
+                    args.json.write_text(json.dumps({"classes": [_row_json(r) for r in rows], "attacks": []}))
             del backend
         setup = load_setup(base, 1.0)
         tols = {"torch": tolerance("torch-f32"), "llama-f16": tolerance("llama-f16"),
                 "llama-q8_0": tolerance("llama-q8_0")}
         atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=10 ** 6) if args.attacks else []
         print(f"[{time.monotonic() - t0:6.0f}s] attacks done", flush=True)
+    for path in args.add:
+        earlier = json.loads(path.read_text())
+        rows += [ClassRow(**{k: v for k, v in d.items() if k != "tail_rate"}) for d in earlier["classes"]]
+        atk += [AttackRow(**d) for d in earlier["attacks"]]
     text = table(rows, atk)
     print(text)
     if args.json:
-        args.json.write_text(json.dumps({"classes": [r.__dict__ | {"positive": sorted(r.positive)[-200:]}
-                                                     for r in rows], "attacks": [a.__dict__ for a in atk]}))
+        args.json.write_text(json.dumps({"classes": [_row_json(r) for r in rows], "attacks": [a.__dict__ for a in atk]}))
     if args.write_docs:
         doc = DOCS.read_text()
         head = (f"{SECTION}\n\n`python bench/choice_calibration.py --results {args.results} --attacks "

@@ -46,8 +46,11 @@ def test_noise_bits_agree_between_numpy_torch_and_python_over_a_large_vocabulary
     np_bits = sampler.noise_bits_np(sampler.token_words_np(vocab), a, b)
     generic = sampler.noise_bits(np.arange(vocab, dtype=np.int64), 0, 0)  # the int64 path of the same function
     assert np.array_equal(generic, sampler.mix32(sampler.mix32(np.arange(vocab, dtype=np.int64))))
-    torch_bits = sampler.noise_bits(sampler.token_words_torch(vocab, "cpu"), torch.tensor(a), torch.tensor(b))
-    assert np.array_equal(np_bits, torch_bits.numpy())
+    torch_bits = sampler.noise_bits_torch(sampler.token_words_torch(vocab, "cpu"), torch.tensor(a), torch.tensor(b))
+    assert torch_bits.dtype == torch.int32
+    assert np.array_equal(np_bits, torch_bits.numpy().view(np.uint32))  # the same 32-bit words
+    wide = sampler.noise_bits(torch.arange(vocab, dtype=torch.int64) ^ sampler.TOKEN_SALT, 0, 0)  # int64 path
+    assert torch.equal(sampler.mix32(wide), sampler.mix32_i32(sampler.to_i32(wide)).to(torch.int64) & 0xFFFFFFFF)
     assert all(int(np_bits[i]) == _word(987654321, 5, 17, i) for i in (0, 1, 77, vocab - 1))
     gn, gt = sampler.gumbel_np(np_bits), sampler.gumbel_torch(torch_bits).numpy()
     assert np.abs(gn - gt).max() < 1e-13  # the documented bound on the float step
