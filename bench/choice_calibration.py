@@ -340,7 +340,7 @@ def main() -> None:
                 backend.load(gdir)
             for k, temperature in enumerate(float(t) for t in args.temperatures.split(",")):
                 setup = load_setup(folder, temperature)  # the verifier's replica: float32 from the same weights
-                row = ClassRow(cls, temperature, tolerance(cls))
+                row = ClassRow(cls, temperature, tolerance(cls) / temperature)  # logit units ÷ T
                 honest(setup, Judge(setup), row, backend, args.results, shape, first=k * args.results,
                        tol=row.tolerance)
                 rows.append(row)

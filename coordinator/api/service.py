@@ -530,8 +530,9 @@ class Coordinator:
                                                                    self.config.snapshots.gguf))
         vcfg = self.config.verification
         if vcfg.choice_check and token_stats is not None and token_stats.margins is not None:  # every token's choice
-            check_choices(choice_stats(token_stats.margins),
-                          vcfg.choice_tolerance(self.backend_class(client_id), self.config.snapshots.gguf))
+            check_choices(choice_stats(token_stats.margins),  # margins are in tempered units: the tolerance too
+                          vcfg.choice_tolerance(self.backend_class(client_id), self.config.snapshots.gguf)
+                          / self.config.sampling.temperature)
         if vcfg.sampling_check and token_stats is not None:  # are the tokens as surprising as sampling makes them?
             check_sampling(sampling_stats(token_stats, vcfg.sampling_var_floor), z_low=vcfg.sampling_z_low,
                            z_high=vcfg.sampling_z_high, top_z=vcfg.sampling_top_z, min_tokens=vcfg.sampling_min_tokens,
