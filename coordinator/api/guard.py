@@ -69,6 +69,8 @@ class Guard:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self.arbitrating: set[str] = set()  # replicas whose coordinator replay is under way (coordinator.api.spotcheck)
         self.registrations = Limiter(Rate(lim.registrations_per_address_per_min / 60.0, lim.registration_burst))
+        # one bucket for the whole swarm: sign-ups from any number of addresses together (issue 24)
+        self.sign_ups = Limiter(Rate(lim.new_identities_per_min / 60.0, lim.new_identity_burst), max_keys=1)
 
     # -- rate limits and registration ---------------------------------------------------------------------
     @staticmethod
@@ -94,6 +96,8 @@ class Guard:
                                     "operator" + (" (the one given is not valid)" if invite else ""))
         if is_new:
             self._limited(self.registrations.check(address, now), f"address {address} (new identities)")
+            self._limited(self.sign_ups.check("*", now), "all addresses together (new identities: the swarm's "
+                                                         "sign-up rate)")
 
     # -- trust --------------------------------------------------------------------------------------------
     def trust(self, client_id: str) -> TrustState:
