@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -164,6 +165,12 @@ def printable(text: str, limit: int = 200) -> str:
 def _route(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
+
+
+def _charge_unparsed(coord: Coordinator, address: str) -> None:
+    """A request aiohttp's parser refused never reaches errors_middleware: the connection guard charges it here
+    (netguard.ReplyWritten), so it too counts against its address's budget."""
+    coord.guard.per_address.check(address, coord.clock())  # nothing to refuse: the parser answered already
 
 
 def check_headers(request: web.BaseRequest) -> None:
@@ -364,6 +371,7 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app[CONN_GUARD] = netguard.ConnectionGuard(config.server)
     app[PUBLIC_READS] = PublicReads(config.server)
     app[INTERNAL_ERRORS] = BurstLog(INTERNAL_ERROR_LOG_S)
+    app[CONN_GUARD].charge = functools.partial(_charge_unparsed, app[COORDINATOR])
     app.on_response_prepare.append(_security_headers)
     app.on_response_prepare.append(_count_blob_bytes)
     app.cleanup_ctx.append(roles)
