@@ -610,6 +610,11 @@ class LimitsConfig(_Strict):
     registrations_per_address_per_min: float = Field(30.0, ge=0, description="New registrations per minute per "
                                                      "remote address (stops identity floods).")
     registration_burst: float = Field(20.0, ge=1, description="Registrations one address may make at once.")
+    new_identities_per_min: float = Field(120.0, ge=0, description="New identities per minute, all addresses "
+                                          "together (a global sign-up rate: a flood from many addresses is bounded "
+                                          "by it). 0: unlimited.")
+    new_identity_burst: float = Field(60.0, ge=1, description="New identities the whole swarm may register at "
+                                      "once.")
     max_leases_per_client: int = Field(2, ge=1, le=1024, description="Live leases one identity may hold at once "
                                        "(jobs and spot-check replays); beyond it a lease request gets no job, so "
                                        "nobody can hoard the queue.")
@@ -620,6 +625,10 @@ class RegistrationConfig(_Strict):
 
     mode: Literal["open", "invite"] = Field("open", description="'invite': registering needs a token whose "
                                             "sha256 is listed in invite_sha256.")
+    max_idle_identities: int = Field(10_000, ge=1, le=10_000_000, description="Identities that never had a "
+                                     "result accepted the store keeps; past it the longest-idle ones are removed "
+                                     "(they re-register if they come back), so sign-ups cannot grow the store "
+                                     "without bound. Banned, quarantined and lease-holding ones are kept.")
     invite_sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(
         default_factory=list, description="sha256 (hex) of each valid invite token; only hashes are stored. "
         "Make one with: python -c \"import secrets,hashlib;t=secrets.token_urlsafe(32);print(t, "
@@ -718,6 +727,12 @@ class P2PConfig(_Strict):
                                "caps it too). Over it: 503 rate_limited.")
     calls_per_peer: int = Field(4, ge=1, le=1024, description="Signed calls one libp2p peer may have in flight at "
                                 "once. Over it: 429 rate_limited.")
+    peers_per_address: int = Field(16, ge=1, le=100_000, description="libp2p peer ids one IP address (its "
+                                   "connection's observed address; a relay circuit's relay) may call from within "
+                                   "peer_window_s. A peer id costs nothing to make, so over it a new id's call is "
+                                   "refused (429 rate_limited); every call is charged to the IP anyway.")
+    peer_window_s: float = Field(600.0, gt=0, le=86_400, description="How long a peer id counts towards its "
+                                 "address's peers_per_address after its last call.")
     call_timeout_s: float = Field(60.0, ge=30, le=7200, description="Longest wait of the relay for the API's reply "
                                   "to one call (above jobs.long_poll_s); past it the caller gets 503 unavailable "
                                   "and resends.")

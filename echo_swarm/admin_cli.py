@@ -296,6 +296,34 @@ def resume(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     _say("job issuing resumed" + ("" if r["changed"] else " (it was not paused)"))
 
 
+@admin_app.command()
+def invite(ctx: typer.Context, note: NoteOpt = "", as_json: JsonFlag = False) -> None:
+    """Issue an invite token for one volunteer (`echo-swarm join --invite TOKEN`). Only its sha256 is kept, so it
+    is shown this once. Needed to join while the run's registration is 'invite' (`echo-swarm admin registration
+    invite`, or registration.mode in the config)."""
+    r = _run(ctx, "invite", note)
+    if as_json:
+        return _dump(r)
+    _say(f"invite token: {r['token']}")
+    _say(f"give it to one volunteer: echo-swarm join <url> --invite {r['token']}  (registration is {r['mode']})")
+
+
+@admin_app.command()
+def registration(ctx: typer.Context, mode: Annotated[str, typer.Argument(help="'invite': registering needs an invite "
+                                                                            "token (`echo-swarm admin invite`); "
+                                                                            "'open': anyone may join.")],
+                 as_json: JsonFlag = False) -> None:
+    """Set the run's registration: invite-only or open. Kept in the run's store: it survives a restart and holds
+    for every API process, over the config's registration.mode. Known identities are not affected."""
+    if mode not in ("open", "invite"):
+        _fail(f"registration mode must be 'open' or 'invite', not {mode!r}")
+    r = _run(ctx, "registration", mode)
+    if as_json:
+        return _dump(r)
+    _say(f"registration is {r['mode']}" + ("" if r["changed"] else " (it already was)") +
+         (f"; {r['invites']} invite token(s) valid" if r["mode"] == "invite" else ""))
+
+
 @keys_app.command("list")
 def keys_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Operator keys allowed to use the admin API, and the coordinator's own public key (the one volunteers

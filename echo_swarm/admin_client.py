@@ -22,10 +22,12 @@ from shared.admin import (
     AdminAudit,
     AdminBan,
     AdminEmpty,
+    AdminInvite,
     AdminIssuing,
     AdminKeyAdd,
     AdminKeyRemove,
     AdminList,
+    AdminRegistration,
 )
 from shared.errors import EchoSwarmError, ProtocolError
 from shared.messages import ErrorBody, Message
@@ -137,6 +139,12 @@ class AdminClient:
 
     def resume(self) -> dict[str, Any]:
         return self.call("issuing", AdminIssuing(paused=False))
+
+    def invite(self, note: str = "") -> dict[str, Any]:
+        return self.call("invite", AdminInvite(note=note))
+
+    def registration(self, mode: str) -> dict[str, Any]:
+        return self.call("registration", AdminRegistration.model_validate({"mode": mode}))
 
     def keys(self) -> dict[str, Any]:
         return self.call("keys", AdminEmpty())

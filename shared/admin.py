@@ -7,7 +7,7 @@ msgpack-encoded. Replies are JSON (they are read by the CLI and by people, never
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -39,6 +39,14 @@ class AdminAudit(Message):
 
 class AdminIssuing(Message):
     paused: bool
+
+
+class AdminInvite(Message):
+    note: Annotated[str, StringConstraints(max_length=256, pattern=r"^[^\n\r]*$")] = ""  # whom it is for
+
+
+class AdminRegistration(Message):
+    mode: Literal["open", "invite"]  # the run's registration setting (overrides the config's registration.mode)
 
 
 class AdminKeyAdd(Message):

@@ -14,6 +14,7 @@ class Reason(StrEnum):
     """Machine-readable refusal reasons. The value is what travels on the wire."""
 
     MALFORMED = "malformed"  # not decodable msgpack, wrong top-level type, duplicate keys, too deep
+    BAD_HEADER = "bad_header"  # an HTTP header name or value that is not printable ASCII (the message names it)
     SCHEMA = "schema_invalid"  # decodes, but a field is missing, extra, of the wrong type or out of bounds
     PROTOCOL_VERSION = "protocol_version"  # the client speaks another protocol version
     BODY_TOO_LARGE = "body_too_large"
@@ -60,6 +61,7 @@ class Reason(StrEnum):
 
 HTTP_STATUS: dict[Reason, int] = {
     Reason.MALFORMED: 400,
+    Reason.BAD_HEADER: 400,
     Reason.SCHEMA: 422,
     Reason.PROTOCOL_VERSION: 426,
     Reason.BODY_TOO_LARGE: 413,

@@ -28,10 +28,12 @@ from shared.admin import (
     AdminAudit,
     AdminBan,
     AdminEmpty,
+    AdminInvite,
     AdminIssuing,
     AdminKeyAdd,
     AdminKeyRemove,
     AdminList,
+    AdminRegistration,
 )
 from shared.errors import ProtocolError, Reason
 from shared.messages import SignedRequest
@@ -69,7 +71,8 @@ def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
         "run_id": coord.run_id, "version": coord.version, "max_steps": coord.config.learner.max_steps,
         "finished": coord.finished, "sync_mode": coord.config.sync_mode,
         "max_staleness": coord.config.sync_policy.bound, "task": coord.task.name, "uptime_s": now - coord.started_at,
-        "issuing_paused": coord.issuing_paused, "run_dir": str(coord.run_dir),
+        "issuing_paused": coord.issuing_paused, "registration": coord.guard.registration_mode(),
+        "run_dir": str(coord.run_dir),
         "learner": coord.learner_status(),
         "jobs": {k: v for k, v in jobs.items() if k != "jobs"},
         "clients": readmodels.client_summary(rows),
@@ -112,6 +115,14 @@ def issuing(coord: Coordinator, caller: str, body: AdminIssuing) -> dict[str, An
     return ops_actions.set_issuing(coord, caller, body.paused)
 
 
+def invite(coord: Coordinator, caller: str, body: AdminInvite) -> dict[str, Any]:
+    return ops_actions.issue_invite(coord, caller, body.note)
+
+
+def registration(coord: Coordinator, caller: str, body: AdminRegistration) -> dict[str, Any]:
+    return ops_actions.set_registration(coord, caller, body.mode)
+
+
 def keys(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
     return ops_actions.list_keys(coord, caller)
 
@@ -134,6 +145,8 @@ ENDPOINTS: dict[str, tuple[type[BaseModel], Action]] = {
     "audit": (AdminAudit, audit),
     "checkpoint": (AdminEmpty, checkpoint),
     "issuing": (AdminIssuing, issuing),
+    "invite": (AdminInvite, invite),
+    "registration": (AdminRegistration, registration),
     "keys": (AdminEmpty, keys),
     "keys/add": (AdminKeyAdd, keys_add),
     "keys/remove": (AdminKeyRemove, keys_remove),

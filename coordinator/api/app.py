@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -24,7 +26,8 @@ from coordinator.api.public_reads import PUBLIC_READS, PublicReads
 from coordinator.api.service import Coordinator
 from coordinator.api.status_page import select_status
 from coordinator.config import CoordinatorConfig
-from coordinator.core.connections import Phase
+from coordinator.core.connections import Phase, address_key
+from coordinator.core.ratelimit import BurstLog
 from coordinator.limits import MAX_REQUEST_BYTES, SIGNED_POSTS
 from coordinator.run.names import P2P
 from coordinator.run.relay import TOKEN_HEADER, relayed_address
@@ -38,6 +41,9 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 #: Set when a role this process runs beside the API has failed: the process stops (coordinator.launch.serve).
 FATAL = web.AppKey("fatal", asyncio.Event)
 CONN_GUARD = web.AppKey("conn_guard", netguard.ConnectionGuard)
+#: Internal errors are logged (with their traceback) at most once a minute per kind and route; the rest counted.
+INTERNAL_ERRORS = web.AppKey("internal_errors", BurstLog)
+INTERNAL_ERROR_LOG_S = 60.0
 MSGPACK = "application/msgpack"
 #: The status page loads only its own script, stylesheet and JSON; nothing inline, no frames, no forms.
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -59,6 +65,9 @@ def _packed(data: bytes, status: int = 200) -> web.Response:
 
 
 def error_response(reason: Reason, message: str, status: int | None = None) -> web.Response:
+    """The msgpack ``ErrorBody`` reply of a refusal. A message that quotes the request (a path segment, a header)
+    may hold lone surrogates (undecodable bytes); they are escaped, since a msgpack str must be UTF-8."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     err = ProtocolError(reason, message)
     return _packed(wire.encode(ErrorBody(error=reason.value, message=message[:2048])), status or err.http_status)
 
@@ -97,15 +106,12 @@ async def durability_middleware(request: web.Request,
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                             ) -> web.StreamResponse:
+    """Every request is charged to its address's budget before anything else (coordinator.api.guard; issue 24):
+    whatever follows — a refusal, a handler that raises, an unexpected fault — it has been counted, so no kind of
+    failure is a free request. Then the input's own faults become typed 4xx replies (a header that is not ASCII:
+    ``bad_header``, naming it); only the coordinator's own faults are 500s, logged once per burst with a count."""
     try:
-        if request.method == "POST":  # per-address budget before reading a byte of the body (coordinator.api.guard)
-            coord = request.app[COORDINATOR]
-            try:
-                request[ADDRESS] = client_address(request)
-            except ProtocolError:  # a forged relay header: counted against the sender's own address, then refused
-                coord.guard.check_address(request.remote or "", coord.clock())
-                raise
-            coord.guard.check_address(request[ADDRESS], coord.clock())
+        charge(request)
         return await handler(request)
     except ProtocolError as exc:
         response = error_response(exc.reason, exc.message)
@@ -113,38 +119,93 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
             response.force_close()
         return response
     except ClientGone:
-        logger.info("client %s hung up during %s %s", request.remote, request.method, request.path[:200])
+        logger.info("client %s hung up during %s %s", request.remote, request.method, printable(request.path))
         return web.Response(status=CLIENT_CLOSED)
     except web.HTTPRequestEntityTooLarge:  # a handler's own request.read() passed the cap set above
         response = error_response(Reason.BODY_TOO_LARGE, f"request body exceeds {request.client_max_size} bytes, "
-                                                          f"the limit for {request.path[:200]}")
+                                                          f"the limit for {printable(request.path)}")
         response.force_close()
         return response
     except web.HTTPNotFound:  # the router found no route (e.g. a name with characters a route never matches)
         if request.path.startswith("/v1/blobs/"):
-            return error_response(Reason.NO_SUCH_BLOB, f"no file named {request.path[10:74]!r} is being served")
+            return error_response(Reason.NO_SUCH_BLOB, f"no file named {printable(request.path[10:74])!r} is being "
+                                                       f"served")
         if request.path.startswith("/v1/snapshots/"):
-            return error_response(Reason.NO_SUCH_VERSION, f"{request.path[14:40]!r} is not a published version")
-        return error_response(Reason.NOT_FOUND, f"there is no endpoint {request.path[:200]}; see docs/protocol.md")
+            return error_response(Reason.NO_SUCH_VERSION, f"{printable(request.path[14:40])!r} is not a published "
+                                                          f"version")
+        return error_response(Reason.NOT_FOUND, f"there is no endpoint {printable(request.path)}; see "
+                                                f"docs/protocol.md")
     except web.HTTPMethodNotAllowed as exc:
-        return error_response(Reason.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path[:200]}; "
-                                                         f"use {', '.join(sorted(exc.allowed_methods))}")
+        return error_response(Reason.METHOD_NOT_ALLOWED, f"{printable(request.method)} is not allowed on "
+                                                         f"{printable(request.path)}; use "
+                                                         f"{', '.join(sorted(exc.allowed_methods))}")
     except web.HTTPException:
         raise
-    except Exception:
-        logger.exception("internal error handling %s %s", request.method, request.path)
+    except Exception as exc:
+        key = f"{type(exc).__name__} {request.method[:16]} {_route(request)}"
+        held_back = request.app[INTERNAL_ERRORS].allow(key, time.monotonic())
+        if held_back is not None:  # the first of a burst (with the count of the last one's), the rest counted
+            more = f" ({held_back} more like it since the last report)" if held_back else ""
+            logger.exception("internal error handling %s %s%s", printable(request.method), printable(request.path),
+                             more)
         return error_response(Reason.INTERNAL, "the coordinator hit an internal error; it has been logged")
 
 
-ADDRESS = web.RequestKey("client_address", str)  # set by errors_middleware for every POST
+ADDRESS = web.RequestKey("client_address", str)  # set by charge() for every request it lets through
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters with anything but printable ASCII escaped: request paths, methods and
+    header names go into replies (msgpack str must be UTF-8) and log lines, and aiohttp hands over undecodable
+    bytes as lone surrogates that neither can encode."""
+    cut = text[:limit]
+    return cut if cut.isascii() and cut.isprintable() else ascii(cut)[1:-1]
+
+
+def _route(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _charge_unparsed(coord: Coordinator, address: str) -> None:
+    """A request aiohttp's parser refused never reaches errors_middleware: the connection guard charges it here
+    (netguard.ReplyWritten), so it too counts against its address's budget."""
+    coord.guard.per_address.check(address, coord.clock())  # nothing to refuse: the parser answered already
+
+
+def check_headers(request: web.BaseRequest) -> None:
+    """Refuse (400 ``bad_header``, naming it) a header whose name or value is not printable ASCII. HTTP header
+    values are bytes; aiohttp decodes them as UTF-8 with surrogate escapes, so anything else would reach code that
+    compares, encodes or logs them as text."""
+    for name, value in request.headers.items():
+        if not (name.isascii() and value.isascii() and name.isprintable() and (not value or value.isprintable())):
+            raise ProtocolError(Reason.BAD_HEADER, f"header {printable(name, 64)!r} is not printable ASCII "
+                                                   f"({printable(value, 40)!r}); send ASCII header values "
+                                                   f"(percent-encode anything else)")
+
+
+def charge(request: web.Request) -> None:
+    """Count the request against its address's budget (429 ``rate_limited`` past it) and record the address as
+    ``request[ADDRESS]``. A request whose headers cannot be read, or whose relay header is forged, is charged to
+    the address it came from, then refused."""
+    coord = request.app[COORDINATOR]
+    now = coord.clock()
+    try:
+        check_headers(request)
+        request[ADDRESS] = client_address(request)
+    except ProtocolError:
+        coord.guard.check_address(address_key(request.remote or ""), now)
+        raise
+    coord.guard.check_address(request[ADDRESS], now)
 
 
 def client_address(request: web.Request) -> str:
-    """Whom the per-address budgets count a request against: its remote address, or for a call the coordinator's
-    own p2p role relays (its token in the header, coordinator.run.relay) the caller's libp2p peer id. A relay
-    header without the token raises ``bad_relay``."""
+    """Whom the per-address budgets count a request against: its remote address (an IPv4 address or IPv6 /64,
+    coordinator.core.connections.address_key), or for a call the coordinator's own p2p role relays (its token in
+    the header, coordinator.run.relay) the address the caller's libp2p connection comes from. A relay header
+    without the token raises ``bad_relay``."""
     if TOKEN_HEADER not in request.headers:
-        return request.remote or ""
+        return address_key(request.remote or "")
     coord = request.app[COORDINATOR]
     if getattr(coord, "key", None) is None:  # not started: no token to check against, so no relay yet
         raise ProtocolError(Reason.BAD_RELAY, "the coordinator is starting; it accepts no relayed call yet")
@@ -157,7 +218,7 @@ async def read_body(request: web.Request, cap: int) -> bytes:
     A client that hangs up meanwhile raises :class:`ClientGone`."""
     if request.content_length is not None and request.content_length > cap:
         raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body is {request.content_length} bytes; "
-                                                   f"the limit for {request.path} is {cap}")
+                                                   f"the limit for {printable(request.path)} is {cap}")
     netguard.mark(request, Phase.BODY)
     body = bytearray()
     try:
@@ -165,7 +226,7 @@ async def read_body(request: web.Request, cap: int) -> bytes:
             body += chunk
             if len(body) > cap:
                 raise ProtocolError(Reason.BODY_TOO_LARGE, f"request body passed {cap} bytes, the limit for "
-                                                           f"{request.path[:200]}; reading stopped there")
+                                                           f"{printable(request.path)}; reading stopped there")
     except ConnectionError as exc:  # aiohttp sets ConnectionResetError("Connection lost") on the payload
         raise ClientGone(str(exc)) from None
     except web.RequestPayloadError as exc:  # e.g. a broken chunked encoding
@@ -309,6 +370,8 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app[FATAL] = asyncio.Event()
     app[CONN_GUARD] = netguard.ConnectionGuard(config.server)
     app[PUBLIC_READS] = PublicReads(config.server)
+    app[INTERNAL_ERRORS] = BurstLog(INTERNAL_ERROR_LOG_S)
+    app[CONN_GUARD].charge = functools.partial(_charge_unparsed, app[COORDINATOR])
     app.on_response_prepare.append(_security_headers)
     app.on_response_prepare.append(_count_blob_bytes)
     app.cleanup_ctx.append(roles)

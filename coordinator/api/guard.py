@@ -42,6 +42,9 @@ from shared.errors import ProtocolError, Reason
 logger = logging.getLogger(__name__)
 
 Judge = Literal["arbiter", "peer"]
+#: Store meta keys of the run's registration setting (coordinator.api.ops_actions writes them).
+REGISTRATION_MODE = "registration_mode"
+INVITES = "invite_sha256"
 RECENT_PEERS = 1000  # at most this many recently active identities are looked at for an independent replayer
 
 
@@ -69,6 +72,8 @@ class Guard:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self.arbitrating: set[str] = set()  # replicas whose coordinator replay is under way (coordinator.api.spotcheck)
         self.registrations = Limiter(Rate(lim.registrations_per_address_per_min / 60.0, lim.registration_burst))
+        # one bucket for the whole swarm: sign-ups from any number of addresses together (issue 24)
+        self.sign_ups = Limiter(Rate(lim.new_identities_per_min / 60.0, lim.new_identity_burst), max_keys=1)
 
     # -- rate limits and registration ---------------------------------------------------------------------
     @staticmethod
@@ -83,17 +88,29 @@ class Guard:
     def check_identity(self, client_id: str, now: float) -> None:
         self._limited(self.per_identity.check(client_id, now), f"client {client_id[:8]}")
 
+    def registration_mode(self) -> str:
+        """The run's registration setting: what the operator last set (`echo-swarm admin registration`, kept in
+        the store, so every API process and a restart see it), else the config's ``registration.mode``."""
+        return self.store.get_meta(REGISTRATION_MODE) or self.config.registration.mode
+
+    def invite_hashes(self) -> list[str]:
+        """sha256 of every valid invite token: the config's, and those `echo-swarm admin invite` issued."""
+        issued = self.store.get_meta(INVITES)
+        return [*self.config.registration.invite_sha256, *(json.loads(issued) if issued else [])]
+
     def check_registration(self, address: str, invite: str, now: float, is_new: bool) -> None:
-        """Invite gate (private swarms), then the per-address budget for *new* identities."""
-        reg = self.config.registration
-        if reg.mode == "invite":
+        """Invite gate, then the per-address and swarm-wide budgets — all for *new* identities only: an identity
+        already registered stays in when a running swarm is made invite-only."""
+        if is_new and self.registration_mode() == "invite":
             digest = hashlib.sha256(invite.encode()).hexdigest()
-            if not any(hmac.compare_digest(digest, h) for h in reg.invite_sha256):
+            if not any(hmac.compare_digest(digest, h) for h in self.invite_hashes()):
                 raise ProtocolError(Reason.REGISTRATION_CLOSED,
                                     "this swarm is private: registering needs a valid invite token from its "
                                     "operator" + (" (the one given is not valid)" if invite else ""))
         if is_new:
             self._limited(self.registrations.check(address, now), f"address {address} (new identities)")
+            self._limited(self.sign_ups.check("*", now), "all addresses together (new identities: the swarm's "
+                                                         "sign-up rate)")
 
     # -- trust --------------------------------------------------------------------------------------------
     def trust(self, client_id: str) -> TrustState:

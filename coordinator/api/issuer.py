@@ -38,6 +38,12 @@ class Issuer:
         if pace_s is not None and client_id not in self.pace:
             self.pace[client_id] = pace_s
 
+    def forget(self, client_ids: list[str]) -> None:
+        """Identities the store removed (Store.expire_idle_clients): their declared pace goes too."""
+        for cid in client_ids:
+            self.pace.pop(cid, None)
+            self._pace_observed.discard(cid)
+
     def observe(self, client_id: str, view: LeaseView, now: float) -> None:
         """Lease-to-result seconds of an accepted result update the client's pace."""
         if view.lease_deadline is None:

@@ -32,6 +32,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from coordinator.config import ServerConfig
 from coordinator.core.connections import Caps, Expiry, Phase, Refusal, Timeouts, address_key, admit, total_cap
+from coordinator.core.ratelimit import BurstLog
 from shared import wire
 from shared.errors import Reason
 from shared.messages import ErrorBody
@@ -97,6 +98,7 @@ class GuardedConnection(asyncio.Protocol):
         self.since = guard.now()
         self.stalled_since: float | None = None
         self._pending = False  # bytes arrived while a request was being handled (a pipelined next request)
+        self.reached_app = False  # the current request got past aiohttp's parser into the app (see ReplyWritten)
         self._drain_left: int | None = None  # after a refusal mid-body: bytes still discarded before closing
 
     # -- asyncio.Protocol --------------------------------------------------------------------------------
@@ -154,6 +156,7 @@ class GuardedConnection(asyncio.Protocol):
         """Called by the app. Leaving a request with bytes already in (pipelined) counts as reading headers."""
         if phase in (Phase.HANDLING, Phase.BODY):
             self._pending = False
+            self.reached_app = True
         elif phase is Phase.IDLE and self._pending:
             phase, self._pending = Phase.HEADERS, False
         self._enter(phase)
@@ -193,6 +196,9 @@ class ConnectionGuard:
         }
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        #: Charges a request aiohttp's parser refused (it never reaches the app's middleware) to its address's
+        #: request budget; the app sets it (coordinator.api.app.create_app). None: such requests cost nothing.
+        self.charge: Callable[[str], None] | None = None
 
     def set_fd_limit(self, fd_limit: int) -> None:
         """Fix the overall cap from the process's file limit (server.max_connections / reserved_fds)."""
@@ -291,7 +297,35 @@ class ReplyWritten(AbstractAccessLogger):
     idle. Pass it as ``access_log_class`` (with any logger as ``access_log``) to the runner."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        transport = request.transport
+        conn = transport.get_protocol() if transport is not None else None
+        if isinstance(conn, GuardedConnection):
+            if not conn.reached_app and conn.guard.charge is not None:  # refused by aiohttp's parser itself
+                conn.guard.charge(conn.address)
+            conn.reached_app = False
         mark(request, Phase.IDLE)
+
+
+class BurstFilter(logging.Filter):
+    """Holds back all but one record a window per message (and exception type) on the logger it filters — for
+    ``aiohttp.server``, which logs a traceback for every request its parser refuses (a bad header line, a
+    duplicate Host): a flood of them becomes one line a minute saying how many more there were."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        super().__init__()
+        self.burst = BurstLog(window_s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else ""
+        held_back = self.burst.allow(f"{record.msg} {kind}", record.created)
+        if held_back is None:
+            return False
+        if held_back:
+            record.msg = f"{record.msg} ({held_back} more like it since the last report)"
+        return True
+
+
+PARSER_LOG = BurstFilter()
 
 
 class GuardedSite(web.BaseSite):
@@ -315,6 +349,9 @@ class GuardedSite(web.BaseSite):
 
     async def start(self) -> None:
         await super().start()
+        server_log = logging.getLogger("aiohttp.server")
+        if PARSER_LOG not in server_log.filters:
+            server_log.addFilter(PARSER_LOG)
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None

@@ -5,14 +5,17 @@ action is logged and appended to ``admin.log`` (JSON lines) in the run directory
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import secrets
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from coordinator.api.admin_keys import AdminKey, load_admin_keys, write_admin_keys
+from coordinator.api.guard import INVITES, REGISTRATION_MODE
 from coordinator.api.service import Coordinator
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import ADMIN_KEYS, ClientLookupError, resolve_client
@@ -67,6 +70,30 @@ def set_issuing(coord: Coordinator, operator: str, paused: bool) -> dict[str, An
     if changed:
         record(coord, operator, "pause" if paused else "resume")
     return {"paused": paused, "changed": changed}
+
+
+def issue_invite(coord: Coordinator, operator: str, note: str) -> dict[str, Any]:
+    """A new invite token: its sha256 joins the run's valid invites (the store's ``meta.invite_sha256``, beside
+    the config's ``registration.invite_sha256``); the token itself is returned once and kept nowhere."""
+    token = secrets.token_urlsafe(24)
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    issued = json.loads(coord.store.get_meta(INVITES) or "[]")
+    coord.store.set_meta(INVITES, json.dumps([*issued, digest]))
+    record(coord, operator, "invite", sha256=digest, note=note)
+    return {"token": token, "sha256": digest, "mode": coord.guard.registration_mode()}
+
+
+def set_registration(coord: Coordinator, operator: str, mode: str) -> dict[str, Any]:
+    """The run's registration setting: 'invite' (registering needs a valid invite token) or 'open'. Kept in the
+    store: it survives a restart and holds for every API process, over the config's ``registration.mode``."""
+    changed = coord.guard.registration_mode() != mode
+    if mode == "invite" and not coord.guard.invite_hashes():
+        raise ProtocolError(Reason.ADMIN_REFUSED, "no invite token exists yet, so nobody new could join: issue one "
+                                                  "first with `echo-swarm admin invite`")
+    coord.store.set_meta(REGISTRATION_MODE, mode)
+    if changed:
+        record(coord, operator, "registration", mode=mode)
+    return {"mode": mode, "changed": changed, "invites": len(coord.guard.invite_hashes())}
 
 
 async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]:

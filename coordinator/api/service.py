@@ -273,9 +273,9 @@ class Coordinator:
         if client is None:
             raise ProtocolError(Reason.UNKNOWN_CLIENT, "this client is not registered; register first")
         crypto.verify_request(req, bytes(client["public_key"]))
+        self.guard.check_identity(req.client_id, self.clock())  # charged from here on, whatever refuses it next
         if client["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
-        self.guard.check_identity(req.client_id, self.clock())
         self.guard.seen(req.client_id, self.clock())
         self.check_fresh(req)
         return req
@@ -290,6 +290,7 @@ class Coordinator:
         req = self.open_envelope(raw, "/v1/register")
         body = wire.decode(req.body, RegisterRequest)
         crypto.verify_request(req, body.public_key)
+        self.guard.check_identity(req.client_id, self.clock())  # charged from here on, whatever refuses it next
         existing = self.store.get_client(req.client_id)
         if existing is not None and existing["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
@@ -305,6 +306,9 @@ class Coordinator:
         self.issuer.declare(req.client_id, pacing.declared_pace(body.profile.benchmark_tokens_per_s, per_job))
         if new:
             logger.info("registered client %s (%s, %s)", req.client_id[:8], body.profile.backend, body.profile.device)
+            # bounded sign-up (issue 24): the longest-idle never-accepted identities beyond the cap are removed
+            self.issuer.forget(self.store.expire_idle_clients(self.config.registration.max_idle_identities,
+                                                              self.clock(), spare=req.client_id))
         return RegisterResponse(client_id=req.client_id, new=new, run_id=self.run_id)
 
     def notify_jobs(self) -> None:

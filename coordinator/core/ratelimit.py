@@ -64,3 +64,28 @@ class Limiter:
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+class BurstLog:
+    """At most one log record per ``window_s`` for each key; what is held back is counted and reported with the
+    next record, so a flood of one failure costs one line (and one traceback) a window, not one per request.
+
+    ``allow`` returns None when the record is to be held back, else how many were held back since the last one.
+    Keys are bounded (LRU) like :class:`Limiter`'s: a forgotten key at worst logs once more."""
+
+    def __init__(self, window_s: float, max_keys: int = 1024) -> None:
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()  # key → (last logged at, held back since)
+
+    def allow(self, key: str, now: float) -> int | None:
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.window_s:
+            self._last[key] = (last[0], last[1] + 1)
+            self._last.move_to_end(key)
+            return None
+        self._last[key] = (now, 0)
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
+        return 0 if last is None else last[1]

@@ -8,9 +8,12 @@ here, before a byte of it is read and without calling the API); at most ``p2p.ca
 once (and no more than the API's connections per address; 503 rate_limited past it) and ``p2p.calls_per_peer`` per peer (429); the body within 10 s per chunk and
 ``server.body_timeout_s`` in all; the API's reply within ``p2p.call_timeout_s``; each reply chunk written within 10 s.
 
-The API's per-address budgets must see the caller, not this relay's 127.0.0.1: the relay names the caller's
-libp2p peer id in a header, with a token that only holders of the run's key can compute (coordinator.run.relay).
-A libp2p peer id costs nothing to make, so over libp2p these budgets are per peer, not per host.
+The API's per-address budgets must see the caller, not this relay's 127.0.0.1: the relay names the address the
+caller's libp2p connection comes from — the IP of the remote multiaddr this peer observes for the stream (hivemind's
+``StreamInfo.addr``; for a relay circuit, the relay's) — and its peer id in headers, with a token that only holders
+of the run's key can compute (coordinator.run.relay). A libp2p peer id costs nothing to make, so it is never an
+address: the API's budgets, caps and registration addresses count the IP, and at most ``p2p.peers_per_address``
+peer ids per IP are relayed within ``p2p.peer_window_s`` (:class:`PeersPerAddress`; issue 24).
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from typing import Any
 
 import aiohttp
 
 from coordinator.config import CoordinatorConfig
 from coordinator.limits import SIGNED_POSTS
-from coordinator.run.relay import PEER_HEADER, TOKEN_HEADER
+from coordinator.run.relay import observed_address, relay_headers
 from shared import wire
 from shared.errors import ProtocolError, Reason
 from shared.messages import MAX_CALL_BYTES, CallReply, CallRequest, ErrorBody
@@ -52,6 +56,36 @@ async def _discard(reader: asyncio.StreamReader, limit: int) -> None:
         await asyncio.wait_for(drop(), IDLE_S)
 
 
+class PeersPerAddress:
+    """The peer ids each address called from recently (pure: the caller passes ``now``), bounded in both
+    directions: at most ``per_address`` ids per address within ``window_s`` of their last call, and at most
+    ``max_addresses`` addresses (least recently seen forgotten), so a flood of ids or addresses cannot grow it."""
+
+    def __init__(self, per_address: int, window_s: float, max_addresses: int = 10_000) -> None:
+        self.per_address = per_address
+        self.window_s = window_s
+        self.max_addresses = max_addresses
+        self._seen: OrderedDict[str, OrderedDict[str, float]] = OrderedDict()  # address → peer id → last call
+
+    def admit(self, address: str, peer: str, now: float) -> bool:
+        """True (and noted) if ``peer`` may call from ``address`` now; False if the address already has
+        ``per_address`` other recent peer ids."""
+        peers = self._seen.setdefault(address, OrderedDict())
+        self._seen.move_to_end(address)
+        while peers and next(iter(peers.values())) < now - self.window_s:
+            peers.popitem(last=False)
+        if peer not in peers and len(peers) >= self.per_address:
+            return False
+        peers[peer] = now
+        peers.move_to_end(peer)
+        while len(self._seen) > self.max_addresses:
+            self._seen.popitem(last=False)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
 class CallRelay:
     """The ``/echo-swarm/call/1`` stream handler of the coordinator's peer."""
 
@@ -63,6 +97,7 @@ class CallRelay:
         self.active = 0
         self.per_peer: Counter[str] = Counter()
         self.relayed: Counter[str] = Counter()  # calls answered by the API, per path (the p2p role's report)
+        self.peers = PeersPerAddress(config.p2p.peers_per_address, config.p2p.peer_window_s)
         self.refused = 0  # calls refused here (unknown path, too large, over a bound, the API unreachable)
         self._session: aiohttp.ClientSession | None = None
 
@@ -95,13 +130,14 @@ class CallRelay:
 
     async def serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
+        address = observed_address(str(getattr(info, "addr", "") or ""))
         admitted = False
         try:
             head = await read_head(reader, CallRequest)
-            status, data = self._admit(peer, head)
+            status, data = self._admit(peer, address, head)
             if status == 0:
                 admitted = True
-                status, data = await self._relay(peer, head, reader)
+                status, data = await self._relay(peer, address, head, reader)
             else:
                 self.refused += 1
             await write_head(writer, CallReply(status=status, length=len(data)))
@@ -118,7 +154,7 @@ class CallRelay:
                     del self.per_peer[peer]
             writer.close()
 
-    def _admit(self, peer: str, head: Any) -> tuple[int, bytes]:
+    def _admit(self, peer: str, address: str, head: Any) -> tuple[int, bytes]:
         """(0, b"") when the call may go to the API, else the refusal to send back."""
         cfg = self.config.p2p
         if head.path not in SIGNED_POSTS:
@@ -134,13 +170,17 @@ class CallRelay:
         if self.per_peer[peer] >= cfg.calls_per_peer:
             return _error(Reason.RATE_LIMITED, f"this peer has {cfg.calls_per_peer} calls in flight already; "
                                                f"retry in 1s")
+        if not self.peers.admit(address, peer, time.monotonic()):
+            return _error(Reason.RATE_LIMITED, f"{cfg.peers_per_address} other libp2p peer ids called from address "
+                                               f"{address} in the last {cfg.peer_window_s:.0f}s; a host needs one "
+                                               f"(retry later with that one)")
         self.active += 1
         self.per_peer[peer] += 1
         return 0, b""
 
-    async def _relay(self, peer: str, head: Any, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    async def _relay(self, peer: str, address: str, head: Any, reader: asyncio.StreamReader) -> tuple[int, bytes]:
         body = await asyncio.wait_for(read_body(reader, head.length), self.config.server.body_timeout_s)
-        headers = {"Content-Type": "application/msgpack", TOKEN_HEADER: self.token, PEER_HEADER: peer}
+        headers = {"Content-Type": "application/msgpack"} | relay_headers(self.token, peer, address)
         try:
             async with self.session().post(self.api_url() + head.path, data=body, headers=headers) as resp:
                 if resp.content_length is not None and resp.content_length > MAX_CALL_BYTES:

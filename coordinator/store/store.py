@@ -360,6 +360,32 @@ class Store:
                 return False
             return True
 
+    def expire_idle_clients(self, keep: int, now: float, spare: str = "") -> list[str]:
+        """Remove the identities that never had a result accepted, oldest last seen first, until at most ``keep``
+        remain (registration.max_idle_identities; issue 24): a registration flood then grows the store by nothing.
+        Banned, quarantined and lease-holding identities are kept, and ``spare`` (the one just registered). Their
+        trust rows go with them; the audit log
+        stays. Returns the removed ids (the API forgets them in memory too)."""
+        idle = "accepted=0 AND banned=0"
+        with self._tx():
+            (count,), = self.conn.execute(f"SELECT COUNT(*) FROM clients WHERE {idle}").fetchall()
+            if count <= keep:
+                return []
+            rows = self.conn.execute(
+                f"SELECT client_id FROM clients WHERE {idle} AND client_id != ? AND client_id NOT IN (SELECT lease_client FROM jobs "
+                "WHERE state='leased' AND lease_client IS NOT NULL) AND client_id NOT IN (SELECT client_id FROM "
+                "trust WHERE quarantined_until > ?) ORDER BY last_seen, registered_at LIMIT ?",
+                (spare, now, count - keep)).fetchall()
+            gone = [str(r["client_id"]) for r in rows]
+            for cid in gone:
+                self.conn.execute("DELETE FROM trust WHERE client_id=?", (cid,))
+                self.conn.execute("DELETE FROM clients WHERE client_id=?", (cid,))
+            return gone
+
+    def count_clients(self) -> int:
+        (n,), = self.conn.execute("SELECT COUNT(*) FROM clients").fetchall()
+        return int(n)
+
     def get_client(self, client_id: str) -> Row | None:
         return self.conn.execute("SELECT * FROM clients WHERE client_id=?", (client_id,)).fetchone()
 

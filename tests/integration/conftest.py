@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from coordinator.api.app import CONN_GUARD
+from coordinator.api.netguard import GuardedSite, ReplyWritten
 from coordinator.api.service import Coordinator
 from coordinator.config import load_config
 from coordinator.launch.one_process import create_app
@@ -46,8 +48,11 @@ class LiveCoordinator:
 def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] | None = None,
                         jobs: dict[str, Any] | None = None, learner: dict[str, Any] | None = None,
                         limits: dict[str, Any] | None = None, trust: dict[str, Any] | None = None,
-                        sections: dict[str, dict[str, Any]] | None = None) -> Iterator[LiveCoordinator]:
-    """A coordinator in a background thread with a fake clock; config sections override the test defaults."""
+                        sections: dict[str, dict[str, Any]] | None = None, guarded: bool = False
+                        ) -> Iterator[LiveCoordinator]:
+    """A coordinator in a background thread with a fake clock; config sections override the test defaults.
+    ``guarded``: served as `echo-swarm coordinator` serves it (coordinator.launch.serve.start_site: the connection
+    guard's site and access logger), so what aiohttp's parser refuses before the app is seen too."""
     run_dir = tmp_path / "run"
     cfg = load_config(write_config(tmp_path / "run.toml", run_dir, model_dir, top=top,
                                    jobs={"lease_timeout_s": 30.0, "long_poll_s": 0.0, **(jobs or {})},
@@ -63,10 +68,14 @@ def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    runner = web.AppRunner(app, handle_signals=False)
+    runner = web.AppRunner(app, handle_signals=False, **({"access_log_class": ReplyWritten} if guarded else {}))
 
     async def start() -> int:
         await runner.setup()
+        if guarded:
+            guarded_site = GuardedSite(runner, app[CONN_GUARD], "127.0.0.1", 0)
+            await guarded_site.start()
+            return guarded_site.port
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

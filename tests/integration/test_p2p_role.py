@@ -70,7 +70,7 @@ def test_the_peer_runs_beside_a_torch_free_api_and_serves_a_volunteer(tmp_path: 
         assert egress["p2p"] and egress["http_bytes"] == 0
 
         # the role relays the signed calls to the API process (its port from endpoint.json, the token both derive
-        # from the run's key): the API counts them against the volunteer's peer id
+        # from the run's key): the API counts them against the IP the volunteer's libp2p connection comes from
         calls = Proc([sys.executable, "-m", "tests.integration.p2p_call_probe", url, "--home", str(tmp_path / "b"),
                       "--p2p", "--jobs"], tmp_path / "b.log")
         calls.proc.wait(120)
@@ -78,7 +78,7 @@ def test_the_peer_runs_beside_a_torch_free_api_and_serves_a_volunteer(tmp_path: 
         out = next(json.loads(line) for line in calls.lines if line.startswith("{") and '"done"' in line)
         assert out.get("registered") and out["calls"] >= 2 and out["fallbacks"] == 0, out
         assert db_rows(run_dir, "SELECT address FROM clients WHERE client_id=?", (out["client_id"],)) == [
-            (f"p2p:{out['peer_id']}",)]
+            ("127.0.0.1",)]
         assert out["replay"]["p2p"] == [409, "replayed_nonce"] and out["oversize"] == [413, "body_too_large"]
 
         assert "libtorch" not in _maps(api_pid)  # the API process never loaded torch

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.run.relay import PEER_HEADER, TOKEN_HEADER
+from coordinator.run.relay import ADDRESS_HEADER, PEER_HEADER, TOKEN_HEADER
 from shared.messages import ClientProfile, RegisterRequest
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import RawClient, db_rows
@@ -51,7 +51,10 @@ def test_a_forged_relay_header_does_not_change_the_rate_limit_identity(live: Liv
     assert "127.0.0.1" in RawClient.error(body).message
     assert set(live.coordinator.guard.per_address._buckets) == {"127.0.0.1"}
 
-    # the p2p role's own header (the run's token): the call counts against the libp2p peer it names
-    status, _ = _register(client, {TOKEN_HEADER: live.coordinator.relay_token, PEER_HEADER: PEER})
+    # the p2p role's own headers (the run's token): the call counts against the address the caller's libp2p
+    # connection came from (never its peer id, which costs nothing to make)
+    status, _ = _register(client, {TOKEN_HEADER: live.coordinator.relay_token, PEER_HEADER: PEER,
+                                   ADDRESS_HEADER: "198.51.100.7"})
     assert status == 200
-    assert db_rows(live.run_dir, "SELECT address FROM clients WHERE client_id=?", (client.client_id,)) == [(f"p2p:{PEER}",)]
+    assert db_rows(live.run_dir, "SELECT address FROM clients WHERE client_id=?", (client.client_id,)) == [
+        ("198.51.100.7",)]

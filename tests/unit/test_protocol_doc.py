@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +158,81 @@ def test_the_call_protocol_section_matches_the_code(doc: str) -> None:
         named = set(re.findall(r"`([a-z_]+)`", fields.group(1)))
         assert named == set(model.model_fields), f"§6b's {model.__name__} names {named}, the code {set(model.model_fields)}"
     assert f"(≤ {MAX_HEAD})" in body and MAX_CALL_BYTES == 16 * 1024 * 1024 and "≤ 16 MiB" in body
+
+
+# ---- every statement of the protocol number (issue 24: the heading said 4, the tables of §1–4 said 2) --------
+# Each phrasing the document uses to state which protocol number is required; a new phrasing needs a line here.
+PROTOCOL_STATEMENTS = (
+    r"`protocol` ≠ (\d+)",
+    r"exactly (\d+) \(`PROTOCOL_VERSION`\)",
+    r"anything but (\d+) is refused",
+    r"`protocol` must be (\d+)",
+    r"\| protocol \| int \(=(\d+)\) \|",
+    r"\| protocol \| int \| = (\d+) \|",
+    r"`protocol` as the smallest int form \(`0x([0-9a-f]{2})`\)",
+)
+
+
+def test_every_statement_of_the_protocol_number_matches_the_code(doc: str) -> None:
+    found = []
+    for pattern in PROTOCOL_STATEMENTS:
+        for match in re.finditer(pattern, doc):
+            value = int(match.group(1), 16) if "0x" in pattern else int(match.group(1))
+            found.append((match.group(0), value))
+    assert len(found) >= len(PROTOCOL_STATEMENTS), found  # each phrasing is still there (or drop it above)
+    wrong = [text for text, value in found if value != PROTOCOL_VERSION]
+    assert not wrong, f"docs/protocol.md states another protocol number than {PROTOCOL_VERSION}: {wrong}"
+
+
+def test_manifest_protocols_are_the_codes_range(doc: str) -> None:
+    from shared.messages import MANIFEST_PROTOCOLS
+
+    low, high = MANIFEST_PROTOCOLS
+    assert f"`Manifest`: `protocol` ({low} to {high}:" in section(doc, "6")
+
+
+# ---- field tables: each documented message's fields are its model's --------------------------------------
+def field_table(doc: str, anchor: str) -> list[str]:
+    """The first-column names of the first table after ``anchor`` (a cell naming several, comma-separated, split)."""
+    lines = doc[doc.index(anchor):].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    table = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    names = [n.strip() for row in table[2:] for n in row.split("|")[1].split(",")]  # past the header and rule
+    return [n for n in names if n]
+
+
+def table_cases() -> list[tuple[str, Any, dict[str, Any]]]:
+    from shared import messages as m
+
+    return [
+        ("Every `POST` body is a `SignedRequest`:", m.SignedRequest, {}),
+        ("### GET /v1/info", m.Info, {}),
+        ("### POST /v1/register", m.RegisterRequest, {"profile": m.ClientProfile}),
+        ("### POST /v1/lease", m.LeaseResponse, {}),
+        ("`Job`:\n", m.Job, {"prompts": m.JobPrompt, "sampling": m.SamplingParams, "environment": m.EnvironmentSpec}),
+        ("### POST /v1/results", m.ResultSubmission, {"completions": m.Completion, "turns": m.Turn}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_each_field_table_lists_exactly_its_models_fields(doc: str, case: int) -> None:
+    anchor, model, nested = table_cases()[case]
+    names = field_table(doc, anchor)
+    top = {n.split(".", 1)[0].removesuffix("[]") for n in names}  # `sampling.temperature` documents `sampling` too
+    top -= {p for p in nested if p not in model.model_fields}  # a list nested in a list (completions[].turns)
+    assert top == set(model.model_fields), (
+        f"the table after {anchor.strip()!r} lists {sorted(top)}; {model.__name__} has "
+        f"{sorted(model.model_fields)}: document each field once (and only those)")
+    for name in (n for n in names if "." in n):
+        parent, field = name.split(".", 1)
+        sub = nested.get(parent.removesuffix("[]"))
+        assert sub is not None, f"{name}: no model given for {parent!r} in this test"
+        assert field in sub.model_fields, f"{name} is not a field of {sub.__name__} ({sorted(sub.model_fields)})"
+    for parent, sub in nested.items():
+        listed = {n.split(".", 1)[1] for n in names if "." in n and n.split(".", 1)[0].removesuffix("[]") == parent}
+        assert listed == set(sub.model_fields), (f"{anchor.strip()!r}: {parent}.* lists {sorted(listed)}, "
+                                                 f"{sub.__name__} has {sorted(sub.model_fields)}")
