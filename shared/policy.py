@@ -394,7 +394,6 @@ def completion_stats(
     if segments is not None:
         if len(segments) != len(completions):
             raise ValueError(f"{len(segments)} segment lists for {len(completions)} completions")
-        # the logits are already tempered (float32 l/T): the margin's scores are float64(l/T) + G, within float32
-        # rounding of the client's float64(l)/T + G (absorbed by the tolerance, far below it)
+        # the logits are already tempered (float32 l/T, as a client computes them): the scores are l/T + G
         margins = margins_torch(logits, c_ids, 1.0, segments) * c_mask
     return CompletionStats(logp, entropy, variance, top, c_mask.to(logp.dtype), margins)

@@ -18,11 +18,13 @@ The specification, which a client written from docs/protocol.md reproduces bit f
   ``k = mix32((key mod 2³²) ^ mix32((key >> 32) ^ 0x9e3779b9))``; rollout ``r`` (prompt-major index in the job:
   prompt i, sample g → ``i·group_size + g``) and position ``t`` (index of the token among the completion's tokens)
   give ``a = mix32(mix32(k ^ mix32(r ^ 0x85ebca6b)) ^ mix32(t ^ 0xc2b2ae35))`` and ``b = mix32(a ^ 0x27d4eb2f)``;
-- token id ``i``: ``bits = mix32(mix32(mix32(i ^ 0x165667b1) ^ a) ^ b)``; ``u = (bits + 0.5) / 2³²`` (exact in
-  float64, never 0 or 1); ``G = −log(−log(u))`` in float64 — the one step where libraries may differ, by at most
-  a few ulp (|ΔG| < 1e-13), which the verifier's tolerance absorbs;
-- score ``s_i = float64(logits_i) / T + G_i`` (logits as the model computed them, in float32); the token is the
-  first index of the largest score.
+- token id ``i``: ``bits = mix32(mix32(mix32(i ^ 0x165667b1) ^ a) ^ b)``; ``u = ((bits >> 8) + 0.5) / 2²⁴``
+  (exact in float32, never 0 or 1); ``G = −log(−log(u))`` in float32 — the one step where libraries may differ,
+  by a few float32 ulp (|ΔG| < 1e-5), which the verifier's tolerance (≥ 0.02) absorbs. float32, not float64:
+  the two logarithms over the vocabulary are most of the sampler's cost, and float64 ones cost a llama.cpp
+  client 6 % of its decode speed at a 152 k vocabulary (bench/choice_cost.py);
+- score ``s_i = logits_i / T + G_i`` in float32 (logits as the model computed them); the token is the first index
+  of the largest score.
 
 The integer steps use only ``^ >> & + ·`` on non-negative values below 2⁴⁹ (a 32-bit product is split into 16-bit
 halves), so one implementation runs on Python ints, numpy int64 arrays and torch int64 tensors on any device with
@@ -114,19 +116,25 @@ def noise_bits_np(token_words: np.ndarray, a: int, b: int) -> np.ndarray:
     return mix32_u32(x)
 
 
+_U8 = np.uint32(8)
+_HALF, _SCALE24 = np.float32(0.5), np.float32(2.0**-24)
+
+
 def gumbel_np(bits: np.ndarray) -> np.ndarray:
-    return -np.log(-np.log((bits.astype(np.float64) + 0.5) * 2.0**-32))
+    """float32 G from uint32 noise words: u = ((bits >> 8) + 0.5) / 2²⁴ (24 bits: exact in float32)."""
+    u = ((bits >> _U8).astype(np.float32) + _HALF) * _SCALE24
+    return -np.log(-np.log(u))
 
 
 def gumbel_row_np(key: int, rollout: int, position: int, vocab: int) -> np.ndarray:
-    """The float64 Gumbel noise of one (job, rollout, position) over the vocabulary."""
+    """The float32 Gumbel noise of one (job, rollout, position) over the vocabulary."""
     a, b = position_words(job_word(key), int(rollout), int(position))
     return gumbel_np(noise_bits_np(token_words_np(vocab), a, b))
 
 
 def choose_np(logits: np.ndarray, temperature: float, key: int, rollout: int, position: int) -> int:
     """The keyed choice for one position from a float32 logits row (the llama.cpp client's sampler)."""
-    scores = logits.astype(np.float64) / float(temperature)
+    scores = logits.astype(np.float32, copy=False) / np.float32(temperature)
     scores += gumbel_row_np(key, rollout, position, logits.shape[-1])
     return int(np.argmax(scores))
 
@@ -178,24 +186,22 @@ def noise_bits_torch(token_words: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 def gumbel_torch(bits: torch.Tensor) -> torch.Tensor:
-    """G from 32-bit noise words (int32 two's complement, or non-negative int64)."""
+    """float32 G from 32-bit noise words (int32 two's complement, or non-negative int64): the top 24 bits."""
     import torch
 
-    u = bits.to(torch.float64)
-    if bits.dtype == torch.int32:
-        u = torch.where(u < 0, u + 2.0**32, u)
-    return -torch.log(-torch.log((u + 0.5) * 2.0**-32))
+    u = (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
 
 
 def keyed_scores_torch(logits: torch.Tensor, temperature: float, keys: torch.Tensor, rollouts: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:
-    """float64 scores ``logits / T + G`` for logits [..., V] (float32, untempered) whose leading dims match the
-    int64 tensors ``keys`` (job words, :func:`job_word`), ``rollouts`` and ``positions``."""
+    """float32 scores ``logits / T + G`` for logits [..., V] (untempered) whose leading dims match the int64
+    tensors ``keys`` (job words, :func:`job_word`), ``rollouts`` and ``positions``."""
     import torch
 
     a, b = position_words(keys, rollouts, positions)
     bits = noise_bits_torch(token_words_torch(logits.shape[-1], logits.device), a[..., None], b[..., None])
-    return logits.to(torch.float64) / float(temperature) + gumbel_torch(bits)
+    return logits.to(torch.float32) / float(temperature) + gumbel_torch(bits)
 
 
 def choose_torch(logits: torch.Tensor, temperature: float, words: torch.Tensor, rollouts: torch.Tensor,
@@ -232,9 +238,9 @@ def plain_segments(key: int, lengths: Sequence[int]) -> list[list[Segment]]:
 
 def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
                   segments: Sequence[Sequence[Segment]], *, chunk_elements: int = 2**24) -> torch.Tensor:
-    """Each token's margin ``max_i s_i − s_token`` (float64, [B, T]) from untempered logits [B, T, V] of
+    """Each token's margin ``max_i s_i − s_token`` (float32, [B, T]) from untempered logits [B, T, V] of
     completions ``tokens`` [B, T], row b keyed by ``segments[b]``; 0 where no segment covers a token. Computed
-    ``chunk_elements`` scores at a time so the float64 expansion stays bounded whatever B, T and V."""
+    ``chunk_elements`` scores at a time so the expansion stays bounded whatever B, T and V."""
     import torch
 
     bsz, width, vocab = logits.shape
@@ -253,7 +259,7 @@ def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
             positions[b, offset:end] = torch.arange(end - offset)
             keyed[b, offset:end] = True
     words, rollouts, positions, keyed = (t.to(device) for t in (words, rollouts, positions, keyed))
-    out = torch.zeros((bsz, width), dtype=torch.float64, device=device)
+    out = torch.zeros((bsz, width), dtype=torch.float32, device=device)
     rows_per = max(1, chunk_elements // max(1, width * vocab))
     with torch.no_grad():
         for s in range(0, bsz, rows_per):
