@@ -18,8 +18,8 @@ The specification, which a client written from docs/protocol.md reproduces bit f
   ``k = mix32((key mod 2³²) ^ mix32((key >> 32) ^ 0x9e3779b9))``; rollout ``r`` (prompt-major index in the job:
   prompt i, sample g → ``i·group_size + g``) and position ``t`` (index of the token among the completion's tokens)
   give ``a = mix32(mix32(k ^ mix32(r ^ 0x85ebca6b)) ^ mix32(t ^ 0xc2b2ae35))`` and ``b = mix32(a ^ 0x27d4eb2f)``;
-- token id ``i``: ``bits = mix32(mix32(mix32(i ^ 0x165667b1) ^ a) ^ b)``; ``u = ((bits >> 8) + 0.5) / 2²⁴``
-  (exact in float32, never 0 or 1); ``G = −log(−log(u))`` in float32 — the one step where libraries may differ,
+- token id ``i``: ``bits = mix32(mix32(mix32(i ^ 0x165667b1) ^ a) ^ b)``; ``u = ((bits >> 9) + 0.5) / 2²³``
+  (exact in float32, never 0 or 1: with 24 bits the largest u would round to 1); ``G = −log(−log(u))`` in float32 — the one step where libraries may differ,
   by a few float32 ulp (|ΔG| < 1e-5), which the verifier's tolerance (≥ 0.02) absorbs. float32, not float64:
   the two logarithms over the vocabulary are most of the sampler's cost, and float64 ones cost a llama.cpp
   client 6 % of its decode speed at a 152 k vocabulary (bench/choice_cost.py);
@@ -116,13 +116,14 @@ def noise_bits_np(token_words: np.ndarray, a: int, b: int) -> np.ndarray:
     return mix32_u32(x)
 
 
-_U8 = np.uint32(8)
-_HALF, _SCALE24 = np.float32(0.5), np.float32(2.0**-24)
+_U9 = np.uint32(9)
+_HALF, _SCALE23 = np.float32(0.5), np.float32(2.0**-23)
 
 
 def gumbel_np(bits: np.ndarray) -> np.ndarray:
-    """float32 G from uint32 noise words: u = ((bits >> 8) + 0.5) / 2²⁴ (24 bits: exact in float32)."""
-    u = ((bits >> _U8).astype(np.float32) + _HALF) * _SCALE24
+    """float32 G from uint32 noise words: u = ((bits >> 9) + 0.5) / 2²³ — 23 bits, so u + its half step is exact
+    in float32 and below 1 (with 24 bits the largest u rounds to 1.0 and G to +inf)."""
+    u = ((bits >> _U9).astype(np.float32) + _HALF) * _SCALE23
     return -np.log(-np.log(u))
 
 
@@ -186,10 +187,10 @@ def noise_bits_torch(token_words: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 
 def gumbel_torch(bits: torch.Tensor) -> torch.Tensor:
-    """float32 G from 32-bit noise words (int32 two's complement, or non-negative int64): the top 24 bits."""
+    """float32 G from 32-bit noise words (int32 two's complement, or non-negative int64): the top 23 bits."""
     import torch
 
-    u = (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * 2.0**-24
+    u = (((bits >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * 2.0**-23
     return -torch.log(-torch.log(u))
 
 
@@ -200,8 +201,16 @@ def keyed_scores_torch(logits: torch.Tensor, temperature: float, keys: torch.Ten
     import torch
 
     a, b = position_words(keys, rollouts, positions)
-    bits = noise_bits_torch(token_words_torch(logits.shape[-1], logits.device), a[..., None], b[..., None])
-    return logits.to(torch.float32) / float(temperature) + gumbel_torch(bits)
+    if logits.device.type == "cpu":  # numpy's uint32 and float32 loops run this 4-5x faster than torch's on a CPU
+        a_np = a.numpy().astype(np.uint32)[..., None]
+        b_np = b.numpy().astype(np.uint32)[..., None]
+        x = mix32_u32(token_words_np(logits.shape[-1]) ^ a_np)
+        x ^= b_np
+        noise = torch.from_numpy(gumbel_np(mix32_u32(x)))
+    else:
+        bits = noise_bits_torch(token_words_torch(logits.shape[-1], logits.device), a[..., None], b[..., None])
+        noise = gumbel_torch(bits)
+    return logits.to(torch.float32) / float(temperature) + noise
 
 
 def choose_torch(logits: torch.Tensor, temperature: float, words: torch.Tensor, rollouts: torch.Tensor,
@@ -236,39 +245,46 @@ def plain_segments(key: int, lengths: Sequence[int]) -> list[list[Segment]]:
     return [[(int(key), r, 0, int(n))] for r, n in enumerate(lengths)]
 
 
+#: Scores computed at once by :func:`margins_torch`: 2¹⁹ float32 values (2 MiB) keep its twenty-odd elementwise
+#: passes in the CPU's cache; a 64 MiB chunk made them memory-bound and the check cost 40 % of a 0.5 B recompute.
+MARGIN_CHUNK = 2**19
+
+
 def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                  segments: Sequence[Sequence[Segment]], *, chunk_elements: int = 2**24) -> torch.Tensor:
+                  segments: Sequence[Sequence[Segment]], *, chunk_elements: int = MARGIN_CHUNK) -> torch.Tensor:
     """Each token's margin ``max_i s_i − s_token`` (float32, [B, T]) from untempered logits [B, T, V] of
-    completions ``tokens`` [B, T], row b keyed by ``segments[b]``; 0 where no segment covers a token. Computed
-    ``chunk_elements`` scores at a time so the expansion stays bounded whatever B, T and V."""
+    completions ``tokens`` [B, T], row b keyed by ``segments[b]``; 0 where no segment covers a token. Only the
+    keyed positions are scored, ``chunk_elements`` scores at a time (at least one position's vocabulary)."""
     import torch
 
     bsz, width, vocab = logits.shape
     device = logits.device
-    words = torch.zeros((bsz, width), dtype=torch.int64)
-    rollouts = torch.zeros((bsz, width), dtype=torch.int64)
-    positions = torch.zeros((bsz, width), dtype=torch.int64)
-    keyed = torch.zeros((bsz, width), dtype=torch.bool)
+    flat: list[int] = []
+    words: list[int] = []
+    rollouts: list[int] = []
+    positions: list[int] = []
     for b, row in enumerate(segments):
         for key, rollout, offset, length in row:
             end = min(width, offset + length)
             if offset < 0 or end <= offset:
                 continue
-            words[b, offset:end] = job_word(key)
-            rollouts[b, offset:end] = rollout
-            positions[b, offset:end] = torch.arange(end - offset)
-            keyed[b, offset:end] = True
-    words, rollouts, positions, keyed = (t.to(device) for t in (words, rollouts, positions, keyed))
-    out = torch.zeros((bsz, width), dtype=torch.float32, device=device)
-    rows_per = max(1, chunk_elements // max(1, width * vocab))
+            word = job_word(key)
+            flat.extend(range(b * width + offset, b * width + end))
+            words.extend([word] * (end - offset))
+            rollouts.extend([rollout] * (end - offset))
+            positions.extend(range(end - offset))
+    out = torch.zeros(bsz * width, dtype=torch.float32, device=device)
+    if not flat:
+        return out.view(bsz, width)
+    idx = torch.tensor(flat, dtype=torch.int64, device=device)
+    w, r, t = (torch.tensor(v, dtype=torch.int64, device=device) for v in (words, rollouts, positions))
+    rows = logits.detach().reshape(bsz * width, vocab)
+    chosen_ids = tokens.reshape(-1)[idx]
+    step = max(1, chunk_elements // max(1, vocab))
     with torch.no_grad():
-        for s in range(0, bsz, rows_per):
-            if not bool(keyed[s : s + rows_per].any()):
-                continue
-            part = logits[s : s + rows_per].detach()
-            n = part.shape[0]
-            scores = keyed_scores_torch(part, temperature, words[s : s + n], rollouts[s : s + n],
-                                        positions[s : s + n])
-            chosen = scores.gather(2, tokens[s : s + n, :, None]).squeeze(2)
-            out[s : s + n] = scores.max(-1).values - chosen
-    return torch.where(keyed, out, torch.zeros_like(out))
+        for s in range(0, len(flat), step):
+            sl = slice(s, s + step)
+            scores = keyed_scores_torch(rows[idx[sl]], temperature, w[sl], r[sl], t[sl])
+            chosen = scores.gather(1, chosen_ids[sl, None]).squeeze(1)
+            out[idx[sl]] = scores.max(-1).values - chosen
+    return out.view(bsz, width)

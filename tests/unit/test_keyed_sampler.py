@@ -55,6 +55,9 @@ def test_noise_bits_agree_between_numpy_torch_and_python_over_a_large_vocabulary
     gn, gt = sampler.gumbel_np(np_bits), sampler.gumbel_torch(torch_bits).numpy()
     assert np.abs(gn - gt).max() < 1e-5  # the documented bound on the float step
     assert gn.dtype == np.float32 and np.isfinite(gn).all()
+    extremes = np.array([0, 1, 2**31, 2**32 - 1], dtype=np.uint32)  # the largest word must not give u = 1, G = inf
+    assert np.isfinite(sampler.gumbel_np(extremes)).all()
+    assert torch.isfinite(sampler.gumbel_torch(sampler.to_i32(torch.tensor(extremes.astype(np.int64))))).all()
     assert abs(gn.mean() - 0.5772) < 0.01 and abs(gn.std() - math.pi / math.sqrt(6)) < 0.01  # Gumbel(0, 1)
 
 
