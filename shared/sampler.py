@@ -123,8 +123,14 @@ _HALF, _SCALE23 = np.float32(0.5), np.float32(2.0**-23)
 def gumbel_np(bits: np.ndarray) -> np.ndarray:
     """float32 G from uint32 noise words: u = ((bits >> 9) + 0.5) / 2²³ — 23 bits, so u + its half step is exact
     in float32 and below 1 (with 24 bits the largest u rounds to 1.0 and G to +inf)."""
-    u = ((bits >> _U9).astype(np.float32) + _HALF) * _SCALE23
-    return -np.log(-np.log(u))
+    u = (bits >> _U9).astype(np.float32)
+    u += _HALF
+    u *= _SCALE23
+    np.log(u, out=u)  # in place: each pass over the vocabulary allocates nothing
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    return u
 
 
 def gumbel_row_np(key: int, rollout: int, position: int, vocab: int) -> np.ndarray:
