@@ -248,8 +248,7 @@ def audit(
     client: Annotated[Optional[str], typer.Option(help="Only this client (id or unique prefix).")] = None,
     job: Annotated[Optional[str], typer.Option(help="Only this job id.")] = None,
     outcome: Annotated[Optional[str], typer.Option(help="Only results with this outcome: 'accepted', 'rejected' (and "
-                                                        "any further outcome the coordinator's audit log records, "
-                                                        "e.g. of spot-checks).")] = None,
+                                                        "any further outcome the coordinator's audit log records).")] = None,
 ) -> None:
     """The results audit, newest first: every accepted and refused result with its client, job, version,
     reason code and content hash (sha256 of the submitted bytes)."""

@@ -37,7 +37,6 @@ class Reason(StrEnum):
     TOKEN_OUT_OF_RANGE = "token_out_of_range"  # token id outside the vocabulary, or too many tokens
     FINISH_REASON = "finish_reason_inconsistent"  # "stop" without a stop token, "length" while short
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
-    REPLICA_MISMATCH = "replica_mismatch"  # a spot-check replay of the same seed and version disagreed
     CHOICE_MISMATCH = "choice_mismatch"  # a token is not the one the job's keyed sampler picks (shared.sampler)
     SAMPLING_MISMATCH = "sampling_mismatch"  # tokens far more or less surprising than sampling the policy gives
     OBSERVATION_MISMATCH = "observation_mismatch"  # an episode's observation is not what replaying it gives
@@ -83,7 +82,6 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.TOKEN_OUT_OF_RANGE: 422,
     Reason.FINISH_REASON: 422,
     Reason.LOGPROB_MISMATCH: 422,
-    Reason.REPLICA_MISMATCH: 422,
     Reason.CHOICE_MISMATCH: 422,
     Reason.SAMPLING_MISMATCH: 422,
     Reason.OBSERVATION_MISMATCH: 422,

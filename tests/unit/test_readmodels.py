@@ -42,14 +42,14 @@ def test_audit_reads_the_log_written_with_each_outcome_newest_first(store: Store
     assert readmodels.audit(store, client_id="b" * 32) == []
 
 
-def test_replay_outcomes_and_trust_standings_are_reported(store: Store) -> None:
+def test_refusal_outcomes_and_trust_standings_are_reported(store: Store) -> None:
     store.conn.execute("DELETE FROM audit")
     store.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256) "
-                       "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "invalidated", "replica_mismatch", "3" * 64))
+                       "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "rejected", "choice_mismatch", "3" * 64))
     store.conn.execute("INSERT INTO trust(client_id, backend_class, valid_total, invalid_total, quarantined_until) "
                        "VALUES(?,?,?,?,?)", (ALICE, "torch-cpu", 7, 2, T0 + 100))
     (entry,) = readmodels.audit(store)
-    assert (entry["outcome"], entry["reason"], entry["job_id"]) == ("invalidated", "replica_mismatch", "j-r")
+    assert (entry["outcome"], entry["reason"], entry["job_id"]) == ("rejected", "choice_mismatch", "j-r")
     assert readmodels.audit(store, outcome="accepted") == []
     (row,) = readmodels.clients(store, T0 + 50, 30.0)
     assert row["trust"]["valid"] == 7 and row["trust"]["invalid"] == 2 and row["trust"]["quarantined"] is True
