@@ -549,6 +549,18 @@ class TrustConfig(_Strict):
     quarantine_after: int = Field(3, ge=1, le=1000, description="Invalid results in a row that quarantine a client.")
     quarantine_s: float = Field(600.0, ge=0, description="Seconds of the first quarantine; the n-th lasts n times "
                                 "as long.")
+    reporting_min_leases: int = Field(40, ge=1, le=1_000_000, description="Leases an identity must have been "
+                                      "granted before its reporting is judged (coordinator.core.reporting).")
+    reporting_max_unreturned: float = Field(0.25, ge=0.0, lt=1.0, description="Share of an identity's leases that "
+                                            "may end without a result (released, or run out) before the rewards "
+                                            "of what it returns are compared with the expectation.")
+    reporting_min_results: int = Field(20, ge=1, le=1_000_000, description="Results of its own, at versions where "
+                                       "others returned results too, before that comparison counts.")
+    reporting_reward_z: float = Field(4.0, gt=0, description="Standard errors above the other volunteers' rewards "
+                                      "at the same versions that, with the unreturned share past its threshold, "
+                                      "lower the identity's trust like a refused result (selective reporting).")
+    reporting_cooldown_s: float = Field(600.0, ge=0, description="Seconds between two such lowerings of one "
+                                        "identity's trust (the same evidence is counted once per period).")
 
     @model_validator(mode="before")
     @classmethod

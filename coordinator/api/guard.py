@@ -20,6 +20,15 @@ from typing import Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.ratelimit import Limiter, Rate
+from coordinator.core.reporting import (
+    SELECTIVE_REPORTING,
+    Reporting,
+    ReportingPolicy,
+    VersionGroup,
+    reward_bias,
+    selective,
+    worth_comparing,
+)
 from coordinator.core.trust import (
     TrustPolicy,
     TrustState,
@@ -41,6 +50,8 @@ class Guard:
         self.store = store
         t = config.trust
         self.policy = TrustPolicy(t.quarantine_after, t.quarantine_s)
+        self.reporting_policy = ReportingPolicy(t.reporting_min_leases, t.reporting_max_unreturned,
+                                                t.reporting_min_results, t.reporting_reward_z, t.reporting_cooldown_s)
         lim = config.limits
         self.per_identity = Limiter(Rate(lim.per_identity_rps, lim.per_identity_burst))
         self.per_address = Limiter(Rate(lim.per_address_rps, lim.per_address_burst))
@@ -101,6 +112,29 @@ class Guard:
                            client_id[:8], self.pinned_class(client_id), state.quarantined_until,
                            self.policy.quarantine_after)
         return state
+
+    # -- selective reporting (coordinator.core.reporting): what the keyed sampler cannot see ----------------
+    def reporting(self, client_id: str) -> Reporting:
+        """The identity's leases, how many ended without its result, and how its returned rewards compare with
+        the other volunteers' at the same versions."""
+        leased, unreturned = self.store.lease_counts(client_id)
+        groups = [VersionGroup(*g) for g in self.store.reward_groups(client_id)]
+        return Reporting(leased, unreturned, reward_bias(groups, client_id))
+
+    def check_reporting(self, client_id: str, now: float) -> str | None:
+        """After an accepted result: lower the identity's trust if it looks like it keeps or abandons results by
+        their rewards (the audit log records why, outcome 'flagged'). Returns the reason, or None. Only an
+        identity whose unreturned share is already past its threshold costs the reward comparison's query."""
+        leased, unreturned = self.store.lease_counts(client_id)
+        if not worth_comparing(leased, unreturned, self.reporting_policy):
+            return None
+        why = selective(self.reporting(client_id), self.reporting_policy, now,
+                        self.store.last_flag(client_id, SELECTIVE_REPORTING))
+        if why is not None:
+            self.store.record_flag(client_id, now, SELECTIVE_REPORTING, why)
+            self.record_invalid(client_id, now)
+            logger.warning("client %s: trust lowered for selective reporting: %s", client_id[:8], why)
+        return why
 
     def quarantined_until(self, client_id: str) -> float:
         """The end of the identity's quarantine, whichever class the evidence was recorded under (0: none)."""

@@ -529,6 +529,7 @@ class Coordinator:
             raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
         if not own:  # every token was checked against the keyed sampler: the result is conclusive evidence
             self.guard.record_valid(client_id)
+            self.guard.check_reporting(client_id, self.clock())  # …of its tokens, not of which results it returns
         self.issuer.observe(client_id, fresh.view, self.clock())
         self.bell.ring()  # the learner may have a batch now
         client = self.store.get_client(client_id)

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from coordinator.core.jobs import JobPlan
 from coordinator.core.leases import JobState, LeaseView
+from coordinator.core.reporting import FLAGGED
 from coordinator.core.scheduling import Pending
 from coordinator.store.db import Db, Row, is_postgres_url, pg_ddl
 from coordinator.store.tmpfs import run_folder
@@ -68,6 +69,7 @@ CREATE TABLE IF NOT EXISTS results(
   stale_at INTEGER);
 CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
 CREATE INDEX IF NOT EXISTS results_by_client ON results(client_id, received_at);
+CREATE INDEX IF NOT EXISTS results_by_version ON results(version, client_id);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
@@ -93,7 +95,8 @@ CREATE TABLE IF NOT EXISTS trust(
 #: the meta row 'schema_version') so a database written by a newer release is refused instead of misread.
 #: 4: work.requester (several API processes share one queue); 5: SQLite keeps nonces in a file of their own;
 #: 6: spot-checks retired (issue 21) — the replicas table and the work queue's 'replay' kind are gone
-#: (:meth:`Store._retire_replication`).
+#: (:meth:`Store._retire_replication`); clients.leased / clients.unreturned count leases for the selective-reporting
+#: rule (coordinator.core.reporting).
 SCHEMA_VERSION = 6
 #: Replay protection: on SQLite in its own database file beside the main one, on PostgreSQL a table of the
 #: main database (see Store._nonce_db).
@@ -327,6 +330,11 @@ class Store:
         for col in ("backend_class", "address", "last_address"):
             if col not in have:
                 self.conn.execute(ddl(f"ALTER TABLE clients ADD COLUMN {col} TEXT"))
+        # schema 6: leases granted, and how many of them ended without a result from the client (released, or
+        # run out and reissued) — what the selective-reporting rule reads (coordinator.core.reporting)
+        for col in ("leased", "unreturned"):
+            if col not in have:
+                self.conn.execute(ddl(f"ALTER TABLE clients ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0"))
         # schema 4: which API process asked (API processes sharing a PostgreSQL store each drop only their own
         # previous run's requests when they start)
         if "requester" not in self.conn.columns("work"):
@@ -391,7 +399,8 @@ class Store:
 
     def clients(self) -> list[dict[str, Any]]:
         rows = self.conn.execute("SELECT client_id, profile, registered_at, last_seen, accepted, rejected, credit, "
-                                 "banned, benchmark_tokens_per_s FROM clients ORDER BY credit DESC, registered_at").fetchall()
+                                 "banned, benchmark_tokens_per_s, leased, unreturned FROM clients "
+                                 "ORDER BY credit DESC, registered_at").fetchall()
         return [dict(r) | {"profile": json.loads(r["profile"])} for r in rows]
 
     # -- nonces -------------------------------------------------------------------------------------------
@@ -483,20 +492,37 @@ class Store:
         step) makes it power-safe; a power loss before that forgets the lease, and the job is
         issued again."""
         with _Tx(self.light_conn):
+            before = self.light_conn.execute("SELECT state, lease_client FROM jobs WHERE job_id=?",
+                                             (job_id,)).fetchone()
             cur = self.light_conn.execute(
                 "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
                 "issue_count=issue_count+1 WHERE job_id=(SELECT job_id FROM jobs WHERE job_id=? AND "
                 f"(state='open' OR (state='leased' AND lease_deadline<=?)){self.light_conn.skip_locked})",
                 (lease_id, client_id, deadline, version, job_id, now),
             )
-            return cur.rowcount == 1
+            if cur.rowcount != 1:
+                return False
+            self.light_conn.execute("UPDATE clients SET leased=leased+1 WHERE client_id=?", (client_id,))
+            if before is not None and before["state"] == "leased" and before["lease_client"]:
+                self._count_unreturned(self.light_conn, str(before["lease_client"]), job_id)  # it ran out
+            return True
+
+    @staticmethod
+    def _count_unreturned(db: Db, client_id: str, job_id: str) -> None:
+        """A lease of ``client_id`` on ``job_id`` ended without its result: counted unless the client did send
+        one that was refused (a refused result was returned; the refusal is counted where it belongs)."""
+        db.execute("UPDATE clients SET unreturned=unreturned+1 WHERE client_id=? AND NOT EXISTS (SELECT 1 FROM "
+                   "rejections WHERE rejections.client_id=? AND rejections.job_id=?)", (client_id, client_id, job_id))
 
     def release_lease(self, job_id: str, lease_id: str, client_id: str) -> bool:
         with _Tx(self.light_conn):  # as lease_job: a forgotten release only means the lease runs out
             cur = self.light_conn.execute(
                 "UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=? AND lease_id=? AND lease_client=? "
                 "AND state='leased'", (job_id, lease_id, client_id))
-            return cur.rowcount == 1
+            if cur.rowcount != 1:
+                return False
+            self._count_unreturned(self.light_conn, client_id, job_id)
+            return True
 
     # -- results ------------------------------------------------------------------------------------------
     def accept_result(self, *, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str,
@@ -713,6 +739,30 @@ class Store:
         row = self.conn.execute("SELECT MAX(quarantined_until) AS q FROM trust WHERE client_id=?",
                                 (client_id,)).fetchone()
         return float(row["q"] or 0.0)
+
+    def reward_groups(self, client_id: str) -> list[tuple[str, int, int, float, float]]:
+        """(client, version, results, sum and sum of squares of their mean rewards) for every identity, at each
+        version ``client_id`` has results at: the selective-reporting rule's input (core.reporting.VersionGroup)."""
+        rows = self.conn.execute(
+            "SELECT client_id, version, COUNT(*) AS n, SUM(mean_reward) AS s, SUM(mean_reward*mean_reward) AS q "
+            "FROM results WHERE version IN (SELECT DISTINCT version FROM results WHERE client_id=?) "
+            "GROUP BY client_id, version", (client_id,)).fetchall()
+        return [(str(r["client_id"]), int(r["version"]), int(r["n"]), float(r["s"]), float(r["q"])) for r in rows]
+
+    def lease_counts(self, client_id: str) -> tuple[int, int]:
+        """(leases granted, leases that ended without a result) of one identity."""
+        row = self.conn.execute("SELECT leased, unreturned FROM clients WHERE client_id=?", (client_id,)).fetchone()
+        return (0, 0) if row is None else (int(row["leased"]), int(row["unreturned"]))
+
+    def record_flag(self, client_id: str, now: float, reason: str, detail: str) -> None:
+        """An audit line for a lowering of trust that is no refusal (outcome core.reporting.FLAGGED)."""
+        with self._tx():
+            self.audit_write(now, client_id, None, None, FLAGGED, reason, None, detail)
+
+    def last_flag(self, client_id: str, reason: str) -> float | None:
+        row = self.conn.execute("SELECT MAX(at) AS at FROM audit WHERE client_id=? AND outcome=? AND reason=?",
+                                (client_id, FLAGGED, reason)).fetchone()
+        return None if row is None or row["at"] is None else float(row["at"])
 
     def standings(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]

@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.api.guard import Guard
 from coordinator.config import CoordinatorConfig
+from coordinator.core.jobs import JobPlan
 from coordinator.store.store import Store
 from shared.errors import ProtocolError, Reason
 
@@ -109,6 +110,49 @@ def test_an_accepted_result_raises_trust_and_clears_the_failure_streak(store_tar
     assert (guard.trust(A).consecutive_valid, guard.trust(A).consecutive_invalid) == (1, 0)
     guard.record_invalid(A, T0 + 1)
     guard.check_quarantine(A, T0 + 1)  # one failure since the last valid result: not quarantined
+
+
+def _reported(store: Store, client: str, version: int, rewards: list[float], now: float) -> None:
+    """One accepted result of ``client`` at ``version`` with these per-completion rewards."""
+    seq = store.next_seq()
+    store.create_job(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
+    assert store.lease_job(f"j{seq}", f"L{seq}", client, now + 60, version, now)
+    assert store.accept_result(job_id=f"j{seq}", lease_id=f"L{seq}", client_id=client, version=version,
+                               content_sha256="c" * 64, payload=b"x", rewards=rewards, n_tokens=8, credit=8.0,
+                               now=now)
+
+
+def _abandoned(store: Store, client: str, n: int, now: float) -> None:
+    for _ in range(n):
+        seq = store.next_seq()
+        store.create_job(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
+        assert store.lease_job(f"j{seq}", f"L{seq}", client, now + 60, 0, now)
+        assert store.release_lease(f"j{seq}", f"L{seq}", client)
+
+
+def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | Path) -> None:
+    """B returns only its well-scored results (and abandons the rest); A returns everything. The rule, applied
+    after B's accepted results with the clock passed in, lowers B's trust with an audit line saying why, once
+    per cooldown, and quarantines it once that happens quarantine_after times; A is never touched."""
+    guard, store = make(store_target, trust={"quarantine_after": 2, "quarantine_s": 50, "reporting_min_leases": 20,
+                                             "reporting_min_results": 10, "reporting_cooldown_s": 100})
+    for v in range(10):
+        for _ in range(3):
+            _reported(store, A, v, [1.0, 0.0, 0.0, 0.0], T0)  # A: reward 0.25, as everyone's expectation
+        _reported(store, B, v, [1.0, 1.0, 0.0, 1.0], T0)  # B: only the ones that scored well
+    assert guard.check_reporting(B, T0) is None  # no lease abandoned yet: the rewards are not even compared
+    _abandoned(store, B, 12, T0)  # 12 of 22 leases without a result
+    why = guard.check_reporting(B, T0 + 1)
+    assert why is not None and "12 of 22 leases" in why
+    assert (guard.trust(B).consecutive_invalid, guard.trust(B).quarantines) == (1, 0)
+    (row,) = store.audit(client_id=B, outcome="flagged")
+    assert (row["reason"], row["detail"]) == ("selective_reporting", why)
+    assert guard.check_reporting(B, T0 + 50) is None  # within the cooldown: the same evidence counts once
+    assert guard.check_reporting(B, T0 + 101) is not None  # the next period: quarantined (quarantine_after = 2)
+    assert "in a row" in refused(Reason.QUARANTINED, guard.check_quarantine, B, T0 + 102)
+    assert guard.check_reporting(A, T0 + 200) is None and guard.trust(A).consecutive_invalid == 0
+    rep = guard.reporting(B)
+    assert (rep.leased, rep.unreturned, rep.bias.results) == (22, 12, 10) and rep.bias.excess == pytest.approx(0.5)
 
 
 def test_audit_records_rejections_with_version_and_hash_and_filters(store_target: str | Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
-from coordinator.store.db import IntegrityError
+from coordinator.store.db import IntegrityError, pg_ddl
 from coordinator.store.store import SCHEMA_VERSION, Store
 
 T0 = 1000.0
@@ -280,6 +280,26 @@ def test_live_leases_counts_only_unexpired_leases(store: Store) -> None:
     # a reissued job counts once
     assert lease(store, "j0", "L9", ALICE, deadline=T0 + 50, now=T0 + 10)
     assert store.live_leases(T0 + 10) == 2  # j0 (new lease) and j1
+
+
+def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> None:
+    """What the selective-reporting rule reads: leases granted, and those that ended without a result from the
+    client — released, or run out and reissued — but not one whose result was sent and refused."""
+    published(store, 5)
+    registered(store, ALICE, BOB)
+    assert lease(store, "j0", "L0", ALICE) and accept(store, "j0", "L0", ALICE)  # returned
+    assert lease(store, "j1", "L1", ALICE) and store.release_lease("j1", "L1", ALICE)  # released: not returned
+    assert lease(store, "j2", "L2", ALICE, deadline=T0 + 10)
+    assert store.lease_counts(ALICE) == (3, 1)  # j2's lease is still live
+    assert lease(store, "j2", "L2b", BOB, now=T0 + 10)  # ran out, reissued: ALICE's lease ended without a result
+    assert store.lease_counts(ALICE) == (3, 2) and store.lease_counts(BOB) == (1, 0)
+    assert lease(store, "j3", "L3", ALICE)
+    store.record_rejection(ALICE, "j3", "choice_mismatch", "no", "e" * 64, T0)
+    assert store.release_lease("j3", "L3", ALICE)  # refused, then released: it was returned
+    assert not store.release_lease("j3", "L3", ALICE)  # a release that changes nothing counts nothing
+    assert lease(store, "nope", "Lx", ALICE) is False  # a lease that was not granted counts nothing
+    assert store.lease_counts(ALICE) == (4, 2) and store.lease_counts("c" * 32) == (0, 0)
+    assert {c["client_id"]: (c["leased"], c["unreturned"]) for c in store.clients()}[ALICE] == (4, 2)
 
 
 # ---- results --------------------------------------------------------------------------------------------
@@ -552,11 +572,11 @@ SCHEMA_5_WORK = """CREATE TABLE work(
 
 def _as_schema_5(store: Store) -> None:
     """Turn a fresh store back into a schema-5 database in the middle of a run with spot-checks on: j0 accepted
-    and held for a peer's judgement, a replay request and a recompute request queued."""
-    from coordinator.store.db import pg_ddl
-
+    and held for a peer's judgement, a replay request and a recompute request queued; no lease counters yet."""
     conn = store.conn
     conn.execute(pg_ddl(SCHEMA_5_REPLICAS) if conn.postgres else SCHEMA_5_REPLICAS)
+    for col in ("leased", "unreturned"):
+        conn.execute(f"ALTER TABLE clients DROP COLUMN {col}")
     if conn.postgres:
         conn.execute("ALTER TABLE work DROP CONSTRAINT work_kind_check")
         conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check CHECK(kind IN ('recompute','replay','evaluate'))")
@@ -588,6 +608,7 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
     try:
         assert new.schema_version() == SCHEMA_VERSION == 6
         assert not new.conn.has_table("replicas")
+        assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.lease_counts(ALICE) == (0, 0)
         assert pending_ids(new) == {"j0"}  # the held result is an ordinary pending one now
         assert new.next_seq() == 2  # the stream follows the jobs alone (the replica's j9 is gone with it)
         queued = [(r["kind"], bytes(r["request"])) for r in new.conn.execute("SELECT kind, request FROM work")]
