@@ -30,6 +30,7 @@ class Reason(StrEnum):
     NOT_LEASE_HOLDER = "not_lease_holder"  # the job is leased to someone else, or the lease id is not current
     LEASE_EXPIRED = "lease_expired"
     JOB_COMPLETED = "job_completed"  # a result for this job was already accepted
+    DUPLICATE_RESULT = "duplicate_result"  # token for token another job's accepted result: a copy
     WRONG_VERSION = "wrong_version"  # the result claims another version than the job it answers was bound to
     VERSION_RETIRED = "version_retired"  # the job's version is no longer kept, so its result cannot be verified
     BINDING_MISMATCH = "binding_mismatch"  # prompt hash, seed or group size differ from the signed job
@@ -75,6 +76,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.NOT_LEASE_HOLDER: 403,
     Reason.LEASE_EXPIRED: 410,
     Reason.JOB_COMPLETED: 409,
+    Reason.DUPLICATE_RESULT: 409,
     Reason.WRONG_VERSION: 409,
     Reason.VERSION_RETIRED: 410,
     Reason.BINDING_MISMATCH: 422,

@@ -26,6 +26,7 @@ from coordinator.api.issuer import Issuer
 from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
+from coordinator.core.duplicates import check_copy, surprisal
 from coordinator.core.jobs import plan_job, plan_key
 from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, kept_versions, lease_live
 from coordinator.core.trust import class_backend, is_invalidating
@@ -54,7 +55,7 @@ from coordinator.tasks.rewards import RewardFailed
 from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import PROTOCOL_VERSION, crypto, wire
 from shared.errors import ProtocolError, Reason
-from shared.hashing import prompt_hash, sha256_bytes
+from shared.hashing import prompt_hash, sha256_bytes, tokens_sha256
 from shared.messages import (
     Info,
     Job,
@@ -475,6 +476,7 @@ class Coordinator:
         # is verifiable however far the policy moved; verify_submission checks the lease before the version
         oldest = min(kept_versions(self.version, self.config.snapshots.keep_last, [row.view], self.clock()))
         verify_submission(sub, row.view, self.terms(row), client_id, self.clock(), oldest)
+        tokens_sha = self._refuse_copy(sub)  # before any forward pass is spent on a copy (core.duplicates)
         prompts = [self.prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
         completions = [list(c.token_ids) for c in sub.completions]
         reported: list[list[float]] = [list(c.logprobs) for c in sub.completions]
@@ -525,7 +527,8 @@ class Coordinator:
         credit = float(n_tokens)
         if not self.store.accept_result(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
                                         version=sub.version, content_sha256=content_sha, payload=payload,
-                                        rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock()):
+                                        rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock(),
+                                        completions_sha256=tokens_sha):
             raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
         if not own:  # every token was checked against the keyed sampler: the result is conclusive evidence
             self.guard.record_valid(client_id)
@@ -535,6 +538,18 @@ class Coordinator:
         client = self.store.get_client(client_id)
         return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
                               credit=credit, total_credit=float(client["credit"]) if client else credit)
+
+    def _refuse_copy(self, sub: ResultSubmission) -> str:
+        """The content hash of the result's tokens (an episode's: its actions and observations, turn by turn);
+        refused with duplicate_result if another job's accepted result has the same tokens and the result holds
+        enough choice for that to be no coincidence (coordinator.core.duplicates)."""
+        tokens = [list(c.token_ids) if c.turns is None else
+                  [t for turn in c.turns for t in (*turn.token_ids, *turn.observation_ids)] for c in sub.completions]
+        logprobs = [list(c.logprobs) if c.turns is None else [x for turn in c.turns for x in turn.logprobs]
+                    for c in sub.completions]
+        sha = tokens_sha256(tokens)
+        check_copy(self.store.result_with_tokens(sha, sub.job_id), sub.job_id, surprisal(logprobs))
+        return sha
 
     async def recompute_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
                             ) -> list[list[float]]:

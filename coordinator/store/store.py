@@ -96,7 +96,7 @@ CREATE TABLE IF NOT EXISTS trust(
 #: 4: work.requester (several API processes share one queue); 5: SQLite keeps nonces in a file of their own;
 #: 6: spot-checks retired (issue 21) — the replicas table and the work queue's 'replay' kind are gone
 #: (:meth:`Store._retire_replication`); clients.leased / clients.unreturned count leases for the selective-reporting
-#: rule (coordinator.core.reporting).
+#: rule (coordinator.core.reporting); results.completions_sha256 finds copies (coordinator.core.duplicates).
 SCHEMA_VERSION = 6
 #: Replay protection: on SQLite in its own database file beside the main one, on PostgreSQL a table of the
 #: main database (see Store._nonce_db).
@@ -335,6 +335,11 @@ class Store:
         for col in ("leased", "unreturned"):
             if col not in have:
                 self.conn.execute(ddl(f"ALTER TABLE clients ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0"))
+        # schema 6: the content hash of an accepted result's tokens (shared.hashing.tokens_sha256; NULL for results
+        # from before), indexed: a copy of another job's result is found by one lookup (coordinator.core.duplicates)
+        if "completions_sha256" not in self.conn.columns("results"):
+            self.conn.execute("ALTER TABLE results ADD COLUMN completions_sha256 TEXT")
+        self.conn.execute("CREATE INDEX IF NOT EXISTS results_by_completions ON results(completions_sha256)")
         # schema 4: which API process asked (API processes sharing a PostgreSQL store each drop only their own
         # previous run's requests when they start)
         if "requester" not in self.conn.columns("work"):
@@ -526,16 +531,21 @@ class Store:
 
     # -- results ------------------------------------------------------------------------------------------
     def accept_result(self, *, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str,
-                      payload: bytes, rewards: list[float], n_tokens: int, credit: float, now: float) -> bool:
-        """Durably record an accepted result, closing the job. False if the lease changed meanwhile."""
+                      payload: bytes, rewards: list[float], n_tokens: int, credit: float, now: float,
+                      completions_sha256: str | None = None) -> bool:
+        """Durably record an accepted result, closing the job. False if the lease changed meanwhile.
+        ``completions_sha256``: the content hash of its tokens (shared.hashing.tokens_sha256), for
+        :meth:`result_with_tokens`."""
         try:
-            self._accept(job_id, lease_id, client_id, version, content_sha256, payload, rewards, n_tokens, credit, now)
+            self._accept(job_id, lease_id, client_id, version, content_sha256, payload, rewards, n_tokens, credit, now,
+                         completions_sha256)
         except _Abort:
             return False
         return True
 
     def _accept(self, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str, payload: bytes,
-                rewards: list[float], n_tokens: int, credit: float, now: float) -> None:
+                rewards: list[float], n_tokens: int, credit: float, now: float, completions_sha256: str | None
+                ) -> None:
         with self._tx():
             cur = self.conn.execute(
                 "UPDATE jobs SET state='done' WHERE job_id=? AND lease_id=? AND lease_client=? AND state='leased'",
@@ -544,9 +554,9 @@ class Store:
                 raise _Abort
             self.conn.execute(
                 "INSERT INTO results(job_id, client_id, lease_id, version, received_at, content_sha256, payload, "
-                "rewards, mean_reward, n_tokens) VALUES(?,?,?,?,?,?,?,?,?,?)",
+                "rewards, mean_reward, n_tokens, completions_sha256) VALUES(?,?,?,?,?,?,?,?,?,?,?)",
                 (job_id, client_id, lease_id, version, now, content_sha256, payload, json.dumps(rewards),
-                 sum(rewards) / max(1, len(rewards)), n_tokens))
+                 sum(rewards) / max(1, len(rewards)), n_tokens, completions_sha256))
             self.conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
                               (credit, now, client_id))
             self.audit_write(now, client_id, job_id, version, "accepted", "ok", content_sha256)
@@ -554,6 +564,13 @@ class Store:
     def accepted_result(self, job_id: str) -> Row | None:
         return self.conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
                                  (job_id,)).fetchone()
+
+    def result_with_tokens(self, completions_sha256: str, other_than: str) -> str | None:
+        """The job id of an accepted result, of another job than ``other_than``, whose tokens have this content
+        hash (coordinator.core.duplicates), or None."""
+        row = self.conn.execute("SELECT job_id FROM results WHERE completions_sha256=? AND job_id!=? LIMIT 1",
+                                (completions_sha256, other_than)).fetchone()
+        return None if row is None else str(row["job_id"])
 
     def record_rejection(self, client_id: str, job_id: str | None, reason: str, message: str,
                          content_sha256: str | None, now: float, version: int | None = None) -> None:

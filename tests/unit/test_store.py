@@ -572,11 +572,14 @@ SCHEMA_5_WORK = """CREATE TABLE work(
 
 def _as_schema_5(store: Store) -> None:
     """Turn a fresh store back into a schema-5 database in the middle of a run with spot-checks on: j0 accepted
-    and held for a peer's judgement, a replay request and a recompute request queued; no lease counters yet."""
+    and held for a peer's judgement, a replay request and a recompute request queued; no lease counters and no
+    token hashes yet."""
     conn = store.conn
     conn.execute(pg_ddl(SCHEMA_5_REPLICAS) if conn.postgres else SCHEMA_5_REPLICAS)
     for col in ("leased", "unreturned"):
         conn.execute(f"ALTER TABLE clients DROP COLUMN {col}")
+    conn.execute("DROP INDEX results_by_completions")
+    conn.execute("ALTER TABLE results DROP COLUMN completions_sha256")
     if conn.postgres:
         conn.execute("ALTER TABLE work DROP CONSTRAINT work_kind_check")
         conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check CHECK(kind IN ('recompute','replay','evaluate'))")
@@ -609,6 +612,8 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
         assert new.schema_version() == SCHEMA_VERSION == 6
         assert not new.conn.has_table("replicas")
         assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.lease_counts(ALICE) == (0, 0)
+        assert "completions_sha256" in new.conn.columns("results")
+        assert new.result_with_tokens("c" * 64, "j1") is None  # j0, accepted before schema 6, has no hash: NULL
         assert pending_ids(new) == {"j0"}  # the held result is an ordinary pending one now
         assert new.next_seq() == 2  # the stream follows the jobs alone (the replica's j9 is gone with it)
         queued = [(r["kind"], bytes(r["request"])) for r in new.conn.execute("SELECT kind, request FROM work")]
