@@ -558,7 +558,8 @@ class TrustConfig(_Strict):
                                        "others returned results too, before that comparison counts.")
     reporting_reward_z: float = Field(4.0, gt=0, description="Standard errors above the other volunteers' rewards "
                                       "at the same versions that, with the unreturned share past its threshold, "
-                                      "lower the identity's trust like a refused result (selective reporting).")
+                                      "flag the identity (selective reporting): its trust resets, and every "
+                                      "quarantine_after-th flag quarantines it.")
     reporting_cooldown_s: float = Field(600.0, ge=0, description="Seconds between two such lowerings of one "
                                         "identity's trust (the same evidence is counted once per period).")
 

@@ -35,6 +35,7 @@ from coordinator.core.trust import (
     backend_class,
     describe_classes,
     known_class,
+    on_flag,
     on_invalid,
     on_valid,
     quarantined,
@@ -123,7 +124,8 @@ class Guard:
 
     def check_reporting(self, client_id: str, now: float) -> str | None:
         """After an accepted result: lower the identity's trust if it looks like it keeps or abandons results by
-        their rewards (the audit log records why, outcome 'flagged'). Returns the reason, or None. Only an
+        their rewards (core.trust.on_flag; the audit log records why, outcome 'flagged'). Returns the reason, or
+        None. Only an
         identity whose unreturned share is already past its threshold costs the reward comparison's query."""
         leased, unreturned = self.store.lease_counts(client_id)
         if not worth_comparing(leased, unreturned, self.reporting_policy):
@@ -132,8 +134,11 @@ class Guard:
                         self.store.last_flag(client_id, SELECTIVE_REPORTING))
         if why is not None:
             self.store.record_flag(client_id, now, SELECTIVE_REPORTING, why)
-            self.record_invalid(client_id, now)
-            logger.warning("client %s: trust lowered for selective reporting: %s", client_id[:8], why)
+            before = self.trust(client_id)
+            state = on_flag(before, self.store.flag_count(client_id, SELECTIVE_REPORTING), now, self.policy)
+            self._put(client_id, state, False)
+            logger.warning("client %s: trust lowered for selective reporting%s: %s", client_id[:8],
+                           " and quarantined" if state.quarantines > before.quarantines else "", why)
         return why
 
     def quarantined_until(self, client_id: str) -> float:

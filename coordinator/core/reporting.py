@@ -13,8 +13,8 @@ observations expose it, both kept per identity:
 
 Abandoning alone is what honest volunteers do too (a laptop closed mid-job, a client stopped): only both together —
 a high unreturned share *and* returned rewards significantly above expectation, each past a minimum sample — are
-evidence, and then the identity's trust is lowered like a refused result's (coordinator.core.trust.on_invalid), at
-most once per ``cooldown_s``. Everything here is pure: counts in, decision out, with ``now`` passed in.
+evidence, and then the identity is *flagged* (coordinator.core.trust.on_flag: its valid streak resets, and every
+``quarantine_after``-th flag quarantines it), at most once per ``cooldown_s``. Everything here is pure: counts in, decision out, with ``now`` passed in.
 """
 
 from __future__ import annotations

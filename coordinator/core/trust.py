@@ -10,9 +10,11 @@ class the evidence is about. A new identity starts with no standing, so rotating
   recompute (docs/security.md, § Keyed sampling) — raises ``consecutive_valid`` by one and clears the failure
   streak;
 - any invalid result (a refusal for cheating-class reasons, :data:`INVALIDATING`) resets it to 0 and counts a
-  failure; so does a reporting pattern the keyed sampler cannot see (coordinator.core.reporting: leases abandoned
-  after seeing the rewards); ``quarantine_after`` failures in a row quarantine the client for ``quarantine_s``
-  seconds (the n-th quarantine lasts n times longer), during which it is refused work with a clear message.
+  failure; ``quarantine_after`` failures in a row quarantine the client for ``quarantine_s`` seconds (the n-th
+  quarantine lasts n times longer), during which it is refused work with a clear message;
+- a reporting pattern the keyed sampler cannot see (coordinator.core.reporting: leases abandoned after seeing
+  the rewards) is a *flag*: it resets the valid streak, and every ``quarantine_after``-th flag quarantines, however
+  many accepted results came between (:func:`on_flag`).
 
 Only refusals that say something about the *result* count as failures: a late or duplicate submission,
 a rate limit or a network-level problem is bad luck or a bug, not evidence of a cheat.
@@ -69,6 +71,16 @@ def on_invalid(state: TrustState, now: float, policy: TrustPolicy) -> TrustState
         n = state.quarantines + 1
         return TrustState(0, 0, n, now + policy.quarantine_s * n)
     return replace(state, consecutive_valid=0, consecutive_invalid=failures)
+
+
+def on_flag(state: TrustState, flags: int, now: float, policy: TrustPolicy) -> TrustState:
+    """The ``flags``-th lowering of trust by a pattern over many accepted results (coordinator.core.reporting):
+    the valid streak resets, and every ``quarantine_after``-th flag quarantines (longer each time). Unlike refusals,
+    flags are not cleared by accepted results in between — each of those results is part of the pattern."""
+    if flags > 0 and flags % policy.quarantine_after == 0:
+        n = state.quarantines + 1
+        return TrustState(0, state.consecutive_invalid, n, now + policy.quarantine_s * n)
+    return replace(state, consecutive_valid=0)
 
 
 def quarantined(state: TrustState, now: float) -> bool:

@@ -776,6 +776,11 @@ class Store:
         with self._tx():
             self.audit_write(now, client_id, None, None, FLAGGED, reason, None, detail)
 
+    def flag_count(self, client_id: str, reason: str) -> int:
+        row = self.conn.execute("SELECT COUNT(*) AS n FROM audit WHERE client_id=? AND outcome=? AND reason=?",
+                                (client_id, FLAGGED, reason)).fetchone()
+        return int(row["n"])
+
     def last_flag(self, client_id: str, reason: str) -> float | None:
         row = self.conn.execute("SELECT MAX(at) AS at FROM audit WHERE client_id=? AND outcome=? AND reason=?",
                                 (client_id, FLAGGED, reason)).fetchone()

@@ -133,7 +133,8 @@ def _abandoned(store: Store, client: str, n: int, now: float) -> None:
 def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | Path) -> None:
     """B returns only its well-scored results (and abandons the rest); A returns everything. The rule, applied
     after B's accepted results with the clock passed in, lowers B's trust with an audit line saying why, once
-    per cooldown, and quarantines it once that happens quarantine_after times; A is never touched."""
+    per cooldown, and quarantines it once that happens quarantine_after times — whatever accepted results came
+    between (each is part of the pattern); A is never touched."""
     guard, store = make(store_target, trust={"quarantine_after": 2, "quarantine_s": 50, "reporting_min_leases": 20,
                                              "reporting_min_results": 10, "reporting_cooldown_s": 100})
     for v in range(10):
@@ -142,12 +143,15 @@ def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | 
         _reported(store, B, v, [1.0, 1.0, 0.0, 1.0], T0)  # B: only the ones that scored well
     assert guard.check_reporting(B, T0) is None  # no lease abandoned yet: the rewards are not even compared
     _abandoned(store, B, 12, T0)  # 12 of 22 leases without a result
+    guard.record_valid(B)
     why = guard.check_reporting(B, T0 + 1)
     assert why is not None and "12 of 22 leases" in why
-    assert (guard.trust(B).consecutive_invalid, guard.trust(B).quarantines) == (1, 0)
+    assert (guard.trust(B).consecutive_valid, guard.trust(B).quarantines) == (0, 0)  # the valid streak reset
     (row,) = store.audit(client_id=B, outcome="flagged")
     assert (row["reason"], row["detail"]) == ("selective_reporting", why)
     assert guard.check_reporting(B, T0 + 50) is None  # within the cooldown: the same evidence counts once
+    for _ in range(5):
+        guard.record_valid(B)  # accepted results in between do not clear the flags
     assert guard.check_reporting(B, T0 + 101) is not None  # the next period: quarantined (quarantine_after = 2)
     assert "in a row" in refused(Reason.QUARANTINED, guard.check_quarantine, B, T0 + 102)
     assert guard.check_reporting(A, T0 + 200) is None and guard.trust(A).consecutive_invalid == 0

@@ -15,6 +15,7 @@ from coordinator.core.trust import (
     class_backend,
     is_invalidating,
     known_class,
+    on_flag,
     on_invalid,
     on_valid,
     quarantined,
@@ -48,6 +49,17 @@ def test_a_valid_result_clears_the_failure_streak() -> None:
     state = on_valid(on_invalid(on_invalid(TrustState(), 0.0, POLICY), 0.0, POLICY))
     assert state.consecutive_invalid == 0
     assert not quarantined(on_invalid(state, 0.0, POLICY), 0.0)
+
+
+def test_every_quarantine_after_th_flag_quarantines_whatever_came_between() -> None:
+    state = on_flag(TrustState(consecutive_valid=50), 1, 0.0, POLICY)
+    assert state.consecutive_valid == 0 and not quarantined(state, 0.0)
+    state = on_flag(on_valid(on_valid(state)), 2, 10.0, POLICY)  # accepted results between: no reprieve
+    assert not quarantined(state, 10.0)
+    state = on_flag(on_valid(state), 3, 20.0, POLICY)  # the third flag (quarantine_after = 3)
+    assert quarantined(state, 20.0) and quarantined(state, 119.0) and not quarantined(state, 120.0)
+    state = on_flag(state, 6, 500.0, POLICY)  # the sixth: the second quarantine, twice as long
+    assert state.quarantines == 2 and state.quarantined_until == 700.0
 
 
 def test_only_result_evidence_counts_against_trust() -> None:
