@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from coordinator.core.duplicates import MIN_COPY_SURPRISAL_NATS, surprisal
 from shared import wire
 from shared.hashing import tokens_sha256
 from shared.messages import Job, ResultSubmission, SubmitResponse
@@ -36,14 +37,18 @@ def accepted(client: RawClient, sub: ResultSubmission) -> None:
 
 
 def test_a_copied_result_is_refused_and_the_copiers_own_work_accepted(tmp_path: Path, tiny_model_dir: Path) -> None:
-    # first come, first served, several jobs open at once: three leases for two clients without waiting
+    # first come, first served, several jobs open at once: three leases for two clients without waiting; jobs of
+    # the default run's shape (8 prompts × 8 samples), so a result holds far more than the 20 nats of choice below
+    # which an identical result could be an honest coincidence (core.duplicates)
     with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
-                             jobs={"speed_aware": False}) as live:
+                             jobs={"speed_aware": False, "prompts_per_job": 8},
+                             learner={"group_size": 8, "prompts_per_step": 16}) as live:
         honest, copier = register(live, "honest"), register(live, "copier")
         key = live.coordinator.public_key
         first, again = lease(honest, key), lease(honest, key)
         theirs = lease(copier, key)
         original = honest_result(live, first)
+        assert surprisal([c.logprobs for c in original.completions]) >= 2 * MIN_COPY_SURPRISAL_NATS
         accepted(honest, original)
         (stored,), = db_rows(live.run_dir, "SELECT completions_sha256 FROM results WHERE job_id=?", (first.job_id,))
         assert stored == tokens_sha256([c.token_ids for c in original.completions])
