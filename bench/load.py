@@ -233,9 +233,6 @@ retry_after_s = 1.0
 # every simulated client shares 127.0.0.1: per-address limits would measure the limiter, not the server
 per_address_rps = 0.0
 registrations_per_address_per_min = 0.0
-
-[trust]
-spot_checks = false
 """ + store)
 
 

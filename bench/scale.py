@@ -102,7 +102,6 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
         "jobs": {"prompts_per_job": args.prompts_per_job, "lease_timeout_s": 600.0, "long_poll_s": 10.0},
         "sampling": {"max_tokens": args.max_tokens},
         "snapshots": {"keep_last": keep, "gguf": "f16", "dtype": args.dtype},
-        "trust": {"spot_checks": False},
     }
 
     def toml(v: Any) -> str:

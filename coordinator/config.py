@@ -422,10 +422,10 @@ class JobsConfig(_Strict):
                               "max_staleness, no earlier than the learner needs them (core.pacing). Off: first "
                               "come, first served, filling the queue to max_staleness.")
     secret_plans: bool = Field(True, description="Key every job's prompts and sampling seed with a secret of this "
-                               "run (kept in its database), so a client cannot compute which prompts and seed job "
-                               "number n carries and tell a spot-check replica from a fresh job. Off: plans "
-                               "follow from learner.seed alone, so two runs with one seed draw the same jobs "
-                               "(the demo and the benchmarks that compare sync modes run by run).")
+                               "run (kept in its database): the seed is the job's secret sampling key (shared.sampler), "
+                               "so a client cannot compute another job's sampling noise, nor its own before it holds "
+                               "the lease. Off: plans follow from learner.seed alone, so two runs with one seed draw "
+                               "the same jobs (the demo and the benchmarks that compare sync modes run by run).")
 
 
 class BackendTolerance(_Strict):
@@ -561,42 +561,43 @@ class VerificationConfig(_Strict):
         return self.choice_tol
 
 
-# A held result waits for a replica's lease (lease_timeout_s) and one reissue of it: at least twice the lease.
-MIN_HOLD_PER_LEASE = 2.0
-HOLD_PER_LEASE = 2.5  # the default: the minimum plus slack for the replay's verification
+#: What an old config may still name from the spot-check era, and why it is refused rather than ignored: a key
+#: that no longer does anything must not look like it still protects the run.
+RETIRED_TRUST_KEYS = ("trusted_after", "min_replication_rate", "spot_checks", "hold_s", "active_window_s",
+                      "replica_min_agreement", "replicator_min_valid", "registration_burst_s")
+RETIRED_MESSAGE = ("spot-checks were retired: every token is now checked by the keyed sampler (docs/security.md); "
+                   "delete this key from the config")
 
 
 class TrustConfig(_Strict):
-    """Adaptive trust and spot-check replication (coordinator.core.trust), per client and backend class."""
+    """Trust and quarantine per identity (coordinator.core.trust), and the reporting rule
+    (coordinator.core.reporting) for what the keyed sampler cannot see."""
 
-    trusted_after: int = Field(10, ge=0, le=10_000, description="Consecutive valid results before a client's "
-                               "results stop being spot-checked every time (then: probability 1/consecutive).")
-    min_replication_rate: float = Field(0.05, ge=0.0, le=1.0, description="Floor of the spot-check probability "
-                                        "for fully trusted clients (0: trusted clients are never checked).")
     quarantine_after: int = Field(3, ge=1, le=1000, description="Invalid results in a row that quarantine a client.")
     quarantine_s: float = Field(600.0, ge=0, description="Seconds of the first quarantine; the n-th lasts n times "
                                 "as long.")
-    spot_checks: bool = Field(True, description="Spot-check sampled results: the coordinator's verifier replays "
-                              "jobs of its own backend class itself; a job of another class is re-issued (same "
-                              "seed and version, under a fresh job id) to an independent identity of that class.")
-    hold_s: float | None = Field(None, gt=0, description="Seconds a result awaiting a conclusive spot-check is "
-                                 "kept out of training; if none is had by then it is dropped uncredited (its job "
-                                 "reopens). Must cover a replica's lease and one reissue: at least 2 × "
-                                 "jobs.lease_timeout_s. Unset: 2.5 × jobs.lease_timeout_s.")
-    active_window_s: float = Field(30.0, gt=0, description="A client counts as active (able to replay another's "
-                                   "job) for this many seconds after its last request.")
-    replica_min_agreement: float = Field(0.95, gt=0.0, le=1.0, description="Fraction of sampled tokens two "
-                                         "same-class replays of one seeded job must share to agree.")
-    replicator_min_valid: int = Field(3, ge=1, le=10_000, description="Results of its own an identity must have "
-                                      "had conclusively verified before it may replay another's job (an idle or "
-                                      "brand-new identity is never handed a replica, nor makes results wait).")
-    registration_burst_s: float = Field(60.0, ge=0, description="Identities first registered within this many "
-                                        "seconds of each other are not independent: one never replays the other's "
-                                        "job (nor do identities that registered from a common address).")
+    reporting_min_leases: int = Field(40, ge=1, le=1_000_000, description="Leases an identity must have been "
+                                      "granted before its reporting is judged (coordinator.core.reporting).")
+    reporting_max_unreturned: float = Field(0.25, ge=0.0, lt=1.0, description="Share of an identity's leases that "
+                                            "may end without a result (released, or run out) before the rewards "
+                                            "of what it returns are compared with the expectation.")
+    reporting_min_results: int = Field(20, ge=1, le=1_000_000, description="Results of its own, at versions where "
+                                       "others returned results too, before that comparison counts.")
+    reporting_reward_z: float = Field(4.0, gt=0, description="Standard errors above the other volunteers' rewards "
+                                      "at the same versions that, with the unreturned share past its threshold, "
+                                      "flag the identity (selective reporting): its trust resets, and every "
+                                      "quarantine_after-th flag quarantines it.")
+    reporting_cooldown_s: float = Field(600.0, ge=0, description="Seconds between two such lowerings of one "
+                                        "identity's trust (the same evidence is counted once per period).")
 
-    def hold_for(self, lease_timeout_s: float) -> float:
-        """Seconds a held result waits for its conclusive judgement (hold_s, or derived from the lease)."""
-        return self.hold_s if self.hold_s is not None else HOLD_PER_LEASE * lease_timeout_s
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            named = [k for k in RETIRED_TRUST_KEYS if k in data]
+            if named:
+                raise ValueError(f"trust.{', trust.'.join(named)}: {RETIRED_MESSAGE}")
+        return data
 
 
 class LimitsConfig(_Strict):
@@ -615,8 +616,8 @@ class LimitsConfig(_Strict):
                                           "by it). 0: unlimited.")
     new_identity_burst: float = Field(60.0, ge=1, description="New identities the whole swarm may register at "
                                       "once.")
-    max_leases_per_client: int = Field(2, ge=1, le=1024, description="Live leases one identity may hold at once "
-                                       "(jobs and spot-check replays); beyond it a lease request gets no job, so "
+    max_leases_per_client: int = Field(2, ge=1, le=1024, description="Live leases one identity may hold at once; "
+                                       "beyond it a lease request gets no job, so "
                                        "nobody can hoard the queue.")
 
 
@@ -863,16 +864,6 @@ class CoordinatorConfig(_Strict):
                                  f"per result; the limit is {MAX_MESSAGE_BYTES // 2**20} MiB. Lower "
                                  f"jobs.prompts_per_job, task.max_turns, "
                                  f"sampling.max_tokens or task.max_observation_tokens")
-        return self
-
-    @model_validator(mode="after")
-    def _hold_covers_a_replica_lease(self) -> CoordinatorConfig:
-        hold, lease = self.trust.hold_s, self.jobs.lease_timeout_s
-        if hold is not None and hold < MIN_HOLD_PER_LEASE * lease:
-            raise ValueError(f"trust.hold_s ({hold:g}) is shorter than a spot-check replica's lease and one reissue "
-                             f"({MIN_HOLD_PER_LEASE:g} × jobs.lease_timeout_s = {MIN_HOLD_PER_LEASE * lease:g}); "
-                             f"raise trust.hold_s to at least {MIN_HOLD_PER_LEASE * lease:g}, or unset it (default "
-                             f"{HOLD_PER_LEASE:g} × jobs.lease_timeout_s)")
         return self
 
     @model_validator(mode="after")

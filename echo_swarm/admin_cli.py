@@ -161,21 +161,34 @@ def status(ctx: typer.Context, as_json: JsonFlag = False) -> None:
 
 @admin_app.command()
 def clients(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 1000) -> None:
-    """Every registered client: state, trust (when the coordinator keeps one), backend, platform, counts, credit."""
+    """Every registered client: state, trust (when the coordinator keeps one), backend, platform, counts, credit,
+    and its reporting: the share of its leases that ended without a result, and how the rewards of what it returned
+    compare with the other volunteers' at the same versions (z; selective reporting, docs/security.md)."""
     rows = _run(ctx, "clients", limit)
     if as_json:
         return _dump(rows)
     has_trust = any("trust" in r for r in rows)
+    has_reporting = any("reporting" in r for r in rows)
     t = Table(title=f"{len(rows)} clients")
     for col in ["client", "name", "state", *(["trust"] if has_trust else []), "backend", "device", "platform",
-                "accepted", "rejected", "credit", "last seen"]:
-        t.add_column(col, justify="right" if col in ("accepted", "rejected", "credit", "trust") else "left")
+                "accepted", "rejected", *(["unreturned", "reward z"] if has_reporting else []), "credit", "last seen"]:
+        t.add_column(col, justify="right" if col in ("accepted", "rejected", "credit", "trust", "unreturned",
+                                                     "reward z") else "left")
     colour = {"working": "green", "active": "cyan", "idle": "dim", "banned": "red"}
     for r in rows:
         _row(t, r["client_id"][:12], r["name"], _text(r["state"], colour.get(r["state"], "")),
              *([_trust(r.get("trust"))] if has_trust else []), r["backend"], r["device"],
-             r["platform"], r["accepted"], r["rejected"], f"{r['credit']:,.0f}", _ago(r["last_seen"]))
+             r["platform"], r["accepted"], r["rejected"], *(_reporting(r.get("reporting")) if has_reporting else []),
+             f"{r['credit']:,.0f}", _ago(r["last_seen"]))
     console.print(t)
+
+
+def _reporting(rep: Optional[dict[str, Any]]) -> list[Text]:
+    if not rep:
+        return [_text("-"), _text("-")]
+    share = _text(f"{rep['unreturned']}/{rep['leased']}" if rep["leased"] else "-")
+    z = _text(f"{rep['reward_z']:+.1f}" if rep["results_compared"] else "-")
+    return [share, z]
 
 
 def _trust(t: Optional[dict[str, Any]]) -> Text:
@@ -248,8 +261,7 @@ def audit(
     client: Annotated[Optional[str], typer.Option(help="Only this client (id or unique prefix).")] = None,
     job: Annotated[Optional[str], typer.Option(help="Only this job id.")] = None,
     outcome: Annotated[Optional[str], typer.Option(help="Only results with this outcome: 'accepted', 'rejected' (and "
-                                                        "any further outcome the coordinator's audit log records, "
-                                                        "e.g. of spot-checks).")] = None,
+                                                        "any further outcome the coordinator's audit log records).")] = None,
 ) -> None:
     """The results audit, newest first: every accepted and refused result with its client, job, version,
     reason code and content hash (sha256 of the submitted bytes)."""

@@ -31,6 +31,7 @@ class Reason(StrEnum):
     NOT_LEASE_HOLDER = "not_lease_holder"  # the job is leased to someone else, or the lease id is not current
     LEASE_EXPIRED = "lease_expired"
     JOB_COMPLETED = "job_completed"  # a result for this job was already accepted
+    DUPLICATE_RESULT = "duplicate_result"  # token for token another job's accepted result: a copy
     WRONG_VERSION = "wrong_version"  # the result claims another version than the job it answers was bound to
     VERSION_RETIRED = "version_retired"  # the job's version is no longer kept, so its result cannot be verified
     BINDING_MISMATCH = "binding_mismatch"  # prompt hash, seed or group size differ from the signed job
@@ -38,7 +39,6 @@ class Reason(StrEnum):
     TOKEN_OUT_OF_RANGE = "token_out_of_range"  # token id outside the vocabulary, or too many tokens
     FINISH_REASON = "finish_reason_inconsistent"  # "stop" without a stop token, "length" while short
     LOGPROB_MISMATCH = "logprob_mismatch"  # reported behaviour logprobs disagree with the learner's recompute
-    REPLICA_MISMATCH = "replica_mismatch"  # a spot-check replay of the same seed and version disagreed
     CHOICE_MISMATCH = "choice_mismatch"  # a token is not the one the job's keyed sampler picks (shared.sampler)
     SAMPLING_MISMATCH = "sampling_mismatch"  # tokens far more or less surprising than sampling the policy gives
     OBSERVATION_MISMATCH = "observation_mismatch"  # an episode's observation is not what replaying it gives
@@ -78,6 +78,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.NOT_LEASE_HOLDER: 403,
     Reason.LEASE_EXPIRED: 410,
     Reason.JOB_COMPLETED: 409,
+    Reason.DUPLICATE_RESULT: 409,
     Reason.WRONG_VERSION: 409,
     Reason.VERSION_RETIRED: 410,
     Reason.BINDING_MISMATCH: 422,
@@ -85,7 +86,6 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.TOKEN_OUT_OF_RANGE: 422,
     Reason.FINISH_REASON: 422,
     Reason.LOGPROB_MISMATCH: 422,
-    Reason.REPLICA_MISMATCH: 422,
     Reason.CHOICE_MISMATCH: 422,
     Reason.SAMPLING_MISMATCH: 422,
     Reason.OBSERVATION_MISMATCH: 422,

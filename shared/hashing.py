@@ -13,6 +13,13 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def tokens_sha256(sequences: Sequence[Sequence[int]]) -> str:
+    """The content hash of a result's completions: their token ids, in order (msgpack of the lists), whatever
+    else the submission's bytes carry (logprobs, timings) — two results with this hash equal hold the same
+    tokens."""
+    return hashlib.sha256(wire.pack([[int(t) for t in s] for s in sequences])).hexdigest()
+
+
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()

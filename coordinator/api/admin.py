@@ -84,7 +84,8 @@ def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
 
 
 def clients(coord: Coordinator, caller: str, body: AdminList) -> dict[str, Any]:
-    rows = readmodels.clients(coord.store, coord.clock(), coord.config.jobs.lease_timeout_s, body.limit)
+    rows = readmodels.clients(coord.store, coord.clock(), coord.config.jobs.lease_timeout_s, body.limit,
+                              reporting=True)
     return {"clients": rows}
 
 

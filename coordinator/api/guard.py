@@ -1,10 +1,9 @@
-"""The trust boundary's state and gates, next to the Store: each identity's pinned backend class, adaptive
-trust and quarantine per identity, spot-check replicas, rate limits and the registration gate.
+"""The trust boundary's state and gates, next to the Store: each identity's pinned backend class, trust and
+quarantine per identity, rate limits and the registration gate.
 
-The rules are pure (:mod:`coordinator.core.trust`, :mod:`coordinator.core.ratelimit`,
-:mod:`coordinator.core.replicas`); this module applies them to the state the Store keeps (the ``trust`` and
-``replicas`` tables: their SQL is in coordinator.store.store) and to buckets in memory, and turns their decisions into
-typed refusals.
+The rules are pure (:mod:`coordinator.core.trust`, :mod:`coordinator.core.ratelimit`); this module applies them to
+the state the Store keeps (the ``trust`` table: its SQL is in coordinator.store.store) and to buckets in memory, and
+turns their decisions into typed refusals.
 
 Rate-limit buckets live in memory on purpose: a restart grants everyone a fresh burst, which is harmless,
 and a request refused for its rate writes nothing anywhere.
@@ -17,47 +16,38 @@ import hmac
 import json
 import logging
 import math
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.ratelimit import Limiter, Rate
-from coordinator.core.replicas import Party, independent
+from coordinator.core.reporting import (
+    SELECTIVE_REPORTING,
+    Reporting,
+    ReportingPolicy,
+    VersionGroup,
+    reward_bias,
+    selective,
+    worth_comparing,
+)
 from coordinator.core.trust import (
     TrustPolicy,
     TrustState,
     backend_class,
     describe_classes,
     known_class,
+    on_flag,
     on_invalid,
     on_valid,
     quarantined,
 )
-from coordinator.store.db import Row
 from coordinator.store.store import Store
 from shared.errors import ProtocolError, Reason
 
 logger = logging.getLogger(__name__)
 
-Judge = Literal["arbiter", "peer"]
 #: Store meta keys of the run's registration setting (coordinator.api.ops_actions writes them).
 REGISTRATION_MODE = "registration_mode"
 INVITES = "invite_sha256"
-RECENT_PEERS = 1000  # at most this many recently active identities are looked at for an independent replayer
-
-
-@dataclass(frozen=True)
-class ReplicaRow:
-    replica_id: str
-    job_id: str
-    version: int
-    original_client: str
-    original_class: str
-    view: LeaseView
-    judge: Judge = "peer"
-    tried: frozenset[str] = frozenset()
 
 
 class Guard:
@@ -65,12 +55,12 @@ class Guard:
         self.config = config
         self.store = store
         t = config.trust
-        self.policy = TrustPolicy(t.trusted_after, t.min_replication_rate, t.quarantine_after, t.quarantine_s)
+        self.policy = TrustPolicy(t.quarantine_after, t.quarantine_s)
+        self.reporting_policy = ReportingPolicy(t.reporting_min_leases, t.reporting_max_unreturned,
+                                                t.reporting_min_results, t.reporting_reward_z, t.reporting_cooldown_s)
         lim = config.limits
         self.per_identity = Limiter(Rate(lim.per_identity_rps, lim.per_identity_burst))
         self.per_address = Limiter(Rate(lim.per_address_rps, lim.per_address_burst))
-        self._seen: OrderedDict[str, float] = OrderedDict()
-        self.arbitrating: set[str] = set()  # replicas whose coordinator replay is under way (coordinator.api.spotcheck)
         self.registrations = Limiter(Rate(lim.registrations_per_address_per_min / 60.0, lim.registration_burst))
         # one bucket for the whole swarm: sign-ups from any number of addresses together (issue 24)
         self.sign_ups = Limiter(Rate(lim.new_identities_per_min / 60.0, lim.new_identity_burst), max_keys=1)
@@ -127,7 +117,7 @@ class Guard:
                              state.consecutive_invalid, state.quarantines, state.quarantined_until, valid)
 
     def record_valid(self, client_id: str) -> TrustState:
-        """A result of this identity was conclusively verified (or its replay decided a spot-check)."""
+        """A result of this identity was verified and accepted (every token checked against the keyed sampler)."""
         state = on_valid(self.trust(client_id))
         self._put(client_id, state, True)
         return state
@@ -142,6 +132,33 @@ class Guard:
                            client_id[:8], self.pinned_class(client_id), state.quarantined_until,
                            self.policy.quarantine_after)
         return state
+
+    # -- selective reporting (coordinator.core.reporting): what the keyed sampler cannot see ----------------
+    def reporting(self, client_id: str) -> Reporting:
+        """The identity's leases, how many ended without its result, and how its returned rewards compare with
+        the other volunteers' at the same versions."""
+        leased, unreturned = self.store.lease_counts(client_id)
+        groups = [VersionGroup(*g) for g in self.store.reward_groups(client_id)]
+        return Reporting(leased, unreturned, reward_bias(groups, client_id))
+
+    def check_reporting(self, client_id: str, now: float) -> str | None:
+        """After an accepted result: lower the identity's trust if it looks like it keeps or abandons results by
+        their rewards (core.trust.on_flag; the audit log records why, outcome 'flagged'). Returns the reason, or
+        None. Only an
+        identity whose unreturned share is already past its threshold costs the reward comparison's query."""
+        leased, unreturned = self.store.lease_counts(client_id)
+        if not worth_comparing(leased, unreturned, self.reporting_policy):
+            return None
+        why = selective(self.reporting(client_id), self.reporting_policy, now,
+                        self.store.last_flag(client_id, SELECTIVE_REPORTING))
+        if why is not None:
+            self.store.record_flag(client_id, now, SELECTIVE_REPORTING, why)
+            before = self.trust(client_id)
+            state = on_flag(before, self.store.flag_count(client_id, SELECTIVE_REPORTING), now, self.policy)
+            self._put(client_id, state, False)
+            logger.warning("client %s: trust lowered for selective reporting%s: %s", client_id[:8],
+                           " and quarantined" if state.quarantines > before.quarantines else "", why)
+        return why
 
     def quarantined_until(self, client_id: str) -> float:
         """The end of the identity's quarantine, whichever class the evidence was recorded under (0: none)."""
@@ -173,7 +190,7 @@ class Guard:
     def class_for_registration(self, client_id: str, backend: str, device: str, is_new: bool) -> str:
         """The class a registration's (backend, device) claim establishes. Refused (schema_invalid, nothing
         written) when the claim is not one of the fixed classes, or when a known identity claims another class
-        than the one pinned at its first registration: its trust, quarantine, tolerance and replica pairing
+        than the one pinned at its first registration: its trust, quarantine and tolerance
         all belong to that class, so switching would escape them. A new identity (another --home) may join
         with another backend — it starts untrusted, which is what a change of class must mean."""
         bclass = known_class(backend, device)
@@ -194,163 +211,6 @@ class Guard:
     def standings(self) -> list[dict[str, Any]]:
         return self.store.standings()
 
-    # -- spot-check replicas ------------------------------------------------------------------------------
-    def add_replica(self, job_id: str, version: int, original_client: str, original_class: str, now: float,
-                    hold_until: float | None, judge: Judge) -> str:
-        """Queue a spot-check of ``job_id``'s accepted result and return the replica's job id.
-
-        The id is the next number of the job stream, in the same form as a fresh job's (core.jobs.plan_job:
-        ``j<seq>``), so nothing in it marks a replica or links it to the original. ``hold_until`` (None: not
-        held) keeps the original out of training until a conclusive judgement, or until it is dropped."""
-        return self.store.add_replica(job_id, version, original_client, original_class, now, hold_until, judge)
-
-    def drop_replica(self, replica_id: str) -> None:
-        """Remove a replica written for a result that was then not accepted (spotcheck.drop_hold)."""
-        self.store.drop_replica(replica_id)
-
-    @staticmethod
-    def _replica(row: Row) -> ReplicaRow:
-        view = LeaseView(row["replica_id"], JobState(row["state"]), int(row["version"]), float(row["created_at"]),
-                         row["lease_id"], row["lease_client"], row["lease_deadline"])
-        judge: Judge = "arbiter" if row["judge"] == "arbiter" else "peer"
-        tried = frozenset(t for t in str(row["tried"] or "").split(",") if t)
-        return ReplicaRow(row["replica_id"], row["job_id"], int(row["version"]), row["original_client"],
-                          row["original_class"], view, judge, tried)
-
-    def get_replica(self, replica_id: str) -> ReplicaRow | None:
-        row = self.store.replica_row(replica_id)
-        return None if row is None else self._replica(row)
-
-    def awaiting_arbiter(self) -> list[ReplicaRow]:
-        """Open replicas the coordinator's own replay must judge (after a restart, none is in progress)."""
-        return [self._replica(r) for r in self.store.open_arbiter_replicas()]
-
-    def expire_replicas(self, oldest_version: int, now: float, in_progress: frozenset[str] = frozenset()) -> int:
-        """Replicas that can no longer be judged: a held original whose conclusive judgement did not come by its
-        ``hold_until`` (and is not being judged right now: ``in_progress``), or whose version was pruned, is
-        dropped uncredited — never released to training unverified. An unheld one whose version was pruned is
-        closed as 'unverified'. Returns how many replicas changed."""
-        due = self.store.due_replicas(oldest_version, now)
-        due = [r for r in due if r["replica_id"] not in in_progress or int(r["version"]) < oldest_version]
-        if not due:  # the common case, on every lease: no write transaction
-            return 0
-        self.store.expire_replicas([(r, bool(r["hold"])) for r in due], now,
-                                   "no conclusive spot-check before the hold ran out (or its version was pruned): "
-                                   "dropped uncredited, the job is done again")
-        dropped = sum(1 for r in due if r["hold"])
-        if dropped:
-            logger.warning("dropped %d held results uncredited: no conclusive spot-check in time", dropped)
-        return len(due)
-
-    def established(self, client_id: str) -> bool:
-        """Has ``client_id`` had at least trust.replicator_min_valid results conclusively verified, with no
-        failure since? Only such an identity replays others' jobs or makes results wait for it."""
-        valid, bad = self.store.trust_totals(client_id)
-        return valid >= self.config.trust.replicator_min_valid and bad == 0
-
-    def party(self, client_id: str) -> Party | None:
-        """What the coordinator observed of an identity (registration addresses and time), for independence."""
-        row = self.store.client_party_row(client_id)
-        if row is None:
-            return None
-        addresses = frozenset(a for a in (row["address"], row["last_address"]) if a is not None)
-        return Party(client_id, addresses, float(row["registered_at"]))
-
-    def may_judge(self, replayer: str, original: Party, bclass: str, now: float) -> bool:
-        """Could ``replayer`` conclusively judge ``original``'s result of class ``bclass``: same pinned class,
-        established trust, not quarantined, and independent of it by what the coordinator observed?"""
-        me = self.party(replayer)
-        if me is None or self.pinned_class(replayer) != bclass or not self.established(replayer):
-            return False
-        if quarantined(TrustState(quarantined_until=self.quarantined_until(replayer)), now):
-            return False
-        return independent(original, me, self.config.trust.registration_burst_s)
-
-    def peer_available(self, original_client: str, bclass: str, now: float, window_s: float) -> bool:
-        """Is an identity that may judge ``original_client``'s result active now (a signed request within
-        ``window_s``)? If not, no replica could be judged in time and holding the result would only drop it.
-        Identities without verified work, of another class, or not independent do not count."""
-        original = self.party(original_client)
-        if original is None:
-            return False
-        recent: list[str] = []
-        for other, at in reversed(self._seen.items()):
-            if at < now - window_s or len(recent) >= RECENT_PEERS:
-                break
-            if other != original_client:
-                recent.append(other)
-        if not recent:
-            return False
-        # one query narrows the active identities to those with enough verified work; may_judge decides the rest
-        able = self.store.with_verified_work(recent, self.config.trust.replicator_min_valid)
-        return any(self.may_judge(c, original, bclass, now) for c in able)
-
-    def lease_replica(self, client_id: str, lease_id: str, deadline: float, now: float) -> ReplicaRow | None:
-        """Lease the oldest open (or expired) peer replica that ``client_id`` may judge (coordinator-judged ones
-        never leave the coordinator; see may_judge), or None."""
-        if not self.store.any_open_peer_replica():
-            return None  # the common case on every lease: no write lock taken
-        mine = self.pinned_class(client_id)
-        rows = self.store.peer_replica_candidates(client_id, mine, now)
-        chosen = None
-        for row in rows:
-            rep = self._replica(row)
-            original = self.party(rep.original_client)
-            if client_id not in rep.tried and original is not None and \
-                    self.may_judge(client_id, original, mine, now):
-                chosen = rep
-                break
-        if chosen is None:
-            return None
-        if not self.store.lease_replica(chosen.replica_id, lease_id, client_id, deadline, now):
-            return None
-        return self.get_replica(chosen.replica_id)
-
-    def release_replica(self, replica_id: str, lease_id: str, client_id: str) -> bool:
-        return self.store.release_replica(replica_id, lease_id, client_id)
-
-    def close_replica(self, replica: ReplicaRow, lease_id: str, client_id: str, outcome: str, content_sha: str,
-                      credit: float, now: float, original_invalid: bool, detail: str, in_training: bool = False
-                      ) -> bool:
-        """One transaction: a peer's conclusive replay closes the replica with ``outcome``; the replaying client
-        is credited; if the original was the outlier it is taken out of training and its credit revoked
-        (Store.take_back). False if the replica's lease changed meanwhile."""
-        return self.store.close_replica(replica.replica_id, replica.job_id, replica.version, replica.original_client,
-                                        lease_id, client_id, outcome, content_sha, credit, now,
-                                        Reason.REPLICA_MISMATCH.value if original_invalid else None, detail,
-                                        in_training)
-
-    def reopen_replica(self, replica: ReplicaRow, lease_id: str, client_id: str, content_sha: str, now: float,
-                       detail: str) -> bool:
-        """A peer's replay that settles nothing (it disagrees and no arbiter of the class exists): the replica
-        goes back to the queue for another independent identity (never this one again); the original stays
-        held. False if the replica's lease changed meanwhile."""
-        tried = ",".join(sorted(replica.tried | {client_id}))
-        return self.store.reopen_replica(replica.replica_id, replica.version, lease_id, client_id, tried, content_sha,
-                                         now, detail)
-
-    def close_arbitrated(self, replica: ReplicaRow, original_invalid: bool, now: float, detail: str,
-                         in_training: bool = False) -> bool:
-        """One transaction: the coordinator's own replay judged the original (agree, or invalid: taken back).
-        False if the replica was closed meanwhile (e.g. dropped because its version was pruned)."""
-        return self.store.close_arbitrated(replica.replica_id, replica.job_id, replica.version,
-                                           replica.original_client,
-                                           Reason.REPLICA_MISMATCH.value if original_invalid else None, now, detail,
-                                           in_training)
-
     def leases_held(self, client_id: str, now: float) -> int:
-        """Live (unexpired) leases of one client, on jobs and on replicas."""
+        """Live (unexpired) leases of one client."""
         return self.store.leases_held(client_id, now)
-
-    def held_count(self) -> int:
-        return self.store.held_count()
-
-    def seen(self, client_id: str, now: float) -> None:
-        """Note a client's signed request (in memory): who could take a replica right now."""
-        self._seen[client_id] = now
-        self._seen.move_to_end(client_id)
-        while len(self._seen) > 100_000:
-            self._seen.popitem(last=False)
-
-    def replicas_summary(self) -> dict[str, int]:
-        return self.store.replicas_summary()

@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from coordinator.api import spotcheck
 from coordinator.api.egress import SnapshotEgress
 from coordinator.api.guard import Guard
 from coordinator.api.issuer import Issuer
 from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
+from coordinator.core.duplicates import check_copy, surprisal
 from coordinator.core.jobs import plan_job, plan_key
 from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, kept_versions, lease_live
 from coordinator.core.trust import class_backend, is_invalidating
@@ -58,7 +58,7 @@ from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import PROTOCOL_VERSION, crypto, wire
 from shared.envs.play import episode_segments
 from shared.errors import ProtocolError, Reason
-from shared.hashing import prompt_hash, sha256_bytes
+from shared.hashing import prompt_hash, sha256_bytes, tokens_sha256
 from shared.messages import (
     Info,
     Job,
@@ -137,7 +137,7 @@ class Coordinator:
         self._synced = self.store.commits
         self.guard = Guard(self.config, self.store)
         # asked by this API's previous run; nobody waits for them (other API processes' requests stay)
-        dropped = self.store.work_drop(("recompute", "replay"), self.api_name)
+        dropped = self.store.work_drop(("recompute",), self.api_name)
         if dropped:
             logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
         self.version = await wait_for_first_version(self.store, self.bell, API)
@@ -148,8 +148,7 @@ class Coordinator:
         self.vocab_size = self.codec.vocab_size
         self.prompt_tokens = PromptTokens(self.codec, self.task.train)
         vcfg = self.config.verification
-        self.verifier = RemoteVerifier(self.store, self.bell, wait_s=vcfg.wait_s,
-                                       device="cpu" if vcfg.device == "auto" else vcfg.device)
+        self.verifier = RemoteVerifier(self.store, self.bell, wait_s=vcfg.wait_s)
         self.verifier.requester = self.api_name
         self.finished = self.version >= self.config.learner.max_steps
         self.issuer.new_version(time.monotonic())
@@ -176,11 +175,6 @@ class Coordinator:
     def learner_status(self) -> dict[str, Any]:
         """The learner's last report (coordinator.roles.learner), or {} before its first."""
         return self.store.role_status(LEARNER) or {}
-
-    @property
-    def in_training(self) -> frozenset[str]:
-        """Job ids of the steps the learner trained and has not recorded yet (spot-checks must not re-open them)."""
-        return frozenset(self.learner_status().get("in_training", ()))
 
     async def flush(self) -> None:
         """Make what this process committed so far power-safe before a reply tells a client about it
@@ -276,7 +270,6 @@ class Coordinator:
         self.guard.check_identity(req.client_id, self.clock())  # charged from here on, whatever refuses it next
         if client["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
-        self.guard.seen(req.client_id, self.clock())
         self.check_fresh(req)
         return req
 
@@ -357,13 +350,10 @@ class Coordinator:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
-        replica = self._lease_replica(client_id)  # spot-checks first: they release held results
-        if replica is not None:
-            return replica
         now = self.clock()
         active = {j.view.job_id: j for j in self.store.active_jobs()}
         views = [j.view for j in active.values()]
-        queued = len(self.store.pending()) + self.guard.held_count()
+        queued = len(self.store.pending())
         reissuable = [v.job_id for v in views if not lease_live(v, now)]
         withheld = self.store.refused_jobs(client_id, reissuable) | self._verifying.keys()
         decision = self.issuer.decide(client_id, views, queued, now, self.version, held_version, frozenset(withheld))
@@ -407,8 +397,6 @@ class Coordinator:
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.authenticate(raw, "/v1/release")
         body = wire.decode(req.body, ReleaseRequest)
-        if self.guard.get_replica(body.job_id) is not None:
-            return ReleaseResponse(released=self.guard.release_replica(body.job_id, body.lease_id, req.client_id))
         released = self.store.release_lease(body.job_id, body.lease_id, req.client_id)
         if released:
             logger.info("client %s released job %s", req.client_id[:8], body.job_id)
@@ -430,8 +418,6 @@ class Coordinator:
                                     f"this result says backend {sub.backend!r}, but this identity registered as "
                                     f"{bclass}; results are verified as the registered class. Send results from "
                                     f"the backend it registered with (or use a new identity for another backend)")
-            if self.guard.get_replica(sub.job_id) is not None:
-                return await self._submit_replica(req.client_id, sub, len(req.body), content_sha, bclass)
             earlier = self.store.accepted_result(sub.job_id)
             if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
                 # the same client resending the same result (its first reply was lost): answer as before
@@ -450,7 +436,7 @@ class Coordinator:
             logger.info("rejected result from %s for %s: %s", req.client_id[:8], job_id, exc)
             raise
 
-    # -- trust boundary (logic in coordinator.api.guard and coordinator.api.spotcheck) ------------------------------
+    # -- trust boundary (logic in coordinator.api.guard) ----------------------------------------------------------
     def backend_class(self, client_id: str) -> str:
         """The class the coordinator pinned to this identity (never what a request claims)."""
         return self.guard.pinned_class(client_id)
@@ -463,16 +449,9 @@ class Coordinator:
         """The token the p2p role's relayed calls carry (coordinator.roles.p2p_relay); known once started."""
         return relay_token(self.key, self.run_id)
 
-    def _lease_replica(self, client_id: str) -> LeaseResponse | None:
-        return spotcheck.lease_replica(self, client_id)
-
-    async def _submit_replica(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str,
-                              bclass: str) -> SubmitResponse:
-        return await spotcheck.submit_replica(self, client_id, sub, size, content_sha, bclass)
-
     def audit(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
               reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        """The audit log: every result's outcome (accepted, rejected, replica_accepted, invalidated…) with
+        """The audit log: every result's outcome (accepted, rejected…) with
         client, job, version, reason and content hash, newest first. For the admin API and CLI."""
         return self.store.audit(client_id=client_id, job_id=job_id, outcome=outcome, reason=reason, since=since,
                                 limit=limit)
@@ -505,6 +484,7 @@ class Coordinator:
         # is verifiable however far the policy moved; verify_submission checks the lease before the version
         oldest = min(kept_versions(self.version, self.config.snapshots.keep_last, [row.view], self.clock()))
         verify_submission(sub, row.view, self.terms(row), client_id, self.clock(), oldest)
+        tokens_sha = self._refuse_copy(sub)  # before any forward pass is spent on a copy (core.duplicates)
         prompts = [self.prompt_tokens(i) for i in row.prompt_ids for _ in range(row.group_size)]
         completions = [list(c.token_ids) for c in sub.completions]
         reported: list[list[float]] = [list(c.logprobs) for c in sub.completions]
@@ -565,20 +545,31 @@ class Coordinator:
             finish_reasons=[c.finish_reason for c in sub.completions], logprob_mean_abs_diff=stats.mean_abs,
             reward_means=reward_means, loss_mask=loss_mask).encode()
         credit = float(n_tokens)
-        # a spot-check's hold is written before the result it holds (spotcheck.hold_before_accept): nothing awaits in
-        # between, and the learner never sees the result unheld
-        hold = None if own else spotcheck.hold_before_accept(self, client_id, sub, self.backend_class(client_id))
         if not self.store.accept_result(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
                                         version=sub.version, content_sha256=content_sha, payload=payload,
-                                        rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock()):
-            spotcheck.drop_hold(self, hold)
+                                        rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock(),
+                                        completions_sha256=tokens_sha):
             raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
-        spotcheck.after_accept(self, hold)
+        if not own:  # every token was checked against the keyed sampler: the result is conclusive evidence
+            self.guard.record_valid(client_id)
+            self.guard.check_reporting(client_id, self.clock())  # …of its tokens, not of which results it returns
         self.issuer.observe(client_id, fresh.view, self.clock())
         self.bell.ring()  # the learner may have a batch now
         client = self.store.get_client(client_id)
         return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
                               credit=credit, total_credit=float(client["credit"]) if client else credit)
+
+    def _refuse_copy(self, sub: ResultSubmission) -> str:
+        """The content hash of the result's tokens (an episode's: its actions and observations, turn by turn);
+        refused with duplicate_result if another job's accepted result has the same tokens and the result holds
+        enough choice for that to be no coincidence (coordinator.core.duplicates)."""
+        tokens = [list(c.token_ids) if c.turns is None else
+                  [t for turn in c.turns for t in (*turn.token_ids, *turn.observation_ids)] for c in sub.completions]
+        logprobs = [list(c.logprobs) if c.turns is None else [x for turn in c.turns for x in turn.logprobs]
+                    for c in sub.completions]
+        sha = tokens_sha256(tokens)
+        check_copy(self.store.result_with_tokens(sha, sub.job_id), sub.job_id, surprisal(logprobs))
+        return sha
 
     async def recompute_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
                             ) -> list[list[float]]:
@@ -631,5 +622,5 @@ class Coordinator:
             "steps": steps[-200:],
             "evals": self.store.evals(),
             "clients": self.store.clients(),
-            "trust": {"standings": self.guard.standings(), "spot_checks": self.guard.replicas_summary()},
+            "trust": {"standings": self.guard.standings()},
         }

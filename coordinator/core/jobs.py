@@ -1,10 +1,10 @@
 """Planning rollout jobs: which prompts and sampling seed each job carries.
 
 Jobs form one numbered stream per run; job ``k``'s prompts and seed are derived from the run's plan key and
-``k`` alone, never chosen by a client, so a client cannot pick easy prompts and any job's sampling can be
-replayed. The key is ``learner.seed`` joined with a secret of the run (``jobs.secret_plans``): without the secret,
-anyone who knows the seed could compute job ``k``'s plan and so recognise a spot-check replica (which carries
-another job's prompts and seed under a fresh number) — docs/security.md §3.2.
+``k`` alone, never chosen by a client, so a client cannot pick easy prompts. The key is ``learner.seed`` joined
+with a secret of the run (``jobs.secret_plans``): the job's seed is its keyed sampler's key (shared.sampler), and
+without the secret anyone who knows the run's seed could compute any job's sampling noise before holding its
+lease (docs/security.md, § Keyed sampling).
 The policy version a job is generated with is bound later, when it is leased (see core.scheduling).
 """
 

@@ -1,19 +1,20 @@
-"""Adaptive trust, after BOINC's adaptive replication: slow to earn, quick to lose.
+"""Trust per identity: slow to earn, quick to lose.
 
 Trust is kept per *identity* first: an identity's backend class is established by the coordinator at its
 first registration, from a small fixed set (:data:`BACKEND_CLASSES`), and pinned to it (see
 coordinator.api.guard), so claiming another backend or device later changes nothing — a quarantined identity
 is quarantined whatever it claims. The trust row is keyed (client, class) only so that standings say which
-class the evidence is about. A new identity starts untrusted, so rotating keys (a sybil) only ever buys the
-untrusted treatment:
+class the evidence is about. A new identity starts with no standing, so rotating keys (a sybil) buys nothing:
 
-- every result that a conclusive spot-check (the coordinator's own replay, or an independent replica that
-  agrees) finds valid raises ``consecutive_valid`` by one — passing the per-result checks alone does not;
-- while ``consecutive_valid < trusted_after`` every result is spot-checked (replication probability 1);
-  after that, a result is replicated with probability ``1 / consecutive_valid`` (never below ``min_rate``);
-- any invalid result (a refusal for cheating-class reasons, or a lost spot-check) resets it to 0 and counts
-  a failure; ``quarantine_after`` failures in a row quarantine the client for ``quarantine_s`` seconds
-  (the n-th quarantine lasts n times longer), during which it is refused work with a clear message.
+- every accepted result — each of its tokens checked against the job's keyed sampler in the verifier's
+  recompute (docs/security.md, § Keyed sampling) — raises ``consecutive_valid`` by one and clears the failure
+  streak;
+- any invalid result (a refusal for cheating-class reasons, :data:`INVALIDATING`) resets it to 0 and counts a
+  failure; ``quarantine_after`` failures in a row quarantine the client for ``quarantine_s`` seconds (the n-th
+  quarantine lasts n times longer), during which it is refused work with a clear message;
+- a reporting pattern the keyed sampler cannot see (coordinator.core.reporting: leases abandoned after seeing
+  the rewards) is a *flag*: it resets the valid streak, and every ``quarantine_after``-th flag quarantines, however
+  many accepted results came between (:func:`on_flag`).
 
 Only refusals that say something about the *result* count as failures: a late or duplicate submission,
 a rate limit or a network-level problem is bad luck or a bug, not evidence of a cheat.
@@ -22,7 +23,6 @@ Everything here is pure: state in, decision out, with ``now`` passed in.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 
 from shared.errors import Reason
@@ -30,7 +30,7 @@ from shared.errors import Reason
 # refusals that are evidence about the result itself (poisoned, lazy, forged or broken hardware)
 INVALIDATING: frozenset[Reason] = frozenset({
     Reason.WRONG_VERSION, Reason.BINDING_MISMATCH, Reason.SHAPE_MISMATCH, Reason.TOKEN_OUT_OF_RANGE,
-    Reason.FINISH_REASON, Reason.LOGPROB_MISMATCH, Reason.REPLICA_MISMATCH, Reason.SCHEMA, Reason.MALFORMED,
+    Reason.FINISH_REASON, Reason.LOGPROB_MISMATCH, Reason.SCHEMA, Reason.MALFORMED,
     Reason.BODY_TOO_LARGE, Reason.SAMPLING_MISMATCH, Reason.CHOICE_MISMATCH,
     # a multi-turn episode that replay refuses (coordinator.tasks.episodes)
     Reason.OBSERVATION_MISMATCH, Reason.EXTRA_TURN, Reason.MISSING_TURN, Reason.UNSEEN_ACTION, Reason.REWARD_CLAIMED,
@@ -41,8 +41,6 @@ INVALIDATING: frozenset[Reason] = frozenset({
 class TrustPolicy:
     """Parameters of the trust rules (see coordinator.config.TrustConfig for units and defaults)."""
 
-    trusted_after: int = 10
-    min_rate: float = 0.05
     quarantine_after: int = 3
     quarantine_s: float = 600.0
 
@@ -62,7 +60,7 @@ def is_invalidating(reason: Reason) -> bool:
 
 
 def on_valid(state: TrustState) -> TrustState:
-    """An accepted result (or a spot-check it passed) raises trust by one and clears the failure streak."""
+    """An accepted result raises trust by one and clears the failure streak."""
     return replace(state, consecutive_valid=state.consecutive_valid + 1, consecutive_invalid=0)
 
 
@@ -75,31 +73,24 @@ def on_invalid(state: TrustState, now: float, policy: TrustPolicy) -> TrustState
     return replace(state, consecutive_valid=0, consecutive_invalid=failures)
 
 
+def on_flag(state: TrustState, flags: int, now: float, policy: TrustPolicy) -> TrustState:
+    """The ``flags``-th lowering of trust by a pattern over many accepted results (coordinator.core.reporting):
+    the valid streak resets, and every ``quarantine_after``-th flag quarantines (longer each time). Unlike refusals,
+    flags are not cleared by accepted results in between — each of those results is part of the pattern."""
+    if flags > 0 and flags % policy.quarantine_after == 0:
+        n = state.quarantines + 1
+        return TrustState(0, state.consecutive_invalid, n, now + policy.quarantine_s * n)
+    return replace(state, consecutive_valid=0)
+
+
 def quarantined(state: TrustState, now: float) -> bool:
     return now < state.quarantined_until
 
 
-def replication_rate(state: TrustState, policy: TrustPolicy) -> float:
-    """Probability that a result from this client is spot-checked by replaying its job elsewhere."""
-    if state.consecutive_valid < policy.trusted_after:
-        return 1.0
-    return max(policy.min_rate, 1.0 / state.consecutive_valid)
-
-
-def should_replicate(state: TrustState, policy: TrustPolicy, job_id: str, secret: bytes) -> bool:
-    """Deterministic per (job, coordinator secret) draw: a client cannot tell or influence which of its
-    results are checked, and a restarted coordinator makes the same decision for the same job."""
-    rate = replication_rate(state, policy)
-    if rate >= 1.0:
-        return True
-    draw = int.from_bytes(hashlib.sha256(secret + job_id.encode()).digest()[:8], "big") / 2**64
-    return draw < rate
-
-
 # The backend classes the coordinator verifies: what swarm_client really reports (hardware.profile: the torch
-# backend's device "cpu" | "cuda[:name]" | "mps"; the llama.cpp backend's "cpu" | "gpu"). Within one class the
-# same seeded job gives (almost) the same tokens; a claim outside this set is refused at registration instead
-# of becoming a class of its own (which nobody else shares, so no replica could ever judge it).
+# backend's device "cpu" | "cuda[:name]" | "mps"; the llama.cpp backend's "cpu" | "gpu"). A class selects the
+# verifier's tolerances (verification.backend_tolerances); a claim outside this set is refused at registration
+# instead of becoming a class of its own that no tolerance was measured for.
 BACKEND_CLASSES: dict[str, frozenset[str]] = {
     "torch": frozenset({"cpu", "cuda", "mps"}),
     "llama": frozenset({"cpu", "gpu"}),
@@ -107,7 +98,7 @@ BACKEND_CLASSES: dict[str, frozenset[str]] = {
 
 
 def backend_class(backend: str, device: str) -> str:
-    """The class whose results are comparable bit-for-bit: backend plus the accelerator kind."""
+    """The class a result is verified as: backend plus the accelerator kind."""
     kind = device.split(":", 1)[0].strip().lower() or "cpu"
     return f"{backend}/{kind}"
 

@@ -190,7 +190,7 @@ def check_sampling(stats: SamplingStats, *, z_low: float, z_high: float, top_z: 
 
     Accepted: ``z_low`` ≤ z ≤ ``z_high`` and |z_top| ≤ ``top_z`` (coordinator.config.VerificationConfig,
     calibrated by bench/sampling_calibration.py). Results with fewer than ``min_tokens`` tokens are not judged:
-    the scores are only near-normal over many tokens. The check needs no replica and no claim from the client,
+    the scores are only near-normal over many tokens. The check needs no claim from the client,
     so it holds across backends and quantisation: an honest llama.cpp q8_0 client samples from nearly the same
     distribution.
     """

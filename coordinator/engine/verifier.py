@@ -1,5 +1,5 @@
-"""The verifier role: recomputes behaviour logprobs of returned rollouts, and replays jobs for spot-check
-arbitration, from the *published* snapshots, with its own model replica on its own worker thread.
+"""The verifier role: recomputes behaviour logprobs of returned rollouts from the *published* snapshots, with its
+own model replica on its own worker thread.
 
 Why a separate unit: verification is a forward pass over every result, a third of the training compute for
 full fine-tuning and half of it for LoRA (docs/benchmarks.md, "Real model size"). Done on the learner's thread
@@ -23,9 +23,7 @@ Verifiers follow (coordinator.engine.fsdp). Each version is loaded whole on ever
 a version is always a fresh load rather than an in-place one; which version to drop is rank 0's choice, sent with
 the load, so every rank keeps the same ones. A recompute batch is split as the learner splits a step's batch
 (rank r takes every N-th completion; every rank runs as many forward passes, a rank without a share running a
-throw-away one, because each pass is a collective) and the rows are gathered back to rank 0 in their order. A
-replay runs the same seeded generation on every rank (generation is sequential forward passes, all of them
-collectives, kept in lockstep by :class:`_Lockstep`); rank 0's tokens are the answer.
+throw-away one, because each pass is a collective) and the rows are gathered back to rank 0 in their order.
 """
 
 from __future__ import annotations
@@ -85,7 +83,6 @@ class VerifierStats:
     """Cumulative figures for the step metrics and the status page."""
 
     recompute_s: float = 0.0
-    replay_s: float = 0.0
     load_s: float = 0.0
     results: int = 0
     batches: int = 0
@@ -94,7 +91,7 @@ class VerifierStats:
 
 
 class Verifier:
-    """Recompute and replay at any kept version, off the learner.
+    """Recompute at any kept version, off the learner.
 
     ``folder_of(version)`` returns the published snapshot folder of a version, or None when it is not (or no
     longer) published; ``load_state`` reads a folder's weights (default: its safetensors files).
@@ -127,7 +124,7 @@ class Verifier:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier")
         self._queue: list[_Request] = []
         self._lock = threading.Lock()
-        self._answering = 0  # requests queued or being answered (recomputes, replays, loads ahead)
+        self._answering = 0  # requests queued or being answered (recomputes, loads ahead)
         self._quiet = threading.Event()  # set while that is 0: what the evaluator waits for (wait_quiet)
         self._quiet.set()
         self._worker: asyncio.Task[None] | None = None
@@ -154,14 +151,6 @@ class Verifier:
             assert self._wake is not None
             self._wake.set()
             return await fut
-
-    async def replay(self, prompts: list[list[int]], *, group_size: int, seed: int, max_tokens: int, version: int
-                     ) -> list[list[int]]:
-        """The coordinator's own seeded replay of a job at ``version`` (the spot-check arbiter)."""
-        loop = asyncio.get_running_loop()
-        with self._answering_one():
-            return await loop.run_in_executor(self._executor, self._replay_sync, prompts, group_size, seed,
-                                              max_tokens, version)
 
     async def preload(self, version: int) -> bool:
         """Load ``version`` before its first request arrives (a version just published), on the verifier's thread
@@ -212,7 +201,7 @@ class Verifier:
         return {"device": self.device, "cached_versions": list(self._models),
                 "ranks": 1 if ranks is None else ranks.world_size,
                 "rank_pids": [] if ranks is None else [p.pid for p in ranks.followers], "recompute_s": s.recompute_s,
-                "replay_s": s.replay_s, "load_s": s.load_s, "results": s.results, "batches": s.batches,
+                "load_s": s.load_s, "results": s.results, "batches": s.batches,
                 "loads": s.loads}
 
     # -- batching worker --------------------------------------------------------------------------------------
@@ -342,36 +331,6 @@ class Verifier:
             fsdp.broken(self._ranks, f"{what} on the verifier's ranks failed: {type(exc).__name__}: {exc}")
             raise  # not reached
 
-    def _replay_sync(self, prompts: list[list[int]], group_size: int, seed: int, max_tokens: int, version: int
-                     ) -> list[list[int]]:
-        from shared.policy import generate
-
-        t0 = time.monotonic()
-        model = self._model_at(version)
-        if self._ranks is not None:
-            tokens: list[list[int]] = self._in_group("replay", self._replay_rows, version, prompts, group_size,
-                                                     seed, max_tokens)
-        else:
-            samples = generate(model, prompts, group_size=group_size, temperature=self.temperature,
-                               max_tokens=max_tokens, stop_ids=self.stop_ids, seed=seed, pad_id=self.pad_id)
-            tokens = [list(s.token_ids) for s in samples]
-        self.stats.replay_s += time.monotonic() - t0
-        return tokens
-
-    def _replay_rows(self, version: int, prompts: list[list[int]], group_size: int, seed: int, max_tokens: int
-                     ) -> list[list[int]]:
-        """Every rank: the same seeded generation (each step's forward pass is a collective)."""
-        from coordinator.engine import fsdp
-        from shared.policy import generate
-
-        assert self._ranks is not None
-        fsdp.lead(self._ranks, "_replay_rows", version, prompts, group_size, seed, max_tokens)
-        model = _Lockstep(self._models[version], self._ranks, self.pad_id)
-        samples = generate(model, prompts, group_size=group_size, temperature=self.temperature,
-                           max_tokens=max_tokens, stop_ids=self.stop_ids, seed=seed, pad_id=self.pad_id)
-        model.drain()
-        return [list(s.token_ids) for s in samples]
-
     def _model_at(self, version: int) -> Any:
         if version in self._models:
             self._models.move_to_end(version)
@@ -437,40 +396,6 @@ class Verifier:
         from shared.policy import load_model
 
         return load_model(folder, self.device, self.dtype, own_memory=True)
-
-
-class _Lockstep:
-    """A sharded model as :func:`shared.policy.generate` sees it on a verifier's ranks. Every rank samples the
-    same tokens from the same seed and weights, so all stop together — unless a kernel is not bit-reproducible
-    across devices, and then one rank would stop while another waits in a forward pass's all-gather forever. So
-    each forward pass is preceded by an all-reduce saying whether any rank still generates, and a rank that is done
-    runs throw-away passes (:meth:`drain`) until none is: the ranks run the same collectives whatever they
-    sample."""
-
-    def __init__(self, model: Any, ranks: Ranks, pad_id: int) -> None:
-        self._model = model
-        self._ranks = ranks
-        self._pad_id = pad_id
-
-    def __getattr__(self, name: str) -> Any:  # parameters(), forward (its signature), config, …
-        return getattr(self._model, name)
-
-    def _anyone(self, generating: bool) -> bool:
-        from coordinator.engine import fsdp
-
-        return bool(fsdp.all_reduce(self._ranks, [float(generating)], "max")[0])
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._anyone(True)
-        return self._model(*args, **kwargs)
-
-    def drain(self) -> None:
-        import torch
-
-        device = next(self._model.parameters()).device
-        with torch.inference_mode():
-            while self._anyone(False):
-                self._model(input_ids=torch.tensor([[self._pad_id]], device=device))
 
 
 def _load_into(model: Any, state: dict[str, Any], folder: Path) -> None:

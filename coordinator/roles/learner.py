@@ -204,7 +204,7 @@ class LearnerRole:
         return frozenset().union(*self._unpublished.values())
 
     def _report(self) -> None:
-        """The learner's progress for the API (sequential-pull guard, spot-checks) and the status page."""
+        """The learner's progress for the API (sequential-pull guard) and the status page."""
         target = max([self.learner.model_version, *self._unpublished]) if hasattr(self, "learner") else self.version
         self.store.set_role_status(LEARNER, {
             "pid": os.getpid(), "at": time.time(), "target": target, "version": self.version, "in_training": sorted(self.in_training),

@@ -1,4 +1,4 @@
-"""The verifier role: claims recompute, replay and evaluation requests from the store and answers them.
+"""The verifier role: claims recompute and evaluation requests from the store and answers them.
 
 One or more run beside the learner, each in its own process (``echo-swarm coordinator --role verifier``) with its
 own model replicas on its own device (``verification.device``), or inside the one process of the in-process
@@ -59,7 +59,7 @@ class VerifierWorker:
         self.snapshots = snapshots
         self.task = task
         self.name = verifier_name(index)
-        self.kinds: tuple[str, ...] = ("recompute", "replay") + (("evaluate",) if index == 0 else ())
+        self.kinds: tuple[str, ...] = ("recompute",) + (("evaluate",) if index == 0 else ())
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._preloaded = -1  # the newest version this worker loaded ahead of its results
         self._preload: asyncio.Task[bool] | None = None
@@ -176,14 +176,8 @@ class VerifierWorker:
                 return
             if self.snapshots.signed_manifest(version) is None:  # published since the last look?
                 self.snapshots.observe(v["version"] for v in self.store.versions())
-            if kind == "recompute":
-                answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
-                                                                          version, segments_from_wire(request.get("segments"))))
-            else:
-                tokens = await self.verifier.replay(request["prompts"], group_size=int(request["group_size"]),
-                                                    seed=int(request["seed"]), max_tokens=int(request["max_tokens"]),
-                                                    version=version)
-                answer = wire.pack({"tokens": tokens})
+            answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
+                                                                      version, segments_from_wire(request.get("segments"))))
             self.store.work_finish(item, self.name, answer)
         except (VersionGone, FileNotFoundError):
             self.store.work_finish(item, self.name, wire.pack({"gone": True}))

@@ -1,6 +1,6 @@
 """Verification and evaluation requests between role processes, through the store's ``work`` table.
 
-The API process asks for a recompute (or a spot-check replay) by writing a request row; a verifier worker
+The API process asks for a recompute by writing a request row; a verifier worker
 (:mod:`coordinator.roles.verifier`, in its own process or the same one) claims a batch of rows, answers them, and the
 API picks the answer up. The learner asks for held-out evaluations the same way. Going through the database, not
 a socket, is what lets any role be killed and restarted on its own: a claim runs out and another worker (or the
@@ -90,19 +90,12 @@ class RemoteVerifier:
     """The API's handle on the verifier role: the same calls as :class:`coordinator.engine.verifier.Verifier`, answered by
     whichever verifier worker claims the request."""
 
-    def __init__(self, store: Store, bell: Bell, *, wait_s: float, device: str) -> None:
+    def __init__(self, store: Store, bell: Bell, *, wait_s: float) -> None:
         self.store = store
         self.bell = bell
         self.wait_s = wait_s
-        self._device = device
         self.stats = RemoteStats()
         self.requester = "api"  # the asking API process's name (Coordinator.api_name), kept with each request
-
-    @property
-    def device(self) -> str:
-        """The device the verifiers replay on (the spot-check arbiter's class), as the first of them reports it."""
-        status = self.store.role_status("verifier-0")
-        return str(status["device"]) if status and status.get("device") else self._device
 
     async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
                               segments: list[list[Segment]] | None = None) -> TokenStats:
@@ -119,14 +112,6 @@ class RemoteVerifier:
     async def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int
                         ) -> list[list[float]]:
         return (await self.recompute_stats(prompts, completions, version)).logprobs
-
-    async def replay(self, prompts: list[list[int]], *, group_size: int, seed: int, max_tokens: int, version: int
-                     ) -> list[list[int]]:
-        answer = await self.ask("replay", version, {"prompts": prompts, "group_size": group_size, "seed": seed,
-                                                    "max_tokens": max_tokens})
-        if answer.get("gone"):
-            raise VersionGone(f"policy version {version} is no longer kept for verification")
-        return [list(t) for t in answer["tokens"]]
 
     async def ask(self, kind: WorkKind, version: int, request: dict[str, Any]) -> dict[str, Any]:
         item = self.store.work_submit(kind, version, wire.pack(request), time.time(), self.requester)

@@ -21,6 +21,7 @@ from coordinator.core.ops import (
     job_status,
     throughput_series,
 )
+from coordinator.core.reporting import VersionGroup, reward_bias, reward_biases
 from coordinator.store.store import Store
 
 _HIDDEN_CLIENT_COLUMNS = {"public_key", "profile"}
@@ -30,13 +31,15 @@ def live_lease_holders(store: Store, now: float) -> set[str]:
     return {j.view.lease_client for j in store.active_jobs() if j.view.lease_client and lease_live(j.view, now)}
 
 
-def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_000, *, exclude_banned: bool = False
-            ) -> list[dict[str, Any]]:
+def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_000, *, exclude_banned: bool = False,
+            reporting: bool = False) -> list[dict[str, Any]]:
     """Every client with its profile flattened, counters, credit, state — and any extra columns another
-    component keeps on the clients table (e.g. a trust score) passed through unchanged."""
+    component keeps on the clients table (e.g. a trust score) passed through unchanged. With ``reporting`` (the
+    operator's view) each also gets its reporting figures (:func:`reporting_by_client`)."""
     holders = live_lease_holders(store, now)
     window = active_window_s(lease_timeout_s)
     trust = trust_by_client(store, now)
+    figures = reporting_by_client(store) if reporting else {}
     where = " WHERE banned = 0" if exclude_banned else ""
     rows = store.conn.execute(f"SELECT * FROM clients{where} ORDER BY credit DESC, registered_at LIMIT ?",
                               (limit,)).fetchall()
@@ -47,6 +50,8 @@ def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_00
         extra = {k: v for k, v in row.items() if k not in _HIDDEN_CLIENT_COLUMNS and not isinstance(v, bytes)}
         if row["client_id"] in trust:
             extra["trust"] = trust[row["client_id"]]
+        if reporting:
+            extra["reporting"] = figures.get(row["client_id"], _reporting(row, None))
         out.append(extra | {
             "name": profile.get("name", ""), "backend": profile.get("backend", "?"),
             "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
@@ -126,6 +131,25 @@ def _audit_log(store: Store, limit: int, client_id: str | None, job_id: str | No
     return [{"at": r["at"], "outcome": r["outcome"], "client_id": r["client_id"], "job_id": r["job_id"],
              "version": r["version"], "reason": r["reason"], "detail": r["detail"],
              "content_sha256": r["content_sha256"], "mean_reward": None, "n_tokens": None} for r in rows]
+
+
+def reporting_by_client(store: Store) -> dict[str, dict[str, Any]]:
+    """What the keyed sampler cannot see, per client (coordinator.core.reporting): leases granted, how many ended
+    without a result from it and that share, and its returned rewards against the other volunteers' at the same
+    versions (results compared, mean excess per result, z). One pass over the results' per-version totals."""
+    groups = [VersionGroup(str(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4])) for r in store.conn.execute(
+        "SELECT client_id, version, COUNT(*), SUM(mean_reward), SUM(mean_reward*mean_reward) FROM results "
+        "GROUP BY client_id, version").fetchall()]
+    bias = reward_biases(groups)
+    rows = store.conn.execute("SELECT client_id, leased, unreturned FROM clients").fetchall()
+    return {str(r["client_id"]): _reporting(r, bias.get(str(r["client_id"]))) for r in rows}
+
+
+def _reporting(row: Any, bias: Any) -> dict[str, Any]:
+    leased, unreturned = int(row["leased"]), int(row["unreturned"])
+    return {"leased": leased, "unreturned": unreturned, "unreturned_share": unreturned / leased if leased else 0.0,
+            "results_compared": bias.results if bias else 0, "reward_excess": bias.excess if bias else 0.0,
+            "reward_z": bias.z if bias else 0.0}
 
 
 def trust_by_client(store: Store, now: float) -> dict[str, dict[str, Any]]:
@@ -244,7 +268,8 @@ def find_volunteers(store: Store, query: str, limit: int = VOLUNTEER_MATCHES) ->
 
 def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) -> dict[str, Any] | None:
     """One volunteer's page: who (name, backend, platform), standing (state, rank, accepted, refused, credit),
-    their latest results, the policy versions they generated for, and their refusals by reason."""
+    their latest results, the policy versions they generated for, their refusals by reason, and their reporting
+    (:func:`reporting_by_client`'s figures for them alone)."""
     db = store.conn
     row = db.execute("SELECT * FROM clients WHERE client_id = ?", (client_id,)).fetchone()
     if row is None or row["banned"]:
@@ -272,4 +297,6 @@ def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) 
         "versions": [{"version": int(r["version"]), "results": int(r["n"]), "tokens": int(r["tokens"])}
                      for r in by_version],
         "refusals": {str(r["reason"]): int(r["n"]) for r in refusals},
+        "reporting": _reporting(row, reward_bias([VersionGroup(*g) for g in store.reward_groups(client_id)],
+                                                 client_id)),
     }

@@ -33,10 +33,20 @@ from typing import Any, Literal
 
 from coordinator.core.jobs import JobPlan
 from coordinator.core.leases import JobState, LeaseView
+from coordinator.core.reporting import FLAGGED
 from coordinator.core.scheduling import Pending
 from coordinator.store.db import Db, Row, is_postgres_url, pg_ddl
 from coordinator.store.tmpfs import run_folder
 
+#: The work queue (coordinator.run.workqueue), on its own: schema 6 rebuilds it on SQLite (Store._retire_replication).
+WORK_SCHEMA = """
+CREATE TABLE IF NOT EXISTS work(
+  id INTEGER PRIMARY KEY, kind TEXT NOT NULL CHECK(kind IN ('recompute','evaluate')),
+  version INTEGER NOT NULL, request BLOB NOT NULL, created_at REAL NOT NULL,
+  state TEXT NOT NULL CHECK(state IN ('queued','claimed','done','failed')),
+  worker TEXT, claim_until REAL, attempts INTEGER NOT NULL DEFAULT 0, answer BLOB, error TEXT,
+  requester TEXT NOT NULL DEFAULT 'api');
+CREATE INDEX IF NOT EXISTS work_by_state ON work(state, kind, id)"""
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS clients(
@@ -59,6 +69,7 @@ CREATE TABLE IF NOT EXISTS results(
   stale_at INTEGER);
 CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
 CREATE INDEX IF NOT EXISTS results_by_client ON results(client_id, received_at);
+CREATE INDEX IF NOT EXISTS results_by_version ON results(version, client_id);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
@@ -68,23 +79,12 @@ CREATE TABLE IF NOT EXISTS audit(
   outcome TEXT NOT NULL, reason TEXT NOT NULL, content_sha256 TEXT, detail TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS audit_by_client ON audit(client_id, id);
 CREATE INDEX IF NOT EXISTS audit_by_job ON audit(job_id, id);
-CREATE TABLE IF NOT EXISTS replicas(
-  replica_id TEXT PRIMARY KEY, job_id TEXT NOT NULL REFERENCES jobs(job_id), version INTEGER NOT NULL,
-  original_client TEXT NOT NULL, original_class TEXT NOT NULL, created_at REAL NOT NULL,
-  state TEXT NOT NULL CHECK(state IN ('open','leased','done')), lease_id TEXT, lease_client TEXT,
-  lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0, outcome TEXT, hold INTEGER NOT NULL DEFAULT 0);
-CREATE INDEX IF NOT EXISTS replicas_by_state ON replicas(state, created_at);
 CREATE TABLE IF NOT EXISTS steps(
   step INTEGER PRIMARY KEY, trained_version INTEGER NOT NULL, mean_reward REAL NOT NULL, metrics TEXT NOT NULL,
   at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS evals(version INTEGER PRIMARY KEY, accuracy REAL NOT NULL, n INTEGER NOT NULL,
   at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS work(
-  id INTEGER PRIMARY KEY, kind TEXT NOT NULL CHECK(kind IN ('recompute','replay','evaluate')),
-  version INTEGER NOT NULL, request BLOB NOT NULL, created_at REAL NOT NULL,
-  state TEXT NOT NULL CHECK(state IN ('queued','claimed','done','failed')),
-  worker TEXT, claim_until REAL, attempts INTEGER NOT NULL DEFAULT 0, answer BLOB, error TEXT);
-CREATE INDEX IF NOT EXISTS work_by_state ON work(state, kind, id);
+"""+ WORK_SCHEMA + """;
 CREATE TABLE IF NOT EXISTS trust(
   client_id TEXT NOT NULL, backend_class TEXT NOT NULL, consecutive_valid INTEGER NOT NULL DEFAULT 0,
   consecutive_invalid INTEGER NOT NULL DEFAULT 0, quarantines INTEGER NOT NULL DEFAULT 0,
@@ -93,12 +93,15 @@ CREATE TABLE IF NOT EXISTS trust(
 """
 #: Bumped whenever SCHEMA or the in-place migrations below change; stored as SQLite's user_version (in PostgreSQL,
 #: the meta row 'schema_version') so a database written by a newer release is refused instead of misread.
-#: 4: work.requester (several API processes share one queue); 5: SQLite keeps nonces in a file of their own.
-SCHEMA_VERSION = 5
+#: 4: work.requester (several API processes share one queue); 5: SQLite keeps nonces in a file of their own;
+#: 6: spot-checks retired (issue 21) — the replicas table and the work queue's 'replay' kind are gone
+#: (:meth:`Store._retire_replication`); clients.leased / clients.unreturned count leases for the selective-reporting
+#: rule (coordinator.core.reporting); results.completions_sha256 finds copies (coordinator.core.duplicates).
+SCHEMA_VERSION = 6
 #: Replay protection: on SQLite in its own database file beside the main one, on PostgreSQL a table of the
 #: main database (see Store._nonce_db).
 NONCE_SCHEMA = "CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)"
-WorkKind = Literal["recompute", "replay", "evaluate"]
+WorkKind = Literal["recompute", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,8 @@ class Store:
                 if statement.strip():
                     self.conn.execute(statement)
             self._add_client_columns()
+            if 0 < found < 6:
+                self._retire_replication()
             if pg:
                 self.conn.execute("INSERT INTO meta(key,value) VALUES('schema_version',?) ON CONFLICT(key) DO UPDATE "
                                   "SET value=excluded.value", (str(SCHEMA_VERSION),))
@@ -321,22 +326,51 @@ class Store:
             self.conn.execute(ddl("ALTER TABLE clients ADD COLUMN benchmark_tokens_per_s REAL"))
         # the trust boundary's observations (coordinator.api.guard): the backend class pinned at first registration
         # (NULL for identities registered before it: derived from the profile) and the addresses it registered
-        # from, first and latest (spot-check replicas only go to identities with none in common)
+        # from, first and latest (for the operator: which identities share a network)
         for col in ("backend_class", "address", "last_address"):
             if col not in have:
                 self.conn.execute(ddl(f"ALTER TABLE clients ADD COLUMN {col} TEXT"))
-        have = self.conn.columns("replicas")
-        # replicas: who judges ('arbiter': the coordinator's verifier; 'peer': an independent identity), until
-        # when the original is held, who replayed it inconclusively (never asked again), and the job-stream
-        # number its fresh job id was drawn from
-        for col, decl in (("judge", "TEXT NOT NULL DEFAULT 'peer'"), ("hold_until", "REAL"),
-                          ("tried", "TEXT NOT NULL DEFAULT ''"), ("seq", "INTEGER")):
+        # schema 6: leases granted, and how many of them ended without a result from the client (released, or
+        # run out and reissued) — what the selective-reporting rule reads (coordinator.core.reporting)
+        for col in ("leased", "unreturned"):
             if col not in have:
-                self.conn.execute(ddl(f"ALTER TABLE replicas ADD COLUMN {col} {decl}"))
+                self.conn.execute(ddl(f"ALTER TABLE clients ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0"))
+        # schema 6: the content hash of an accepted result's tokens (shared.hashing.tokens_sha256; NULL for results
+        # from before), indexed: a copy of another job's result is found by one lookup (coordinator.core.duplicates)
+        if "completions_sha256" not in self.conn.columns("results"):
+            self.conn.execute("ALTER TABLE results ADD COLUMN completions_sha256 TEXT")
+        self.conn.execute("CREATE INDEX IF NOT EXISTS results_by_completions ON results(completions_sha256)")
         # schema 4: which API process asked (API processes sharing a PostgreSQL store each drop only their own
         # previous run's requests when they start)
         if "requester" not in self.conn.columns("work"):
             self.conn.execute("ALTER TABLE work ADD COLUMN requester TEXT NOT NULL DEFAULT 'api'")
+
+    def _retire_replication(self) -> None:
+        """Schema 6: spot-check replication is retired (every token is checked by the keyed sampler instead,
+        docs/security.md). A database from before loses the ``replicas`` table — replicas, holds, arbiter
+        judgements — and the work queue's ``replay`` kind. A result that was held for a spot-check becomes an
+        ordinary pending one: it passed every per-result check when it was accepted. The work queue is transient
+        (requesters resend), so its replay requests are dropped and, on SQLite, the table is rebuilt for the new
+        CHECK constraint (SQLite cannot alter a constraint in place)."""
+        if self.conn.has_table("replicas"):
+            self.conn.execute("DROP TABLE replicas")
+        if self.conn.postgres:
+            self.conn.execute("DELETE FROM work WHERE kind='replay'")
+            self.conn.execute("ALTER TABLE work DROP CONSTRAINT IF EXISTS work_kind_check")
+            self.conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check CHECK(kind IN ('recompute','evaluate'))")
+            return
+        row = self.conn.execute("SELECT sql FROM sqlite_master WHERE type='table' AND name='work'").fetchone()
+        if row is None or "'replay'" not in str(row["sql"]):
+            return
+        self.conn.execute("ALTER TABLE work RENAME TO work_before_6")
+        self.conn.execute("DROP INDEX IF EXISTS work_by_state")
+        for statement in WORK_SCHEMA.split(";"):
+            self.conn.execute(statement)
+        self.conn.execute("INSERT INTO work(id, kind, version, request, created_at, state, worker, claim_until, "
+                          "attempts, answer, error, requester) SELECT id, kind, version, request, created_at, state, "
+                          "worker, claim_until, attempts, answer, error, requester FROM work_before_6 "
+                          "WHERE kind!='replay'")
+        self.conn.execute("DROP TABLE work_before_6")
 
     def register_client(self, client_id: str, public_key: bytes, profile: dict[str, Any], now: float, *,
                         backend_class: str | None = None, address: str | None = None) -> bool:
@@ -396,7 +430,8 @@ class Store:
 
     def clients(self) -> list[dict[str, Any]]:
         rows = self.conn.execute("SELECT client_id, profile, registered_at, last_seen, accepted, rejected, credit, "
-                                 "banned, benchmark_tokens_per_s FROM clients ORDER BY credit DESC, registered_at").fetchall()
+                                 "banned, benchmark_tokens_per_s, leased, unreturned FROM clients "
+                                 "ORDER BY credit DESC, registered_at").fetchall()
         return [dict(r) | {"profile": json.loads(r["profile"])} for r in rows]
 
     # -- nonces -------------------------------------------------------------------------------------------
@@ -431,11 +466,9 @@ class Store:
                               (manifest_sha, now))
 
     def next_seq(self, db: Db | None = None) -> int:
-        """The next number of the job stream. Spot-check replicas draw their job ids from the same stream
-        (coordinator.api.guard), so a replica's id looks like any fresh job's and says nothing of its original."""
-        row = (db or self.conn).execute("SELECT (SELECT MAX(seq) FROM jobs) AS j, (SELECT MAX(seq) FROM replicas) AS r"
-                                ).fetchone()
-        return max(-1 if row["j"] is None else int(row["j"]), -1 if row["r"] is None else int(row["r"])) + 1
+        """The next number of the job stream."""
+        row = (db or self.conn).execute("SELECT MAX(seq) AS j FROM jobs").fetchone()
+        return (-1 if row["j"] is None else int(row["j"])) + 1
 
     def create_next_job(self, plan: Callable[[int], JobPlan], group_size: int, now: float) -> JobRow:
         """Draw the next number of the job stream and insert the job ``plan(seq)`` makes of it, in one
@@ -490,33 +523,55 @@ class Store:
         step) makes it power-safe; a power loss before that forgets the lease, and the job is
         issued again."""
         with _Tx(self.light_conn):
+            before = self.light_conn.execute("SELECT state, lease_client FROM jobs WHERE job_id=?",
+                                             (job_id,)).fetchone()
             cur = self.light_conn.execute(
                 "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
                 "issue_count=issue_count+1 WHERE job_id=(SELECT job_id FROM jobs WHERE job_id=? AND "
                 f"(state='open' OR (state='leased' AND lease_deadline<=?)){self.light_conn.skip_locked})",
                 (lease_id, client_id, deadline, version, job_id, now),
             )
-            return cur.rowcount == 1
+            if cur.rowcount != 1:
+                return False
+            self.light_conn.execute("UPDATE clients SET leased=leased+1 WHERE client_id=?", (client_id,))
+            if before is not None and before["state"] == "leased" and before["lease_client"]:
+                self._count_unreturned(self.light_conn, str(before["lease_client"]), job_id)  # it ran out
+            return True
+
+    @staticmethod
+    def _count_unreturned(db: Db, client_id: str, job_id: str) -> None:
+        """A lease of ``client_id`` on ``job_id`` ended without its result: counted unless the client did send
+        one that was refused (a refused result was returned; the refusal is counted where it belongs)."""
+        db.execute("UPDATE clients SET unreturned=unreturned+1 WHERE client_id=? AND NOT EXISTS (SELECT 1 FROM "
+                   "rejections WHERE rejections.client_id=? AND rejections.job_id=?)", (client_id, client_id, job_id))
 
     def release_lease(self, job_id: str, lease_id: str, client_id: str) -> bool:
         with _Tx(self.light_conn):  # as lease_job: a forgotten release only means the lease runs out
             cur = self.light_conn.execute(
                 "UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=? AND lease_id=? AND lease_client=? "
                 "AND state='leased'", (job_id, lease_id, client_id))
-            return cur.rowcount == 1
+            if cur.rowcount != 1:
+                return False
+            self._count_unreturned(self.light_conn, client_id, job_id)
+            return True
 
     # -- results ------------------------------------------------------------------------------------------
     def accept_result(self, *, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str,
-                      payload: bytes, rewards: list[float], n_tokens: int, credit: float, now: float) -> bool:
-        """Durably record an accepted result, closing the job. False if the lease changed meanwhile."""
+                      payload: bytes, rewards: list[float], n_tokens: int, credit: float, now: float,
+                      completions_sha256: str | None = None) -> bool:
+        """Durably record an accepted result, closing the job. False if the lease changed meanwhile.
+        ``completions_sha256``: the content hash of its tokens (shared.hashing.tokens_sha256), for
+        :meth:`result_with_tokens`."""
         try:
-            self._accept(job_id, lease_id, client_id, version, content_sha256, payload, rewards, n_tokens, credit, now)
+            self._accept(job_id, lease_id, client_id, version, content_sha256, payload, rewards, n_tokens, credit, now,
+                         completions_sha256)
         except _Abort:
             return False
         return True
 
     def _accept(self, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str, payload: bytes,
-                rewards: list[float], n_tokens: int, credit: float, now: float) -> None:
+                rewards: list[float], n_tokens: int, credit: float, now: float, completions_sha256: str | None
+                ) -> None:
         with self._tx():
             cur = self.conn.execute(
                 "UPDATE jobs SET state='done' WHERE job_id=? AND lease_id=? AND lease_client=? AND state='leased'",
@@ -525,9 +580,9 @@ class Store:
                 raise _Abort
             self.conn.execute(
                 "INSERT INTO results(job_id, client_id, lease_id, version, received_at, content_sha256, payload, "
-                "rewards, mean_reward, n_tokens) VALUES(?,?,?,?,?,?,?,?,?,?)",
+                "rewards, mean_reward, n_tokens, completions_sha256) VALUES(?,?,?,?,?,?,?,?,?,?,?)",
                 (job_id, client_id, lease_id, version, now, content_sha256, payload, json.dumps(rewards),
-                 sum(rewards) / max(1, len(rewards)), n_tokens))
+                 sum(rewards) / max(1, len(rewards)), n_tokens, completions_sha256))
             self.conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
                               (credit, now, client_id))
             self.audit_write(now, client_id, job_id, version, "accepted", "ok", content_sha256)
@@ -535,6 +590,13 @@ class Store:
     def accepted_result(self, job_id: str) -> Row | None:
         return self.conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
                                  (job_id,)).fetchone()
+
+    def result_with_tokens(self, completions_sha256: str, other_than: str) -> str | None:
+        """The job id of an accepted result, of another job than ``other_than``, whose tokens have this content
+        hash (coordinator.core.duplicates), or None."""
+        row = self.conn.execute("SELECT job_id FROM results WHERE completions_sha256=? AND job_id!=? LIMIT 1",
+                                (completions_sha256, other_than)).fetchone()
+        return None if row is None else str(row["job_id"])
 
     def record_rejection(self, client_id: str, job_id: str | None, reason: str, message: str,
                          content_sha256: str | None, now: float, version: int | None = None) -> None:
@@ -576,10 +638,9 @@ class Store:
         return [dict(r) for r in self.conn.execute(sql, (*args, max(1, min(limit, 10_000)))).fetchall()]
 
     def pending(self) -> list[Pending]:
-        """Accepted results neither trained on, set aside as too stale, nor held for a spot-check replay."""
+        """Accepted results neither trained on nor set aside as too stale."""
         rows = self.conn.execute("SELECT job_id, version, received_at FROM results WHERE ingested_step IS NULL "
-                                 "AND stale_at IS NULL AND job_id NOT IN (SELECT job_id FROM replicas WHERE hold=1 "
-                                 "AND state!='done')").fetchall()
+                                 "AND stale_at IS NULL").fetchall()
         return [Pending(r["job_id"], int(r["version"]), float(r["received_at"])) for r in rows]
 
     def live_leases(self, now: float) -> int:
@@ -722,21 +783,34 @@ class Store:
                                 (client_id,)).fetchone()
         return float(row["q"] or 0.0)
 
-    def trust_totals(self, client_id: str) -> tuple[int, int]:
-        """(verified results, current run of invalid ones), over every class of the identity."""
-        row = self.conn.execute("SELECT COALESCE(SUM(valid_total), 0) AS v, COALESCE(SUM(consecutive_invalid), 0) "
-                                "AS bad FROM trust WHERE client_id=?", (client_id,)).fetchone()
-        return int(row["v"]), int(row["bad"])
-
-    def with_verified_work(self, client_ids: list[str], min_valid: int) -> list[str]:
-        """Those of ``client_ids`` with at least ``min_valid`` verified results and no invalid one since."""
-        if not client_ids:
-            return []
-        marks = ",".join("?" * len(client_ids))
+    def reward_groups(self, client_id: str) -> list[tuple[str, int, int, float, float]]:
+        """(client, version, results, sum and sum of squares of their mean rewards) for every identity, at each
+        version ``client_id`` has results at: the selective-reporting rule's input (core.reporting.VersionGroup)."""
         rows = self.conn.execute(
-            f"SELECT client_id FROM trust WHERE client_id IN ({marks}) GROUP BY client_id HAVING SUM(valid_total) "
-            f">= ? AND SUM(consecutive_invalid) = 0", (*client_ids, min_valid)).fetchall()
-        return [str(r["client_id"]) for r in rows]
+            "SELECT client_id, version, COUNT(*) AS n, SUM(mean_reward) AS s, SUM(mean_reward*mean_reward) AS q "
+            "FROM results WHERE version IN (SELECT DISTINCT version FROM results WHERE client_id=?) "
+            "GROUP BY client_id, version", (client_id,)).fetchall()
+        return [(str(r["client_id"]), int(r["version"]), int(r["n"]), float(r["s"]), float(r["q"])) for r in rows]
+
+    def lease_counts(self, client_id: str) -> tuple[int, int]:
+        """(leases granted, leases that ended without a result) of one identity."""
+        row = self.conn.execute("SELECT leased, unreturned FROM clients WHERE client_id=?", (client_id,)).fetchone()
+        return (0, 0) if row is None else (int(row["leased"]), int(row["unreturned"]))
+
+    def record_flag(self, client_id: str, now: float, reason: str, detail: str) -> None:
+        """An audit line for a lowering of trust that is no refusal (outcome core.reporting.FLAGGED)."""
+        with self._tx():
+            self.audit_write(now, client_id, None, None, FLAGGED, reason, None, detail)
+
+    def flag_count(self, client_id: str, reason: str) -> int:
+        row = self.conn.execute("SELECT COUNT(*) AS n FROM audit WHERE client_id=? AND outcome=? AND reason=?",
+                                (client_id, FLAGGED, reason)).fetchone()
+        return int(row["n"])
+
+    def last_flag(self, client_id: str, reason: str) -> float | None:
+        row = self.conn.execute("SELECT MAX(at) AS at FROM audit WHERE client_id=? AND outcome=? AND reason=?",
+                                (client_id, FLAGGED, reason)).fetchone()
+        return None if row is None or row["at"] is None else float(row["at"])
 
     def standings(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]
@@ -745,159 +819,11 @@ class Store:
         return self.conn.execute("SELECT backend_class, profile FROM clients WHERE client_id=?",
                                  (client_id,)).fetchone()
 
-    def client_party_row(self, client_id: str) -> Row | None:
-        return self.conn.execute("SELECT address, last_address, registered_at FROM clients WHERE client_id=?",
-                                 (client_id,)).fetchone()
-
-    def add_replica(self, job_id: str, version: int, original_client: str, original_class: str, now: float,
-                    hold_until: float | None, judge: str) -> str:
-        """Insert a spot-check replica whose id is the next number of the job stream (``j<seq>``, as
-        core.jobs.plan_job names fresh jobs), under the job stream's lock."""
-        with self._tx():
-            self.conn.lock(JOB_STREAM)
-            seq = self.next_seq()
-            replica_id = f"j{seq}"
-            self.conn.execute(
-                "INSERT INTO replicas(replica_id, job_id, version, original_client, original_class, created_at, "
-                "state, hold, judge, hold_until, seq) VALUES(?,?,?,?,?,?,'open',?,?,?,?)",
-                (replica_id, job_id, version, original_client, original_class, now, int(hold_until is not None),
-                 judge, hold_until, seq))
-        return replica_id
-
-    def drop_replica(self, replica_id: str) -> None:
-        with self._tx():
-            self.conn.execute("DELETE FROM replicas WHERE replica_id=?", (replica_id,))
-
-    def replica_row(self, replica_id: str) -> Row | None:
-        return self.conn.execute("SELECT * FROM replicas WHERE replica_id=?", (replica_id,)).fetchone()
-
-    def open_arbiter_replicas(self) -> list[Row]:
-        return list(self.conn.execute("SELECT * FROM replicas WHERE judge='arbiter' AND state='open' "
-                                      "ORDER BY created_at").fetchall())
-
-    def due_replicas(self, oldest_version: int, now: float) -> list[Row]:
-        """Open replicas of a pruned version, or held ones whose hold ran out."""
-        return list(self.conn.execute(
-            "SELECT * FROM replicas WHERE state!='done' AND (version<? OR (hold=1 AND hold_until<=?))",
-            (oldest_version, now)).fetchall())
-
-    def expire_replicas(self, due: list[tuple[Row, bool]], now: float, detail: str) -> None:
-        """One transaction: each (replica row, dropped) closes — dropped ones as 'dropped', their original
-        taken back uncredited (:meth:`take_back`); the others as 'unverified'."""
-        with self._tx():
-            for row, dropped in due:
-                self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=?",
-                                  ("dropped" if dropped else "unverified", row["replica_id"]))
-                if dropped:
-                    self.take_back(str(row["job_id"]), int(row["version"]), str(row["original_client"]), now,
-                                   "dropped_unverified", "no_conclusive_check", detail, in_training=False)
-
-    def any_open_peer_replica(self) -> bool:
-        return self.conn.execute("SELECT 1 FROM replicas WHERE state!='done' AND judge='peer' LIMIT 1"
-                                 ).fetchone() is not None
-
-    def peer_replica_candidates(self, client_id: str, bclass: str, now: float, limit: int = 50) -> list[Row]:
-        """Open (or expired) peer replicas of class ``bclass`` that are not ``client_id``'s own, oldest first."""
-        return list(self.conn.execute(
-            "SELECT * FROM replicas WHERE judge='peer' AND original_client!=? AND original_class=? AND "
-            "(state='open' OR (state='leased' AND lease_deadline<=?)) ORDER BY created_at LIMIT ?",
-            (client_id, bclass, now, limit)).fetchall())
-
-    def lease_replica(self, replica_id: str, lease_id: str, client_id: str, deadline: float, now: float) -> bool:
-        """Compare-and-set, as :meth:`lease_job` (a replica another API process is leasing is skipped)."""
-        with self._tx():
-            return self.conn.execute(
-                "UPDATE replicas SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, "
-                "issue_count=issue_count+1 WHERE replica_id=(SELECT replica_id FROM replicas WHERE replica_id=? AND "
-                f"(state='open' OR (state='leased' AND lease_deadline<=?)){self.light_conn.skip_locked})",
-                (lease_id, client_id, deadline, replica_id, now)).rowcount == 1
-
-    def release_replica(self, replica_id: str, lease_id: str, client_id: str) -> bool:
-        with self._tx():
-            return self.conn.execute("UPDATE replicas SET state='open', lease_deadline=NULL WHERE replica_id=? AND "
-                                     "lease_id=? AND lease_client=? AND state='leased'",
-                                     (replica_id, lease_id, client_id)).rowcount == 1
-
-    def take_back(self, job_id: str, version: int, original_client: str, now: float, outcome: str, reason: str,
-                  detail: str, in_training: bool) -> None:
-        """Inside a transaction: the original result leaves the buffer if not trained on yet (its job reopens and
-        is done again) and its credit is revoked (``in_training``: the learner already holds it in the step it is
-        computing, so it stays and is marked as taken back after training)."""
-        orig = self.conn.execute("SELECT n_tokens, ingested_step, content_sha256 FROM results WHERE job_id=?",
-                                 (job_id,)).fetchone()
-        if orig is None:
-            return
-        removed = orig["ingested_step"] is None and not in_training
-        if removed:
-            self.conn.execute("DELETE FROM results WHERE job_id=?", (job_id,))
-            self.conn.execute("UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=?", (job_id,))
-        self.conn.execute("UPDATE clients SET credit=credit-?, accepted=accepted-? WHERE client_id=?",
-                          (float(orig["n_tokens"]), int(removed), original_client))
-        self.audit_write(now, original_client, job_id, version, outcome if removed else f"{outcome}_after_training",
-                         reason, orig["content_sha256"], detail)
-
-    def close_replica(self, replica_id: str, job_id: str, version: int, original_client: str, lease_id: str,
-                      client_id: str, outcome: str, content_sha: str, credit: float, now: float,
-                      take_back_reason: str | None, detail: str, in_training: bool) -> bool:
-        """One transaction: a peer's conclusive replay closes the replica; the replaying client is credited;
-        with ``take_back_reason`` the original is taken back (:meth:`take_back`). False if the replica's lease
-        changed meanwhile (nothing written)."""
-        with self._tx():
-            if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND lease_id=? AND "
-                                 "lease_client=? AND state='leased'",
-                                 (outcome, replica_id, lease_id, client_id)).rowcount != 1:
-                return False
-            # credit for the replay; clients.accepted keeps counting result rows (replays are not trained on)
-            self.conn.execute("UPDATE clients SET credit=credit+?, last_seen=? WHERE client_id=?",
-                              (credit, now, client_id))
-            self.audit_write(now, client_id, replica_id, version, "replica_accepted", outcome, content_sha, detail)
-            if take_back_reason is not None:
-                self.take_back(job_id, version, original_client, now, "invalidated", take_back_reason, detail,
-                               in_training)
-        return True
-
-    def reopen_replica(self, replica_id: str, version: int, lease_id: str, client_id: str, tried: str,
-                       content_sha: str, now: float, detail: str) -> bool:
-        """One transaction: the replica goes back to the queue, never to the identities in ``tried`` again."""
-        with self._tx():
-            if self.conn.execute("UPDATE replicas SET state='open', lease_deadline=NULL, tried=? WHERE replica_id=? "
-                                 "AND lease_id=? AND lease_client=? AND state='leased'",
-                                 (tried, replica_id, lease_id, client_id)).rowcount != 1:
-                return False
-            self.audit_write(now, client_id, replica_id, version, "replica_inconclusive", "inconclusive",
-                             content_sha, detail)
-        return True
-
-    def close_arbitrated(self, replica_id: str, job_id: str, version: int, original_client: str,
-                         take_back_reason: str | None, now: float, detail: str, in_training: bool) -> bool:
-        """One transaction: the coordinator's own replay judged the original ('agree', or 'original_invalid'
-        with ``take_back_reason``). False if the replica was closed meanwhile."""
-        outcome = "original_invalid" if take_back_reason is not None else "agree"
-        with self._tx():
-            if self.conn.execute("UPDATE replicas SET state='done', outcome=? WHERE replica_id=? AND state!='done'",
-                                 (outcome, replica_id)).rowcount != 1:
-                return False
-            if take_back_reason is not None:
-                self.take_back(job_id, version, original_client, now, "invalidated", take_back_reason, detail,
-                               in_training)
-        return True
-
     def leases_held(self, client_id: str, now: float) -> int:
-        """Live (unexpired) leases of one client, on jobs and on replicas."""
-        row = self.conn.execute(
-            "SELECT (SELECT COUNT(*) FROM jobs WHERE state='leased' AND lease_client=? AND lease_deadline>?) AS j, "
-            "(SELECT COUNT(*) FROM replicas WHERE state='leased' AND lease_client=? AND lease_deadline>?) AS r",
-            (client_id, now, client_id, now)).fetchone()
-        return int(row["j"]) + int(row["r"])
-
-    def held_count(self) -> int:
-        row = self.conn.execute("SELECT COUNT(*) AS n FROM replicas WHERE hold=1 AND state!='done'").fetchone()
+        """Live (unexpired) leases of one client."""
+        row = self.conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_client=? AND "
+                                "lease_deadline>?", (client_id, now)).fetchone()
         return int(row["n"])
-
-    def replicas_summary(self) -> dict[str, int]:
-        rows = self.conn.execute("SELECT COALESCE(outcome, state) AS k, COUNT(*) AS n FROM replicas "
-                                 "GROUP BY COALESCE(outcome, state)")
-        return {str(r["k"]): int(r["n"]) for r in rows}
 
     # -- read models for status ---------------------------------------------------------------------------
     def steps(self) -> list[dict[str, Any]]:

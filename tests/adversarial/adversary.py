@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import copy
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,10 @@ from swarm_client.snapshots import SnapshotCache
 
 NO_RETRY = RetryPolicy(attempts=1)
 HUNT_PACE_S = 0.15  # seconds between an accomplice's released offer and its next lease request
-HUNT_S = 15.0  # how long an accomplice looks for the replica of its partner's result among the jobs it is offered
+HUNT_S = 15.0  # how long an accomplice looks for a job linked to its partner's result among the jobs it is offered
+BEST_OF = 16  # best-of-N cherry-picking: N honest draws per prompt, the group_size best by reward kept
+STEER_TARGET = " 42"  # top-k steering pushes every completion toward this string
+STEER_K = 5
 
 
 def claim(name: str, backend: str, device: str) -> ClientProfile:
@@ -61,7 +65,7 @@ class Adversary:
         self.apis: list[CoordinatorClient] = []
         self.info: Info | None = None
         self.backend: TorchBackend | None = None
-        self.notes: dict[str, Any] = {}  # observations beyond the attempts (e.g. whether a replica was recognised)
+        self.notes: dict[str, Any] = {}  # observations beyond the attempts (e.g. whether a linked job was recognised)
         self.seconds = 30.0  # how long a timed kind (idle_sybil) runs
 
     # -- plumbing -----------------------------------------------------------------------------------------
@@ -158,7 +162,7 @@ class Adversary:
 
     async def cherry_picked(self, api: CoordinatorClient) -> tuple[Job, ResultSubmission]:
         """Lease a job and answer it with real policy samples and their true logprobs — drawn with another seed
-        (as if picked among several draws): every per-result check passes, only a seeded replay can tell."""
+        (as if picked among several draws): the logprob check passes, only the keyed sampler's choice can tell."""
         job = await self.lease(api)
         own = job.model_copy(update={"seed": (job.seed + 1) % 2**63})
         sub = await self.honest(api, own)
@@ -166,7 +170,7 @@ class Adversary:
 
     async def hunt(self, api: CoordinatorClient, target: Job, seconds: float = HUNT_S, *, sit: bool = False,
                    answer: Any = None) -> None:
-        """An accomplice takes every job it is offered for ``seconds``, looking for the replica of ``target``
+        """An accomplice takes every job it is offered for ``seconds``, looking for a job linked to ``target``
         (the same seed, or the same prompts, under any id). Found: ``answer(job)`` is submitted for it, or with
         ``sit`` the lease is kept and never returned; every other job is released at once."""
         assert self.info is not None
@@ -186,7 +190,7 @@ class Adversary:
                     kept.append(job)
                     continue
                 if answer is not None:
-                    await self.submit(api, answer(job), f"answer to the recognised replica {job.job_id}")
+                    await self.submit(api, answer(job), f"answer to the recognised job {job.job_id}")
                     continue
             await self.release(api, job)
             # two signed requests per offer: pace them under the per-identity limit (limits.per_identity_rps,
@@ -194,6 +198,74 @@ class Adversary:
             await asyncio.sleep(HUNT_PACE_S)
         self.notes["offered"] = offered
         self.notes["recognised"] = found
+
+    # -- results made of chosen tokens, sent with their true logprobs (so only the token choice is wrong) ---------
+    async def policy(self, api: CoordinatorClient, job: Job) -> tuple[Any, Any]:
+        """The job's snapshot as a torch model, and its tokenizer (coordinator.tasks.text.TextCodec)."""
+        from coordinator.tasks.text import TextCodec
+        from shared.policy import load_model
+
+        assert self.info is not None
+        cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
+        folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+        return load_model(folder).eval(), TextCodec.from_folder(folder)
+
+    @staticmethod
+    def rollout_prompts(job: Job) -> list[list[int]]:
+        return [list(p.token_ids) for p in job.prompts for _ in range(job.group_size)]
+
+    @staticmethod
+    def true_result(job: Job, model: Any, completions: list[list[int]]) -> ResultSubmission:
+        """A result of exactly these tokens with each token's true behaviour logprob under the job's snapshot and
+        temperature, and the finish reasons the shape rules demand: nothing but the choice of tokens is forged."""
+        import torch
+
+        from shared.messages import Completion
+        from shared.policy import completion_logprobs
+
+        stops = set(job.sampling.stop_token_ids)
+        pad = job.sampling.stop_token_ids[0]
+        with torch.no_grad():
+            lp, _ = completion_logprobs(model, Adversary.rollout_prompts(job), completions,
+                                        temperature=job.sampling.temperature, pad_id=pad)
+        comps = [Completion(token_ids=c, logprobs=[min(0.0, x) for x in row[: len(c)]],
+                            finish_reason="stop" if c[-1] in stops else "length")
+                 for c, row in zip(completions, lp.tolist(), strict=True)]
+        return ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
+                                prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
+                                backend="torch", generation_s=0.1, completions=comps)
+
+    @staticmethod
+    def decode_steered(job: Job, model: Any, pick: Any) -> list[list[int]]:
+        """Decode every rollout one token at a time, the token chosen by ``pick(logits, position, row)`` from the
+        tempered logits instead of sampled: the shape a truncating or steering client produces."""
+        import torch
+
+        stops = set(job.sampling.stop_token_ids)
+        out: list[list[int]] = []
+        with torch.no_grad():
+            for row, prompt in enumerate(Adversary.rollout_prompts(job)):
+                ids = list(prompt)
+                comp: list[int] = []
+                while len(comp) < job.sampling.max_tokens:
+                    logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float() / job.sampling.temperature
+                    tok = int(pick(logits, len(comp), row))
+                    comp.append(tok)
+                    ids.append(tok)
+                    if tok in stops:
+                        break
+                out.append(comp)
+        return out
+
+    @staticmethod
+    def task_items(job: Job) -> tuple[Any, list[Any]]:
+        """The run's task (the default arithmetic one, rebuilt here as the coordinator builds it) and the item of
+        each of the job's prompts: what a reward-farming client computes for itself."""
+        from coordinator.config import CoordinatorConfig
+        from coordinator.tasks.factory import make_task
+
+        task = make_task(CoordinatorConfig().task)
+        return task, [task.train[p.prompt_id] for p in job.prompts]
 
     @staticmethod
     def tamper(sub: ResultSubmission, **changes: Any) -> bytes:
@@ -363,13 +435,84 @@ class Adversary:
 
     async def own_seed(self) -> None:
         """A lazy or cherry-picking sampler: the real policy and its true logprobs, but not the job's seed (as if
-        it had drawn several groups and kept the one it liked). Every per-result check passes; the seeded
-        spot-check replay by another client catches it."""
+        it had drawn several groups and kept the one it liked). The logprob check passes; the keyed sampler's
+        choice at its first differing token refuses it."""
         api = await self.identity("a")
         job = await self.lease(api)
         own = job.model_copy(update={"seed": (job.seed + 1) % 2**63})
         sub = await self.honest(api, own)
         await self.submit(api, self.tamper(sub, seed=job.seed), "sampled with its own seed, claims the job's")
+
+    async def forced_correct(self) -> None:
+        """Reward farming: every completion is the prompt's correct answer and end of text, with true logprobs."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        model, codec = await self.policy(api, job)
+        eos = job.sampling.stop_token_ids[0]
+        _, items = self.task_items(job)
+        forced = [list(codec.tokenizer.encode(" " + it.answer, add_special_tokens=False).ids)[
+            : job.sampling.max_tokens - 1] + [eos] for it in items for _ in range(job.group_size)]
+        await self.submit(api, self.true_result(job, model, forced), "forced-correct answers, true logprobs")
+
+    async def best_of_16(self) -> None:
+        """Best-of-N cherry-picking (N = 16): for each prompt, 16 honest draws of its group with other seeds (the
+        real backend), the group_size completions with the highest reward kept (ties: draw order)."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        task, items = self.task_items(job)
+        pools: list[list[Any]] = [[] for _ in job.prompts]
+        for k in range(1, BEST_OF + 1):
+            draw = await self.honest(api, job.model_copy(update={"seed": (job.seed + k) % 2**63}))
+            for j, c in enumerate(draw.completions):
+                pools[j // job.group_size].append(c)
+        _, codec = await self.policy(api, job)
+
+        def reward(i: int, c: Any) -> float:
+            return float(task.reward(items[i], codec.decode(list(c.token_ids))))
+
+        picked = [c for i, pool in enumerate(pools)
+                  for c in sorted(pool, key=lambda c, i=i: -reward(i, c))[: job.group_size]]
+        sub = ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
+                               prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
+                               backend="torch", generation_s=0.1, completions=picked)
+        await self.submit(api, sub, f"best of {BEST_OF} draws by reward, true logprobs")
+
+    async def topk_steer(self) -> None:
+        """Top-k steering toward a fixed string: at each position the target's next token if it is among the top
+        k, else the likeliest — each token one the policy finds plausible, with its true logprob."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        model, codec = await self.policy(api, job)
+        target = list(codec.tokenizer.encode(STEER_TARGET, add_special_tokens=False).ids) + \
+            [job.sampling.stop_token_ids[0]]
+
+        def pick(logits: Any, pos: int, row: int) -> int:
+            top = logits.topk(STEER_K).indices.tolist()
+            want = target[pos] if pos < len(target) else None
+            return want if want in top else top[0]
+
+        comps = self.decode_steered(job, model, pick)
+        await self.submit(api, self.true_result(job, model, comps), f"top-{STEER_K} steered toward {STEER_TARGET!r}")
+
+    async def greedy(self) -> None:
+        """Greedy decoding (argmax at every position), with true logprobs at the job's temperature."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        model, _ = await self.policy(api, job)
+        comps = self.decode_steered(job, model, lambda logits, pos, row: int(logits.argmax()))
+        await self.submit(api, self.true_result(job, model, comps), "greedy decoding, true logprobs")
+
+    async def junk(self) -> None:
+        """Credit farming: random non-stop tokens up to max_tokens, with their true logprobs."""
+        api = await self.identity("a")
+        job = await self.lease(api)
+        model, codec = await self.policy(api, job)
+        rng = random.Random(job.seed)
+        stops = set(job.sampling.stop_token_ids)
+        vocab = [t for t in range(codec.vocab_size) if t not in stops]
+        comps = [[rng.choice(vocab) for _ in range(job.sampling.max_tokens)]
+                 for _ in range(len(job.prompts) * job.group_size)]
+        await self.submit(api, self.true_result(job, model, comps), "junk tokens, true logprobs")
 
     async def lease_hoarder(self) -> None:
         """Lease as many jobs as it can without returning any, to starve everyone else."""
@@ -400,8 +543,8 @@ class Adversary:
             await self.send(api, "/v1/register", self.envelope(ident, "/v1/register", body), f"claims {device}")
 
     async def sybil_confirms(self) -> None:
-        """A cherry-picked original, and a second identity of the same attacker that looks for its replica among
-        the jobs it is offered (same seed or prompts) to confirm the original's tokens with the same ones."""
+        """A cherry-picked original, and a second identity of the same attacker that looks for a job linked to it
+        among the jobs it is offered (same seed or prompts, another id) to confirm the original's tokens."""
         a = await self.identity("a")
         b = await self.identity("b")
         job, sub = await self.cherry_picked(a)
@@ -413,8 +556,8 @@ class Adversary:
         await self.hunt(b, job, answer=confirm)
 
     async def accomplice_junk(self) -> None:
-        """A cherry-picked original, and an accomplice of another class (llama) that answers its replica with
-        junk, hoping for an 'inconclusive' that releases the original."""
+        """A cherry-picked original, and an accomplice of another class (llama) that answers any job linked to it
+        with junk (the spot-check era's 'inconclusive' that released the original)."""
         a = await self.identity("a")
         b = await self.identity("b", backend="llama", device="cpu")
         job, sub = await self.cherry_picked(a)
@@ -428,8 +571,8 @@ class Adversary:
         await self.hunt(b, job, answer=junk)
 
     async def accomplice_sits(self) -> None:
-        """A cherry-picked original, and an accomplice that leases its replica and never returns it, hoping the
-        hold on the original lapses before the replica is reissued."""
+        """A cherry-picked original, and an accomplice that leases any job linked to it and never returns it (the
+        spot-check era's attack on the hold)."""
         a = await self.identity("a")
         b = await self.identity("b")
         job, sub = await self.cherry_picked(a)
@@ -499,6 +642,7 @@ class Adversary:
     KINDS = ("forged_signature", "replayed_result", "other_clients_lease", "late_result", "wrong_version",
              "inflated_reward", "fabricated_logprobs", "other_model", "truncated_output", "padded_output",
              "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed", "lease_hoarder",
+             "forced_correct", "best_of_16", "topk_steer", "greedy", "junk",
              "unknown_device", "sybil_confirms", "accomplice_junk", "accomplice_sits", "quarantine_backend_claim",
              "quarantine_reregister", "tolerance_escape", "idle_sybil")
 

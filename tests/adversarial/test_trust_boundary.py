@@ -134,22 +134,22 @@ def test_unknown_device_claim_is_refused_and_writes_nothing(swarm: Swarm) -> Non
 
 
 @pytest.mark.parametrize("kind", ["sybil_confirms", "accomplice_junk", "accomplice_sits"])
-def test_replication_cannot_be_steered(swarm: Swarm, kind: str) -> None:
-    """A cherry-picked original (every per-result check passes) and an accomplice identity hunting for its
-    replica by seed or prompts, to confirm it, spoil it with junk from another class, or sit on it. The
-    original's class is the coordinator's own, so its own seeded replay judges it: no replica is ever offered,
-    the original is taken back before any learner step and its credit revoked."""
+def test_a_cherry_pick_is_refused_on_arrival_whatever_an_accomplice_does(swarm: Swarm, kind: str) -> None:
+    """A cherry-picked original (real policy tokens with their true logprobs, drawn with another seed) and an
+    accomplice identity hunting for a job linked to it by seed or prompts, to confirm it, spoil it with junk from
+    another class, or sit on it — the attacks on the spot-check era's replicas. The keyed sampler's per-token
+    check refuses the original at once (choice_mismatch), before anything could be confirmed or held; there is no
+    linked job for the accomplice to find."""
     report = attack(swarm, kind)
     original, accomplice = report["identities"]
-    assert codes(report) == [(200, None)], report["attempts"]  # accepted, and held out of training
+    assert codes(report) == [(422, "choice_mismatch")], report["attempts"]
     assert report["notes"]["offered"] >= 1  # the accomplice was handed work (and released it)...
     assert report["notes"]["recognised"] == 0  # ...but never anything it could link to its partner's job
-    wait_until(lambda: judged(swarm, original), 120, "the coordinator's replay to judge the original")
-    assert judged(swarm, original) == [("invalidated", "replica_mismatch")]
+    assert judged(swarm, original) == [("rejected", "choice_mismatch")]
     (quarantine_streak,), = db_rows(swarm.run_dir, "SELECT consecutive_invalid FROM trust WHERE client_id=?",
                                     (original,))
     assert quarantine_streak == 1
-    assert judged(swarm, accomplice) == []  # it never had a replica to answer
+    assert judged(swarm, accomplice) == []  # nothing of its was refused: it only released what it was offered
     nothing_trained_or_earned(swarm, report)
     honest_lose_nothing(swarm)
 

@@ -37,9 +37,8 @@ def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_le
         # overdue lease stops holding the queue slot within seconds (fresh work flows meanwhile) and the job
         # itself is reissued when its lease runs out
         write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 10_000},
-                     jobs={"lease_timeout_s": lease_s, "prompts_per_job": 4}, sampling={"max_tokens": 8},
-                     trust={"spot_checks": False}),  # one job per step, no replays
-        tmp_path / "coord.log")
+                     jobs={"lease_timeout_s": lease_s, "prompts_per_job": 4}, sampling={"max_tokens": 8}),
+        tmp_path / "coord.log")  # one job per step
     # a throttled client (2 % duty cycle) takes many seconds per job, so it is reliably killed mid-job; the
     # healthy client starts while the job is still leased, so it is warm (and long-polling) when it is reissued
     slow_id = load_identity(tmp_path / "slow").client_id

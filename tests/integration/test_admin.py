@@ -91,14 +91,12 @@ def test_cli_says_what_to_do_without_a_coordinator(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def live_without_spot_checks(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
-    """Spot-check replays would take the first lease of a second client; this test follows plain reissue."""
-    with running_coordinator(tmp_path, tiny_model_dir, trust={"spot_checks": False}) as live:
+def live(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
+    with running_coordinator(tmp_path, tiny_model_dir) as live:
         yield live
 
 
-def test_status_clients_versions_jobs_audit(live_without_spot_checks: LiveCoordinator) -> None:
-    live = live_without_spot_checks
+def test_status_clients_versions_jobs_audit(live: LiveCoordinator) -> None:
     client = register(live, name="alice")
     job_a = lease(client, live.coordinator.public_key)
     good = honest_result(live, job_a)

@@ -5,9 +5,8 @@ One run of tests/integration/verifier_ranks.py per placement, both at once, on t
 of one version queued together (nine completions in one batch, so the ranks' shares differ) and a lone one-
 completion request (rank 1's share is empty: it runs a throw-away pass), at two full-weight versions and at two
 LoRA versions (base + adapter), with one cached replica so the second version replaces the first on every rank.
-Compared: every token's logprob and the sampling test's statistics (entropy, surprisal variance, top logprob),
-and a seeded replay's tokens; a replay whose ranks generate different numbers of tokens still ends on every
-rank (coordinator.engine.verifier._Lockstep). A third group of 2 computes in bf16 (``verification.mixed_precision``): its
+Compared: every token's logprob and the sampling test's statistics (entropy, surprisal variance, top logprob).
+A third group of 2 computes in bf16 (``verification.mixed_precision``): its
 logprobs stay well inside the verification tolerances of the float32 replica's.
 
 Tolerance: the sharded forward gathers the same float32 weights, so the only differences are the batch's padding
@@ -105,11 +104,7 @@ def test_two_ranks_recompute_what_one_replica_does(tmp_path: Path, tiny_model_di
             assert _flat(b) == pytest.approx(_flat(a), abs=TOL), (case, version)
         assert one[case]["0"] != one[case]["1"]  # the versions differ, so the second load replaced the first
         assert two[case]["loads"] == one[case]["loads"] == 2
-        assert two[case]["replay"] == one[case]["replay"]
     assert "verifier rank 1 of 2 on cpu (gloo)" in (tmp_path / "world2.log").read_text()  # a real second rank
-    # ranks whose generations took different numbers of forward passes (rank 0 12 tokens, rank 1 3) still
-    # finished together: the 2-rank process above exited, rank 1 running throw-away passes until rank 0 was done
-    assert (one["diverged"], two["diverged"]) == (3, 12)
 
     # bf16 compute on the ranks: within the verification tolerances of the float32 replica (a result checked
     # by a bf16 group is judged as by the replica: mean and max |Δ logprob| well inside the defaults)

@@ -49,9 +49,7 @@ def test_issuance_stops_when_in_flight_work_would_exceed_the_bound(tmp_path: Pat
 
 def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_model_dir: Path) -> None:
     with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
-                             jobs={"long_poll_s": 20.0}, limits={"max_leases_per_client": 16},
-                             # no spot-check replays: the waiting client would be handed one before the step
-                             trust={"spot_checks": False}) as live:
+                             jobs={"long_poll_s": 20.0}, limits={"max_leases_per_client": 16}) as live:
         worker, waiter = register(live), register(live)
         jobs = [lease(worker, live.coordinator.public_key) for _ in range(4)]  # the queue is full
         results = [honest_result(live, j) for j in jobs[:2]]
@@ -79,7 +77,7 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
     newest weights instead of sitting on old ones until the long-poll runs out (25 s here). The slowest keeps
     waiting: in a large idle swarm, waking everyone would have every client download every version."""
     with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
-                             jobs={"long_poll_s": 25.0}, trust={"spot_checks": False}) as live:
+                             jobs={"long_poll_s": 25.0}) as live:
         worker = register(live)
         waiters = [register(live) for _ in range(3)]
         for pace, w in zip((1.0, 2.0, 3.0), waiters, strict=True):
@@ -119,8 +117,8 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
 def test_a_refused_job_is_reissued_to_another_client(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A client whose result for a job was refused is not handed that job again (same seed, same version: an
     honest deterministic client would be refused again); the next client is."""
-    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
-                             trust={"spot_checks": False}) as live:
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1}
+                             ) as live:
         first, second = register(live), register(live)
         job = lease(first, live.coordinator.public_key)
         bad = honest_result(live, job)
@@ -139,8 +137,8 @@ def test_a_refused_job_is_reissued_to_another_client(tmp_path: Path, tiny_model_
 def test_a_lease_that_runs_out_during_verification_is_honoured(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A result that arrived within its lease is accepted even if the lease ran out while the coordinator was
     verifying it (the delay was the coordinator's), and the job is not reissued to anyone meanwhile."""
-    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
-                             trust={"spot_checks": False}) as live:
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1}
+                             ) as live:
         holder, other = register(live), register(live)
         job = lease(holder, live.coordinator.public_key)
         result = honest_result(live, job)
@@ -165,7 +163,7 @@ def test_a_lease_that_runs_out_during_verification_is_honoured(tmp_path: Path, t
 @pytest.mark.parametrize("secret", [True, False])
 def test_job_plans_are_keyed_with_the_runs_secret(tmp_path: Path, tiny_model_dir: Path, secret: bool) -> None:
     """jobs.secret_plans: the seed a leased job carries is not the one learner.seed alone gives for its number
-    (so a client cannot tell a replica from a fresh job by computing plans), and the secret lives in the store."""
+    (so a client cannot compute a job's sampling key from its number), and the secret lives in the store."""
     from coordinator.core.jobs import plan_job
 
     with running_coordinator(tmp_path, tiny_model_dir, jobs={"secret_plans": secret}) as live:

@@ -89,7 +89,6 @@ def test_two_api_processes_on_one_postgresql_never_lease_a_job_twice(pg_url: str
         jobs={"prompts_per_job": 1, "lease_timeout_s": 600.0, "long_poll_s": 0.0, "speed_aware": False},
         limits={"per_address_rps": 0.0, "registrations_per_address_per_min": 0.0,
                 "max_leases_per_client": LEASES_PER_CLIENT},
-        trust={"spot_checks": False},
         server={"max_connections_per_address": 1000})  # every simulated client connects from 127.0.0.1
     coord, url0 = start_coordinator(config, tmp_path / "coordinator.log")
     second = Proc([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(config), "--role", "api",

@@ -48,7 +48,7 @@ def greedy_result(live: LiveCoordinator, job: Job) -> ResultSubmission:
 def test_a_greedy_result_is_refused_and_an_honest_one_accepted(tmp_path: Path, tiny_model_dir: Path,
                                                                choice_check: bool) -> None:
     reason = "choice_mismatch" if choice_check else "sampling_mismatch"
-    with running_coordinator(tmp_path, tiny_model_dir, trust={"spot_checks": False}, jobs=JOBS,
+    with running_coordinator(tmp_path, tiny_model_dir, jobs=JOBS,
                              learner=LEARNER, sections={"verification": {"choice_check": choice_check}}) as live:
         lazy, honest = register(live, "lazy"), register(live, "honest")
         job = lease(lazy, live.coordinator.public_key)

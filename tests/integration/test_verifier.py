@@ -110,25 +110,9 @@ def test_a_version_that_is_not_kept_is_refused_and_the_verifier_keeps_serving(ve
     assert asyncio.run(main()) == _reference(versions[0], PROMPTS, COMPLETIONS)
 
 
-def test_replay_is_the_seeded_generation_of_that_version(versions: dict[int, Path]) -> None:
-    from shared.policy import generate, load_model
-
-    async def main() -> list[list[int]]:
-        ver = _verifier(versions)
-        try:
-            return await ver.replay(PROMPTS, group_size=2, seed=11, max_tokens=6, version=1)
-        finally:
-            ver.close()
-
-    got = asyncio.run(main())
-    want = generate(load_model(versions[1]).eval(), PROMPTS, group_size=2, temperature=1.0, max_tokens=6,
-                    stop_ids=[1], seed=11, pad_id=0)
-    assert got == [list(s.token_ids) for s in want]
-
-
 def test_the_verifier_is_quiet_only_when_nothing_waits_for_it(versions: dict[int, Path]) -> None:
-    """What the held-out evaluation waits for between its batches: a queued recompute, a running replay and a
-    load ahead of results each make the verifier busy until answered; then it is quiet again."""
+    """What the held-out evaluation waits for between its batches: a queued recompute and a load ahead of
+    results each make the verifier busy until answered; then it is quiet again."""
     import threading
 
     async def main() -> None:
@@ -138,12 +122,11 @@ def test_the_verifier_is_quiet_only_when_nothing_waits_for_it(versions: dict[int
             assert ver.wait_quiet(0)
             blocked = asyncio.ensure_future(ver.run(gate.wait))  # the verifier's thread is held up
             asked = asyncio.ensure_future(ver.recompute(PROMPTS, COMPLETIONS, 0))
-            replayed = asyncio.ensure_future(ver.replay(PROMPTS, group_size=1, seed=3, max_tokens=2, version=0))
             loaded = asyncio.ensure_future(ver.preload(1))
             await asyncio.sleep(0)  # each has registered (and queued behind the held-up thread)
             assert not ver.wait_quiet(0)
             gate.set()
-            await asyncio.gather(blocked, asked, replayed)
+            await asyncio.gather(blocked, asked)
             assert await loaded is True
             assert ver.wait_quiet(0)
             assert ver.stats.per_version_loads == {0: 1, 1: 1}  # version 1 was loaded ahead, once

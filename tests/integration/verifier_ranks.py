@@ -1,4 +1,4 @@
-"""Verifier recomputes and a replay on fixed batches, run as its own process by tests/integration/
+"""Verifier recomputes on fixed batches, run as its own process by tests/integration/
 test_fsdp_verifier.py.
 
 ``python -m tests.integration.verifier_ranks OUT SPEC.json GROUP``: GROUP 1 is a single-device replica (the
@@ -8,7 +8,7 @@ group of 2 with ``verification.mixed_precision = "bf16"``.
 
 SPEC names the version folders (``full``: two full-weight versions; ``lora``: two LoRA versions and their base
 folder) and the requests. OUT/results.json gets, per case, the TokenStats of each request (logprobs, entropy,
-surprisal variance, top logprob) and the replayed tokens.
+surprisal variance, top logprob).
 """
 
 from __future__ import annotations
@@ -29,30 +29,8 @@ async def _cases(ver: Any, spec: dict[str, Any], versions: list[int]) -> dict[st
                                        for r in spec["requests"]))  # queued together: one batch, split over ranks
         lone = await ver.recompute_stats(spec["lone"]["prompts"], spec["lone"]["completions"], version)
         out[str(version)] = [[s.logprobs, s.entropy, s.variance, s.top] for s in [*stats, lone]]
-    out["replay"] = await ver.replay(spec["lone"]["prompts"], group_size=2, seed=11, max_tokens=6,
-                                     version=versions[-1])
     out["loads"] = ver.stats.loads
     return out
-
-
-def _diverged(ver: Any, ranks: Any, spec: dict[str, Any], version: int) -> int:
-    """Rank 0 generates up to 12 tokens while it tells the followers 3 (a replica: 3), so the ranks' generations
-    take different numbers of forward passes: the lockstep must still end every rank's generation together.
-    Returns the longest completion's length."""
-    from coordinator.engine import fsdp
-    from coordinator.engine.verifier import _Lockstep
-    from shared.policy import generate
-
-    prompts = spec["requests"][0]["prompts"]
-    model = ver._models[version]
-    if ranks is not None:
-        fsdp.lead(ranks, "_replay_rows", version, prompts, 2, 1, 3)
-        model = _Lockstep(model, ranks, spec["pad_id"])
-    samples = generate(model, prompts, group_size=2, temperature=1.0, max_tokens=3 if ranks is None else 12,
-                       stop_ids=[], seed=1, pad_id=spec["pad_id"])
-    if ranks is not None:
-        model.drain()
-    return max(len(s.token_ids) for s in samples)
 
 
 def main(out: Path, spec: dict[str, Any], group: str) -> None:
@@ -74,8 +52,6 @@ def main(out: Path, spec: dict[str, Any], group: str) -> None:
                             lora_base, ranks)
             try:
                 results[case] = asyncio.run(_cases(ver, spec, sorted(folders)))
-                if case == "full" and group != "bf16":
-                    results["diverged"] = _diverged(ver, ranks, spec, max(folders))
             finally:
                 ver.close()
     finally:

@@ -116,6 +116,24 @@ def test_invalid_values_name_the_key(overrides: dict[str, object], key: str) -> 
     assert key in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["hold_s", "spot_checks", "trusted_after", "min_replication_rate",
+                                 "active_window_s", "replica_min_agreement", "replicator_min_valid",
+                                 "registration_burst_s"])
+def test_a_retired_spot_check_key_is_refused_with_what_replaced_it(tmp_path: Path, key: str) -> None:
+    """An old run.toml that still tunes replication must not load as if it were still protected by it."""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, f"[trust]\nquarantine_after = 3\n{key} = 1\n"))
+    msg = str(info.value)
+    assert f"trust.{key}" in msg
+    assert "spot-checks were retired: every token is now checked by the keyed sampler (docs/security.md)" in msg
+
+
+def test_the_trust_config_keeps_quarantine_and_the_plan_secret() -> None:
+    cfg = load_config(None, {"trust.quarantine_after": 5, "trust.quarantine_s": 60.0})
+    assert (cfg.trust.quarantine_after, cfg.trust.quarantine_s) == (5, 60.0)
+    assert cfg.jobs.secret_plans is True  # the job seed is the keyed sampler's secret key
+
+
 def test_prompts_per_step_not_multiple_of_prompts_per_job() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, {"learner.prompts_per_step": 10, "jobs.prompts_per_job": 4})

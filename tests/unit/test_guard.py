@@ -1,5 +1,5 @@
-"""The trust boundary's state on a real store (SQLite and PostgreSQL): registration gate, rate limits, quarantine, replicas,
-and the audit log."""
+"""The trust boundary's state on a real store (SQLite and PostgreSQL): registration gate, rate limits, quarantine,
+the pinned class and the audit log."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from coordinator.api.guard import Guard
 from coordinator.config import CoordinatorConfig
 from coordinator.core.jobs import JobPlan
-from coordinator.core.replicas import Party
 from coordinator.store.store import Store
 from shared.errors import ProtocolError, Reason
 
@@ -40,14 +39,6 @@ def test_invite_mode_needs_a_listed_token(store_target: str | Path) -> None:
     assert "private" in refused(Reason.REGISTRATION_CLOSED, guard.check_registration, "1.2.3.4", "", T0, True)
     assert "not valid" in refused(Reason.REGISTRATION_CLOSED, guard.check_registration, "1.2.3.4", "nope", T0, True)
     guard.check_registration("1.2.3.4", token, T0, True)
-
-
-def test_a_hold_covers_a_replica_lease_and_one_reissue() -> None:
-    cfg = CoordinatorConfig.model_validate({"jobs": {"lease_timeout_s": 120}})
-    assert cfg.trust.hold_for(cfg.jobs.lease_timeout_s) == 300.0  # derived: 2.5 × the lease
-    assert CoordinatorConfig.model_validate({"jobs": {"lease_timeout_s": 20}, "trust": {"hold_s": 40}}).trust.hold_s == 40
-    with pytest.raises(ValueError, match=r"trust.hold_s \(60\) is shorter .* raise trust.hold_s to at least 240"):
-        CoordinatorConfig.model_validate({"jobs": {"lease_timeout_s": 120}, "trust": {"hold_s": 60}})
 
 
 def test_invite_mode_without_invites_is_a_config_error() -> None:
@@ -104,135 +95,68 @@ def test_the_class_is_established_by_the_coordinator_and_pinned(store_target: st
     store.register_client(C, b"k" * 32, {"backend": "llama", "device": "cpu"}, T0 + 1, backend_class="llama/cpu",
                           address="10.0.0.4")
     assert guard.pinned_class(C) == "torch/cuda"
-    assert guard.party(C) == Party(C, frozenset({"10.0.0.3", "10.0.0.4"}), T0)
+    row = store.get_client(C)
+    assert row is not None and (row["address"], row["last_address"]) == ("10.0.0.3", "10.0.0.4")
     assert guard.pinned_class(A) == "torch/cpu"  # registered before classes were pinned: from its profile
 
 
-def accepted(store: Store, job: str, client: str, now: float = T0) -> None:
-    store.create_job(JobPlan(job, int(job[1:]), (0, 1), 7), 2, now)
-    assert store.lease_job(job, "L" + job, client, now + 60, 0, now)
-    assert store.accept_result(job_id=job, lease_id="L" + job, client_id=client, version=0, content_sha256="c" * 64,
-                               payload=b"x", rewards=[1.0, 0.0, 0.0, 1.0], n_tokens=8, credit=8.0, now=now)
+def test_an_accepted_result_raises_trust_and_clears_the_failure_streak(store_target: str | Path) -> None:
+    """Every accepted result is conclusive now (each token checked against the keyed sampler): it counts as valid
+    evidence, so refusals far apart never add up to a quarantine."""
+    guard, _ = make(store_target, trust={"quarantine_after": 2, "quarantine_s": 50})
+    guard.record_invalid(A, T0)
+    assert guard.trust(A).consecutive_invalid == 1
+    guard.record_valid(A)
+    assert (guard.trust(A).consecutive_valid, guard.trust(A).consecutive_invalid) == (1, 0)
+    guard.record_invalid(A, T0 + 1)
+    guard.check_quarantine(A, T0 + 1)  # one failure since the last valid result: not quarantined
 
 
-def peers(target: str | Path, **cfg: object) -> tuple[Guard, Store, dict[str, str]]:
-    """An original's client O and candidate replayers: I (independent), S (same address), U (same burst),
-    N (independent but without verified work), L (independent, another class)."""
-    store = Store(target)
-    ids = {k: k.lower() * 32 for k in "OISUNL"}
-    spec = {"O": ("1.1.1.1", T0, "torch/cuda"), "I": ("2.2.2.2", T0 + 600, "torch/cuda"),
-            "S": ("1.1.1.1", T0 + 600, "torch/cuda"), "U": ("3.3.3.3", T0 + 5, "torch/cuda"),
-            "N": ("4.4.4.4", T0 + 900, "torch/cuda"), "L": ("5.5.5.5", T0 + 900, "llama/cpu")}
-    for k, (addr, at, bclass) in spec.items():
-        backend, device = bclass.split("/")
-        store.register_client(ids[k], b"k" * 32, {"backend": backend, "device": device}, at, backend_class=bclass,
-                              address=addr)
-    guard = Guard(CoordinatorConfig.model_validate(cfg), store)
-    for k in "OISUL":
-        for _ in range(3):  # trust.replicator_min_valid
-            guard.record_valid(ids[k])
-    return guard, store, ids
+def _reported(store: Store, client: str, version: int, rewards: list[float], now: float) -> None:
+    """One accepted result of ``client`` at ``version`` with these per-completion rewards."""
+    seq = store.next_seq()
+    store.create_job(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
+    assert store.lease_job(f"j{seq}", f"L{seq}", client, now + 60, version, now)
+    assert store.accept_result(job_id=f"j{seq}", lease_id=f"L{seq}", client_id=client, version=version,
+                               content_sha256="c" * 64, payload=b"x", rewards=rewards, n_tokens=8, credit=8.0,
+                               now=now)
 
 
-def test_replicas_go_only_to_independent_established_peers_of_the_class_under_a_fresh_id(store_target: str | Path) -> None:
-    guard, store, ids = peers(store_target)
-    accepted(store, "j1", ids["O"])
-    now = T0 + 1000
-    for k in "ISUNL":
-        guard.seen(ids[k], now)
-    assert guard.peer_available(ids["O"], "torch/cuda", now, 30.0)
-    rid = guard.add_replica("j1", 0, ids["O"], "torch/cuda", now, now + 300, "peer")
-    assert rid == "j2" and not rid.endswith("-r")  # the next number of the job stream, like any fresh job
-    assert store.next_seq() == 3  # and the stream never reuses it
-    assert store.pending() == [] and guard.held_count() == 1  # held out of training
-    for k in "OSUNL":  # itself, same address, same burst, no verified work, another class: never
-        assert guard.lease_replica(ids[k], "R" + k, now + 60, now) is None, k
-    rep = guard.lease_replica(ids["I"], "RI", now + 60, now)
-    assert rep is not None and rep.replica_id == "j2" and rep.job_id == "j1" and rep.view.lease_client == ids["I"]
-    assert guard.close_replica(rep, "RI", ids["I"], "original_invalid", "d" * 64, 8.0, now + 1, True, "mismatch")
-    # the invalid original left the buffer, the job reopened, O's credit was revoked, I was credited
-    assert store.pending() == [] and store.accepted_result("j1") is None
-    assert store.get_job("j1").view.state.value == "open"  # type: ignore[union-attr]
-    credits = {c["client_id"]: c["credit"] for c in store.clients()}
-    assert credits[ids["O"]] == 0.0 and credits[ids["I"]] == 8.0
-    outcomes = [(r["client_id"], r["outcome"], r["reason"]) for r in store.audit(job_id="j1")]
-    assert outcomes == [(ids["O"], "invalidated", "replica_mismatch"), (ids["O"], "accepted", "ok")]
-    assert store.audit(client_id=ids["I"])[0]["outcome"] == "replica_accepted"
+def _abandoned(store: Store, client: str, n: int, now: float) -> None:
+    for _ in range(n):
+        seq = store.next_seq()
+        store.create_job(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
+        assert store.lease_job(f"j{seq}", f"L{seq}", client, now + 60, 0, now)
+        assert store.release_lease(f"j{seq}", f"L{seq}", client)
 
 
-def test_idle_or_dependent_identities_do_not_make_results_wait(store_target: str | Path) -> None:
-    guard, store, ids = peers(store_target)
-    now = T0 + 1000
-    for k in "OSUNL":  # active, but none of them could judge O's result
-        guard.seen(ids[k], now)
-    assert not guard.peer_available(ids["O"], "torch/cuda", now, 30.0)
-    guard.seen(ids["I"], now - 31)  # the independent one, not active within the window
-    assert not guard.peer_available(ids["O"], "torch/cuda", now, 30.0)
-    guard.seen(ids["I"], now)
-    assert guard.peer_available(ids["O"], "torch/cuda", now, 30.0)
-    guard.record_invalid(ids["I"], now)  # a failure since: no longer established
-    assert not guard.peer_available(ids["O"], "torch/cuda", now, 30.0)
-
-
-def test_an_inconclusive_replay_keeps_the_hold_and_asks_someone_else(store_target: str | Path) -> None:
-    guard, store, ids = peers(store_target)
-    accepted(store, "j1", ids["O"])
-    now = T0 + 1000
-    rid = guard.add_replica("j1", 0, ids["O"], "torch/cuda", now, now + 300, "peer")
-    rep = guard.lease_replica(ids["I"], "RI", now + 60, now)
-    assert rep is not None
-    assert guard.reopen_replica(rep, "RI", ids["I"], "d" * 64, now + 1, "disagrees")
-    assert store.pending() == [] and guard.held_count() == 1  # still held
-    assert guard.lease_replica(ids["I"], "RI2", now + 60, now + 2) is None  # not the same replayer again
-    (row,) = store.audit(client_id=ids["I"])
-    assert (row["job_id"], row["outcome"]) == (rid, "replica_inconclusive")
-
-
-def test_a_held_result_without_a_conclusive_judgement_is_dropped_uncredited(store_target: str | Path) -> None:
-    guard, store, ids = peers(store_target)
-    accepted(store, "j1", ids["O"])
-    accepted(store, "j3", ids["O"])
-    now = T0 + 1000
-    guard.add_replica("j1", 0, ids["O"], "torch/cuda", now, now + 300, "peer")
-    rid3 = guard.add_replica("j3", 0, ids["O"], "torch/cuda", now, now + 300, "arbiter")
-    rep = guard.lease_replica(ids["I"], "RI", now + 60, now)  # an accomplice could sit on it: the hold outlasts
-    assert rep is not None
-    assert guard.expire_replicas(0, now + 299) == 0 and store.pending() == []
-    # the arbiter's replay of j3 is still under way: it is not dropped for its time, only j1 is
-    assert guard.expire_replicas(0, now + 300, in_progress=frozenset({rid3})) == 1
-    assert store.pending() == [] and store.accepted_result("j1") is None  # never trained unverified
-    assert store.get_job("j1").view.state.value == "open"  # type: ignore[union-attr]
-    (row,) = [r for r in store.audit(job_id="j1") if r["outcome"] != "accepted"]
-    assert (row["outcome"], row["reason"]) == ("dropped_unverified", "no_conclusive_check")
-    assert {c["client_id"]: c["accepted"] for c in store.clients()}[ids["O"]] == 1  # j3 still counted
-    guard.expire_replicas(1, now + 301)  # version 0 pruned: j3 can never be replayed now, dropped too
-    assert store.accepted_result("j3") is None and guard.replicas_summary() == {"dropped": 2}
-
-
-def test_unheld_replicas_expire_unverified_when_their_version_is_pruned(store_target: str | Path) -> None:
-    guard, store, ids = peers(store_target)
-    accepted(store, "j1", ids["O"])
-    guard.add_replica("j1", 0, ids["O"], "torch/cuda", T0, None, "peer")
-    assert [p.job_id for p in store.pending()] == ["j1"]  # not held
-    guard.expire_replicas(1, T0 + 61)
-    assert guard.replicas_summary() == {"unverified": 1} and store.accepted_result("j1") is not None
-
-
-def test_arbiter_judgement_releases_or_takes_back_the_original(store_target: str | Path) -> None:
-    guard, store, ids = peers(store_target)
-    accepted(store, "j1", ids["O"])
-    accepted(store, "j3", ids["O"])
-    r1 = guard.add_replica("j1", 0, ids["O"], "torch/cuda", T0, T0 + 300, "arbiter")
-    r3 = guard.add_replica("j3", 0, ids["O"], "torch/cuda", T0, T0 + 300, "arbiter")
-    assert {r.replica_id for r in guard.awaiting_arbiter()} == {r1, r3}
-    for k in "ISUNL":  # the coordinator's own replicas never leave it
-        assert guard.lease_replica(ids[k], "R" + k, T0 + 60, T0) is None
-    rep1, rep3 = guard.get_replica(r1), guard.get_replica(r3)
-    assert rep1 is not None and rep3 is not None
-    assert guard.close_arbitrated(rep1, False, T0 + 1, "agree")
-    assert guard.close_arbitrated(rep3, True, T0 + 1, "disagrees")
-    assert not guard.close_arbitrated(rep3, True, T0 + 1, "twice")
-    assert [p.job_id for p in store.pending()] == ["j1"] and store.accepted_result("j3") is None
+def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | Path) -> None:
+    """B returns only its well-scored results (and abandons the rest); A returns everything. The rule, applied
+    after B's accepted results with the clock passed in, lowers B's trust with an audit line saying why, once
+    per cooldown, and quarantines it once that happens quarantine_after times — whatever accepted results came
+    between (each is part of the pattern); A is never touched."""
+    guard, store = make(store_target, trust={"quarantine_after": 2, "quarantine_s": 50, "reporting_min_leases": 20,
+                                             "reporting_min_results": 10, "reporting_cooldown_s": 100})
+    for v in range(10):
+        for _ in range(3):
+            _reported(store, A, v, [1.0, 0.0, 0.0, 0.0], T0)  # A: reward 0.25, as everyone's expectation
+        _reported(store, B, v, [1.0, 1.0, 0.0, 1.0], T0)  # B: only the ones that scored well
+    assert guard.check_reporting(B, T0) is None  # no lease abandoned yet: the rewards are not even compared
+    _abandoned(store, B, 12, T0)  # 12 of 22 leases without a result
+    guard.record_valid(B)
+    why = guard.check_reporting(B, T0 + 1)
+    assert why is not None and "12 of 22 leases" in why
+    assert (guard.trust(B).consecutive_valid, guard.trust(B).quarantines) == (0, 0)  # the valid streak reset
+    (row,) = store.audit(client_id=B, outcome="flagged")
+    assert (row["reason"], row["detail"]) == ("selective_reporting", why)
+    assert guard.check_reporting(B, T0 + 50) is None  # within the cooldown: the same evidence counts once
+    for _ in range(5):
+        guard.record_valid(B)  # accepted results in between do not clear the flags
+    assert guard.check_reporting(B, T0 + 101) is not None  # the next period: quarantined (quarantine_after = 2)
+    assert "in a row" in refused(Reason.QUARANTINED, guard.check_quarantine, B, T0 + 102)
+    assert guard.check_reporting(A, T0 + 200) is None and guard.trust(A).consecutive_invalid == 0
+    rep = guard.reporting(B)
+    assert (rep.leased, rep.unreturned, rep.bias.results) == (22, 12, 10) and rep.bias.excess == pytest.approx(0.5)
 
 
 def test_audit_records_rejections_with_version_and_hash_and_filters(store_target: str | Path) -> None:

@@ -86,7 +86,7 @@ def test_derived_seed_stable_and_bounded() -> None:
 
 def test_a_secret_plan_key_changes_every_plan_and_is_stable_within_a_run() -> None:
     """With jobs.secret_plans a client that knows learner.seed cannot compute job n's prompts and seed (and so
-    cannot tell a spot-check replica, which carries another job's plan, from a fresh job); the run's own key
+    not its keyed sampler's noise before it holds the lease); the run's own key
     still gives the same plan for the same number every time (replays, restarts)."""
     from coordinator.core.jobs import plan_key
 

@@ -42,14 +42,14 @@ def test_audit_reads_the_log_written_with_each_outcome_newest_first(store: Store
     assert readmodels.audit(store, client_id="b" * 32) == []
 
 
-def test_replay_outcomes_and_trust_standings_are_reported(store: Store) -> None:
+def test_refusal_outcomes_and_trust_standings_are_reported(store: Store) -> None:
     store.conn.execute("DELETE FROM audit")
     store.conn.execute("INSERT INTO audit(at, client_id, job_id, version, outcome, reason, content_sha256) "
-                       "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "invalidated", "replica_mismatch", "3" * 64))
+                       "VALUES(?,?,?,?,?,?,?)", (T0 + 20, ALICE, "j-r", 0, "rejected", "choice_mismatch", "3" * 64))
     store.conn.execute("INSERT INTO trust(client_id, backend_class, valid_total, invalid_total, quarantined_until) "
                        "VALUES(?,?,?,?,?)", (ALICE, "torch-cpu", 7, 2, T0 + 100))
     (entry,) = readmodels.audit(store)
-    assert (entry["outcome"], entry["reason"], entry["job_id"]) == ("invalidated", "replica_mismatch", "j-r")
+    assert (entry["outcome"], entry["reason"], entry["job_id"]) == ("rejected", "choice_mismatch", "j-r")
     assert readmodels.audit(store, outcome="accepted") == []
     (row,) = readmodels.clients(store, T0 + 50, 30.0)
     assert row["trust"]["valid"] == 7 and row["trust"]["invalid"] == 2 and row["trust"]["quarantined"] is True
@@ -66,6 +66,32 @@ def test_client_views(store: Store) -> None:
     assert readmodels.client_summary(readmodels.client_states(store, T0 + 1000, 30.0))["by_state"]["idle"] == 1
     store.set_banned(ALICE, True)
     assert readmodels.top_clients(store, T0, 30.0) == []
+
+
+def test_the_operators_and_the_volunteers_views_show_reporting(store: Store) -> None:
+    """What the keyed sampler cannot see, per client: leases not returned and the returned rewards against the
+    other volunteers' at the same versions (coordinator.core.reporting) — in the admin listing and the
+    volunteer page, both from the same figures."""
+    bob = "b" * 32
+    store.register_client(bob, b"k" * 32, PROFILE | {"name": "bob"}, T0)
+    for k in range(1, 6):  # bob: five results at version 0, all rewarded 0.0; alice's one scored 0.5
+        plan = plan_job(0, k, 100, 2)
+        store.create_job(plan, 4, T0)
+        assert store.lease_job(plan.job_id, f"L{k}", bob, T0 + 60, 0, T0)
+        assert store.accept_result(job_id=plan.job_id, lease_id=f"L{k}", client_id=bob, version=0,
+                                   content_sha256="3" * 64, payload=b"", rewards=[0.0, 0.0], n_tokens=4, credit=4.0,
+                                   now=T0 + 6)
+    plan = plan_job(0, 9, 100, 2)
+    store.create_job(plan, 4, T0)
+    assert store.lease_job(plan.job_id, "L9", ALICE, T0 + 60, 0, T0) and store.release_lease(plan.job_id, "L9", ALICE)
+    rows = {r["client_id"]: r["reporting"] for r in readmodels.clients(store, T0 + 10, 30.0, reporting=True)}
+    assert (rows[ALICE]["leased"], rows[ALICE]["unreturned"], rows[ALICE]["unreturned_share"]) == (2, 1, 0.5)
+    assert rows[ALICE]["results_compared"] == 1 and rows[ALICE]["reward_excess"] == pytest.approx(0.5)
+    assert rows[ALICE]["reward_z"] > 4  # one result against five alike: the variance floor keeps it finite
+    assert rows[bob]["results_compared"] == 0  # only one other result at its version: too few to compare
+    me = readmodels.volunteer(store, ALICE, T0 + 10, 30.0)
+    assert me is not None and me["reporting"] == rows[ALICE]
+    assert "reporting" not in readmodels.clients(store, T0 + 10, 30.0)[0]  # the public listings skip the query
 
 
 def test_aggregates_read_alike_on_both_engines(store: Store) -> None:

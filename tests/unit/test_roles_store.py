@@ -47,17 +47,17 @@ def test_claims_are_exclusive_and_expire_to_another_worker(store: Store) -> None
 
 
 def test_a_restarted_worker_hands_back_its_claims_at_once(store: Store) -> None:
-    a = store.work_submit("replay", 1, b"r", 0.0)
-    store.work_claim("verifier-0", ("replay",), 4, until=1e12, now=1.0)
-    assert store.work_claim("verifier-1", ("replay",), 4, until=1e12, now=2.0) == []
+    a = store.work_submit("recompute", 1, b"r", 0.0)
+    store.work_claim("verifier-0", ("recompute",), 4, until=1e12, now=1.0)
+    assert store.work_claim("verifier-1", ("recompute",), 4, until=1e12, now=2.0) == []
     assert store.work_unclaim("verifier-0") == 1
-    assert [r["id"] for r in store.work_claim("verifier-1", ("replay",), 4, until=1e12, now=3.0)] == [a]
+    assert [r["id"] for r in store.work_claim("verifier-1", ("recompute",), 4, until=1e12, now=3.0)] == [a]
 
 
 def test_kinds_are_claimed_only_by_workers_that_take_them(store: Store) -> None:
     store.work_submit("evaluate", 2, b"", 0.0)
-    assert store.work_claim("verifier-1", ("recompute", "replay"), 4, until=10.0, now=1.0) == []
-    assert len(store.work_claim("verifier-0", ("recompute", "replay", "evaluate"), 4, until=10.0, now=1.0)) == 1
+    assert store.work_claim("verifier-1", ("recompute",), 4, until=10.0, now=1.0) == []
+    assert len(store.work_claim("verifier-0", ("recompute", "evaluate"), 4, until=10.0, now=1.0)) == 1
 
 
 def test_a_database_from_a_newer_release_is_refused_untouched(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_schema_3_nonces_move_to_their_own_file_and_still_refuse_a_replay(tmp_pa
 
 def _answer_with(store: Store, bell: Bell, answer: bytes | None, error: str | None = None) -> asyncio.Task[None]:
     async def worker() -> None:
-        while not (rows := store.work_claim("verifier-0", ("recompute", "replay"), 1, until=1e12, now=1.0)):
+        while not (rows := store.work_claim("verifier-0", ("recompute",), 1, until=1e12, now=1.0)):
             await bell.wait(0.01)
         store.work_finish(int(rows[0]["id"]), "verifier-0", answer, error)
         bell.ring()
@@ -129,7 +129,7 @@ def test_remote_verifier_returns_the_workers_stats_and_cleans_up(store: Store) -
 
     async def go() -> TokenStats:
         bell = Bell()
-        remote = RemoteVerifier(store, bell, wait_s=30, device="cpu")
+        remote = RemoteVerifier(store, bell, wait_s=30)
         task = _answer_with(store, bell, stats_answer(stats))
         out = await remote.recompute_stats([[1, 2]], [[3, 4]], 0)
         await task
@@ -142,7 +142,7 @@ def test_remote_verifier_returns_the_workers_stats_and_cleans_up(store: Store) -
 def test_remote_verifier_maps_gone_failed_and_silent_workers(store: Store) -> None:
     async def ask(answer: bytes | None, error: str | None = None, wait_s: float = 30) -> None:
         bell = Bell()
-        remote = RemoteVerifier(store, bell, wait_s=wait_s, device="cpu")
+        remote = RemoteVerifier(store, bell, wait_s=wait_s)
         task = _answer_with(store, bell, answer, error) if (answer or error) else None
         try:
             await remote.recompute_stats([[1]], [[2]], 5)

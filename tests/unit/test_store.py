@@ -13,8 +13,8 @@ import pytest
 from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
-from coordinator.store.db import IntegrityError
-from coordinator.store.store import Store
+from coordinator.store.db import IntegrityError, pg_ddl
+from coordinator.store.store import SCHEMA_VERSION, Store
 
 T0 = 1000.0
 ALICE = "a" * 32
@@ -282,6 +282,26 @@ def test_live_leases_counts_only_unexpired_leases(store: Store) -> None:
     assert store.live_leases(T0 + 10) == 2  # j0 (new lease) and j1
 
 
+def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> None:
+    """What the selective-reporting rule reads: leases granted, and those that ended without a result from the
+    client — released, or run out and reissued — but not one whose result was sent and refused."""
+    published(store, 5)
+    registered(store, ALICE, BOB)
+    assert lease(store, "j0", "L0", ALICE) and accept(store, "j0", "L0", ALICE)  # returned
+    assert lease(store, "j1", "L1", ALICE) and store.release_lease("j1", "L1", ALICE)  # released: not returned
+    assert lease(store, "j2", "L2", ALICE, deadline=T0 + 10)
+    assert store.lease_counts(ALICE) == (3, 1)  # j2's lease is still live
+    assert lease(store, "j2", "L2b", BOB, now=T0 + 10)  # ran out, reissued: ALICE's lease ended without a result
+    assert store.lease_counts(ALICE) == (3, 2) and store.lease_counts(BOB) == (1, 0)
+    assert lease(store, "j3", "L3", ALICE)
+    store.record_rejection(ALICE, "j3", "choice_mismatch", "no", "e" * 64, T0)
+    assert store.release_lease("j3", "L3", ALICE)  # refused, then released: it was returned
+    assert not store.release_lease("j3", "L3", ALICE)  # a release that changes nothing counts nothing
+    assert lease(store, "nope", "Lx", ALICE) is False  # a lease that was not granted counts nothing
+    assert store.lease_counts(ALICE) == (4, 2) and store.lease_counts("c" * 32) == (0, 0)
+    assert {c["client_id"]: (c["leased"], c["unreturned"]) for c in store.clients()}[ALICE] == (4, 2)
+
+
 # ---- results --------------------------------------------------------------------------------------------
 def test_accept_result_once(store: Store) -> None:
     published(store)
@@ -531,6 +551,86 @@ def test_data_survives_reopen(db_path: str | Path) -> None:
         assert s2.totals() == {"accepted": 3, "rejected": 0, "reissued_jobs": 0, "too_stale": 1}
     finally:
         s2.close()
+
+
+# ---- schema 6: replication retired ------------------------------------------------------------------------
+# The spot-check era's layout, as schema 5 left it (the replicas table with its added columns; the work queue's
+# 'replay' kind), written here literally: the release that reads it no longer has it anywhere else.
+SCHEMA_5_REPLICAS = """CREATE TABLE replicas(
+  replica_id TEXT PRIMARY KEY, job_id TEXT NOT NULL REFERENCES jobs(job_id), version INTEGER NOT NULL,
+  original_client TEXT NOT NULL, original_class TEXT NOT NULL, created_at REAL NOT NULL,
+  state TEXT NOT NULL CHECK(state IN ('open','leased','done')), lease_id TEXT, lease_client TEXT,
+  lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0, outcome TEXT, hold INTEGER NOT NULL DEFAULT 0,
+  judge TEXT NOT NULL DEFAULT 'peer', hold_until REAL, tried TEXT NOT NULL DEFAULT '', seq INTEGER)"""
+SCHEMA_5_WORK = """CREATE TABLE work(
+  id INTEGER PRIMARY KEY, kind TEXT NOT NULL CHECK(kind IN ('recompute','replay','evaluate')),
+  version INTEGER NOT NULL, request BLOB NOT NULL, created_at REAL NOT NULL,
+  state TEXT NOT NULL CHECK(state IN ('queued','claimed','done','failed')),
+  worker TEXT, claim_until REAL, attempts INTEGER NOT NULL DEFAULT 0, answer BLOB, error TEXT,
+  requester TEXT NOT NULL DEFAULT 'api')"""
+
+
+def _as_schema_5(store: Store) -> None:
+    """Turn a fresh store back into a schema-5 database in the middle of a run with spot-checks on: j0 accepted
+    and held for a peer's judgement, a replay request and a recompute request queued; no lease counters and no
+    token hashes yet."""
+    conn = store.conn
+    conn.execute(pg_ddl(SCHEMA_5_REPLICAS) if conn.postgres else SCHEMA_5_REPLICAS)
+    for col in ("leased", "unreturned"):
+        conn.execute(f"ALTER TABLE clients DROP COLUMN {col}")
+    conn.execute("DROP INDEX results_by_completions")
+    conn.execute("ALTER TABLE results DROP COLUMN completions_sha256")
+    if conn.postgres:
+        conn.execute("ALTER TABLE work DROP CONSTRAINT work_kind_check")
+        conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check CHECK(kind IN ('recompute','replay','evaluate'))")
+        conn.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
+    else:
+        conn.execute("DROP TABLE work")
+        conn.execute(SCHEMA_5_WORK)
+        conn.execute("CREATE INDEX work_by_state ON work(state, kind, id)")
+        conn.execute("PRAGMA user_version=5")
+    conn.execute("INSERT INTO replicas(replica_id, job_id, version, original_client, original_class, created_at, "
+                 "state, hold, judge, hold_until, seq) VALUES('j9','j0',0,?,'torch/cpu',?,'open',1,'peer',?,9)",
+                 (ALICE, T0, T0 + 300))
+    conn.execute("INSERT INTO work(kind, version, request, created_at, state) VALUES('replay',0,?,?,'queued')",
+                 (b"r", T0))
+    conn.execute("INSERT INTO work(kind, version, request, created_at, state) VALUES('recompute',0,?,?,'queued')",
+                 (b"c", T0))
+
+
+def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: str | Path) -> None:
+    old = Store(db_path)
+    published(old, 2)
+    registered(old, ALICE)
+    assert lease(old, "j0", "L0", ALICE) and accept(old, "j0", "L0", ALICE)
+    _as_schema_5(old)
+    assert old.schema_version() == 5 and old.conn.has_table("replicas")
+    old.close()
+
+    new = Store(db_path)
+    try:
+        assert new.schema_version() == SCHEMA_VERSION == 6
+        assert not new.conn.has_table("replicas")
+        assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.lease_counts(ALICE) == (0, 0)
+        assert "completions_sha256" in new.conn.columns("results")
+        assert new.result_with_tokens("c" * 64, "j1") is None  # j0, accepted before schema 6, has no hash: NULL
+        assert pending_ids(new) == {"j0"}  # the held result is an ordinary pending one now
+        assert new.next_seq() == 2  # the stream follows the jobs alone (the replica's j9 is gone with it)
+        queued = [(r["kind"], bytes(r["request"])) for r in new.conn.execute("SELECT kind, request FROM work")]
+        assert queued == [("recompute", b"c")]  # the replay request is gone, the recompute one kept
+        with pytest.raises(IntegrityError):  # and the queue no longer takes replays
+            new.conn.execute("INSERT INTO work(kind, version, request, created_at, state) "
+                             "VALUES('replay',0,?,?,'queued')", (b"r", T0))
+        item = new.work_submit("evaluate", 0, b"e", T0)
+        assert new.work_item(item)["requester"] == "api"
+    finally:
+        new.close()
+    again = Store(db_path)  # opening a schema-6 database again changes nothing
+    try:
+        assert again.schema_version() == 6 and pending_ids(again) == {"j0"}
+        assert [r["kind"] for r in again.conn.execute("SELECT kind FROM work ORDER BY id")] == ["recompute", "evaluate"]
+    finally:
+        again.close()
 
 
 def test_set_meta_overwrites(store: Store) -> None:
