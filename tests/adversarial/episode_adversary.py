@@ -77,26 +77,30 @@ class EpisodeAdversary(Adversary):
 
     async def unseen_action(self) -> None:
         """The first action of an episode swapped for another move (a better-looking trajectory), the observation
-        the environment gave to the original kept."""
-        api, job, sub, folder = await self._played()
-        assert job.environment is not None
-        tok = load_tokenizer(folder)
-        params = json.loads(job.environment.params_json)
-        for k in range(len(sub.completions)):
-            turns = self._turns(sub, k)
-            env = make_env(job.environment.env_id, params)
-            env.reset(job.environment.seeds[k // job.group_size])
-            played = decode_action(tok, turns[0].token_ids)
-            if played not in env.actions:
-                continue
-            honest = env.clone().step(played).observation
-            other = next((a for a in env.actions if env.clone().step(a).observation != honest), None)
-            if other is not None:
-                ids = tok.encode(other, add_special_tokens=False).ids
-                turns[0] = turns[0].model_copy(update={"token_ids": ids, "logprobs": turns[0].logprobs[: len(ids)]})
-                await self._send(api, job, sub, k, turns, f"action {played!r} replaced by {other!r}")
-                return
-        raise AssertionError("no episode began with a move to swap")
+        the environment gave to the original kept. Needs an episode whose sampled first action is a move: jobs
+        whose episodes all began with an invalid action are released and the next one is played (at most 8)."""
+        for _ in range(8):
+            api, job, sub, folder = await self._played()
+            assert job.environment is not None
+            tok = load_tokenizer(folder)
+            params = json.loads(job.environment.params_json)
+            for k in range(len(sub.completions)):
+                turns = self._turns(sub, k)
+                env = make_env(job.environment.env_id, params)
+                env.reset(job.environment.seeds[k // job.group_size])
+                played = decode_action(tok, turns[0].token_ids)
+                if played not in env.actions:
+                    continue
+                honest = env.clone().step(played).observation
+                other = next((a for a in env.actions if env.clone().step(a).observation != honest), None)
+                if other is not None:
+                    ids = tok.encode(other, add_special_tokens=False).ids
+                    turns[0] = turns[0].model_copy(update={"token_ids": ids,
+                                                           "logprobs": turns[0].logprobs[: len(ids)]})
+                    await self._send(api, job, sub, k, turns, f"action {played!r} replaced by {other!r}")
+                    return
+            await self.release(api, job)
+        raise AssertionError("no episode of 8 jobs began with a move to swap")
 
     async def claimed_reward(self) -> None:
         api, job, sub, _ = await self._played()
