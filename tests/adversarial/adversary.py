@@ -130,6 +130,16 @@ class Adversary:
         raw = body if isinstance(body, bytes) else wire.encode(body)
         return await self.send(api, "/v1/results", self.envelope(api.identity, "/v1/results", raw), what)
 
+    async def cheat(self, api: CoordinatorClient, job: Job, sub: ResultSubmission, what: str) -> dict[str, Any]:
+        """Submit a cheating result, noting whether its tokens happen to be exactly the job's honest keyed sample:
+        then it is honest work (the keyed sampler's choice at every position) and is accepted — the test expects
+        exactly that, and counts how often it happens (issue 21)."""
+        honest = await self.honest(api, job)
+        same = [list(c.token_ids) for c in honest.completions] == [list(c.token_ids) for c in sub.completions]
+        entry = await self.submit(api, sub, what)
+        entry["same_as_honest"] = same
+        return entry
+
     async def lease(self, api: CoordinatorClient, timeout: float = 120.0) -> Job:
         assert self.info is not None
         give_up = time.monotonic() + timeout
@@ -177,7 +187,8 @@ class Adversary:
         give_up = time.monotonic() + seconds
         offered = found = 0
         kept: list[Job] = []
-        while time.monotonic() < give_up:
+        hard_stop = time.monotonic() + 8 * seconds  # a busy queue may offer nothing for a while: look until one
+        while time.monotonic() < give_up or (offered == 0 and time.monotonic() < hard_stop):
             resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1), LeaseResponse)
             if resp.job is None:
                 await asyncio.sleep(min(resp.retry_after_s, 0.5))
@@ -441,7 +452,7 @@ class Adversary:
         job = await self.lease(api)
         own = job.model_copy(update={"seed": (job.seed + 1) % 2**63})
         sub = await self.honest(api, own)
-        await self.submit(api, self.tamper(sub, seed=job.seed), "sampled with its own seed, claims the job's")
+        await self.cheat(api, job, self.tamper(sub, seed=job.seed), "sampled with its own seed, claims the job's")
 
     async def forced_correct(self) -> None:
         """Reward farming: every completion is the prompt's correct answer and end of text, with true logprobs."""
@@ -452,7 +463,7 @@ class Adversary:
         _, items = self.task_items(job)
         forced = [list(codec.tokenizer.encode(" " + it.answer, add_special_tokens=False).ids)[
             : job.sampling.max_tokens - 1] + [eos] for it in items for _ in range(job.group_size)]
-        await self.submit(api, self.true_result(job, model, forced), "forced-correct answers, true logprobs")
+        await self.cheat(api, job, self.true_result(job, model, forced), "forced-correct answers, true logprobs")
 
     async def best_of_16(self) -> None:
         """Best-of-N cherry-picking (N = 16): for each prompt, 16 honest draws of its group with other seeds (the
@@ -475,7 +486,7 @@ class Adversary:
         sub = ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
                                prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
                                backend="torch", generation_s=0.1, completions=picked)
-        await self.submit(api, sub, f"best of {BEST_OF} draws by reward, true logprobs")
+        await self.cheat(api, job, sub, f"best of {BEST_OF} draws by reward, true logprobs")
 
     async def topk_steer(self) -> None:
         """Top-k steering toward a fixed string: at each position the target's next token if it is among the top
@@ -492,7 +503,7 @@ class Adversary:
             return want if want in top else top[0]
 
         comps = self.decode_steered(job, model, pick)
-        await self.submit(api, self.true_result(job, model, comps), f"top-{STEER_K} steered toward {STEER_TARGET!r}")
+        await self.cheat(api, job, self.true_result(job, model, comps), f"top-{STEER_K} steered toward {STEER_TARGET!r}")
 
     async def greedy(self) -> None:
         """Greedy decoding (argmax at every position), with true logprobs at the job's temperature."""
@@ -500,7 +511,7 @@ class Adversary:
         job = await self.lease(api)
         model, _ = await self.policy(api, job)
         comps = self.decode_steered(job, model, lambda logits, pos, row: int(logits.argmax()))
-        await self.submit(api, self.true_result(job, model, comps), "greedy decoding, true logprobs")
+        await self.cheat(api, job, self.true_result(job, model, comps), "greedy decoding, true logprobs")
 
     async def junk(self) -> None:
         """Credit farming: random non-stop tokens up to max_tokens, with their true logprobs."""

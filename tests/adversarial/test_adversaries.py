@@ -53,6 +53,14 @@ def _exact(*codes: tuple[int, str | None]) -> Callable[[Attempts], None]:
     return check
 
 
+def _cheat(attempts: Attempts) -> None:
+    """One cheating result, refused by the keyed check — unless its tokens are exactly the job's honest keyed sample
+    (a near-deterministic policy: greedy and forced answers can coincide with it), which is honest work, accepted."""
+    assert len(attempts) == 1, attempts
+    want = (200, None) if attempts[0].get("same_as_honest") else (422, "choice_mismatch")
+    assert _codes(attempts) == [want], attempts
+
+
 def _junk(attempts: Attempts) -> None:
     # junk tokens are far less likely than sampling makes them: the sampling test alone refuses them too, so which
     # of the two checks answers depends only on their order in the intake
@@ -129,11 +137,11 @@ EXPECTED: dict[str, Callable[[Attempts], None]] = {
     "lease_hoarder": _hoarder,
     # real policy tokens (or chosen ones) with their true logprobs: the logprob check passes, and the keyed sampler's
     # per-token check refuses them at once — the attacks the spot-checks used to catch afterwards, if at all
-    "own_seed": _all(422, "choice_mismatch", 1),
-    "forced_correct": _all(422, "choice_mismatch", 1),
-    "best_of_16": _all(422, "choice_mismatch", 1),
-    "topk_steer": _all(422, "choice_mismatch", 1),
-    "greedy": _all(422, "choice_mismatch", 1),
+    "own_seed": _cheat,
+    "forced_correct": _cheat,
+    "best_of_16": _cheat,
+    "topk_steer": _cheat,
+    "greedy": _cheat,
     "junk": _junk,
     "registration_flood": _flood,  # last: it spends the address's registration budget
 }
@@ -196,12 +204,17 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
                                                  "AND profile NOT LIKE '%sybil%'")}
     assert len(honest_ids) == 3
     replayer = reports["replayed_result"]["identities"][0]
+    # a "cheat" whose tokens were exactly the honest keyed sample is honest work: its one result may stand
+    coincided = {cid for r in reports.values() if any(a.get("same_as_honest") for a in r["attempts"])
+                 for cid in r["identities"]}
+    print(f"cheats identical to the honest keyed sample (accepted as honest work): "
+          f"{sorted(k for k, r in reports.items() if any(a.get('same_as_honest') for a in r['attempts']))}")
     for kind, report in reports.items():
         for cid in report["identities"]:
             rows = db_rows(run_dir, "SELECT job_id FROM results WHERE client_id=?", (cid,))
-            assert len(rows) == (1 if cid == replayer else 0), (kind, rows)  # only the replayer's honest result
+            assert len(rows) == (1 if cid == replayer or cid in coincided else 0), (kind, rows)
     trained = {r[0] for r in db_rows(run_dir, "SELECT client_id FROM results WHERE ingested_step IS NOT NULL")}
-    assert trained <= honest_ids | {replayer}
+    assert trained <= honest_ids | {replayer} | coincided
     for (step, n) in db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results WHERE ingested_step IS NOT NULL "
                                       "GROUP BY ingested_step"):
         assert n == 2, (step, n)  # every learner batch complete: B = 2 jobs
@@ -230,6 +243,8 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
     # each token-choice cheat was refused on arrival: never accepted, never held, never trained, no credit
     for kind in ("own_seed", "forced_correct", "best_of_16", "topk_steer", "greedy", "junk"):
         (cheat,) = reports[kind]["identities"]
+        if cheat in coincided:  # honest work after all (its tokens were the keyed sample): accepted, credited
+            continue
         outcomes = db_rows(run_dir, "SELECT outcome, reason FROM audit WHERE client_id=?", (cheat,))
         assert outcomes == [("rejected", reports[kind]["attempts"][0]["reason"])], (kind, outcomes)
         assert db_rows(run_dir, "SELECT credit FROM clients WHERE client_id=?", (cheat,)) == [(0.0,)], kind
