@@ -104,6 +104,8 @@ def write_prompts(into: Path, count: int = 256) -> Path:
 
 
 def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, args: argparse.Namespace) -> None:
+    mode, _, lr_text = mode.partition(" lr=")
+    lr = float(lr_text) if lr_text else float(args.lr.split(",")[0])
     name, _, layout = mode.partition("@")
     top = dict(MODES[name]) | {"layout": layout or "processes"}
     keep = 2 if top["sync_mode"] == "sequential-pull" else top["max_staleness"] + 2
@@ -112,7 +114,7 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
         "server": {"host": "127.0.0.1", "port": 0},
         "learner": {"max_steps": steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
                     "eval_every": args.eval_every,
-                    "eval_size": 16, "weight_decay": 0.01 if args.reward == "addition" else 0.0, "lr": args.lr,
+                    "eval_size": 16, "weight_decay": 0.01 if args.reward == "addition" else 0.0, "lr": lr,
                     "checkpoint_every_steps": args.checkpoint_every, "lora_rank": args.lora_rank,
                     "world_size": args.learner_ranks, "mixed_precision": args.mixed_precision,
                     **({"fsdp": True} if args.fsdp else {})},
@@ -302,7 +304,7 @@ def delta_figures(manifests: dict[int, dict[str, dict[str, Any]]], client_log: P
 
 
 def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    safe = mode.replace("@", "-")
+    safe = mode.replace("@", "-").replace(" lr=", "-lr")
     run_dir = work / f"run-{safe}"
     cfg = work / f"{safe}.toml"
     write_config(cfg, run_dir, model, mode, args.steps, args)
@@ -561,7 +563,8 @@ def main() -> None:
     ap.add_argument("--reward", choices=["even", "addition"], default="even", help="even: a dataset task scored "
                     "by bench/rewards.py:even_bytes (a real gradient on random weights); addition: the arithmetic "
                     "task with weight decay (gradient 0 on random weights)")
-    ap.add_argument("--lr", type=float, default=1e-5, help="learner.lr")
+    ap.add_argument("--lr", default="1e-5", help="learner.lr; several, comma-separated, run every mode at each "
+                    "(one after the other, each run directory deleted before the next)")
     ap.add_argument("--gguf", default="f16", help="snapshots.gguf (off, f32, f16, q8_0)")
     ap.add_argument("--keep-run", action="store_true", help="keep each mode's run directory (deleted by default)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode")
@@ -572,8 +575,9 @@ def main() -> None:
     results = []
     try:
         model = build_model(args.model, work)
-        for mode in args.modes.split(","):
-            r = run_mode(mode.strip(), model, work, args) | {"lora_rank": args.lora_rank,
+        lrs = args.lr.split(",")
+        for mode in [m.strip() + (f" lr={lr}" if len(lrs) > 1 else "") for lr in lrs for m in args.modes.split(",")]:
+            r = run_mode(mode, model, work, args) | {"lora_rank": args.lora_rank,
                                                               "client": args.client_backend,
                                                               "learner_ranks": args.learner_ranks,
                                                               "fsdp": args.fsdp or args.learner_ranks > 1,
