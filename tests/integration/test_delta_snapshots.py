@@ -185,3 +185,17 @@ def test_a_small_step_changes_few_bf16_bytes_and_its_patch_is_under_5_percent(tm
     changed = np.count_nonzero(a != b) / a.size
     share = _entries(store, 1)["model.safetensors.delta"].size / b.size
     assert 0 < changed < 0.1 and share < 0.05
+
+
+def test_a_chain_through_a_pruned_version_falls_back_to_the_full_file(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    _publish(store, range(4))
+
+    def prune(v: int) -> None:
+        if v == 3:  # the client holds v0; v1 and v2 are gone: v3's patch cannot be reached from it
+            store.prune({0, 3})
+
+    cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 3], between=prune)
+    _same_as_published(store, 3, folders[1])
+    assert downloaded[1] == _entries(store, 3)["model.safetensors"].size and cache.patched == 0
+    assert cache.patches_refused == 0  # no patch was tried: the chain was never complete
