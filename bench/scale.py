@@ -20,7 +20,8 @@ byte-level tokenizer) in a temporary folder, then for each mode runs ``echo-swar
 
 A real gradient at any size (``--reward even``, the default): with random weights a task's reward is always 0,
 every advantage 0 and the policy never moves, so the bench trains on a dataset task of fixed prompts scored by the
-plug-in ``bench/rewards.py:even_bytes`` (the share of even token ids in a completion), which gives non-zero
+plug-in ``bench/rewards.py:even_token_ids`` (the share of even token ids in a completion; the 0.5 B shape's
+tokenizer spells every id the model can sample, see ``widened_vocab``), which gives non-zero
 advantages from the first step: versions differ by training, weight decay is off. ``--reward addition`` keeps the
 old arithmetic task with ``learner.weight_decay = 0.01`` (every gradient 0; only the decay makes versions
 differ). ``--model tiny`` runs the same harness on the 1 M-parameter tiny model in a minute (a smoke check).
@@ -87,13 +88,19 @@ def build_model(kind: str, into: Path) -> Path:
     folder = into / "qwen0.5b-shaped"
     model.save_pretrained(str(folder), safe_serialization=True)
     tok.save_pretrained(str(folder))
+    # the byte tokenizer has 257 ids and the model samples from 151,936: without a spelling for the others nearly
+    # every completion decodes to "" and every reward is equal (no advantage, no gradient)
+    from bench.rewards import widened_vocab
+
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps(widened_vocab(spec, cfg.vocab_size)))
     n = sum(p.numel() for p in model.parameters())
     print(f"built a {n / 1e6:.0f} M-parameter Qwen2 model in {time.monotonic() - t0:.1f}s at {folder}", flush=True)
     del model
     return folder
 
 
-EVEN_REWARD = f"{REPO / 'bench' / 'rewards.py'}:even_bytes"
+EVEN_REWARD = f"{REPO / 'bench' / 'rewards.py'}:even_token_ids"
 
 
 def write_prompts(into: Path, count: int = 256) -> Path:
