@@ -5,9 +5,9 @@ clients) are also published as a patch against the previous version's file of th
 same size and layout, the version is not an anchor, and the patch is smaller than ``MAX_SHARE`` of the file
 (otherwise it saves nothing worth a second download path). The layout gives each tensor its element width, so
 that a bf16 element that moved by one unit in the last place is one small change: safetensors from its JSON header,
-GGUF from its tensor table. Quantised GGUF tensors (q8_0) are compared byte by byte: the patch is still exact (the
-rebuilt file is hash-checked) but a re-quantised block changes many bytes, so such a patch is usually over the
-share and the file is shipped whole.
+GGUF from its tensor table. Quantised GGUF tensors (q8_0) are compared byte by byte: the learner re-quantises every
+version, and a block's int8 values (and its f16 scale) change only where a weight crosses a quantisation step,
+which is coarser than bf16's, so these patches are smaller still (bench/deltas.py: 0.4–2 % on the tiny model).
 """
 
 from __future__ import annotations
