@@ -19,6 +19,7 @@ refused and the full file is fetched instead, so nothing half-applied is ever us
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -194,11 +195,16 @@ class SnapshotCache:
             return
         try:
             for delta, target, version in reversed(chain):  # oldest patch first
-                if (self.blobs / target.sha256).exists():
-                    continue
-                async with self._lock(delta.sha256):
-                    await self._fetch_blob(delta.sha256, delta.size, f"v{version} {delta.path}", delta)
-                await self._apply(delta, target)
+                # an intermediate file may be wanted by another download at the same time (the caller holds
+                # ``file``'s lock already)
+                async with contextlib.AsyncExitStack() as stack:
+                    if target is not file:
+                        await stack.enter_async_context(self._lock(target.sha256))
+                    if (self.blobs / target.sha256).exists():
+                        continue
+                    async with self._lock(delta.sha256):
+                        await self._fetch_blob(delta.sha256, delta.size, f"v{version} {delta.path}", delta)
+                    await self._apply(delta, target)
         except IntegrityError as exc:  # PatchError included: a bad patch, never a bad full file
             self.patches_refused += 1
             logger.warning("patch for %s refused (%s); fetching the full file instead", file.path, exc)
