@@ -60,14 +60,30 @@ async def _serving(store: SnapshotStore, current: int) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-def _fetch(store: SnapshotStore, home: Path, versions: list[int],
-           between: Callable[[int], None] = lambda v: None) -> tuple[SnapshotCache, list[Path], list[int]]:
+class RecordingPeers:
+    """Stands in for `join --p2p`'s ClientPeer: records what the cache asks peers for and announces; delivers no
+    byte (so HTTP fetches the rest, as after a p2p deadline)."""
+
+    def __init__(self) -> None:
+        self.asked: list[ManifestFile] = []
+        self.announced: list[str] = []
+
+    async def fetch(self, file: ManifestFile, partial: Path, on_bytes: Callable[[int], None]) -> None:
+        self.asked.append(file)
+
+    async def announce(self, sha256s: list[str]) -> None:
+        self.announced.extend(sha256s)
+
+
+def _fetch(store: SnapshotStore, home: Path, versions: list[int], between: Callable[[int], None] = lambda v: None,
+           peers: RecordingPeers | None = None) -> tuple[SnapshotCache, list[Path], list[int]]:
     """Fetch ``versions`` in order with one client cache; the bytes downloaded for each."""
     async def go() -> tuple[SnapshotCache, list[Path], list[int]]:
         async with _serving(store, max(versions)) as url:
             client = CoordinatorClient(url, None, retry=RetryPolicy(attempts=2, base_s=0.01))
             try:
                 cache = SnapshotCache(home, client, crypto.public_bytes(KEY), forms=frozenset({"hf"}))
+                cache.peers = peers  # type: ignore[assignment]
                 folders, downloaded = [], []
                 for v in versions:
                     between(v)
@@ -199,3 +215,15 @@ def test_a_chain_through_a_pruned_version_falls_back_to_the_full_file(tmp_path: 
     _same_as_published(store, 3, folders[1])
     assert downloaded[1] == _entries(store, 3)["model.safetensors"].size and cache.patched == 0
     assert cache.patches_refused == 0  # no patch was tried: the chain was never complete
+
+
+def test_with_p2p_a_patch_is_asked_of_peers_piece_by_piece_and_the_rebuilt_file_announced(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    _publish(store, range(2))
+    peers = RecordingPeers()
+    cache, folders, _ = _fetch(store, tmp_path / "home", [0, 1], peers=peers)
+    delta, full = _entries(store, 1)["model.safetensors.delta"], _entries(store, 1)["model.safetensors"]
+    assert delta in peers.asked and delta.pieces  # peers first, each piece checked against these hashes
+    assert full not in peers.asked  # the full file was not needed
+    assert full.sha256 in peers.announced and delta.sha256 in peers.announced  # served to others from now on
+    _same_as_published(store, 1, folders[1])
