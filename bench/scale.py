@@ -18,10 +18,17 @@ byte-level tokenizer) in a temporary folder, then for each mode runs ``echo-swar
   ``POST /v1/release`` (authentication, nonce write, a job lookup: the lease path without taking a job,
   which would steal the only client's work) every 0.2 s, and reports p50/p99.
 
-With random weights every reward is 0, so every advantage and every gradient is 0; the bench sets
-``learner.weight_decay`` so every version's weights still differ (content addressing would otherwise skip
-every client download) — the compute per step is the same either way (the backward pass and AdamW run in
-full). ``--model tiny`` runs the same harness on the 1 M-parameter tiny model in a minute (a smoke check).
+A real gradient at any size (``--reward even``, the default): with random weights a task's reward is always 0,
+every advantage 0 and the policy never moves, so the bench trains on a dataset task of fixed prompts scored by the
+plug-in ``bench/rewards.py:even_token_ids`` (the share of even token ids in a completion; the 0.5 B shape's
+tokenizer spells every id the model can sample, see ``widened_vocab``), which gives non-zero
+advantages from the first step: versions differ by training, weight decay is off. ``--reward addition`` keeps the
+old arithmetic task with ``learner.weight_decay = 0.01`` (every gradient 0; only the decay makes versions
+differ). ``--model tiny`` runs the same harness on the 1 M-parameter tiny model in a minute (a smoke check).
+
+Delta snapshots (issue 23): for every version the bench reads its signed manifest while it is served and records
+the whole weight files' and their patches' sizes; the client's log gives each patch it applied and how long the
+apply took (rebuilding the file, plus its sha256 check). Printed as bytes per version, delta and full.
 
 A mode may name a layout: ``sequential@one-process`` runs every role in one process (the layout before the
 split), ``sequential`` the default process layout, so one run measures both side by side.
@@ -38,6 +45,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -80,13 +88,31 @@ def build_model(kind: str, into: Path) -> Path:
     folder = into / "qwen0.5b-shaped"
     model.save_pretrained(str(folder), safe_serialization=True)
     tok.save_pretrained(str(folder))
+    # the byte tokenizer has 257 ids and the model samples from 151,936: without a spelling for the others nearly
+    # every completion decodes to "" and every reward is equal (no advantage, no gradient)
+    from bench.rewards import widened_vocab
+
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps(widened_vocab(spec, cfg.vocab_size)))
     n = sum(p.numel() for p in model.parameters())
     print(f"built a {n / 1e6:.0f} M-parameter Qwen2 model in {time.monotonic() - t0:.1f}s at {folder}", flush=True)
     del model
     return folder
 
 
+EVEN_REWARD = f"{REPO / 'bench' / 'rewards.py'}:even_token_ids"
+
+
+def write_prompts(into: Path, count: int = 256) -> Path:
+    """Fixed short prompts for the ``even`` reward (empty reference answers: the reward reads none)."""
+    path = into / "even-prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Q: {i}+{i % 7}= A:", "answer": ""}) + "\n" for i in range(count)))
+    return path
+
+
 def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, args: argparse.Namespace) -> None:
+    mode, _, lr_text = mode.partition(" lr=")
+    lr = float(lr_text) if lr_text else float(args.lr.split(",")[0])
     name, _, layout = mode.partition("@")
     top = dict(MODES[name]) | {"layout": layout or "processes"}
     keep = 2 if top["sync_mode"] == "sequential-pull" else top["max_staleness"] + 2
@@ -95,14 +121,16 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
         "server": {"host": "127.0.0.1", "port": 0},
         "learner": {"max_steps": steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
                     "eval_every": args.eval_every,
-                    "eval_size": 16, "weight_decay": 0.01, "lr": 1e-5,
+                    "eval_size": 16, "weight_decay": 0.01 if args.reward == "addition" else 0.0, "lr": lr,
                     "checkpoint_every_steps": args.checkpoint_every, "lora_rank": args.lora_rank,
                     "world_size": args.learner_ranks, "mixed_precision": args.mixed_precision,
                     **({"fsdp": True} if args.fsdp else {})},
         "jobs": {"prompts_per_job": args.prompts_per_job, "lease_timeout_s": 600.0, "long_poll_s": 10.0},
         "sampling": {"max_tokens": args.max_tokens},
-        "snapshots": {"keep_last": keep, "gguf": "f16", "dtype": args.dtype},
+        "snapshots": {"keep_last": keep, "gguf": args.gguf, "dtype": args.dtype},
     }
+    if args.reward == "even":
+        sections["task"] = {"type": "dataset", "train_path": str(write_prompts(path.parent)), "heldout_size": 16}
 
     def toml(v: Any) -> str:
         return json.dumps(v) if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v)
@@ -111,6 +139,8 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
     for name, values in sections.items():
         lines.append(f"\n[{name}]")
         lines.extend(f"{k} = {toml(v)}" for k, v in values.items())
+    if args.reward == "even":
+        lines += ["\n[[task.rewards]]", f"function = {toml(EVEN_REWARD)}"]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -221,7 +251,8 @@ async def probe(url: str, stop: threading.Event, out: dict[str, list[tuple[float
 def read_steps(run_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, float]]]:
     conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
     try:
-        steps = [json.loads(m) | {"at": at} for at, m in conn.execute("SELECT at, metrics FROM steps ORDER BY step")]
+        steps = [json.loads(m) | {"at": at, "mean_reward": r}
+                 for at, m, r in conn.execute("SELECT at, metrics, mean_reward FROM steps ORDER BY step")]
         versions = [(int(v), float(at)) for v, at in conn.execute("SELECT version, created_at FROM versions")]
     finally:
         conn.close()
@@ -244,8 +275,42 @@ def vm_hwm_kib(pid: int) -> int:
     return 0
 
 
+def manifest_entries(url: str, version: int) -> dict[str, dict[str, Any]] | None:
+    """The files of a served version's signed manifest (path → size, sha256, form, base), or None once pruned."""
+    from shared import wire
+    from shared.messages import Manifest, SignedManifest
+
+    try:
+        with urllib.request.urlopen(f"{url}/v1/snapshots/{version}", timeout=30) as resp:
+            raw = resp.read()
+    except OSError:
+        return None
+    manifest = wire.decode(wire.decode(raw, SignedManifest).manifest, Manifest)
+    return {f.path: {"size": f.size, "sha256": f.sha256, "form": f.form, "base": f.base_sha256}
+            for f in manifest.files}
+
+
+REBUILT = re.compile(r"rebuilt (\S+) \((\d+) bytes\) from a (\d+)-byte patch in ([\d.]+)s")
+
+
+def delta_figures(manifests: dict[int, dict[str, dict[str, Any]]], client_log: Path) -> dict[str, Any]:
+    """Per weight file: the full file and its patch per version (median, max; versions that had one), and what the
+    client applied (from its log)."""
+    out: dict[str, Any] = {}
+    for name in ("model.safetensors", "model.gguf"):
+        full = [m[name]["size"] for m in manifests.values() if name in m]
+        patches = [m[name + ".delta"]["size"] for m in manifests.values() if name + ".delta" in m]
+        if full:
+            out[name] = {"full": statistics.median(full), "versions": len(full), "patched_versions": len(patches),
+                         "delta_median": statistics.median(patches) if patches else None,
+                         "delta_max": max(patches) if patches else None}
+    applied = REBUILT.findall(client_log.read_text()) if client_log.exists() else []
+    out["client_applied"] = [{"file": f, "size": int(n), "patch": int(p), "apply_s": float(t)} for f, n, p, t in applied]
+    return out
+
+
 def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    safe = mode.replace("@", "-")
+    safe = mode.replace("@", "-").replace(" lr=", "-lr")
     run_dir = work / f"run-{safe}"
     cfg = work / f"{safe}.toml"
     write_config(cfg, run_dir, model, mode, args.steps, args)
@@ -259,6 +324,7 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
     stop_probe = threading.Event()
     lat: dict[str, list[tuple[float, float]]] = {"healthz": [], "signed": []}
     disk: list[int] = []
+    manifests: dict[int, dict[str, dict[str, Any]]] = {}  # version → its files, read while it is served
     try:
         url = coord.wait_ready(1800).split("listening on ")[1].split()[0]
         listening_s = time.monotonic() - t_start
@@ -277,6 +343,11 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
                 role_kib[name] = max(role_kib.get(name, 0), vm_hwm_kib(pid))
             disk.append(dir_bytes(run_dir))
             s = status(url)
+            for v in range(len(manifests), (s or {}).get("version", -1) + 1):
+                entries = manifest_entries(url, v)
+                if entries is None and v in manifests:
+                    continue
+                manifests[v] = entries or {}
             if s is not None and s["finished"] and any(e["version"] == s["version"] for e in s["evals"]):
                 final = s
                 break
@@ -294,8 +365,14 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
     steps, versions = read_steps(run_dir)
     if set(role_kib) <= {"api"}:  # one process: every role's memory is the API's process
         role_kib = {"all roles": max(role_kib.get("api", 0), coord.peak_rss_kib)}
-    return summarise(mode, steps, versions, lat, disk, steady_disk, listening_s, role_kib,
-                     client.peak_rss_kib if client else 0, final)
+    result = summarise(mode, steps, versions, lat, disk, steady_disk, listening_s, role_kib,
+                       client.peak_rss_kib if client else 0, final)
+    result["deltas"] = delta_figures(manifests, work / f"client-{safe}" / "logs" / "client.log")
+    result["rewards"] = [round(float(st.get("mean_reward", float("nan"))), 3) for st in steps]
+    result["grad_norms"] = [round(float(st.get("grad_norm", float("nan"))), 4) for st in steps]  # 0: no gradient
+    if not args.keep_run:
+        shutil.rmtree(run_dir, ignore_errors=True)  # at 0.5 B a few GB: one mode's run at a time on disk
+    return result
 
 
 def summarise(mode: str, steps: list[dict[str, Any]], versions: list[tuple[int, float]],
@@ -401,6 +478,27 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def delta_table(results: list[dict[str, Any]]) -> str:
+    """Bytes per version, patch against full file, per weight file; and the client's apply time."""
+    lines = ["| mode | file | full file | patch per version, median (max) | patch ÷ full | versions patched | "
+             "client: patches applied, apply time median (max) |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        d = r.get("deltas", {})
+        for name in ("model.safetensors", "model.gguf"):
+            if name not in d:
+                continue
+            f = d[name]
+            applied = [a["apply_s"] for a in d.get("client_applied", []) if a["file"] == name]
+            patch = (f"{f['delta_median'] / 1e6:.2f} MB ({f['delta_max'] / 1e6:.2f} MB)"
+                     if f["delta_median"] is not None else "none")
+            share = f"{100 * f['delta_median'] / f['full']:.2f} %" if f["delta_median"] is not None else "–"
+            apply_text = (f"{len(applied)}, {statistics.median(applied):.2f} s ({max(applied):.2f} s)" if applied
+                          else "0")
+            lines.append(f"| {r['mode']} | {name} | {f['full'] / 1e6:.1f} MB | {patch} | {share} | "
+                         f"{f['patched_versions']} of {f['versions']} | {apply_text} |")
+    return "\n".join(lines)
+
+
 # The "before" learner step at 0.5 B, full weights, one torch client, sequential pull (../shared/notes/scale.md,
 # measured 2026-11-30 at 3670130): everything below ran on the learner thread, every step (verification: two
 # results of 4 × 16 tokens at 1.4–1.8 s each; held-out evaluation, 10–12 s every eval_every steps, not shown).
@@ -468,6 +566,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16, help="sampling.max_tokens")
     ap.add_argument("--device", default="cpu", help="model.device of the coordinator and the client's --device "
                     "(e.g. cuda: learner, verifier, evaluator and client on one GPU)")
+    ap.add_argument("--reward", choices=["even", "addition"], default="even", help="even: a dataset task scored "
+                    "by bench/rewards.py:even_bytes (a real gradient on random weights); addition: the arithmetic "
+                    "task with weight decay (gradient 0 on random weights)")
+    ap.add_argument("--lr", default="1e-5", help="learner.lr; several, comma-separated, run every mode at each "
+                    "(one after the other, each run directory deleted before the next)")
+    ap.add_argument("--gguf", default="f16", help="snapshots.gguf (off, f32, f16, q8_0)")
+    ap.add_argument("--keep-run", action="store_true", help="keep each mode's run directory (deleted by default)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode")
     ap.add_argument("--out", default="bench-out/scale", help="logs and result.json")
     ap.add_argument("--plot", default=None, help="write the breakdown plot here (png)")
@@ -476,8 +581,9 @@ def main() -> None:
     results = []
     try:
         model = build_model(args.model, work)
-        for mode in args.modes.split(","):
-            r = run_mode(mode.strip(), model, work, args) | {"lora_rank": args.lora_rank,
+        lrs = args.lr.split(",")
+        for mode in [m.strip() + (f" lr={lr}" if len(lrs) > 1 else "") for lr in lrs for m in args.modes.split(",")]:
+            r = run_mode(mode, model, work, args) | {"lora_rank": args.lora_rank,
                                                               "client": args.client_backend,
                                                               "learner_ranks": args.learner_ranks,
                                                               "fsdp": args.fsdp or args.learner_ranks > 1,
@@ -492,6 +598,8 @@ def main() -> None:
                                                 indent=1))
     print()
     print(table(results))
+    print()
+    print(delta_table(results))
     if args.plot:
         plot(results, Path(args.plot), before=args.model == "qwen0.5b" and args.lora_rank == 0)
 

@@ -693,6 +693,13 @@ class SnapshotConfig(_Strict):
         "f16", description="Also publish every version as GGUF for llama.cpp clients, at this precision "
         "(off: safetensors only, torch clients). f16 halves the bytes of f32 at ~1e-2 nats of logprob drift; "
         "q8_0 quarters them (docs/benchmarks.md, 'llama.cpp parity').")
+    deltas: bool = Field(True, description="Also publish each full-weight version's model.safetensors and model.gguf "
+                         "as a patch against the previous version (changed elements only, zstd; docs/protocol.md §6), "
+                         "so a client holding that version downloads a few per cent of the file instead of all of it. "
+                         "A client that cannot use a patch fetches the full file, which is always published.")
+    anchor_every: int = Field(50, ge=1, description="Every this many versions is a full anchor, published without "
+                              "patches: no client rebuilds a version through a chain of more than anchor_every - 1 "
+                              "patches (1: never publish patches).")
     piece_kib: int = Field(16384, ge=64, le=262144, description="Piece size of the per-piece hashes in manifests "
                            "(KiB, a power of two): a client fetching from peers checks each piece as it arrives, so a "
                            "bad peer costs at most one piece.")

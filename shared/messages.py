@@ -50,7 +50,8 @@ LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-1e4, le=1e-3)]
 ProtocolNumber = Annotated[int, Field(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
 # Manifests are stored in the run directory and re-served after an upgrade. Protocols 2 and 3 changed lease replies
 # and error codes only; protocol 4 added piece hashes to ManifestFile with defaults meaning "none", so a snapshot
-# published under protocol 1 to 3 stays valid (it is fetched over HTTP only: peers need piece hashes).
+# published under protocol 1 to 3 stays valid (it is fetched over HTTP only: peers need piece hashes); protocol 5
+# added delta files (form "delta", base_sha256, result_sha256; defaults "none"), so every older manifest stays valid.
 MANIFEST_PROTOCOLS = (1, PROTOCOL_VERSION)
 ManifestProtocolNumber = Annotated[int, Field(ge=MANIFEST_PROTOCOLS[0], le=MANIFEST_PROTOCOLS[1])]
 AnyProtocolNumber = Annotated[int, Field(ge=0, lt=2**16)]  # envelope: checked explicitly → protocol_version
@@ -238,19 +239,27 @@ class SubmitResponse(Message):
 class ManifestFile(Message):
     """One file of a version. ``form`` says which client needs it: "hf" (the Hugging Face safetensors folder,
     torch clients), "gguf" (a whole-model GGUF), "gguf-base" + "gguf-lora" (a base GGUF shared by every
-    version of a LoRA run, plus this version's LoRA adapter): llama.cpp clients."""
+    version of a LoRA run, plus this version's LoRA adapter): llama.cpp clients. "delta" (protocol 5): a patch
+    (shared.deltas) that rebuilds the file ``result_sha256`` of this manifest from ``base_sha256``, the previous
+    version's file of the same name; optional, a client that cannot use it fetches the full file."""
 
     path: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     size: Annotated[int, Field(ge=0, le=2**40)]
     sha256: Sha256Hex
-    form: Literal["hf", "gguf", "gguf-base", "gguf-lora"] = "hf"
+    form: Literal["hf", "gguf", "gguf-base", "gguf-lora", "delta"] = "hf"
     # protocol 4: sha256 of each piece_size-byte piece (the last one shorter), so that bytes from an untrusted peer
     # are checked piece by piece as they arrive; 0 and [] in manifests published before (HTTP only)
     piece_size: Annotated[int, Field(ge=0, le=MAX_PIECE_SIZE)] = 0
     pieces: Annotated[list[Digest], Field(max_length=MAX_PIECES_PER_FILE)] = []
+    # protocol 5, form "delta" only: the file the patch applies to, and the file it rebuilds (listed in this manifest)
+    base_sha256: Sha256Hex | None = None
+    result_sha256: Sha256Hex | None = None
 
     @model_validator(mode="after")
     def _pieces_cover_the_file(self) -> ManifestFile:
+        if (self.form == "delta") != (self.base_sha256 is not None) or (self.base_sha256 is None) != (
+                self.result_sha256 is None):
+            raise ValueError("a delta file names base_sha256 and result_sha256, and only a delta file does")
         if self.piece_size == 0:
             if self.pieces:
                 raise ValueError("pieces without a piece_size")
@@ -271,6 +280,13 @@ class Manifest(Message):
     created_at: Timestamp
     format: Literal["hf-safetensors"]
     files: Annotated[list[ManifestFile], Field(min_length=1, max_length=MAX_FILES_PER_SNAPSHOT)]
+
+    @model_validator(mode="after")
+    def _deltas_rebuild_listed_files(self) -> Manifest:
+        whole = {f.sha256 for f in self.files if f.form != "delta"}
+        if any(f.form == "delta" and f.result_sha256 not in whole for f in self.files):
+            raise ValueError("a delta file's result_sha256 must be a (non-delta) file of the same manifest")
+        return self
 
 
 class SignedManifest(Message):

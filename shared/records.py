@@ -11,18 +11,22 @@ from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.messages import Job, LatestRecord, Manifest, ManifestFile, SignedJob, SignedManifest
 
 GGUF_FILES = {"model.gguf": "gguf", "base.gguf": "gguf-base", "adapter.gguf": "gguf-lora"}
+DELTA_SUFFIX = ".delta"  # "model.safetensors.delta": the patch that rebuilds model.safetensors (shared.deltas)
 
 
 def file_form(name: str) -> str:
     """Which client form a snapshot file belongs to (see ManifestFile.form)."""
-    return GGUF_FILES.get(name, "hf")
+    return "delta" if name.endswith(DELTA_SUFFIX) else GGUF_FILES.get(name, "hf")
 
 
-def manifest_file(path: Path, name: str | None = None, piece_size: int = PIECE_SIZE) -> ManifestFile:
-    """The manifest entry of one file: size, sha256 and the sha256 of each piece (one read)."""
+def manifest_file(path: Path, name: str | None = None, piece_size: int = PIECE_SIZE, *,
+                  base_sha256: str | None = None, result_sha256: str | None = None) -> ManifestFile:
+    """The manifest entry of one file: size, sha256 and the sha256 of each piece (one read); a patch also names
+    the file it applies to and the file it rebuilds."""
     digest, pieces = file_digests(path, piece_size)
     return ManifestFile(path=name or path.name, size=path.stat().st_size, sha256=digest,
-                        form=file_form(name or path.name), piece_size=piece_size, pieces=pieces)  # type: ignore[arg-type]
+                        form=file_form(name or path.name), piece_size=piece_size, pieces=pieces,  # type: ignore[arg-type]
+                        base_sha256=base_sha256, result_sha256=result_sha256)
 
 
 def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float,

@@ -8,11 +8,18 @@ Size: the newest two versions of a run are kept; with a cap (``max_bytes``) the 
 folders (any run) are also removed until the blobs fit, never the one in use. Before any byte is downloaded
 the ``precheck`` hook sees the signed manifest and how many bytes are missing, so the client can refuse a
 model too big for the machine's memory or disk (swarm_client/resources.py) instead of failing half-way.
+
+Deltas (shared.deltas, docs/protocol.md §6): a whole-weight file the manifest also lists a patch for is rebuilt
+from the version this client holds (or through a chain of patches from an older one) when that downloads fewer
+bytes than the file. The patch is fetched like any file (sha256, pieces over p2p), applied to a copy of the cached
+base, and the result enters the cache only once its sha256 is the manifest's; a patch that fails anywhere is
+refused and the full file is fetched instead, so nothing half-applied is ever used.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -26,7 +33,8 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from shared import wire
-from shared.errors import EchoSwarmError, IntegrityError
+from shared.deltas import PatchError, apply_patch
+from shared.errors import EchoSwarmError, IntegrityError, ProtocolError
 from shared.hashing import sha256_file
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
@@ -45,6 +53,7 @@ THROTTLED_CHUNK = 64 << 10  # reads under a rate cap: fine-grained enough to hol
 FLUSH_BYTES = 64 << 20
 IDLE_TIMEOUT_S = 60.0  # a blob transfer is cut (and resumed) only after this long without a byte
 CONNECT_TIMEOUT_S = 15.0
+MAX_CHAIN = 64  # patches walked back at most (the coordinator's snapshots.anchor_every bounds chains anyway)
 
 
 class DownloadStalled(EchoSwarmError):
@@ -133,6 +142,9 @@ class SnapshotCache:
         self.peers: ClientPeer | None = None  # `join --p2p`: try other volunteers first (swarm_client/peer_fetch.py)
         self.throttle = throttle  # the volunteer's download rate cap (swarm_client.bandwidth)
         self.count = count  # every byte downloaded, for the monthly data budget
+        self.patched = 0  # files rebuilt from a patch (the panel and the benches)
+        self.patches_refused = 0  # patches that failed and were replaced by the full file
+        self.patch_apply_s = 0.0  # time spent applying patches and hashing their results
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -162,6 +174,8 @@ class SnapshotCache:
                 self.precheck(manifest, self.missing_bytes(manifest))
             for f in self._wanted(manifest):
                 async with self._lock(f.sha256):
+                    if not (self.blobs / f.sha256).exists():
+                        await self._rebuild(manifest, f)
                     await self._fetch_blob(f.sha256, f.size, f"v{version} {f.path}", f)
             self._assemble(folder, manifest, sha)
             _touch(folder)
@@ -169,7 +183,91 @@ class SnapshotCache:
             return folder
 
     def _wanted(self, manifest: Manifest) -> list[ManifestFile]:
-        return [f for f in manifest.files if self.forms is None or f.form in self.forms]
+        """The files this client's model folder holds (patches are only a way to get some of them)."""
+        return [f for f in manifest.files if f.form != "delta" and (self.forms is None or f.form in self.forms)]
+
+    # -- deltas -----------------------------------------------------------------------------------------------
+    async def _rebuild(self, manifest: Manifest, file: ManifestFile) -> None:
+        """Try to rebuild ``file`` from a cached earlier version and patches; on any failure only say why (the
+        caller then fetches the full file). A stalled link is not a bad patch: it propagates."""
+        chain = await self._chain(manifest, file)
+        if not chain:
+            return
+        try:
+            for delta, target, version in reversed(chain):  # oldest patch first
+                # an intermediate file may be wanted by another download at the same time (the caller holds
+                # ``file``'s lock already)
+                async with contextlib.AsyncExitStack() as stack:
+                    if target is not file:
+                        await stack.enter_async_context(self._lock(target.sha256))
+                    if (self.blobs / target.sha256).exists():
+                        continue
+                    async with self._lock(delta.sha256):
+                        await self._fetch_blob(delta.sha256, delta.size, f"v{version} {delta.path}", delta)
+                    await self._apply(delta, target)
+        except IntegrityError as exc:  # PatchError included: a bad patch, never a bad full file
+            self.patches_refused += 1
+            logger.warning("patch for %s refused (%s); fetching the full file instead", file.path, exc)
+
+    async def _chain(self, manifest: Manifest, file: ManifestFile) -> list[tuple[ManifestFile, ManifestFile, int]]:
+        """(patch, file it rebuilds, version), newest first, back to a file this cache holds, if those patches
+        are fewer bytes than what is left of the full file to download; [] otherwise."""
+        partial = self.blobs / f"{file.sha256}.partial"
+        left = file.size - (_size(partial) if partial.exists() else 0)
+        chain: list[tuple[ManifestFile, ManifestFile, int]] = []
+        cost, current, target = 0, manifest, file
+        for _ in range(MAX_CHAIN):
+            delta = next((d for d in current.files if d.form == "delta" and d.result_sha256 == target.sha256), None)
+            if delta is None or delta.base_sha256 is None:
+                return []
+            cost += 0 if (self.blobs / delta.sha256).exists() else delta.size
+            if cost >= left:
+                return []
+            chain.append((delta, target, current.version))
+            if (self.blobs / delta.base_sha256).exists():
+                return chain
+            previous = await self._older_manifest(current.run_id, current.version - 1)
+            base = next((f for f in previous.files if f.form != "delta" and f.sha256 == delta.base_sha256),
+                        None) if previous is not None else None
+            if previous is None or base is None:
+                return []
+            current, target = previous, base
+        return []
+
+    async def _older_manifest(self, run_id: str, version: int) -> Manifest | None:
+        """An earlier version's manifest, verified like any (signature, run, version); None if it is not served."""
+        if version < 0:
+            return None
+        try:
+            signed = wire.decode(await self.client.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
+            manifest, _ = open_manifest(signed, self.coordinator_key)
+        except ProtocolError as exc:  # pruned (no_such_version), or not a manifest: no chain through it
+            logger.debug("no manifest for version %d: %s", version, exc)
+            return None
+        return manifest if manifest.version == version and manifest.run_id == run_id else None
+
+    async def _apply(self, delta: ManifestFile, target: ManifestFile) -> None:
+        """base + patch → the target file, which enters the cache only if its sha256 is the manifest's."""
+        assert delta.base_sha256 is not None
+        out = self.blobs / f"{target.sha256}.rebuild"
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(apply_patch, self.blobs / delta.base_sha256, self.blobs / delta.sha256, out,
+                                    base_sha256=delta.base_sha256, result_sha256=target.sha256)
+            digest = await asyncio.to_thread(sha256_file, out)
+            if digest != target.sha256:
+                raise PatchError(f"{delta.path} rebuilt a file whose sha256 is {digest[:12]}, not the manifest's "
+                                 f"{target.sha256[:12]}")
+            os.replace(out, self.blobs / target.sha256)
+        finally:
+            out.unlink(missing_ok=True)
+            took = time.monotonic() - t0
+            self.patch_apply_s += took
+        self.patched += 1
+        # bench/scale.py reads this line from the client's log: keep its wording
+        logger.info("rebuilt %s (%d bytes) from a %d-byte patch in %.3fs", target.path, target.size, delta.size, took)
+        if self.peers is not None:
+            await self.peers.announce([target.sha256])
 
     def missing_bytes(self, manifest: Manifest) -> int:
         """Bytes still to download for ``manifest`` (files already cached, or partly downloaded, count less);

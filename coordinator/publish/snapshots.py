@@ -9,6 +9,11 @@ Run-level shared files (``snapshots/base/``): a file that is identical in every 
 a LoRA run) is written once per run and listed, by name, size and sha256, in each version's manifest. Clients
 fetch files by sha256, so they neither know nor care where the coordinator keeps it; the version folder holds
 only what changes. The sha256 is kept in a sidecar so a restart does not hash gigabytes again.
+
+Delta files (``anchor_every`` set; coordinator.publish.deltas, shared.deltas): a version's whole-weight files are
+also published as patches against the previous version's files, listed in its manifest with the sha256 of the
+file each rebuilds; every ``anchor_every``-th version is a full anchor, published without patches, so that no
+client's chain of patches is longer than ``anchor_every - 1``.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from coordinator.publish.deltas import PATCHED_FILES, write_delta
 from shared import wire
 from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.messages import Manifest, ManifestFile, SignedManifest
-from shared.records import build_manifest, file_form, sign_manifest
+from shared.records import DELTA_SUFFIX, build_manifest, file_form, manifest_file, sign_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +87,13 @@ def write_atomic(path: Path, data: bytes) -> None:
 class SnapshotStore:
     """The ``snapshots/`` folder of a run, plus an in-memory index of servable files by sha256."""
 
-    def __init__(self, root: Path, key: Ed25519PrivateKey, run_id: str, *, piece_size: int = PIECE_SIZE) -> None:
+    def __init__(self, root: Path, key: Ed25519PrivateKey, run_id: str, *, piece_size: int = PIECE_SIZE,
+                 anchor_every: int | None = None) -> None:
         self.root = Path(root)
         self.piece_size = piece_size  # of the manifests' per-piece hashes (ManifestFile.pieces)
+        if anchor_every is not None and anchor_every < 1:
+            raise ValueError(f"anchor_every must be at least 1 (every version a full anchor), not {anchor_every}")
+        self.anchor_every = anchor_every  # None: no delta files
         self.root.mkdir(parents=True, exist_ok=True)
         self.key = key
         self.run_id = run_id
@@ -155,6 +165,10 @@ class SnapshotStore:
                     raise ValueError(f"version {version} writes {sorted(clash)} itself and as a shared file")
                 manifest = manifest.model_copy(update={"files": sorted([*manifest.files, *extra],
                                                                        key=lambda f: f.path)})
+            patches = self._write_deltas(version, tmp, manifest)
+            if patches:
+                manifest = Manifest.model_validate({**manifest.model_dump(),
+                                                    "files": sorted([*manifest.files, *patches], key=lambda f: f.path)})
             final = self.folder(version)
             if final.exists():  # left over by a crash before the database recorded this version
                 shutil.rmtree(final)
@@ -167,6 +181,42 @@ class SnapshotStore:
         write_atomic(final / MANIFEST_FILE, signed)
         self._index(version, manifest, signed)
         return sha256_bytes(wire.decode(signed, SignedManifest).manifest)
+
+    def is_anchor(self, version: int) -> bool:
+        """A version published whole only (no patches): every ``anchor_every``-th, and every one without deltas."""
+        return self.anchor_every is None or version % self.anchor_every == 0
+
+    def _write_deltas(self, version: int, folder: Path, manifest: Manifest) -> list[ManifestFile]:
+        """The patches of this version's whole-weight files against the previous version's (written into
+        ``folder``, fsynced), as manifest entries; none for an anchor, the first version, or a previous version
+        no longer here (pruned, or published by another process before a restart reindexed it)."""
+        if self.is_anchor(version):
+            return []
+        with self._index_lock:
+            previous = self._signed.get(version - 1)
+        if previous is None:
+            return []
+        before = {f.path: f for f in wire.decode(wire.decode(previous, SignedManifest).manifest, Manifest).files}
+        entries = []
+        for f in manifest.files:
+            old = before.get(f.path)
+            if f.path not in PATCHED_FILES or old is None or old.sha256 == f.sha256:
+                continue
+            base, out = self._file_of(version - 1, f.path), folder / (f.path + DELTA_SUFFIX)
+            try:
+                size = write_delta(base, folder / f.path, out, base_sha256=old.sha256, result_sha256=f.sha256)
+            except FileNotFoundError:  # the previous version was pruned under us: this one is published whole
+                out.unlink(missing_ok=True)
+                continue
+            if size is None:
+                continue
+            with open(out, "rb") as fh:
+                os.fsync(fh.fileno())
+            entries.append(manifest_file(out, piece_size=self.piece_size, base_sha256=old.sha256,
+                                         result_sha256=f.sha256))
+        if entries:
+            fsync_dir(folder)
+        return entries
 
     def _index(self, version: int, manifest: Manifest, signed: bytes) -> None:
         with self._index_lock:

@@ -63,7 +63,9 @@ class RunFiles:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return cls(config=config, store=store, key=key, run_id=run_id,
                    snapshots=SnapshotStore(run_dir / "snapshots", key, run_id,
-                                             piece_size=config.snapshots.piece_kib * 1024),
+                                             piece_size=config.snapshots.piece_kib * 1024,
+                                             anchor_every=config.snapshots.anchor_every if config.snapshots.deltas
+                                             else None),
                    task=make_task(config.task, config.model.path))
 
     def close(self) -> None:
