@@ -122,9 +122,9 @@ def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, top:
     return path
 
 
-def start_coordinator(config: Path, log: Path) -> tuple[Proc, str]:
+def start_coordinator(config: Path, log: Path, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     proc = Proc([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(config)], log,
-                ready="listening on ")
+                ready="listening on ", env=env)
     proc.ready.wait(180)
     out = proc.output()
     assert "listening on " in out, f"coordinator did not start:\n{out[-3000:]}"
