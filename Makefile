@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential; \
 	  else echo "error: no C/C++ compiler; install build-essential (Debian/Ubuntu) or Xcode tools" >&2; exit 1; fi; }
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	@# the same wheel kept for tests/integration/test_installer.py's real install (from pip's cache or find-links)
+	$(BIN)/pip download --quiet --no-deps --dest $(VENV)/wheels "$(TORCH_SPEC)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e ".[dev,coordinator,torch,llama,math,data,postgres,reasoning-gym,p2p]"
 	touch $@
 
@@ -60,8 +62,10 @@ postgres:
 	  echo "error: the store tests need PostgreSQL's server binaries; install postgresql (Debian/Ubuntu) or set ECHO_SWARM_PG_BINDIR" >&2; exit 1; \
 	fi
 
+# --durations: the suite watches its own time (docs/operations.md §6 keeps the wall per directory); a test that
+# skips fails here (tests/conftest.py): what CI cannot run is a failure to fix, not a pass.
 test: lint browser postgres
-	$(BIN)/python -m pytest -ra
+	ECHO_SWARM_NO_SKIPS=1 $(BIN)/python -m pytest -ra --durations=25
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from coordinator.holds import hold
 from coordinator.publish.deltas import PATCHED_FILES, write_delta
 from shared import wire
 from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
@@ -151,6 +152,7 @@ class SnapshotStore:
         tmp.mkdir()
         try:
             files.write(tmp)
+            hold(f"publish-v{version}")  # a fault test's kill point: written, not yet durable or renamed
             # the fsync (waiting on the disk) and the hashing (reading the same files from the page cache) overlap
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-fsync") as pool:
                 synced = pool.submit(_fsync_tree, tmp)

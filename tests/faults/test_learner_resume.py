@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load_config
+from coordinator.holds import HOLD_ENV
 from coordinator.roles.learner import LearnerRole
 from coordinator.run.runfiles import RunFiles
 from coordinator.run.workqueue import Bell
@@ -17,6 +18,7 @@ from tests.integration.helpers import (
     Proc,
     db_rows,
     get_status,
+    process_alive,
     start_client,
     start_coordinator,
     stop_all,
@@ -27,12 +29,12 @@ from tests.integration.helpers import (
 pytestmark = pytest.mark.slow
 
 
-def _publishing(run_dir: Path) -> bool:
-    snapshots = run_dir / "snapshots"
-    try:
-        return any(p.name.startswith(".tmp-v") for p in snapshots.iterdir())
-    except FileNotFoundError:
-        return False
+HELD = 4  # the version the learner's publisher is held in the middle of writing, then killed
+
+
+def _half_written(run_dir: Path, version: int) -> list[Path]:
+    """Version ``version``'s temporary folder (files written, nothing renamed or signed), if it is there."""
+    return [p for p in (run_dir / "snapshots").iterdir() if p.name.startswith(f".tmp-v{version}-")]
 
 
 def _resumed_learner_matches_snapshot(cfg: Path, tiny_model_dir: Path) -> tuple[int, int]:
@@ -66,22 +68,28 @@ def test_kill_mid_publication_resumes_by_replay_and_loses_nothing(tmp_path: Path
     learner = {"max_steps": max_steps, "checkpoint_every_steps": 100}  # checkpoints at v0 (and the last) only
     snapshots = {"dtype": "float32", "gguf": "f32"}
     cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner=learner, snapshots=snapshots)
-    coord, url = start_coordinator(cfg, tmp_path / "coord1.log")
+    held = tmp_path / "held"  # the publisher writes its pid here and waits (coordinator.holds) until killed
+    coord, url = start_coordinator(cfg, tmp_path / "coord1.log", env={HOLD_ENV: f"publish-v{HELD}={held}"})
     port = int(url.rsplit(":", 1)[1])
     client = start_client(url, tmp_path / "c", tmp_path / "c.log", "--exit-when-finished")
     coord2: Proc | None = None
     try:
-        wait_until(lambda: (s := get_status(url)) and s["version"] >= 3, 180, "a few versions")
-        wait_until(lambda: _publishing(run_dir), 120, "a version being published", interval=0.002)
-        coord.kill9()
+        wait_until(held.exists, 300, f"the publisher held mid-write of version {HELD}")
+        publisher_pid = int(held.read_text())
+        partial = _half_written(run_dir, HELD)
+        assert len(partial) == 1 and any(partial[0].iterdir()), "held before its files were written"
+        assert not (run_dir / "snapshots" / f"v{HELD:06d}").exists()
+        coord.kill9()  # the learner role's process dies with it (PR_SET_PDEATHSIG), still held
+        wait_until(lambda: not process_alive(publisher_pid), 60, "the held publisher's process to die")
         (version,), = db_rows(run_dir, "SELECT MAX(version) FROM versions")
         accepted = set(db_rows(run_dir, "SELECT job_id, client_id, content_sha256 FROM results"))
-        assert 3 <= version < max_steps
+        assert version == HELD - 1  # killed mid-publication: the held version was never recorded
         write_config(cfg, run_dir, tiny_model_dir, port=port, learner=learner, snapshots=snapshots)
         resumed, optimizer_steps = _resumed_learner_matches_snapshot(cfg, tiny_model_dir)
         assert resumed == version and optimizer_steps == version  # replayed 1..version from the v0 checkpoint
         assert sorted(p.name for p in (run_dir / "snapshots").iterdir() if p.name.startswith("v"))[-1] == \
             f"v{version:06d}"  # the version being published when killed is gone
+        assert not _half_written(run_dir, HELD)  # and so is its temporary folder
         coord2, url2 = start_coordinator(cfg, tmp_path / "coord2.log")
         assert url2 == url
         final = wait_until(lambda: (s := get_status(url)) and s["finished"] and s, 300, "the resumed run to finish")

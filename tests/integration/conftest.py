@@ -107,6 +107,17 @@ def _dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
         task.print_stack(file=sys.stderr)
 
 
+@pytest.fixture(scope="session")
+def hivemind() -> Any:
+    """hivemind, the p2p extra that `make setup` installs: where it does not import, the p2p tests fail saying so,
+    as the store tests do without PostgreSQL, instead of vanishing from the run as skips."""
+    try:
+        import hivemind as module
+    except ImportError as exc:
+        pytest.fail(f"the p2p tests need hivemind (the [p2p] extra: make setup, or pip install -e '.[p2p]'): {exc}")
+    return module
+
+
 @pytest.fixture
 def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
     with running_coordinator(tmp_path, tiny_model_dir) as live:

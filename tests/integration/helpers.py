@@ -3,6 +3,7 @@ protocol client written against docs/protocol.md (not the production client), an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -122,9 +123,9 @@ def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, top:
     return path
 
 
-def start_coordinator(config: Path, log: Path) -> tuple[Proc, str]:
+def start_coordinator(config: Path, log: Path, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     proc = Proc([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(config)], log,
-                ready="listening on ")
+                ready="listening on ", env=env)
     proc.ready.wait(180)
     out = proc.output()
     assert "listening on " in out, f"coordinator did not start:\n{out[-3000:]}"
@@ -144,17 +145,30 @@ def get_status(url: str) -> dict[str, Any] | None:
         return None
 
 
-def db_rows(run_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Read the coordinator's database (WAL lets a reader in while the coordinator writes)."""
-    conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
+@functools.cache
+def _nonce_db(run_dir: Path) -> Path:
+    """Where a run keeps its replay-protection database (coordinator.store.store.Store.nonce_path); the run's tmpfs
+    folder is found once per run directory (finding it writes its owner file and sweeps orphans: ~8 ms)."""
     folder = run_folder(run_dir / "coordinator.sqlite")
-    nonces = folder / "nonces.sqlite" if folder is not None else run_dir / "coordinator-nonces.sqlite"
-    if nonces.exists():  # replay protection has its own file (coordinator.store.store.Store.nonce_path)
-        conn.execute("ATTACH DATABASE ? AS n", (f"file:{nonces}?mode=ro",))
+    return folder / "nonces.sqlite" if folder is not None else run_dir / "coordinator-nonces.sqlite"
+
+
+def db_queries(run_dir: Path, *queries: str | tuple[str, tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
+    """Several reads of the coordinator's database through one read-only connection (WAL lets a reader in while
+    the coordinator writes): each query is SQL or (SQL, parameters)."""
+    conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
+    nonces = _nonce_db(run_dir)
     try:
-        return conn.execute(sql, params).fetchall()
+        if nonces.exists():  # replay protection has its own file
+            conn.execute("ATTACH DATABASE ? AS n", (f"file:{nonces}?mode=ro",))
+        return [conn.execute(*((q, ()) if isinstance(q, str) else q)).fetchall() for q in queries]
     finally:
         conn.close()
+
+
+def db_rows(run_dir: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Read the coordinator's database (one query)."""
+    return db_queries(run_dir, (sql, params))[0]
 
 
 def perturbed_copy(src: Path, dst: Path, scale: float) -> None:

@@ -51,7 +51,7 @@ from shared.messages import (
 from shared.records import open_job, open_manifest
 from shared.safe_text import UNSAFE_CHARS
 from tests.integration.conftest import LiveCoordinator
-from tests.integration.helpers import RawClient, db_rows
+from tests.integration.helpers import RawClient, db_queries, db_rows
 
 REGISTER, LEASE, RELEASE, RESULTS = "/v1/register", "/v1/lease", "/v1/release", "/v1/results"
 ENDPOINTS = (REGISTER, LEASE, RELEASE, RESULTS)
@@ -94,15 +94,15 @@ class DbState:
 
 
 def db_state(live: LiveCoordinator) -> DbState:
-    run_dir = live.run_dir
-    jobs = db_rows(run_dir, "SELECT job_id, state, lease_id, lease_client, lease_deadline, issue_count FROM jobs "
-                            "ORDER BY job_id")
-    by_state = dict(db_rows(run_dir, "SELECT state, COUNT(*) FROM jobs GROUP BY state"))
-    ((results, versions, rejections),) = db_rows(
-        run_dir, "SELECT (SELECT COUNT(*) FROM results), (SELECT COUNT(*) FROM versions), "
-                 "(SELECT COUNT(*) FROM rejections)")
-    clients = db_rows(run_dir, "SELECT client_id, public_key, accepted, credit, banned FROM clients ORDER BY client_id")
-    return DbState(jobs, by_state, results, versions, rejections, clients)
+    """The tables a refused request must leave alone, read through one connection (twice per example)."""
+    jobs, by_state, counts, clients = db_queries(
+        live.run_dir,
+        "SELECT job_id, state, lease_id, lease_client, lease_deadline, issue_count FROM jobs ORDER BY job_id",
+        "SELECT state, COUNT(*) FROM jobs GROUP BY state",
+        "SELECT (SELECT COUNT(*) FROM results), (SELECT COUNT(*) FROM versions), (SELECT COUNT(*) FROM rejections)",
+        "SELECT client_id, public_key, accepted, credit, banned FROM clients ORDER BY client_id")
+    ((results, versions, rejections),) = counts
+    return DbState(jobs, dict(by_state), results, versions, rejections, clients)
 
 
 def assert_nothing_written(before: DbState, after: DbState, rejections_added: int, what: str) -> None:

@@ -202,15 +202,24 @@ def _python3_tag(env: dict[str, str]) -> str | None:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
+def _torch_wheel_dirs(tag: str) -> list[Path]:
+    """Folders holding a torch 2.13.0 wheel for ``tag``: the one `make setup` fills (``$VENV/wheels``, the wheel the
+    test venv's own torch was installed from) and any in PIP_FIND_LINKS."""
+    candidates = [Path(sys.prefix) / "wheels"] + [Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if p]
+    return [d for d in candidates if d.is_dir() and any(d.glob(f"torch-2.13.0*-{tag}-*.whl"))]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1900)
 def test_full_install_into_a_fresh_home(tmp_path: Path, home: Path) -> None:
     env = installer_env(home)
     tag = _python3_tag(env)
-    links = [Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if p]
-    if tag is None or not any(d.is_dir() and any(d.glob(f"torch-2.13.0*-{tag}-*.whl")) for d in links):
-        pytest.skip(f"no local torch 2.13.0 wheel for {tag} in PIP_FIND_LINKS: torch==2.13.0 would be a multi-GB "
-                    "download of the CUDA build")
+    assert tag is not None, "no python3 on PATH for the installer to find"
+    wheels = _torch_wheel_dirs(tag)
+    # torch==2.13.0 from the index would be a multi-GB download of the CUDA build: `make setup` keeps the wheel
+    assert wheels, (f"no local torch 2.13.0 wheel for {tag} in {Path(sys.prefix) / 'wheels'} or PIP_FIND_LINKS: "
+                    "run `make setup` (it saves the wheel it installed there)")
+    env["PIP_FIND_LINKS"] = " ".join(str(d) for d in wheels)
     env["TMPDIR"] = str(tmp_path / "tmp")
     (tmp_path / "tmp").mkdir()
     bin_dir = tmp_path / "bin"

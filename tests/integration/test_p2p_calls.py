@@ -18,8 +18,7 @@ import pytest
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import Proc, db_rows, start_client, wait_until
 
-pytest.importorskip("hivemind")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hivemind")]  # missing, these fail (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,108 @@
-"""Pure rules around llama.cpp clients: backend choice, snapshot file forms, per-backend-class tolerances."""
+"""Rules around llama.cpp clients: backend choice (in Pythons that really lack llama.cpp, torch or both), snapshot
+file forms, per-backend-class tolerances."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from coordinator.config import CoordinatorConfig, VerificationConfig, load_config
 from shared.records import file_form
-from swarm_client.backends import backend_kind, llama_available, resolve_backend
+from swarm_client.backends import backend_kind, resolve_backend
 from swarm_client.backends.llama_backend import log_softmax
 
+# What a process can import decides the backend, so each branch runs in a Python whose import path really lacks
+# the packages: this venv's site-packages rebuilt as symlinks minus their folders and metadata, under `python -S`.
+SITE = Path(sysconfig.get_paths()["purelib"])
+REPO = Path(__file__).resolve().parents[2]
+LLAMA = ("llama_cpp", "llama_cpp_python")
+TORCH = ("torch", "torchgen", "functorch", "transformers")
+PROBE = """
+import json, sys
+from swarm_client.backends import make_backend, resolve_backend
+out = {}
+for name in sys.argv[1:]:
+    try:
+        out[name] = resolve_backend(name)
+        out["made " + name] = type(make_backend(name, device="cpu", threads=1)).__name__
+    except ValueError as exc:
+        out.setdefault(name, "refused")
+        out["made " + name] = "refused: " + str(exc)
+out["imported"] = sorted(m for m in ("llama_cpp", "torch") if m in sys.modules)
+print(json.dumps(out))
+"""
 
-def test_auto_prefers_llama_where_installed() -> None:
-    assert resolve_backend("auto") == ("llama" if llama_available() else "torch")
-    assert resolve_backend("torch") == "torch"
-    assert resolve_backend("llama") == "llama"
+
+def _env_without(tmp_path: Path, *absent: str) -> dict[str, str]:
+    """An environment for ``python -S`` that finds the checkout and everything this venv has except the
+    distributions ``absent`` (their import folders and metadata are simply not on the path)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for entry in SITE.iterdir():
+        if entry.name.split("-")[0].split(".")[0].lower() not in absent:
+            (site / entry.name).symlink_to(entry)
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
+        "PYTHONPATH": f"{REPO}{os.pathsep}{site}"}
+
+
+def _run(env: dict[str, str], code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-S", "-c", code, *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _probe(tmp_path: Path, absent: tuple[str, ...], *backends: str) -> dict[str, Any]:
+    """Which backend each name in ``backends`` resolves to and builds, in a Python without ``absent``."""
+    proc = _run(_env_without(tmp_path, *absent), PROBE, *backends)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_probe_python_lacks_exactly_what_it_hides(tmp_path: Path) -> None:
+    env = _env_without(tmp_path, *LLAMA)
+    missing = _run(env, "import llama_cpp")
+    assert missing.returncode != 0 and "No module named 'llama_cpp'" in missing.stderr
+    assert _run(env, "import gguf, numpy, swarm_client.backends").returncode == 0  # the rest is there
+
+
+def test_with_llama_cpp_installed_auto_builds_the_llama_backend(tmp_path: Path) -> None:
+    got = _probe(tmp_path, (), "auto", "llama")
+    assert got["auto"] == "llama" and got["made auto"] == "LlamaBackend" and got["made llama"] == "LlamaBackend"
+    assert got["imported"] == ["llama_cpp"]  # torch is installed here, and not loaded for nothing
+
+
+def test_without_llama_cpp_auto_builds_the_torch_backend_and_llama_says_what_to_install(tmp_path: Path) -> None:
+    got = _probe(tmp_path, LLAMA, "auto", "llama")
+    assert got["auto"] == "torch" and got["made auto"] == "TorchBackend"
+    assert got["made llama"].startswith("refused: the llama backend needs llama-cpp-python")
+    assert "pip install 'echo-swarm[llama]'" in got["made llama"] and "--backend torch" in got["made llama"]
+    assert got["imported"] == ["torch"]
+
+
+def test_without_torch_auto_builds_the_llama_backend_and_torch_says_what_to_install(tmp_path: Path) -> None:
+    got = _probe(tmp_path, TORCH, "auto", "torch")
+    assert got["auto"] == "llama" and got["made auto"] == "LlamaBackend"
+    assert got["made torch"].startswith("refused: the torch backend needs torch and transformers")
+    assert "--backend llama" in got["made torch"]
+    assert got["imported"] == ["llama_cpp"]  # a llama.cpp client never loads torch
+
+
+def test_with_neither_backend_installed_auto_is_refused_with_both_installs(tmp_path: Path) -> None:
+    got = _probe(tmp_path, LLAMA + TORCH, "auto", "llama", "torch")
+    assert got["auto"] == "refused" and "no generation backend is installed" in got["made auto"]
+    assert "echo-swarm[llama]" in got["made auto"] and "echo-swarm[torch]" in got["made auto"]
+    assert got["made llama"].startswith("refused:") and got["made torch"].startswith("refused:")
+    assert got["imported"] == []
+
+
+def test_an_unknown_backend_is_refused_with_the_choices() -> None:
+    assert resolve_backend("torch") == "torch" and resolve_backend("llama") == "llama"
     with pytest.raises(ValueError, match="choose one of: auto, torch, llama"):
         resolve_backend("vllm")
 
