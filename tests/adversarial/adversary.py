@@ -452,7 +452,8 @@ class Adversary:
         job = await self.lease(api)
         own = job.model_copy(update={"seed": (job.seed + 1) % 2**63})
         sub = await self.honest(api, own)
-        await self.cheat(api, job, self.tamper(sub, seed=job.seed), "sampled with its own seed, claims the job's")
+        await self.cheat(api, job, sub.model_copy(update={"seed": job.seed}),
+                         "sampled with its own seed, claims the job's")
 
     async def forced_correct(self) -> None:
         """Reward farming: every completion is the prompt's correct answer and end of text, with true logprobs."""
