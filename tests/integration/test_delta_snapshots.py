@@ -5,6 +5,7 @@ or built on another base, which are refused for the full file (nothing half-appl
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,7 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 from aiohttp import web
 
-from coordinator.api.app import COORDINATOR, blob, errors_middleware, snapshot_manifest
+from coordinator.api.app import COORDINATOR, INTERNAL_ERRORS, blob, errors_middleware, snapshot_manifest
+from coordinator.core.ratelimit import BurstLog
 from coordinator.publish.deltas import layout
 from coordinator.publish.snapshots import MANIFEST_FILE, SnapshotStore
 from shared import crypto, wire
@@ -46,7 +48,10 @@ def _entries(store: SnapshotStore, version: int) -> dict[str, ManifestFile]:
 @asynccontextmanager
 async def _serving(store: SnapshotStore, current: int) -> AsyncIterator[str]:
     app = web.Application(middlewares=[errors_middleware])
-    app[COORDINATOR] = SimpleNamespace(snapshots=store, version=current)  # type: ignore[assignment]
+    # the two snapshot endpoints of the API with its error middleware; no budgets (one client, a few requests)
+    app[COORDINATOR] = SimpleNamespace(snapshots=store, version=current, clock=time.time,  # type: ignore[assignment]
+                                       guard=SimpleNamespace(check_address=lambda address, now: None))
+    app[INTERNAL_ERRORS] = BurstLog(60.0)
     app.router.add_get("/v1/snapshots/{version}", snapshot_manifest)
     app.router.add_get("/v1/blobs/{sha256}", blob)
     runner = web.AppRunner(app)
