@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -24,9 +24,6 @@ from rich.table import Table
 from rich.text import Text
 
 from shared.safe_text import escape
-
-if TYPE_CHECKING:
-    from echo_swarm.admin_client import AdminClient
 
 console = Console()
 errors = Console(stderr=True)  # errors on stderr, so a script reading --json output never parses one
@@ -55,14 +52,6 @@ class _Target:
     run_dir: Optional[Path]
     key: Optional[Path]
     timeout: float
-
-    def client(self) -> AdminClient:
-        from echo_swarm.admin_client import AdminClient, AdminError
-
-        try:
-            return AdminClient.open(self.url, self.run_dir, self.key, self.timeout)
-        except AdminError as exc:
-            _fail(str(exc))
 
 
 def _fail(message: str) -> NoReturn:
@@ -102,12 +91,16 @@ def _options(
 
 
 def _run(ctx: typer.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Open a client for the target the group's options name, make one call, return its reply; a refusal, an
+    unreachable coordinator or a missing key is one line on stderr and exit code 1."""
     from pydantic import ValidationError
 
-    from echo_swarm.admin_client import AdminError
+    # lazy: admin_client signs with cryptography (~0.3 s), which `echo-swarm --help` and `join` never load
+    from echo_swarm.admin_client import AdminClient, AdminError
 
-    client = ctx.obj.client()
+    target: _Target = ctx.obj
     try:
+        client = AdminClient.open(target.url, target.run_dir, target.key, target.timeout)
         return getattr(client, fn)(*args, **kwargs)
     except AdminError as exc:
         _fail(str(exc))
@@ -391,7 +384,7 @@ def keys_remove(
 def keys_rotate(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Replace the key you are using with a new one: the new key is listed, the old one revoked, and the
     key file (--key, or <run dir>/admin.key) rewritten."""
-    from echo_swarm.admin_client import resolve_target
+    from echo_swarm.admin_client import resolve_target  # lazy: as in _run (cryptography)
 
     target: _Target = ctx.obj
     _, key_path = resolve_target(target.url, target.run_dir, target.key)
@@ -408,7 +401,7 @@ def keys_generate(
 ) -> None:
     """Create an operator key file locally (no coordinator needed) and print its public key, which an existing
     operator then allows with `echo-swarm admin keys add`."""
-    from echo_swarm.admin_client import AdminError, generate_key_file
+    from echo_swarm.admin_client import AdminError, generate_key_file  # lazy: as in _run (cryptography)
 
     try:
         r = generate_key_file(path)

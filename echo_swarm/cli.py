@@ -1,7 +1,9 @@
 """`echo-swarm`: join a swarm as a volunteer, serve a coordinator, or run the local demo.
 
-Commands hold no logic: they turn flags into a config object and call the role's ``run``. Heavy imports
-(torch, transformers, aiohttp) happen inside the commands so that `--help` is instant.
+Commands hold no logic: they turn flags into a config object and call the role's ``run``. The module a heavy
+command runs (the client's runner, the coordinator, the demo: aiohttp, cryptography, numpy, the store) is imported
+inside that command, one import each with its reason beside it, so that `--help` and the light commands start at
+once; what this module imports at its top loads only the standard library, typer, rich and pydantic.
 """
 
 from __future__ import annotations
@@ -12,9 +14,16 @@ from typing import Annotated, Optional
 import typer
 
 from echo_swarm.admin_cli import admin_app
+from echo_swarm.argv import hoist_group_options
 from echo_swarm.demo_tasks import DEMO_TASKS
 from shared.exit_codes import ExitCode, codes_text
-from swarm_client.settings import JoinConfig
+from shared.safe_text import configure_logging
+from swarm_client.config import ClientConfigError, build, client_paths, resolve_home
+from swarm_client.control import describe, parse_duration, pid_alive, set_paused, update_controls
+from swarm_client.control import snooze as set_snooze
+from swarm_client.panel import software_version
+from swarm_client.service import ServiceSpec, install, join_argv, render, uninstall
+from swarm_client.settings import FLAG_FIELDS, JoinConfig
 
 app = typer.Typer(
     name="echo-swarm",
@@ -30,8 +39,6 @@ app.add_typer(admin_app, name="admin")
 
 def _show_version(value: bool) -> None:
     if value:
-        from swarm_client.panel import software_version
-
         typer.echo(f"echo-swarm {software_version()}")
         raise typer.Exit()
 
@@ -132,8 +139,7 @@ def join(
     p2p_coordinator: Annotated[Optional[list[str]], typer.Option(help=_h("p2p_coordinator"), show_default=False)] = None,
 ) -> None:
     flags = _join_flags(locals())  # first, so that it holds the parameters only
-    from swarm_client.config import ClientConfigError, build
-    from swarm_client.runner import run
+    from swarm_client.runner import run  # lazy: the runner loads aiohttp, numpy and cryptography (~0.6 s)
 
     try:
         cfg = build(flags, config)
@@ -147,8 +153,6 @@ def _join_flags(params: dict[str, object]) -> dict[str, object]:
     """`join`'s parameters (by their Python names) as JoinConfig fields: a flag named differently from its field
     maps through FLAG_FIELDS, repeated options become lists; ``config`` (the file, not a setting) is left out. One
     mapping for `join` itself and for `client install-service`, which checks its --join-arg flags with it."""
-    from swarm_client.settings import FLAG_FIELDS
-
     return {FLAG_FIELDS.get(k, k): list(v) if isinstance(v, tuple) else v for k, v in params.items()
             if k != "config"}
 
@@ -167,8 +171,6 @@ ConfigOption = Annotated[Optional[Path], typer.Option("--config", help="Client c
 
 
 def _client_home(home: Optional[Path], config: Optional[Path] = None) -> Path:
-    from swarm_client.config import ClientConfigError, resolve_home
-
     try:
         return resolve_home(home, config)
     except ClientConfigError as exc:
@@ -180,8 +182,6 @@ def _client_home(home: Optional[Path], config: Optional[Path] = None) -> Path:
 def pause(home: HomeOption = None, config: ConfigOption = None) -> None:
     """Stop fetching new work within one poll (about a second). The job being generated, if any, is
     finished and submitted first. The pause lasts, across restarts, until `echo-swarm client resume`."""
-    from swarm_client.control import set_paused
-
     set_paused(_client_home(home, config), True)
     typer.echo("paused: the client fetches no new work (a job in progress is finished first)")
 
@@ -189,8 +189,6 @@ def pause(home: HomeOption = None, config: ConfigOption = None) -> None:
 @client_app.command()
 def resume(home: HomeOption = None, config: ConfigOption = None) -> None:
     """Start fetching work again within one poll (also ends a snooze)."""
-    from swarm_client.control import set_paused
-
     set_paused(_client_home(home, config), False)
     typer.echo("resumed: the client fetches work again")
 
@@ -206,9 +204,6 @@ def snooze(
     `echo-swarm client resume` ends it early."""
     import datetime as dt
 
-    from swarm_client.control import parse_duration
-    from swarm_client.control import snooze as set_snooze
-
     try:
         seconds = parse_duration(duration)
     except ValueError as exc:
@@ -221,8 +216,6 @@ def snooze(
 @client_app.command()
 def finish(home: HomeOption = None, config: ConfigOption = None) -> None:
     """Finish the job in hand, submit its result, then exit (exit code 0: a service is not restarted)."""
-    from swarm_client.control import describe, update_controls
-
     where = _client_home(home, config)
     if not describe(where)["running"]:
         typer.echo(f"error: no client is running with home {where}; nothing to finish", err=True)
@@ -240,8 +233,6 @@ def status(
     """Show whether the client runs, whether it is paused or snoozed, its state, counters and credit."""
     import datetime as dt
     import json
-
-    from swarm_client.control import describe
 
     info = describe(_client_home(home, config))
     if json_out:
@@ -274,7 +265,7 @@ def open_page(
     """Open the running client's control page (127.0.0.1 only) in your browser."""
     import webbrowser
 
-    from swarm_client.control import pid_alive
+    # lazy: the control page's module loads aiohttp (~0.3 s), which no other light command needs
     from swarm_client.webcontrol import load_or_create_token, page_info
 
     where = _client_home(home, config)
@@ -305,9 +296,6 @@ def install_service(
 ) -> None:
     """Run `echo-swarm join` at login, restarted after a failure: a systemd user unit (Linux) or a launchd agent
     (macOS), with this installation's Python and your client settings."""
-    from swarm_client.config import ClientConfigError, build, client_paths
-    from swarm_client.service import ServiceSpec, install, join_argv, render
-
     # the settings must be valid now, not at the first boot: the --join-arg flags are parsed as `join` parses
     # them and, with the URL, home and config file, validated as `join` validates them
     join_args = [*([url] if url else []), *(["--home", str(home)] if home is not None else []), *(extra or [])]
@@ -335,8 +323,6 @@ def install_service(
 def uninstall_service() -> None:
     """Stop the service `install-service` set up and remove its unit (or agent). Settings, identity and credit
     stay."""
-    from swarm_client.service import uninstall
-
     for line in uninstall():
         typer.echo(line)
 
@@ -350,10 +336,11 @@ def env(
     """What to paste into a bug report: versions, backends, devices and paths (imports no heavy library)."""
     import json
 
-    from echo_swarm.envreport import render, report
+    # lazy: the report imports the backends and the control page (numpy, aiohttp), which --help never needs
+    from echo_swarm import envreport
 
-    data = report(home, config)
-    typer.echo(json.dumps(data, indent=2) if json_out else render(data))
+    data = envreport.report(home, config)
+    typer.echo(json.dumps(data, indent=2) if json_out else envreport.render(data))
 
 
 def _needs_coordinator_extra(command: str) -> None:
@@ -416,26 +403,18 @@ def coordinator(
     and its own exit code (see `echo-swarm --help`), and nothing is written.
     """
     _needs_coordinator_extra("coordinator")
-    from coordinator.config import ConfigError, load_config
-    from coordinator.launch.main import run
+    # lazy: serve loads the whole coordinator (aiohttp, the store, prometheus_client; ~0.6 s)
+    from echo_swarm.serve import serve
 
-    try:
-        cfg = load_config(config, {
-            "run_dir": str(run_dir) if run_dir else None, "model.path": model, "server.host": host,
-            "sync_mode": sync_mode, "max_staleness": max_staleness,
-            "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
-            "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
-            "verification.workers": verifiers, "store.url": store_url, "learner.world_size": learner_ranks,
-            "verification.placement": verifier_placement, "verification.world_size": verifier_ranks,
-            "p2p.enabled": p2p,
-        })
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(ExitCode.USAGE) from None
-    if role not in ("all", "api", "learner", "verifier", "p2p"):
-        typer.echo(f"error: --role {role!r} is not a role; use all, api, learner, verifier or p2p", err=True)
-        raise typer.Exit(ExitCode.USAGE)
-    raise typer.Exit(run(cfg, role, index))
+    raise typer.Exit(serve(config, {
+        "run_dir": str(run_dir) if run_dir else None, "model.path": model, "server.host": host,
+        "sync_mode": sync_mode, "max_staleness": max_staleness,
+        "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
+        "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
+        "verification.workers": verifiers, "store.url": store_url, "learner.world_size": learner_ranks,
+        "verification.placement": verifier_placement, "verification.world_size": verifier_ranks,
+        "p2p.enabled": p2p,
+    }, role, index))
 
 
 @app.command()
@@ -465,7 +444,7 @@ def demo(
     writes summary.json and a reward-curve plot to --out.
     """
     _needs_coordinator_extra("demo")
-    from echo_swarm.demo import DemoConfig, run
+    from echo_swarm.demo import DemoConfig, run  # lazy: the demo loads the store and the tiny model's numpy
 
     if task not in DEMO_TASKS:
         typer.echo(f"error: --task {task!r} is not a demo task; choose one of {', '.join(DEMO_TASKS)}", err=True)
@@ -480,7 +459,7 @@ def build_tiny_model(
     cache_dir: Annotated[Optional[Path], typer.Option(help="Cache folder (default: user cache or $ECHO_SWARM_CACHE).")] = None,
 ) -> None:
     """Build (or find in the cache) the built-in tiny model and print its folder."""
-    from echo_swarm.demo import build_model_with_progress
+    from echo_swarm.demo import build_model_with_progress  # lazy: as in `demo` (numpy, the store)
 
     typer.echo(build_model_with_progress(cache_dir))
 
@@ -488,9 +467,6 @@ def build_tiny_model(
 def main() -> None:
     import logging
     import sys
-
-    from echo_swarm.argv import hoist_group_options
-    from shared.safe_text import configure_logging
 
     # escaped, one line per record; the coordinator and join reconfigure it with their own level and format
     configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")

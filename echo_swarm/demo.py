@@ -27,9 +27,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from coordinator.engine.tiny_model import TinyRecipe, ensure_tiny_model
 from coordinator.store.db import is_postgres_url
+from coordinator.store.readmodels import rejection_counts
+from coordinator.store.store import Store
 from echo_swarm.demo_tasks import DEMO_TASKS
 from echo_swarm.pgserver import LocalPostgres, PostgresUnavailable
+from swarm_client.identity import load_identity
 
 console = Console()
 
@@ -60,8 +64,6 @@ class DemoConfig:
 
 
 def build_model_with_progress(cache_dir: Path | None = None) -> Path:
-    from coordinator.engine.tiny_model import TinyRecipe, ensure_tiny_model
-
     recipe = TinyRecipe()
     with Progress(TextColumn("[bold]building tiny model[/] (cached after the first run)"), BarColumn(),
                   TextColumn("step {task.completed}/{task.total}  warm-start accuracy {task.fields[acc]:.2f}"),
@@ -284,9 +286,6 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
 
 def _rejection_reasons(db: Path | str) -> dict[str, int]:
     """Refusals by reason code, read from the run's database so a demo says why anything was refused."""
-    from coordinator.store.readmodels import rejection_counts
-    from coordinator.store.store import Store
-
     if isinstance(db, Path) and not db.exists():
         return {}
     store = Store(db)
@@ -298,8 +297,6 @@ def _rejection_reasons(db: Path | str) -> dict[str, int]:
 
 def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall: float,
                store_url: str | None = None) -> dict[str, Any]:
-    from swarm_client.identity import load_identity
-
     by_id = {c["client_id"]: c for c in status["clients"]}
     clients = []
     for k, p in enumerate(procs):

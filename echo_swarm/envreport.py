@@ -12,6 +12,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from swarm_client.backends import llama_available, torch_available
+from swarm_client.config import client_paths, default_config_path
+from swarm_client.control import read_status
+from swarm_client.hardware import detect
+from swarm_client.service import unit_path
+from swarm_client.webcontrol import page_info
+
 PACKAGES = ("echo-swarm", "torch", "transformers", "peft", "llama-cpp-python", "gguf", "hivemind", "aiohttp",
             "pydantic", "numpy", "cryptography", "typer", "rich")
 
@@ -39,13 +46,6 @@ def torch_build(torch_version: str | None) -> str:
 
 
 def report(home: Path | None = None, config_path: Path | None = None) -> dict[str, Any]:
-    from swarm_client.backends import llama_available, torch_available
-    from swarm_client.config import client_paths, default_config_path
-    from swarm_client.control import read_status
-    from swarm_client.hardware import detect
-    from swarm_client.service import unit_path
-    from swarm_client.webcontrol import page_info
-
     versions = {name: _version(name) for name in PACKAGES}
     paths = client_paths(home, config_path)
     hw = detect(paths.home)

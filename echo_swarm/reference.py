@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from echo_swarm.cli import app
+from shared.exit_codes import codes_table
+from swarm_client.settings import FLAG_FIELDS, JoinConfig
+
 BEGIN = "<!-- generated: {name} (echo_swarm/reference.py) -->"
 END = "<!-- end generated: {name} -->"
 
 
 def _flags(command: Any) -> dict[str, str]:
     """JoinConfig field → the flag spelling(s) of `join` that set it."""
-    from swarm_client.settings import FLAG_FIELDS
-
     out: dict[str, str] = {}
     for param in command.params:
         kind = getattr(param, "param_type_name", "")
@@ -27,9 +29,6 @@ def _flags(command: Any) -> dict[str, str]:
 
 def join_options_markdown() -> str:
     import typer
-
-    from echo_swarm.cli import app
-    from swarm_client.settings import FLAG_FIELDS, JoinConfig
 
     join = typer.main.get_command(app).commands["join"]  # type: ignore[attr-defined]
     flags = _flags(join)
@@ -46,8 +45,6 @@ def join_options_markdown() -> str:
 
 
 def exit_codes_markdown() -> str:
-    from shared.exit_codes import codes_table
-
     return codes_table()
 
 

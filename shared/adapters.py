@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.policy import load_model
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
@@ -266,8 +268,6 @@ def load_base_model(folder: Path, device: str = "cpu", dtype: str = "float32") -
     """A plain model from the base files in ``folder``, ignoring any adapter files beside them."""
     import tempfile
 
-    from shared.policy import load_model
-
     folder = Path(folder)
     if not is_adapter_folder(folder):
         model = load_model(folder, device, dtype)
@@ -287,8 +287,6 @@ def load_version_model(base_folder: Path, version_folder: Path, device: str = "c
     one, else the version folder's own whole weights (full-weight runs, and LoRA versions published before the
     base was shared, whose folders hold merged weights)."""
     if not is_adapter_folder(version_folder):
-        from shared.policy import load_model
-
         return load_model(Path(version_folder), device, dtype).eval()
     model = load_base_model(base_folder, device, dtype)
     apply_adapter(model, base_folder, read_adapter(version_folder))

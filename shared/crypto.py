@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from shared import PROTOCOL_VERSION, wire
-from shared.errors import EchoSwarmError, Reason, SignatureError
+from shared.errors import EchoSwarmError, ProtocolError, Reason, SignatureError
 from shared.messages import SignedRequest
 
 REQUEST_DOMAIN = b"echo-swarm/request/v1"
@@ -120,8 +120,6 @@ def sign_request(key: Ed25519PrivateKey, path: str, body: bytes, *, timestamp: f
 def verify_request(request: SignedRequest, public_key: bytes) -> None:
     """Check the envelope's signature under ``public_key`` and that the id derives from that key."""
     if client_id_for(public_key) != request.client_id:
-        from shared.errors import ProtocolError
-
         raise ProtocolError(Reason.CLIENT_ID_MISMATCH, "client_id is not derived from the presented public key")
     payload = _request_signing_bytes(
         request.protocol, request.client_id, request.timestamp, request.nonce, request.path, request.body

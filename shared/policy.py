@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from shared.messages import Completion
 from shared.sampler import Segment, choose_torch, margins_torch, row_keys
 
 if TYPE_CHECKING:
     import torch
-
-    from shared.messages import Completion
 
 
 @dataclass
@@ -32,8 +31,6 @@ class Sampled:
     def to_completion(self) -> Completion:
         """The wire form. Float rounding can leave a certain token's logprob a hair above 0; the protocol
         bounds logprobs at ≤ 0 (plus a tiny margin), so clamp."""
-        from shared.messages import Completion
-
         return Completion(token_ids=self.token_ids, logprobs=[min(0.0, x) for x in self.logprobs],
                           finish_reason="stop" if self.finish_reason == "stop" else "length")
 

@@ -17,7 +17,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from shared.errors import EchoSwarmError
+from swarm_client.paths import ClientPaths, default_home
 from swarm_client.settings import FLAG_FIELDS as ALIASES  # a flag's name is also a valid key
+from swarm_client.settings import JoinConfig
 
 FILE_NAME = "client.toml"
 
@@ -66,9 +68,6 @@ def merge(file_values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
 def build(flags: dict[str, Any], config_path: Path | None = None) -> Any:
     """Flags (None = not given) + config file → a validated JoinConfig, or ClientConfigError. Without a home (flag,
     key or $ECHO_SWARM_HOME) the cache and the log go to the platform's folders (swarm_client.paths)."""
-    from swarm_client.paths import ClientPaths
-    from swarm_client.settings import JoinConfig
-
     path = config_path or default_config_path()
     values = merge(load_file(path, required=config_path is not None), flags)
     if not values.get("url"):
@@ -90,8 +89,6 @@ def build(flags: dict[str, Any], config_path: Path | None = None) -> Any:
 
 def client_paths(home_flag: Path | None, config_path: Path | None = None) -> Any:
     """The folders a client started with these options uses (for `echo-swarm env` and `client` commands)."""
-    from swarm_client.paths import ClientPaths
-
     values = load_file(config_path or default_config_path(), required=config_path is not None)
     home = home_flag if home_flag is not None else values.get("home")
     paths = ClientPaths.defaults_for(Path(home) if isinstance(home, str | Path) else None)
@@ -103,8 +100,6 @@ def client_paths(home_flag: Path | None, config_path: Path | None = None) -> Any
 def resolve_home(flag: Path | None, config_path: Path | None = None) -> Path:
     """The client home as `join` would pick it (flag → config file's ``home`` → default), so that
     `echo-swarm client pause` finds a client whose home was set only in the config file."""
-    from swarm_client.paths import default_home
-
     if flag is not None:
         return flag
     home = load_file(config_path or default_config_path(), required=config_path is not None).get("home")

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.adapters import SafetensorsFile, base_weight_files
+
 GIB = 2**30
 MIB = 2**20
 
@@ -270,8 +272,6 @@ def gguf_shape(path: Path) -> ModelShape | None:
 def torch_weights(folder: Path) -> Weights:
     """From the safetensors headers of ``folder`` (base weights; a LoRA adapter's own file is tiny and only ever
     one tensor at a time): the bytes the torch backend holds, at TORCH_DTYPE_BYTES per element."""
-    from shared.adapters import SafetensorsFile, base_weight_files
-
     total = largest = size = 0
     for path in base_weight_files(folder):
         size += path.stat().st_size

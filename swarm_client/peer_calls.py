@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from shared.p2p_calls import call
+
 if TYPE_CHECKING:
     from swarm_client.peer_fetch import ClientPeer
 
@@ -33,8 +35,6 @@ class PeerCalls:
 
     async def send(self, path: str, data: bytes) -> tuple[int, bytes] | None:
         """(status, reply bytes) from the coordinator's peer, or None: send this attempt over HTTP."""
-        from shared.p2p_calls import call
-
         node = self.peer.node
         if time.monotonic() < self._off_until:
             self.fallbacks += 1

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from shared import wire
 from shared.messages import ManifestFile, P2PInfo
+from shared.p2p import P2PUnavailable, PeerNode, Uploads, stop_peer
 
 if TYPE_CHECKING:
-    from shared.p2p import PeerNode
     from swarm_client.api import CoordinatorClient
 
 logger = logging.getLogger(__name__)
@@ -87,8 +87,6 @@ class ClientPeer:
 
     async def start(self, api: CoordinatorClient, run_id: str, coordinator_key: bytes) -> bool:
         """Join the coordinator's DHT; False (said once) when p2p cannot run, and snapshots come over HTTP."""
-        from shared.p2p import P2PUnavailable, PeerNode, Uploads
-
         try:
             info = coordinator_info(self.settings.coordinator) if self.settings.coordinator else \
                 wire.decode(await api.get_raw("/v1/p2p"), P2PInfo)
@@ -116,8 +114,6 @@ class ClientPeer:
         return True
 
     async def stop(self) -> None:
-        from shared.p2p import stop_peer
-
         await stop_peer(self.node, self._task)
         self.node = None
 

@@ -22,6 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+from shared import wire
+from shared.messages import Manifest, SignedManifest
+from shared.records import open_manifest
+from swarm_client.api import CoordinatorClient, RetryPolicy
+from swarm_client.identity import load_identity
+from swarm_client.peer_fetch import ClientPeer, PeerSettings
+from swarm_client.snapshots import SnapshotCache
+
 
 def _corrupt_copies(blobs: Path, piece: int, piece_size: int) -> dict[str, Path]:
     bad_dir = blobs.parent / "bad"
@@ -52,14 +60,6 @@ def _cpu(peer: object) -> float:
 
 
 async def main(args: argparse.Namespace) -> int:
-    from shared import wire
-    from shared.messages import Manifest, SignedManifest
-    from shared.records import open_manifest
-    from swarm_client.api import CoordinatorClient, RetryPolicy
-    from swarm_client.identity import load_identity
-    from swarm_client.peer_fetch import ClientPeer, PeerSettings
-    from swarm_client.snapshots import SnapshotCache
-
     said: list[str] = []
     api = CoordinatorClient(args.url, load_identity(args.home), retry=RetryPolicy(attempts=3, base_s=0.2))
     peer = None

@@ -34,11 +34,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 
-from shared import PROTOCOL_VERSION
+from shared import PROTOCOL_VERSION, safe_text
+from shared.adapters import ADAPTER_WEIGHTS
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
 from shared.exit_codes import ExitCode
 from shared.messages import (
@@ -65,14 +65,11 @@ from swarm_client.api import (
     RetryPolicy,
     refusal_code,
 )
-from swarm_client.backends import Backend
+from swarm_client.backends import Backend, backend_forms, backend_kind, make_backend
 from swarm_client.bandwidth import GB, MB, USAGE_FILE, MonthlyMeter, Throttle
 from swarm_client.benchmark import run_benchmark
 from swarm_client.control import Controls, read_controls, update_controls, write_status
-
-if TYPE_CHECKING:
-    from swarm_client.peer_calls import PeerCalls
-    from swarm_client.peer_fetch import ClientPeer
+from swarm_client.episodes import play_job
 from swarm_client.footprint import (
     DEFAULT_BATCH,
     Batch,
@@ -89,6 +86,8 @@ from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
 from swarm_client.panel import Display
 from swarm_client.paths import ClientPaths, migrate_cache
+from swarm_client.peer_calls import PeerCalls
+from swarm_client.peer_fetch import ClientPeer, PeerSettings
 from swarm_client.presence import input_idle_s, on_battery
 from swarm_client.resources import (
     GIB,
@@ -99,7 +98,7 @@ from swarm_client.resources import (
     check_memory,
     disk_full_message,
 )
-from swarm_client.schedule import IdleProbe, work_gate
+from swarm_client.schedule import IdleProbe, parse_window, work_gate
 from swarm_client.settings import JoinConfig
 from swarm_client.snapshots import DownloadStalled, SnapshotCache, Transfer
 from swarm_client.webcontrol import ControlPage, PageSource
@@ -175,8 +174,6 @@ NEW_RUN = -1  # _work's outcome when the coordinator now serves another run: joi
 
 class Runner:
     def __init__(self, cfg: JoinConfig) -> None:
-        from swarm_client.schedule import parse_window
-
         self.cfg = cfg
         self.stop = threading.Event()
         self.stats = ClientStats()
@@ -360,15 +357,12 @@ class Runner:
 
     def _make_backend(self) -> Backend | None:
         """The generation backend, with its libraries' logging routed into ours (swarm_client/logs.py)."""
-        from swarm_client.backends import backend_forms, make_backend
-
         try:
             backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
                                    gpu_layers=self.cfg.gpu_layers)
         except ValueError as exc:  # unknown backend, or llama-cpp-python not installed: the message says what to do
             self._error(f"error: {exc}")
             return None
-        from swarm_client.backends import backend_kind
 
         if backend_kind(backend) == "llama":
             logs.route_llama_cpp()
@@ -412,8 +406,6 @@ class Runner:
         return controls
 
     async def _start_p2p(self, cache: SnapshotCache, api: CoordinatorClient, info: Info) -> None:
-        from swarm_client.peer_fetch import ClientPeer, PeerSettings
-
         cap = self.cfg.p2p_max_upload_gb
         peer = ClientPeer(cache.blobs, PeerSettings(
             serve=self.cfg.p2p_serve, max_upload_bytes=None if cap is None else int(cap * 1e9),
@@ -423,8 +415,6 @@ class Runner:
         if await peer.start(api, info.run_id, info.coordinator_public_key):
             self.peer = cache.peers = peer
             if self.cfg.p2p_jobs:
-                from swarm_client.peer_calls import PeerCalls
-
                 api.calls = self.calls = PeerCalls(peer, api.timeout_s, self._say)
                 self._say("p2p jobs on: register, lease, release and results go to the coordinator's libp2p peer")
             self._write_status()
@@ -454,8 +444,6 @@ class Runner:
             cache_max_bytes=None if self.cfg.cache_max_gb is None else int(self.cfg.cache_max_gb * GIB))
 
     def _is_llama(self) -> bool:
-        from swarm_client.backends import backend_kind
-
         return self.backend is not None and backend_kind(self.backend) == "llama"
 
     def _check_need(self, need: Need, version: int, limits: Limits | None = None) -> None:
@@ -480,8 +468,6 @@ class Runner:
         if self._is_llama():
             need = llama_need_from(sum(f.size for f in files if f.path.endswith(".gguf")), shape)
         else:
-            from shared.adapters import ADAPTER_WEIGHTS
-
             weight_bytes = sum(f.size for f in files if f.path.endswith(".safetensors") and f.path != ADAPTER_WEIGHTS)
             need = torch_need_from(Weights.from_file_bytes(weight_bytes, like), shape, self._batch)
         self._check_need(need, manifest.version, limits)
@@ -631,7 +617,6 @@ class Runner:
         await self._load_totals(api, reg.client_id)
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
-        from swarm_client.backends import backend_kind
 
         kind = backend_kind(backend)
         pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
@@ -780,9 +765,6 @@ class Runner:
     def _generate(backend: Backend, job: Job, folder: Path, pacer: Pacer) -> list[Completion]:
         """A job's completions: sampled in one batch, or, for a multi-turn job, played as episodes."""
         if job.environment is not None:
-            from swarm_client.backends import backend_kind
-            from swarm_client.episodes import play_job
-
             if backend_kind(backend) != "torch":
                 raise ProtocolError(Reason.ENVIRONMENT_MISMATCH, "multi-turn jobs need the torch backend (the "
                                     "llama.cpp client does not fetch the tokenizer the observations are encoded "
@@ -868,7 +850,5 @@ class Runner:
 
 
 def run(cfg: JoinConfig) -> int:
-    from shared import safe_text
-
     safe_text.configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")  # escaped, one line each
     return asyncio.run(Runner(cfg).run())

@@ -12,6 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.safe_text import check_printable
+from swarm_client.schedule import parse_window
+
 #: `join` flags whose name is not their field's (the config file accepts either spelling).
 FLAG_FIELDS = {"window": "windows", "wait_for_coordinator": "wait_for_coordinator_s", "serve": "p2p_serve",
                "max_upload_gb": "p2p_max_upload_gb", "give_up_after": "give_up_after_s"}
@@ -139,13 +142,12 @@ class JoinConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _printable_name(cls, v: str) -> str:
-        from shared.safe_text import check_printable
-
         return check_printable(v)  # the coordinator refuses control characters in a profile; say so up front
 
     @field_validator("p2p_coordinator")
     @classmethod
     def _coordinator_maddrs(cls, v: list[str]) -> list[str]:
+        # lazy: peer_fetch loads the wire messages (~40 ms of pydantic models) that `join --help` never needs
         from swarm_client.peer_fetch import coordinator_info
 
         if v:
@@ -162,8 +164,6 @@ class JoinConfig(BaseModel):
     @field_validator("windows")
     @classmethod
     def _windows_parse(cls, v: list[str]) -> list[str]:
-        from swarm_client.schedule import parse_window
-
         for w in v:
             parse_window(w)  # ValueError says the expected form
         return v

@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.core.verify import TokenStats
+from coordinator.engine import fsdp
 from coordinator.errors import VersionGone
+from shared.policy import completion_stats, load_model
 from shared.sampler import Segment
 
 if TYPE_CHECKING:
@@ -276,8 +278,6 @@ class Verifier:
         discarded). ``segments``: each completion's keyed draws (none: margins of 0)."""
         import torch
 
-        from shared.policy import completion_stats
-
         cols: tuple[list[list[float]], ...] = ([], [], [], [], [])
         with torch.no_grad():
             for s in range(0, max(len(completions), passes * MICRO_BATCH), MICRO_BATCH):
@@ -301,8 +301,6 @@ class Verifier:
     def _recompute_rows(self, version: int, prompts: list[list[int]], completions: list[list[int]],
                         segments: list[list[Segment]]) -> tuple[list[list[float]], ...]:
         """Every rank: its share of the batch (every N-th completion), gathered back to rank 0 in order."""
-        from coordinator.engine import fsdp
-
         ranks = self._ranks
         assert ranks is not None
         fsdp.lead(ranks, "_recompute_rows", version, prompts, completions, segments)
@@ -320,8 +318,6 @@ class Verifier:
 
     def _in_group(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Rank 0: run a led operation; a failure mid-collective breaks the group (coordinator.engine.fsdp.broken)."""
-        from coordinator.engine import fsdp
-
         assert self._ranks is not None
         try:
             return fn(*args)
@@ -372,8 +368,6 @@ class Verifier:
     def _load_version(self, version: int, folder: str, drop: int | None) -> Any:
         """Every rank: drop version ``drop``'s shards, load ``folder`` whole and shard it; None (on every rank) when
         any rank found the folder gone."""
-        from coordinator.engine import fsdp
-
         ranks = self._ranks
         assert ranks is not None
         fsdp.lead(ranks, "_load_version", version, folder, drop)
@@ -393,7 +387,6 @@ class Verifier:
     def _first_model(self, folder: Path) -> Any:
         if self._load_first is not None:
             return self._load_first(folder, self.device, self.dtype)
-        from shared.policy import load_model
 
         return load_model(folder, self.device, self.dtype, own_memory=True)
 

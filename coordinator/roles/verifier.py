@@ -25,6 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.config import CoordinatorConfig
+from coordinator.engine import fsdp
+from coordinator.engine.evaluation import Evaluator
+from coordinator.engine.lora import VersionLoader
+from coordinator.engine.verifier import Verifier
+from coordinator.errors import VersionGone
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
 from coordinator.run.runfiles import wait_for_first_version
@@ -33,6 +38,7 @@ from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.text import TextCodec
 from shared import wire
+from shared.policy import import_backends, pick_device
 
 if TYPE_CHECKING:
     from coordinator.engine.fsdp import Ranks
@@ -67,8 +73,6 @@ class VerifierWorker:
         self.eval_s = 0.0
 
     async def start(self) -> None:
-        from shared.policy import import_backends, pick_device
-
         import_backends()  # on this thread, before the verifier's and evaluator's threads load models
 
         current = await wait_for_first_version(self.store, self.bell, self.name)
@@ -84,9 +88,6 @@ class VerifierWorker:
         self.verifier = _make_verifier(self.config, self.snapshots, self.store, device, codec, self.ranks)
         self.evaluator: Any = None
         if "evaluate" in self.kinds:
-            from coordinator.engine.evaluation import Evaluator
-            from coordinator.engine.lora import VersionLoader
-
             lora_eval = VersionLoader(self.snapshots.base_dir).load_eval if lora else None
             verifier = self.verifier
             self.evaluator = Evaluator(self.task, self.task.heldout[: self.config.learner.eval_size],
@@ -113,8 +114,6 @@ class VerifierWorker:
                 except Exception:  # a busy database must not end the worker; the next look retries
                     logger.exception("%s: looking for work failed", self.name)
                 if not fsdp_followers_alive(self.ranks):
-                    from coordinator.engine import fsdp
-
                     assert self.ranks is not None
                     fsdp.broken(self.ranks, f"{self.name}: a rank of its group exited")
                 await self.bell.wait(POLL_S)
@@ -166,8 +165,6 @@ class VerifierWorker:
                 del self._inflight[item]
 
     async def _answer(self, row: Any) -> None:
-        from coordinator.errors import VersionGone
-
         item, kind, version = int(row["id"]), str(row["kind"]), int(row["version"])
         request = wire.unpack(row["request"], max_bytes=len(row["request"]))
         try:
@@ -216,7 +213,6 @@ class VerifierWorker:
 def fsdp_followers_alive(ranks: Ranks | None) -> bool:
     if ranks is None:
         return True
-    from coordinator.engine import fsdp
 
     return fsdp.followers_alive(ranks)
 
@@ -233,8 +229,6 @@ def _make_verifier(config: CoordinatorConfig, snapshots: SnapshotStore, store: S
                    codec: TextCodec, ranks: Ranks | None = None) -> Any:
     """A :class:`coordinator.engine.verifier.Verifier` reading this run's published folders (a LoRA version is the shared
     base plus its adapter, coordinator.engine.lora). On ranks it leads the others' :func:`follower_verifier`."""
-    from coordinator.engine import fsdp
-
     def folder_of(version: int) -> Path | None:
         return snapshots.folder(version) if snapshots.signed_manifest(version) is not None else None
 
@@ -245,9 +239,6 @@ def _make_verifier(config: CoordinatorConfig, snapshots: SnapshotStore, store: S
 
 def _verifier(config: CoordinatorConfig, folder_of: Any, device: str, pad_id: int, stop_ids: list[int],
               lora_base: str | None, ranks: Ranks | None) -> Any:
-    from coordinator.engine.lora import VersionLoader
-    from coordinator.engine.verifier import Verifier
-
     loaders: dict[str, Any] = {}
     if lora_base is not None:
         lora_versions = VersionLoader(Path(lora_base))
@@ -262,8 +253,6 @@ def follower_verifier(ranks: Ranks, config: CoordinatorConfig, pad_id: int, stop
                       lora_base: str | None) -> Any:
     """Ranks 1…N-1 of a verifier group: the Verifier rank 0 leads (it names the folders; this one only loads them
     and computes its share)."""
-    from shared.policy import import_backends
-
     import_backends()
     _set_threads(config)
     return _verifier(config, lambda _v: None, ranks.device, pad_id, stop_ids, lora_base, ranks)

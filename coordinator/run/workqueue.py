@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
+from coordinator.run.doorbell import Doorbell, folder_for
 from coordinator.store.store import Store, WorkKind
 from shared import wire
 from shared.sampler import Segment
@@ -43,8 +44,6 @@ class Bell:
 
     def connect(self, run_dir: Path, name: str) -> bool:
         """Ring and be rung across processes (call on the running loop); False: this process polls only."""
-        from coordinator.run.doorbell import Doorbell, folder_for
-
         folder = folder_for(run_dir)
         if folder is None or self._doorbell is not None:
             return self._doorbell is not None

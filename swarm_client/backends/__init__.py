@@ -14,6 +14,8 @@ from typing import Literal, Protocol
 
 from shared.messages import Job
 from shared.policy import Sampled
+from swarm_client.backends.llama_backend import LlamaBackend
+from swarm_client.backends.torch_backend import TorchBackend
 
 BACKENDS = ("auto", "torch", "llama")
 
@@ -59,7 +61,6 @@ def make_backend(name: str, *, device: str = "auto", threads: int | None = None,
         if not llama_available():
             raise ValueError("the llama backend needs llama-cpp-python: pip install 'echo-swarm[llama]' "
                              "(see README, 'llama.cpp clients'), or join with --backend torch")
-        from swarm_client.backends.llama_backend import LlamaBackend
 
         return LlamaBackend(device=device, threads=threads, n_gpu_layers=gpu_layers)
     if not torch_available():
@@ -67,7 +68,6 @@ def make_backend(name: str, *, device: str = "auto", threads: int | None = None,
                          "installer/README.md), or join with --backend llama")
     if gpu_layers == 0:
         device = "cpu"
-    from swarm_client.backends.torch_backend import TorchBackend
 
     return TorchBackend(device=device, threads=threads)
 
