@@ -60,6 +60,12 @@ class DownloadStalled(EchoSwarmError):
     """A snapshot file stopped arriving: the link to the coordinator is down or stalled (not a bad file)."""
 
 
+class FileNotServed(DownloadStalled):
+    """The coordinator answered 404 for a file every try: it no longer serves it (its version was pruned). For a
+    patch that is no fault: the full file is fetched instead. For a full file it ends like a stalled download
+    (the job's version is gone; the coordinator says so when the result comes back)."""
+
+
 @dataclass
 class Transfer:
     """A file download in progress, as the client's panel shows it: bytes, smoothed rate and time left."""
@@ -189,7 +195,8 @@ class SnapshotCache:
     # -- deltas -----------------------------------------------------------------------------------------------
     async def _rebuild(self, manifest: Manifest, file: ManifestFile) -> None:
         """Try to rebuild ``file`` from a cached earlier version and patches; on any failure only say why (the
-        caller then fetches the full file). A stalled link is not a bad patch: it propagates."""
+        caller then fetches the full file). A patch no longer served (pruned) is a reason too; a stalled link is
+        not a bad patch: it propagates."""
         chain = await self._chain(manifest, file)
         if not chain:
             return
@@ -208,6 +215,8 @@ class SnapshotCache:
         except IntegrityError as exc:  # PatchError included: a bad patch, never a bad full file
             self.patches_refused += 1
             logger.warning("patch for %s refused (%s); fetching the full file instead", file.path, exc)
+        except FileNotServed as exc:  # an older version of the chain was pruned while this client walked it
+            logger.info("%s; fetching the full file %s instead", exc, file.path)
 
     async def _chain(self, manifest: Manifest, file: ManifestFile) -> list[tuple[ManifestFile, ManifestFile, int]]:
         """(patch, file it rebuilds, version), newest first, back to a file this cache holds, if those patches
@@ -310,7 +319,7 @@ class SnapshotCache:
                 await self.peers.fetch(file, partial, advanced)
             while True:
                 before = _size(partial)
-                complete, error = await self._download(sha256, partial, size, transfer)
+                complete, error, status = await self._download(sha256, partial, size, transfer)
                 if complete:
                     digest = sha256_file(partial)
                     if digest == sha256:
@@ -332,6 +341,10 @@ class SnapshotCache:
                 last_error = error or last_error
                 stalled = 0 if _size(partial) > before else stalled + 1
                 if stalled >= self.client.retry.attempts:
+                    if status == 404:
+                        raise FileNotServed(
+                            f"the coordinator no longer serves {transfer.name} (HTTP 404, {stalled} tries): its "
+                            f"version was pruned. Nothing to fix here; newer jobs name newer versions")
                     raise DownloadStalled(
                         f"download of {transfer.name} stopped at {_mb(_size(partial))} of {_mb(size)}: "
                         f"{stalled} attempts in a row added no byte (last: {last_error or 'no data'}). The link "
@@ -342,14 +355,15 @@ class SnapshotCache:
         finally:
             self._report(None)
 
-    async def _download(self, sha256: str, partial: Path, size: int, transfer: Transfer) -> tuple[bool, str]:
-        """Continue the transfer into ``partial``: (complete, what interrupted it)."""
+    async def _download(self, sha256: str, partial: Path, size: int, transfer: Transfer
+                        ) -> tuple[bool, str, int | None]:
+        """Continue the transfer into ``partial``: (complete, what interrupted it, the refusing HTTP status)."""
         have = _size(partial)
         if have > size:
             partial.unlink()
             have = 0
         if have == size:
-            return True, ""
+            return True, "", None
         headers = {"Range": f"bytes={have}-"} if have else {}
         url = f"{self.client.base_url}/v1/blobs/{sha256}"
         # no total timeout: a 15 GB file over a 5 MB/s link takes most of an hour and must still arrive
@@ -361,7 +375,7 @@ class SnapshotCache:
                 if resp.status not in (200, 206):
                     error = f"HTTP {resp.status}"
                     logger.warning("coordinator answered HTTP %d for file %s", resp.status, transfer.name)
-                    return False, error
+                    return False, error, resp.status
                 mode = "ab" if resp.status == 206 else "wb"
                 with open(partial, mode) as fh:
                     transfer.restart(fh.tell() if mode == "ab" else 0)
@@ -394,7 +408,7 @@ class SnapshotCache:
                 f"no byte for {self.idle_timeout_s:.0f}s" if isinstance(exc, TimeoutError) else type(exc).__name__)
             logger.warning("download of %s interrupted at %s of %s (%s); resuming", transfer.name,
                            _mb(_size(partial)), _mb(size), error)
-        return _size(partial) >= size, error
+        return _size(partial) >= size, error, None
 
     def _report(self, transfer: Transfer | None) -> None:
         if self.on_progress is not None:

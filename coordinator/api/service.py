@@ -341,6 +341,11 @@ class Coordinator:
         """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while
         the queue (live leases + untrained results) is below B·(S+1); bind the version it is generated with."""
         retry = self.config.jobs.retry_after_s
+        current = self.store.current_version()
+        if current is not None and current > self.version:
+            # the watch has not seen the learner's newest version yet (a busy loop): binding a lease to the version
+            # this API last saw could name one the learner prunes next (keep_last behind), under the client's lease
+            self._on_new_version(current)
         if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished,
                                  paused=self.issuing_paused and not self.finished)

@@ -59,7 +59,8 @@ def running_coordinator(tmp_path: Path, model_dir: Path, *, top: dict[str, Any] 
                                    learner={"max_steps": 50, **(learner or {})},
                                    # rate limits off: fuzzing sends thousands of requests from one identity
                                    limits={"per_identity_rps": 0.0, "per_address_rps": 0.0,
-                                           "registrations_per_address_per_min": 0.0, **(limits or {})},
+                                           "registrations_per_address_per_min": 0.0, "new_identities_per_min": 0.0,
+                                           **(limits or {})},
                                    # and so many refusals that a quarantine would stop the fuzzing client
                                    trust={"quarantine_after": 1000, **(trust or {})}, **(sections or {})))
     clock = FakeClock(time.time())

@@ -151,6 +151,23 @@ def test_an_anchor_is_fetched_whole_even_by_a_client_holding_the_previous_versio
     _same_as_published(store, 2, folders[1])
 
 
+def test_a_patch_pruned_while_the_client_walks_its_chain_falls_back_to_the_full_file(tmp_path: Path) -> None:
+    """The coordinator prunes old versions while clients download: a patch of the chain that is gone by the time
+    it is asked for (HTTP 404) is no fault of anyone's; the full file is fetched instead (it once stopped the
+    download with DownloadStalled)."""
+    store = _store(tmp_path)
+    _publish(store, range(4))
+
+    def prune_v1_patch(v: int) -> None:
+        if v == 3:  # v1's manifest is still served (the chain walks it), its patch no longer is
+            (store.folder(1) / "model.safetensors.delta").unlink()
+
+    cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 3], between=prune_v1_patch)
+    _same_as_published(store, 3, folders[1])
+    assert cache.patched == 0 and cache.patches_refused == 0  # not a bad patch: an absent one
+    assert downloaded[1] == _entries(store, 3)["model.safetensors"].size
+
+
 def test_a_corrupted_patch_is_refused_and_the_full_file_fetched(tmp_path: Path) -> None:
     store = _store(tmp_path)
     _publish(store, range(2))
