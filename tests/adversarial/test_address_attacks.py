@@ -10,9 +10,7 @@ no request with a 5xx (its /metrics 500 count stays 0) and that every honest res
 from __future__ import annotations
 
 import json
-import re
 import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from tests.integration.helpers import (
     Proc,
     db_rows,
     get_status,
+    server_errors,
     start_client,
     start_coordinator,
     wait_until,
@@ -84,14 +83,6 @@ def attack(swarm: Swarm, kind: str, source: str, **count: int) -> dict[str, Any]
     report: dict[str, Any] = json.loads(out.read_text())
     assert report["error"] is None, report["error"]
     return report
-
-
-def server_errors(url: str) -> float:
-    """The 5xx replies /metrics counts (echo_swarm_http_requests, every route)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(r'^echo_swarm_http_requests_total\{[^}]*status="5\d\d"[^}]*\} '
-                                                      r'(\S+)$', text, re.M))
 
 
 def honest_results_all_accepted(swarm: Swarm, accepted_before: dict[str, int]) -> None:

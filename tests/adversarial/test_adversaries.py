@@ -24,6 +24,7 @@ from tests.integration.helpers import (
     Proc,
     db_rows,
     get_status,
+    server_errors,
     start_client,
     start_coordinator,
     wait_until,
@@ -185,6 +186,8 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
                    "training to go on after the attacks")
         for p in honest:
             assert p.proc.poll() is None, f"an honest client died:\n{p.output()[-3000:]}"
+        # no attack found an unexpected error: every bad input got its typed 4xx (issue 24)
+        assert server_errors(url) == 0, "a request got a 5xx: see coord.log for the traceback"
     finally:
         for p in (*honest, coord):
             p.stop()

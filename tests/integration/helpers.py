@@ -146,6 +146,14 @@ def get_status(url: str) -> dict[str, Any] | None:
 
 
 @functools.cache
+def server_errors(url: str) -> float:
+    """The 5xx replies /metrics counts (echo_swarm_http_requests, every route)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(r'^echo_swarm_http_requests_total\{[^}]*status="5\d\d"[^}]*\} '
+                                                      r'(\S+)$', text, re.M))
+
+
 def _nonce_db(run_dir: Path) -> Path:
     """Where a run keeps its replay-protection database (coordinator.store.store.Store.nonce_path); the run's tmpfs
     folder is found once per run directory (finding it writes its owner file and sweeps orphans: ~8 ms)."""
