@@ -17,6 +17,7 @@ from tests.integration.helpers import (
     Proc,
     db_rows,
     get_status,
+    server_errors,
     start_client,
     start_coordinator,
     wait_until,
@@ -68,6 +69,8 @@ def test_tampered_episodes_are_refused_and_honest_episodes_accepted(tmp_path: Pa
         wait_until(lambda: (s := get_status(url)) and s["version"] >= after + 1, 300, "training to go on")
         for p in honest:
             assert p.proc.poll() is None, f"an honest client died:\n{p.output()[-3000:]}"
+        # no tampered episode found an unexpected error: each got its typed 4xx (issue 24)
+        assert server_errors(url) == 0, "a request got a 5xx: see coord.log for the traceback"
     finally:
         for p in (*honest, coord):
             p.stop()
