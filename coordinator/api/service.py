@@ -158,12 +158,16 @@ class Coordinator:
         """Follow the store: a version the learner committed becomes current here (clients are woken for it)."""
         while True:
             try:
-                current = self.store.current_version()
-                if current is not None and current > self.version:
-                    self._on_new_version(current)
+                self._catch_up()
             except Exception:  # a busy database must not end the watch; the next look retries
                 logger.exception("reading the run's current version failed")
             await self.bell.wait(POLL_S)
+
+    def _catch_up(self) -> None:
+        """Make the learner's newest committed version current here, if this API has not seen it yet."""
+        current = self.store.current_version()
+        if current is not None and current > self.version:
+            self._on_new_version(current)
 
     def _on_new_version(self, current: int) -> None:
         self.snapshots.observe(v["version"] for v in self.store.versions())
@@ -341,11 +345,9 @@ class Coordinator:
         """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while
         the queue (live leases + untrained results) is below B·(S+1); bind the version it is generated with."""
         retry = self.config.jobs.retry_after_s
-        current = self.store.current_version()
-        if current is not None and current > self.version:
-            # the watch has not seen the learner's newest version yet (a busy loop): binding a lease to the version
-            # this API last saw could name one the learner prunes next (keep_last behind), under the client's lease
-            self._on_new_version(current)
+        # the watch may not have seen the learner's newest version yet (a busy loop): binding a lease to the version
+        # this API last saw could name one the learner prunes next (keep_last behind), under the client's lease
+        self._catch_up()
         if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished,
                                  paused=self.issuing_paused and not self.finished)
