@@ -303,7 +303,7 @@ async def status(request: web.Request) -> web.Response:
     public.check(request)
     coord = request.app[COORDINATOR]
     view = "page" if request.query.get("view") == "page" else "full"
-    data = public.cache.get(f"status-{view}", coord.version, coord.store.conn.total_changes,
+    data = public.cache.get(f"status-{view}", coord.version, coord.store.changes,
                             lambda: json.dumps(select_status(coord, view), default=str).encode())
     return web.Response(body=data, content_type="application/json", headers={"Cache-Control": "no-store"})
 

@@ -209,7 +209,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     public.check(request)
     registry = request.app[METRICS].registry
     coord = request.app[METRICS_COORDINATOR]
-    changes = coord.store.conn.total_changes if hasattr(coord, "store") else 0
+    changes = coord.store.changes if hasattr(coord, "store") else 0
     data = public.cache.get("metrics", coord.version, changes, lambda: generate_latest(registry))
     return web.Response(body=data, headers={"Content-Type": PROM_CONTENT_TYPE})
 

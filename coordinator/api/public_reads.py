@@ -48,8 +48,8 @@ class ReplyCache:
         self.builds: dict[str, int] = {}  # how many times each key was built (exported by /metrics)
 
     def get(self, key: str, version: int, changes: int, build: Callable[[], bytes]) -> bytes:
-        """``changes``: a counter that moves whenever the data behind the reply may have (SQLite's
-        ``total_changes``)."""
+        """``changes``: a counter that moves whenever the data behind the reply may have (``Store.changes``:
+        rows changed through both of the store's connections)."""
         now = time.monotonic()
         hit = self._entries.get(key)
         if hit is not None and hit.version == version:

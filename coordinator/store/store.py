@@ -150,6 +150,12 @@ class Store:
         """Commits made through the main connection so far (see :meth:`sync`)."""
         return self.conn.commits
 
+    @property
+    def changes(self) -> int:
+        """Rows this process changed through either connection: a key for caches of read models, which must
+        move when a lease (light connection) changes the jobs as much as when a result (main connection) does."""
+        return self.conn.total_changes + self.light_conn.total_changes
+
     def sync(self) -> None:
         """Make everything committed so far survive a power loss (coordinator.store.db, durability). Blocks for an
         fsync and holds no lock: call it from a worker thread, never an event loop."""

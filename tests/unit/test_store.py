@@ -3,6 +3,7 @@ runs on both: conftest.store_target)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from coordinator.api.public_reads import ReplyCache
 from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
@@ -235,6 +237,21 @@ def test_a_half_read_query_does_not_hide_the_light_connections_writes(store: Sto
     assert lease(store, "j0", "L1", ALICE) is True
     assert store.conn.execute("SELECT SUM(issue_count) AS n FROM jobs").fetchone()["n"] == 1
     assert store.get_job("j0").view.lease_id == "L1"  # type: ignore[union-attr]
+
+
+def test_changes_moves_with_a_lease_so_cached_read_models_are_rebuilt(store: Store) -> None:
+    """/metrics and /v1/status replies are cached while ``Store.changes`` stands still: a lease (light
+    connection) must move it, or a scrape right after a lease shows the jobs as they were before (CI, stop 28)."""
+    published(store)
+    cache = ReplyCache(ttl_s=60.0)
+    build = lambda: str(store.conn.execute("SELECT SUM(issue_count) AS n FROM jobs").fetchone()["n"]).encode()  # noqa: E731
+    assert cache.get("k", 0, store.changes, build) == b"0"
+    before = store.changes
+    assert lease(store, "j0", "L1", ALICE) is True
+    assert store.changes > before
+    cache._entries["k"] = dataclasses.replace(cache._entries["k"], build_s=0.0)  # rebuild as soon as data moved
+    assert cache.get("k", 0, before, build) == b"0"  # a key that missed the lease: the stale reply, for 60 s
+    assert cache.get("k", 0, store.changes, build) == b"1"
 
 
 def test_lease_unknown_job(store: Store) -> None:
