@@ -360,7 +360,7 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
             from coordinator.store.store import Store
 
             store = Store(store_url or run_dir / "coordinator.sqlite")
-            statuses = store.role_statuses()
+            statuses = store.role_status.all()
             store.close()
             api_pids.append(int(statuses["api"]["pid"]))
             roles = {int(v["pid"]) for k, v in statuses.items() if not k.startswith("api") and "pid" in v}

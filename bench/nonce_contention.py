@@ -11,8 +11,8 @@ and fsyncs it, over and over (a publisher); another commits a small synchronous=
 database every 0.1 s (a learner and result intake). Meanwhile, side by side in one run, it measures
 
 - **shared file** (the layout before): a nonce insert into the main database through a synchronous=NORMAL
-  connection, as ``remember_nonce`` did;
-- **own file** (now): ``Store.remember_nonce``.
+  connection, as ``remember_nonce`` (now ``Store.nonces.remember``) did;
+- **own file** (now): ``Store.nonces.remember``.
 
     python bench/nonce_contention.py --seconds 20 --rounds 2
 
@@ -89,7 +89,7 @@ def run_round(folder: Path, seconds: float, gib: float) -> dict[str, list[float]
             shared.execute("COMMIT")
             out["shared file"].append((time.perf_counter() - t0) * 1000)
             t0 = time.perf_counter()
-            store.remember_nonce(os.urandom(16), time.time() + 300)
+            store.nonces.remember(os.urandom(16), time.time() + 300)
             out["own file"].append((time.perf_counter() - t0) * 1000)
             time.sleep(0.02)  # a request every ~20 ms per variant
     finally:

@@ -65,8 +65,8 @@ def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
     now = coord.clock()
     rows = readmodels.client_states(coord.store, now, coord.config.jobs.lease_timeout_s)
     jobs = readmodels.jobs(coord.store, now, limit=0)
-    evals = coord.store.evals()
-    last = coord.store.last_step()
+    evals = coord.store.evals.all()
+    last = coord.store.steps.last()
     return {
         "run_id": coord.run_id, "version": coord.version, "max_steps": coord.config.learner.max_steps,
         "finished": coord.finished, "sync_mode": coord.config.sync_mode,

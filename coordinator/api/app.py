@@ -326,11 +326,11 @@ async def api_role(app: web.Application) -> AsyncIterator[None]:
     background: list[asyncio.Task[None]] = []
     try:
         await coord.start()
-        coord.store.prune_nonces(coord.clock())  # opens (creates) the API's nonce database before serving
+        coord.store.nonces.prune(coord.clock())  # opens (creates) the API's nonce database before serving
         background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
         background.append(asyncio.create_task(_keep_counters(coord), name="counters"))
         if coord.config.p2p.enabled:  # the peer's report, from its own role process (or from this process's peer)
-            coord.egress.remote = lambda: coord.store.role_status(P2P)
+            coord.egress.remote = lambda: coord.store.role_status.get(P2P)
         yield
     finally:
         for task in background:
@@ -357,7 +357,7 @@ async def _keep_counters(coord: Coordinator) -> None:
 async def _prune_nonces(coord: Coordinator) -> None:
     while True:
         await asyncio.sleep(60)
-        coord.store.prune_nonces(coord.clock())
+        coord.store.nonces.prune(coord.clock())
 
 
 def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None, *,

@@ -2,8 +2,8 @@
 quarantine per identity, rate limits and the registration gate.
 
 The rules are pure (:mod:`coordinator.core.trust`, :mod:`coordinator.core.ratelimit`); this module applies them to
-the state the Store keeps (the ``trust`` table: its SQL is in coordinator.store.store) and to buckets in memory, and
-turns their decisions into typed refusals.
+the state the Store keeps (the ``trust`` table: its SQL is in coordinator.store.trust_rows) and to buckets in memory,
+and turns their decisions into typed refusals.
 
 Rate-limit buckets live in memory on purpose: a restart grants everyone a fresh burst, which is harmless,
 and a request refused for its rate writes nothing anywhere.
@@ -106,14 +106,14 @@ class Guard:
     def trust(self, client_id: str) -> TrustState:
         """The identity's standing. Kept per identity first: one row, under the class pinned to it (rows of
         other classes exist only in databases from before classes were pinned)."""
-        row = self.store.trust_row(client_id, self.pinned_class(client_id))
+        row = self.store.trust.row(client_id, self.pinned_class(client_id))
         if row is None:
             return TrustState()
         return TrustState(int(row["consecutive_valid"]), int(row["consecutive_invalid"]), int(row["quarantines"]),
                           float(row["quarantined_until"]))
 
     def _put(self, client_id: str, state: TrustState, valid: bool) -> None:
-        self.store.put_trust(client_id, self.pinned_class(client_id), state.consecutive_valid,
+        self.store.trust.put(client_id, self.pinned_class(client_id), state.consecutive_valid,
                              state.consecutive_invalid, state.quarantines, state.quarantined_until, valid)
 
     def record_valid(self, client_id: str) -> TrustState:
@@ -137,8 +137,8 @@ class Guard:
     def reporting(self, client_id: str) -> Reporting:
         """The identity's leases, how many ended without its result, and how its returned rewards compare with
         the other volunteers' at the same versions."""
-        leased, unreturned = self.store.lease_counts(client_id)
-        groups = [VersionGroup(*g) for g in self.store.reward_groups(client_id)]
+        leased, unreturned = self.store.trust.lease_counts(client_id)
+        groups = [VersionGroup(*g) for g in self.store.trust.reward_groups(client_id)]
         return Reporting(leased, unreturned, reward_bias(groups, client_id))
 
     def check_reporting(self, client_id: str, now: float) -> str | None:
@@ -146,15 +146,15 @@ class Guard:
         their rewards (core.trust.on_flag; the audit log records why, outcome 'flagged'). Returns the reason, or
         None. Only an
         identity whose unreturned share is already past its threshold costs the reward comparison's query."""
-        leased, unreturned = self.store.lease_counts(client_id)
+        leased, unreturned = self.store.trust.lease_counts(client_id)
         if not worth_comparing(leased, unreturned, self.reporting_policy):
             return None
         why = selective(self.reporting(client_id), self.reporting_policy, now,
-                        self.store.last_flag(client_id, SELECTIVE_REPORTING))
+                        self.store.trust.last_flag(client_id, SELECTIVE_REPORTING))
         if why is not None:
-            self.store.record_flag(client_id, now, SELECTIVE_REPORTING, why)
+            self.store.trust.record_flag(client_id, now, SELECTIVE_REPORTING, why)
             before = self.trust(client_id)
-            state = on_flag(before, self.store.flag_count(client_id, SELECTIVE_REPORTING), now, self.policy)
+            state = on_flag(before, self.store.trust.flag_count(client_id, SELECTIVE_REPORTING), now, self.policy)
             self._put(client_id, state, False)
             logger.warning("client %s: trust lowered for selective reporting%s: %s", client_id[:8],
                            " and quarantined" if state.quarantines > before.quarantines else "", why)
@@ -162,7 +162,7 @@ class Guard:
 
     def quarantined_until(self, client_id: str) -> float:
         """The end of the identity's quarantine, whichever class the evidence was recorded under (0: none)."""
-        return self.store.quarantined_until(client_id)
+        return self.store.trust.quarantined_until(client_id)
 
     def check_quarantine(self, client_id: str, now: float) -> None:
         """Per identity first: a quarantined identity gets nothing, whatever backend it claims."""
@@ -179,7 +179,7 @@ class Guard:
         """The backend class the coordinator pinned to ``client_id`` at its first registration. Identities
         registered before classes were pinned (or the co-located learner) get the class of their stored
         profile; an unknown identity, the most common class."""
-        row = self.store.client_class_row(client_id)
+        row = self.store.trust.client_class_row(client_id)
         if row is None:
             return "torch/cpu"
         if row["backend_class"]:
@@ -209,8 +209,8 @@ class Guard:
         return bclass
 
     def standings(self) -> list[dict[str, Any]]:
-        return self.store.standings()
+        return self.store.trust.standings()
 
     def leases_held(self, client_id: str, now: float) -> int:
         """Live (unexpired) leases of one client."""
-        return self.store.leases_held(client_id, now)
+        return self.store.trust.leases_held(client_id, now)

@@ -39,7 +39,7 @@ class Issuer:
             self.pace[client_id] = pace_s
 
     def forget(self, client_ids: list[str]) -> None:
-        """Identities the store removed (Store.expire_idle_clients): their declared pace goes too."""
+        """Identities the store removed (Store.clients.expire_idle): their declared pace goes too."""
         for cid in client_ids:
             self.pace.pop(cid, None)
             self._pace_observed.discard(cid)

@@ -44,7 +44,7 @@ class _StepTimes:
         self.total = 0.0
 
     def update(self, coord: Coordinator) -> None:
-        for step, metrics in coord.store.step_metrics_after(self.last_step):
+        for step, metrics in coord.store.steps.metrics_after(self.last_step):
             s = float(metrics.get("step_s", 0.0))
             self.count += 1
             self.total += s
@@ -122,13 +122,13 @@ class StoreCollector(Collector):
                                 value=float(getattr(coord, "issuing_paused", False)))
         yield GaugeMetricFamily("echo_swarm_run_finished", "1 once the run reached learner.max_steps.",
                                 value=float(coord.finished))
-        live = sum(1 for j in coord.store.active_jobs() if lease_live(j.view, now))
+        live = sum(1 for j in coord.store.jobs.active() if lease_live(j.view, now))
         yield GaugeMetricFamily("echo_swarm_live_leases", "Leases currently held by clients.", value=live)
-        evals = coord.store.evals()
+        evals = coord.store.evals.all()
         if evals:
             yield GaugeMetricFamily("echo_swarm_heldout_accuracy", "Held-out greedy accuracy at the last evaluation.",
                                     value=evals[-1]["accuracy"])
-        last = coord.store.last_step()
+        last = coord.store.steps.last()
         if last is not None:
             yield GaugeMetricFamily("echo_swarm_mean_reward", "Mean rollout reward of the last learner step.",
                                     value=last["mean_reward"])

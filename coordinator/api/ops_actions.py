@@ -45,13 +45,13 @@ def set_banned(coord: Coordinator, operator: str, ref: str, banned: bool, note: 
     """Ban: every later request of the client is refused (403 ``banned``) and its live leases are released
     at once so that other clients pick the work up. Unban restores it. Credit and history are kept."""
     client_id = find_client(coord, ref)
-    coord.store.set_banned(client_id, banned)
+    coord.store.clients.set_banned(client_id, banned)
     released = []
     if banned:
         now = coord.clock()
-        for j in coord.store.active_jobs():
+        for j in coord.store.jobs.active():
             if j.view.lease_client == client_id and lease_live(j.view, now) and j.view.lease_id is not None \
-                    and coord.store.release_lease(j.view.job_id, j.view.lease_id, client_id):
+                    and coord.store.jobs.release(j.view.job_id, j.view.lease_id, client_id):
                 released.append(j.view.job_id)
         if released:
             coord.notify_jobs()

@@ -49,7 +49,8 @@ from coordinator.run.records import AcceptedResult
 from coordinator.run.relay import relay_token
 from coordinator.run.runfiles import RunFiles, wait_for_first_version
 from coordinator.run.workqueue import POLL_S, Bell, RemoteVerifier, VerificationError, VerifierUnavailable
-from coordinator.store.store import JobRow, Store
+from coordinator.store.job_rows import JobRow
+from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.episodes import REWARD_NAME as EPISODE_REWARD
 from coordinator.tasks.episodes import EnvTask, episode_behaviour, select
@@ -137,11 +138,11 @@ class Coordinator:
         self._synced = self.store.commits
         self.guard = Guard(self.config, self.store)
         # asked by this API's previous run; nobody waits for them (other API processes' requests stay)
-        dropped = self.store.work_drop(("recompute",), self.api_name)
+        dropped = self.store.work.drop(("recompute",), self.api_name)
         if dropped:
             logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
         self.version = await wait_for_first_version(self.store, self.bell, API)
-        self.snapshots.observe(v["version"] for v in self.store.versions())
+        self.snapshots.observe(v["version"] for v in self.store.versions.all())
         folder = self.snapshots.folder(self.version)
         base = self.snapshots.base_dir
         self.codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists() else base)
@@ -165,12 +166,12 @@ class Coordinator:
 
     def _catch_up(self) -> None:
         """Make the learner's newest committed version current here, if this API has not seen it yet."""
-        current = self.store.current_version()
+        current = self.store.versions.current()
         if current is not None and current > self.version:
             self._on_new_version(current)
 
     def _on_new_version(self, current: int) -> None:
-        self.snapshots.observe(v["version"] for v in self.store.versions())
+        self.snapshots.observe(v["version"] for v in self.store.versions.all())
         self.version = current
         self.issuer.new_version(time.monotonic())
         self.finished = current >= self.config.learner.max_steps  # before waking: no work past the last step
@@ -178,7 +179,7 @@ class Coordinator:
 
     def learner_status(self) -> dict[str, Any]:
         """The learner's last report (coordinator.roles.learner), or {} before its first."""
-        return self.store.role_status(LEARNER) or {}
+        return self.store.role_status.get(LEARNER) or {}
 
     async def flush(self) -> None:
         """Make what this process committed so far power-safe before a reply tells a client about it
@@ -215,8 +216,8 @@ class Coordinator:
     def new_job(self) -> JobRow:
         key, n, per_job = self._plan_key(), len(self.task.train), self.config.jobs.prompts_per_job
         # the next number is drawn under the store's job-stream lock: API processes sharing one database
-        return self.store.create_next_job(lambda seq: plan_job(key, seq, n, per_job), self.config.learner.group_size,
-                                          self.clock())
+        return self.store.jobs.create_next(lambda seq: plan_job(key, seq, n, per_job), self.config.learner.group_size,
+                                           self.clock())
 
     async def accept_local(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
                            ) -> SubmitResponse:
@@ -229,9 +230,9 @@ class Coordinator:
         try:
             return await self._verify_and_accept(client_id, sub, size, content_sha, own=True)
         except RewardFailed as exc:
-            self.store.record_rejection(client_id, sub.job_id, exc.reason.value, exc.message, content_sha,
-                                        self.clock(), sub.version)
-            self.store.release_lease(sub.job_id, sub.lease_id, client_id)
+            self.store.results.record_rejection(client_id, sub.job_id, exc.reason.value, exc.message, content_sha,
+                                                self.clock(), sub.version)
+            self.store.jobs.release(sub.job_id, sub.lease_id, client_id)
             logger.warning("co-located result for %s refused: %s", sub.job_id, exc.message)
             return SubmitResponse(accepted=False, job_id=sub.job_id, mean_reward=0.0, credit=0.0, total_credit=0.0)
 
@@ -259,7 +260,7 @@ class Coordinator:
         now = self.clock()
         window = self.config.verification.request_window_s
         check_timestamp(req.timestamp, now, window)
-        if not self.store.remember_nonce(req.nonce, nonce_expiry(max(req.timestamp, now), window)):
+        if not self.store.nonces.remember(req.nonce, nonce_expiry(max(req.timestamp, now), window)):
             raise ProtocolError(Reason.REPLAYED_NONCE, "this request was already received (replayed nonce)")
 
     def authenticate(self, raw: bytes, path: str) -> SignedRequest:
@@ -267,7 +268,7 @@ class Coordinator:
 
         The ban check follows the signature so that nobody learns whether an id is banned without its key."""
         req = self.open_envelope(raw, path)
-        client = self.store.get_client(req.client_id)
+        client = self.store.clients.get(req.client_id)
         if client is None:
             raise ProtocolError(Reason.UNKNOWN_CLIENT, "this client is not registered; register first")
         crypto.verify_request(req, bytes(client["public_key"]))
@@ -288,7 +289,7 @@ class Coordinator:
         body = wire.decode(req.body, RegisterRequest)
         crypto.verify_request(req, body.public_key)
         self.guard.check_identity(req.client_id, self.clock())  # charged from here on, whatever refuses it next
-        existing = self.store.get_client(req.client_id)
+        existing = self.store.clients.get(req.client_id)
         if existing is not None and existing["banned"]:
             raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
         self.guard.check_registration(peer, body.invite, self.clock(), is_new=existing is None)
@@ -296,15 +297,15 @@ class Coordinator:
         bclass = self.guard.class_for_registration(req.client_id, body.profile.backend, body.profile.device,
                                                    is_new=existing is None)
         self.check_fresh(req)
-        new = self.store.register_client(req.client_id, body.public_key, body.profile.model_dump(), self.clock(),
-                                         backend_class=bclass, address=peer or None)
+        new = self.store.clients.register(req.client_id, body.public_key, body.profile.model_dump(), self.clock(),
+                                          backend_class=bclass, address=peer or None)
         # a declared self-benchmark seeds the pace until a result is seen
         per_job = self.config.jobs.prompts_per_job * self.config.learner.group_size * self.config.sampling.max_tokens
         self.issuer.declare(req.client_id, pacing.declared_pace(body.profile.benchmark_tokens_per_s, per_job))
         if new:
             logger.info("registered client %s (%s, %s)", req.client_id[:8], body.profile.backend, body.profile.device)
             # bounded sign-up (issue 24): the longest-idle never-accepted identities beyond the cap are removed
-            self.issuer.forget(self.store.expire_idle_clients(self.config.registration.max_idle_identities,
+            self.issuer.forget(self.store.clients.expire_idle(self.config.registration.max_idle_identities,
                                                               self.clock(), spare=req.client_id))
         return RegisterResponse(client_id=req.client_id, new=new, run_id=self.run_id)
 
@@ -358,21 +359,21 @@ class Coordinator:
         if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         now = self.clock()
-        active = {j.view.job_id: j for j in self.store.active_jobs()}
+        active = {j.view.job_id: j for j in self.store.jobs.active()}
         views = [j.view for j in active.values()]
-        queued = len(self.store.pending())
+        queued = len(self.store.results.pending())
         reissuable = [v.job_id for v in views if not lease_live(v, now)]
-        withheld = self.store.refused_jobs(client_id, reissuable) | self._verifying.keys()
+        withheld = self.store.results.refused_jobs(client_id, reissuable) | self._verifying.keys()
         decision = self.issuer.decide(client_id, views, queued, now, self.version, held_version, frozenset(withheld))
         if decision is None:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         row = active[decision.job_id] if decision.job_id is not None else self.new_job()
         version = decision.version
-        if self.store.manifest_sha(version) is None or self.snapshots.signed_manifest(version) is None:
+        if self.store.versions.manifest_sha(version) is None or self.snapshots.signed_manifest(version) is None:
             version = self.version
         lease_id = secrets.token_hex(8)
         deadline = deadline_for(now, self.config.jobs.lease_timeout_s)
-        if not self.store.lease_job(row.view.job_id, lease_id, client_id, deadline, version, now):
+        if not self.store.jobs.lease(row.view.job_id, lease_id, client_id, deadline, version, now):
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         if row.issue_count > 0:
             logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
@@ -385,7 +386,7 @@ class Coordinator:
         prompts = [JobPrompt(prompt_id=i, token_ids=self.prompt_tokens(i), text=self.task.train[i].prompt)
                    for i in row.prompt_ids]
         n = len(prompts) * row.group_size
-        manifest_sha = self.store.manifest_sha(version)
+        manifest_sha = self.store.versions.manifest_sha(version)
         assert manifest_sha is not None
         return Job(
             protocol=PROTOCOL_VERSION, run_id=self.run_id, job_id=row.view.job_id, lease_id=lease_id,
@@ -404,7 +405,7 @@ class Coordinator:
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.authenticate(raw, "/v1/release")
         body = wire.decode(req.body, ReleaseRequest)
-        released = self.store.release_lease(body.job_id, body.lease_id, req.client_id)
+        released = self.store.jobs.release(body.job_id, body.lease_id, req.client_id)
         if released:
             logger.info("client %s released job %s", req.client_id[:8], body.job_id)
             self.notify_jobs()
@@ -425,10 +426,10 @@ class Coordinator:
                                     f"this result says backend {sub.backend!r}, but this identity registered as "
                                     f"{bclass}; results are verified as the registered class. Send results from "
                                     f"the backend it registered with (or use a new identity for another backend)")
-            earlier = self.store.accepted_result(sub.job_id)
+            earlier = self.store.results.get(sub.job_id)
             if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
                 # the same client resending the same result (its first reply was lost): answer as before
-                client = self.store.get_client(req.client_id)
+                client = self.store.clients.get(req.client_id)
                 return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
                                       credit=float(earlier["n_tokens"]),
                                       total_credit=float(client["credit"]) if client is not None else 0.0)
@@ -436,8 +437,8 @@ class Coordinator:
         except ProtocolError as exc:
             if exc.reason is Reason.UNAVAILABLE:
                 raise  # the coordinator's own shortfall: nothing is recorded against the client
-            self.store.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha, self.clock(),
-                                        version)
+            self.store.results.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha,
+                                                self.clock(), version)
             if is_invalidating(exc.reason):
                 self.guard.record_invalid(req.client_id, self.clock())
             logger.info("rejected result from %s for %s: %s", req.client_id[:8], job_id, exc)
@@ -460,8 +461,8 @@ class Coordinator:
               reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """The audit log: every result's outcome (accepted, rejected…) with
         client, job, version, reason and content hash, newest first. For the admin API and CLI."""
-        return self.store.audit(client_id=client_id, job_id=job_id, outcome=outcome, reason=reason, since=since,
-                                limit=limit)
+        return self.store.audit.lines(client_id=client_id, job_id=job_id, outcome=outcome, reason=reason, since=since,
+                                      limit=limit)
 
     def terms(self, row: JobRow) -> JobTerms:
         return JobTerms(version=-1 if row.view.version is None else row.view.version, prompt_hash=prompt_hash([self.prompt_tokens(i) for i in row.prompt_ids]),
@@ -481,7 +482,7 @@ class Coordinator:
 
     async def _verify_and_accept_held(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str,
                                       own: bool) -> SubmitResponse:
-        row = self.store.get_job(sub.job_id)
+        row = self.store.jobs.get(sub.job_id)
         if row is None:
             raise ProtocolError(Reason.UNKNOWN_JOB, f"there is no job {sub.job_id}")
         cap = self._result_cap(len(row.prompt_ids) * row.group_size)
@@ -530,7 +531,7 @@ class Coordinator:
                            temperature=self.config.sampling.temperature)
         # the result arrived within its lease (verify_submission); if the lease ran out while the learner kept the
         # verification waiting, that delay was the coordinator's, and the job was not reissued meanwhile
-        fresh = self.store.get_job(sub.job_id)
+        fresh = self.store.jobs.get(sub.job_id)
         if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) not in (
                 LeaseCheck.OK, LeaseCheck.EXPIRED):
             raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} changed while it was verified")
@@ -552,17 +553,17 @@ class Coordinator:
             finish_reasons=[c.finish_reason for c in sub.completions], logprob_mean_abs_diff=stats.mean_abs,
             reward_means=reward_means, loss_mask=loss_mask).encode()
         credit = float(n_tokens)
-        if not self.store.accept_result(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
-                                        version=sub.version, content_sha256=content_sha, payload=payload,
-                                        rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock(),
-                                        completions_sha256=tokens_sha):
+        if not self.store.results.accept(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
+                                         version=sub.version, content_sha256=content_sha, payload=payload,
+                                         rewards=rewards, n_tokens=n_tokens, credit=credit, now=self.clock(),
+                                         completions_sha256=tokens_sha):
             raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
         if not own:  # every token was checked against the keyed sampler: the result is conclusive evidence
             self.guard.record_valid(client_id)
             self.guard.check_reporting(client_id, self.clock())  # …of its tokens, not of which results it returns
         self.issuer.observe(client_id, fresh.view, self.clock())
         self.bell.ring()  # the learner may have a batch now
-        client = self.store.get_client(client_id)
+        client = self.store.clients.get(client_id)
         return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
                               credit=credit, total_credit=float(client["credit"]) if client else credit)
 
@@ -575,7 +576,7 @@ class Coordinator:
         logprobs = [list(c.logprobs) if c.turns is None else [x for turn in c.turns for x in turn.logprobs]
                     for c in sub.completions]
         sha = tokens_sha256(tokens)
-        check_copy(self.store.result_with_tokens(sha, sub.job_id), sub.job_id, surprisal(logprobs))
+        check_copy(self.store.results.with_tokens(sha, sub.job_id), sub.job_id, surprisal(logprobs))
         return sha
 
     async def recompute_at(self, prompts: list[list[int]], completions: list[list[int]], version: int
@@ -601,8 +602,8 @@ class Coordinator:
     # -- status -------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         now = self.clock()
-        jobs = self.store.active_jobs()
-        steps = self.store.steps()
+        jobs = self.store.jobs.active()
+        steps = self.store.steps.all()
         return {
             "run_id": self.run_id,
             "version": self.version,
@@ -613,11 +614,11 @@ class Coordinator:
             "task": self.task.name,
             "uptime_s": now - self.started_at,
             "learner": self.learner_status(),  # its own report: trained_version runs ahead while publishing
-            "roles": self.store.role_statuses(),
+            "roles": self.store.role_status.all(),
             "jobs": {
                 "open": sum(1 for j in jobs if not lease_live(j.view, now)),
                 "leased": sum(1 for j in jobs if lease_live(j.view, now)),
-                "buffered": len(self.store.pending()),
+                "buffered": len(self.store.results.pending()),
                 "in_flight": [
                     {"job_id": j.view.job_id, "client_id": j.view.lease_client, "deadline": j.view.lease_deadline,
                      "version": j.view.version, "issue_count": j.issue_count}
@@ -627,7 +628,7 @@ class Coordinator:
             "totals": self.store.totals(),
             "reward_curve": [s["mean_reward"] for s in steps],
             "steps": steps[-200:],
-            "evals": self.store.evals(),
-            "clients": self.store.clients(),
+            "evals": self.store.evals.all(),
+            "clients": self.store.clients.all(),
             "trust": {"standings": self.guard.standings()},
         }

@@ -66,8 +66,8 @@ def page_status(coord: Coordinator) -> dict[str, Any]:
     """What the page draws."""
     now = coord.clock()
     jobs = readmodels.jobs(coord.store, now, limit=0)
-    evals = coord.store.evals()
-    curve = coord.store.reward_curve()
+    evals = coord.store.evals.all()
+    curve = coord.store.steps.reward_curve()
     body = {
         "run_id": coord.run_id, "version": coord.version, "max_steps": coord.config.learner.max_steps,
         "finished": coord.finished, "sync_mode": coord.config.sync_mode,

@@ -77,4 +77,4 @@ async def start_site(app: web.Application, config: CoordinatorConfig) -> tuple[w
 
 def report_pid(store: Store, role: str) -> None:
     """The API's entry in the roles' status (the learner and the verifiers report their own)."""
-    store.set_role_status(role, {"pid": os.getpid(), "started_at": time.time()})
+    store.role_status.set(role, {"pid": os.getpid(), "started_at": time.time()})

@@ -2,7 +2,7 @@
 
 It runs in its own process (``echo-swarm coordinator --role learner``) or inside the one process of the in-process
 layout; either way it talks to the other roles only through the store: it reads accepted results
-(``Store.pending``), records each step, its ingestion marks and the new version in one transaction once the
+(``Store.results.pending``), records each step, its ingestion marks and the new version in one transaction once the
 version is published, reports its progress (``learner`` role status: the version it is training towards and the
 jobs in that step), and asks the verifiers for held-out evaluations (the ``work`` table). The torch work happens on
 one executor thread; publication (coordinator.publish.publisher) overlaps the next step. On FSDP ranks (coordinator.engine.fsdp)
@@ -36,7 +36,8 @@ from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
 from coordinator.run.names import LEARNER, LOCAL_CLIENT, VERIFIER_PREFIX
 from coordinator.run.records import AcceptedResult
 from coordinator.run.workqueue import POLL_S, Bell
-from coordinator.store.store import JobRow, Store
+from coordinator.store.job_rows import JobRow
+from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import wire
@@ -66,7 +67,7 @@ class Batch:
     samples: list[Any]  # coordinator.engine.learner.Sample
     rewards: list[float]
     staleness_histogram: dict[str, int]  # staleness (as a string) → results
-    rows: list[Any]  # store.ResultRow
+    rows: list[Any]  # coordinator.store.results.ResultRow
     reward_means: dict[str, float]  # each reward's own mean, when the task combines several
 
 
@@ -105,10 +106,10 @@ class LearnerRole:
         """Publish version 0 from the model folder, or resume the run at its current version."""
 
         import_backends()  # before the learner's and publisher's threads use them
-        committed = [v["version"] for v in self.store.versions()]
+        committed = [v["version"] for v in self.store.versions.all()]
         self.snapshots.reconcile(committed)
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints")
-        current = self.store.current_version()
+        current = self.store.versions.current()
         self.checkpoints.prune(-1 if current is None else current, startup=True)
         self.publisher = Publisher(self.snapshots, self.checkpoints)
         if current is None:
@@ -118,7 +119,7 @@ class LearnerRole:
             files, checkpoint = await self._run(self._hand_over, True)
             published = await asyncio.wrap_future(self.publisher.submit(
                 Publication(0, files, self.clock(), checkpoint)))
-            self.store.publish_initial(published.manifest_sha, self.clock())
+            self.store.versions.publish_initial(published.manifest_sha, self.clock())
             self.version = 0
             logger.info("published initial version 0 from %s", model_dir)
         else:
@@ -128,7 +129,7 @@ class LearnerRole:
         self._last_checkpoint_at = time.monotonic()
         newest = self.checkpoints.latest(self.version)
         self._last_checkpoint_version = self.version if newest is None else newest
-        if not any(e["version"] == self.version for e in self.store.evals()):
+        if not any(e["version"] == self.version for e in self.store.evals.all()):
             self._evaluate(self.version)
         self.finished = self.version >= self.config.learner.max_steps
         self._report()
@@ -181,10 +182,10 @@ class LearnerRole:
             await self._run(self.learner.load_checkpoint, weights, optimizer, ckpt)
             del weights, optimizer
         by_step: dict[int, list[str]] = {}
-        for r in self.store.results_summary():
+        for r in self.store.results.summary():
             if r["ingested_step"] is not None and r["ingested_step"] > ckpt:
                 by_step.setdefault(int(r["ingested_step"]), []).append(r["job_id"])
-        trained_from = {int(s["step"]): int(s["trained_version"]) for s in self.store.steps() if s["step"] > ckpt}
+        trained_from = {int(s["step"]): int(s["trained_version"]) for s in self.store.steps.all() if s["step"] > ckpt}
         t0 = time.monotonic()
         for step in range(ckpt + 1, current + 1):
             batch = self._batch_samples(trained_from[step], sorted(by_step[step]))
@@ -206,7 +207,7 @@ class LearnerRole:
     def _report(self) -> None:
         """The learner's progress for the API (sequential-pull guard) and the status page."""
         target = max([self.learner.model_version, *self._unpublished]) if hasattr(self, "learner") else self.version
-        self.store.set_role_status(LEARNER, {
+        self.store.role_status.set(LEARNER, {
             "pid": os.getpid(), "at": time.time(), "target": target, "version": self.version, "in_training": sorted(self.in_training),
             "busy_s": self.busy_s, "last_error": self.last_error, "publishing": sorted(self._unpublished),
             "last_checkpoint": self.checkpoints.latest(self.version) if hasattr(self, "checkpoints") else None,
@@ -233,10 +234,10 @@ class LearnerRole:
                 while True:
                     self._check_publication()
                     in_flight = self.in_training
-                    pending = [p for p in self.store.pending() if p.job_id not in in_flight]
+                    pending = [p for p in self.store.results.pending() if p.job_id not in in_flight]
                     batch, too_stale = select_batch(pending, version, policy)
                     if too_stale:
-                        self.store.mark_stale([p.job_id for p in too_stale], version)
+                        self.store.results.mark_stale([p.job_id for p in too_stale], version)
                         logger.info("set aside %d results older than the staleness bound", len(too_stale))
                     if batch:
                         break
@@ -259,8 +260,8 @@ class LearnerRole:
         jobs it had leased to itself are generated again, so nothing is planned twice or left behind."""
         if self._local_intake is None or self._plan_job is None:
             raise RuntimeError("the co-located baseline runs all roles in one process (layout one-process)")
-        self.store.register_client(LOCAL_CLIENT, b"", {"name": "co-located learner", "backend": "torch",
-                                                       "device": self.learner.device}, self.clock())
+        self.store.clients.register(LOCAL_CLIENT, b"", {"name": "co-located learner", "backend": "torch",
+                                                        "device": self.learner.device}, self.clock())
         policy = self.config.sync_policy
         while not self.finished:
             if self._publishing is not None:
@@ -278,7 +279,7 @@ class LearnerRole:
                 continue
             version = self.version
             waited_from = time.monotonic()
-            pending = self.store.pending()
+            pending = self.store.results.pending()
             batch, _ = select_batch(pending, version, policy)
             if not batch:
                 rows = self._next_local_jobs(policy.jobs_per_step - len(pending))
@@ -292,8 +293,8 @@ class LearnerRole:
         leased before a restart included; one whose reward failed for it is skipped), then new ones."""
         assert self._plan_job is not None
         count = max(1, count)
-        active = self.store.active_jobs()
-        refused = self.store.refused_jobs(LOCAL_CLIENT, [r.view.job_id for r in active])
+        active = self.store.jobs.active()
+        refused = self.store.results.refused_jobs(LOCAL_CLIENT, [r.view.job_id for r in active])
         rows = [r for r in active if r.view.job_id not in refused][:count]
         while len(rows) < count:
             rows.append(self._plan_job())
@@ -329,10 +330,10 @@ class LearnerRole:
             now = self.clock()
             lease_id = secrets.token_hex(8)
             deadline = deadline_for(now, 3600.0)
-            if not self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline, version, now):
+            if not self.store.jobs.lease(row.view.job_id, lease_id, LOCAL_CLIENT, deadline, version, now):
                 # a lease left by a crash that has not expired yet: take it over (only this process leases here)
-                self.store.release_lease(row.view.job_id, row.view.lease_id or "", LOCAL_CLIENT)
-                self.store.lease_job(row.view.job_id, lease_id, LOCAL_CLIENT, deadline, version, now)
+                self.store.jobs.release(row.view.job_id, row.view.lease_id or "", LOCAL_CLIENT)
+                self.store.jobs.lease(row.view.job_id, lease_id, LOCAL_CLIENT, deadline, version, now)
             completions = [smp.to_completion() for smp in samples]
             sub = ResultSubmission(job_id=row.view.job_id, lease_id=lease_id, version=version,
                                    prompt_hash=prompt_hash(prompts), seed=row.seed, group_size=row.group_size,
@@ -343,13 +344,13 @@ class LearnerRole:
         """The training samples of a batch of accepted results, for a step that updates ``version`` (also used
         to replay recorded steps after a restart), with what the step's metrics report about them."""
 
-        rows = self.store.result_rows(job_ids)
+        rows = self.store.results.rows(job_ids)
         samples: list[Sample] = []
         rewards_all: list[float] = []
         staleness_hist: dict[str, int] = {}
         reward_parts: dict[str, list[float]] = {}
         for r in rows:
-            job = self.store.get_job(r.job_id)
+            job = self.store.jobs.get(r.job_id)
             assert job is not None
             result = AcceptedResult.decode(r.payload)
             for name, mean in result.reward_means.items():  # each reward's own mean (task.rewards)
@@ -433,7 +434,7 @@ class LearnerRole:
 
     def _verifier_totals(self) -> tuple[float, float]:
         """Seconds the verifiers spent recomputing and evaluating so far, as they report them."""
-        statuses = [s for name, s in self.store.role_statuses().items() if name.startswith(VERIFIER_PREFIX)]
+        statuses = [s for name, s in self.store.role_status.all().items() if name.startswith(VERIFIER_PREFIX)]
         return (sum(float(s.get("recompute_s", 0.0)) for s in statuses),
                 sum(float(s.get("eval_s", 0.0)) for s in statuses))
 
@@ -455,9 +456,9 @@ class LearnerRole:
         metrics["verify_s"], self._verify_s_seen = max(0.0, verify_total - self._verify_s_seen), verify_total
         metrics["eval_s"], self._eval_s_seen = max(0.0, eval_total - self._eval_s_seen), eval_total
         mean_reward = metrics.pop("mean_reward")
-        self.store.commit_step(step=new_version, trained_version=version, job_ids=job_ids, new_version=new_version,
-                               manifest_sha=published.manifest_sha, mean_reward=mean_reward, metrics=metrics,
-                               now=self.clock())
+        self.store.steps.commit(step=new_version, trained_version=version, job_ids=job_ids, new_version=new_version,
+                                manifest_sha=published.manifest_sha, mean_reward=mean_reward, metrics=metrics,
+                                now=self.clock())
         self._unpublished.pop(new_version, None)
         max_steps = self.config.learner.max_steps
         self.version = new_version
@@ -492,7 +493,7 @@ class LearnerRole:
     def _prune(self, current: int) -> None:
         """Bound the run directory: keep_last versions (and those under a live lease), the newest checkpoint,
         keep_exports exports."""
-        keep = kept_versions(current, self.config.snapshots.keep_last, [j.view for j in self.store.active_jobs()],
+        keep = kept_versions(current, self.config.snapshots.keep_last, [j.view for j in self.store.jobs.active()],
                              self.clock())
         self.snapshots.prune(keep)
         self.checkpoints.prune(current)
@@ -506,5 +507,5 @@ class LearnerRole:
     def _evaluate(self, version: int) -> None:
         """Ask the verifiers for a held-out evaluation of a published version (off the learner); the first
         verifier records it when done."""
-        self.store.work_submit("evaluate", version, wire.pack({}), time.time())
+        self.store.work.submit("evaluate", version, wire.pack({}), time.time())
         self.bell.ring()

@@ -159,9 +159,9 @@ class RoleContext:
 
     @property
     def version(self) -> int:
-        current = self.store.current_version()
+        current = self.store.versions.current()
         if current is not None and current != self._seen:
-            self.snapshots.observe(v["version"] for v in self.store.versions())
+            self.snapshots.observe(v["version"] for v in self.store.versions.all())
             self._seen = current
         return max(self._seen, 0)
 
@@ -183,7 +183,7 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
         peer = CoordinatorPeer(ctx)
         await peer.start()
         while True:
-            files.store.set_role_status(P2P, peer.report() | {"pid": os.getpid(), "at": time.time()})
+            files.store.role_status.set(P2P, peer.report() | {"pid": os.getpid(), "at": time.time()})
             try:
                 await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)
                 return 0
@@ -192,5 +192,5 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     finally:
         if peer is not None:
             await peer.stop()
-        files.store.set_role_status(P2P, {"peer_id": None, "pid": os.getpid(), "at": time.time()})
+        files.store.role_status.set(P2P, {"peer_id": None, "pid": os.getpid(), "at": time.time()})
         files.close()

@@ -11,7 +11,7 @@ With ``verification.placement = "fsdp"`` a worker is a group of ``verification.w
 the supervisor's restart of the worker restarts every rank.
 
 A worker that dies leaves its claims behind; they run out after ``verification.claim_s`` and another worker takes
-them, or the restarted worker hands them back at once (:meth:`Store.work_unclaim`).
+them, or the restarted worker hands them back at once (``Store.work.unclaim``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class VerifierWorker:
         import_backends()  # on this thread, before the verifier's and evaluator's threads load models
 
         current = await wait_for_first_version(self.store, self.bell, self.name)
-        self.snapshots.observe(v["version"] for v in self.store.versions())
+        self.snapshots.observe(v["version"] for v in self.store.versions.all())
         lora = self.config.learner.lora_rank > 0
         folder = self.snapshots.base_dir if lora else self.snapshots.folder(current)
         codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists()
@@ -93,14 +93,14 @@ class VerifierWorker:
             self.evaluator = Evaluator(self.task, self.task.heldout[: self.config.learner.eval_size],
                                        self.config.sampling.max_tokens, device=device, load=lora_eval,
                                        yield_to=lambda: verifier.wait_quiet(EVAL_YIELD_MAX_S))
-        handed_back = self.store.work_unclaim(self.name)
+        handed_back = self.store.work.unclaim(self.name)
         if handed_back:
             logger.info("%s: took back %d requests its previous run had claimed", self.name, handed_back)
         self._report()
         logger.info("%s ready on %s", self.name, device)
 
     def _report(self) -> None:
-        self.store.set_role_status(self.name, {
+        self.store.role_status.set(self.name, {
             "pid": os.getpid(), "device": self.verifier.device, "at": time.time(), "in_flight": len(self._inflight),
             "evaluations": self.evaluations, "eval_s": self.eval_s, **self.verifier.describe()})
 
@@ -129,7 +129,7 @@ class VerifierWorker:
         free = CLAIM_BATCH - len(self._inflight)
         if free > 0:
             now = time.time()
-            for row in self.store.work_claim(self.name, self.kinds, free, now + self.config.verification.claim_s,
+            for row in self.store.work.claim(self.name, self.kinds, free, now + self.config.verification.claim_s,
                                              now):
                 task = asyncio.create_task(self._answer(row), name=f"{self.name}-{row['id']}")
                 self._inflight[int(row["id"])] = task
@@ -137,8 +137,8 @@ class VerifierWorker:
         if time.monotonic() >= next_report:
             next_report = time.monotonic() + REPORT_EVERY_S
             if self._inflight:
-                self.store.work_renew(self.name, list(self._inflight), time.time() + self.config.verification.claim_s)
-            self.snapshots.observe(v["version"] for v in self.store.versions())
+                self.store.work.renew(self.name, list(self._inflight), time.time() + self.config.verification.claim_s)
+            self.snapshots.observe(v["version"] for v in self.store.versions.all())
             self._report()
         self._preload_newest()
         return next_report
@@ -151,12 +151,12 @@ class VerifierWorker:
             return
         if self.config.sync_mode != "sequential-pull" and self.config.verification.cached_versions < 2:
             return
-        current = self.store.current_version()
+        current = self.store.versions.current()
         if current is None or current <= self._preloaded:
             return
         self._preloaded = current
         if self.snapshots.signed_manifest(current) is None:
-            self.snapshots.observe(v["version"] for v in self.store.versions())
+            self.snapshots.observe(v["version"] for v in self.store.versions.all())
         self._preload = asyncio.create_task(self.verifier.preload(current), name=f"{self.name}-preload")
 
     def _forget(self, task: asyncio.Task[None]) -> None:
@@ -172,17 +172,17 @@ class VerifierWorker:
                 await self._evaluate(item, version)
                 return
             if self.snapshots.signed_manifest(version) is None:  # published since the last look?
-                self.snapshots.observe(v["version"] for v in self.store.versions())
+                self.snapshots.observe(v["version"] for v in self.store.versions.all())
             answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
                                                                       version, segments_from_wire(request.get("segments"))))
-            self.store.work_finish(item, self.name, answer)
+            self.store.work.finish(item, self.name, answer)
         except (VersionGone, FileNotFoundError):
-            self.store.work_finish(item, self.name, wire.pack({"gone": True}))
+            self.store.work.finish(item, self.name, wire.pack({"gone": True}))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.exception("%s: %s request %d failed", self.name, kind, item)
-            self.store.work_finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
+            self.store.work.finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
         self.bell.ring()
 
     async def _evaluate(self, item: int, version: int) -> None:
@@ -193,12 +193,12 @@ class VerifierWorker:
         except OSError as exc:  # the version was pruned before it was loaded
             logger.warning("held-out evaluation of version %d skipped: %s", version, exc)
         else:
-            self.store.record_eval(out.version, out.accuracy, out.n, time.time())
+            self.store.evals.record(out.version, out.accuracy, out.n, time.time())
             self.evaluations += 1
             self.eval_s += out.seconds
             logger.info("version %d: held-out greedy accuracy %.3f on %d prompts (%.1fs, off the learner)", version,
                         out.accuracy, out.n, out.seconds)
-        self.store.work_delete([item])
+        self.store.work.delete([item])
 
     def close(self) -> None:
         for task in list(self._inflight.values()):

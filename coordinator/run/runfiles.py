@@ -92,7 +92,7 @@ class KeyMismatch(RuntimeError):
 async def wait_for_first_version(store: Store, bell: Bell, role: str) -> int:
     """Roles that read snapshots start once the learner has published version 0."""
     said = False
-    while (current := store.current_version()) is None:
+    while (current := store.versions.current()) is None:
         if not said:
             logger.info("%s: waiting for the learner to publish version 0", role)
             said = True

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
 from coordinator.run.doorbell import Doorbell, folder_for
-from coordinator.store.store import Store, WorkKind
+from coordinator.store.store import Store
+from coordinator.store.work_rows import WorkKind
 from shared import wire
 from shared.sampler import Segment
 
@@ -113,12 +114,12 @@ class RemoteVerifier:
         return (await self.recompute_stats(prompts, completions, version)).logprobs
 
     async def ask(self, kind: WorkKind, version: int, request: dict[str, Any]) -> dict[str, Any]:
-        item = self.store.work_submit(kind, version, wire.pack(request), time.time(), self.requester)
+        item = self.store.work.submit(kind, version, wire.pack(request), time.time(), self.requester)
         self.bell.ring()
         give_up = time.monotonic() + self.wait_s
         try:
             while True:
-                row = self.store.work_item(item)
+                row = self.store.work.item(item)
                 if row is None:
                     raise VerificationError("the request was dropped (the verifier queue was reset)")
                 if row["state"] == "done":
@@ -129,7 +130,7 @@ class RemoteVerifier:
                     raise VerifierUnavailable(f"no verifier answered within {self.wait_s:.0f}s")
                 await self.bell.wait(POLL_S)
         finally:
-            self.store.work_delete([item])
+            self.store.work.delete([item])
 
     def close(self) -> None:
         """Nothing to release: requests in flight are deleted by their waiters."""

@@ -28,7 +28,7 @@ _HIDDEN_CLIENT_COLUMNS = {"public_key", "profile"}
 
 
 def live_lease_holders(store: Store, now: float) -> set[str]:
-    return {j.view.lease_client for j in store.active_jobs() if j.view.lease_client and lease_live(j.view, now)}
+    return {j.view.lease_client for j in store.jobs.active() if j.view.lease_client and lease_live(j.view, now)}
 
 
 def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_000, *, exclude_banned: bool = False,
@@ -87,7 +87,7 @@ def leaderboard(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any
 
 def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
     """Jobs not yet done (open, leased, expired) with their holder and deadline; counts over all jobs."""
-    active = store.active_jobs()
+    active = store.jobs.active()
     listed = []
     for j in active[:limit]:
         listed.append({"job_id": j.view.job_id, "state": job_status(j.view, now), "client_id": j.view.lease_client,
@@ -103,7 +103,7 @@ def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
         "counts": {s: counts.get(s, 0) for s in ("open", "leased", "expired")} | {"done": int(row["done"])},
         "reissued": int(row["reissued"]),
         "leases_issued": int(row["leases"]),
-        "buffered_results": len(store.pending()),
+        "buffered_results": len(store.results.pending()),
         "jobs": listed,
     }
 
@@ -297,6 +297,6 @@ def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) 
         "versions": [{"version": int(r["version"]), "results": int(r["n"]), "tokens": int(r["tokens"])}
                      for r in by_version],
         "refusals": {str(r["reason"]): int(r["n"]) for r in refusals},
-        "reporting": _reporting(row, reward_bias([VersionGroup(*g) for g in store.reward_groups(client_id)],
+        "reporting": _reporting(row, reward_bias([VersionGroup(*g) for g in store.trust.reward_groups(client_id)],
                                                  client_id)),
     }

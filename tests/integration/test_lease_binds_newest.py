@@ -36,7 +36,7 @@ def test_a_lease_binds_the_learners_newest_version_when_the_apis_watch_lags(live
         status, raw = client.post("/v1/results", wire.encode(honest_result(live, job)))
         assert status == 200, raw
     # two results fill one step: the learner commits version 1, which this API has not seen
-    wait_until(lambda: coord.store.current_version() == 1, 120, "the learner to commit version 1")
+    wait_until(lambda: coord.store.versions.current() == 1, 120, "the learner to commit version 1")
     assert coord.version == 0
 
     job = lease(client, coord.public_key)

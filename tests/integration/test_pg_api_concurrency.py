@@ -113,7 +113,7 @@ def test_two_api_processes_on_one_postgresql_never_lease_a_job_twice(pg_url: str
         assert len(grants) >= 150, len(grants)
         store = Store(pg_url)
         try:
-            leased = {j.view.job_id: j for j in store.active_jobs()}
+            leased = {j.view.job_id: j for j in store.jobs.active()}
             for job, client, _ in grants:  # the database agrees: each job leased once, to the client told so
                 assert leased[job].view.lease_client == client and leased[job].issue_count == 1
             assert len(leased) == len(grants)

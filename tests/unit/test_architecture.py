@@ -1,5 +1,6 @@
-"""The import rules that import-linter cannot state: few function-level imports of project modules, each with its
-reason written beside it, and a CLI whose --help loads no heavy library (issue 22)."""
+"""The rules that import-linter cannot state: few function-level imports of project modules, each with its
+reason written beside it, a CLI whose --help loads no heavy library (issue 22), and no class with more than
+MAX_PUBLIC_METHODS public methods (a class that grows past it is split, as the Store is per aggregate)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("coordinator", "shared", "swarm_client", "echo_swarm")
 MAX_LAZY = 15
 HEAVY = ("torch", "transformers", "hivemind", "llama_cpp")
+MAX_PUBLIC_METHODS = 25
 
 
 def _lazy_imports() -> list[tuple[str, int, bool]]:
@@ -71,3 +73,24 @@ def test_help_imports_no_heavy_library() -> None:
         loaded = _modules_loaded(*argv)
         assert "echo_swarm" in loaded and "typer" in loaded  # the probe saw the CLI run
         assert not loaded & set(HEAVY), f"`echo-swarm {' '.join(argv)}` imported {sorted(loaded & set(HEAVY))}"
+
+
+def _public_methods() -> dict[str, int]:
+    """``file:Class`` → how many public methods (a ``def`` or ``async def`` in the class body whose name does not
+    start with an underscore; properties and static methods included) of every class in the packages."""
+    counts = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef):
+                    counts[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = sum(
+                        1 for item in node.body
+                        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and not item.name.startswith("_"))
+    return counts
+
+
+def test_no_class_has_more_than_25_public_methods() -> None:
+    counts = _public_methods()
+    assert counts["coordinator/store/store.py:Store"] > 0  # the walk sees the classes
+    big = {name: n for name, n in counts.items() if n > MAX_PUBLIC_METHODS}
+    assert not big, f"classes with more than {MAX_PUBLIC_METHODS} public methods (split them): {big}"

@@ -44,13 +44,13 @@ def test_out_of_bounds_values_are_refused(field: str, value: object) -> None:
 def test_store_keeps_the_benchmark_in_its_own_column_and_updates_it(store_target: str | Path) -> None:
     store = Store(store_target)
     cid = "c" * 32
-    assert store.register_client(cid, b"k" * 32, profile(benchmark_tokens_per_s=12.5).model_dump(), 1.0)
-    assert store.get_client(cid)["benchmark_tokens_per_s"] == 12.5
-    assert not store.register_client(cid, b"k" * 32, profile(benchmark_tokens_per_s=30.0).model_dump(), 2.0)
-    (row,) = store.clients()
+    assert store.clients.register(cid, b"k" * 32, profile(benchmark_tokens_per_s=12.5).model_dump(), 1.0)
+    assert store.clients.get(cid)["benchmark_tokens_per_s"] == 12.5
+    assert not store.clients.register(cid, b"k" * 32, profile(benchmark_tokens_per_s=30.0).model_dump(), 2.0)
+    (row,) = store.clients.all()
     assert row["benchmark_tokens_per_s"] == 30.0 and row["profile"]["benchmark_tokens_per_s"] == 30.0
-    store.register_client("d" * 32, b"j" * 32, profile().model_dump(), 3.0)  # no benchmark reported
-    assert store.get_client("d" * 32)["benchmark_tokens_per_s"] is None
+    store.clients.register("d" * 32, b"j" * 32, profile().model_dump(), 3.0)  # no benchmark reported
+    assert store.clients.get("d" * 32)["benchmark_tokens_per_s"] is None
     store.close()
 
 
@@ -65,7 +65,7 @@ def test_a_database_created_before_the_column_gains_it(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     store = Store(path)
-    assert store.get_client("e" * 32)["benchmark_tokens_per_s"] is None
-    store.register_client("e" * 32, b"k", profile(benchmark_tokens_per_s=5.0).model_dump(), 2.0)
-    assert store.get_client("e" * 32)["benchmark_tokens_per_s"] == 5.0
+    assert store.clients.get("e" * 32)["benchmark_tokens_per_s"] is None
+    store.clients.register("e" * 32, b"k", profile(benchmark_tokens_per_s=5.0).model_dump(), 2.0)
+    assert store.clients.get("e" * 32)["benchmark_tokens_per_s"] == 5.0
     store.close()

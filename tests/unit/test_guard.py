@@ -22,7 +22,7 @@ A, B = "a" * 32, "b" * 32
 def make(target: str | Path, **cfg: object) -> tuple[Guard, Store]:
     store = Store(target)
     for cid in (A, B):
-        store.register_client(cid, b"k" * 32, {"backend": "torch", "device": "cpu"}, T0)
+        store.clients.register(cid, b"k" * 32, {"backend": "torch", "device": "cpu"}, T0)
     return Guard(CoordinatorConfig.model_validate(cfg), store), store
 
 
@@ -85,17 +85,17 @@ def test_the_class_is_established_by_the_coordinator_and_pinned(store_target: st
         msg = refused(Reason.SCHEMA, guard.class_for_registration, C, "torch", device, True)
         assert "torch on cpu, cuda, mps" in msg and "--device" in msg
     assert guard.class_for_registration(C, "torch", "cuda:RTX 3060", True) == "torch/cuda"
-    store.register_client(C, b"k" * 32, {"backend": "torch", "device": "cuda:RTX 3060"}, T0,
-                          backend_class="torch/cuda", address="10.0.0.3")
+    store.clients.register(C, b"k" * 32, {"backend": "torch", "device": "cuda:RTX 3060"}, T0,
+                           backend_class="torch/cuda", address="10.0.0.3")
     assert guard.pinned_class(C) == "torch/cuda"
     msg = refused(Reason.SCHEMA, guard.class_for_registration, C, "llama", "cpu", False)
     assert "pinned to backend class torch/cuda" in msg and "new identity" in msg
     assert guard.class_for_registration(C, "torch", "cuda:another name", False) == "torch/cuda"
     # a refresh never changes the pinned class, even if a caller passed another
-    store.register_client(C, b"k" * 32, {"backend": "llama", "device": "cpu"}, T0 + 1, backend_class="llama/cpu",
-                          address="10.0.0.4")
+    store.clients.register(C, b"k" * 32, {"backend": "llama", "device": "cpu"}, T0 + 1, backend_class="llama/cpu",
+                           address="10.0.0.4")
     assert guard.pinned_class(C) == "torch/cuda"
-    row = store.get_client(C)
+    row = store.clients.get(C)
     assert row is not None and (row["address"], row["last_address"]) == ("10.0.0.3", "10.0.0.4")
     assert guard.pinned_class(A) == "torch/cpu"  # registered before classes were pinned: from its profile
 
@@ -114,20 +114,20 @@ def test_an_accepted_result_raises_trust_and_clears_the_failure_streak(store_tar
 
 def _reported(store: Store, client: str, version: int, rewards: list[float], now: float) -> None:
     """One accepted result of ``client`` at ``version`` with these per-completion rewards."""
-    seq = store.next_seq()
-    store.create_job(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
-    assert store.lease_job(f"j{seq}", f"L{seq}", client, now + 60, version, now)
-    assert store.accept_result(job_id=f"j{seq}", lease_id=f"L{seq}", client_id=client, version=version,
-                               content_sha256="c" * 64, payload=b"x", rewards=rewards, n_tokens=8, credit=8.0,
-                               now=now)
+    seq = store.jobs.next_seq()
+    store.jobs.create(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
+    assert store.jobs.lease(f"j{seq}", f"L{seq}", client, now + 60, version, now)
+    assert store.results.accept(job_id=f"j{seq}", lease_id=f"L{seq}", client_id=client, version=version,
+                                content_sha256="c" * 64, payload=b"x", rewards=rewards, n_tokens=8, credit=8.0,
+                                now=now)
 
 
 def _abandoned(store: Store, client: str, n: int, now: float) -> None:
     for _ in range(n):
-        seq = store.next_seq()
-        store.create_job(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
-        assert store.lease_job(f"j{seq}", f"L{seq}", client, now + 60, 0, now)
-        assert store.release_lease(f"j{seq}", f"L{seq}", client)
+        seq = store.jobs.next_seq()
+        store.jobs.create(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, now)
+        assert store.jobs.lease(f"j{seq}", f"L{seq}", client, now + 60, 0, now)
+        assert store.jobs.release(f"j{seq}", f"L{seq}", client)
 
 
 def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | Path) -> None:
@@ -147,7 +147,7 @@ def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | 
     why = guard.check_reporting(B, T0 + 1)
     assert why is not None and "12 of 22 leases" in why
     assert (guard.trust(B).consecutive_valid, guard.trust(B).quarantines) == (0, 0)  # the valid streak reset
-    (row,) = store.audit(client_id=B, outcome="flagged")
+    (row,) = store.audit.lines(client_id=B, outcome="flagged")
     assert (row["reason"], row["detail"]) == ("selective_reporting", why)
     assert guard.check_reporting(B, T0 + 50) is None  # within the cooldown: the same evidence counts once
     for _ in range(5):
@@ -161,12 +161,12 @@ def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | 
 
 def test_audit_records_rejections_with_version_and_hash_and_filters(store_target: str | Path) -> None:
     _, store = make(store_target)
-    store.record_rejection(A, "j9", "logprob_mismatch", "made up", "e" * 64, T0, version=3)
-    store.record_rejection(B, None, "malformed", "garbage", "f" * 64, T0 + 1)
-    (row,) = store.audit(client_id=A)
+    store.results.record_rejection(A, "j9", "logprob_mismatch", "made up", "e" * 64, T0, version=3)
+    store.results.record_rejection(B, None, "malformed", "garbage", "f" * 64, T0 + 1)
+    (row,) = store.audit.lines(client_id=A)
     assert (row["job_id"], row["version"], row["outcome"], row["reason"], row["content_sha256"]) == \
         ("j9", 3, "rejected", "logprob_mismatch", "e" * 64)
-    assert [r["client_id"] for r in store.audit()] == [B, A]
-    assert store.audit(reason="malformed", since=T0 + 0.5)[0]["client_id"] == B
-    assert store.audit(since=T0 + 5) == []
-    json.dumps(store.audit())  # plain values, ready for an admin API
+    assert [r["client_id"] for r in store.audit.lines()] == [B, A]
+    assert store.audit.lines(reason="malformed", since=T0 + 0.5)[0]["client_id"] == B
+    assert store.audit.lines(since=T0 + 5) == []
+    json.dumps(store.audit.lines())  # plain values, ready for an admin API

@@ -164,7 +164,7 @@ def test_done_reported_before_anything_else() -> None:
 
 
 def test_released_lease_is_expired_for_its_holder() -> None:
-    # store.release_lease keeps lease_id/client but reopens the job and clears the deadline
+    # store.jobs.release keeps lease_id/client but reopens the job and clears the deadline
     released = view(state=JobState.OPEN, lease_id="L1", client="alice", deadline=None)
     assert check_lease(released, "alice", "L1", T0) is LeaseCheck.EXPIRED
 

@@ -21,13 +21,13 @@ PROFILE = {"name": "alice", "backend": "torch", "device": "cpu", "platform": "Li
 @pytest.fixture()
 def store(store_target: str | Path) -> Iterator[Store]:
     s = Store(store_target)
-    s.register_client(ALICE, b"k" * 32, PROFILE, T0)
+    s.clients.register(ALICE, b"k" * 32, PROFILE, T0)
     plan = plan_job(0, 0, 100, 2)
-    s.create_job(plan, 4, T0)
-    s.lease_job(plan.job_id, "lease", ALICE, T0 + 60, 0, T0)
-    s.accept_result(job_id=plan.job_id, lease_id="lease", client_id=ALICE, version=0, content_sha256="1" * 64,
-                    payload=b"", rewards=[1.0, 0.0], n_tokens=10, credit=10.0, now=T0 + 5)
-    s.record_rejection(ALICE, "other-job", "logprob_mismatch", "logprobs disagree", "2" * 64, T0 + 9)
+    s.jobs.create(plan, 4, T0)
+    s.jobs.lease(plan.job_id, "lease", ALICE, T0 + 60, 0, T0)
+    s.results.accept(job_id=plan.job_id, lease_id="lease", client_id=ALICE, version=0, content_sha256="1" * 64,
+                     payload=b"", rewards=[1.0, 0.0], n_tokens=10, credit=10.0, now=T0 + 5)
+    s.results.record_rejection(ALICE, "other-job", "logprob_mismatch", "logprobs disagree", "2" * 64, T0 + 9)
     yield s
     s.close()
 
@@ -64,7 +64,7 @@ def test_client_views(store: Store) -> None:
     summary = readmodels.client_summary(readmodels.client_states(store, T0 + 10, 30.0))
     assert summary["by_state"]["active"] == 1 and summary["active_by_backend"] == {"torch": 1}
     assert readmodels.client_summary(readmodels.client_states(store, T0 + 1000, 30.0))["by_state"]["idle"] == 1
-    store.set_banned(ALICE, True)
+    store.clients.set_banned(ALICE, True)
     assert readmodels.top_clients(store, T0, 30.0) == []
 
 
@@ -73,17 +73,17 @@ def test_the_operators_and_the_volunteers_views_show_reporting(store: Store) -> 
     other volunteers' at the same versions (coordinator.core.reporting) — in the admin listing and the
     volunteer page, both from the same figures."""
     bob = "b" * 32
-    store.register_client(bob, b"k" * 32, PROFILE | {"name": "bob"}, T0)
+    store.clients.register(bob, b"k" * 32, PROFILE | {"name": "bob"}, T0)
     for k in range(1, 6):  # bob: five results at version 0, all rewarded 0.0; alice's one scored 0.5
         plan = plan_job(0, k, 100, 2)
-        store.create_job(plan, 4, T0)
-        assert store.lease_job(plan.job_id, f"L{k}", bob, T0 + 60, 0, T0)
-        assert store.accept_result(job_id=plan.job_id, lease_id=f"L{k}", client_id=bob, version=0,
-                                   content_sha256="3" * 64, payload=b"", rewards=[0.0, 0.0], n_tokens=4, credit=4.0,
-                                   now=T0 + 6)
+        store.jobs.create(plan, 4, T0)
+        assert store.jobs.lease(plan.job_id, f"L{k}", bob, T0 + 60, 0, T0)
+        assert store.results.accept(job_id=plan.job_id, lease_id=f"L{k}", client_id=bob, version=0,
+                                    content_sha256="3" * 64, payload=b"", rewards=[0.0, 0.0], n_tokens=4, credit=4.0,
+                                    now=T0 + 6)
     plan = plan_job(0, 9, 100, 2)
-    store.create_job(plan, 4, T0)
-    assert store.lease_job(plan.job_id, "L9", ALICE, T0 + 60, 0, T0) and store.release_lease(plan.job_id, "L9", ALICE)
+    store.jobs.create(plan, 4, T0)
+    assert store.jobs.lease(plan.job_id, "L9", ALICE, T0 + 60, 0, T0) and store.jobs.release(plan.job_id, "L9", ALICE)
     rows = {r["client_id"]: r["reporting"] for r in readmodels.clients(store, T0 + 10, 30.0, reporting=True)}
     assert (rows[ALICE]["leased"], rows[ALICE]["unreturned"], rows[ALICE]["unreturned_share"]) == (2, 1, 0.5)
     assert rows[ALICE]["results_compared"] == 1 and rows[ALICE]["reward_excess"] == pytest.approx(0.5)
@@ -97,9 +97,9 @@ def test_the_operators_and_the_volunteers_views_show_reporting(store: Store) -> 
 def test_aggregates_read_alike_on_both_engines(store: Store) -> None:
     """The grouped and summed views (throughput buckets, staleness, totals) give ints and floats, not Decimals,
     and the same numbers on SQLite and PostgreSQL."""
-    store.publish_initial("m" * 64, T0)
-    store.commit_step(step=1, trained_version=0, job_ids=["j0"], new_version=1, manifest_sha="n" * 64,
-                      mean_reward=0.5, metrics={"step_s": 1.0}, now=T0 + 20)
+    store.versions.publish_initial("m" * 64, T0)
+    store.steps.commit(step=1, trained_version=0, job_ids=["j0"], new_version=1, manifest_sha="n" * 64,
+                       mean_reward=0.5, metrics={"step_s": 1.0}, now=T0 + 20)
     series = readmodels.throughput(store, T0, T0 + 60, bins=6)
     assert sum(b["results_per_min"] for b in series) > 0
     assert readmodels.trained_staleness(store) == {0: 1}
@@ -113,15 +113,15 @@ def test_reward_means_are_each_rewards_series_by_step(store: Store) -> None:
     assert readmodels.reward_means(store) == {}  # no step yet
     for step, means in [(1, {"last_number": 0.25, "plug:f": 1.0}), (2, None), (3, {"last_number": 0.5, "plug:f": 0.0})]:
         metrics = {"step_s": 0.1} | ({"reward_means": means} if means else {})
-        store.commit_step(step=step, trained_version=step - 1, job_ids=[], new_version=step, manifest_sha="m" * 64,
-                          mean_reward=0.5, metrics=metrics, now=T0 + step)
+        store.steps.commit(step=step, trained_version=step - 1, job_ids=[], new_version=step, manifest_sha="m" * 64,
+                           mean_reward=0.5, metrics=metrics, now=T0 + step)
     assert readmodels.reward_means(store) == {"last_number": [[1, 0.25], [3, 0.5]], "plug:f": [[1, 1.0], [3, 0.0]]}
 
 
 def test_volunteers_are_found_by_name_or_id_prefix_and_shown(store: Store) -> None:
     bob, eve = "b" * 32, "e" * 32
-    store.register_client(bob, b"b" * 32, PROFILE | {"name": "Bob_100%"}, T0 + 1)
-    store.register_client(eve, b"e" * 32, PROFILE | {"name": "eve"}, T0 + 2)
+    store.clients.register(bob, b"b" * 32, PROFILE | {"name": "Bob_100%"}, T0 + 1)
+    store.clients.register(eve, b"e" * 32, PROFILE | {"name": "eve"}, T0 + 2)
     store.conn.execute("UPDATE clients SET banned = 1 WHERE client_id = ?", (eve,))
     assert [v["client_id"] for v in readmodels.find_volunteers(store, "ALI")] == [ALICE]  # name, any case
     assert [v["client_id"] for v in readmodels.find_volunteers(store, "bbbbbb")] == [bob]  # id prefix

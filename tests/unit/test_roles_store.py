@@ -31,33 +31,33 @@ def store(store_target: str | Path) -> Store:
 
 
 def test_claims_are_exclusive_and_expire_to_another_worker(store: Store) -> None:
-    a = store.work_submit("recompute", 3, b"req-a", 0.0)
-    b = store.work_submit("recompute", 3, b"req-b", 0.0)
-    first = store.work_claim("verifier-0", ("recompute",), 1, until=100.0, now=10.0)
+    a = store.work.submit("recompute", 3, b"req-a", 0.0)
+    b = store.work.submit("recompute", 3, b"req-b", 0.0)
+    first = store.work.claim("verifier-0", ("recompute",), 1, until=100.0, now=10.0)
     assert [r["id"] for r in first] == [a]
-    second = store.work_claim("verifier-1", ("recompute",), 5, until=1000.0, now=10.0)
+    second = store.work.claim("verifier-1", ("recompute",), 5, until=1000.0, now=10.0)
     assert [r["id"] for r in second] == [b]  # a is held by verifier-0
-    assert store.work_claim("verifier-1", ("recompute",), 5, until=100.0, now=50.0) == []
+    assert store.work.claim("verifier-1", ("recompute",), 5, until=100.0, now=50.0) == []
     # verifier-0 died: its claim runs out and verifier-1 takes the request
-    taken = store.work_claim("verifier-1", ("recompute",), 5, until=300.0, now=150.0)
+    taken = store.work.claim("verifier-1", ("recompute",), 5, until=300.0, now=150.0)
     assert [(r["id"], r["attempts"]) for r in taken] == [(a, 2)]
-    assert not store.work_finish(a, "verifier-0", b"late")  # the old holder can no longer answer
-    assert store.work_finish(a, "verifier-1", b"answer")
-    assert store.work_item(a)["answer"] == b"answer"
+    assert not store.work.finish(a, "verifier-0", b"late")  # the old holder can no longer answer
+    assert store.work.finish(a, "verifier-1", b"answer")
+    assert store.work.item(a)["answer"] == b"answer"
 
 
 def test_a_restarted_worker_hands_back_its_claims_at_once(store: Store) -> None:
-    a = store.work_submit("recompute", 1, b"r", 0.0)
-    store.work_claim("verifier-0", ("recompute",), 4, until=1e12, now=1.0)
-    assert store.work_claim("verifier-1", ("recompute",), 4, until=1e12, now=2.0) == []
-    assert store.work_unclaim("verifier-0") == 1
-    assert [r["id"] for r in store.work_claim("verifier-1", ("recompute",), 4, until=1e12, now=3.0)] == [a]
+    a = store.work.submit("recompute", 1, b"r", 0.0)
+    store.work.claim("verifier-0", ("recompute",), 4, until=1e12, now=1.0)
+    assert store.work.claim("verifier-1", ("recompute",), 4, until=1e12, now=2.0) == []
+    assert store.work.unclaim("verifier-0") == 1
+    assert [r["id"] for r in store.work.claim("verifier-1", ("recompute",), 4, until=1e12, now=3.0)] == [a]
 
 
 def test_kinds_are_claimed_only_by_workers_that_take_them(store: Store) -> None:
-    store.work_submit("evaluate", 2, b"", 0.0)
-    assert store.work_claim("verifier-1", ("recompute",), 4, until=10.0, now=1.0) == []
-    assert len(store.work_claim("verifier-0", ("recompute", "evaluate"), 4, until=10.0, now=1.0)) == 1
+    store.work.submit("evaluate", 2, b"", 0.0)
+    assert store.work.claim("verifier-1", ("recompute",), 4, until=10.0, now=1.0) == []
+    assert len(store.work.claim("verifier-0", ("recompute", "evaluate"), 4, until=10.0, now=1.0)) == 1
 
 
 def test_a_database_from_a_newer_release_is_refused_untouched(tmp_path: Path) -> None:
@@ -84,8 +84,8 @@ def test_a_signed_request_never_waits_for_the_main_databases_write_lock(tmp_path
     other = sqlite3.connect(store.path, isolation_level=None, timeout=0)
     other.execute("BEGIN IMMEDIATE")  # another process in the middle of a commit
     try:
-        assert store.remember_nonce(b"n" * 16, expires=100.0)
-        assert not store.remember_nonce(b"n" * 16, expires=100.0)
+        assert store.nonces.remember(b"n" * 16, expires=100.0)
+        assert not store.nonces.remember(b"n" * 16, expires=100.0)
         with pytest.raises(sqlite3.OperationalError, match="locked"):
             probe = sqlite3.connect(store.path, isolation_level=None, timeout=0)
             probe.execute("BEGIN IMMEDIATE")  # the main database really was locked
@@ -108,7 +108,7 @@ def test_schema_3_nonces_move_to_their_own_file_and_still_refuse_a_replay(tmp_pa
     store = Store(path)
     try:
         assert store.schema_version() == SCHEMA_VERSION
-        assert not store.remember_nonce(b"seen-before-upgrade", 1e12)
+        assert not store.nonces.remember(b"seen-before-upgrade", 1e12)
         assert not store.conn.has_table("nonces")
     finally:
         store.close()
@@ -116,9 +116,9 @@ def test_schema_3_nonces_move_to_their_own_file_and_still_refuse_a_replay(tmp_pa
 
 def _answer_with(store: Store, bell: Bell, answer: bytes | None, error: str | None = None) -> asyncio.Task[None]:
     async def worker() -> None:
-        while not (rows := store.work_claim("verifier-0", ("recompute",), 1, until=1e12, now=1.0)):
+        while not (rows := store.work.claim("verifier-0", ("recompute",), 1, until=1e12, now=1.0)):
             await bell.wait(0.01)
-        store.work_finish(int(rows[0]["id"]), "verifier-0", answer, error)
+        store.work.finish(int(rows[0]["id"]), "verifier-0", answer, error)
         bell.ring()
 
     return asyncio.get_running_loop().create_task(worker())
@@ -136,7 +136,7 @@ def test_remote_verifier_returns_the_workers_stats_and_cleans_up(store: Store) -
         return out
 
     assert asyncio.run(go()) == stats
-    assert store.work_counts() == {}  # the answered request is gone
+    assert store.work.counts() == {}  # the answered request is gone
 
 
 def test_remote_verifier_maps_gone_failed_and_silent_workers(store: Store) -> None:
@@ -156,7 +156,7 @@ def test_remote_verifier_maps_gone_failed_and_silent_workers(store: Store) -> No
         asyncio.run(ask(None, "RuntimeError: boom"))
     with pytest.raises(VerifierUnavailable):
         asyncio.run(ask(None, wait_s=0.2))  # no worker at all
-    assert store.work_counts() == {}
+    assert store.work.counts() == {}
 
 
 def test_text_codec_matches_transformers_without_torch(tiny_model_dir: Path) -> None:

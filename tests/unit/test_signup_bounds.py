@@ -40,7 +40,7 @@ def test_the_global_rate_can_be_turned_off(store_target: str | Path) -> None:
 
 
 def register(store: Store, cid: str, at: float) -> None:
-    store.register_client(cid, b"k" * 32, {"backend": "torch", "device": "cpu"}, at, address="127.0.0.2")
+    store.clients.register(cid, b"k" * 32, {"backend": "torch", "device": "cpu"}, at, address="127.0.0.2")
 
 
 def test_idle_identities_beyond_the_cap_are_removed_oldest_first(store_target: str | Path) -> None:
@@ -49,22 +49,22 @@ def test_idle_identities_beyond_the_cap_are_removed_oldest_first(store_target: s
         register(store, f"{n:032x}", T0 + n)
     store.conn.execute("UPDATE clients SET accepted=1 WHERE client_id=?", (f"{0:032x}",))  # has done work
     store.conn.execute("UPDATE clients SET banned=1 WHERE client_id=?", (f"{1:032x}",))  # banned: kept, as evidence
-    store.put_trust(f"{2:032x}", "torch/cpu", 0, 3, 1, T0 + 10_000, False)  # quarantined: kept, or it would escape
+    store.trust.put(f"{2:032x}", "torch/cpu", 0, 3, 1, T0 + 10_000, False)  # quarantined: kept, or it would escape
     # idle: 2 (quarantined), 3, 4, 5; keep 2 → the two longest idle that may go (3, 4) are removed; 5 is spared
-    gone = store.expire_idle_clients(2, T0 + 10, spare=f"{5:032x}")
+    gone = store.clients.expire_idle(2, T0 + 10, spare=f"{5:032x}")
     assert gone == [f"{3:032x}", f"{4:032x}"]
     left = {r["client_id"] for r in store.conn.execute("SELECT client_id FROM clients").fetchall()}
     assert left == {f"{n:032x}" for n in (0, 1, 2, 5)}
-    assert store.expire_idle_clients(2, T0 + 10) == []  # at the cap: nothing more
-    assert store.count_clients() == 4
+    assert store.clients.expire_idle(2, T0 + 10) == []  # at the cap: nothing more
+    assert store.clients.count() == 4
 
 
 def test_a_flood_of_sign_ups_leaves_the_store_at_the_cap(store_target: str | Path) -> None:
     _, store = guard(store_target)
     for n in range(300):
         register(store, f"{n:032x}", T0 + n)
-        store.expire_idle_clients(50, T0 + n, spare=f"{n:032x}")
-    assert store.count_clients() == 50
+        store.clients.expire_idle(50, T0 + n, spare=f"{n:032x}")
+    assert store.clients.count() == 50
     newest = {r["client_id"] for r in store.conn.execute("SELECT client_id FROM clients").fetchall()}
     assert newest == {f"{n:032x}" for n in range(250, 300)}  # the longest idle went first
 

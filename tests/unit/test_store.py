@@ -44,32 +44,32 @@ def created(store: Store, n_jobs: int) -> list[JobPlan]:
     """Plan and create the next ``n_jobs`` jobs of the stream (j<seq>, two prompts each)."""
     plans = []
     for _ in range(n_jobs):
-        plan = plan_job(0, store.next_seq(), 100, 2)
-        store.create_job(plan, GROUP, T0)
+        plan = plan_job(0, store.jobs.next_seq(), 100, 2)
+        store.jobs.create(plan, GROUP, T0)
         plans.append(plan)
     return plans
 
 
 def published(store: Store, n_jobs: int = 3) -> list[JobPlan]:
-    store.publish_initial("m0", T0)
+    store.versions.publish_initial("m0", T0)
     return created(store, n_jobs)
 
 
 def registered(store: Store, *clients: str) -> None:
     for c in clients:
-        store.register_client(c, c.encode()[:32], {"name": c}, T0)
+        store.clients.register(c, c.encode()[:32], {"name": c}, T0)
 
 
 def lease(store: Store, job_id: str, lease_id: str, client: str, deadline: float = T0 + 60, version: int = 0,
           now: float = T0) -> bool:
-    return store.lease_job(job_id, lease_id, client, deadline, version, now)
+    return store.jobs.lease(job_id, lease_id, client, deadline, version, now)
 
 
 def accept(store: Store, job_id: str, lease_id: str, client: str, **kw: Any) -> bool:
     args: dict[str, Any] = dict(job_id=job_id, lease_id=lease_id, client_id=client, version=0,
                                 content_sha256="c" * 64, payload=b"payload", rewards=[1.0, 0.0, 1.0, 1.0],
                                 n_tokens=12, credit=2.0, now=T0 + 5)
-    return store.accept_result(**(args | kw))
+    return store.results.accept(**(args | kw))
 
 
 def rows(store: Store, table: str) -> list[dict[str, Any]]:
@@ -84,67 +84,67 @@ def commit(store: Store, step: int, job_ids: list[str], new_version: int, **kw: 
     args: dict[str, Any] = dict(step=step, trained_version=new_version - 1, job_ids=job_ids, new_version=new_version,
                                 manifest_sha=f"m{new_version}", mean_reward=0.75, metrics={"loss": 0.5},
                                 now=T0 + 100 * new_version)
-    store.commit_step(**(args | kw))
+    store.steps.commit(**(args | kw))
 
 
 def pending_ids(store: Store) -> set[str]:
-    return {p.job_id for p in store.pending()}
+    return {p.job_id for p in store.results.pending()}
 
 
 # ---- clients and nonces ---------------------------------------------------------------------------------
 def test_register_client_new_then_existing(store: Store) -> None:
-    assert store.register_client(ALICE, b"k" * 32, {"name": "one"}, T0) is True
-    assert store.register_client(ALICE, b"k" * 32, {"name": "two"}, T0 + 10) is False
-    row = store.get_client(ALICE)
+    assert store.clients.register(ALICE, b"k" * 32, {"name": "one"}, T0) is True
+    assert store.clients.register(ALICE, b"k" * 32, {"name": "two"}, T0 + 10) is False
+    row = store.clients.get(ALICE)
     assert row is not None
     assert json.loads(row["profile"]) == {"name": "two"}
     assert row["registered_at"] == T0 and row["last_seen"] == T0 + 10
     assert bytes(row["public_key"]) == b"k" * 32
-    assert store.get_client(BOB) is None
-    assert len(store.clients()) == 1
+    assert store.clients.get(BOB) is None
+    assert len(store.clients.all()) == 1
 
 
 def test_ban(store: Store) -> None:
     registered(store, ALICE)
-    assert store.set_banned(ALICE, True)
-    assert store.get_client(ALICE)["banned"] == 1  # type: ignore[index]
-    assert not store.set_banned(BOB, True)
+    assert store.clients.set_banned(ALICE, True)
+    assert store.clients.get(ALICE)["banned"] == 1  # type: ignore[index]
+    assert not store.clients.set_banned(BOB, True)
 
 
 def test_remember_nonce_replay(store: Store) -> None:
-    assert store.remember_nonce(b"n" * 16, T0 + 300) is True
-    assert store.remember_nonce(b"n" * 16, T0 + 999) is False
-    assert store.remember_nonce(b"m" * 16, T0 + 300) is True
+    assert store.nonces.remember(b"n" * 16, T0 + 300) is True
+    assert store.nonces.remember(b"n" * 16, T0 + 999) is False
+    assert store.nonces.remember(b"m" * 16, T0 + 300) is True
 
 
 def test_prune_nonces(store: Store) -> None:
-    store.remember_nonce(b"old" * 6, T0)
-    store.remember_nonce(b"new" * 6, T0 + 600)
-    assert store.prune_nonces(T0 + 1) == 1
-    assert store.remember_nonce(b"old" * 6, T0 + 900) is True  # forgotten, so no longer a replay
-    assert store.remember_nonce(b"new" * 6, T0 + 900) is False
+    store.nonces.remember(b"old" * 6, T0)
+    store.nonces.remember(b"new" * 6, T0 + 600)
+    assert store.nonces.prune(T0 + 1) == 1
+    assert store.nonces.remember(b"old" * 6, T0 + 900) is True  # forgotten, so no longer a replay
+    assert store.nonces.remember(b"new" * 6, T0 + 900) is False
 
 
 # ---- versions and jobs ----------------------------------------------------------------------------------
 def test_publish_initial(store: Store) -> None:
-    assert store.current_version() is None
-    store.publish_initial("m0", T0)
-    assert store.current_version() == 0
-    assert store.manifest_sha(0) == "m0" and store.manifest_sha(1) is None
-    assert store.versions() == [{"version": 0, "manifest_sha256": "m0", "created_at": T0}]
-    assert store.active_jobs() == []  # jobs are planned on demand, not with the version
+    assert store.versions.current() is None
+    store.versions.publish_initial("m0", T0)
+    assert store.versions.current() == 0
+    assert store.versions.manifest_sha(0) == "m0" and store.versions.manifest_sha(1) is None
+    assert store.versions.all() == [{"version": 0, "manifest_sha256": "m0", "created_at": T0}]
+    assert store.jobs.active() == []  # jobs are planned on demand, not with the version
     with pytest.raises(IntegrityError):
-        store.publish_initial("other", T0 + 1)
-    assert store.manifest_sha(0) == "m0"
+        store.versions.publish_initial("other", T0 + 1)
+    assert store.versions.manifest_sha(0) == "m0"
 
 
 def test_next_seq_and_create_job(store: Store) -> None:
-    store.publish_initial("m0", T0)
-    assert store.next_seq() == 0
+    store.versions.publish_initial("m0", T0)
+    assert store.jobs.next_seq() == 0
     plan = plan_job(0, 0, 100, 2)
-    row = store.create_job(plan, GROUP, T0 + 1)
-    assert store.next_seq() == 1
-    assert row == store.get_job("j0")
+    row = store.jobs.create(plan, GROUP, T0 + 1)
+    assert store.jobs.next_seq() == 1
+    assert row == store.jobs.get("j0")
     assert row.view.job_id == "j0" and row.view.state is JobState.OPEN
     assert row.view.version is None  # bound when leased
     assert row.view.created_at == T0 + 1
@@ -157,29 +157,29 @@ def test_next_seq_and_create_job(store: Store) -> None:
 def test_create_jobs_form_a_stream(store: Store) -> None:
     plans = published(store, 4)
     assert [p.job_id for p in plans] == ["j0", "j1", "j2", "j3"]
-    assert store.next_seq() == 4
-    jobs = store.active_jobs()
+    assert store.jobs.next_seq() == 4
+    jobs = store.jobs.active()
     assert [j.view.job_id for j in jobs] == [p.job_id for p in plans]
     for job, plan in zip(jobs, plans, strict=True):
         assert job.prompt_ids == plan.prompt_ids and job.seed == plan.seed and job.view.version is None
 
 
 def test_next_seq_follows_the_highest(store: Store) -> None:
-    store.create_job(plan_job(0, 5, 100, 2), GROUP, T0)
-    store.create_job(plan_job(0, 2, 100, 2), GROUP, T0)
-    assert store.next_seq() == 6
-    assert [j.view.job_id for j in store.active_jobs()] == ["j2", "j5"]  # ordered by seq, not insertion
+    store.jobs.create(plan_job(0, 5, 100, 2), GROUP, T0)
+    store.jobs.create(plan_job(0, 2, 100, 2), GROUP, T0)
+    assert store.jobs.next_seq() == 6
+    assert [j.view.job_id for j in store.jobs.active()] == ["j2", "j5"]  # ordered by seq, not insertion
 
 
 def test_create_job_duplicate_seq_writes_nothing(store: Store) -> None:
     published(store, 2)
     before = snapshot(store)
     with pytest.raises(IntegrityError):
-        store.create_job(plan_job(0, 1, 100, 2), GROUP, T0 + 9)  # same job id and seq
+        store.jobs.create(plan_job(0, 1, 100, 2), GROUP, T0 + 9)  # same job id and seq
     with pytest.raises(IntegrityError):
-        store.create_job(JobPlan("other", 1, (0, 1), 7), GROUP, T0 + 9)  # same seq, new id
+        store.jobs.create(JobPlan("other", 1, (0, 1), 7), GROUP, T0 + 9)  # same seq, new id
     assert snapshot(store) == before
-    assert store.next_seq() == 2
+    assert store.jobs.next_seq() == 2
 
 
 def test_active_jobs_excludes_done_only(store: Store) -> None:
@@ -189,14 +189,14 @@ def test_active_jobs_excludes_done_only(store: Store) -> None:
     assert accept(store, "j0", "L0", ALICE)
     lease(store, "j1", "L1", ALICE, deadline=T0 + 1)   # expired later on
     lease(store, "j2", "L2", ALICE, deadline=T0 + 1e6)  # live
-    assert [j.view.job_id for j in store.active_jobs()] == ["j1", "j2", "j3"]
+    assert [j.view.job_id for j in store.jobs.active()] == ["j1", "j2", "j3"]
 
 
 def test_lease_job_compare_and_set(store: Store) -> None:
     published(store)
     assert lease(store, "j0", "L1", ALICE, T0 + 60, version=0, now=T0) is True
     assert lease(store, "j0", "L2", BOB, T0 + 70, version=1, now=T0 + 10) is False  # live lease
-    job = store.get_job("j0")
+    job = store.jobs.get("j0")
     assert job is not None
     assert job.view.state is JobState.LEASED
     assert (job.view.lease_id, job.view.lease_client, job.view.lease_deadline) == ("L1", ALICE, T0 + 60)
@@ -208,19 +208,19 @@ def test_lease_job_binds_the_version(store: Store) -> None:
     published(store)
     assert lease(store, "j0", "L1", ALICE, version=3) is True
     assert lease(store, "j1", "L2", BOB, version=1) is True
-    assert store.get_job("j0").view.version == 3  # type: ignore[union-attr]
-    assert store.get_job("j1").view.version == 1  # type: ignore[union-attr]
-    assert store.get_job("j2").view.version is None  # type: ignore[union-attr]
+    assert store.jobs.get("j0").view.version == 3  # type: ignore[union-attr]
+    assert store.jobs.get("j1").view.version == 1  # type: ignore[union-attr]
+    assert store.jobs.get("j2").view.version is None  # type: ignore[union-attr]
 
 
 def test_lease_after_expiry_succeeds_counts_and_rebinds(store: Store) -> None:
     published(store)
     lease(store, "j0", "L1", ALICE, T0 + 60, version=0, now=T0)
     assert lease(store, "j0", "L2", BOB, T0 + 59.9 + 60, version=2, now=T0 + 59.9) is False
-    assert store.get_job("j0").view.version == 0  # type: ignore[union-attr]
+    assert store.jobs.get("j0").view.version == 0  # type: ignore[union-attr]
     # expired exactly at the deadline; the reissued job is generated with the version named now
     assert lease(store, "j0", "L2", BOB, T0 + 120, version=2, now=T0 + 60) is True
-    job = store.get_job("j0")
+    job = store.jobs.get("j0")
     assert job is not None
     assert (job.view.lease_id, job.view.lease_client, job.view.lease_deadline) == ("L2", BOB, T0 + 120)
     assert job.view.version == 2
@@ -236,7 +236,7 @@ def test_a_half_read_query_does_not_hide_the_light_connections_writes(store: Sto
     assert first.fetchone() is not None  # more rows left unread
     assert lease(store, "j0", "L1", ALICE) is True
     assert store.conn.execute("SELECT SUM(issue_count) AS n FROM jobs").fetchone()["n"] == 1
-    assert store.get_job("j0").view.lease_id == "L1"  # type: ignore[union-attr]
+    assert store.jobs.get("j0").view.lease_id == "L1"  # type: ignore[union-attr]
 
 
 def test_changes_moves_with_a_lease_so_cached_read_models_are_rebuilt(store: Store) -> None:
@@ -258,45 +258,45 @@ def test_lease_unknown_job(store: Store) -> None:
     published(store)
     before = snapshot(store)
     assert lease(store, "nope", "L1", ALICE) is False
-    assert store.get_job("nope") is None
+    assert store.jobs.get("nope") is None
     assert snapshot(store) == before
 
 
 def test_release_lease(store: Store) -> None:
     published(store)
     lease(store, "j0", "L1", ALICE, version=0)
-    assert store.release_lease("j0", "L1", BOB) is False   # not the holder
-    assert store.release_lease("j0", "L0", ALICE) is False  # not the lease
-    assert store.release_lease("j0", "L1", ALICE) is True
-    job = store.get_job("j0")
+    assert store.jobs.release("j0", "L1", BOB) is False   # not the holder
+    assert store.jobs.release("j0", "L0", ALICE) is False  # not the lease
+    assert store.jobs.release("j0", "L1", ALICE) is True
+    job = store.jobs.get("j0")
     assert job is not None and job.view.state is JobState.OPEN and job.view.lease_deadline is None
-    assert store.release_lease("j0", "L1", ALICE) is False  # already released
+    assert store.jobs.release("j0", "L1", ALICE) is False  # already released
     # the released job is immediately leasable again (re-bound), and the old lease can no longer be used
     assert lease(store, "j0", "L2", BOB, T0 + 100, version=1, now=T0 + 1) is True
-    assert store.get_job("j0").view.version == 1  # type: ignore[union-attr]
+    assert store.jobs.get("j0").view.version == 1  # type: ignore[union-attr]
     assert accept(store, "j0", "L1", ALICE) is False
 
 
 def test_live_leases_counts_only_unexpired_leases(store: Store) -> None:
     published(store, 5)
     registered(store, ALICE)
-    assert store.live_leases(T0) == 0
+    assert store.jobs.live_leases(T0) == 0
     lease(store, "j0", "L0", ALICE, deadline=T0 + 10)
     lease(store, "j1", "L1", ALICE, deadline=T0 + 20)
     lease(store, "j2", "L2", ALICE, deadline=T0 + 30)
     lease(store, "j3", "L3", ALICE, deadline=T0 + 30)
-    assert store.live_leases(T0) == 4
-    assert store.live_leases(T0 + 9.99) == 4
-    assert store.live_leases(T0 + 10) == 3  # expires exactly at the deadline, like leases.lease_live
-    assert store.live_leases(T0 + 20) == 2
-    assert store.live_leases(T0 + 30) == 0
+    assert store.jobs.live_leases(T0) == 4
+    assert store.jobs.live_leases(T0 + 9.99) == 4
+    assert store.jobs.live_leases(T0 + 10) == 3  # expires exactly at the deadline, like leases.lease_live
+    assert store.jobs.live_leases(T0 + 20) == 2
+    assert store.jobs.live_leases(T0 + 30) == 0
     # a done job and a released one hold no lease
     assert accept(store, "j2", "L2", ALICE)
-    assert store.release_lease("j3", "L3", ALICE)
-    assert store.live_leases(T0) == 2
+    assert store.jobs.release("j3", "L3", ALICE)
+    assert store.jobs.live_leases(T0) == 2
     # a reissued job counts once
     assert lease(store, "j0", "L9", ALICE, deadline=T0 + 50, now=T0 + 10)
-    assert store.live_leases(T0 + 10) == 2  # j0 (new lease) and j1
+    assert store.jobs.live_leases(T0 + 10) == 2  # j0 (new lease) and j1
 
 
 def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> None:
@@ -305,18 +305,18 @@ def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> 
     published(store, 5)
     registered(store, ALICE, BOB)
     assert lease(store, "j0", "L0", ALICE) and accept(store, "j0", "L0", ALICE)  # returned
-    assert lease(store, "j1", "L1", ALICE) and store.release_lease("j1", "L1", ALICE)  # released: not returned
+    assert lease(store, "j1", "L1", ALICE) and store.jobs.release("j1", "L1", ALICE)  # released: not returned
     assert lease(store, "j2", "L2", ALICE, deadline=T0 + 10)
-    assert store.lease_counts(ALICE) == (3, 1)  # j2's lease is still live
+    assert store.trust.lease_counts(ALICE) == (3, 1)  # j2's lease is still live
     assert lease(store, "j2", "L2b", BOB, now=T0 + 10)  # ran out, reissued: ALICE's lease ended without a result
-    assert store.lease_counts(ALICE) == (3, 2) and store.lease_counts(BOB) == (1, 0)
+    assert store.trust.lease_counts(ALICE) == (3, 2) and store.trust.lease_counts(BOB) == (1, 0)
     assert lease(store, "j3", "L3", ALICE)
-    store.record_rejection(ALICE, "j3", "choice_mismatch", "no", "e" * 64, T0)
-    assert store.release_lease("j3", "L3", ALICE)  # refused, then released: it was returned
-    assert not store.release_lease("j3", "L3", ALICE)  # a release that changes nothing counts nothing
+    store.results.record_rejection(ALICE, "j3", "choice_mismatch", "no", "e" * 64, T0)
+    assert store.jobs.release("j3", "L3", ALICE)  # refused, then released: it was returned
+    assert not store.jobs.release("j3", "L3", ALICE)  # a release that changes nothing counts nothing
     assert lease(store, "nope", "Lx", ALICE) is False  # a lease that was not granted counts nothing
-    assert store.lease_counts(ALICE) == (4, 2) and store.lease_counts("c" * 32) == (0, 0)
-    assert {c["client_id"]: (c["leased"], c["unreturned"]) for c in store.clients()}[ALICE] == (4, 2)
+    assert store.trust.lease_counts(ALICE) == (4, 2) and store.trust.lease_counts("c" * 32) == (0, 0)
+    assert {c["client_id"]: (c["leased"], c["unreturned"]) for c in store.clients.all()}[ALICE] == (4, 2)
 
 
 # ---- results --------------------------------------------------------------------------------------------
@@ -325,20 +325,20 @@ def test_accept_result_once(store: Store) -> None:
     registered(store, ALICE)
     lease(store, "j0", "L1", ALICE)
     assert accept(store, "j0", "L1", ALICE) is True
-    job = store.get_job("j0")
+    job = store.jobs.get("j0")
     assert job is not None and job.view.state is JobState.DONE
     results = rows(store, "results")
     assert len(results) == 1
     assert results[0]["job_id"] == "j0" and results[0]["client_id"] == ALICE
     assert results[0]["mean_reward"] == pytest.approx(0.75)
     assert results[0]["ingested_step"] is None and results[0]["stale_at"] is None
-    client = store.get_client(ALICE)
+    client = store.clients.get(ALICE)
     assert client is not None and client["accepted"] == 1 and client["credit"] == 2.0
     # a second accept for the same job (same lease, or anyone else's) is refused
     assert accept(store, "j0", "L1", ALICE) is False
     assert accept(store, "j0", "L1", ALICE, payload=b"other") is False
     assert len(rows(store, "results")) == 1
-    assert store.get_client(ALICE)["accepted"] == 1  # type: ignore[index]
+    assert store.clients.get(ALICE)["accepted"] == 1  # type: ignore[index]
     # ... and a done job can never be leased again
     assert lease(store, "j0", "L9", BOB, T0 + 1e6, now=T0 + 1e5) is False
 
@@ -372,9 +372,9 @@ def test_accept_on_open_job_refused(store: Store) -> None:
 
 def test_record_rejection(store: Store) -> None:
     registered(store, ALICE)
-    store.record_rejection(ALICE, "j0", "shape_mismatch", "bad", None, T0)
-    assert store.get_client(ALICE)["rejected"] == 1  # type: ignore[index]
-    assert store.rejections()[0]["reason"] == "shape_mismatch"
+    store.results.record_rejection(ALICE, "j0", "shape_mismatch", "bad", None, T0)
+    assert store.clients.get(ALICE)["rejected"] == 1  # type: ignore[index]
+    assert store.results.rejections()[0]["reason"] == "shape_mismatch"
     assert store.totals()["rejected"] == 1
 
 
@@ -390,11 +390,12 @@ def accepted_jobs(store: Store, *ks: int, version: int = 0, at: float = T0 + 5) 
 
 def test_pending(store: Store) -> None:
     published(store, 4)
-    assert store.pending() == []
+    assert store.results.pending() == []
     accepted_jobs(store, 2, version=1, at=T0 + 20)
     accepted_jobs(store, 0, version=0, at=T0 + 10)
     lease(store, "j1", "L1", ALICE)  # leased, no result yet: not pending
-    assert sorted(store.pending(), key=lambda p: p.job_id) == [Pending("j0", 0, T0 + 10), Pending("j2", 1, T0 + 22)]
+    assert sorted(store.results.pending(), key=lambda p: p.job_id) == [Pending("j0", 0, T0 + 10),
+                                                                       Pending("j2", 1, T0 + 22)]
 
 
 def test_pending_excludes_ingested_and_stale(store: Store) -> None:
@@ -403,10 +404,10 @@ def test_pending_excludes_ingested_and_stale(store: Store) -> None:
     assert pending_ids(store) == set(ids)
     commit(store, 1, ["j0", "j1"], 1)
     assert pending_ids(store) == {"j2", "j3"}
-    store.mark_stale(["j3"], 3)
+    store.results.mark_stale(["j3"], 3)
     assert pending_ids(store) == {"j2"}
     commit(store, 2, ["j2"], 2)
-    assert store.pending() == []
+    assert store.results.pending() == []
     assert len(rows(store, "results")) == 4  # nothing is deleted: stale results stay credited
 
 
@@ -416,7 +417,7 @@ def test_result_rows_in_requested_order(store: Store) -> None:
     for k in (0, 1, 2):
         lease(store, f"j{k}", f"L{k}", ALICE, version=k)
         accept(store, f"j{k}", f"L{k}", ALICE, version=k, rewards=[float(k), 1.0], payload=b"p%d" % k)
-    got = store.result_rows(["j2", "j0"])
+    got = store.results.rows(["j2", "j0"])
     assert [r.job_id for r in got] == ["j2", "j0"]
     assert [r.version for r in got] == [2, 0]
     assert got[0].rewards == [2.0, 1.0] and got[0].payload == b"p2" and got[0].client_id == ALICE
@@ -426,7 +427,7 @@ def test_mark_stale(store: Store) -> None:
     published(store, 3)
     ids = accepted_jobs(store, 0, 1, 2)
     commit(store, 1, ["j0"], 1)
-    store.mark_stale(["j1", "j0"], 4)  # j0 was already trained on: it stays ingested, not stale
+    store.results.mark_stale(["j1", "j0"], 4)  # j0 was already trained on: it stays ingested, not stale
     by_id = {r["job_id"]: r for r in rows(store, "results")}
     assert by_id["j1"]["stale_at"] == 4 and by_id["j1"]["ingested_step"] is None
     assert by_id["j0"]["stale_at"] is None and by_id["j0"]["ingested_step"] == 1
@@ -434,20 +435,20 @@ def test_mark_stale(store: Store) -> None:
     assert store.totals()["too_stale"] == 1
     assert pending_ids(store) == {"j2"}
     # credit is kept
-    assert store.get_client(ALICE)["accepted"] == len(ids)  # type: ignore[index]
+    assert store.clients.get(ALICE)["accepted"] == len(ids)  # type: ignore[index]
 
 
-# ---- commit_step ----------------------------------------------------------------------------------------
+# ---- steps.commit ---------------------------------------------------------------------------------------
 def test_commit_step_ingests_and_publishes(store: Store) -> None:
     published(store)
     ids = accepted_jobs(store, 0, 1, 2)
     jobs_before = rows(store, "jobs")
     commit(store, 1, ids, 1)
-    assert store.current_version() == 1 and store.manifest_sha(1) == "m1"
+    assert store.versions.current() == 1 and store.versions.manifest_sha(1) == "m1"
     assert [r["ingested_step"] for r in rows(store, "results")] == [1, 1, 1]
-    assert store.pending() == []
+    assert store.results.pending() == []
     assert rows(store, "jobs") == jobs_before  # a step creates no jobs any more
-    steps = store.steps()
+    steps = store.steps.all()
     assert len(steps) == 1 and steps[0]["metrics"] == {"loss": 0.5} and steps[0]["trained_version"] == 0
 
 
@@ -489,22 +490,22 @@ def test_commit_step_with_non_pending_result_rolls_back(store: Store) -> None:
     with pytest.raises(RuntimeError):
         commit(store, 1, [*ids, "j2"], 1)
     assert snapshot(store) == before
-    assert store.current_version() == 0
+    assert store.versions.current() == 0
     assert pending_ids(store) == set(ids)
     # and a correct commit afterwards still works
     commit(store, 1, ids, 1)
-    assert store.current_version() == 1
+    assert store.versions.current() == 1
 
 
 def test_commit_step_refuses_a_stale_result(store: Store) -> None:
     published(store, 3)
     ids = accepted_jobs(store, 0, 1, 2)
-    store.mark_stale(["j1"], 0)
+    store.results.mark_stale(["j1"], 0)
     before = snapshot(store)
     with pytest.raises(RuntimeError, match="still pending"):
         commit(store, 1, ids, 1)
     assert snapshot(store) == before
-    assert store.current_version() == 0 and store.steps() == []
+    assert store.versions.current() == 0 and store.steps.all() == []
     assert pending_ids(store) == {"j0", "j2"}
     with pytest.raises(RuntimeError):
         commit(store, 1, ["j1"], 1)
@@ -522,7 +523,7 @@ def test_commit_step_duplicate_version_rolls_back(store: Store) -> None:
         commit(store, 1, ids, 0)  # version 0 already exists
     assert snapshot(store) == before
     assert pending_ids(store) == {"j0"}
-    assert store.steps() == []
+    assert store.steps.all() == []
 
 
 def test_commit_step_duplicate_step_rolls_back(store: Store) -> None:
@@ -542,29 +543,29 @@ def test_data_survives_reopen(db_path: str | Path) -> None:
     published(s, 4)
     ids = accepted_jobs(s, 0, 1)
     accepted_jobs(s, 3)
-    s.mark_stale(["j3"], 1)
+    s.results.mark_stale(["j3"], 1)
     lease(s, "j2", "L2", BOB, T0 + 60, version=1, now=T0)
     commit(s, 1, ids, 1)
-    s.remember_nonce(b"n" * 16, T0 + 300)
+    s.nonces.remember(b"n" * 16, T0 + 300)
     s.set_meta("run_id", "run-xyz")
-    s.record_eval(1, 0.5, 64, T0)
+    s.evals.record(1, 0.5, 64, T0)
     s.close()
 
     s2 = Store(db_path)
     try:
-        assert s2.current_version() == 1
-        assert s2.next_seq() == 4
+        assert s2.versions.current() == 1
+        assert s2.jobs.next_seq() == 4
         assert s2.get_meta("run_id") == "run-xyz" and s2.get_meta("absent") is None
-        assert s2.get_client(ALICE) is not None
-        assert s2.remember_nonce(b"n" * 16, T0 + 300) is False
-        job = s2.get_job("j2")
+        assert s2.clients.get(ALICE) is not None
+        assert s2.nonces.remember(b"n" * 16, T0 + 300) is False
+        job = s2.jobs.get("j2")
         assert job is not None and job.view.state is JobState.LEASED and job.view.lease_client == BOB
         assert job.view.version == 1
-        assert [j.view.job_id for j in s2.active_jobs()] == ["j2"]
-        assert s2.live_leases(T0) == 1
-        assert {r["job_id"]: r["ingested_step"] for r in s2.results_summary()} == {"j0": 1, "j1": 1, "j3": None}
-        assert s2.pending() == []
-        assert s2.evals() == [{"version": 1, "accuracy": 0.5, "n": 64, "at": T0}]
+        assert [j.view.job_id for j in s2.jobs.active()] == ["j2"]
+        assert s2.jobs.live_leases(T0) == 1
+        assert {r["job_id"]: r["ingested_step"] for r in s2.results.summary()} == {"j0": 1, "j1": 1, "j3": None}
+        assert s2.results.pending() == []
+        assert s2.evals.all() == [{"version": 1, "accuracy": 0.5, "n": 64, "at": T0}]
         assert s2.totals() == {"accepted": 3, "rejected": 0, "reissued_jobs": 0, "too_stale": 1}
     finally:
         s2.close()
@@ -628,18 +629,18 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
     try:
         assert new.schema_version() == SCHEMA_VERSION == 6
         assert not new.conn.has_table("replicas")
-        assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.lease_counts(ALICE) == (0, 0)
+        assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.trust.lease_counts(ALICE) == (0, 0)
         assert "completions_sha256" in new.conn.columns("results")
-        assert new.result_with_tokens("c" * 64, "j1") is None  # j0, accepted before schema 6, has no hash: NULL
+        assert new.results.with_tokens("c" * 64, "j1") is None  # j0, accepted before schema 6, has no hash: NULL
         assert pending_ids(new) == {"j0"}  # the held result is an ordinary pending one now
-        assert new.next_seq() == 2  # the stream follows the jobs alone (the replica's j9 is gone with it)
+        assert new.jobs.next_seq() == 2  # the stream follows the jobs alone (the replica's j9 is gone with it)
         queued = [(r["kind"], bytes(r["request"])) for r in new.conn.execute("SELECT kind, request FROM work")]
         assert queued == [("recompute", b"c")]  # the replay request is gone, the recompute one kept
         with pytest.raises(IntegrityError):  # and the queue no longer takes replays
             new.conn.execute("INSERT INTO work(kind, version, request, created_at, state) "
                              "VALUES('replay',0,?,?,'queued')", (b"r", T0))
-        item = new.work_submit("evaluate", 0, b"e", T0)
-        assert new.work_item(item)["requester"] == "api"
+        item = new.work.submit("evaluate", 0, b"e", T0)
+        assert new.work.item(item)["requester"] == "api"
     finally:
         new.close()
     again = Store(db_path)  # opening a schema-6 database again changes nothing
@@ -681,7 +682,7 @@ def test_commits_are_counted_and_sync_flushes_the_wal(tmp_path: Path, monkeypatc
         assert store.conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL: no fsync inside a commit
         before = store.commits
         store.get_meta("run_id")  # a read
-        store.create_next_job(lambda seq: plan_job(0, seq, 100, 2), GROUP, T0)  # light connection
+        store.jobs.create_next(lambda seq: plan_job(0, seq, 100, 2), GROUP, T0)  # light connection
         assert store.commits == before
         store.set_meta("k", "v")
         assert store.commits == before + 1

@@ -56,8 +56,8 @@ def test_nonces_live_in_tmpfs_and_old_ones_on_disk_are_adopted(tmp_path: Path) -
     store = Store(path)
     try:
         assert store.nonce_path.is_relative_to(tmpfs.SHM)
-        assert not store.remember_nonce(b"r" * 16, time.time() + 300)  # the replay is still refused
-        assert store.remember_nonce(b"n" * 16, time.time() + 300)
+        assert not store.nonces.remember(b"r" * 16, time.time() + 300)  # the replay is still refused
+        assert store.nonces.remember(b"n" * 16, time.time() + 300)
         assert not disk.exists()
     finally:
         store.close()
