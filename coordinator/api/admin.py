@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +21,21 @@ from pydantic import BaseModel
 
 from coordinator.api import ops_actions
 from coordinator.api.admin_keys import ADMIN_KEYS_FILE, AdminKey, ensure_admin_key, load_admin_keys
+from coordinator.api.replies import (
+    AdminAuditReply,
+    AdminClients,
+    AdminJobs,
+    AdminStatus,
+    AdminVersions,
+    BanReply,
+    CheckpointReply,
+    InviteReply,
+    IssuingReply,
+    KeyAdded,
+    KeyRemoved,
+    KeysReply,
+    RegistrationReply,
+)
 from coordinator.api.service import Coordinator
 from coordinator.store import readmodels
 from shared import crypto, wire
@@ -61,7 +76,7 @@ def authenticate_admin(coord: Coordinator, raw: bytes, path: str) -> tuple[Signe
     return req, key
 
 
-def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
+def status(coord: Coordinator, caller: str, body: AdminEmpty) -> AdminStatus:
     now = coord.clock()
     rows = readmodels.client_states(coord.store, now, coord.config.jobs.lease_timeout_s)
     jobs = readmodels.jobs(coord.store, now, limit=0)
@@ -74,69 +89,70 @@ def status(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
         "issuing_paused": coord.issuing_paused, "registration": coord.guard.registration_mode(),
         "run_dir": str(coord.run_dir),
         "learner": coord.learner_status(),
-        "jobs": {k: v for k, v in jobs.items() if k != "jobs"},
+        "jobs": readmodels.jobs_summary(jobs),
         "clients": readmodels.client_summary(rows),
         "totals": coord.store.totals() | {"tokens": readmodels.result_totals(coord.store)["tokens"]},
         "rejections_by_reason": readmodels.rejection_counts(coord.store),
-        "heldout_accuracy": evals[-1]["accuracy"] if evals else None,
-        "last_step": dict(last) if last is not None else None,
+        "heldout_accuracy": evals[-1].accuracy if evals else None,
+        "last_step": {"step": last.step, "mean_reward": last.mean_reward, "at": last.at} if last is not None else None,
     }
 
 
-def clients(coord: Coordinator, caller: str, body: AdminList) -> dict[str, Any]:
+def clients(coord: Coordinator, caller: str, body: AdminList) -> AdminClients:
     rows = readmodels.clients(coord.store, coord.clock(), coord.config.jobs.lease_timeout_s, body.limit,
                               reporting=True)
     return {"clients": rows}
 
 
-def ban(coord: Coordinator, caller: str, body: AdminBan) -> dict[str, Any]:
+def ban(coord: Coordinator, caller: str, body: AdminBan) -> BanReply:
     return ops_actions.set_banned(coord, caller, body.client, body.banned, body.note)
 
 
-def versions(coord: Coordinator, caller: str, body: AdminList) -> dict[str, Any]:
+def versions(coord: Coordinator, caller: str, body: AdminList) -> AdminVersions:
     return {"current": coord.version,
             "versions": readmodels.versions(coord.store, coord.snapshots.signed_manifest, body.limit)}
 
 
-def jobs(coord: Coordinator, caller: str, body: AdminList) -> dict[str, Any]:
-    return readmodels.jobs(coord.store, coord.clock(), body.limit) | {"lease_timeout_s": coord.config.jobs.lease_timeout_s}
+def jobs(coord: Coordinator, caller: str, body: AdminList) -> AdminJobs:
+    return {**readmodels.jobs(coord.store, coord.clock(), body.limit), "lease_timeout_s": coord.config.jobs.lease_timeout_s}
 
 
-def audit(coord: Coordinator, caller: str, body: AdminAudit) -> dict[str, Any]:
+def audit(coord: Coordinator, caller: str, body: AdminAudit) -> AdminAuditReply:
     client_id = ops_actions.find_client(coord, body.client) if body.client else None
     return {"entries": readmodels.audit(coord.store, limit=body.limit, client_id=client_id, job_id=body.job_id,
                                         outcome=body.outcome)}
 
 
-async def checkpoint(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
+async def checkpoint(coord: Coordinator, caller: str, body: AdminEmpty) -> CheckpointReply:
     return await ops_actions.export_checkpoint(coord, caller)
 
 
-def issuing(coord: Coordinator, caller: str, body: AdminIssuing) -> dict[str, Any]:
+def issuing(coord: Coordinator, caller: str, body: AdminIssuing) -> IssuingReply:
     return ops_actions.set_issuing(coord, caller, body.paused)
 
 
-def invite(coord: Coordinator, caller: str, body: AdminInvite) -> dict[str, Any]:
+def invite(coord: Coordinator, caller: str, body: AdminInvite) -> InviteReply:
     return ops_actions.issue_invite(coord, caller, body.note)
 
 
-def registration(coord: Coordinator, caller: str, body: AdminRegistration) -> dict[str, Any]:
+def registration(coord: Coordinator, caller: str, body: AdminRegistration) -> RegistrationReply:
     return ops_actions.set_registration(coord, caller, body.mode)
 
 
-def keys(coord: Coordinator, caller: str, body: AdminEmpty) -> dict[str, Any]:
+def keys(coord: Coordinator, caller: str, body: AdminEmpty) -> KeysReply:
     return ops_actions.list_keys(coord, caller)
 
 
-def keys_add(coord: Coordinator, caller: str, body: AdminKeyAdd) -> dict[str, Any]:
+def keys_add(coord: Coordinator, caller: str, body: AdminKeyAdd) -> KeyAdded:
     return ops_actions.add_key(coord, caller, body.public_key, body.comment)
 
 
-def keys_remove(coord: Coordinator, caller: str, body: AdminKeyRemove) -> dict[str, Any]:
+def keys_remove(coord: Coordinator, caller: str, body: AdminKeyRemove) -> KeyRemoved:
     return ops_actions.remove_key(coord, caller, body.key_id)
 
 
-Action = Callable[[Coordinator, str, Any], "dict[str, Any] | Awaitable[dict[str, Any]]"]
+# an action's reply is one of coordinator.api.replies' shapes; the handler only encodes it
+Action = Callable[[Coordinator, str, Any], "Mapping[str, object] | Awaitable[Mapping[str, object]]"]
 ENDPOINTS: dict[str, tuple[type[BaseModel], Action]] = {
     "status": (AdminEmpty, status),
     "clients": (AdminList, clients),

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from coordinator.api import admin, metrics, netguard, status_page
-from coordinator.api.egress import EGRESS_COUNTER, EGRESS_FLUSH_S
+from coordinator.api.egress import EGRESS_COUNTER, EGRESS_FLUSH_S, stored_report
 from coordinator.api.public_reads import PUBLIC_READS, PublicReads
 from coordinator.api.service import Coordinator
 from coordinator.api.status_page import select_status
@@ -330,7 +330,7 @@ async def api_role(app: web.Application) -> AsyncIterator[None]:
         background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
         background.append(asyncio.create_task(_keep_counters(coord), name="counters"))
         if coord.config.p2p.enabled:  # the peer's report, from its own role process (or from this process's peer)
-            coord.egress.remote = lambda: coord.store.role_status.get(P2P)
+            coord.egress.remote = lambda: stored_report(coord.store.role_status.get(P2P))
         yield
     finally:
         for task in background:

@@ -8,17 +8,34 @@ the API only reads a report, so it never imports the peer (nor hivemind, nor tor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
+from coordinator.run.records import P2PReport
 from shared.messages import P2PInfo
 
 
 class PeerReporter(Protocol):
     """What the API reads of a peer running in its own process: its report (peer id, addresses, bytes served)."""
 
-    def report(self) -> dict[str, Any]: ...
+    def report(self) -> P2PReport: ...
+
+
+class EgressView(TypedDict):
+    """The status page's ``snapshot_egress``: snapshot bytes out of the coordinator (HTTP, libp2p) and between
+    volunteers."""
+
+    p2p: bool
+    http_bytes: int
+    p2p_bytes: int
+    coordinator_bytes: int
+    peer_bytes: int
+
+
+def stored_report(raw: Mapping[str, object] | None) -> P2PReport | None:
+    """The p2p role's report as the store keeps it (its role status), or None before its first."""
+    return None if raw is None else P2PReport.model_validate(raw)
 
 
 #: The meta counter of snapshot bytes sent over HTTP (the status page's "snapshots out", across restarts).
@@ -34,27 +51,27 @@ class SnapshotEgress:
     http_bytes: int = 0  # since this process started
     http_flushed: int = 0  # of http_bytes, what has been added to the store's counter (EGRESS_COUNTER)
     peer: PeerReporter | None = None  # one-process layout: the peer in this process
-    remote: Callable[[], dict[str, Any] | None] | None = None  # process layout: the p2p role's last report
+    remote: Callable[[], P2PReport | None] | None = None  # process layout: the p2p role's last report
 
-    def report(self) -> dict[str, Any] | None:
+    def report(self) -> P2PReport | None:
         if self.peer is not None:
             return self.peer.report()
         return self.remote() if self.remote is not None else None
 
     def info(self) -> P2PInfo:
         r = self.report()
-        if not r or not r.get("peer_id"):
+        if r is None or not r.peer_id:
             return P2PInfo(enabled=False)
-        return P2PInfo(enabled=True, peer_id=r["peer_id"], maddrs=list(r.get("maddrs", []))[:16])
+        return P2PInfo(enabled=True, peer_id=r.peer_id, maddrs=list(r.maddrs)[:16])
 
-    def view(self, stored_http_bytes: int = 0) -> dict[str, Any]:
+    def view(self, stored_http_bytes: int = 0) -> EgressView:
         """``stored_http_bytes``: the store's counter (every API process, every restart) — the run's total is it
         plus what this process has not added yet."""
-        r = self.report() or {}
-        p2p = int(r.get("served_bytes", 0))
+        r = self.report() or P2PReport()
+        p2p = r.served_bytes
         http = stored_http_bytes + self.http_bytes - self.http_flushed
-        return {"p2p": bool(r.get("peer_id")), "http_bytes": http, "p2p_bytes": p2p,
-                "coordinator_bytes": http + p2p, "peer_bytes": int(r.get("peer_served_bytes", 0))}
+        return {"p2p": bool(r.peer_id), "http_bytes": http, "p2p_bytes": p2p,
+                "coordinator_bytes": http + p2p, "peer_bytes": r.peer_served_bytes}
 
     def flush(self, add: Callable[[int], None]) -> None:
         """Add the HTTP bytes counted since the last flush to the store (``add``)."""

@@ -16,7 +16,6 @@ import hmac
 import json
 import logging
 import math
-from typing import Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.ratelimit import Limiter, Rate
@@ -40,6 +39,7 @@ from coordinator.core.trust import (
     on_valid,
     quarantined,
 )
+from coordinator.store.records import TrustStanding
 from coordinator.store.store import Store
 from shared.errors import ProtocolError, Reason
 
@@ -208,7 +208,7 @@ class Guard:
                                     f"device again, or with a new identity (another --home) for {bclass}")
         return bclass
 
-    def standings(self) -> list[dict[str, Any]]:
+    def standings(self) -> list[TrustStanding]:
         return self.store.trust.standings()
 
     def leases_held(self, client_id: str, now: float) -> int:

@@ -44,8 +44,7 @@ class _StepTimes:
         self.total = 0.0
 
     def update(self, coord: Coordinator) -> None:
-        for step, metrics in coord.store.steps.metrics_after(self.last_step):
-            s = float(metrics.get("step_s", 0.0))
+        for step, s in coord.store.steps.durations_after(self.last_step):
             self.count += 1
             self.total += s
             for k, edge in enumerate(STEP_BUCKETS):
@@ -127,11 +126,11 @@ class StoreCollector(Collector):
         evals = coord.store.evals.all()
         if evals:
             yield GaugeMetricFamily("echo_swarm_heldout_accuracy", "Held-out greedy accuracy at the last evaluation.",
-                                    value=evals[-1]["accuracy"])
+                                    value=evals[-1].accuracy)
         last = coord.store.steps.last()
         if last is not None:
             yield GaugeMetricFamily("echo_swarm_mean_reward", "Mean rollout reward of the last learner step.",
-                                    value=last["mean_reward"])
+                                    value=last.mean_reward)
 
 
 class ServingCollector(Collector):

@@ -16,6 +16,16 @@ from typing import Any
 
 from coordinator.api.admin_keys import AdminKey, load_admin_keys, write_admin_keys
 from coordinator.api.guard import INVITES, REGISTRATION_MODE
+from coordinator.api.replies import (
+    BanReply,
+    CheckpointReply,
+    InviteReply,
+    IssuingReply,
+    KeyAdded,
+    KeyRemoved,
+    KeysReply,
+    RegistrationReply,
+)
 from coordinator.api.service import Coordinator
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import ADMIN_KEYS, ClientLookupError, resolve_client
@@ -41,12 +51,12 @@ def find_client(coord: Coordinator, ref: str) -> str:
         raise ProtocolError(Reason.NOT_FOUND, str(exc)) from None
 
 
-def set_banned(coord: Coordinator, operator: str, ref: str, banned: bool, note: str) -> dict[str, Any]:
+def set_banned(coord: Coordinator, operator: str, ref: str, banned: bool, note: str) -> BanReply:
     """Ban: every later request of the client is refused (403 ``banned``) and its live leases are released
     at once so that other clients pick the work up. Unban restores it. Credit and history are kept."""
     client_id = find_client(coord, ref)
     coord.store.clients.set_banned(client_id, banned)
-    released = []
+    released: list[str] = []
     if banned:
         now = coord.clock()
         for j in coord.store.jobs.active():
@@ -59,7 +69,7 @@ def set_banned(coord: Coordinator, operator: str, ref: str, banned: bool, note: 
     return {"client_id": client_id, "banned": banned, "released_jobs": released}
 
 
-def set_issuing(coord: Coordinator, operator: str, paused: bool) -> dict[str, Any]:
+def set_issuing(coord: Coordinator, operator: str, paused: bool) -> IssuingReply:
     """Pause: lease requests get 'no job, retry later' (live leases may still be returned and are credited);
     the setting survives a restart. Resume wakes every waiting lease request."""
     changed = coord.issuing_paused != paused
@@ -72,7 +82,7 @@ def set_issuing(coord: Coordinator, operator: str, paused: bool) -> dict[str, An
     return {"paused": paused, "changed": changed}
 
 
-def issue_invite(coord: Coordinator, operator: str, note: str) -> dict[str, Any]:
+def issue_invite(coord: Coordinator, operator: str, note: str) -> InviteReply:
     """A new invite token: its sha256 joins the run's valid invites (the store's ``meta.invite_sha256``, beside
     the config's ``registration.invite_sha256``); the token itself is returned once and kept nowhere."""
     token = secrets.token_urlsafe(24)
@@ -83,7 +93,7 @@ def issue_invite(coord: Coordinator, operator: str, note: str) -> dict[str, Any]
     return {"token": token, "sha256": digest, "mode": coord.guard.registration_mode()}
 
 
-def set_registration(coord: Coordinator, operator: str, mode: str) -> dict[str, Any]:
+def set_registration(coord: Coordinator, operator: str, mode: str) -> RegistrationReply:
     """The run's registration setting: 'invite' (registering needs a valid invite token) or 'open'. Kept in the
     store: it survives a restart and holds for every API process, over the config's ``registration.mode``."""
     changed = coord.guard.registration_mode() != mode
@@ -96,7 +106,7 @@ def set_registration(coord: Coordinator, operator: str, mode: str) -> dict[str, 
     return {"mode": mode, "changed": changed, "invites": len(coord.guard.invite_hashes())}
 
 
-async def export_checkpoint(coord: Coordinator, operator: str) -> dict[str, Any]:
+async def export_checkpoint(coord: Coordinator, operator: str) -> CheckpointReply:
     """Write a self-contained copy of the current version to ``exports/v<version>-<UTC time>/``: the model
     folder as published (a Hugging Face folder: usable as another run's ``model.path``; for a LoRA run the
     adapter, with the run's shared base beside it in ``base/``), the newest learner checkpoint at or below the
@@ -145,7 +155,7 @@ def _copy_files(model_dir: Path, base: Path | None, checkpoint: Path | None, des
         shutil.copytree(checkpoint, dest / "checkpoint")
 
 
-def list_keys(coord: Coordinator, caller: str) -> dict[str, Any]:
+def list_keys(coord: Coordinator, caller: str) -> KeysReply:
     return {
         "admin_keys": [k.as_dict() | {"you": k.key_id == caller} for k in load_admin_keys(coord.run_dir)],
         "coordinator_public_key": coord.public_key.hex(),
@@ -154,7 +164,7 @@ def list_keys(coord: Coordinator, caller: str) -> dict[str, Any]:
     }
 
 
-def add_key(coord: Coordinator, operator: str, public_key: bytes, comment: str) -> dict[str, Any]:
+def add_key(coord: Coordinator, operator: str, public_key: bytes, comment: str) -> KeyAdded:
     keys = load_admin_keys(coord.run_dir)
     key = AdminKey(crypto.client_id_for(public_key), public_key, comment)
     added = all(k.key_id != key.key_id for k in keys)
@@ -164,7 +174,7 @@ def add_key(coord: Coordinator, operator: str, public_key: bytes, comment: str) 
     return {"key_id": key.key_id, "added": added}
 
 
-def remove_key(coord: Coordinator, operator: str, ref: str) -> dict[str, Any]:
+def remove_key(coord: Coordinator, operator: str, ref: str) -> KeyRemoved:
     keys = load_admin_keys(coord.run_dir)
     try:
         key_id = resolve_client(ref, [k.key_id for k in keys], ADMIN_KEYS)

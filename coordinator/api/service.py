@@ -23,6 +23,7 @@ from typing import Any
 from coordinator.api.egress import SnapshotEgress
 from coordinator.api.guard import Guard
 from coordinator.api.issuer import Issuer
+from coordinator.api.replies import CoordinatorStatus
 from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
@@ -45,11 +46,12 @@ from coordinator.errors import VersionGone
 from coordinator.limits import MAX_REQUEST_BYTES
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import API, LEARNER
-from coordinator.run.records import AcceptedResult
+from coordinator.run.records import AcceptedResult, LearnerProgress
 from coordinator.run.relay import relay_token
 from coordinator.run.runfiles import RunFiles, wait_for_first_version
 from coordinator.run.workqueue import POLL_S, Bell, RemoteVerifier, VerificationError, VerifierUnavailable
 from coordinator.store.job_rows import JobRow
+from coordinator.store.records import AuditLine, as_json
 from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.episodes import REWARD_NAME as EPISODE_REWARD
@@ -142,7 +144,7 @@ class Coordinator:
         if dropped:
             logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
         self.version = await wait_for_first_version(self.store, self.bell, API)
-        self.snapshots.observe(v["version"] for v in self.store.versions.all())
+        self.snapshots.observe(v.version for v in self.store.versions.all())
         folder = self.snapshots.folder(self.version)
         base = self.snapshots.base_dir
         self.codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists() else base)
@@ -171,14 +173,15 @@ class Coordinator:
             self._on_new_version(current)
 
     def _on_new_version(self, current: int) -> None:
-        self.snapshots.observe(v["version"] for v in self.store.versions.all())
+        self.snapshots.observe(v.version for v in self.store.versions.all())
         self.version = current
         self.issuer.new_version(time.monotonic())
         self.finished = current >= self.config.learner.max_steps  # before waking: no work past the last step
         self.notify_jobs()
 
-    def learner_status(self) -> dict[str, Any]:
-        """The learner's last report (coordinator.roles.learner), or {} before its first."""
+    def learner_status(self) -> dict[str, object]:
+        """The learner's last report (coordinator.roles.learner), or {} before its first: served as it is, the
+        role's own JSON (what the API itself reads of it: :class:`LearnerProgress`)."""
         return self.store.role_status.get(LEARNER) or {}
 
     async def flush(self) -> None:
@@ -352,7 +355,7 @@ class Coordinator:
         if self.finished or self.config.sync_mode == "colocated" or self.issuing_paused:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=self.finished,
                                  paused=self.issuing_paused and not self.finished)
-        if self.config.sync_mode == "sequential-pull" and self.learner_status().get("target", 0) > self.version:
+        if self.config.sync_mode == "sequential-pull" and LearnerProgress.model_validate(self.learner_status()).target > self.version:
             # a step is training past the current version (or being published): a job bound to the current
             # version now would be stale (bound 0) before it returns — wasted client work
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
@@ -458,7 +461,7 @@ class Coordinator:
         return relay_token(self.key, self.run_id)
 
     def audit(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
-              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
+              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[AuditLine]:
         """The audit log: every result's outcome (accepted, rejected…) with
         client, job, version, reason and content hash, newest first. For the admin API and CLI."""
         return self.store.audit.lines(client_id=client_id, job_id=job_id, outcome=outcome, reason=reason, since=since,
@@ -600,7 +603,7 @@ class Coordinator:
             raise RuntimeError(f"verification failed: {exc}") from None
 
     # -- status -------------------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self) -> CoordinatorStatus:
         now = self.clock()
         jobs = self.store.jobs.active()
         steps = self.store.steps.all()
@@ -626,9 +629,9 @@ class Coordinator:
                 ],
             },
             "totals": self.store.totals(),
-            "reward_curve": [s["mean_reward"] for s in steps],
-            "steps": steps[-200:],
-            "evals": self.store.evals.all(),
-            "clients": self.store.clients.all(),
-            "trust": {"standings": self.guard.standings()},
+            "reward_curve": [s.mean_reward for s in steps],
+            "steps": [as_json(s) for s in steps[-200:]],
+            "evals": [as_json(e) for e in self.store.evals.all()],
+            "clients": [as_json(c) for c in self.store.clients.all()],
+            "trust": {"standings": [as_json(t) for t in self.guard.standings()]},
         }

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from coordinator.api.egress import EGRESS_COUNTER
 from coordinator.api.public_reads import PUBLIC_READS
+from coordinator.api.replies import PageBody, PageStatus, PageViews, PublicStatus
 from coordinator.api.service import Coordinator
 from coordinator.store import readmodels
 from shared.errors import ProtocolError, Reason
@@ -42,7 +43,7 @@ MAX_QUERY = 64  # characters of a volunteer search
 CLIENT_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def page_views(coord: Coordinator) -> dict[str, Any]:
+def page_views(coord: Coordinator) -> PageViews:
     now = coord.clock()
     timeout = coord.config.jobs.lease_timeout_s
     return {
@@ -57,30 +58,30 @@ def page_views(coord: Coordinator) -> dict[str, Any]:
     }
 
 
-def public_status(coord: Coordinator) -> dict[str, Any]:
+def public_status(coord: Coordinator) -> PublicStatus:
     """The full status: every key of ``Coordinator.status`` plus the page's views."""
-    return coord.status() | page_views(coord)
+    return {**coord.status(), **page_views(coord)}
 
 
-def page_status(coord: Coordinator) -> dict[str, Any]:
+def page_status(coord: Coordinator) -> PageStatus:
     """What the page draws."""
     now = coord.clock()
     jobs = readmodels.jobs(coord.store, now, limit=0)
     evals = coord.store.evals.all()
     curve = coord.store.steps.reward_curve()
-    body = {
+    body: PageBody = {
         "run_id": coord.run_id, "version": coord.version, "max_steps": coord.config.learner.max_steps,
         "finished": coord.finished, "sync_mode": coord.config.sync_mode,
         "max_staleness": coord.config.sync_policy.bound, "task": coord.task.name, "uptime_s": now - coord.started_at,
         "jobs": {"open": jobs["counts"]["open"] + jobs["counts"]["expired"], "leased": jobs["counts"]["leased"],
                  "buffered": jobs["buffered_results"]},
         "totals": coord.store.totals(), "reward_curve": curve, "reward_means": readmodels.reward_means(coord.store),
-        "evals": [{"version": e["version"], "accuracy": e["accuracy"], "n": e["n"]} for e in evals],
-    } | page_views(coord)
-    return body
+        "evals": [{"version": e.version, "accuracy": e.accuracy, "n": e.n} for e in evals],
+    }
+    return {**body, **page_views(coord)}
 
 
-def select_status(coord: Coordinator, view: str | None) -> dict[str, Any]:
+def select_status(coord: Coordinator, view: str | None) -> PageStatus | PublicStatus:
     return page_status(coord) if view == "page" else public_status(coord)
 
 

@@ -7,10 +7,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.tasks.base import Task, TaskItem
 from shared.policy import generate, load_model, load_tokenizer, stop_token_ids
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 YIELD_BATCH = 128  # prompts per greedy batch when the evaluator yields between batches (Evaluator.yield_to)
 
@@ -94,7 +97,7 @@ class Evaluator:
             shards = sorted(folder.glob("*.safetensors"))
             if not shards:
                 raise FileNotFoundError(f"no weights in {folder}")
-            state: dict[str, Any] = {}
+            state: dict[str, Tensor] = {}
             for shard in shards:
                 state.update(load_file(str(shard), device=self.device))
             self._model.load_state_dict(state, strict=False)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    pass
+    from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +161,12 @@ def from_leader(ranks: Ranks, tensors: list[Any]) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def full_tensors(named: Iterable[tuple[str, Any]], keep: bool, dtype: Any = None) -> dict[str, Any]:
+def full_tensors(named: Iterable[tuple[str, Any]], keep: bool, dtype: Any = None) -> dict[str, Tensor]:
     """Gather sharded tensors to full ones (a collective: every rank, same order); ``keep`` ranks get CPU
     copies (in ``dtype`` for floating-point tensors when given), the others an empty dict."""
     from torch.distributed.tensor import DTensor
 
-    out: dict[str, Any] = {}
+    out: dict[str, Tensor] = {}
     for name, tensor in named:
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:

@@ -31,19 +31,21 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from coordinator.config import LearnerConfig, ModelConfig
 from coordinator.engine import fsdp, lora
 from coordinator.engine.evaluation import greedy_accuracy, pad_id
 from coordinator.engine.fsdp import single_rank
-from coordinator.publish.checkpoints import CheckpointState
+from coordinator.publish.checkpoints import CheckpointState, ShardedCheckpoint
 from coordinator.publish.gguf_export import write_model_gguf
 from coordinator.publish.snapshots import SnapshotFiles
 from coordinator.tasks.base import Task, TaskItem
 from shared.policy import completion_logprobs, load_model, load_tokenizer, pick_device, stop_token_ids
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from coordinator.engine.fsdp import Ranks
     from coordinator.publish.snapshots import SnapshotFiles
 
@@ -78,6 +80,14 @@ def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any,
     clipped_obj = torch.clamp(ratio, 1 - eps, 1 + eps) * adv
     per_token = -torch.minimum(unclipped, clipped_obj) * is_weight * weight * mask
     return per_token, ratio, log_is
+
+
+class LearnerDescription(TypedDict):
+    """What the learner role's report says of its model (coordinator.roles.learner)."""
+
+    parameters: int
+    device: str
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ class Learner:
         # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
         self._checkpoint_gate: threading.Event | None = None
         self._static_files: dict[str, bytes] | None = None  # config and tokenizer files of every snapshot
-        self._lora_base: dict[str, Any] | None = None  # FSDP + LoRA: the frozen base, gathered once (rank 0)
+        self._lora_base: dict[str, Tensor] | None = None  # FSDP + LoRA: the frozen base, gathered once (rank 0)
 
     # -- prompts ------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -387,8 +397,7 @@ class Learner:
             fsdp.lead(self.ranks, "checkpoint_state", staging)
             with_optimizer = fsdp.save_checkpoint(self.model, self.optimizer, staging)
             return CheckpointState(self.model_version, {}, {}, lambda: None,
-                                   sharded={"dir": str(staging), "world_size": self.ranks.world_size,
-                                            "optimizer": with_optimizer})
+                                   sharded=ShardedCheckpoint(str(staging), self.ranks.world_size, with_optimizer))
         gate = threading.Event()
         self._checkpoint_gate = gate
         weights = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -414,7 +423,7 @@ class Learner:
         fsdp.load_checkpoint(self.model, self.optimizer, Path(folder), with_optimizer)
         self.model_version = version
 
-    def load_checkpoint(self, weights: dict[str, Any], optimizer: dict[str, Any], version: int) -> None:
+    def load_checkpoint(self, weights: dict[str, Tensor], optimizer: dict[str, Any], version: int) -> None:
         """Restore a checkpoint's trainable weights and optimizer state; the learner is then at ``version``."""
         import torch
 
@@ -446,6 +455,6 @@ class Learner:
         single_rank(self.ranks, "Learner.evaluate (the verifiers evaluate published versions)")
         return greedy_accuracy(self.model, self.tokenizer, task, items, max_tokens)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> LearnerDescription:
         n = sum(p.numel() for p in self.model.parameters())
         return {"parameters": n, "device": self.device, "vocab_size": self.vocab_size}

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from coordinator.config import LearnerConfig
 from coordinator.publish.gguf_export import write_lora_gguf, write_model_gguf
@@ -50,6 +50,9 @@ from shared.adapters import (
     read_adapter,
 )
 from shared.policy import load_tokenizer
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["AdapterError", "AdapterSnapshot", "VersionLoader", "adapter_snapshot", "base_folder_for",
            "base_writers", "is_adapter_folder", "load_adapter", "load_base_model",
@@ -78,14 +81,14 @@ def _base_name(key: str) -> str | None:
     return key.replace(".base_layer.", ".")
 
 
-def plain_names(state: Mapping[str, Any]) -> dict[str, Any]:
+def plain_names(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A peft model's base weights (adapter weights dropped) under their plain HF names."""
     return {name: value for key, value in state.items() if (name := _base_name(key)) is not None}
 
 
-def base_state(peft_model: Any) -> dict[str, Any]:
+def base_state(peft_model: Any) -> dict[str, Tensor]:
     """The frozen base weights under their plain HF names (references, not copies: they never change)."""
-    out: dict[str, Any] = {}
+    out: dict[str, Tensor] = {}
     for key, value in peft_model.state_dict().items():
         name = _base_name(key)
         if name is not None:
@@ -128,7 +131,7 @@ class AdapterSnapshot:
     """A version's adapter, copied to the CPU on the learner thread: peft's tensor names → float32 tensors,
     its adapter_config.json, and the scale numerator alpha (for the GGUF form)."""
 
-    tensors: dict[str, Any]
+    tensors: dict[str, Tensor]
     config_json: bytes
     alpha: float
 
@@ -179,7 +182,7 @@ def base_writers(peft_model: Any, static_files: Mapping[str, bytes], dtype: Any,
     base = peft_model.get_base_model()
     tied = bool(getattr(base.config, "tie_word_embeddings", False))
 
-    def state() -> dict[str, Any]:
+    def state() -> dict[str, Tensor]:
         out = dict(gathered) if gathered is not None else base_state(peft_model)
         if tied:
             out.pop("lm_head.weight", None)  # tied to the embeddings, stored once (as save_pretrained does)
@@ -280,7 +283,7 @@ class VersionLoader:
             mark_base(model, True)
         apply_adapter(model, base, read_adapter(folder))
 
-    def load_state(self, folder: Path, device: str) -> dict[str, Any]:
+    def load_state(self, folder: Path, device: str) -> dict[str, Tensor]:
         folder = Path(folder)
         if not is_adapter_folder(folder):
             return _read_weights(folder, device)
@@ -292,13 +295,13 @@ class VersionLoader:
         return state
 
 
-def _read_weights(folder: Path, device: str) -> dict[str, Any]:
+def _read_weights(folder: Path, device: str) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     shards = base_weight_files(folder)
     if not shards:
         raise FileNotFoundError(f"no weights in {folder}")
-    state: dict[str, Any] = {}
+    state: dict[str, Tensor] = {}
     for shard in shards:
         state.update(load_file(str(shard), device=device))
     return state
@@ -313,7 +316,15 @@ def _load_whole(model: Any, folder: Path) -> None:
                          f"unexpected {unexpected[:3]}")
 
 
-def describe(peft_model: Any) -> dict[str, Any]:
+class LoraDescription(TypedDict):
+    """What the learner's report says of its adapter. ``lora_config`` is peft's adapter_config.json as it is: its
+    keys are peft's, and change with peft's version."""
+
+    lora_trainable_parameters: int
+    lora_config: dict[str, object]
+
+
+def describe(peft_model: Any) -> LoraDescription:
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     return {"lora_trainable_parameters": trainable,
             "lora_config": json.loads(_adapter_config_bytes(peft_model))}

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from coordinator.core.verify import TokenStats
 from coordinator.engine import fsdp
@@ -48,6 +48,8 @@ from shared.policy import completion_stats, load_model
 from shared.sampler import Segment
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from coordinator.engine.fsdp import Ranks
 
 logger = logging.getLogger(__name__)
@@ -56,19 +58,33 @@ MICRO_BATCH = 64  # completions per forward pass, as the learner's
 
 # Loads a version folder's weights as a plain (Hugging Face names) state dict on a device. The default reads
 # every *.safetensors file in the folder; a LoRA layout passes its own (base + adapter).
-StateLoader = Callable[[Path, str], dict[str, Any]]
+StateLoader = Callable[[Path, str], "dict[str, Tensor]"]
 
 
-def read_safetensors_state(folder: Path, device: str) -> dict[str, Any]:
+def read_safetensors_state(folder: Path, device: str) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     shards = sorted(Path(folder).glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no weights in {folder}")
-    state: dict[str, Any] = {}
+    state: dict[str, Tensor] = {}
     for shard in shards:
         state.update(load_file(str(shard), device=device))
     return state
+
+
+class VerifierDescription(TypedDict):
+    """What a verifier role's report says of its verifier (coordinator.roles.verifier)."""
+
+    device: str
+    cached_versions: list[int]
+    ranks: int
+    rank_pids: list[int]
+    recompute_s: float
+    load_s: float
+    results: int
+    batches: int
+    loads: int
 
 
 @dataclass
@@ -197,7 +213,7 @@ class Verifier:
         self._executor.shutdown(wait=True)
         self._models.clear()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> VerifierDescription:
         s = self.stats
         ranks = self._ranks
         return {"device": self.device, "cached_versions": list(self._models),
@@ -391,7 +407,7 @@ class Verifier:
         return load_model(folder, self.device, self.dtype, own_memory=True)
 
 
-def _load_into(model: Any, state: dict[str, Any], folder: Path) -> None:
+def _load_into(model: Any, state: dict[str, Tensor], folder: Path) -> None:
     """Load a full state dict in place. A tied output layer is stored once (as save_pretrained does), so only
     tied weights may be missing; anything else missing means the folder is not this model's snapshot."""
     result = model.load_state_dict(state, strict=False)

@@ -26,9 +26,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from coordinator.publish.snapshots import fsync_dir
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +40,36 @@ OPTIMIZER_FILE = "optimizer.pt"  # also the name coordinator.api.ops_actions cop
 INFO_FILE = "checkpoint.json"
 
 
+class CheckpointInfo(TypedDict):
+    """A checkpoint's ``checkpoint.json``: format 1 (one device: weights and optimizer files) or 2 (FSDP shards,
+    written by ``world_size`` ranks, with the optimizer's state where ``optimizer``)."""
+
+    version: int
+    created_at: float
+    format: int
+    world_size: NotRequired[int]
+    optimizer: NotRequired[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedCheckpoint:
+    """An FSDP checkpoint whose ranks already wrote (and synced) their shards into ``dir``."""
+
+    dir: str
+    world_size: int
+    optimizer: bool  # whether the shards hold the optimizer's state
+
+
 @dataclass(frozen=True)
 class CheckpointState:
     """What a checkpoint holds, as references into the learner's live tensors: the learner does not update
     them until ``release()`` is called (its next optimizer step waits for it), so no copy is needed."""
 
     version: int
-    weights: dict[str, Any]  # trainable parameters by name (peft names for LoRA: adapter only)
-    optimizer: dict[str, Any]  # torch optimizer state_dict()
+    weights: dict[str, Tensor]  # trainable parameters by name (peft names for LoRA: adapter only)
+    optimizer: dict[str, Any]  # torch optimizer state_dict(): torch's own open shape (its typing says the same)
     release: Any  # callable: the learner may update these tensors again
-    sharded: dict[str, Any] | None = None  # FSDP: {"dir": staging folder already written, "world_size", "optimizer"}
+    sharded: ShardedCheckpoint | None = None  # FSDP: the staging folder the ranks already wrote
 
 
 class CheckpointStore:
@@ -66,10 +89,10 @@ class CheckpointStore:
 
         t0 = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
-        info: dict[str, Any] = {"version": state.version, "created_at": now, "format": 1}
+        info: CheckpointInfo = {"version": state.version, "created_at": now, "format": 1}
         if state.sharded is not None:  # the ranks wrote (and synced) their shards already
-            tmp = Path(state.sharded["dir"])
-            info |= {"format": 2, "world_size": state.sharded["world_size"], "optimizer": state.sharded["optimizer"]}
+            tmp = Path(state.sharded.dir)
+            info["format"], info["world_size"], info["optimizer"] = 2, state.sharded.world_size, state.sharded.optimizer
         else:
             tmp = self.staging(state.version)
             tmp.mkdir()
@@ -104,9 +127,10 @@ class CheckpointStore:
         """A fresh hidden folder name for writing the checkpoint of ``version`` (removed at startup if left)."""
         return self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
 
-    def info(self, version: int) -> dict[str, Any]:
+    def info(self, version: int) -> CheckpointInfo:
         """A complete checkpoint's ``checkpoint.json``: format 1 (one device) or 2 (sharded, with world_size)."""
-        return dict(json.loads((self.folder(version) / INFO_FILE).read_text()))
+        info: CheckpointInfo = json.loads((self.folder(version) / INFO_FILE).read_text())
+        return info
 
     def _complete(self) -> list[int]:
         if not self.root.exists():
@@ -123,7 +147,7 @@ class CheckpointStore:
         ok = [v for v in self._complete() if v <= at_most]
         return ok[-1] if ok else None
 
-    def load(self, version: int, device: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(self, version: int, device: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """(weights, optimizer state) of a complete checkpoint."""
         import torch
         from safetensors.torch import load_file

@@ -34,7 +34,7 @@ from coordinator.publish.checkpoints import CheckpointState, CheckpointStore
 from coordinator.publish.publisher import Publication, Published, Publisher
 from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
 from coordinator.run.names import LEARNER, LOCAL_CLIENT, VERIFIER_PREFIX
-from coordinator.run.records import AcceptedResult
+from coordinator.run.records import AcceptedResult, VerifierTotals
 from coordinator.run.workqueue import POLL_S, Bell
 from coordinator.store.job_rows import JobRow
 from coordinator.store.store import Store
@@ -106,7 +106,7 @@ class LearnerRole:
         """Publish version 0 from the model folder, or resume the run at its current version."""
 
         import_backends()  # before the learner's and publisher's threads use them
-        committed = [v["version"] for v in self.store.versions.all()]
+        committed = [v.version for v in self.store.versions.all()]
         self.snapshots.reconcile(committed)
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints")
         current = self.store.versions.current()
@@ -129,7 +129,7 @@ class LearnerRole:
         self._last_checkpoint_at = time.monotonic()
         newest = self.checkpoints.latest(self.version)
         self._last_checkpoint_version = self.version if newest is None else newest
-        if not any(e["version"] == self.version for e in self.store.evals.all()):
+        if not any(e.version == self.version for e in self.store.evals.all()):
             self._evaluate(self.version)
         self.finished = self.version >= self.config.learner.max_steps
         self._report()
@@ -183,9 +183,9 @@ class LearnerRole:
             del weights, optimizer
         by_step: dict[int, list[str]] = {}
         for r in self.store.results.summary():
-            if r["ingested_step"] is not None and r["ingested_step"] > ckpt:
-                by_step.setdefault(int(r["ingested_step"]), []).append(r["job_id"])
-        trained_from = {int(s["step"]): int(s["trained_version"]) for s in self.store.steps.all() if s["step"] > ckpt}
+            if r.ingested_step is not None and r.ingested_step > ckpt:
+                by_step.setdefault(int(r.ingested_step), []).append(r.job_id)
+        trained_from = {int(s.step): int(s.trained_version) for s in self.store.steps.all() if s.step > ckpt}
         t0 = time.monotonic()
         for step in range(ckpt + 1, current + 1):
             batch = self._batch_samples(trained_from[step], sorted(by_step[step]))
@@ -434,9 +434,9 @@ class LearnerRole:
 
     def _verifier_totals(self) -> tuple[float, float]:
         """Seconds the verifiers spent recomputing and evaluating so far, as they report them."""
-        statuses = [s for name, s in self.store.role_status.all().items() if name.startswith(VERIFIER_PREFIX)]
-        return (sum(float(s.get("recompute_s", 0.0)) for s in statuses),
-                sum(float(s.get("eval_s", 0.0)) for s in statuses))
+        statuses = [VerifierTotals.model_validate(s) for name, s in self.store.role_status.all().items()
+                    if name.startswith(VERIFIER_PREFIX)]
+        return sum(s.recompute_s for s in statuses), sum(s.eval_s for s in statuses)
 
     async def _record_step(self, version: int, job_ids: list[str], future: Any, metrics: dict[str, Any],
                            t0: float) -> None:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -27,6 +27,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.roles.p2p_relay import CallRelay
 from coordinator.run.names import P2P
+from coordinator.run.records import P2PReport
 from coordinator.run.relay import relay_token
 from coordinator.run.runfiles import RunFiles, wait_for_first_version
 from coordinator.run.workqueue import Bell
@@ -73,11 +74,11 @@ class CoordinatorPeer:
         """Bytes this peer served over libp2p (the coordinator's p2p egress)."""
         return self.node.uploads.served_bytes if self.node is not None else 0
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> P2PReport:
         """What the API shows of this peer (GET /v1/p2p, the status page's egress)."""
-        return {"peer_id": self.node.peer_id if self.node is not None else None, "maddrs": self.maddrs[:16],
-                "served_bytes": self.served_bytes, "peer_served_bytes": self.peer_served_bytes,
-                "calls": self.relay.report() if self.relay is not None else None}
+        return P2PReport(peer_id=self.node.peer_id if self.node is not None else None, maddrs=self.maddrs[:16],
+                         served_bytes=self.served_bytes, peer_served_bytes=self.peer_served_bytes,
+                         calls=self.relay.report() if self.relay is not None else None)
 
     async def start(self) -> None:
         coord = self.coord
@@ -161,7 +162,7 @@ class RoleContext:
     def version(self) -> int:
         current = self.store.versions.current()
         if current is not None and current != self._seen:
-            self.snapshots.observe(v["version"] for v in self.store.versions.all())
+            self.snapshots.observe(v.version for v in self.store.versions.all())
             self._seen = current
         return max(self._seen, 0)
 
@@ -183,7 +184,7 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
         peer = CoordinatorPeer(ctx)
         await peer.start()
         while True:
-            files.store.role_status.set(P2P, peer.report() | {"pid": os.getpid(), "at": time.time()})
+            files.store.role_status.set(P2P, peer.report().as_json() | {"pid": os.getpid(), "at": time.time()})
             try:
                 await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)
                 return 0

@@ -30,6 +30,7 @@ import aiohttp
 
 from coordinator.config import CoordinatorConfig
 from coordinator.limits import SIGNED_POSTS
+from coordinator.run.records import RelayReport
 from coordinator.run.relay import observed_address, relay_headers
 from shared import wire
 from shared.errors import ProtocolError, Reason
@@ -101,8 +102,8 @@ class CallRelay:
         self.refused = 0  # calls refused here (unknown path, too large, over a bound, the API unreachable)
         self._session: aiohttp.ClientSession | None = None
 
-    def report(self) -> dict[str, Any]:
-        return {"relayed": dict(self.relayed), "refused": self.refused, "active": self.active}
+    def report(self) -> RelayReport:
+        return RelayReport(relayed=dict(self.relayed), refused=self.refused, active=self.active)
 
     def api_url(self) -> str:
         """The API's loopback URL: its port from the run dir's endpoint.json (written once it listens; a restarted

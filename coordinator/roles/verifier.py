@@ -28,7 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.engine import fsdp
 from coordinator.engine.evaluation import Evaluator
 from coordinator.engine.lora import VersionLoader
-from coordinator.engine.verifier import Verifier
+from coordinator.engine.verifier import Verifier, read_safetensors_state
 from coordinator.errors import VersionGone
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
@@ -76,7 +76,7 @@ class VerifierWorker:
         import_backends()  # on this thread, before the verifier's and evaluator's threads load models
 
         current = await wait_for_first_version(self.store, self.bell, self.name)
-        self.snapshots.observe(v["version"] for v in self.store.versions.all())
+        self.snapshots.observe(v.version for v in self.store.versions.all())
         lora = self.config.learner.lora_rank > 0
         folder = self.snapshots.base_dir if lora else self.snapshots.folder(current)
         codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists()
@@ -138,7 +138,7 @@ class VerifierWorker:
             next_report = time.monotonic() + REPORT_EVERY_S
             if self._inflight:
                 self.store.work.renew(self.name, list(self._inflight), time.time() + self.config.verification.claim_s)
-            self.snapshots.observe(v["version"] for v in self.store.versions.all())
+            self.snapshots.observe(v.version for v in self.store.versions.all())
             self._report()
         self._preload_newest()
         return next_report
@@ -156,7 +156,7 @@ class VerifierWorker:
             return
         self._preloaded = current
         if self.snapshots.signed_manifest(current) is None:
-            self.snapshots.observe(v["version"] for v in self.store.versions.all())
+            self.snapshots.observe(v.version for v in self.store.versions.all())
         self._preload = asyncio.create_task(self.verifier.preload(current), name=f"{self.name}-preload")
 
     def _forget(self, task: asyncio.Task[None]) -> None:
@@ -172,7 +172,7 @@ class VerifierWorker:
                 await self._evaluate(item, version)
                 return
             if self.snapshots.signed_manifest(version) is None:  # published since the last look?
-                self.snapshots.observe(v["version"] for v in self.store.versions.all())
+                self.snapshots.observe(v.version for v in self.store.versions.all())
             answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
                                                                       version, segments_from_wire(request.get("segments"))))
             self.store.work.finish(item, self.name, answer)
@@ -239,14 +239,13 @@ def _make_verifier(config: CoordinatorConfig, snapshots: SnapshotStore, store: S
 
 def _verifier(config: CoordinatorConfig, folder_of: Any, device: str, pad_id: int, stop_ids: list[int],
               lora_base: str | None, ranks: Ranks | None) -> Any:
-    loaders: dict[str, Any] = {}
-    if lora_base is not None:
-        lora_versions = VersionLoader(Path(lora_base))
-        loaders = {"load_first": lora_versions.load_first, "load_into": lora_versions.load_into,
-                   "load_state": lora_versions.load_state}
+    lora = VersionLoader(Path(lora_base)) if lora_base is not None else None  # LoRA: base + each version's adapter
     return Verifier(folder_of, device=device, dtype=config.model.dtype, temperature=config.sampling.temperature,
                     pad_id=pad_id, stop_ids=stop_ids, cached_versions=config.verification.cached_versions,
-                    ranks=ranks, mixed_precision=config.verification.mixed_precision, **loaders)
+                    ranks=ranks, mixed_precision=config.verification.mixed_precision,
+                    load_state=read_safetensors_state if lora is None else lora.load_state,
+                    load_first=None if lora is None else lora.load_first,
+                    load_into=None if lora is None else lora.load_into)
 
 
 def follower_verifier(ranks: Ranks, config: CoordinatorConfig, pad_id: int, stop_ids: list[int],

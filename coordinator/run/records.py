@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pydantic import BaseModel, ConfigDict
+
 from shared import wire
 
 
@@ -38,3 +40,52 @@ class AcceptedResult:
                    logprob_mean_abs_diff=float(data.get("logprob_mean_abs_diff", 0.0)),
                    reward_means={str(k): float(v) for k, v in (data.get("reward_means") or {}).items()},
                    loss_mask=data.get("loss_mask"))
+
+
+class RelayReport(BaseModel):
+    """The p2p role's call relay, as its report says (coordinator.roles.p2p_relay): calls answered per path,
+    refused, in progress."""
+
+    model_config = ConfigDict(frozen=True)
+
+    relayed: dict[str, int]
+    refused: int
+    active: int
+
+
+class P2PReport(BaseModel):
+    """What the p2p role reports of the coordinator's libp2p peer, written by that role into the store's role
+    status and read by the API (GET /v1/p2p, the status page's egress) — a pydantic model because the API reads it
+    back from JSON another process wrote. A stopped or unstarted peer reports no ``peer_id``; the role's own
+    ``pid``/``at`` beside it are not read here."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    peer_id: str | None = None
+    maddrs: list[str] = []
+    served_bytes: int = 0  # bytes the coordinator's peer served over libp2p
+    peer_served_bytes: int = 0  # bytes volunteers say they served each other
+    calls: RelayReport | None = None
+
+    def as_json(self) -> dict[str, object]:
+        """The report as the role writes it (its keys, in order); ``dict[str, object]``: JSON for the store."""
+        return self.model_dump()
+
+
+class VerifierTotals(BaseModel):
+    """The seconds a verifier role reports it spent recomputing and evaluating (coordinator.roles.verifier):
+    what the learner reads of the verifiers' reports for its step metrics."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    recompute_s: float = 0.0
+    eval_s: float = 0.0
+
+
+class LearnerProgress(BaseModel):
+    """What the API reads of the learner role's report (coordinator.roles.learner): the version it is training
+    towards (the sequential-pull guard issues nothing bound to a version that step supersedes)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    target: int = 0

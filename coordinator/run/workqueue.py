@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
@@ -33,6 +34,23 @@ if TYPE_CHECKING:
 
 #: Seconds between looks at the store when another process may have changed it.
 POLL_S = 0.02
+
+
+class StatsWire(TypedDict):
+    """:class:`TokenStats` as a verifier's answer carries it (:func:`stats_answer`)."""
+
+    logprobs: list[list[float]]
+    entropy: list[list[float]]
+    variance: list[list[float]]
+    top: list[list[float]]
+    margins: NotRequired[list[list[float]] | None]
+
+
+class WorkAnswer(TypedDict, total=False):
+    """A verifier's answer to a recompute request: the stats, or ``gone`` when the version is no longer kept."""
+
+    stats: StatsWire
+    gone: bool
 
 
 class Bell:
@@ -113,7 +131,8 @@ class RemoteVerifier:
                         ) -> list[list[float]]:
         return (await self.recompute_stats(prompts, completions, version)).logprobs
 
-    async def ask(self, kind: WorkKind, version: int, request: dict[str, Any]) -> dict[str, Any]:
+    async def ask(self, kind: WorkKind, version: int, request: Mapping[str, object]) -> WorkAnswer:
+        """Queue ``request`` (a verifier decodes it by ``kind``) and wait for its answer."""
         item = self.store.work.submit(kind, version, wire.pack(request), time.time(), self.requester)
         self.bell.ring()
         give_up = time.monotonic() + self.wait_s
@@ -123,7 +142,8 @@ class RemoteVerifier:
                 if row is None:
                     raise VerificationError("the request was dropped (the verifier queue was reset)")
                 if row["state"] == "done":
-                    return dict(wire.unpack(row["answer"], max_bytes=len(row["answer"])))
+                    answer: WorkAnswer = wire.unpack(row["answer"], max_bytes=len(row["answer"]))
+                    return answer
                 if row["state"] == "failed":
                     raise VerificationError(str(row["error"]))
                 if time.monotonic() > give_up:

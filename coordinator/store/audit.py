@@ -5,9 +5,8 @@ reads through :meth:`Audit.lines`."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from coordinator.store.db import Db
+from coordinator.store.records import AuditLine, from_row
 
 
 class Audit:
@@ -24,10 +23,10 @@ class Audit:
                                                        content_sha256, detail[:2048]))
 
     def lines(self, *, client_id: str | None = None, job_id: str | None = None, outcome: str | None = None,
-              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[dict[str, Any]]:
+              reason: str | None = None, since: float | None = None, limit: int = 100) -> list[AuditLine]:
         """Audit lines matching every given filter, newest first (at most ``limit``, capped at 10,000)."""
         where: list[str] = []
-        args: list[Any] = []
+        args: list[str | float] = []
         for col, val in (("client_id", client_id), ("job_id", job_id), ("outcome", outcome), ("reason", reason)):
             if val is not None:
                 where.append(f"{col}=?")
@@ -36,4 +35,4 @@ class Audit:
             where.append("at>=?")
             args.append(since)
         sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY id DESC LIMIT ?"
-        return [dict(r) for r in self._conn.execute(sql, (*args, max(1, min(limit, 10_000)))).fetchall()]
+        return [from_row(AuditLine, r) for r in self._conn.execute(sql, (*args, max(1, min(limit, 10_000)))).fetchall()]

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from coordinator.store.db import Db, Row
+from coordinator.store.records import ClientRow
 
 
 class Clients:
@@ -77,8 +78,8 @@ class Clients:
             return self._conn.execute("UPDATE clients SET banned=? WHERE client_id=?",
                                       (int(banned), client_id)).rowcount == 1
 
-    def all(self) -> list[dict[str, Any]]:
+    def all(self) -> list[ClientRow]:
         rows = self._conn.execute("SELECT client_id, profile, registered_at, last_seen, accepted, rejected, credit, "
                                   "banned, benchmark_tokens_per_s, leased, unreturned FROM clients "
                                   "ORDER BY credit DESC, registered_at").fetchall()
-        return [dict(r) | {"profile": json.loads(r["profile"])} for r in rows]
+        return [ClientRow(**(dict(r) | {"profile": json.loads(r["profile"])})) for r in rows]

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 logger = logging.getLogger(__name__)
 Dialect = Literal["sqlite", "postgresql"]
@@ -328,6 +328,12 @@ def _is_read(sql: str) -> bool:
     return sql.lstrip()[:6].upper() in ("SELECT", "PRAGMA")
 
 
+class _ConnName(TypedDict, total=False):
+    """The connection parameters :func:`_connect_pg` adds to the URL's own."""
+
+    application_name: str
+
+
 def _connect_pg(url: str, light: bool) -> Any:
     try:
         import psycopg
@@ -346,7 +352,7 @@ def _connect_pg(url: str, light: bool) -> Any:
 
     try:
         # application_name: pg_stat_activity says which process each server backend serves
-        name: dict[str, Any] = {} if "application_name" in url else {
+        name: _ConnName = {} if "application_name" in url else {
             "application_name": f"echo-swarm pid {os.getpid()}"}
         conn = psycopg.connect(url, autocommit=True, row_factory=_pg_row_factory, connect_timeout=CONNECT_TIMEOUT_S,
                                **name)

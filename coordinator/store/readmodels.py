@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import (
+    ClientState,
     active_window_s,
     bucket_width,
     client_state,
@@ -21,10 +23,167 @@ from coordinator.core.ops import (
     job_status,
     throughput_series,
 )
-from coordinator.core.reporting import VersionGroup, reward_bias, reward_biases
+from coordinator.core.reporting import RewardBias, VersionGroup, reward_bias, reward_biases
+from coordinator.store.db import Row
 from coordinator.store.store import Store
 
 _HIDDEN_CLIENT_COLUMNS = {"public_key", "profile"}
+
+
+# ---- the shapes these views are served in (admin API, /v1/status, /v1/volunteers): JSON as built, in order ----
+class Reporting(TypedDict):
+    """One client's reporting figures (:func:`reporting_by_client`)."""
+
+    leased: int
+    unreturned: int
+    unreturned_share: float
+    results_compared: int
+    reward_excess: float
+    reward_z: float
+
+
+class TrustClass(TypedDict):
+    """A client's trust row for one backend class, without the client id."""
+
+    backend_class: str
+    consecutive_valid: int
+    consecutive_invalid: int
+    quarantines: int
+    quarantined_until: float
+    valid_total: int
+    invalid_total: int
+
+
+class TrustSummary(TypedDict):
+    """A client's trust summed over its classes (:func:`trust_by_client`)."""
+
+    valid: int
+    invalid: int
+    quarantined: bool
+    classes: list[TrustClass]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStateRow:
+    """What the status page and /metrics count per client (:func:`client_states`)."""
+
+    backend: str
+    platform: str
+    state: ClientState
+
+
+class ClientSummary(TypedDict):
+    total: int
+    by_state: dict[str, int]
+    active_by_backend: dict[str, int]
+    active_by_platform: dict[str, int]
+
+
+class LeaderEntry(TypedDict):
+    rank: int
+    client_id: str
+    name: str
+    backend: str
+    platform: str
+    accepted: int
+    credit: float
+    state: str
+
+
+class JobListing(TypedDict):
+    job_id: str
+    state: str
+    client_id: str | None
+    version: int | None
+    deadline: float | None
+    expires_in_s: float | None
+    issue_count: int
+    reissued: bool
+
+
+class JobsSummary(TypedDict):
+    """Job counts over all jobs: by state (open, leased, expired, done), reissued, leases issued, buffered."""
+
+    counts: dict[str, int]
+    reissued: int
+    leases_issued: int
+    buffered_results: int
+
+
+class JobsView(JobsSummary):
+    """:class:`JobsSummary` and the jobs not yet done (:func:`jobs`)."""
+
+    jobs: list[JobListing]
+
+
+class AuditEntry(TypedDict):
+    """An audit line as the admin API lists it; ``mean_reward`` and ``n_tokens`` are kept (always null) for the
+    admin CLI's table, which has those columns."""
+
+    at: float
+    outcome: str
+    client_id: str
+    job_id: str | None
+    version: int | None
+    reason: str
+    detail: str
+    content_sha256: str | None
+    mean_reward: None
+    n_tokens: None
+
+
+class VersionListing(TypedDict):
+    version: int
+    created_at: float
+    manifest_sha256: str
+    mean_reward: float | None
+    heldout_accuracy: float | None
+    step_s: float | None
+    samples: int | None
+    served: bool
+
+
+class VolunteerMatch(TypedDict):
+    client_id: str
+    name: str
+    accepted: int
+    credit: float
+
+
+class VolunteerResult(TypedDict):
+    job_id: str
+    version: int
+    received_at: float
+    tokens: int
+    mean_reward: float
+
+
+class VolunteerVersion(TypedDict):
+    version: int
+    results: int
+    tokens: int
+
+
+class VolunteerPage(TypedDict):
+    """One volunteer's page (:func:`volunteer`)."""
+
+    client_id: str
+    name: str
+    backend: str
+    device: str
+    platform: str
+    software: str
+    registered_at: float
+    last_seen: float
+    state: str
+    rank: int
+    accepted: int
+    rejected: int
+    credit: float
+    results: list[VolunteerResult]
+    versions: list[VolunteerVersion]
+    refusals: dict[str, int]
+    reporting: Reporting
 
 
 def live_lease_holders(store: Store, now: float) -> set[str]:
@@ -35,7 +194,8 @@ def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_00
             reporting: bool = False) -> list[dict[str, Any]]:
     """Every client with its profile flattened, counters, credit, state — and any extra columns another
     component keeps on the clients table (e.g. a trust score) passed through unchanged. With ``reporting`` (the
-    operator's view) each also gets its reporting figures (:func:`reporting_by_client`)."""
+    operator's view) each also gets its reporting figures (:func:`reporting_by_client`). An open shape, left a
+    dict: the table's columns pass through as the database holds them, migrations included."""
     holders = live_lease_holders(store, now)
     window = active_window_s(lease_timeout_s)
     trust = trust_by_client(store, now)
@@ -51,7 +211,7 @@ def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_00
         if row["client_id"] in trust:
             extra["trust"] = trust[row["client_id"]]
         if reporting:
-            extra["reporting"] = figures.get(row["client_id"], _reporting(row, None))
+            extra["reporting"] = figures.get(row["client_id"], _reporting(r, None))
         out.append(extra | {
             "name": profile.get("name", ""), "backend": profile.get("backend", "?"),
             "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
@@ -67,28 +227,29 @@ def client_ids(store: Store) -> list[str]:
     return [str(r[0]) for r in store.conn.execute("SELECT client_id FROM clients").fetchall()]
 
 
-def client_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def client_summary(rows: list[ClientStateRow]) -> ClientSummary:
     """Counts of clients by state, and of non-idle, non-banned clients by backend and by platform."""
-    live = [c for c in rows if c["state"] in ("working", "active")]
+    live = [c for c in rows if c.state in ("working", "active")]
     return {
         "total": len(rows),
-        "by_state": {s: sum(1 for c in rows if c["state"] == s) for s in ("working", "active", "idle", "banned")},
-        "active_by_backend": count_by(c["backend"] for c in live),
-        "active_by_platform": count_by(c["platform"] for c in live),
+        "by_state": {s: sum(1 for c in rows if c.state == s) for s in ("working", "active", "idle", "banned")},
+        "active_by_backend": count_by(c.backend for c in live),
+        "active_by_platform": count_by(c.platform for c in live),
     }
 
 
-def leaderboard(rows: list[dict[str, Any]], top: int = 20) -> list[dict[str, Any]]:
+def leaderboard(rows: list[dict[str, Any]], top: int = 20) -> list[LeaderEntry]:
+    """The top ``top`` of :func:`clients`' rows by credit, banned ones left out."""
     ranked = sorted((c for c in rows if not c["banned"]), key=lambda c: (-c["credit"], c["registered_at"]))[:top]
     return [{"rank": k + 1, "client_id": c["client_id"], "name": c["name"] or c["client_id"][:8],
              "backend": c["backend"], "platform": c["platform"], "accepted": c["accepted"], "credit": c["credit"],
              "state": c["state"]} for k, c in enumerate(ranked)]
 
 
-def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
+def jobs(store: Store, now: float, limit: int = 200) -> JobsView:
     """Jobs not yet done (open, leased, expired) with their holder and deadline; counts over all jobs."""
     active = store.jobs.active()
-    listed = []
+    listed: list[JobListing] = []
     for j in active[:limit]:
         listed.append({"job_id": j.view.job_id, "state": job_status(j.view, now), "client_id": j.view.lease_client,
                        "version": j.view.version, "deadline": j.view.lease_deadline,
@@ -108,19 +269,25 @@ def jobs(store: Store, now: float, limit: int = 200) -> dict[str, Any]:
     }
 
 
+def jobs_summary(view: JobsView) -> JobsSummary:
+    """:func:`jobs`' counts without its listing (the admin status)."""
+    return {"counts": view["counts"], "reissued": view["reissued"], "leases_issued": view["leases_issued"],
+            "buffered_results": view["buffered_results"]}
+
+
 def _has_table(store: Store, name: str) -> bool:
     return store.conn.has_table(name)
 
 
 def audit(store: Store, *, limit: int = 100, client_id: str | None = None, job_id: str | None = None,
-          outcome: str | None = None) -> list[dict[str, Any]]:
+          outcome: str | None = None) -> list[AuditEntry]:
     """Every result's outcome, newest first: client, job, version, outcome, reason, content hash — from the
     ``audit`` table, written in the same transaction that makes each outcome durable (coordinator.store.store)."""
     return _audit_log(store, limit, client_id, job_id, outcome)
 
 
 def _audit_log(store: Store, limit: int, client_id: str | None, job_id: str | None, outcome: str | None
-               ) -> list[dict[str, Any]]:
+               ) -> list[AuditEntry]:
     where, params = [], []
     for col, val in (("client_id", client_id), ("job_id", job_id), ("outcome", outcome)):
         if val is not None:
@@ -133,7 +300,7 @@ def _audit_log(store: Store, limit: int, client_id: str | None, job_id: str | No
              "content_sha256": r["content_sha256"], "mean_reward": None, "n_tokens": None} for r in rows]
 
 
-def reporting_by_client(store: Store) -> dict[str, dict[str, Any]]:
+def reporting_by_client(store: Store) -> dict[str, Reporting]:
     """What the keyed sampler cannot see, per client (coordinator.core.reporting): leases granted, how many ended
     without a result from it and that share, and its returned rewards against the other volunteers' at the same
     versions (results compared, mean excess per result, z). One pass over the results' per-version totals."""
@@ -145,35 +312,38 @@ def reporting_by_client(store: Store) -> dict[str, dict[str, Any]]:
     return {str(r["client_id"]): _reporting(r, bias.get(str(r["client_id"]))) for r in rows}
 
 
-def _reporting(row: Any, bias: Any) -> dict[str, Any]:
+def _reporting(row: Row, bias: RewardBias | None) -> Reporting:
     leased, unreturned = int(row["leased"]), int(row["unreturned"])
     return {"leased": leased, "unreturned": unreturned, "unreturned_share": unreturned / leased if leased else 0.0,
             "results_compared": bias.results if bias else 0, "reward_excess": bias.excess if bias else 0.0,
             "reward_z": bias.z if bias else 0.0}
 
 
-def trust_by_client(store: Store, now: float) -> dict[str, dict[str, Any]]:
+def trust_by_client(store: Store, now: float) -> dict[str, TrustSummary]:
     """Per-client trust standing where the coordinator keeps one (a ``trust`` table with a row per client and
     backend class): valid/invalid totals summed over classes, and whether any class is quarantined now."""
     if not _has_table(store, "trust"):
         return {}
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, TrustSummary] = {}
     for r in store.conn.execute("SELECT * FROM trust").fetchall():
         t = out.setdefault(r["client_id"], {"valid": 0, "invalid": 0, "quarantined": False, "classes": []})
         t["valid"] += int(r["valid_total"])
         t["invalid"] += int(r["invalid_total"])
         t["quarantined"] = t["quarantined"] or float(r["quarantined_until"]) > now
-        t["classes"].append({k: v for k, v in dict(r).items() if k != "client_id"})
+        t["classes"].append({"backend_class": r["backend_class"], "consecutive_valid": r["consecutive_valid"],
+                             "consecutive_invalid": r["consecutive_invalid"], "quarantines": r["quarantines"],
+                             "quarantined_until": r["quarantined_until"], "valid_total": r["valid_total"],
+                             "invalid_total": r["invalid_total"]})
     return out
 
 
-def versions(store: Store, served: Callable[[int], object], limit: int = 50) -> list[dict[str, Any]]:
+def versions(store: Store, served: Callable[[int], object], limit: int = 50) -> list[VersionListing]:
     """Published versions, newest first, with the step's mean reward, the held-out accuracy where evaluated,
     and whether the snapshot is still served (older ones are pruned)."""
     steps = {r["step"]: r for r in store.conn.execute(
         "SELECT step, mean_reward, metrics FROM steps ORDER BY step DESC LIMIT ?", (limit,)).fetchall()}
     evals = {r["version"]: r["accuracy"] for r in store.conn.execute("SELECT version, accuracy FROM evals")}
-    out = []
+    out: list[VersionListing] = []
     for r in store.conn.execute("SELECT * FROM versions ORDER BY version DESC LIMIT ?", (limit,)).fetchall():
         v = int(r["version"])
         step = steps.get(v)
@@ -198,19 +368,20 @@ def throughput(store: Store, start: float, now: float, bins: int = 60) -> list[d
     return throughput_series([(int(r[0]), int(r[1]), int(r[2])) for r in rows], start, now, bins)
 
 
-def client_states(store: Store, now: float, lease_timeout_s: float) -> list[dict[str, Any]]:
+def client_states(store: Store, now: float, lease_timeout_s: float) -> list[ClientStateRow]:
     """The few fields the status page and /metrics need per client, without decoding whole profiles."""
     holders = live_lease_holders(store, now)
     window = active_window_s(lease_timeout_s)
     db = store.conn
     rows = db.execute(f"SELECT client_id, banned, last_seen, {db.json_text('profile', 'backend')} AS backend, "
                       f"{db.json_text('profile', 'platform')} AS platform FROM clients").fetchall()
-    return [{"backend": r["backend"] or "?", "platform": r["platform"] or "?",
-             "state": client_state(banned=bool(r["banned"]), holds_live_lease=r["client_id"] in holders,
-                                   last_seen=float(r["last_seen"]), now=now, window_s=window)} for r in rows]
+    return [ClientStateRow(backend=r["backend"] or "?", platform=r["platform"] or "?",
+                           state=client_state(banned=bool(r["banned"]), holds_live_lease=r["client_id"] in holders,
+                                              last_seen=float(r["last_seen"]), now=now, window_s=window))
+            for r in rows]
 
 
-def top_clients(store: Store, now: float, lease_timeout_s: float, top: int = 20) -> list[dict[str, Any]]:
+def top_clients(store: Store, now: float, lease_timeout_s: float, top: int = 20) -> list[LeaderEntry]:
     """The credit leaderboard: the top ``top`` clients that are not banned."""
     return leaderboard(clients(store, now, lease_timeout_s, limit=top, exclude_banned=True), top)
 
@@ -249,7 +420,7 @@ VOLUNTEER_MATCHES = 20
 VOLUNTEER_RESULTS = 50
 
 
-def find_volunteers(store: Store, query: str, limit: int = VOLUNTEER_MATCHES) -> list[dict[str, Any]]:
+def find_volunteers(store: Store, query: str, limit: int = VOLUNTEER_MATCHES) -> list[VolunteerMatch]:
     """Volunteers whose display name contains ``query`` (any case), or whose client id starts with it: the best
     credit first. Banned clients are not listed (they are not on the leaderboard either)."""
     q = query.strip().lower()
@@ -266,7 +437,7 @@ def find_volunteers(store: Store, query: str, limit: int = VOLUNTEER_MATCHES) ->
              "credit": float(r["credit"])} for r in rows]
 
 
-def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) -> dict[str, Any] | None:
+def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) -> VolunteerPage | None:
     """One volunteer's page: who (name, backend, platform), standing (state, rank, accepted, refused, credit),
     their latest results, the policy versions they generated for, their refusals by reason, and their reporting
     (:func:`reporting_by_client`'s figures for them alone)."""

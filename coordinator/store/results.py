@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from coordinator.core.scheduling import Pending
 from coordinator.store.audit import Audit
 from coordinator.store.db import Db, Row
+from coordinator.store.records import Rejection, ResultSummary, from_row
 
 
 @dataclass(frozen=True)
@@ -119,11 +119,11 @@ class Results:
             self._conn.executemany("UPDATE results SET stale_at=? WHERE job_id=? AND ingested_step IS NULL",
                                    [(at_version, j) for j in job_ids])
 
-    def summary(self) -> list[dict[str, Any]]:
+    def summary(self) -> list[ResultSummary]:
         rows = self._conn.execute("SELECT job_id, client_id, version, content_sha256, mean_reward, ingested_step "
                                   "FROM results ORDER BY received_at").fetchall()
-        return [dict(r) for r in rows]
+        return [from_row(ResultSummary, r) for r in rows]
 
-    def rejections(self, limit: int = 100) -> list[dict[str, Any]]:
+    def rejections(self, limit: int = 100) -> list[Rejection]:
         rows = self._conn.execute("SELECT * FROM rejections ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
-        return [dict(r) for r in rows]
+        return [from_row(Rejection, r) for r in rows]

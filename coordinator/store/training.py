@@ -10,9 +10,10 @@ own on restart.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
 
 from coordinator.store.db import Db
+from coordinator.store.records import EvalRow, LastStep, StepRow, from_row
 
 
 class Steps:
@@ -23,8 +24,9 @@ class Steps:
         self._conn = conn
 
     def commit(self, *, step: int, trained_version: int, job_ids: list[str], new_version: int,
-               manifest_sha: str, mean_reward: float, metrics: dict[str, Any], now: float) -> None:
-        """One transaction: the batch is ingested and the new version exists — or neither."""
+               manifest_sha: str, mean_reward: float, metrics: Mapping[str, object], now: float) -> None:
+        """One transaction: the batch is ingested and the new version exists — or neither. ``metrics``: the
+        learner's open set of figures, only encoded here (as JSON)."""
         with self._conn.transaction():
             marked = self._conn.executemany(
                 "UPDATE results SET ingested_step=? WHERE job_id=? AND ingested_step IS NULL AND stale_at IS NULL",
@@ -36,23 +38,25 @@ class Steps:
             self._conn.execute("INSERT INTO steps(step, trained_version, mean_reward, metrics, at) VALUES(?,?,?,?,?)",
                                (step, trained_version, mean_reward, json.dumps(metrics), now))
 
-    def all(self) -> list[dict[str, Any]]:
+    def all(self) -> list[StepRow]:
         rows = self._conn.execute("SELECT * FROM steps ORDER BY step").fetchall()
-        return [dict(r) | {"metrics": json.loads(r["metrics"])} for r in rows]
+        return [StepRow(step=r["step"], trained_version=r["trained_version"], mean_reward=r["mean_reward"],
+                        metrics=json.loads(r["metrics"]), at=r["at"]) for r in rows]
 
-    def last(self) -> dict[str, Any] | None:
+    def last(self) -> LastStep | None:
         """The newest step's number, mean reward and time, or None before the first."""
         row = self._conn.execute("SELECT step, mean_reward, at FROM steps ORDER BY step DESC LIMIT 1").fetchone()
-        return None if row is None else dict(row)
+        return None if row is None else from_row(LastStep, row)
 
     def reward_curve(self) -> list[float]:
         """Every step's mean rollout reward, in step order."""
         return [float(r[0]) for r in self._conn.execute("SELECT mean_reward FROM steps ORDER BY step").fetchall()]
 
-    def metrics_after(self, step: int) -> list[tuple[int, dict[str, Any]]]:
-        """(step, metrics) of every step after ``step``, in order (what a scrape has not counted yet)."""
+    def durations_after(self, step: int) -> list[tuple[int, float]]:
+        """(step, its ``step_s`` metric: 0 where not recorded) of every step after ``step``, in order (what a
+        scrape has not counted yet)."""
         rows = self._conn.execute("SELECT step, metrics FROM steps WHERE step > ? ORDER BY step", (step,)).fetchall()
-        return [(int(r["step"]), json.loads(r["metrics"])) for r in rows]
+        return [(int(r["step"]), float(json.loads(r["metrics"]).get("step_s", 0.0))) for r in rows]
 
 
 class Evals:
@@ -68,5 +72,5 @@ class Evals:
                                "UPDATE SET accuracy=excluded.accuracy, n=excluded.n, at=excluded.at",
                                (version, accuracy, n, now))
 
-    def all(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._conn.execute("SELECT * FROM evals ORDER BY version").fetchall()]
+    def all(self) -> list[EvalRow]:
+        return [from_row(EvalRow, r) for r in self._conn.execute("SELECT * FROM evals ORDER BY version").fetchall()]

@@ -9,11 +9,10 @@ refusal is an ``audit`` line (outcome core.reporting.FLAGGED).
 
 from __future__ import annotations
 
-from typing import Any
-
 from coordinator.core.reporting import FLAGGED
 from coordinator.store.audit import Audit
 from coordinator.store.db import Db, Row
+from coordinator.store.records import TrustStanding, from_row
 
 
 class TrustRows:
@@ -72,8 +71,8 @@ class TrustRows:
                                  (client_id, FLAGGED, reason)).fetchone()
         return None if row is None or row["at"] is None else float(row["at"])
 
-    def standings(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]
+    def standings(self) -> list[TrustStanding]:
+        return [from_row(TrustStanding, r) for r in self._conn.execute("SELECT * FROM trust ORDER BY client_id, backend_class")]
 
     def client_class_row(self, client_id: str) -> Row | None:
         return self._conn.execute("SELECT backend_class, profile FROM clients WHERE client_id=?",

@@ -7,9 +7,8 @@ and the published versions never disagree.
 
 from __future__ import annotations
 
-from typing import Any
-
 from coordinator.store.db import Db
+from coordinator.store.records import VersionRow, from_row
 
 
 class Versions:
@@ -26,8 +25,8 @@ class Versions:
         row = self._conn.execute("SELECT manifest_sha256 FROM versions WHERE version=?", (version,)).fetchone()
         return None if row is None else str(row["manifest_sha256"])
 
-    def all(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._conn.execute("SELECT * FROM versions ORDER BY version").fetchall()]
+    def all(self) -> list[VersionRow]:
+        return [from_row(VersionRow, r) for r in self._conn.execute("SELECT * FROM versions ORDER BY version").fetchall()]
 
     def publish_initial(self, manifest_sha: str, now: float) -> None:
         with self._conn.transaction():

@@ -17,7 +17,7 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from coordinator.config import EnvironmentTaskConfig
 from coordinator.errors import TaskError
@@ -58,6 +58,18 @@ class Replayed:
     masks: list[list[int]]  # 1 on the model's tokens, 0 on observation tokens
     reported: list[list[float]]  # the client's logprobs of the model's tokens only
     rewards: list[float]  # replayed, per episode
+
+
+class EnvDescription(TypedDict):
+    """What an environment task says of itself. ``params`` are the environment's own parameters (config
+    ``task.env.params``): their keys are each environment's."""
+
+    env: str
+    params: dict[str, object]
+    code_sha256: str
+    max_turns: int
+    train: int
+    heldout: int
 
 
 class EnvTask:
@@ -183,7 +195,7 @@ class EnvTask:
                         max_observation_tokens=self.config.max_observation_tokens, tokenizer=tok)
         return sum(1.0 for ep in episodes if ep.solved) / max(1, len(episodes))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> EnvDescription:
         return {"env": self.env_id, "params": json.loads(self.params_json), "code_sha256": self.code_sha256,
                 "max_turns": self.config.max_turns, "train": len(self.train), "heldout": len(self.heldout)}
 

@@ -212,6 +212,6 @@ def test_a_failing_reward_refuses_the_result_and_changes_nothing(setup: Any, mon
     assert "my_rewards:f raised KeyError" in message
     assert state(live.run_dir) == before
     audit = live.coordinator.audit(job_id=job.job_id)
-    assert [(a["outcome"], a["reason"]) for a in audit] == [("rejected", "reward_failed")]
+    assert [(a.outcome, a.reason) for a in audit] == [("rejected", "reward_failed")]
     assert live.coordinator.guard.standings() == [] or all(
-        s.get("consecutive_invalid", 0) == 0 for s in live.coordinator.guard.standings())
+        s.consecutive_invalid == 0 for s in live.coordinator.guard.standings())

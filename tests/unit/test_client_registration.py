@@ -48,7 +48,7 @@ def test_store_keeps_the_benchmark_in_its_own_column_and_updates_it(store_target
     assert store.clients.get(cid)["benchmark_tokens_per_s"] == 12.5
     assert not store.clients.register(cid, b"k" * 32, profile(benchmark_tokens_per_s=30.0).model_dump(), 2.0)
     (row,) = store.clients.all()
-    assert row["benchmark_tokens_per_s"] == 30.0 and row["profile"]["benchmark_tokens_per_s"] == 30.0
+    assert row.benchmark_tokens_per_s == 30.0 and row.profile["benchmark_tokens_per_s"] == 30.0
     store.clients.register("d" * 32, b"j" * 32, profile().model_dump(), 3.0)  # no benchmark reported
     assert store.clients.get("d" * 32)["benchmark_tokens_per_s"] is None
     store.close()

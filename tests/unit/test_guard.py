@@ -12,6 +12,7 @@ import pytest
 from coordinator.api.guard import Guard
 from coordinator.config import CoordinatorConfig
 from coordinator.core.jobs import JobPlan
+from coordinator.store.records import as_json
 from coordinator.store.store import Store
 from shared.errors import ProtocolError, Reason
 
@@ -75,7 +76,7 @@ def test_quarantine_is_per_identity(store_target: str | Path) -> None:
     assert "2 times in a row" in msg and "40s" in msg
     guard.check_quarantine(B, T0 + 10)
     guard.check_quarantine(A, T0 + 50)  # over
-    assert sum(r["invalid_total"] for r in guard.standings()) == 2
+    assert sum(r.invalid_total for r in guard.standings()) == 2
 
 
 def test_the_class_is_established_by_the_coordinator_and_pinned(store_target: str | Path) -> None:
@@ -148,7 +149,7 @@ def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | 
     assert why is not None and "12 of 22 leases" in why
     assert (guard.trust(B).consecutive_valid, guard.trust(B).quarantines) == (0, 0)  # the valid streak reset
     (row,) = store.audit.lines(client_id=B, outcome="flagged")
-    assert (row["reason"], row["detail"]) == ("selective_reporting", why)
+    assert (row.reason, row.detail) == ("selective_reporting", why)
     assert guard.check_reporting(B, T0 + 50) is None  # within the cooldown: the same evidence counts once
     for _ in range(5):
         guard.record_valid(B)  # accepted results in between do not clear the flags
@@ -164,9 +165,9 @@ def test_audit_records_rejections_with_version_and_hash_and_filters(store_target
     store.results.record_rejection(A, "j9", "logprob_mismatch", "made up", "e" * 64, T0, version=3)
     store.results.record_rejection(B, None, "malformed", "garbage", "f" * 64, T0 + 1)
     (row,) = store.audit.lines(client_id=A)
-    assert (row["job_id"], row["version"], row["outcome"], row["reason"], row["content_sha256"]) == \
+    assert (row.job_id, row.version, row.outcome, row.reason, row.content_sha256) == \
         ("j9", 3, "rejected", "logprob_mismatch", "e" * 64)
-    assert [r["client_id"] for r in store.audit.lines()] == [B, A]
-    assert store.audit.lines(reason="malformed", since=T0 + 0.5)[0]["client_id"] == B
+    assert [r.client_id for r in store.audit.lines()] == [B, A]
+    assert store.audit.lines(reason="malformed", since=T0 + 0.5)[0].client_id == B
     assert store.audit.lines(since=T0 + 5) == []
-    json.dumps(store.audit.lines())  # plain values, ready for an admin API
+    json.dumps([as_json(r) for r in store.audit.lines()])  # plain values, ready for an admin API

@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.config import ArithmeticTaskConfig, LearnerConfig, ModelConfig, load_config
 from coordinator.engine.learner import Learner, Sample
-from coordinator.publish.checkpoints import CheckpointState, CheckpointStore
+from coordinator.publish.checkpoints import CheckpointState, CheckpointStore, ShardedCheckpoint
 from coordinator.publish.publisher import Publication, Publisher
 from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
 from shared import crypto, wire
@@ -320,7 +320,7 @@ def test_sharded_checkpoint_is_completed_by_the_publisher_and_refused_on_another
     staging = store.staging(3)
     staging.mkdir(parents=True)
     (staging / "__0_0.distcp").write_bytes(b"shard")  # what the ranks wrote
-    state = CheckpointState(3, {}, {}, lambda: None, sharded={"dir": str(staging), "world_size": 2, "optimizer": True})
+    state = CheckpointState(3, {}, {}, lambda: None, sharded=ShardedCheckpoint(str(staging), 2, True))
     store.write(state, now=1.0)
     assert store.latest(3) == 3 and not staging.exists()
     info = store.info(3)

@@ -16,6 +16,7 @@ from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
 from coordinator.store.db import IntegrityError, pg_ddl
+from coordinator.store.records import EvalRow, VersionRow
 from coordinator.store.store import SCHEMA_VERSION, Store
 
 T0 = 1000.0
@@ -131,7 +132,7 @@ def test_publish_initial(store: Store) -> None:
     store.versions.publish_initial("m0", T0)
     assert store.versions.current() == 0
     assert store.versions.manifest_sha(0) == "m0" and store.versions.manifest_sha(1) is None
-    assert store.versions.all() == [{"version": 0, "manifest_sha256": "m0", "created_at": T0}]
+    assert store.versions.all() == [VersionRow(version=0, manifest_sha256="m0", created_at=T0)]
     assert store.jobs.active() == []  # jobs are planned on demand, not with the version
     with pytest.raises(IntegrityError):
         store.versions.publish_initial("other", T0 + 1)
@@ -316,7 +317,7 @@ def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> 
     assert not store.jobs.release("j3", "L3", ALICE)  # a release that changes nothing counts nothing
     assert lease(store, "nope", "Lx", ALICE) is False  # a lease that was not granted counts nothing
     assert store.trust.lease_counts(ALICE) == (4, 2) and store.trust.lease_counts("c" * 32) == (0, 0)
-    assert {c["client_id"]: (c["leased"], c["unreturned"]) for c in store.clients.all()}[ALICE] == (4, 2)
+    assert {c.client_id: (c.leased, c.unreturned) for c in store.clients.all()}[ALICE] == (4, 2)
 
 
 # ---- results --------------------------------------------------------------------------------------------
@@ -374,7 +375,7 @@ def test_record_rejection(store: Store) -> None:
     registered(store, ALICE)
     store.results.record_rejection(ALICE, "j0", "shape_mismatch", "bad", None, T0)
     assert store.clients.get(ALICE)["rejected"] == 1  # type: ignore[index]
-    assert store.results.rejections()[0]["reason"] == "shape_mismatch"
+    assert store.results.rejections()[0].reason == "shape_mismatch"
     assert store.totals()["rejected"] == 1
 
 
@@ -449,7 +450,7 @@ def test_commit_step_ingests_and_publishes(store: Store) -> None:
     assert store.results.pending() == []
     assert rows(store, "jobs") == jobs_before  # a step creates no jobs any more
     steps = store.steps.all()
-    assert len(steps) == 1 and steps[0]["metrics"] == {"loss": 0.5} and steps[0]["trained_version"] == 0
+    assert len(steps) == 1 and steps[0].metrics == {"loss": 0.5} and steps[0].trained_version == 0
 
 
 def test_commit_step_ingests_only_the_batch(store: Store) -> None:
@@ -563,9 +564,9 @@ def test_data_survives_reopen(db_path: str | Path) -> None:
         assert job.view.version == 1
         assert [j.view.job_id for j in s2.jobs.active()] == ["j2"]
         assert s2.jobs.live_leases(T0) == 1
-        assert {r["job_id"]: r["ingested_step"] for r in s2.results.summary()} == {"j0": 1, "j1": 1, "j3": None}
+        assert {r.job_id: r.ingested_step for r in s2.results.summary()} == {"j0": 1, "j1": 1, "j3": None}
         assert s2.results.pending() == []
-        assert s2.evals.all() == [{"version": 1, "accuracy": 0.5, "n": 64, "at": T0}]
+        assert s2.evals.all() == [EvalRow(version=1, accuracy=0.5, n=64, at=T0)]
         assert s2.totals() == {"accepted": 3, "rejected": 0, "reissued_jobs": 0, "too_stale": 1}
     finally:
         s2.close()
