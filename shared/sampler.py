@@ -34,6 +34,7 @@ identical bits. The verifier's *margin* of a token x is ``max_i s_i − s_x ≥ 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -287,10 +288,33 @@ def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
     rows = logits.detach().reshape(bsz * width, vocab)
     chosen_ids = tokens.reshape(-1)[idx]
     step = max(1, chunk_elements // max(1, vocab))
-    with torch.no_grad():
-        for s in range(0, len(flat), step):
-            sl = slice(s, s + step)
+
+    def chunk(start: int) -> tuple[slice, torch.Tensor]:
+        sl = slice(start, start + step)
+        with torch.no_grad():
             scores = keyed_scores_torch(rows[idx[sl]], temperature, w[sl], r[sl], t[sl])
             chosen = scores.gather(1, chosen_ids[sl, None]).squeeze(1)
-            out[idx[sl]] = scores.max(-1).values - chosen
+            return sl, scores.max(-1).values - chosen
+
+    starts = range(0, len(flat), step)
+    if device.type == "cpu" and len(starts) > 1 and torch.get_num_threads() > 1:
+        # numpy's and torch's elementwise loops release the GIL but run on one core: the chunks go to as many
+        # threads as torch computes the recompute with, so the check keeps pace with the pass it follows
+        # (one thread: 7.9 % of a 0.5 B recompute on two cores, bench/choice_cost.py)
+        done = list(_margin_pool(torch.get_num_threads()).map(chunk, starts))
+    else:
+        done = [chunk(start) for start in starts]
+    for sl, margin in done:
+        out[idx[sl]] = margin
     return out.view(bsz, width)
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _margin_pool(threads: int) -> ThreadPoolExecutor:
+    """One pool per thread count, kept for the process (the verifier checks every result with it)."""
+    pool = _POOLS.get(threads)
+    if pool is None:
+        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="keyed-margins")
+    return pool

@@ -12,6 +12,12 @@ import pytest
 
 NO_SKIPS_ENV = "ECHO_SWARM_NO_SKIPS"  # `make test` sets it: CI counts a skip as a failure
 
+# pytest-xdist starts its workers with COLUMNS=80 and LINES=24, which rich reads once when a module creates its
+# Console and then never again: the CLI tests, which give each invocation its own width (CliRunner's env), would
+# see 80 columns under `make test` and 200 when run alone. Removed before any test module imports a CLI.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
@@ -23,6 +29,42 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped, and {NO_SKIPS_ENV} allows no skip (make test sets it): {reason}"
+
+
+#: The longest tests (CI's --durations, stop 28), run first: with `make test`'s two workers (pytest-xdist) the
+#: rest packs in around them instead of one long test finishing alone at the end. Update when --durations moves.
+LONGEST_FIRST = (
+    "tests/adversarial/test_adversaries.py",
+    "tests/integration/test_volunteer_client.py::test_a_client_outlasts",
+    "tests/integration/test_demo.py",
+    "tests/integration/test_llama_demo.py",
+    "tests/adversarial/test_trust_boundary.py",
+    "tests/integration/test_installer.py",
+    "tests/adversarial/test_episode_replay.py",
+    "tests/faults/test_flood.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest first (LONGEST_FIRST), the rest in file order; the same order in every worker, as xdist needs. A
+    test that uses a module- or class-scoped fixture (a swarm of processes the module's tests share) joins its
+    module's xdist group, so that `--dist loadgroup` runs the module on one worker and starts the swarm once."""
+    def rank(item: pytest.Item) -> int:
+        return next((k for k, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                    len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: ties keep pytest's order
+    for item in items:
+        if _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture wider than itself and narrower than the session."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope in ("module", "class", "package") for defs in info.name2fixturedefs.values() for d in defs)
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,8 @@ class Adversary:
         self.info: Info | None = None
         self.backend: TorchBackend | None = None
         self.notes: dict[str, Any] = {}  # observations beyond the attempts (e.g. whether a linked job was recognised)
-        self.seconds = 30.0  # how long a timed kind (idle_sybil) runs
+        self.seconds = 30.0  # how long a timed kind (idle_sybil) runs at most
+        self.until: Path | None = None  # ... or until this file appears
 
     # -- plumbing -----------------------------------------------------------------------------------------
     async def identity(self, name: str, *, register: bool = True, backend: str = "torch", device: str = "cpu"
@@ -527,13 +528,27 @@ class Adversary:
         await self.submit(api, self.true_result(job, model, comps), "junk tokens, true logprobs")
 
     async def lease_hoarder(self) -> None:
-        """Lease as many jobs as it can without returning any, to starve everyone else."""
+        """Lease as many jobs as it can without returning any, to starve everyone else: once it holds a first job
+        (the queue may be empty for a while when other attackers hold the open jobs), ten requests at once."""
         api = await self.identity("a")
         body = wire.encode(LeaseRequest(backend="torch", held_version=-1))
+
+        async def lease(what: str) -> bool:
+            entry = await self.send(api, "/v1/lease", self.envelope(api.identity, "/v1/lease", body), what)
+            if entry["status"] != 200:
+                return False
+            reply = wire.decode(entry.pop("raw"), LeaseResponse)
+            entry["got_job"] = reply.job is not None
+            return reply.job is not None
+
+        give_up = time.monotonic() + 120
+        tries = 0
+        while not await lease(f"first lease, try {tries}"):
+            tries += 1
+            assert time.monotonic() < give_up, "no job was offered in two minutes"
+            await asyncio.sleep(1.0)
         for i in range(10):
-            entry = await self.send(api, "/v1/lease", self.envelope(api.identity, "/v1/lease", body), f"lease {i}")
-            if entry["status"] == 200:
-                entry["got_job"] = wire.decode(entry.pop("raw"), LeaseResponse).job is not None
+            await lease(f"lease {i}")
 
     async def request_flood(self) -> None:
         """One identity sending far more requests than anyone needs (cheap ones: releases of no job)."""
@@ -644,12 +659,13 @@ class Adversary:
                                                        profile=claim("adversary-a", "torch", "cpu")), RegisterResponse)
         body = wire.encode(ReleaseRequest(job_id="j-none", lease_id="none"))
         give_up = time.monotonic() + self.seconds
-        n = 0
-        while time.monotonic() < give_up:
+        n, first = 0, time.time()
+        while time.monotonic() < give_up and not (self.until is not None and self.until.exists()):
             await self.send(api, "/v1/release", self.envelope(api.identity, "/v1/release", body), "idle request")
             n += 1
             await asyncio.sleep(0.25)
-        self.notes["requests"] = n
+        # wall-clock times, so that the test can check the sybil was at work throughout what it measured
+        self.notes.update(requests=n, first_at=first, last_at=time.time())
 
     KINDS = ("forged_signature", "replayed_result", "other_clients_lease", "late_result", "wrong_version",
              "inflated_reward", "fabricated_logprobs", "other_model", "truncated_output", "padded_output",
@@ -659,9 +675,10 @@ class Adversary:
              "quarantine_reregister", "tolerance_escape", "idle_sybil")
 
 
-async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0) -> dict[str, Any]:
+async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0, until: Path | None = None
+                     ) -> dict[str, Any]:
     adv = Adversary(url, home)
-    adv.seconds = seconds
+    adv.seconds, adv.until = seconds, until
     return await run_kind(adv, kind)
 
 
@@ -684,9 +701,10 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--home", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seconds", type=float, default=30.0, help="how long a timed kind runs (idle_sybil)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long a timed kind runs at most (idle_sybil)")
+    parser.add_argument("--until", type=Path, help="a timed kind stops once this file exists")
     args = parser.parse_args()
-    report = asyncio.run(main_async(args.kind, args.url, args.home, args.seconds))
+    report = asyncio.run(main_async(args.kind, args.url, args.home, args.seconds, args.until))
     args.out.write_text(json.dumps(report, indent=2))
     print(f"adversary {args.kind}: {len(report['attempts'])} attempts, error={report['error']}")
 

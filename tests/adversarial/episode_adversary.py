@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shared.envs import decode_action, load_tokenizer, make_env
+from shared.envs import decode_action, encode_observation, load_tokenizer, make_env
 from shared.messages import Completion, Job, ResultSubmission, Turn
 from swarm_client.episodes import play_job
 from swarm_client.snapshots import SnapshotCache
@@ -77,30 +77,26 @@ class EpisodeAdversary(Adversary):
 
     async def unseen_action(self) -> None:
         """The first action of an episode swapped for another move (a better-looking trajectory), the observation
-        the environment gave to the original kept. Needs an episode whose sampled first action is a move: jobs
-        whose episodes all began with an invalid action are released and the next one is played (at most 8)."""
-        for _ in range(8):
-            api, job, sub, folder = await self._played()
-            assert job.environment is not None
-            tok = load_tokenizer(folder)
-            params = json.loads(job.environment.params_json)
-            for k in range(len(sub.completions)):
-                turns = self._turns(sub, k)
-                env = make_env(job.environment.env_id, params)
-                env.reset(job.environment.seeds[k // job.group_size])
-                played = decode_action(tok, turns[0].token_ids)
-                if played not in env.actions:
-                    continue
-                honest = env.clone().step(played).observation
-                other = next((a for a in env.actions if env.clone().step(a).observation != honest), None)
-                if other is not None:
-                    ids = tok.encode(other, add_special_tokens=False).ids
-                    turns[0] = turns[0].model_copy(update={"token_ids": ids,
-                                                           "logprobs": turns[0].logprobs[: len(ids)]})
-                    await self._send(api, job, sub, k, turns, f"action {played!r} replaced by {other!r}")
-                    return
-            await self.release(api, job)
-        raise AssertionError("no episode of 8 jobs began with a move to swap")
+        the environment gave to the original kept. Where the policy's sampled first action was no move at all
+        (an untrained policy mostly writes none), the attacker takes the observation of a move it did not play
+        (the environment's answer to it from the job's seed) under the tokens of a different move: the same lie,
+        so one job always has an episode to tamper with."""
+        api, job, sub, folder = await self._played()
+        assert job.environment is not None
+        tok = load_tokenizer(folder)
+        params = json.loads(job.environment.params_json)
+        turns = self._turns(sub, 0)
+        env = make_env(job.environment.env_id, params)
+        env.reset(job.environment.seeds[0])
+        played = decode_action(tok, turns[0].token_ids)
+        kept = played if played in env.actions else env.actions[0]  # the action whose observation is sent
+        answer = env.clone().step(kept).observation
+        other = next(a for a in env.actions if env.clone().step(a).observation != answer)
+        ids = tok.encode(other, add_special_tokens=False).ids
+        turns[0] = turns[0].model_copy(update={"token_ids": ids, "logprobs": (list(turns[0].logprobs) * len(ids))
+                                               [: len(ids)], "observation_ids": encode_observation(tok, answer)})
+        await self._send(api, job, sub, 0, turns, f"action {other!r} sent with the observation of {kept!r} "
+                                                  f"(the policy played {played!r})")
 
     async def claimed_reward(self) -> None:
         api, job, sub, _ = await self._played()

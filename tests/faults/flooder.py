@@ -1,11 +1,14 @@
 """A connection flood from one address, as its own process (used by tests/faults/test_flood.py).
 
-    python -m tests.faults.flooder URL --kind slowloris|idle --conns N --seconds S [--source 127.0.0.2] --out F
+    python -m tests.faults.flooder URL --kind slowloris|idle --conns N --until STOPFILE --seconds S
+                                   [--source 127.0.0.2] --out F
 
-Keeps ``--conns`` connections open for ``--seconds``, reopening any the server closes (at most ``--rate`` new
-connections a second after the first wave): ``idle`` ones send
-nothing; ``slowloris`` ones send a request line and then one header byte every 0.2 s, never finishing. Writes
-a JSON report: connections opened, closed by the server, refused at connect, most held at once.
+Keeps ``--conns`` connections open until the file ``--until`` appears (``--seconds`` at most, a bound should
+the test die), reopening any the server closes (at most ``--rate`` new connections a second after the first
+wave): ``idle`` ones send nothing; ``slowloris`` ones send a request line and then one header byte every 0.2 s,
+never finishing. Its JSON report — connections opened, closed by the server, refused at connect, most held at
+once — is rewritten (atomically) every second while it runs, so the test can wait on what the flood has done
+instead of on a fixed window, and written a last time, with ``"done": true``, when it stops.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def main() -> None:
     p.add_argument("url")
     p.add_argument("--kind", choices=("slowloris", "idle"), required=True)
     p.add_argument("--conns", type=int, required=True)
-    p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--until", type=Path, required=True, help="stop once this file exists")
+    p.add_argument("--seconds", type=float, required=True, help="stop after this long at most")
     p.add_argument("--source", default="")
     p.add_argument("--rate", type=float, default=200.0, help="new connections per second at most")
     p.add_argument("--out", type=Path, required=True)
@@ -59,10 +63,18 @@ def main() -> None:
         live[s] = time.monotonic()
         stats["opened"] += 1
 
+    def report(done: bool = False) -> None:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stats | {"done": done}))
+        tmp.replace(args.out)
+
     end = time.monotonic() + args.seconds
-    next_trickle = time.monotonic()
+    next_trickle = next_report = time.monotonic()
     started = time.monotonic()
-    while time.monotonic() < end:
+    while time.monotonic() < end and not args.until.exists():
+        if time.monotonic() >= next_report:
+            next_report = time.monotonic() + 1.0
+            report()
         allowed = args.rate * (time.monotonic() - started) + args.conns  # the first wave at once, then --rate
         while len(live) < args.conns and stats["opened"] + stats["connect_failed"] < allowed:
             open_one()
@@ -86,7 +98,7 @@ def main() -> None:
                     s.send(b"X")
     for s in list(live):
         s.close()
-    args.out.write_text(json.dumps(stats))
+    report(done=True)
 
 
 if __name__ == "__main__":

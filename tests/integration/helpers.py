@@ -30,6 +30,12 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 
 
+#: Learner steps of the demos that test something other than the demo's length (the store, the backends). The
+#: README's demo gains +0.17 held-out accuracy by step 25 (0.350 → 0.520; 256 prompts, one standard error of a
+#: difference ≈ 0.044): at 50 steps (two evaluations) the +0.10 asserted is well inside what it reaches.
+SHORT_DEMO_STEPS = 50
+
+
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
     """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

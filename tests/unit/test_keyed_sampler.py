@@ -164,3 +164,25 @@ def test_margins_are_zero_outside_the_segments() -> None:
     picked = [sampler.choose_np(logits[0, 1 + t].numpy(), 1.0, 5, 0, t) for t in range(2)]
     exact = sampler.margins_torch(logits, torch.tensor([[0, *picked, 0, 0], [0] * 5]), 1.0, [[(5, 0, 1, 2)], []])
     assert exact.abs().max() == 0  # the keyed choices at positions 0 and 1 of that segment have margin 0
+
+
+def test_margins_from_threaded_chunks_equal_one_pass() -> None:
+    """On a CPU with more than one torch thread the chunks are scored on a thread pool: the margins are the same
+    bits as one chunk scored in one pass, whatever the chunking, and each lands at its own position."""
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 9, 64)
+    tokens = torch.randint(0, 64, (3, 9))
+    segments = [[(11, 0, 0, 4), (12, 1, 5, 4)], [(11, 1, 2, 7)], [(13, 2, 0, 9)]]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        threaded = sampler.margins_torch(logits, tokens, 0.7, segments, chunk_elements=64)  # one position a chunk
+        torch.set_num_threads(1)
+        serial = sampler.margins_torch(logits, tokens, 0.7, segments, chunk_elements=64)
+    finally:
+        torch.set_num_threads(before)
+    whole = sampler.margins_torch(logits, tokens, 0.7, segments, chunk_elements=10**9)
+    assert torch.equal(threaded, whole) and torch.equal(serial, whole)
+    assert (whole[2] > 0).sum() >= 5 and whole[1, :2].abs().max() == 0  # real margins, zeros off the segments
