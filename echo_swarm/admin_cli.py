@@ -26,7 +26,9 @@ from rich.text import Text
 from shared.safe_text import escape
 
 console = Console()
-errors = Console(stderr=True)  # errors on stderr, so a script reading --json output never parses one
+# errors on stderr, so a script reading --json output never parses one; soft-wrapped (no line breaks of rich's
+# own: the terminal wraps), so a path or URL in a message stays whole in a log or a pipe
+errors = Console(stderr=True, soft_wrap=True)
 
 admin_app = typer.Typer(
     name="admin",
@@ -66,7 +68,7 @@ def _text(value: Any, style: str = "") -> Text:
 
 def _say(message: str) -> None:
     """One line of output built from reply values: printed as plain text, never as markup."""
-    console.print(_text(message))
+    console.print(_text(message), soft_wrap=True)
 
 
 def _row(table: Table, *cells: Any) -> None:
