@@ -7,6 +7,7 @@ relay can cap a relayed body without either importing the API.
 
 from __future__ import annotations
 
+from shared.endpoints import RESULTS, SIGNED_CALLS
 from shared.wire import MAX_MESSAGE_BYTES
 
 #: A signed request's whole envelope (docs/protocol.md §2); any message inside it is at most MAX_MESSAGE_BYTES.
@@ -15,10 +16,10 @@ MAX_REQUEST_BYTES = 16 * 1024 * 1024
 SMALL_REQUEST_BYTES = 64 * 1024
 #: The signed-request frame around a body: ids, nonce, signature, msgpack headers.
 ENVELOPE_BYTES = 1024
-#: The signed POST endpoints (docs/protocol.md §3-4): the API's routes, and the calls the coordinator's libp2p peer
-#: relays to them (§6b).
-RESULTS_PATH = "/v1/results"
-SIGNED_POSTS = ("/v1/register", "/v1/lease", "/v1/release", RESULTS_PATH)
+#: The signed POST endpoints' paths (shared.endpoints, docs/protocol.md §3-4): the API's routes, and the calls the
+#: coordinator's libp2p peer relays to them (§6b).
+RESULTS_PATH = RESULTS.path
+SIGNED_POSTS = tuple(call.path for call in SIGNED_CALLS)
 __all__ = ["ENVELOPE_BYTES", "MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "RESULTS_PATH", "SIGNED_POSTS",
            "SMALL_REQUEST_BYTES", "body_cap", "result_size_cap"]
 

@@ -33,6 +33,7 @@ from coordinator.store.readmodels import rejection_counts
 from coordinator.store.store import Store
 from echo_swarm.demo_tasks import DEMO_TASKS
 from echo_swarm.pgserver import LocalPostgres, PostgresUnavailable
+from shared.endpoints import STATUS
 from swarm_client.identity import load_identity
 
 console = Console()
@@ -237,7 +238,7 @@ def _run(cfg: DemoConfig, run_dir: Path, store_url: str | None, t0: float) -> in
             return 1
         for p in procs:
             p.wait(60)
-        status = _get_json(f"{url}/v1/status")
+        status = _get_json(url + STATUS.path)
     finally:
         for p in procs:
             p.interrupt()
@@ -271,7 +272,7 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
                 console.print("[red]every client has failed; see the client logs[/]")
                 return None
             try:
-                status = _get_json(f"{url}/v1/status")
+                status = _get_json(url + STATUS.path)
             except (urllib.error.URLError, OSError):
                 continue
             curve = status["reward_curve"]

@@ -28,6 +28,7 @@ import pydantic
 
 from shared import wire
 from shared.crypto import sign_request
+from shared.endpoints import HEALTHZ, INFO, Rep, Req, SignedCall
 from shared.errors import EchoSwarmError, ProtocolError, Reason
 from shared.messages import ErrorBody, Info, Message
 from swarm_client.identity import Identity
@@ -176,7 +177,7 @@ class CoordinatorClient:
                 raise CoordinatorUnreachable(
                     f"cannot reach the coordinator at {self.base_url}: {last} ({attempt} attempts over "
                     f"{duration_text(time.monotonic() - started)}). Check the host and port in the URL and that the "
-                    f"coordinator is running (try: curl {self.base_url}/healthz)")
+                    f"coordinator is running (try: curl {self.base_url}{HEALTHZ.path})")
             else:
                 self.on_retry(f"{self.base_url}: {last}; retry {attempt + 1}/{self.retry.attempts} in {wait:.1f}s")
             await self._backoff(wait)
@@ -234,13 +235,17 @@ class CoordinatorClient:
 
         return wire.decode(await self._request("POST", path, signed), reply)
 
+    async def call(self, endpoint: SignedCall[Req, Rep], message: Req) -> Rep:
+        """A signed call of the protocol (shared.endpoints): its path and reply type come from its declaration."""
+        return await self.post(endpoint.path, message, endpoint.reply)
+
     async def info(self) -> Info:
         """GET /v1/info, telling an echo-swarm coordinator from anything else that answers at the URL: a reply that
         is not the protocol's (an HTML page, a 404 from a web server) is :class:`NotACoordinator`."""
         not_ours = (f"{self.base_url} answers, but not as an echo-swarm coordinator (GET /v1/info gave {{what}}): "
                     f"check the host and port in the URL (a coordinator prints 'listening on URL' when it starts)")
         try:
-            raw = await self._request("GET", "/v1/info", None)
+            raw = await self._request("GET", INFO.path, None)
         except Refused as exc:
             if not exc.decoded:
                 raise NotACoordinator(not_ours.format(what=f"HTTP {exc.status}")) from None
@@ -265,7 +270,7 @@ class CoordinatorClient:
         timeout = aiohttp.ClientTimeout(total=max(every_s, 2.0))
         while True:
             try:
-                async with self._session.get(self.base_url + "/healthz", timeout=timeout) as resp:
+                async with self._session.get(self.base_url + HEALTHZ.path, timeout=timeout) as resp:
                     if resp.status == 200:
                         return True
             except (TimeoutError, aiohttp.ClientError, OSError):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shared import wire
+from shared.endpoints import P2P_INFO
 from shared.messages import ManifestFile, P2PInfo
 from shared.p2p import P2PUnavailable, PeerNode, Uploads, stop_peer
 
@@ -89,7 +90,7 @@ class ClientPeer:
         """Join the coordinator's DHT; False (said once) when p2p cannot run, and snapshots come over HTTP."""
         try:
             info = coordinator_info(self.settings.coordinator) if self.settings.coordinator else \
-                wire.decode(await api.get_raw("/v1/p2p"), P2PInfo)
+                wire.decode(await api.get_raw(P2P_INFO.path), P2PInfo)
         except Exception as exc:
             self.say_once("info", f"p2p off: the coordinator did not answer GET /v1/p2p ({exc}); snapshots come over "
                                   f"HTTP")

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from shared import wire
+from shared.endpoints import SNAPSHOT
 from shared.messages import Manifest, SignedManifest
 from shared.records import open_manifest
 from swarm_client.api import CoordinatorClient, RetryPolicy
@@ -81,7 +82,7 @@ async def main(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.1)
         cpu0 = _cpu(peer)
         version = info.current_version if args.version < 0 else args.version
-        signed = wire.decode(await api.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
+        signed = wire.decode(await api.get_raw(SNAPSHOT.at(version=version)), SignedManifest)
         manifest, sha = open_manifest(signed, info.coordinator_public_key)
         t1 = time.monotonic()
         await cache.ensure(info.run_id, version, sha)

@@ -39,6 +39,7 @@ import aiohttp
 
 from shared import PROTOCOL_VERSION, safe_text
 from shared.adapters import ADAPTER_WEIGHTS
+from shared.endpoints import LEASE, REGISTER, RELEASE, RESULTS, STATUS
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError, Reason
 from shared.exit_codes import ExitCode
 from shared.messages import (
@@ -49,11 +50,8 @@ from shared.messages import (
     LeaseResponse,
     Manifest,
     RegisterRequest,
-    RegisterResponse,
     ReleaseRequest,
-    ReleaseResponse,
     ResultSubmission,
-    SubmitResponse,
 )
 from shared.records import open_job
 from swarm_client import logs
@@ -549,7 +547,7 @@ class Runner:
     async def _load_totals(self, api: CoordinatorClient, client_id: str) -> None:
         """Show the credit already earned (from the coordinator's public status), best effort."""
         try:
-            async with api.session.get(f"{api.base_url}/v1/status", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with api.session.get(api.base_url + STATUS.path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 data = await r.json() if r.status == 200 else {}
             mine = next((c for c in data.get("clients", []) if c.get("client_id") == client_id), None)
             if mine:
@@ -610,9 +608,8 @@ class Runner:
         `client finish`, --max-jobs, a finished run with --exit-when-finished); NEW_RUN (with ``next_info``) when
         the coordinator now serves another run."""
         prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
-        reg = await api.post("/v1/register", RegisterRequest(public_key=identity.public_key, profile=prof,
-                                                             invite=self.cfg.invite),
-                             RegisterResponse)
+        reg = await api.call(REGISTER, RegisterRequest(public_key=identity.public_key, profile=prof,
+                                                       invite=self.cfg.invite))
         self.stats.run_id = reg.run_id
         await self._load_totals(api, reg.client_id)
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
@@ -645,7 +642,7 @@ class Runner:
             # swarm allows
             held = max(held, self.ready_version)
             try:
-                resp = await api.post("/v1/lease", LeaseRequest(backend=kind, held_version=held), LeaseResponse)
+                resp = await api.call(LEASE, LeaseRequest(backend=kind, held_version=held))
             except ProtocolError as exc:
                 if exc.reason != Reason.UNKNOWN_CLIENT:
                     raise
@@ -778,7 +775,7 @@ class Runner:
         entry: dict[str, object] = {"at": time.time(), "job": job_id, "version": job.version, "tokens": n_tok,
                                     "seconds": round(elapsed, 2)}
         try:
-            res = await api.post("/v1/results", sub, SubmitResponse)
+            res = await api.call(RESULTS, sub)
             self.stats.accepted += 1
             self.stats.credit = res.total_credit
             self.stats.tokens += n_tok
@@ -843,8 +840,7 @@ class Runner:
 
     async def _release(self, api: CoordinatorClient, job_id: str, lease_id: str) -> None:
         try:
-            await asyncio.wait_for(api.post("/v1/release", ReleaseRequest(job_id=job_id, lease_id=lease_id),
-                                            ReleaseResponse), timeout=5)
+            await asyncio.wait_for(api.call(RELEASE, ReleaseRequest(job_id=job_id, lease_id=lease_id)), timeout=5)
         except (TimeoutError, EchoSwarmError) as exc:
             self._say(f"could not release job {job_id} ({exc}); it will be reissued after its deadline")
 

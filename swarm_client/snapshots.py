@@ -34,6 +34,7 @@ import aiohttp
 
 from shared import wire
 from shared.deltas import PatchError, apply_patch
+from shared.endpoints import BLOB, SNAPSHOT
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError
 from shared.hashing import sha256_file
 from shared.messages import Manifest, ManifestFile, SignedManifest
@@ -172,7 +173,7 @@ class SnapshotCache:
             if (folder / ".complete").exists() and manifest_sha256 in (None, (folder / ".manifest_sha256").read_text()):
                 _touch(folder)
                 return folder
-            signed = wire.decode(await self.client.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
+            signed = wire.decode(await self.client.get_raw(SNAPSHOT.at(version=version)), SignedManifest)
             manifest, sha = open_manifest(signed, self.coordinator_key)
             if manifest_sha256 not in (None, sha) or manifest.version != version or manifest.run_id != run_id:
                 raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
@@ -248,7 +249,7 @@ class SnapshotCache:
         if version < 0:
             return None
         try:
-            signed = wire.decode(await self.client.get_raw(f"/v1/snapshots/{version}"), SignedManifest)
+            signed = wire.decode(await self.client.get_raw(SNAPSHOT.at(version=version)), SignedManifest)
             manifest, _ = open_manifest(signed, self.coordinator_key)
         except ProtocolError as exc:  # pruned (no_such_version), or not a manifest: no chain through it
             logger.debug("no manifest for version %d: %s", version, exc)
@@ -365,7 +366,7 @@ class SnapshotCache:
         if have == size:
             return True, "", None
         headers = {"Range": f"bytes={have}-"} if have else {}
-        url = f"{self.client.base_url}/v1/blobs/{sha256}"
+        url = self.client.base_url + BLOB.at(sha256=sha256)
         # no total timeout: a 15 GB file over a 5 MB/s link takes most of an hour and must still arrive
         timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_connect=self.connect_timeout_s,
                                         sock_read=self.idle_timeout_s)

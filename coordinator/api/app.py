@@ -32,6 +32,20 @@ from coordinator.limits import MAX_REQUEST_BYTES, SIGNED_POSTS
 from coordinator.run.names import P2P
 from coordinator.run.relay import TOKEN_HEADER, relayed_address
 from shared import wire
+from shared.endpoints import (
+    BLOB,
+    HEALTHZ,
+    INFO,
+    LEASE,
+    P2P_INFO,
+    READS,
+    REGISTER,
+    RELEASE,
+    RESULTS,
+    SNAPSHOT,
+    STATUS,
+    Read,
+)
 from shared.errors import ProtocolError, Reason
 from shared.messages import ErrorBody, P2PInfo
 
@@ -127,11 +141,11 @@ async def errors_middleware(request: web.Request, handler: Callable[[web.Request
         response.force_close()
         return response
     except web.HTTPNotFound:  # the router found no route (e.g. a name with characters a route never matches)
-        if request.path.startswith("/v1/blobs/"):
-            return error_response(Reason.NO_SUCH_BLOB, f"no file named {printable(request.path[10:74])!r} is being "
+        if request.path.startswith(BLOB.prefix):
+            return error_response(Reason.NO_SUCH_BLOB, f"no file named {printable(request.path[len(BLOB.prefix):][:64])!r} is being "
                                                        f"served")
-        if request.path.startswith("/v1/snapshots/"):
-            return error_response(Reason.NO_SUCH_VERSION, f"{printable(request.path[14:40])!r} is not a published "
+        if request.path.startswith(SNAPSHOT.prefix):
+            return error_response(Reason.NO_SUCH_VERSION, f"{printable(request.path[len(SNAPSHOT.prefix):][:26])!r} is not a published "
                                                           f"version")
         return error_response(Reason.NOT_FOUND, f"there is no endpoint {printable(request.path)}; see "
                                                 f"docs/protocol.md")
@@ -260,10 +274,10 @@ async def results(request: web.Request) -> web.Response:
     return _packed(wire.encode(await request.app[COORDINATOR].submit(await _body(request))))
 
 
-#: The handlers of the signed POST endpoints, in the order of coordinator.limits.SIGNED_POSTS (the paths the
-#: coordinator's libp2p peer relays here too, §6b).
-SIGNED_HANDLERS: dict[str, Callable[[web.Request], Awaitable[web.Response]]] = dict(
-    zip(SIGNED_POSTS, (register, lease, release, results), strict=True))
+#: The handler of each signed call (shared.endpoints; the calls the coordinator's libp2p peer relays here too, §6b).
+SIGNED_HANDLERS: dict[str, Callable[[web.Request], Awaitable[web.Response]]] = {
+    REGISTER.path: register, LEASE.path: lease, RELEASE.path: release, RESULTS.path: results}
+assert set(SIGNED_HANDLERS) == set(SIGNED_POSTS), "every signed call of shared.endpoints needs its handler here"
 
 
 async def snapshot_manifest(request: web.Request) -> web.Response:
@@ -293,7 +307,7 @@ async def p2p_info(request: web.Request) -> web.Response:
 async def _count_blob_bytes(request: web.Request, response: web.StreamResponse) -> None:
     """Snapshot file bytes sent over HTTP, for the status page's coordinator egress (coordinator.roles.p2p)."""
     resource = request.match_info.route.resource
-    if (resource is not None and resource.canonical == "/v1/blobs/{sha256}" and response.status in (200, 206)
+    if (resource is not None and resource.canonical == BLOB.path and response.status in (200, 206)
             and response.content_length):
         request.app[COORDINATOR].egress.http_bytes += response.content_length
 
@@ -315,6 +329,12 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
 
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "version": request.app[COORDINATOR].version})
+
+
+#: The handler of each public read (shared.endpoints.READS).
+READ_HANDLERS: dict[Read, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
+    INFO: info, SNAPSHOT: snapshot_manifest, BLOB: blob, P2P_INFO: p2p_info, STATUS: status, HEALTHZ: healthz}
+assert set(READ_HANDLERS) == set(READS), "every read of shared.endpoints needs its handler here"
 
 
 @contextlib.asynccontextmanager
@@ -375,14 +395,10 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     app.on_response_prepare.append(_security_headers)
     app.on_response_prepare.append(_count_blob_bytes)
     app.cleanup_ctx.append(roles)
-    app.router.add_get("/v1/info", info)
     for path, handler in SIGNED_HANDLERS.items():
         app.router.add_post(path, handler)
-    app.router.add_get("/v1/snapshots/{version}", snapshot_manifest)
-    app.router.add_get("/v1/blobs/{sha256}", blob)
-    app.router.add_get("/v1/p2p", p2p_info)
-    app.router.add_get("/v1/status", status)
-    app.router.add_get("/healthz", healthz)
+    for read, reader in READ_HANDLERS.items():
+        app.router.add_get(read.path, reader)
     # issue 6: /metrics, /v1/admin/*, /
     metrics.install(app, app[COORDINATOR], app[CONN_GUARD])
     admin.install(app, app[COORDINATOR])

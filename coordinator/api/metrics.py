@@ -27,6 +27,7 @@ from coordinator.api.service import Coordinator
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import CLIENT_STATES
 from coordinator.store import readmodels
+from shared.endpoints import BLOB, SNAPSHOT
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +198,9 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
     route = info.route.resource.canonical if info.route.resource is not None else "unmatched"
     metrics.requests.labels(route, str(response.status)).inc()
     if response.status in (200, 206) and response.content_length:
-        if route == "/v1/blobs/{sha256}":
+        if route == BLOB.path:
             metrics.snapshot_bytes.labels("blob").inc(response.content_length)
-        elif route == "/v1/snapshots/{version}":
+        elif route == SNAPSHOT.path:
             metrics.snapshot_bytes.labels("manifest").inc(response.content_length)
 
 

@@ -59,6 +59,7 @@ from coordinator.tasks.episodes import EnvTask, episode_behaviour, select
 from coordinator.tasks.rewards import RewardFailed
 from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import PROTOCOL_VERSION, crypto, wire
+from shared.endpoints import LEASE, REGISTER, RELEASE, RESULTS
 from shared.envs.play import episode_segments
 from shared.errors import ProtocolError, Reason
 from shared.hashing import prompt_hash, sha256_bytes, tokens_sha256
@@ -288,7 +289,7 @@ class Coordinator:
                     finished=self.finished, server_time=self.clock())
 
     def register(self, raw: bytes, peer: str = "") -> RegisterResponse:
-        req = self.open_envelope(raw, "/v1/register")
+        req = self.open_envelope(raw, REGISTER.path)
         body = wire.decode(req.body, RegisterRequest)
         crypto.verify_request(req, body.public_key)
         self.guard.check_identity(req.client_id, self.clock())  # charged from here on, whatever refuses it next
@@ -326,7 +327,7 @@ class Coordinator:
         newest weights, not sit on old ones and later be handed a job bound to them (async push-pull lets a job
         keep the client's version while within S). That reply says ``prefetch``; no other does, so clients the
         coordinator does not expect to work on a version do not download it ahead of a job."""
-        req = self.authenticate(raw, "/v1/lease")
+        req = self.authenticate(raw, LEASE.path)
         body = wire.decode(req.body, LeaseRequest)
         self.guard.check_quarantine(req.client_id, self.clock())  # per identity, whatever backend it claims
         give_up = time.monotonic() + self.config.jobs.long_poll_s
@@ -406,7 +407,7 @@ class Coordinator:
         return self.config.result_cap(n_completions)
 
     def release(self, raw: bytes) -> ReleaseResponse:
-        req = self.authenticate(raw, "/v1/release")
+        req = self.authenticate(raw, RELEASE.path)
         body = wire.decode(req.body, ReleaseRequest)
         released = self.store.jobs.release(body.job_id, body.lease_id, req.client_id)
         if released:
@@ -415,7 +416,7 @@ class Coordinator:
         return ReleaseResponse(released=released)
 
     async def submit(self, raw: bytes) -> SubmitResponse:
-        req = self.authenticate(raw, "/v1/results")
+        req = self.authenticate(raw, RESULTS.path)
         content_sha = sha256_bytes(req.body)
         job_id: str | None = None
         version: int | None = None
