@@ -14,6 +14,7 @@ workers together; the wall time is what CI waits.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -92,7 +93,8 @@ def main() -> None:
             raise SystemExit(f"{DOC} has no suite-time markers ({BEGIN} … {END}): add them to §6 first")
         head, rest = doc.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
-        stamp = f"Measured {date.today().isoformat()} on {platform.machine()} ({platform.python_version()}):"
+        stamp = (f"Measured {date.today().isoformat()} on {os.cpu_count()} cores ({platform.machine()}, Python "
+                 f"{platform.python_version()}):")
         DOC.write_text(f"{head}{BEGIN}\n{stamp}\n\n{text}\n{END}{tail}")
         print(f"wrote the table into {DOC}")
 
