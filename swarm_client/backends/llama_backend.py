@@ -39,9 +39,18 @@ def log_softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
 
 
 def token_logprobs(logits: np.ndarray, tokens: list[int], temperature: float) -> list[float]:
-    """log_softmax(logits / T)[i, tokens[i]] for each row i, in float64."""
-    lp = log_softmax(logits, temperature)
-    return [float(x) for x in lp[np.arange(len(tokens)), tokens]]
+    """log_softmax(logits / T)[i, tokens[i]] for each row i: ``logit/T − max − log Σ exp(logits/T − max)``, the
+    exponentials in float32 summed in float64, the picked logit in float64 (within 1e-6 nats of a float64
+    log-softmax, 3.5× faster at a 152 k vocabulary: the whole-row float64 pass was a client's largest per-token
+    cost after decoding, bench/choice_cost.py)."""
+    n = len(tokens)
+    z = np.multiply(logits[:n], np.float32(1.0 / temperature), dtype=np.float32)
+    top = z.max(axis=-1, keepdims=True)
+    z -= top
+    np.exp(z, out=z)
+    lse = np.log(z.sum(axis=-1, dtype=np.float64))
+    picked = logits[np.arange(n), tokens].astype(np.float64) / temperature - top[:, 0].astype(np.float64)
+    return [float(x) for x in picked - lse]
 
 
 LOGIT_BUFFER_BYTES = 64 * 2**20

@@ -16,7 +16,7 @@ import pytest
 from coordinator.config import CoordinatorConfig, VerificationConfig, load_config
 from shared.records import file_form
 from swarm_client.backends import backend_kind, resolve_backend
-from swarm_client.backends.llama_backend import log_softmax
+from swarm_client.backends.llama_backend import log_softmax, token_logprobs
 
 # What a process can import decides the backend, so each branch runs in a Python whose import path really lacks
 # the packages: this venv's site-packages rebuilt as symlinks minus their folders and metadata, under `python -S`.
@@ -158,3 +158,17 @@ def test_log_softmax_is_tempered_and_normalised() -> None:
     lp = log_softmax(logits, 0.5)
     assert np.isclose(np.exp(lp).sum(), 1.0)
     assert np.isclose(lp[0, 2] - lp[0, 1], 2.0)  # (3 − 2) / 0.5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_agree_with_a_float64_log_softmax(temperature: float) -> None:
+    """The client's lean per-step logprobs (float32 exponentials, float64 sums) at a real vocabulary size: within
+    1e-5 nats of the float64 log-softmax, far inside any verification tolerance."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((6, 151_936)) * 4).astype(np.float32)
+    tokens = [int(t) for t in rng.integers(0, 151_936, 6)]
+    tokens[0] = int(logits[0].argmax())  # the likeliest token too, whose logprob is nearest 0
+    exact = log_softmax(logits, temperature)[np.arange(6), tokens]
+    assert np.abs(np.array(token_logprobs(logits, tokens, temperature)) - exact).max() < 1e-5
