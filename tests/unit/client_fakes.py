@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from shared import PROTOCOL_VERSION, crypto
+from shared.endpoints import SignedCall
 from shared.messages import (
     Info,
     Job,
@@ -58,6 +59,10 @@ class ScriptedCoordinator:
         return Info(protocol=PROTOCOL_VERSION, run_id="run-1", coordinator_public_key=crypto.public_bytes(COORDINATOR_KEY),
                     current_version=0, sync_mode="async-push-pull", task="arithmetic", finished=False,
                     server_time=1000.0)
+
+    async def call(self, endpoint: SignedCall[Any, Any], message: Any) -> Any:
+        """The runner's signed calls (shared.endpoints): answered by path, as :meth:`post` does."""
+        return await self.post(endpoint.path, message, endpoint.reply)
 
     async def post(self, path: str, message: Any, response_type: type) -> Any:
         if path == "/v1/register":
