@@ -40,10 +40,8 @@ class TrustView(TypedDict):
     standings: list[dict[str, object]]  # coordinator.store.records.TrustStanding, encoded (records.as_json)
 
 
-class CoordinatorStatus(TypedDict):
-    """``Coordinator.status``: every key /v1/status always had. ``learner`` and ``roles`` are the roles' own
-    reports as they wrote them (coordinator.store.role_status); ``steps``, ``evals`` and ``clients`` the store's
-    rows (coordinator.store.records), encoded."""
+class RunHead(TypedDict):
+    """What every status reply opens with: the run, its version and its settings (Coordinator.status)."""
 
     run_id: str
     version: int
@@ -53,6 +51,13 @@ class CoordinatorStatus(TypedDict):
     max_staleness: int | None
     task: str
     uptime_s: float
+
+
+class CoordinatorStatus(RunHead):
+    """``Coordinator.status``: every key /v1/status always had. ``learner`` and ``roles`` are the roles' own
+    reports as they wrote them (coordinator.store.role_status); ``steps``, ``evals`` and ``clients`` the store's
+    rows (coordinator.store.records), encoded."""
+
     learner: dict[str, object]
     roles: dict[str, dict[str, object]]
     jobs: StatusJobs
@@ -92,15 +97,7 @@ class PageEval(TypedDict):
     n: int
 
 
-class PageBody(TypedDict):
-    run_id: str
-    version: int
-    max_steps: int
-    finished: bool
-    sync_mode: str
-    max_staleness: int | None
-    task: str
-    uptime_s: float
+class PageBody(RunHead):
     jobs: PageJobs
     totals: dict[str, int]
     reward_curve: list[float]
@@ -119,15 +116,7 @@ class AdminLastStep(TypedDict):
     at: float
 
 
-class AdminStatus(TypedDict):
-    run_id: str
-    version: int
-    max_steps: int
-    finished: bool
-    sync_mode: str
-    max_staleness: int | None
-    task: str
-    uptime_s: float
+class AdminStatus(RunHead):
     issuing_paused: bool
     registration: str
     run_dir: str
