@@ -439,10 +439,12 @@ class BackendTolerance(_Strict):
 # honest margin is the two implementations' logit difference at a near-tie, divided by T. Source:
 # bench/choice_calibration.py (docs/benchmarks.md, "Keyed sampling: calibration"), tiny model, T = 1.0 and 0.7:
 # worst honest margin × T seen: torch 0 (bit-identical), llama.cpp f32/f16 0.022, q8_0 0.40 (one q8_0 result of
-# 700 at T = 0.7 passed 0.5/T only at 0.71); the tolerances leave ≥ 2.5x headroom and an estimated false-refusal
-# rate below 1e-9 per result beyond the sample.
+# 700 at T = 0.7 passed 0.5/T only at 0.71). Those were the untrained model's margins: a trained policy's sharper
+# logits carry larger f16 rounding, and an honest llama.cpp f16 client in tests/adversarial/test_adversaries.py
+# (async push-pull, hundreds of versions in) had one token at 0.182 — so f32/f16 take 0.5 (every attack of
+# bench/choice_calibration.py is still refused at 1.0, the q8_0 tolerance). Calibrating on trained versions is open.
 CHOICE_TOL_TORCH = 0.02
-CHOICE_TOL_LLAMA = 0.1
+CHOICE_TOL_LLAMA = 0.5
 CHOICE_TOL_LLAMA_Q8 = 1.0
 
 # Source: bench/llama_parity.py (docs/benchmarks.md, "llama.cpp parity with the learner"), llama-cpp-python

@@ -93,8 +93,10 @@ class EpisodeAdversary(Adversary):
         answer = env.clone().step(kept).observation
         other = next(a for a in env.actions if env.clone().step(a).observation != answer)
         ids = tok.encode(other, add_special_tokens=False).ids
+        # a move's tokens end no turn by a stop token: "length", as a sampled move of max_tokens tokens would be
         turns[0] = turns[0].model_copy(update={"token_ids": ids, "logprobs": (list(turns[0].logprobs) * len(ids))
-                                               [: len(ids)], "observation_ids": encode_observation(tok, answer)})
+                                               [: len(ids)], "observation_ids": encode_observation(tok, answer),
+                                               "finish_reason": "length"})
         await self._send(api, job, sub, 0, turns, f"action {other!r} sent with the observation of {kept!r} "
                                                   f"(the policy played {played!r})")
 
