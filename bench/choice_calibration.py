@@ -293,6 +293,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="1.0,0.7")
     ap.add_argument("--classes", default="torch-f32,torch-bf16,llama-f32,llama-f16,llama-q8_0")
     ap.add_argument("--model-dir", type=Path, default=None, help="the tiny model's folder (default: build/cache it)")
+    ap.add_argument("--shape", default=None, help="prompts per result, completions per prompt, max new tokens "
+                    "(e.g. 1,4,16 at the 0.5 B shape; default: the coordinator's job defaults)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--add", type=Path, action="append", default=[], help="add the class rows and attacks of an "
                     "earlier run's --json to the table (another run's classes)")
@@ -308,6 +310,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     shape = (JobsConfig().prompts_per_job, LearnerConfig().group_size, SamplingConfig().max_tokens)
+    if args.shape:
+        p, g, t = (int(x) for x in args.shape.split(","))
+        shape = (p, g, t)
     if args.model_dir is None:
         from coordinator.engine.tiny_model import ensure_tiny_model
 

@@ -155,6 +155,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128, help="model width (128: the 1 M-parameter tiny model, where "
                     "per-token Python work weighs most; 384 with --layers 6: ~11 M parameters)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--model-dir", type=Path, default=None, help="a model folder to serve instead of building one "
+                    "(e.g. bench/scale.py's Qwen2.5-0.5B-shaped folder, whose 151,936-token vocabulary is what the "
+                    "llama.cpp client's own sampler pays for per token)")
+    ap.add_argument("--no-sizes", action="store_true", help="skip the snapshot-bytes table (it trains a learner "
+                    "step on the model: at the 0.5 B shape ~10 GB)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the coordinator
@@ -168,7 +173,7 @@ def main() -> None:
     results: dict[str, Any] = {"pinned": pin}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        model = build_model(tmp / "model", args.hidden, args.layers)
+        model = args.model_dir or build_model(tmp / "model", args.hidden, args.layers)
         names = args.backends.split(",")
         per: dict[str, dict[str, list[float]]] = {n: {"ratios": [], "e2e": [], "raw": []} for n in names}
         for r in range(args.runs):  # backends interleaved run by run: both see the same machine conditions
@@ -192,14 +197,19 @@ def main() -> None:
         for name in names:
             results[name] = {"ratio_median": statistics.median(per[name]["ratios"]), "ratios": per[name]["ratios"],
                              "end_to_end_tok_s": per[name]["e2e"], "raw_tok_s": per[name]["raw"]}
-        results["snapshot_bytes"] = snapshot_bytes(model, tmp)
+        if not args.no_sizes:
+            results["snapshot_bytes"] = snapshot_bytes(model, tmp)
     print("\n| backend | end-to-end tok/s (median) | raw tok/s (median) | overhead ratio (median of runs) |")
     print("|---|---|---|---|")
     for label in [k for k in results if k not in ("snapshot_bytes", "pinned")]:
         r = results[label]
         print(f"| {label} | {statistics.median(r['end_to_end_tok_s']):,.0f} | {statistics.median(r['raw_tok_s']):,.0f} "
               f"| {r['ratio_median']:.3f} ({', '.join(f'{x:.3f}' for x in r['ratios'])}) |")
-    sizes = results["snapshot_bytes"]
+    sizes = results.get("snapshot_bytes")
+    if sizes is None:
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2, default=str))
+        return
     print("\n| precision | full GGUF per version | LoRA r=4: base GGUF (once) | adapter GGUF per version | adapter / full |")
     print("|---|---|---|---|---|")
     for p in ("f32", "f16", "q8_0"):

@@ -37,7 +37,10 @@ from echo_swarm.demo import run as run_demo  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
     "colocated": {"sync_mode": "colocated", "clients": 0, "max_staleness": 1, "learner_threads": 2},
-    "sequential": {"sync_mode": "sequential-pull", "clients": 2, "max_staleness": 1, "learner_threads": 2},
+    # the clients sample with the co-located learner's thread count: a job's generation is then the same computation
+    # in both rows, to the last bit (torch's CPU kernels split work by thread count), so the rows are equal seed by seed
+    "sequential": {"sync_mode": "sequential-pull", "clients": 2, "max_staleness": 1, "learner_threads": 2,
+                   "client_threads": 2},
     "async1": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 1, "learner_threads": 1},
     "async2": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 2, "learner_threads": 1},
     "async4": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 4, "learner_threads": 1},

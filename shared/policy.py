@@ -152,15 +152,13 @@ def generate(
     seed: int | None,
     pad_id: int,
     should_stop: Callable[[], bool] | None = None,
-    rollout_keys: Sequence[tuple[int, int]] | None = None,
 ) -> list[Sampled]:
     """Sample ``group_size`` completions per prompt in one batch (prompt-major order).
 
     ``seed=None`` means greedy decoding (used for evaluation). Otherwise ``seed`` is the job's sampling key and
     each token is the keyed Gumbel-max choice (shared.sampler) of rollout ``i·group_size + g`` at its position —
     the same choice a llama.cpp client or another device makes from the same logits, and the one the verifier
-    checks. ``rollout_keys`` (one (key, rollout index) per generated sequence) samples several jobs in one batch,
-    each row as its own job would. Returns early with what it has if ``should_stop()`` becomes true (the caller
+    checks. Returns early with what it has if ``should_stop()`` becomes true (the caller
     then discards the partial job).
     """
     import torch
@@ -171,10 +169,7 @@ def generate(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     n = len(seqs)
-    if rollout_keys is not None and len(rollout_keys) != n:
-        raise ValueError(f"{len(rollout_keys)} rollout keys for {n} sequences")
-    keyed = rollout_keys if rollout_keys is not None else [(int(seed or 0), r) for r in range(n)]
-    words, rollouts = row_keys(keyed, device)
+    words, rollouts = row_keys([(int(seed or 0), r) for r in range(n)], device)
     cache_kw = _cache_kwarg(model)
     tokens: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]

@@ -301,24 +301,23 @@ class LearnerRole:
         return rows
 
     async def _rollouts(self, rows: list[JobRow]) -> list[list[Any]]:
-        """Generate the completions of ``rows`` with the learner's model as it is in memory, all in one batch on
-        the learner thread (one batch of a whole step samples far faster than one per job, as a trainer that
-        generates its own rollouts does). Each row is keyed as its own job's (shared.sampler): the tokens are those
-        a volunteer would return for that job, so sequential pull reproduces this loop job by job."""
+        """Generate the completions of ``rows`` with the learner's model as it is in memory, on the learner thread,
+        each job in its own batch exactly as a volunteer's torch backend generates it (its prompts × group, padded
+        to its own longest prompt, keyed as that job: shared.sampler).
 
-        prompts = [self.prompt_tokens(i) for row in rows for i in row.prompt_ids]
-        group = rows[0].group_size
-        assert all(r.group_size == group for r in rows), "jobs of one run share the group size"
-        samples = await self._run(lambda: generate(
-            self.learner.model, prompts, group_size=group, temperature=self.config.sampling.temperature,
-            max_tokens=self.config.sampling.max_tokens, stop_ids=self.codec.stop_ids, seed=rows[0].seed,
-            pad_id=self.codec.pad_id, rollout_keys=[(row.seed, r) for row in rows
-                                                    for r in range(len(row.prompt_ids) * group)]))
-        out, at = [], 0
-        for row in rows:  # prompt-major order: each job's prompts × group, in turn
-            n = len(row.prompt_ids) * group
-            out.append(list(samples[at : at + n]))
-            at += n
+        Why not one batch for the whole step: a row's logits depend in their last bits on the batch around it (the
+        padding width, and the matrix kernels torch picks for the batch's size), and a keyed choice whose two best
+        noised scores nearly tie follows those bits. Generated job by job, a client with the same device and thread
+        count returns the very tokens of this loop, so sequential pull reproduces the co-located run seed by seed
+        (bench/sync_modes.py); batched, the two parted after 30–88 identical steps."""
+
+        out = []
+        for row in rows:
+            prompts = [self.prompt_tokens(i) for i in row.prompt_ids]
+            out.append(await self._run(lambda prompts=prompts, row=row: generate(
+                self.learner.model, prompts, group_size=row.group_size, temperature=self.config.sampling.temperature,
+                max_tokens=self.config.sampling.max_tokens, stop_ids=self.codec.stop_ids, seed=row.seed,
+                pad_id=self.codec.pad_id)))
         return out
 
     async def _submit_local(self, rows: list[JobRow], rollouts: list[list[Any]], version: int) -> None:

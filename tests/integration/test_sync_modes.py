@@ -81,8 +81,8 @@ def test_sequential_pull_samples_exactly_what_the_colocated_loop_samples(tmp_pat
     runs draw job n's prompts and key alike), a torch volunteer in sequential pull returns, for a job generated at
     the same policy version, the very tokens the co-located loop samples itself for it (which jobs each run
     generates at which version differs: sequential pull also issues jobs that finish stale, so the pairs are the
-    jobs of version 0 — 2 jobs × 64 completions, sampled in one batch of both jobs by the co-located loop and one
-    job at a time by the client)."""
+    jobs of version 0 — 2 jobs × 64 completions, each job sampled in a batch of its own by both, as a batch of both
+    jobs would change the logits' last bits and with them the choice at a near-tie)."""
     from coordinator.run.records import AcceptedResult
 
     runs: dict[str, dict[tuple[str, int], list[list[int]]]] = {}
