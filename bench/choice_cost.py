@@ -9,8 +9,10 @@ The model is bench/scale.py's: the Qwen2.5-0.5B architecture from its config wit
 vocabulary, where the per-token noise over the vocabulary weighs most), or the tiny model. Both sides run the
 project's real code: shared.policy.completion_stats (the verifier's function) with and without the jobs'
 segments, and swarm_client.backends.llama_backend.LlamaBackend.sample against llama-cpp-python's
-``Llama.generate`` with its sampler at the same temperature (top_k 0, top_p 1), each rep alternating the two so
-both see the same machine. Figures are medians over reps; ratios are of medians.
+``Llama.generate`` with its sampler at the same temperature (top_k 0, top_p 1). Each rep measures both, in
+alternating order (with/without, then without/with: a load that rises or falls during a rep weighs on both alike),
+and gives one paired ratio; the figure is the median of the reps' paired ratios, with their spread. On a shared
+machine a ratio of medians moved by ±4 % between runs; the paired median is what decides a 5 % target.
 """
 
 from __future__ import annotations
@@ -49,20 +51,29 @@ def verifier_cost(folder: Path, reps: int, prompts_n: int, group: int, prompt_le
     plain_s: list[float] = []
     keyed_s: list[float] = []
     worst = 0.0
+    def plain() -> None:
+        t0 = time.perf_counter()
+        completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True)
+        plain_s.append(time.perf_counter() - t0)
+
+    def keyed() -> None:
+        nonlocal worst
+        t0 = time.perf_counter()
+        st = completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True, segments=segments)
+        keyed_s.append(time.perf_counter() - t0)
+        assert st.margins is not None
+        worst = max(worst, float(st.margins.max()))
+
     with torch.no_grad():
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True)
-            plain_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            st = completion_stats(model, flat, comps, temperature=1.0, pad_id=0, share_prompts=True, segments=segments)
-            keyed_s.append(time.perf_counter() - t0)
-            assert st.margins is not None
-            worst = max(worst, float(st.margins.max()))
-    del model
+        plain()  # warm-up (first-touch pages, thread pools), not counted
+        plain_s.clear()
+        for rep in range(reps):
+            for run in ((plain, keyed) if rep % 2 == 0 else (keyed, plain)):
+                run()
+    ratios = [k / p for k, p in zip(keyed_s, plain_s, strict=True)]
     return {"completions": len(comps), "tokens": sum(len(c) for c in comps), "vocab": vocab,
             "plain_s": statistics.median(plain_s), "keyed_s": statistics.median(keyed_s),
-            "ratio": statistics.median(keyed_s) / statistics.median(plain_s), "worst_honest_margin": worst}
+            "ratio": statistics.median(ratios), "ratios": ratios, "worst_honest_margin": worst}
 
 
 def client_cost(folder: Path, reps: int, threads: int, prompts_n: int, prompt_len: int, max_tokens: int
@@ -80,7 +91,7 @@ def client_cost(folder: Path, reps: int, threads: int, prompts_n: int, prompt_le
     raw_rates: list[float] = []
     keyed_rates: list[float] = []
     no_stop: frozenset[int] = frozenset()
-    for rep in range(reps):
+    def raw(rep: int) -> None:
         tokens, t0 = 0, time.perf_counter()
         for i, p in enumerate(prompts):
             llm.set_seed(rep * 1000 + i)
@@ -92,15 +103,22 @@ def client_cost(folder: Path, reps: int, threads: int, prompts_n: int, prompt_le
                     break
             tokens += n
         raw_rates.append(tokens / (time.perf_counter() - t0))
+
+    def keyed(rep: int) -> None:
         tokens, t0 = 0, time.perf_counter()
         for i, p in enumerate(prompts):
             s = backend.sample(p, temperature=1.0, max_tokens=max_tokens, stop_ids=no_stop, key=rep * 1000 + i,
                                rollout=0)
             tokens += len(s.token_ids)
         keyed_rates.append(tokens / (time.perf_counter() - t0))
-    raw, keyed = statistics.median(raw_rates), statistics.median(keyed_rates)
-    return {"raw_tok_s": raw, "keyed_tok_s": keyed, "ratio": keyed / raw, "raw_reps": raw_rates,
-            "keyed_reps": keyed_rates, "threads": threads, "vocab": llm.n_vocab()}
+
+    for rep in range(reps):
+        for run in ((raw, keyed) if rep % 2 == 0 else (keyed, raw)):
+            run(rep)
+    ratios = [k / r for k, r in zip(keyed_rates, raw_rates, strict=True)]
+    return {"raw_tok_s": statistics.median(raw_rates), "keyed_tok_s": statistics.median(keyed_rates),
+            "ratio": statistics.median(ratios), "ratios": ratios, "raw_reps": raw_rates, "keyed_reps": keyed_rates,
+            "threads": threads, "vocab": llm.n_vocab()}
 
 
 def main() -> None:
@@ -120,12 +138,13 @@ def main() -> None:
         folder = args.model_dir or build_model(args.model, Path(tmp))
         ver = verifier_cost(folder, args.reps, prompts_n=8, group=8, prompt_len=24, max_tokens=16)
         print(f"verifier: {ver['completions']} completions, {ver['tokens']} tokens, V={ver['vocab']}: recompute "
-              f"{ver['plain_s']:.2f} s, with the keyed margins {ver['keyed_s']:.2f} s (×{ver['ratio']:.3f}); worst "
-              f"honest margin {ver['worst_honest_margin']:.3g}", flush=True)
+              f"{ver['plain_s']:.2f} s, with the keyed margins {ver['keyed_s']:.2f} s (paired ×{ver['ratio']:.3f}, "
+              f"reps {min(ver['ratios']):.3f}–{max(ver['ratios']):.3f}); worst honest margin "
+              f"{ver['worst_honest_margin']:.3g}", flush=True)
         cli = client_cost(folder, args.reps, args.threads, prompts_n=4, prompt_len=24, max_tokens=32)
         print(f"llama.cpp f16 client, {cli['threads']} threads, V={cli['vocab']}: llama.cpp's sampler "
               f"{cli['raw_tok_s']:.1f} tok/s, keyed sampler {cli['keyed_tok_s']:.1f} tok/s "
-              f"(×{cli['ratio']:.3f})", flush=True)
+              f"(paired ×{cli['ratio']:.3f}, reps {min(cli['ratios']):.3f}–{max(cli['ratios']):.3f})", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "verifier": ver, "client": cli}, indent=2))
 
