@@ -169,6 +169,9 @@ def honest(setup: Setup, judge: Judge, row: ClassRow, backend: Any, n: int, shap
             check_choices(choice_stats(rows), tol)
         except ProtocolError:
             row.refused += 1
+        if (r + 1) % 500 == 0:
+            print(f"  {row.name} T={row.temperature:g}: {r + 1}/{n} results, {row.refused} refused, worst "
+                  f"{row.worst:.3g}", flush=True)
     row.seconds += time.monotonic() - t0
 
 

@@ -74,6 +74,9 @@ def measure(run_dir: Path) -> dict[str, Any]:
         "staleness_histogram": hist,
         "mean_is_ratio_max": statistics.fmean(m.get("is_ratio_max", 1.0) for _, m in steps),
         "mean_is_truncated_fraction": statistics.fmean(m.get("is_truncated_fraction", 0.0) for _, m in steps),
+        # each step's loss and gradient norm, to the bit: equal only if the step trained on the same tokens, with the
+        # same π_b, from the same weights (the sequential-pull vs co-located check compares these, not only rewards)
+        "step_fingerprint": [[m["loss"], m["grad_norm"]] for _, m in steps],
     }
 
 
@@ -132,7 +135,11 @@ def main() -> int:
             spec = MODES[mode]
             done = out / "result.json"
             if args.resume and done.exists():
-                runs[mode].append(json.loads(done.read_text()))
+                earlier = json.loads(done.read_text())
+                if "step_fingerprint" not in earlier and (out / "run" / "coordinator.sqlite").exists():
+                    earlier = measure(out / "run") | {"seed": seed}  # a run from before the fingerprint: re-read it
+                    done.write_text(json.dumps(earlier))
+                runs[mode].append(earlier)
                 continue
             if out.exists():  # a run from an earlier invocation: start it afresh, never mix two runs' databases
                 shutil.rmtree(out)
@@ -195,6 +202,16 @@ def checks(summary: dict[str, Any]) -> dict[str, Any]:
         out["sequential_vs_colocated_final_accuracy"] = {
             "paired_differences": diffs, "mean": mean, "standard_error": se,
             "within_seed_noise": mean == 0.0 or abs(mean) <= 2 * se}
+        same = []  # per seed: how many steps, from the first, have the very same loss and gradient norm in both runs
+        for sq, co in zip(summary["sequential"]["runs"], base["runs"], strict=True):
+            a, b = sq.get("step_fingerprint"), co.get("step_fingerprint")
+            if a is None or b is None:
+                continue
+            n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            same.append({"seed": sq["seed"], "identical_steps": n, "steps": min(len(a), len(b))})
+        if same:
+            out["sequential_equals_colocated_step_by_step"] = {
+                "per_seed": same, "holds": all(x["identical_steps"] == x["steps"] for x in same)}
     for mode, s in summary.items():
         if s["config"].get("sync_mode") == "async-push-pull":
             ratio = s["improvement"]["mean"] / base_imp if base_imp > 0 else None
