@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sampling_calibration import Prompts, Setup, _job, load_setup  # noqa: E402
+from sampling_calibration import Prompts, Setup, _job, job_shape, load_setup  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "## Keyed sampling: calibration"
@@ -306,16 +306,13 @@ def main() -> None:
 
     import torch
 
-    from coordinator.config import JobsConfig, LearnerConfig, SamplingConfig, VerificationConfig
+    from coordinator.config import VerificationConfig
     from coordinator.publish.gguf_export import export_folder
     from swarm_client.backends.llama_backend import LlamaBackend
     from swarm_client.backends.torch_backend import TorchBackend
 
     torch.set_num_threads(1)
-    shape = (JobsConfig().prompts_per_job, LearnerConfig().group_size, SamplingConfig().max_tokens)
-    if args.shape:
-        p, g, t = (int(x) for x in args.shape.split(","))
-        shape = (p, g, t)
+    shape = job_shape(args.shape)
     if args.model_dir is None:
         from coordinator.engine.tiny_model import ensure_tiny_model
 

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sampling_calibration import Prompts, _job, load_setup  # noqa: E402
+from sampling_calibration import Prompts, _job, job_shape, load_setup  # noqa: E402
 
 KEEP_TOP = 4000  # largest margins kept per row for the tail fit
 THRESHOLDS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -204,13 +204,8 @@ def main() -> None:
 
     import torch
 
-    from coordinator.config import JobsConfig, LearnerConfig, SamplingConfig
-
     torch.set_num_threads(1)
-    shape = (JobsConfig().prompts_per_job, LearnerConfig().group_size, SamplingConfig().max_tokens)
-    if args.shape:
-        p, g, t = (int(x) for x in args.shape.split(","))
-        shape = (p, g, t)
+    shape = job_shape(args.shape)
     rows: list[TailRow] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp_s:

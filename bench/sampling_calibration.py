@@ -82,6 +82,15 @@ def _job(prompts: Sequence[list[int]], group: int, max_tokens: int, temperature:
                                                     stop_token_ids=stops))
 
 
+
+def job_shape(spec: str | None) -> tuple[int, int, int]:
+    """(prompts per result, completions per prompt, max new tokens): ``"P,G,T"``, or the coordinator's job defaults."""
+    from coordinator.config import JobsConfig, LearnerConfig, SamplingConfig
+
+    if spec:
+        p, g, t = (int(x) for x in spec.split(","))
+        return p, g, t
+    return JobsConfig().prompts_per_job, LearnerConfig().group_size, SamplingConfig().max_tokens
 class Judge:
     """Recomputes results with the verifier's function and applies the verifier's check."""
 
