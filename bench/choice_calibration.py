@@ -298,6 +298,8 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=None, help="the tiny model's folder (default: build/cache it)")
     ap.add_argument("--shape", default=None, help="prompts per result, completions per prompt, max new tokens "
                     "(e.g. 1,4,16 at the 0.5 B shape; default: the coordinator's job defaults)")
+    ap.add_argument("--attack-tolerances", default="", help="more tolerances to judge the attacks at, as "
+                    "LABEL=VALUE in logit units, comma-separated (candidates for a class's default)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--add", type=Path, action="append", default=[], help="add the class rows and attacks of an "
                     "earlier run's --json to the table (another run's classes)")
@@ -357,6 +359,9 @@ def main() -> None:
         setup = load_setup(base, 1.0)
         tols = {"torch": tolerance("torch-f32"), "llama-f16": tolerance("llama-f16"),
                 "llama-q8_0": tolerance("llama-q8_0")}
+        for spec in filter(None, args.attack_tolerances.split(",")):  # label=logit units, e.g. "q8_0 at 3=3.0"
+            label, _, value = spec.partition("=")
+            tols[label.strip()] = float(value)
         atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=10 ** 6) if args.attacks else []
         print(f"[{time.monotonic() - t0:6.0f}s] attacks done", flush=True)
     for path in args.add:
