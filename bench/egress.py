@@ -23,6 +23,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def build_model(out: Path, mib: int) -> Path:
 class Coordinator:
     """The real coordinator app on 127.0.0.1 in a background event loop."""
 
-    def __init__(self, run_dir: Path, model: Path, p2p: bool, seed_peers: int) -> None:
+    def __init__(self, run_dir: Path, model: Path, p2p: bool, seed_peers: int, piece_kib: int) -> None:
         from aiohttp import web
 
         from coordinator.api.service import Coordinator as Service
@@ -72,8 +73,11 @@ class Coordinator:
         from coordinator.launch.one_process import create_app
 
         cfg = load_config(None, {"run_dir": str(run_dir), "model.path": str(model), "layout": "one-process",
-                                 "learner.max_steps": 1, "learner.eval_every": 0, "learner.threads": 1,
-                                 "snapshots.gguf": "off", "snapshots.piece_kib": 4096, "p2p.enabled": p2p, "p2p.seed_peers": seed_peers,
+                                 # one held-out prompt: the first evaluation of version 0 runs in this process and
+                                 # would otherwise land in the measured CPU (it did: ~35 CPU s per run)
+                                 "learner.max_steps": 1, "learner.eval_every": 0, "learner.eval_size": 1,
+                                 "learner.threads": 1,
+                                 "snapshots.gguf": "off", "snapshots.piece_kib": piece_kib, "p2p.enabled": p2p, "p2p.seed_peers": seed_peers,
                                  "limits.per_address_rps": 0.0, "limits.per_identity_rps": 0.0})
         self.service = Service(cfg, model_dir=model)
         self.runner = web.AppRunner(create_app(cfg, self.service), handle_signals=False)
@@ -89,6 +93,12 @@ class Coordinator:
 
         port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(600)
         self.url = f"http://127.0.0.1:{port}"
+
+    def egress(self) -> dict[str, Any]:
+        """The coordinator's snapshot egress so far: HTTP bytes already flushed to the store plus the rest."""
+        from coordinator.api.egress import EGRESS_COUNTER
+
+        return dict(self.service.egress.view(self.service.store.counter(EGRESS_COUNTER)))
 
     def p2pd_pid(self) -> int | None:
         peer = self.service.egress.peer
@@ -116,7 +126,7 @@ def proc_cpu_s(pid: int | None) -> float:
 def run_mode(coord: Coordinator, tmp: Path, clients: int, p2p: bool, corrupt: bool, timeout_s: float,
              size: int, deadline_s: float) -> dict[str, Any]:
     mode = "p2p" if p2p else "http"
-    before = coord.service.egress.view()
+    before = coord.egress()
     homes = [tmp / f"{mode}-{i}" for i in range(clients)]
     procs = []
     for i, home in enumerate(homes):
@@ -137,16 +147,17 @@ def run_mode(coord: Coordinator, tmp: Path, clients: int, p2p: bool, corrupt: bo
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             raise SystemExit(f"{mode}: not every client started")
         time.sleep(0.2)
-    self_cpu = sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) + proc_cpu_s(coord.p2pd_pid())
+    self_cpu = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+    self_p2pd = proc_cpu_s(coord.p2pd_pid())
     (tmp / f"go-{mode}").write_text("")
     reports: list[dict[str, Any]] = []
     for p in procs:
         assert p.stdout is not None
         reports.append(bad_report if p is procs[0] and bad_report is not None else json.loads(p.stdout.readline()))
-    after_ready = coord.service.egress.view()
+    after_ready = coord.egress()
     for p in procs:
         p.send_signal(2)
-    served, client_cpu = [], 0.0
+    served, client_py, client_p2pd = [], 0.0, 0.0
     for p, r in zip(procs, reports, strict=True):
         assert p.stdout is not None
         try:
@@ -156,8 +167,13 @@ def run_mode(coord: Coordinator, tmp: Path, clients: int, p2p: bool, corrupt: bo
             out, _ = p.communicate(timeout=30)
         ends = [json.loads(x) for x in out.splitlines() if '"served"' in x]
         served.extend(e["served_bytes"] for e in ends)
-        client_cpu += ends[0]["cpu_s"] if ends else r["cpu_s"]
-    self_cpu = sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) + proc_cpu_s(coord.p2pd_pid()) - self_cpu
+        r["end"] = ends[0] if ends else None
+        last = ends[0] if ends else r
+        client_py += last["cpu_python_s"]
+        client_p2pd += last["cpu_p2pd_s"]
+    (tmp / "reports.json").write_text(json.dumps(reports, indent=1))  # every client's own figures, to look into
+    self_cpu = sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - self_cpu
+    self_p2pd = proc_cpu_s(coord.p2pd_pid()) - self_p2pd
     times = sorted(r["ready_s"] for r in reports if r.get("corrupt") is None)
     honest = [r for r in reports if r.get("corrupt") is None]
     coordinator_bytes = after_ready["coordinator_bytes"] - before["coordinator_bytes"]
@@ -169,7 +185,10 @@ def run_mode(coord: Coordinator, tmp: Path, clients: int, p2p: bool, corrupt: bo
         "max_served_mib": max(served, default=0) / 2**20,
         "ready_p50_s": statistics.median(times), "ready_max_s": times[-1],
         "fallbacks": sum(r["fallbacks"] for r in honest), "wasted_mib": sum(r["wasted_bytes"] for r in reports) / 2**20,
-        "cpu_s_per_gib": (client_cpu + self_cpu) / (delivered / 2**30),
+        "cpu_s_per_gib": (client_py + client_p2pd + self_cpu + self_p2pd) / (delivered / 2**30),
+        # where the CPU went, in seconds per GiB delivered: clients' Python / their p2pd, coordinator / its p2pd
+        "cpu_split": [round(x / (delivered / 2**30), 1) for x in (client_py, client_p2pd, self_cpu, self_p2pd)],
+        "lookups": sum(r.get("lookups", 0) for r in reports), "refused": sum(r.get("refused", 0) for r in reports),
     }
 
 
@@ -178,12 +197,15 @@ def table(rows: list[dict[str, Any]], size: int, argv: str) -> str:
              f"once on loopback, 2 shared cores. Egress counts HTTP and libp2p bytes out of the coordinator; 'served "
              f"by peers' excludes the coordinator's own libp2p bytes.", "",
              "| mode | coordinator egress | full copies | served by peers | most one client served | ready p50 / max "
-             "| HTTP fallbacks | wasted on bad pieces | CPU s per GiB delivered |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| HTTP fallbacks | wasted on bad pieces | CPU s per GiB delivered | of which clients' Python / p2pd, "
+             "coordinator / p2pd |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['coordinator_mib']:.0f} MiB | {r['copies']:.1f} | {r['peer_mib']:.0f} MiB | "
                      f"{r['max_served_mib']:.0f} MiB | {r['ready_p50_s']:.1f} / {r['ready_max_s']:.1f} s | "
-                     f"{r['fallbacks']} | {r['wasted_mib']:.1f} MiB | {r['cpu_s_per_gib']:.1f} |")
+                     f"{r['fallbacks']} | {r['wasted_mib']:.1f} MiB | {r['cpu_s_per_gib']:.1f} | "
+                     f"{' / '.join(str(x) for x in r['cpu_split'][:2])}, "
+                     f"{' / '.join(str(x) for x in r['cpu_split'][2:])} |")
     return "\n".join(lines)
 
 
@@ -195,7 +217,7 @@ def write_doc(text: str) -> None:
     else:
         doc += ("\n## Snapshot egress with peers (p2p, bench/egress.py)\n\nThe coordinator's libp2p peer seeds each "
                 "file to `p2p.seed_peers` peers (here 2); clients then fetch from each other, every piece checked "
-                "against the signed manifest (docs/protocol.md §6a). Pieces are 4 MiB here. The corrupting peer fetches "
+                "against the signed manifest (docs/protocol.md §6a). The corrupting peer fetches "
                 "first, then serves every file with piece 1 altered; whoever asks it first bans it after that piece and resumes elsewhere. Times are "
                 "CPU-bound on this machine (every client runs a Python process and a p2pd) and say nothing about a "
                 "WAN; what carries over is the egress.\n\n" + block + "\n")
@@ -207,11 +229,13 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--mib", type=int, default=64, help="size of the weights file")
     ap.add_argument("--seed-peers", type=int, default=2)
+    ap.add_argument("--piece-kib", type=int, default=16384, help="snapshots.piece_kib (the coordinator's default)")
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--deadline-s", type=float, default=20.0, help="a client's p2p deadline (join --p2p: "
                     "p2p_deadline_s) before it takes the rest over HTTP")
     ap.add_argument("--modes", default="http,p2p,corrupt", help="comma-separated subset of http, p2p, corrupt")
     ap.add_argument("--no-corrupt", action="store_true", help="skip the run with a corrupting peer")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder (each mode's reports.json)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="echo-egress-"))
@@ -219,16 +243,22 @@ def main() -> None:
     rows = []
     modes = {"http": (False, False), "p2p": (True, False), "corrupt": (True, True)}
     wanted = [modes[m] for m in args.modes.split(",") if not (m == "corrupt" and args.no_corrupt)]
-    for p2p, corrupt in wanted:
-        coord = Coordinator(tmp / f"run-{p2p}-{corrupt}", model, p2p, args.seed_peers)
-        try:
-            size = sum(p.stat().st_size for p in (tmp / f"run-{p2p}-{corrupt}" / "snapshots" / "v000000").iterdir()
-                       if p.name != "manifest.msgpack")
-            rows.append(run_mode(coord, tmp / f"c-{p2p}-{corrupt}", args.clients, p2p, corrupt, args.timeout_s, size,
-                                 args.deadline_s))
-            print(json.dumps(rows[-1]), flush=True)
-        finally:
-            coord.close()
+    try:
+        for p2p, corrupt in wanted:
+            coord = Coordinator(tmp / f"run-{p2p}-{corrupt}", model, p2p, args.seed_peers, args.piece_kib)
+            try:
+                size = sum(p.stat().st_size for p in (tmp / f"run-{p2p}-{corrupt}" / "snapshots" / "v000000").iterdir()
+                           if p.name != "manifest.msgpack")
+                rows.append(run_mode(coord, tmp / f"c-{p2p}-{corrupt}", args.clients, p2p, corrupt, args.timeout_s,
+                                     size, args.deadline_s))
+                print(json.dumps(rows[-1]), flush=True)
+            finally:
+                coord.close()
+    finally:
+        if args.keep:
+            print(f"kept {tmp}", flush=True)
+        else:  # 20 clients × 3 modes leave gigabytes of snapshot copies
+            shutil.rmtree(tmp, ignore_errors=True)
     argv = "python bench/egress.py " + " ".join(sys.argv[1:])
     text = table(rows, size, argv.strip())
     print(text)

@@ -49,3 +49,35 @@ def piece_count(size: int, piece_size: int) -> int:
 def prompt_hash(token_id_lists: Sequence[Sequence[int]]) -> str:
     """Binds a job to its exact prompt tokens: sha256 of their canonical msgpack encoding."""
     return sha256_bytes(wire.pack([list(map(int, ids)) for ids in token_id_lists]))
+
+
+class FileDigest:
+    """The sha256 of a file being written front to back, kept up to date as bytes are appended, so that the
+    whole-file check of a download is no second pass over the file (docs/protocol.md §6, §6a). ``size`` is how
+    many leading bytes it covers; :meth:`catch_up` makes it cover exactly what the file holds now, reading only
+    what it has not seen (everything again when the file was cut back below it). A writer that rewrites the file
+    from its start calls :meth:`reset` first."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)
+        self.size += len(data)
+
+    def reset(self) -> None:
+        self._hash, self.size = hashlib.sha256(), 0
+
+    def catch_up(self, path: Path) -> None:
+        size = path.stat().st_size if path.exists() else 0
+        if size < self.size:
+            self.reset()
+        if size > self.size:
+            with open(path, "rb") as fh:
+                fh.seek(self.size)
+                while self.size < size and (chunk := fh.read(min(1 << 20, size - self.size))):
+                    self.update(chunk)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()

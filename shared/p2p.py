@@ -30,17 +30,30 @@ from pydantic import BaseModel
 
 from shared import records, wire
 from shared.errors import EchoSwarmError
+from shared.hashing import FileDigest
 from shared.messages import BlobReply, BlobRequest, HolderEntry, LatestRecord, ManifestFile
+from shared.p2p_stream import MAX_FRAME, PieceReceiver, send_file
 
 logger = logging.getLogger(__name__)
 
 BLOB_PROTOCOL = "/echo-swarm/blob/1"
-MAX_FRAME = 4096
 HOLDER_TTL_S = 120.0  # a holder entry lives this long unless refreshed (every HOLDER_TTL_S / 2)
 CALL_TIMEOUT_S = 10.0  # a DHT call, a stream open, a request/reply frame
 IDLE_TIMEOUT_S = 30.0  # a blob stream is cut after this long without a byte
-CHUNK = 1 << 20
+#: Between rounds of asking holders, while none delivers: from the first to the last, doubling. Every round costs
+#: a DHT lookup and a stream per holder asked, and twenty waiting clients polling every 0.3-1 s were a large part
+#: of what p2p cost (docs/benchmarks.md); a new holder or a delivered piece starts again from the first.
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 4.0
+#: Answers after which a peer is not asked again for this file in this download: it will not change its mind.
+FINAL_REFUSALS = frozenset({"seeded", "capped", "no_such_blob", "relayed", "bad_request"})
 MAX_LATEST_TTL_S = 86_400.0
+#: DHT traversals visit this many nearest nodes (hivemind's default is its bucket size, 20), and a holder entry is
+#: stored on as many (``num_replicas``): every node visited sends the whole holder list of the file and every entry
+#: in it is RSA-verified on arrival, so a lookup in a 20-peer swarm cost ~20 × holders verifications. A lookup
+#: reaches the nodes that store the entries either way.
+DHT_BEAM = 5
+DHT_WORKERS = 2  # concurrent requests of one traversal; the ones in flight when it ends are wasted
+MEMO_RECORDS = 4096  # records whose signature this node checked and accepted (see _memo_validator_class)
 
 
 class P2PUnavailable(EchoSwarmError):
@@ -66,19 +79,24 @@ async def read_frame(reader: asyncio.StreamReader, model: type[M]) -> M:
 
 
 # ---- pieces ----------------------------------------------------------------------------------------------
-def verified_prefix(partial: Path, file: ManifestFile) -> int:
+def verified_prefix(partial: Path, file: ManifestFile, digest: FileDigest | None = None) -> int:
     """Bytes at the start of ``partial`` that match ``file``'s piece hashes (whole pieces, or the whole file);
-    the file is cut back to that, so a download resumes after its last verified piece whatever wrote the rest."""
+    the file is cut back to that, so a download resumes after its last verified piece whatever wrote the rest.
+    ``digest`` (the whole file's running sha256) is left covering exactly those bytes."""
+    if digest is not None:
+        digest.reset()
     if not partial.exists():
         return 0
     good = 0
     with open(partial, "r+b") as fh:
-        for i, digest in enumerate(file.pieces):
+        for i, piece_hash in enumerate(file.pieces):
             want = min(file.piece_size, file.size - i * file.piece_size)
             data = fh.read(want)
-            if len(data) < want or hashlib.sha256(data).digest() != digest:
+            if len(data) < want or hashlib.sha256(data).digest() != piece_hash:
                 break
             good += want
+            if digest is not None:
+                digest.update(data)
         fh.truncate(good)
     return good
 
@@ -121,6 +139,7 @@ class FetchReport:
     wasted_bytes: int = 0  # bytes of pieces that failed their hash
     banned: list[str] = field(default_factory=list)
     refused: int = 0  # busy / seeded / absent answers (the cost of polling)
+    lookups: int = 0  # holder lookups in the DHT
     fallback: str = ""  # why the rest comes over HTTP ("" when the peers delivered the whole file)
 
 
@@ -177,6 +196,33 @@ def _validator_class() -> type:
     return EchoSwarmValidator
 
 
+def _memo_validator_class() -> type:
+    _import_hivemind()
+    from hivemind.dht.validation import CompositeValidator
+
+    class MemoValidator(CompositeValidator):
+        """hivemind validates every record of every DHT reply and store: a holder list comes back from each node
+        a lookup visits, on every lookup, and each entry cost an RSA key parse and verification (most of the
+        client's CPU in a 20-peer swarm, by profile). A record is immutable bytes whose acceptance depends on
+        nothing else, so one accepted before is accepted again without the work."""
+
+        def __init__(self, validators: list[Any]) -> None:
+            super().__init__(validators)
+            self._accepted: dict[Any, None] = {}
+
+        def validate(self, record: Any) -> bool:
+            if record in self._accepted:
+                return True
+            ok: bool = super().validate(record)
+            if ok:
+                if len(self._accepted) >= MEMO_RECORDS:
+                    del self._accepted[next(iter(self._accepted))]  # the oldest
+                self._accepted[record] = None
+            return ok
+
+    return MemoValidator
+
+
 BlobResolver = Callable[[str], Path | None]
 
 
@@ -211,7 +257,6 @@ class PeerNode:
             _import_hivemind()
             from hivemind.dht.crypto import RSASignatureValidator
             from hivemind.dht.node import DHTNode
-            from hivemind.dht.validation import CompositeValidator
             from hivemind.p2p import P2P
             from hivemind.utils.crypto import RSAPrivateKey
         except ImportError as exc:
@@ -232,8 +277,8 @@ class PeerNode:
         try:
             self.dht = await asyncio.wait_for(DHTNode.create(
                 p2p=self.p2p, initial_peers=initial_peers, client_mode=client_mode, wait_timeout=3,
-                record_validator=CompositeValidator([signer, self.validator]), ensure_bootstrap_success=False,
-                num_workers=4), startup_timeout_s)
+                record_validator=_memo_validator_class()([signer, self.validator]), ensure_bootstrap_success=False,
+                num_workers=DHT_WORKERS, num_replicas=DHT_BEAM, cache_nearest=0), startup_timeout_s)
         except Exception as exc:
             await self.p2p.shutdown()
             raise P2PUnavailable(f"could not join the DHT: {type(exc).__name__}: {exc}") from None
@@ -284,12 +329,13 @@ class PeerNode:
         entry = wire.encode(HolderEntry(peer_id=self.peer_id, served_bytes=self.uploads.served_bytes))
         keys = [records.blob_key(self.run_id, s) for s in sha256s]
         await asyncio.wait_for(self.dht.store_many(keys, [entry] * len(keys), get_dht_time() + HOLDER_TTL_S,
-                                                   subkeys=[self._rsa_subkey] * len(keys)), CALL_TIMEOUT_S)
+                                                   subkeys=[self._rsa_subkey] * len(keys), beam_size=DHT_BEAM),
+                               CALL_TIMEOUT_S)
 
     async def holders(self, sha256: str) -> dict[str, int]:
         """peer id -> bytes it says it served, of every live holder entry of this file."""
-        found = await asyncio.wait_for(self.dht.get(records.blob_key(self.run_id, sha256), latest=True),
-                                       CALL_TIMEOUT_S)
+        found = await asyncio.wait_for(self.dht.get(records.blob_key(self.run_id, sha256), latest=True,
+                                                    beam_size=DHT_BEAM), CALL_TIMEOUT_S)
         out: dict[str, int] = {}
         if found is None or not isinstance(found.value, dict):
             return out
@@ -324,12 +370,7 @@ class PeerNode:
                 await write_frame(writer, BlobReply(status="bad_request"))
                 return
             await write_frame(writer, BlobReply(status="ok", length=size - request.offset))
-            with open(path, "rb") as fh:
-                fh.seek(request.offset)
-                while chunk := fh.read(CHUNK):
-                    writer.write(chunk)
-                    await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT_S)
-                    self.uploads.served_bytes += len(chunk)
+            await send_file(writer.transport, path, request.offset, IDLE_TIMEOUT_S, self._count_served)
         except (Exception, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -339,40 +380,53 @@ class PeerNode:
                 self.uploads.active -= 1
             writer.close()
 
+    def _count_served(self, n: int) -> None:
+        self.uploads.served_bytes += n
+
     # ---- fetching ---------------------------------------------------------------------------------------
-    async def fetch(self, file: ManifestFile, partial: Path, *, deadline_s: float, avoid: frozenset[str] | set[str] = frozenset(),
-                    last: frozenset[str] | set[str] = frozenset(), first: frozenset[str] | set[str] = frozenset(),
-                    on_bytes: Callable[[int], None] | None = None) -> FetchReport:
+    async def fetch(self, file: ManifestFile, partial: Path, *, deadline_s: float,
+                    avoid: frozenset[str] | set[str] = frozenset(), last: frozenset[str] | set[str] = frozenset(),
+                    first: frozenset[str] | set[str] = frozenset(), on_bytes: Callable[[int], None] | None = None,
+                    digest: FileDigest | None = None) -> FetchReport:
         """Download ``file`` into ``partial`` from peers, piece by piece, each checked on arrival; resume after
         the last verified piece. Returns when the file is complete or when for ``deadline_s`` no peer delivered a
-        byte and no new holder appeared (then ``report.fallback`` says why and the caller continues over HTTP from what is on
-        disk). ``last``: peers tried only after all others (the coordinator, which seeds a few peers only);
-        ``first``: peers tried before all others (tests and benchmarks aim at a known bad peer with it)."""
+        byte and no new holder appeared (then ``report.fallback`` says why and the caller continues over HTTP from
+        what is on disk). ``last``: peers tried only after all others (the coordinator, which seeds a few peers
+        only); ``first``: peers tried before all others (tests and benchmarks aim at a known bad peer with it).
+        ``digest``: the whole file's running sha256, left covering exactly the verified bytes on disk, so the
+        caller's whole-file check needs no second pass over the file."""
         report = FetchReport()
-        have = verified_prefix(partial, file)
+        digest = digest if digest is not None else FileDigest()
+        have = verified_prefix(partial, file, digest)
         banned: set[str] = set()
-        progress_at, known_holders = time.monotonic(), 0
+        done_with: set[str] = set()  # peers whose refusal is final for this file (seeded, capped, ...)
+        progress_at, known_holders, pause = time.monotonic(), 0, RETRY_FIRST_S
+        candidates: list[str] = []
         while have < file.size:
+            report.lookups += 1
             try:
                 holders = await self.holders(file.sha256)
             except (TimeoutError, Exception) as exc:
                 holders = {}
                 logger.info("p2p: holder lookup failed: %s", type(exc).__name__)
             if len(holders) > known_holders:  # the swarm progresses (a seed finished): wait for it, not for HTTP
-                known_holders, progress_at = len(holders), time.monotonic()
-            candidates = [p for p in holders if p != self.peer_id and p not in banned and p not in avoid]
+                known_holders, progress_at, pause = len(holders), time.monotonic(), RETRY_FIRST_S
+            candidates = [p for p in holders if p != self.peer_id and p not in banned and p not in avoid
+                          and p not in done_with]
             random.shuffle(candidates)
             candidates.sort(key=lambda p: (p not in first, p in last))
             for peer in candidates:
                 before = have
-                have, status = await self._fetch_from(peer, file, partial, have, report, on_bytes)
+                have, status = await self._fetch_from(peer, file, partial, have, report, on_bytes, digest)
                 if status == "bad_piece":
                     banned.add(peer)
                     report.banned.append(peer)
                 elif status not in ("ok", "cut"):
                     report.refused += 1
+                    if status in FINAL_REFUSALS:
+                        done_with.add(peer)
                 if have > before:
-                    progress_at = time.monotonic()
+                    progress_at, pause = time.monotonic(), RETRY_FIRST_S
                 if have >= file.size:
                     break
             if have >= file.size:
@@ -382,19 +436,23 @@ class PeerNode:
                                    [p for p in candidates if p not in banned] else
                                    f"no peer delivered the file within {deadline_s:.0f}s")
                 break
-            await asyncio.sleep(random.uniform(0.3, 1.0))  # holders busy or absent: ask again
+            await asyncio.sleep(random.uniform(0.5, 1.0) * pause)  # holders busy or absent: ask again, less often
+            pause = min(2 * pause, RETRY_MAX_S)
         return report
 
     async def _fetch_from(self, peer: str, file: ManifestFile, partial: Path, have: int, report: FetchReport,
-                          on_bytes: Callable[[int], None] | None) -> tuple[int, str]:
+                          on_bytes: Callable[[int], None] | None, digest: FileDigest) -> tuple[int, str]:
+        """Fetch from one peer from byte ``have`` (a piece boundary) on: (verified bytes now on disk, status)."""
         from hivemind.p2p import PeerID
 
         writer = None
         try:
-            _, reader, writer = await asyncio.wait_for(
+            _, _, writer = await asyncio.wait_for(
                 self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), BLOB_PROTOCOL), CALL_TIMEOUT_S)
-            await write_frame(writer, BlobRequest(sha256=file.sha256, offset=have))
-            reply = await read_frame(reader, BlobReply)
+            receiver = PieceReceiver(writer.transport)  # reads the stream from here on
+            data = wire.encode(BlobRequest(sha256=file.sha256, offset=have))
+            writer.transport.write(struct.pack(">I", len(data)) + data)
+            reply = wire.decode(await receiver.frame(CALL_TIMEOUT_S), BlobReply)
             if reply.status != "ok":
                 return have, reply.status
             if reply.length != file.size - have:
@@ -403,19 +461,15 @@ class PeerNode:
                 fh.truncate(have)
                 for index in range(have // file.piece_size, len(file.pieces)):
                     want = min(file.piece_size, file.size - index * file.piece_size)
-                    piece = bytearray()
-                    while len(piece) < want:
-                        chunk = await asyncio.wait_for(reader.read(min(CHUNK, want - len(piece))), IDLE_TIMEOUT_S)
-                        if not chunk:
-                            return have, "cut"
-                        piece += chunk
+                    piece = await receiver.fill(want, IDLE_TIMEOUT_S)
                     if hashlib.sha256(piece).digest() != file.pieces[index]:
                         report.wasted_bytes += want
                         logger.warning("p2p: peer %s sent a bad piece %d of %s; banned for this download",
                                        peer[:12], index, file.path)
                         return have, "bad_piece"
-                    fh.write(piece)
+                    fh.write(piece)  # from the receive buffer: the only copy of the bytes in Python is the kernel's
                     fh.flush()
+                    digest.update(piece)
                     have += want
                     report.peer_bytes += want
                     if on_bytes is not None:

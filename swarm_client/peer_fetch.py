@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from shared import wire
 from shared.endpoints import P2P_INFO
-from shared.messages import ManifestFile, P2PInfo
+from shared.hashing import FileDigest
+from shared.messages import MIN_PIECE_SIZE, ManifestFile, P2PInfo
 from shared.p2p import P2PUnavailable, PeerNode, Uploads, stop_peer
 
 if TYPE_CHECKING:
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _BLOB = re.compile(r"[0-9a-f]{64}")
 ANNOUNCE_EVERY_S = 60.0  # holder entries live 120 s (shared.p2p.HOLDER_TTL_S)
+#: Files smaller than this (the smallest piece: config and tokenizer files) come over HTTP: finding a holder (a DHT
+#: lookup over several peers, a stream, waiting for the swarm to seed it) costs the swarm more CPU than the bytes,
+#: and the coordinator's egress for them is a few kB per client.
+P2P_MIN_BYTES = MIN_PIECE_SIZE
 
 
 @dataclass
@@ -37,6 +42,8 @@ class PeerStats:
     wasted_bytes: int = 0  # pieces that failed their hash
     banned: int = 0
     fallbacks: int = 0  # files (or their rest) fetched over HTTP after trying peers
+    lookups: int = 0  # holder lookups in the DHT
+    refused: int = 0  # peers' refusals (busy, seeded, ...)
     said: set[str] = field(default_factory=set)
 
 
@@ -49,6 +56,13 @@ class PeerSettings:
     deadline_s: float = 20.0
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     coordinator: list[str] = field(default_factory=list)  # its peer's multiaddrs; empty: ask GET /v1/p2p
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def coordinator_info(maddrs: list[str]) -> P2PInfo:
@@ -71,6 +85,7 @@ class ClientPeer:
         self._say = say or logger.warning
         self._task: asyncio.Task[None] | None = None
         self.prefer: set[str] = set()  # peers to try first (tests and bench/egress.py aim at a bad peer)
+        self._unannounced: set[str] = set()  # small files held but not yet announced (see announce)
 
     @property
     def served_bytes(self) -> int:
@@ -122,21 +137,43 @@ class ClientPeer:
         return sorted(p.name for p in self.blobs.iterdir() if _BLOB.fullmatch(p.name))
 
     async def _announce_loop(self) -> None:
-        while True:
-            await self.announce(self.held())
+        while True:  # every held file, small ones included: entries expire unless refreshed
+            held, self._unannounced = self.held(), set()
+            if held:
+                await self._store(held)
             await asyncio.sleep(ANNOUNCE_EVERY_S)
 
     async def announce(self, sha256s: list[str]) -> None:
+        """Say these verified files are held here. Small files (fetched over HTTP, but older clients still look
+        them up) wait to go with the next announcement of a larger one or :meth:`announce_pending`: each
+        announcement is a DHT traversal and a store on several peers."""
         if self.node is None:
             return
+        small = {s for s in sha256s if _size(self.blobs / s) < P2P_MIN_BYTES}
+        self._unannounced |= small
+        if small == set(sha256s):
+            return
+        sha256s, self._unannounced = sorted(set(sha256s) | self._unannounced), set()
+        await self._store(sha256s)
+
+    async def announce_pending(self) -> None:
+        """Announce the small files still waiting (a snapshot is complete)."""
+        if self.node is not None and self._unannounced:
+            pending, self._unannounced = sorted(self._unannounced), set()
+            await self._store(pending)
+
+    async def _store(self, sha256s: list[str]) -> None:
+        assert self.node is not None
         try:
             await self.node.announce(sha256s)
         except Exception as exc:
             logger.info("p2p: announcing %d files failed: %s", len(sha256s), type(exc).__name__)
 
-    async def fetch(self, file: ManifestFile, partial: Path, on_bytes: Callable[[int], None]) -> None:
-        """Fill ``partial`` from peers as far as they deliver; the caller fetches the rest over HTTP."""
-        if self.node is None:
+    async def fetch(self, file: ManifestFile, partial: Path, on_bytes: Callable[[int], None],
+                    digest: FileDigest | None = None) -> None:
+        """Fill ``partial`` from peers as far as they deliver; the caller fetches the rest over HTTP. ``digest``
+        (the whole file's running sha256) is fed every verified byte, so the caller's check reads nothing again."""
+        if self.node is None or file.size < P2P_MIN_BYTES:
             return
         if not file.pieces:
             self.say_once("pieces", "p2p: this snapshot's manifest has no piece hashes (published before protocol "
@@ -144,7 +181,8 @@ class ClientPeer:
             return
         try:
             report = await self.node.fetch(file, partial, deadline_s=self.settings.deadline_s,
-                                           last={self.coordinator_peer}, first=self.prefer, on_bytes=on_bytes)
+                                           last={self.coordinator_peer}, first=self.prefer, on_bytes=on_bytes,
+                                           digest=digest)
         except Exception as exc:  # p2p is best effort: whatever broke, HTTP continues from the verified bytes
             self.stats.fallbacks += 1
             self.say_once("error", f"p2p: fetching {file.path} from peers failed ({type(exc).__name__}: {exc}); "
@@ -153,6 +191,8 @@ class ClientPeer:
         self.stats.peer_bytes += report.peer_bytes
         self.stats.wasted_bytes += report.wasted_bytes
         self.stats.banned += len(report.banned)
+        self.stats.lookups += report.lookups
+        self.stats.refused += report.refused
         if report.fallback:
             self.stats.fallbacks += 1
             self.say_once("fallback", f"p2p: {report.fallback} for {file.path}; fetching the rest over HTTP "

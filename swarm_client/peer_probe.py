@@ -47,17 +47,23 @@ def _corrupt_copies(blobs: Path, piece: int, piece_size: int) -> dict[str, Path]
     return out
 
 
-def _cpu(peer: object) -> float:
-    """CPU seconds of this process plus its p2pd (Linux /proc; the daemon's share is 0 elsewhere)."""
-    total = time.process_time()
+def _cpu(peer: object) -> tuple[float, float]:
+    """CPU seconds of (this process, its p2pd) (Linux /proc; the daemon's share is 0 elsewhere)."""
+    daemon = 0.0
     child = getattr(getattr(getattr(peer, "node", None), "p2p", None), "_child", None)
     if child is not None:
         try:
             fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            daemon = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except OSError:
             pass
-    return total
+    return time.process_time(), daemon
+
+
+def _cpu_since(peer: object, start: tuple[float, float]) -> dict[str, float]:
+    now = _cpu(peer)
+    py, daemon = now[0] - start[0], now[1] - start[1]
+    return {"cpu_s": round(py + daemon, 3), "cpu_python_s": round(py, 3), "cpu_p2pd_s": round(daemon, 3)}
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -96,9 +102,10 @@ async def main(args: argparse.Namespace) -> int:
             "event": "ready", "version": manifest.version, "start_s": round(started, 3), "ready_s": round(ready, 3),
             "http_bytes": cache.bytes_downloaded, "peer_bytes": stats.peer_bytes if stats else 0,
             "wasted_bytes": stats.wasted_bytes if stats else 0, "banned": stats.banned if stats else 0,
-            "fallbacks": stats.fallbacks if stats else 0, "p2p": cache.peers is not None, "said": said,
+            "fallbacks": stats.fallbacks if stats else 0, "lookups": stats.lookups if stats else 0,
+            "refused": stats.refused if stats else 0, "p2p": cache.peers is not None, "said": said,
             "peer_id": peer.node.peer_id if peer is not None and peer.node is not None else None,
-            "corrupt": args.corrupt_piece, "cpu_s": round(_cpu(peer) - cpu0, 3)}), flush=True)
+            "corrupt": args.corrupt_piece} | _cpu_since(peer, cpu0)), flush=True)
         if args.serve_s > 0 and cache.peers is not None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -106,8 +113,8 @@ async def main(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.serve_s)
-            print(json.dumps({"event": "served", "served_bytes": cache.peers.served_bytes,
-                              "cpu_s": round(_cpu(peer) - cpu0, 3)}), flush=True)
+            print(json.dumps({"event": "served", "served_bytes": cache.peers.served_bytes}
+                             | _cpu_since(peer, cpu0)), flush=True)
         return 0
     finally:
         if peer is not None:

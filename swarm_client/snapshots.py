@@ -36,7 +36,7 @@ from shared import wire
 from shared.deltas import PatchError, apply_patch
 from shared.endpoints import BLOB, SNAPSHOT
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError
-from shared.hashing import sha256_file
+from shared.hashing import FileDigest, sha256_file
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
 from swarm_client.api import CoordinatorClient, duration_text
@@ -184,6 +184,8 @@ class SnapshotCache:
                     if not (self.blobs / f.sha256).exists():
                         await self._rebuild(manifest, f)
                     await self._fetch_blob(f.sha256, f.size, f"v{version} {f.path}", f)
+            if self.peers is not None:
+                await self.peers.announce_pending()
             self._assemble(folder, manifest, sha)
             _touch(folder)
             self._prune(run_id, keep=folder)
@@ -307,6 +309,7 @@ class SnapshotCache:
         corrupt = stalled = 0
         last_error = ""
         transfer = Transfer(name or sha256[:12], _size(partial), size)
+        digest = FileDigest()  # the whole file's sha256, fed as bytes are written: no second pass to check it
         try:
             if self.peers is not None and file is not None:
                 transfer.restart(_size(partial))
@@ -317,22 +320,24 @@ class SnapshotCache:
                         self.count(n)
                     self._report(transfer)
 
-                await self.peers.fetch(file, partial, advanced)
+                await self.peers.fetch(file, partial, advanced, digest)
             while True:
                 before = _size(partial)
-                complete, error, status = await self._download(sha256, partial, size, transfer)
+                complete, error, status = await self._download(sha256, partial, size, transfer, digest)
                 if complete:
-                    digest = sha256_file(partial)
-                    if digest == sha256:
+                    await asyncio.to_thread(digest.catch_up, partial)  # what it has not seen (normally nothing)
+                    got = digest.hexdigest()
+                    if got == sha256:
                         os.replace(partial, final)
                         if self.peers is not None:
                             await self.peers.announce([sha256])  # serve it from now on (whole, verified)
                         return final
                     corrupt += 1
                     partial.unlink(missing_ok=True)
+                    digest.reset()
                     transfer.done = 0
                     logger.warning("file %s failed its sha256 check (got %s); fetching it again (%d/%d)",
-                                   transfer.name, digest[:12], corrupt, self.max_attempts)
+                                   transfer.name, got[:12], corrupt, self.max_attempts)
                     if corrupt >= self.max_attempts:
                         raise IntegrityError(
                             f"file {transfer.name} ({sha256[:12]}) arrived complete but failed its sha256 check "
@@ -356,9 +361,10 @@ class SnapshotCache:
         finally:
             self._report(None)
 
-    async def _download(self, sha256: str, partial: Path, size: int, transfer: Transfer
+    async def _download(self, sha256: str, partial: Path, size: int, transfer: Transfer, digest: FileDigest
                         ) -> tuple[bool, str, int | None]:
-        """Continue the transfer into ``partial``: (complete, what interrupted it, the refusing HTTP status)."""
+        """Continue the transfer into ``partial``: (complete, what interrupted it, the refusing HTTP status).
+        ``digest`` is fed every byte written."""
         have = _size(partial)
         if have > size:
             partial.unlink()
@@ -378,6 +384,10 @@ class SnapshotCache:
                     logger.warning("coordinator answered HTTP %d for file %s", resp.status, transfer.name)
                     return False, error, resp.status
                 mode = "ab" if resp.status == 206 else "wb"
+                if mode == "wb":
+                    digest.reset()
+                else:
+                    await asyncio.to_thread(digest.catch_up, partial)  # bytes a restart or another writer left
                 with open(partial, mode) as fh:
                     transfer.restart(fh.tell() if mode == "ab" else 0)
                     flushed, flushing = fh.tell(), None
@@ -386,6 +396,7 @@ class SnapshotCache:
                         # capped: small reads, each taken from the bucket before the next (TCP then slows the sender)
                         async for chunk in resp.content.iter_chunked(THROTTLED_CHUNK if throttle else CHUNK):
                             fh.write(chunk)
+                            digest.update(chunk)
                             if self.count is not None:
                                 self.count(len(chunk))
                             if throttle is not None:

@@ -73,11 +73,15 @@ class RecordingPeers:
         self.asked: list[ManifestFile] = []
         self.announced: list[str] = []
 
-    async def fetch(self, file: ManifestFile, partial: Path, on_bytes: Callable[[int], None]) -> None:
+    async def fetch(self, file: ManifestFile, partial: Path, on_bytes: Callable[[int], None],
+                    digest: object = None) -> None:
         self.asked.append(file)
 
     async def announce(self, sha256s: list[str]) -> None:
         self.announced.extend(sha256s)
+
+    async def announce_pending(self) -> None:
+        pass
 
 
 def _fetch(store: SnapshotStore, home: Path, versions: list[int], between: Callable[[int], None] = lambda v: None,

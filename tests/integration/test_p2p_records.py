@@ -1,5 +1,6 @@
 """The DHT records of p2p snapshots (docs/protocol.md §6a) against an attacker on the same DHT: forged, replayed and
-re-dated latest-version records and a hijacked holder entry are refused by the honest nodes' validators.
+re-dated latest-version records and a hijacked holder entry are refused by the honest nodes' validators (which
+remember the records they accepted, never the ones they refused). And when a client announces small files.
 
 Three real libp2p peers (each its own p2pd process) on loopback: C (the coordinator's key signs), R (a reader) and
 P, an attacker whose DHT node runs no validator and stores whatever it likes.
@@ -15,6 +16,7 @@ import pytest
 from shared import crypto, records, wire
 from shared.messages import HolderEntry
 from shared.p2p import PeerNode, Uploads
+from swarm_client.peer_fetch import P2P_MIN_BYTES, ClientPeer, PeerSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hivemind")]  # missing, these fail (conftest)
 
@@ -90,3 +92,40 @@ async def _scenario(tmp_path: Path) -> None:
 
 def test_forged_replayed_redated_and_hijacked_records_are_refused(tmp_path: Path) -> None:
     asyncio.run(asyncio.wait_for(_scenario(tmp_path), 180))
+
+
+async def _small_files_scenario(tmp_path: Path) -> None:
+    pub = crypto.public_bytes(crypto.generate_key())
+    c = PeerNode(RUN, pub, lambda s: None, Uploads())
+    client: ClientPeer | None = None
+    try:
+        await c.start(initial_peers=[], host_maddrs=LOOPBACK)
+        blobs = tmp_path / "blobs"
+        blobs.mkdir()
+        client = ClientPeer(blobs, PeerSettings(listen=LOOPBACK, coordinator=await c.visible_maddrs()))
+        assert await client.start(None, RUN, pub)  # type: ignore[arg-type]  # its coordinator is given: no HTTP
+        assert client.node is not None
+        await asyncio.sleep(0)  # the periodic announcement's first round: nothing held yet, then 60 s of sleep
+        small, small2, big = "01" * 32, "02" * 32, "03" * 32
+        for name, size in ((small, 100), (small2, 100), (big, P2P_MIN_BYTES)):
+            (blobs / name).write_bytes(b"x" * size)
+        me = client.node.peer_id
+        await client.announce([small])  # a small file alone: no DHT store yet
+        assert await c.holders(small) == {}
+        await client.announce([big])  # the next large file takes it along
+        assert set(await c.holders(big)) == {me} and set(await c.holders(small)) == {me}
+        await client.announce([small2])
+        assert await c.holders(small2) == {}
+        await client.announce_pending()  # the version is complete
+        assert set(await c.holders(small2)) == {me}
+    finally:
+        if client is not None:
+            await client.stop()
+        await c.stop()
+
+
+def test_small_files_are_announced_together_with_the_next_large_one(tmp_path: Path) -> None:
+    """Files under P2P_MIN_BYTES come over HTTP (swarm_client/peer_fetch.py), but older clients still look them up:
+    a client announces them with its next announcement of a large file, or when its version is complete, not one
+    DHT store each."""
+    asyncio.run(asyncio.wait_for(_small_files_scenario(tmp_path), 120))

@@ -2,8 +2,8 @@
 the coordinator's peer (its own p2pd) and each client in a separate process (swarm_client.peer_probe: the
 snapshot path of `join`, without a generation backend). NAT port mapping, AutoNAT and relays are off.
 
-What must hold: a client fetches a version from another client while the coordinator's egress stays flat; a
-corrupting peer is caught at its first bad piece and the download completes elsewhere; p2p off, p2pd missing and
+What must hold: a client fetches a version from another client while the coordinator sends it only the files
+too small for p2p (under 64 KiB: config and tokenizer files, over HTTP by design); a corrupting peer is caught at its first bad piece and the download completes elsewhere; p2p off, p2pd missing and
 hivemind missing all give the same files over HTTP. The DHT record checks are in test_p2p_records.py.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from swarm_client.peer_fetch import P2P_MIN_BYTES
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import Proc, stop_all, wait_until
 
@@ -53,6 +54,13 @@ def hf_bytes(live: LiveCoordinator) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.name != "manifest.msgpack")
 
 
+def split_bytes(live: LiveCoordinator) -> tuple[int, int]:
+    """(bytes of the files that move between peers, bytes of those under P2P_MIN_BYTES, which come over HTTP)."""
+    folder = live.run_dir / "snapshots" / "v000000"
+    sizes = [p.stat().st_size for p in folder.iterdir() if p.name != "manifest.msgpack"]
+    return sum(n for n in sizes if n >= P2P_MIN_BYTES), sum(n for n in sizes if n < P2P_MIN_BYTES)
+
+
 def egress(live: LiveCoordinator) -> dict[str, Any]:
     return live.coordinator.egress.view()
 
@@ -63,30 +71,32 @@ def folder_of(home: Path) -> dict[str, bytes]:
 
 
 def test_peers_serve_each_other_and_catch_a_corrupting_peer(live: LiveCoordinator, tmp_path: Path) -> None:
-    size = hf_bytes(live)
+    size, small = split_bytes(live)
+    assert size > 2 * PIECE and small > 0  # the weights file has a piece 2; config and tokenizer files are small
     procs: list[Proc] = []
     try:
         # A: seeded by the coordinator over libp2p (k = 1), then serves
         a = probe(live, tmp_path / "a", "--p2p", "--serve-s", "300")
         procs.append(a)
         ra = ready(a)
-        assert ra["p2p"] and ra["peer_bytes"] == size and ra["http_bytes"] == 0, ra
+        assert ra["p2p"] and ra["peer_bytes"] == size and ra["http_bytes"] == small, ra
         after_a = egress(live)
-        assert after_a["p2p_bytes"] == size and after_a["http_bytes"] == 0, after_a
+        assert after_a["p2p_bytes"] == size and after_a["http_bytes"] == small, after_a
 
-        # B: the coordinator has seeded its one peer, so B's bytes come from A; the coordinator sends nothing
+        # B: the coordinator has seeded its one peer, so B's large files come from A; the coordinator sends it
+        # the small files only (over HTTP: B's own count says so)
         b = probe(live, tmp_path / "b", "--p2p")
         procs.append(b)
         rb = ready(b)
-        assert rb["peer_bytes"] == size and rb["http_bytes"] == 0 and rb["fallbacks"] == 0, rb
-        assert egress(live)["coordinator_bytes"] == after_a["coordinator_bytes"]  # flat while B fetched
+        assert rb["peer_bytes"] == size and rb["http_bytes"] == small and rb["fallbacks"] == 0, rb
+        assert egress(live)["p2p_bytes"] == after_a["p2p_bytes"]  # not one more byte over libp2p while B fetched
         assert folder_of(tmp_path / "b") == folder_of(tmp_path / "a")
 
         # M: fetches honestly from A, then serves every file with piece 2 altered
         m = probe(live, tmp_path / "m", "--p2p", "--serve-s", "300", "--corrupt-piece", "2")
         procs.append(m)
         rm = ready(m)
-        assert rm["http_bytes"] == 0, rm
+        assert rm["peer_bytes"] == size and rm["http_bytes"] == small, rm
         wait_until(lambda: any('"ready"' in x for x in m.lines), 5, "M ready")
 
         # D asks M first: caught at M's first bad piece (piece 2 of the weights), M banned, the rest from A
@@ -94,9 +104,9 @@ def test_peers_serve_each_other_and_catch_a_corrupting_peer(live: LiveCoordinato
         procs.append(d)
         rd = ready(d)
         assert rd["banned"] == 1 and rd["wasted_bytes"] == PIECE, rd
-        assert rd["peer_bytes"] == size and rd["http_bytes"] == 0, rd
+        assert rd["peer_bytes"] == size and rd["http_bytes"] == small, rd
         assert folder_of(tmp_path / "d") == folder_of(tmp_path / "a")
-        assert egress(live)["coordinator_bytes"] == after_a["coordinator_bytes"]
+        assert egress(live)["p2p_bytes"] == after_a["p2p_bytes"]
         assert any("bad piece 2" in line for line in d.lines), d.output()[-2000:]
     finally:
         stop_all(*reversed(procs))

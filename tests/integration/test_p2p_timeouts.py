@@ -1,6 +1,7 @@
 """Every network call of a p2p fetch has a timeout (docs/protocol.md §6a): a holder that accepts a blob stream and
 then says nothing, or stops sending mid-file, cannot hold a client past its deadline; the client reports the
-fallback (and the caller continues over HTTP from the verified bytes, tests/integration/test_p2p_snapshots.py)."""
+fallback (and the caller continues over HTTP from the verified bytes, tests/integration/test_p2p_snapshots.py).
+And a holder that refuses for good is not asked again, while the lookups back off."""
 
 from __future__ import annotations
 
@@ -71,3 +72,30 @@ def test_a_silent_or_stalling_holder_cannot_hold_the_client(tmp_path: Path, mode
     monkeypatch.setattr(p2p, "CALL_TIMEOUT_S", 2.0)
     monkeypatch.setattr(p2p, "IDLE_TIMEOUT_S", 2.0)
     asyncio.run(asyncio.wait_for(_scenario(tmp_path, mode), 120))
+
+
+async def _refusing_scenario(tmp_path: Path) -> None:
+    blob = tmp_path / "blob"
+    blob.write_bytes(os.urandom(2 * 65536))
+    mf = manifest_file(blob, "model.safetensors", piece_size=65536)
+    pub = crypto.public_bytes(crypto.generate_key())
+    server = PeerNode("run", pub, lambda s: blob if s == mf.sha256 else None, Uploads(per_blob=0))  # all "seeded"
+    client = PeerNode("run", pub, lambda s: None, Uploads())
+    try:
+        await server.start(initial_peers=[], host_maddrs=LOOPBACK)
+        await client.start(initial_peers=await server.visible_maddrs(), host_maddrs=LOOPBACK)
+        await server.announce([mf.sha256])
+        t0 = time.monotonic()
+        report = await client.fetch(mf, tmp_path / "part", deadline_s=3.0)
+        took = time.monotonic() - t0
+        assert report.fallback.startswith("no peer delivered the file within 3s"), report
+        assert report.refused == 1, report  # "seeded" is final: asked once, not on every round
+        # rounds back off (0.25-0.5 s, doubling): over 3 s a handful of lookups, not one every 0.3-1 s
+        assert 2 <= report.lookups <= 6, (report.lookups, took)
+    finally:
+        await client.stop()
+        await server.stop()
+
+
+def test_a_final_refusal_is_not_asked_again_and_lookups_back_off(tmp_path: Path) -> None:
+    asyncio.run(asyncio.wait_for(_refusing_scenario(tmp_path), 120))
