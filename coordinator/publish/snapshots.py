@@ -23,10 +23,11 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -52,10 +53,22 @@ class SnapshotFiles:
     ``write(folder)`` writes the version's own files into ``folder``; ``shared`` maps a manifest file name to a
     writer of a run-level file (``writer(path)`` writes exactly that file) that is the same in every version:
     it is written into ``snapshots/base/`` the first time and reused afterwards. Both run on the publisher's
-    thread, after the learner has moved on, so they must read copies (or weights that never change)."""
+    thread, after the learner has moved on, so they must read copies (or weights that never change).
+
+    ``weights`` (full-weight versions): the hand-over copy ``write`` reads, by tensor name. The store empties it
+    as soon as the files are written, so the copy is freed before hashing, patches and the manifest; ``written`` is
+    set then (also on failure). The learner hands over its next copy only after that: one copy in flight."""
 
     write: FileWriter
     shared: Mapping[str, FileWriter] = field(default_factory=dict)
+    weights: MutableMapping[str, Any] | None = None
+    written: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """The files are written (or will not be): drop the hand-over copy. Idempotent."""
+        if self.weights is not None:
+            self.weights.clear()
+        self.written.set()
 
 
 def fsync_dir(path: Path) -> None:
@@ -151,7 +164,10 @@ class SnapshotStore:
         tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            files.write(tmp)
+            try:
+                files.write(tmp)
+            finally:
+                files.release()
             hold(f"publish-v{version}")  # a fault test's kill point: written, not yet durable or renamed
             # the fsync (waiting on the disk) and the hashing (reading the same files from the page cache) overlap
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-fsync") as pool:
