@@ -1,0 +1,105 @@
+"""Lazy publication (``snapshots.lag_tolerance``): a 16-bit snapshot element changes only when the learner's weight
+has moved far enough from what clients already hold.
+
+Why. The learner keeps float32 weights and publishes them rounded to bfloat16 (or float16). Adam moves every weight
+by about the learning rate at every step, and the rounding of a weight changes whenever it crosses a rounding
+boundary — for small weights, whose unit in the last place (ulp) is tiny, at almost every step. At lr 1e-5 a
+quarter of a 0.5 B model's bf16 elements change per step, and no lossless coding of that snapshot is under
+5 % of the file (docs/benchmarks.md, "Delta snapshots"). Those changes are far below what matters for the policy:
+a weight's error in a matrix product counts in absolute terms, and rounding already puts the tensor's typical
+element about half an ulp — ``eps/2 · RMS`` — off its master value.
+
+The rule. For each 16-bit floating tensor, with ``R`` its rounding of the learner's weights at this version, ``P``
+the same tensor as the previous version published it, and ``δ = lag_tolerance · eps · RMS(R)`` (``eps`` the
+dtype's machine epsilon, 2⁻⁷ for bfloat16):
+
+    published = R  where |R − P| > δ,   P elsewhere.
+
+Nothing is lost: the learner's float32 master weights keep every update, and an element is republished once
+the master has drifted more than δ from what was published (up to ``δ + ulp/2`` off the master: a bounded lag,
+of the order of the rounding error itself at the default 0.5). Anchor versions, the first version, and any
+version whose previous file is not at hand publish ``R`` whole (a resync). At tolerance 0 the published
+snapshot is exactly ``R``, as without this module. float32 tensors are never held back (nothing is rounded).
+
+Correctness does not depend on the lag: clients sample and the verifier recomputes from the published snapshot
+(the behaviour policy), and the learner's importance ratio πθ/π_b corrects for the gap between it and the
+learner's own float32 policy. docs/benchmarks.md measures the gap, the learning and the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+CHUNK_ELEMENTS = 2**22  # elements compared at a time: the temporaries are a few chunks, never a tensor
+_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What :func:`settle` did: elements of 16-bit tensors compared, republished (differ from the previous
+    version's) and held back (their rounding moved, by no more than δ)."""
+
+    elements: int
+    republished: int
+    held: int
+
+
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header: dict[str, Any] = json.loads(fh.read(n))
+    return header, 8 + n
+
+
+def settle(weights: MutableMapping[str, Tensor], previous: Path, tolerance: float) -> Settled:
+    """Apply the rule (module docstring) in place to ``weights`` (the hand-over copy about to be written: name →
+    CPU tensor in the publish dtype), against ``previous``, the previous version's ``model.safetensors``. Tensors
+    the previous file does not hold with the same dtype and shape are left as they are (published whole)."""
+    import torch
+
+    header, start = _header(previous)
+    elements = republished = held = 0
+    with open(previous, "rb") as fh:
+        for name, tensor in weights.items():
+            entry = header.get(name)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if (dtype not in _DTYPES.values() or not isinstance(entry, dict) or _DTYPES.get(entry.get("dtype", ""))
+                    != dtype or list(entry.get("shape", ())) != list(tensor.shape) or not tensor.is_contiguous()):
+                continue
+            flat = tensor.view(-1)
+            rms = _rms(flat)
+            delta = tolerance * torch.finfo(tensor.dtype).eps * rms
+            offset = start + int(entry["data_offsets"][0])
+            for at in range(0, flat.numel(), CHUNK_ELEMENTS):
+                new = flat[at:at + CHUNK_ELEMENTS]
+                old = torch.empty_like(new)
+                fh.seek(offset + at * new.element_size())
+                if fh.readinto(old.view(torch.uint8).numpy().data) != old.numel() * old.element_size():
+                    raise ValueError(f"{previous} ends inside tensor {name!r}")
+                moved = new.view(torch.int16) != old.view(torch.int16)  # bit patterns: +0 and -0 differ too
+                keep = moved & ((new.float() - old.float()).abs() <= delta)
+                new[keep] = old[keep]
+                elements += new.numel()
+                held += int(keep.sum())
+                republished += int(moved.sum()) - int(keep.sum())
+    return Settled(elements, republished, held)
+
+
+def _rms(flat: Tensor) -> float:
+    import torch
+
+    total = 0.0
+    for at in range(0, flat.numel(), CHUNK_ELEMENTS):
+        total += float(flat[at:at + CHUNK_ELEMENTS].to(torch.float64).square().sum())
+    return (total / max(1, flat.numel())) ** 0.5
