@@ -34,7 +34,7 @@ import struct
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -55,11 +55,21 @@ class Settled:
     held: int
 
 
-def _header(path: Path) -> tuple[dict[str, Any], int]:
+@dataclass(frozen=True)
+class _Stored:
+    """A tensor as a safetensors file stores it: dtype name (``BF16``), shape, and its first data byte."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+def _tensors(path: Path) -> dict[str, _Stored]:
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
-        header: dict[str, Any] = json.loads(fh.read(n))
-    return header, 8 + n
+        header = json.loads(fh.read(n))
+    return {name: _Stored(str(t["dtype"]), tuple(int(d) for d in t["shape"]), 8 + n + int(t["data_offsets"][0]))
+            for name, t in header.items() if name != "__metadata__"}
 
 
 def settle(weights: MutableMapping[str, Tensor], previous: Path, tolerance: float) -> Settled:
@@ -68,19 +78,19 @@ def settle(weights: MutableMapping[str, Tensor], previous: Path, tolerance: floa
     the previous file does not hold with the same dtype and shape are left as they are (published whole)."""
     import torch
 
-    header, start = _header(previous)
+    stored = _tensors(previous)
     elements = republished = held = 0
     with open(previous, "rb") as fh:
         for name, tensor in weights.items():
-            entry = header.get(name)
+            entry = stored.get(name)
             dtype = str(tensor.dtype).removeprefix("torch.")
-            if (dtype not in _DTYPES.values() or not isinstance(entry, dict) or _DTYPES.get(entry.get("dtype", ""))
-                    != dtype or list(entry.get("shape", ())) != list(tensor.shape) or not tensor.is_contiguous()):
+            if (dtype not in _DTYPES.values() or entry is None or _DTYPES.get(entry.dtype) != dtype
+                    or entry.shape != tuple(tensor.shape) or not tensor.is_contiguous()):
                 continue
             flat = tensor.view(-1)
             rms = _rms(flat)
             delta = tolerance * torch.finfo(tensor.dtype).eps * rms
-            offset = start + int(entry["data_offsets"][0])
+            offset = entry.offset
             for at in range(0, flat.numel(), CHUNK_ELEMENTS):
                 new = flat[at:at + CHUNK_ELEMENTS]
                 old = torch.empty_like(new)
