@@ -37,6 +37,7 @@ from coordinator.config import LearnerConfig, ModelConfig
 from coordinator.engine import fsdp, lora
 from coordinator.engine.evaluation import greedy_accuracy, pad_id
 from coordinator.engine.fsdp import single_rank
+from coordinator.engine.tied import TiedEmbeddingGradient
 from coordinator.publish.checkpoints import CheckpointState, ShardedCheckpoint
 from coordinator.publish.gguf_export import write_model_gguf
 from coordinator.publish.snapshots import SnapshotFiles
@@ -147,10 +148,11 @@ class Learner:
                 fsdp.from_leader(ranks, [p for p in self.model.parameters() if p.requires_grad])
             fsdp.shard(self.model, ranks, cfg.mixed_precision)
         self.model.train()
-        if ranks is None and not self.lora and getattr(self.model.config, "tie_word_embeddings", False):
-            # the tied embedding's lookup gradient as sparse rows, added in place to the output layer's dense
-            # gradient of the same weight: not a second dense [vocab, hidden] tensor (0.5 GB at 0.5 B parameters)
-            self.model.get_input_embeddings().sparse = True
+        # a tied embedding's gradients summed in place in one tensor, not in more [vocab, hidden] ones (engine.tied)
+        output = self.model.get_output_embeddings()
+        self._tied = (TiedEmbeddingGradient(self.model.get_input_embeddings(), output) if ranks is None
+                      and not self.lora and output is not None
+                      and output.weight is self.model.get_input_embeddings().weight else None)
         self.pad_id = pad_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
         if not self.stop_ids:
