@@ -117,6 +117,11 @@ def run(model_dir: Path, lr: float, args: argparse.Namespace, work: Path) -> dic
             metrics = learner.train_step(samples)
             row: dict[str, Any] = {"version": v, "reward": reward, "grad_norm": float(metrics["grad_norm"]),
                                    "train_s": time.monotonic() - t0, "stores": {}}
+            if args.gap:  # the scale of a policy gap: how far this one step moved the learner's own policy
+                after = learner.recompute([x.prompt_ids for x in samples], [x.completion_ids for x in samples])
+                moved = [a - b for x, row_ in zip(samples, after, strict=True)
+                         for a, b in zip(row_, x.old_logprobs, strict=True)]
+                row["step_change"] = sum(abs(d) for d in moved) / len(moved)
             for t, store in stores.items():
                 t0 = time.monotonic()
                 store.publish(v, learner.snapshot_files("bfloat16"), time.time())
@@ -159,7 +164,8 @@ def run(model_dir: Path, lr: float, args: argparse.Namespace, work: Path) -> dic
 def summary(results: list[dict[str, Any]], label: str) -> str:
     lines = ["| model, lr | lag tolerance | file | full file | patch per version, median (max) | "
              "patch ÷ full, median (max) | rebuilt = published | client apply + sha256, median (max) | "
-             "elements republished / held per version, median | policy gap: mean \\|Δ logprob\\| / KL, median |",
+             "elements republished / held per version, median | policy gap: mean \\|Δ logprob\\| / KL, median (÷ one "
+             "step's change of the learner's policy) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rows = r["rows"]
@@ -178,8 +184,11 @@ def summary(results: list[dict[str, Any]], label: str) -> str:
                          f"{100 * statistics.median(x['republished'] for x in shares):.2f} % / "
                          f"{100 * statistics.median(x['held'] for x in shares):.2f} %")
                 gaps = [x["gap"] for x in shares if "gap" in x]
+                step = [row["step_change"] for row in rows if "step_change" in row]
                 gap_text = (f"{statistics.median(g['mean_abs'] for g in gaps):.5f} / "
-                            f"{statistics.median(g['kl'] for g in gaps):.2e}") if gaps else "–"
+                            f"{statistics.median(g['kl'] for g in gaps):.2e}"
+                            + (f" ({statistics.median(g['mean_abs'] for g in gaps) / statistics.median(step):.2f} "
+                               f"of a step)" if step else "")) if gaps else "–"
                 lines.append(
                     f"| {label}, {r['lr']:g} | {t} | {name} | {full / 1e6:.1f} MB | "
                     f"{statistics.median(deltas) / 1e6:.2f} MB ({max(deltas) / 1e6:.2f} MB) | "
