@@ -10,8 +10,13 @@ does (``shared.deltas.apply_patch`` on the previous file, then the sha256 check 
 and times it. The full client path over HTTP, refusals and fallbacks included, is exercised by
 tests/integration/test_delta_snapshots.py and by ``bench/scale.py``'s delta table (real processes).
 
+Lazy publication (``snapshots.lag_tolerance``, coordinator/publish/lazy.py): every version is published by one store
+per tolerance in ``--lag-tolerance``, from the same trained weights, side by side. With ``--gap`` each published
+version is loaded into a float32 replica and its policy compared with the learner's own on the next step's
+samples (mean |Δ logprob| per token, the k3 KL estimate), next to how far that step moved the learner's policy.
+
     python bench/deltas.py --model tiny --lr 1e-6,1e-5 --steps 8 --lag-tolerance 0,0.25,0.5,1 --gap
-    nice -n 5 python bench/deltas.py --model qwen0.5b --lr 1e-6,1e-5 --steps 4
+    flock /tmp/echo-heavy.lock nice -n 5 python bench/deltas.py --model qwen0.5b --lr 1e-6,1e-5 --steps 2 --gap
 """
 
 from __future__ import annotations
