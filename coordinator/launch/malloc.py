@@ -4,8 +4,9 @@ glibc's malloc serves blocks below its mmap threshold from heap arenas, and rais
 time it frees a larger mapped block. A learner frees tensors of every size at every step — at 0.5 B parameters its
 gradients and activations are mostly 3–17 MB blocks — which then land in arenas that are seldom trimmed: measured
 with bench/learner_memory.py, 1.7 GiB (3.7 B/param) stayed resident after each step and the next step's peak grew
-by as much. A fixed 1 MiB threshold maps every larger block on its own and unmaps it when freed; the cost is a page
-fault per 4 KiB of each new large block (well under 1 % of a step's time on the CPUs measured).
+by as much. A fixed 1 MiB threshold maps every larger block on its own and unmaps it when freed; the cost is the
+kernel handing out fresh zeroed pages for each new large block (an estimated tens of milliseconds per step at
+0.5 B, a few hundred MB of activations and gradients; not separately measured).
 """
 
 from __future__ import annotations
