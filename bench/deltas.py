@@ -100,9 +100,13 @@ def run(model_dir: Path, lr: float, args: argparse.Namespace, work: Path) -> dic
     learner = Learner(model_dir, ModelConfig(device="cpu"), LearnerConfig(lr=lr, weight_decay=0.0,
                                                                              threads=args.threads), 1.0,
                       gguf=args.gguf)
-    tolerances = [float(x) for x in args.lag_tolerance.split(",")]
-    stores = {t: SnapshotStore(work / f"snapshots-{lr}-{t}", crypto.generate_key(), "bench", anchor_every=10_000,
-                               lag_tolerance=t) for t in tolerances}
+    def store(label: str) -> SnapshotStore:  # "τ" (capped at --lag-steps) or "τ:k" (capped at k steps; 0: none)
+        tolerance, _, steps = label.partition(":")
+        k = float(steps) if steps else args.lag_steps
+        return SnapshotStore(work / f"snapshots-{lr}-{label}", crypto.generate_key(), "bench", anchor_every=10_000,
+                             lag_tolerance=float(tolerance), lag_cap=k * lr if k > 0 else None)
+
+    stores = {label: store(label) for label in args.lag_tolerance.split(",")}
     replica = load_model(model_dir) if args.gap else None
     rng = random.Random(0)
     prompts = [learner.encode(f"Q: {rng.randrange(100)}+{rng.randrange(100)}= A:") for _ in range(args.prompts)]
@@ -215,6 +219,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--lag-tolerance", default="0,0.5", help="snapshots.lag_tolerance values, comma-separated: one "
                     "snapshot store each, publishing the same trained weights side by side")
+    ap.add_argument("--lag-steps", type=float, default=8.0, help="snapshots.lag_steps (the threshold's cap: this "
+                    "many steps of lr); a tolerance written 'τ:k' uses k instead (0: no cap)")
     ap.add_argument("--gap", action="store_true", help="also load each published version into a float32 replica "
                     "and measure its policy's gap to the learner's on the next step's samples")
     ap.add_argument("--out", default="bench-out/deltas")

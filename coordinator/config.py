@@ -710,6 +710,10 @@ class SnapshotConfig(_Strict):
                                  "boundary: ~4x the patch bytes at lr 1e-5); anchors always publish the exact rounding. "
                                  "The learner keeps every update; its importance ratio corrects for the lag "
                                  "(docs/benchmarks.md, 'Delta snapshots', measures bytes, policy gap and learning).")
+    lag_steps: float = Field(8.0, gt=0, le=1000, description="Caps lazy publication's threshold at lag_steps x "
+                             "learner.lr, so that a published weight is never held back by more than about that many "
+                             "steps of its movement (a held weight lags along its update: the policy gap grows with "
+                             "it; docs/benchmarks.md, 'Lazy publication').")
     piece_kib: int = Field(16384, ge=64, le=262144, description="Piece size of the per-piece hashes in manifests "
                            "(KiB, a power of two): a client fetching from peers checks each piece as it arrives, so a "
                            "bad peer costs at most one piece.")

@@ -21,6 +21,11 @@ of the order of the rounding error itself at the default 0.5). Anchor versions, 
 version whose previous file is not at hand publish ``R`` whole (a resync). At tolerance 0 the published
 snapshot is exactly ``R``, as without this module. float32 tensors are never held back (nothing is rounded).
 
+A held element lags *along its update*, so its error is coherent with the gradient, unlike rounding noise, and
+the policy gap grows with how many steps of movement δ holds back (δ / lr). So δ is also capped at
+``snapshots.lag_steps × learner.lr``: at lr 1e-5 the RMS term is the smaller one for weights of RMS ≈ 0.02 (as
+measured), at lr 1e-6 the cap keeps the lag to ``lag_steps`` steps (docs/benchmarks.md, "Lazy publication").
+
 Correctness does not depend on the lag: clients sample and the verifier recomputes from the published snapshot
 (the behaviour policy), and the learner's importance ratio πθ/π_b corrects for the gap between it and the
 learner's own float32 policy. docs/benchmarks.md measures the gap, the learning and the bytes.
@@ -73,10 +78,12 @@ def _tensors(path: Path) -> dict[str, _Stored]:
             for name, t in header.items() if name != "__metadata__"}
 
 
-def settle(weights: MutableMapping[str, Tensor], previous: Path, tolerance: float) -> Settled:
+def settle(weights: MutableMapping[str, Tensor], previous: Path, tolerance: float,
+           cap: float | None = None) -> Settled:
     """Apply the rule (module docstring) in place to ``weights`` (the hand-over copy about to be written: name →
     CPU tensor in the publish dtype), against ``previous``, the previous version's ``model.safetensors``. Tensors
-    the previous file does not hold with the same dtype and shape are left as they are (published whole).
+    the previous file does not hold with the same dtype and shape are left as they are (published whole). ``cap``:
+    the largest δ in absolute terms (``lag_steps × lr``), whatever the tensor's RMS.
 
     Works on the elements' bit patterns with numpy, a chunk at a time, and computes the gap only where the rounding
     moved (a minority): about 15 ms per million elements, where torch's masked ops took 120."""
@@ -94,6 +101,8 @@ def settle(weights: MutableMapping[str, Tensor], previous: Path, tolerance: floa
                 continue
             bits = tensor.view(-1).view(torch.int16).numpy().view(np.uint16)  # the tensor's own memory
             delta = tolerance * float(torch.finfo(tensor.dtype).eps) * _rms(bits, dtype)
+            if cap is not None:
+                delta = min(delta, cap)
             old = np.empty(min(CHUNK_ELEMENTS, bits.size), np.uint16)
             for at in range(0, bits.size, CHUNK_ELEMENTS):
                 new = bits[at:at + CHUNK_ELEMENTS]

@@ -104,7 +104,7 @@ class SnapshotStore:
     """The ``snapshots/`` folder of a run, plus an in-memory index of servable files by sha256."""
 
     def __init__(self, root: Path, key: Ed25519PrivateKey, run_id: str, *, piece_size: int = PIECE_SIZE,
-                 anchor_every: int | None = None, lag_tolerance: float = 0.0) -> None:
+                 anchor_every: int | None = None, lag_tolerance: float = 0.0, lag_cap: float | None = None) -> None:
         self.root = Path(root)
         self.piece_size = piece_size  # of the manifests' per-piece hashes (ManifestFile.pieces)
         if anchor_every is not None and anchor_every < 1:
@@ -113,6 +113,7 @@ class SnapshotStore:
             raise ValueError(f"lag_tolerance must be at least 0 (0: publish every rounding), not {lag_tolerance}")
         self.anchor_every = anchor_every  # None: no delta files
         self.lag_tolerance = lag_tolerance  # lazy publication between anchors (coordinator.publish.lazy); 0: off
+        self.lag_cap = lag_cap  # the largest δ in absolute terms (snapshots.lag_steps × learner.lr); None: no cap
         self.last_settled: Settled | None = None  # what the newest publication's settling did (benches, logs)
         self.root.mkdir(parents=True, exist_ok=True)
         self.key = key
@@ -222,7 +223,7 @@ class SnapshotStore:
                 return None
             previous = self._file_of(version - 1, PATCHED_FILES[0])
         try:
-            settled = settle(files.weights, previous, self.lag_tolerance)
+            settled = settle(files.weights, previous, self.lag_tolerance, self.lag_cap)
         except FileNotFoundError:  # pruned under us: published whole
             return None
         logger.debug("version %d: %d of %d elements republished, %d held back", version, settled.republished,

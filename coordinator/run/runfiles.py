@@ -67,7 +67,8 @@ class RunFiles:
                                              anchor_every=config.snapshots.anchor_every if config.snapshots.deltas
                                              else None,
                                              lag_tolerance=config.snapshots.lag_tolerance if config.snapshots.deltas
-                                             else 0.0),
+                                             else 0.0,
+                                             lag_cap=config.snapshots.lag_steps * config.learner.lr),
                    task=make_task(config.task, config.model.path))
 
     def close(self) -> None:

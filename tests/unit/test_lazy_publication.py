@@ -207,3 +207,31 @@ def test_gguf_is_written_block_by_block_with_the_same_bytes(tmp_path: Path, tiny
         gguf_export.write_model_gguf(rows, tiny_model_dir, state, precision)
         monkeypatch.undo()
         assert sha256_file(whole) == sha256_file(rows)
+
+
+def test_the_threshold_is_capped_at_lag_steps_times_lr(tmp_path: Path) -> None:
+    """snapshots.lag_steps: δ never exceeds lag_steps × lr, so a weight is held back by at most that many steps of
+    its movement however large its tensor's RMS; the store takes the cap from the config (lag_steps × learner.lr)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from coordinator.config import load_config
+    from coordinator.run.runfiles import RunFiles
+
+    previous = tmp_path / "p.safetensors"
+    base = torch.full((4, 4), 0.5, dtype=torch.bfloat16)
+    save_file({"a": base}, str(previous))
+    moved = base.clone()
+    moved.view(-1)[:8] = torch.tensor(0.5 + 2**-8).to(torch.bfloat16)  # one ulp (2^-8) up: |Δ| = 3.9e-3
+    uncapped = {"a": moved.clone()}
+    assert settle(uncapped, previous, tolerance=1.0).held == 8  # δ = 2^-7 × 0.5 ≈ 3.9e-3: all held
+    capped = {"a": moved.clone()}
+    assert settle(capped, previous, tolerance=1.0, cap=1e-3).republished == 8  # δ = 1e-3: all republished
+    assert torch.equal(capped["a"], moved)
+    config = load_config(None, {"run_dir": str(tmp_path / "run"), "learner": {"lr": 2e-5},
+                                "snapshots": {"lag_steps": 4}})
+    files = RunFiles.open(config)
+    try:
+        assert files.snapshots.lag_cap == pytest.approx(8e-5) and files.snapshots.lag_tolerance == 0.5
+    finally:
+        files.close()
