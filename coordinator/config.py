@@ -707,7 +707,7 @@ class SnapshotConfig(_Strict):
                                  "republished only when its rounding of the learner's float32 weight moved more than "
                                  "lag_tolerance x eps x the tensor's RMS away from the published value (eps: 2^-7 for "
                                  "bfloat16). 0 publishes every rounding (every element that crossed a rounding "
-                                 "boundary: ~4x the patch bytes at lr 1e-5); anchors always publish the exact rounding. "
+                                 "boundary: 5-6x the patch bytes at lr 1e-5); anchors always publish the exact rounding. "
                                  "The learner keeps every update; its importance ratio corrects for the lag "
                                  "(docs/benchmarks.md, 'Delta snapshots', measures bytes, policy gap and learning).")
     lag_steps: float = Field(8.0, gt=0, le=1000, description="Caps lazy publication's threshold at lag_steps x "
