@@ -127,7 +127,8 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
                     **({"fsdp": True} if args.fsdp else {})},
         "jobs": {"prompts_per_job": args.prompts_per_job, "lease_timeout_s": 600.0, "long_poll_s": 10.0},
         "sampling": {"max_tokens": args.max_tokens},
-        "snapshots": {"keep_last": keep, "gguf": args.gguf, "dtype": args.dtype},
+        "snapshots": {"keep_last": keep, "gguf": args.gguf, "dtype": args.dtype,
+                      **({"lag_tolerance": args.lag_tolerance} if args.lag_tolerance is not None else {})},
     }
     if args.reward == "even":
         sections["task"] = {"type": "dataset", "train_path": str(write_prompts(path.parent)), "heldout_size": 16}
@@ -291,6 +292,7 @@ def manifest_entries(url: str, version: int) -> dict[str, dict[str, Any]] | None
 
 
 REBUILT = re.compile(r"rebuilt (\S+) \((\d+) bytes\) from a (\d+)-byte patch in ([\d.]+)s")
+REFUSED = re.compile(r"patch for (\S+) refused")  # a rebuilt file whose sha256 is not the published one, among others
 
 
 def delta_figures(manifests: dict[int, dict[str, dict[str, Any]]], client_log: Path) -> dict[str, Any]:
@@ -304,8 +306,10 @@ def delta_figures(manifests: dict[int, dict[str, dict[str, Any]]], client_log: P
             out[name] = {"full": statistics.median(full), "versions": len(full), "patched_versions": len(patches),
                          "delta_median": statistics.median(patches) if patches else None,
                          "delta_max": max(patches) if patches else None}
-    applied = REBUILT.findall(client_log.read_text()) if client_log.exists() else []
-    out["client_applied"] = [{"file": f, "size": int(n), "patch": int(p), "apply_s": float(t)} for f, n, p, t in applied]
+    log = client_log.read_text() if client_log.exists() else ""
+    out["client_applied"] = [{"file": f, "size": int(n), "patch": int(p), "apply_s": float(t)}
+                             for f, n, p, t in REBUILT.findall(log)]
+    out["client_refused"] = REFUSED.findall(log)  # a file enters the client's cache only if its sha256 is the manifest's
     return out
 
 
@@ -480,8 +484,9 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def delta_table(results: list[dict[str, Any]]) -> str:
     """Bytes per version, patch against full file, per weight file; and the client's apply time."""
-    lines = ["| mode | file | full file | patch per version, median (max) | patch ÷ full | versions patched | "
-             "client: patches applied, apply time median (max) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | file | full file | patch per version, median (max) | patch ÷ full, median (max) | versions "
+             "patched | client: patches applied (rebuilt = published), apply + sha256 median (max) | refused |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         d = r.get("deltas", {})
         for name in ("model.safetensors", "model.gguf"):
@@ -491,11 +496,13 @@ def delta_table(results: list[dict[str, Any]]) -> str:
             applied = [a["apply_s"] for a in d.get("client_applied", []) if a["file"] == name]
             patch = (f"{f['delta_median'] / 1e6:.2f} MB ({f['delta_max'] / 1e6:.2f} MB)"
                      if f["delta_median"] is not None else "none")
-            share = f"{100 * f['delta_median'] / f['full']:.2f} %" if f["delta_median"] is not None else "–"
+            share = (f"{100 * f['delta_median'] / f['full']:.2f} % ({100 * f['delta_max'] / f['full']:.2f} %)"
+                     if f["delta_median"] is not None else "–")
             apply_text = (f"{len(applied)}, {statistics.median(applied):.2f} s ({max(applied):.2f} s)" if applied
                           else "0")
+            refused = sum(1 for x in d.get("client_refused", []) if x == name)
             lines.append(f"| {r['mode']} | {name} | {f['full'] / 1e6:.1f} MB | {patch} | {share} | "
-                         f"{f['patched_versions']} of {f['versions']} | {apply_text} |")
+                         f"{f['patched_versions']} of {f['versions']} | {apply_text} | {refused} |")
     return "\n".join(lines)
 
 
@@ -572,6 +579,8 @@ def main() -> None:
     ap.add_argument("--lr", default="1e-5", help="learner.lr; several, comma-separated, run every mode at each "
                     "(one after the other, each run directory deleted before the next)")
     ap.add_argument("--gguf", default="f16", help="snapshots.gguf (off, f32, f16, q8_0)")
+    ap.add_argument("--lag-tolerance", type=float, default=None, help="snapshots.lag_tolerance (default: the "
+                    "config's; 0 publishes every rounding)")
     ap.add_argument("--keep-run", action="store_true", help="keep each mode's run directory (deleted by default)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode")
     ap.add_argument("--out", default="bench-out/scale", help="logs and result.json")

@@ -44,6 +44,11 @@ MODES: dict[str, dict[str, Any]] = {
     "async1": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 1, "learner_threads": 1},
     "async2": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 2, "learner_threads": 1},
     "async4": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 4, "learner_threads": 1},
+    # async2 publishing bf16 snapshots with patches: every rounding (exact), or lazily (snapshots.lag_tolerance 0.5)
+    "async2-bf16": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 2, "learner_threads": 1,
+                    "snapshot_dtype": "bfloat16", "lag_tolerance": 0.0},
+    "async2-bf16-lazy": {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": 2, "learner_threads": 1,
+                         "snapshot_dtype": "bfloat16", "lag_tolerance": 0.5},
     "trl": {"peer": "trl.GRPOTrainer", "clients": 0, "learner_threads": 2},  # see bench/trl_peer.py
 }
 SAMPLES_PER_STEP = 16 * 8  # learner.prompts_per_step × learner.group_size (coordinator defaults)

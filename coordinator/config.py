@@ -702,9 +702,30 @@ class SnapshotConfig(_Strict):
     anchor_every: int = Field(50, ge=1, description="Every this many versions is a full anchor, published without "
                               "patches: no client rebuilds a version through a chain of more than anchor_every - 1 "
                               "patches (1: never publish patches).")
+    lag_tolerance: float = Field(0.5, description="Lazy publication between anchors (with deltas, 16-bit "
+                                 "snapshots; coordinator/publish/lazy.py): an element of a bfloat16/float16 snapshot is "
+                                 "republished only when its rounding of the learner's float32 weight moved more than "
+                                 "lag_tolerance x eps x the tensor's RMS away from the published value (eps: 2^-7 for "
+                                 "bfloat16). 0 publishes every rounding (every element that crossed a rounding "
+                                 "boundary: 5-6x the patch bytes at lr 1e-5); anchors always publish the exact rounding. "
+                                 "The learner keeps every update; its importance ratio corrects for the lag "
+                                 "(docs/benchmarks.md, 'Delta snapshots', measures bytes, policy gap and learning).")
+    lag_steps: float = Field(8.0, gt=0, le=1000, description="Caps lazy publication's threshold at lag_steps x "
+                             "learner.lr, so that a published weight is never held back by more than about that many "
+                             "steps of its movement (a held weight lags along its update: the policy gap grows with "
+                             "it; docs/benchmarks.md, 'Lazy publication').")
     piece_kib: int = Field(16384, ge=64, le=262144, description="Piece size of the per-piece hashes in manifests "
                            "(KiB, a power of two): a client fetching from peers checks each piece as it arrives, so a "
                            "bad peer costs at most one piece.")
+
+    @field_validator("lag_tolerance")
+    @classmethod
+    def _tolerance(cls, v: float) -> float:
+        if not 0 <= v <= 16:
+            raise ValueError(f"lag_tolerance must be between 0 (publish every rounding) and 16 (a published weight "
+                             f"may lag its master by 16 x eps x the tensor's RMS), not {v}; the default 0.5 holds "
+                             f"elements back by about the rounding error of the tensor's typical element")
+        return v
 
     @field_validator("piece_kib")
     @classmethod

@@ -54,6 +54,8 @@ class DemoConfig:
     seed: int = 0
     eval_every: int = 25
     backend: str = "torch"  # torch | llama | auto | mixed (clients alternate torch, llama, torch, ...)
+    snapshot_dtype: str = "training"  # snapshots.dtype ("bfloat16": what bench/sync_modes.py's bf16 rows publish)
+    lag_tolerance: float | None = None  # snapshots.lag_tolerance (None: the default; coordinator/publish/lazy.py)
     store: str = "sqlite"  # sqlite | postgresql (a private server the demo starts) | a postgresql:// URL
     task: str = "addition"  # a key of DEMO_TASKS
     p2p: bool = False  # clients fetch snapshots from each other over libp2p (the p2p extra; docs/protocol.md §6a)
@@ -122,6 +124,8 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
     path.write_text(
         f'run_dir = "{run_dir}"\nsync_mode = "{cfg.sync_mode}"\nmax_staleness = {cfg.max_staleness}\n\n'
         f'[snapshots]\nkeep_last = {cfg.max_staleness + 2}\n'
+        + (f'dtype = "{cfg.snapshot_dtype}"\n' if cfg.snapshot_dtype != "training" else "")
+        + (f"lag_tolerance = {cfg.lag_tolerance}\n" if cfg.lag_tolerance is not None else "")
         # GGUF only for llama.cpp clients: with torch clients alone (or none) nobody would download it
         + ('gguf = "off"\n' if cfg.clients == 0 or cfg.backend == "torch" else "") + "\n"
         # a local demonstration: its clients are the project's own, and one seed should draw the same jobs run

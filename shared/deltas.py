@@ -7,7 +7,9 @@ gaps) and each one's change (the new element's bit pattern minus the old one's, 
 element's width, wrapping: mostly ±1, zigzag-coded), byte-shuffled (all first bytes, then all second bytes, …) and compressed
 with zstd. The spans are the file's tensors, each with its element width; the bytes between them (headers) are
 spans of width 1. The codec itself knows no file format: the publisher chooses the spans
-(coordinator.publish.deltas), and a client rebuilds the file by adding the changes to a copy of the base it holds.
+(coordinator.publish.deltas), and a client rebuilds the file by adding the changes to the base it holds, span by
+span. A span longer than ``SPAN_BYTES`` (a large tensor) is coded as several consecutive spans, so that neither side
+ever holds more than one piece of a file in memory.
 
 A patch names the sha256 of its base and of the file it rebuilds, and the manifest lists both (ManifestFile.
 base_sha256 / result_sha256): the client checks the rebuilt file's sha256 before it uses it, so a patch can at worst
@@ -20,11 +22,12 @@ frame of ``shuffle(gaps as uint32) + shuffle(changes as uint<width>)``.
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ MAX_HEADER_BYTES = 4 * 1024 * 1024
 MAX_SPANS = 65_536
 WIDTHS: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 ZSTD_LEVEL = 3
+SPAN_BYTES = 8 * 2**20  # spans are coded in pieces of at most this many bytes (split_spans)
 _GAP = np.dtype("<u4")
 
 
@@ -93,36 +97,57 @@ def _unshuffle(data: bytes, dtype: np.dtype[Any], count: int) -> np.ndarray:
     return np.ascontiguousarray(planes.T).view(dtype).reshape(count)
 
 
+def split_spans(spans: Sequence[Span], max_bytes: int | None = None) -> list[Span]:
+    """The same layout with every span longer than ``max_bytes`` (default ``SPAN_BYTES``) cut into pieces of at most
+    that many bytes (whole elements): each is coded as its own frame, so encoding and applying hold one piece at a
+    time, not a tensor."""
+    max_bytes = SPAN_BYTES if max_bytes is None else max_bytes
+    out: list[Span] = []
+    for s in spans:
+        step = max(s.width, max_bytes - max_bytes % s.width)
+        out.extend(Span(s.offset + at, min(step, s.length - at), s.width) for at in range(0, s.length, step))
+    return out
+
+
+def _read(fh: BufferedReader, offset: int, length: int) -> np.ndarray:
+    """``length`` bytes at ``offset`` of an open file, read into fresh memory (no mapping of the file: its pages
+    would stay in the process's resident set until unmapped)."""
+    buf = np.empty(length, np.uint8)
+    fh.seek(offset)
+    if fh.readinto(buf.data) != length:
+        raise ValueError(f"{getattr(fh, 'name', 'a file')} ends before byte {offset + length}")
+    return buf
+
+
 def encode(base: Path, result: Path, spans: Sequence[Span], *, base_sha256: str, result_sha256: str,
            out: Path) -> int:
     """Write the patch that turns ``base`` into ``result`` (same size, the same ``spans`` layout) to ``out``;
-    return its size. ValueError when the files cannot be patched (sizes differ, spans do not tile the file)."""
+    return its size. ValueError when the files cannot be patched (sizes differ, spans do not tile the file).
+    Spans longer than ``SPAN_BYTES`` are coded in pieces (:func:`split_spans`); both files are read piece by piece."""
     size = os.path.getsize(result)
     if os.path.getsize(base) != size:
         raise ValueError(f"{result.name}: {size} bytes, its base {os.path.getsize(base)}: a patch needs equal sizes")
     check_layout(spans, size)
+    spans = split_spans(spans)
     if len(spans) > MAX_SPANS:
         raise ValueError(f"{len(spans)} spans; at most {MAX_SPANS}")
-    old = np.memmap(base, np.uint8, "r") if size else np.zeros(0, np.uint8)
-    new = np.memmap(result, np.uint8, "r") if size else np.zeros(0, np.uint8)
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     table: list[list[int]] = []
     frames: list[bytes] = []
-    for s in spans:
-        dtype = WIDTHS[s.width]
-        a = old[s.offset:s.offset + s.length].view(dtype)
-        b = new[s.offset:s.offset + s.length].view(dtype)
-        idx = np.flatnonzero(a != b)
-        if idx.size == 0:
-            table.append([s.offset, s.length, s.width, 0, 0])
-            continue
-        gaps = np.diff(idx, prepend=-1) - 1  # ≥ 0: elements skipped since the previous change
-        if gaps.max() >= 2**32:
-            raise ValueError(f"a span of {s.length} bytes is too long for 32-bit gaps; split it")
-        changes = b[idx] - a[idx]  # unsigned: wraps, and adding it back wraps the same way
-        frame = compressor.compress(_shuffle(gaps.astype(_GAP)) + _shuffle(_zigzag(np.asarray(changes, dtype))))
-        table.append([s.offset, s.length, s.width, int(idx.size), len(frame)])
-        frames.append(frame)
+    with open(base, "rb") as old, open(result, "rb") as new:
+        for s in spans:
+            dtype = WIDTHS[s.width]
+            a = _read(old, s.offset, s.length).view(dtype)
+            b = _read(new, s.offset, s.length).view(dtype)
+            idx = np.flatnonzero(a != b)
+            if idx.size == 0:
+                table.append([s.offset, s.length, s.width, 0, 0])
+                continue
+            gaps = np.diff(idx, prepend=-1) - 1  # ≥ 0: elements skipped since the previous change
+            changes = b[idx] - a[idx]  # unsigned: wraps, and adding it back wraps the same way
+            frame = compressor.compress(_shuffle(gaps.astype(_GAP)) + _shuffle(_zigzag(np.asarray(changes, dtype))))
+            table.append([s.offset, s.length, s.width, int(idx.size), len(frame)])
+            frames.append(frame)
     header = wire.pack({"base": base_sha256, "base_size": size, "result": result_sha256, "size": size,
                         "spans": table})
     tmp = out.with_name(f".{out.name}.tmp")
@@ -176,26 +201,27 @@ def read_header(patch: Path) -> PatchHeader:
     return PatchHeader(base, base_size, result, size, spans, body)  # type: ignore[arg-type]
 
 
-def apply_patch(base: Path, patch: Path, out: Path, *, base_sha256: str, result_sha256: str) -> None:
-    """Write ``base`` + ``patch`` to ``out`` (a copy of the base, changed in place). The patch must name exactly this
-    base and result; every frame is bounded to the bytes its header announces. PatchError on anything amiss, with
-    ``out`` removed: the caller still checks ``out``'s sha256 against ``result_sha256`` before using it."""
+def apply_patch(base: Path, patch: Path, out: Path, *, base_sha256: str, result_sha256: str) -> str:
+    """Write ``base`` + ``patch`` to ``out`` and return the sha256 (hex) of what was written. The patch must name
+    exactly this base and result; every frame is bounded to the bytes its header announces. PatchError on anything
+    amiss, with ``out`` removed. The caller accepts ``out`` only if the returned sha256 is ``result_sha256``.
+
+    One pass: each span of the base is read, changed, hashed and written in turn (no copy of the base to rewrite
+    afterwards, no mapping of either file, no second read to hash the result)."""
     h = read_header(patch)
     if h.base != base_sha256 or h.result != result_sha256:
         raise PatchError(f"{patch.name} patches {h.base[:12]} into {h.result[:12]}, not {base_sha256[:12]} into "
                          f"{result_sha256[:12]} as the manifest says")
     if os.path.getsize(base) != h.base_size:
         raise PatchError(f"{patch.name}: its base has {h.base_size} bytes, the file at hand {os.path.getsize(base)}")
+    digest = hashlib.sha256()
     try:
-        shutil.copyfile(base, out)
-        if h.size:
-            data = np.memmap(out, np.uint8, "r+")
-            decompressor = zstandard.ZstdDecompressor()
-            with open(patch, "rb") as fh:
-                fh.seek(h.body_offset)
-                for offset, length, width, changed, clen in h.spans:
-                    if not changed:
-                        continue
+        decompressor = zstandard.ZstdDecompressor()
+        with open(base, "rb") as src, open(patch, "rb") as fh, open(out, "wb") as dst:
+            fh.seek(h.body_offset)
+            for offset, length, width, changed, clen in h.spans:
+                data = _read(src, offset, length)
+                if changed:
                     dtype = WIDTHS[width]
                     expect = changed * (_GAP.itemsize + width)
                     try:
@@ -209,10 +235,11 @@ def apply_patch(base: Path, patch: Path, out: Path, *, base_sha256: str, result_
                     idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
                     if idx[-1] >= length // width:
                         raise PatchError(f"{patch.name}: a change lies past the end of its span")
-                    view = data[offset:offset + length].view(dtype)
+                    view = data.view(dtype)
                     view[idx] += changes
-            data.flush()
-            del data
+                digest.update(data.data)
+                dst.write(data.data)
     except BaseException:
         out.unlink(missing_ok=True)
         raise
+    return digest.hexdigest()

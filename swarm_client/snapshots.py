@@ -264,9 +264,8 @@ class SnapshotCache:
         out = self.blobs / f"{target.sha256}.rebuild"
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(apply_patch, self.blobs / delta.base_sha256, self.blobs / delta.sha256, out,
-                                    base_sha256=delta.base_sha256, result_sha256=target.sha256)
-            digest = await asyncio.to_thread(sha256_file, out)
+            digest = await asyncio.to_thread(apply_patch, self.blobs / delta.base_sha256, self.blobs / delta.sha256,
+                                             out, base_sha256=delta.base_sha256, result_sha256=target.sha256)
             if digest != target.sha256:
                 raise PatchError(f"{delta.path} rebuilt a file whose sha256 is {digest[:12]}, not the manifest's "
                                  f"{target.sha256[:12]}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -196,18 +197,63 @@ def _add_tokenizer(writer: Any, folder: Path, config: Mapping[str, Any]) -> None
     writer.add_add_bos_token(bool(config.get("model_type") == "llama" and bos is not None))
 
 
-def _encode(arr: np.ndarray, precision: str) -> tuple[np.ndarray, Any]:
-    """The tensor as stored: (data, raw ggml type). Vectors stay f32; matrices follow the precision."""
+def _ggml_type(shape: tuple[int, ...], precision: str) -> Any:
+    """The raw ggml type a tensor of this shape is stored as: vectors stay f32; matrices follow the precision
+    (q8_0 where a row is a whole number of 32-element blocks, f16 otherwise)."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if len(shape) < 2 or precision == "f32":
+        return q.F32
+    if precision == "q8_0" and shape[-1] % 32 == 0:
+        return q.Q8_0
+    return q.F16
+
+
+def _encode(arr: np.ndarray, raw: Any) -> np.ndarray:
+    """A block of rows as stored: f32, f16, or Q8_0 blocks (uint8) quantised by gguf's own quantiser."""
     import gguf
     import numpy as np
 
     q = gguf.GGMLQuantizationType
     arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if arr.ndim < 2 or precision == "f32":
-        return arr, q.F32
-    if precision == "q8_0" and arr.shape[-1] % 32 == 0:
-        return gguf.quants.quantize(arr, q.Q8_0), q.Q8_0
-    return arr.astype(np.float16), q.F16
+    if raw == q.F32:
+        return arr
+    if raw == q.Q8_0:
+        return gguf.quants.quantize(arr, q.Q8_0)
+    return arr.astype(np.float16)
+
+
+# rows are converted this many elements at a time: the writer never holds a whole tensor in another precision
+CHUNK_ELEMENTS = 2**22
+
+
+class _Rows:
+    """One tensor as the GGUF writer's ``write_tensor_data`` consumes it (``nbytes`` and ``tofile``), converted block
+    of rows by block of rows as it is written, so that exporting a model needs one block's temporaries, not a copy
+    of the model in the file's precisions."""
+
+    def __init__(self, value: Any, raw: Any, heads: int | None) -> None:
+        import gguf
+
+        self.value, self.raw, self.heads = value, raw, heads
+        shape = tuple(int(d) for d in value.shape)
+        self.shape = gguf.quant_shape_to_byte_shape(shape, raw) if raw == gguf.GGMLQuantizationType.Q8_0 else shape
+        width = {gguf.GGMLQuantizationType.F32: 4, gguf.GGMLQuantizationType.F16: 2}.get(raw, 1)
+        self.nbytes = width * math.prod(self.shape)
+        self.dtype = {4: "float32", 2: "float16", 1: "uint8"}[width]
+
+    def tofile(self, fh: Any) -> None:
+        value = self.value
+        if self.heads is not None:  # the row permutation needs the whole (small: attention) matrix
+            value = llama_permute(_as_numpy(value), self.heads)
+        if len(value.shape) < 2:
+            value = value.reshape(-1)
+            step = CHUNK_ELEMENTS
+        else:  # whole rows: a Q8_0 block never straddles two of them
+            step = max(1, CHUNK_ELEMENTS // max(1, math.prod(int(d) for d in value.shape[1:])))
+        for at in range(0, int(value.shape[0]), step):
+            _encode(_as_numpy(value[at:at + step]), self.raw).tofile(fh)
 
 
 _FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_F16 / MOSTLY_Q8_0
@@ -216,8 +262,10 @@ _FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32
 def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precision: str = "f16",
                      name: str = "echo-swarm policy") -> None:
     """Write a whole model as GGUF. ``folder`` holds the HF config and tokenizer files; ``state`` maps HF
-    parameter names to arrays (torch tensors or numpy), e.g. the model's ``state_dict()``."""
+    parameter names to arrays (torch tensors or numpy), e.g. the model's ``state_dict()``. Streamed: the tensor
+    table is written first, then each tensor converted and written a block of rows at a time (:class:`_Rows`)."""
     import gguf
+    import numpy as np
 
     if precision not in PRECISIONS:
         raise GGUFExportError(f"unknown GGUF precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -229,17 +277,21 @@ def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precisio
     writer.add_file_type(_FILE_TYPES[precision])
     _add_hparams(writer, arch, config)
     _add_tokenizer(writer, folder, config)
+    tensors: list[_Rows] = []
     for hf_name, value in state.items():
         gname = gguf_tensor_name(hf_name)
         if gname is None or (tied and gname == "output.weight"):
             continue
-        arr = _as_numpy(value)
-        heads = _permute_heads(arch, gname, config)
-        if heads is not None:
-            arr = llama_permute(arr, heads)
-        data, raw = _encode(arr, precision)
-        writer.add_tensor(gname, data, raw_dtype=raw)
-    _finish(writer)
+        rows = _Rows(value, _ggml_type(tuple(int(d) for d in value.shape), precision),
+                     _permute_heads(arch, gname, config))
+        writer.add_tensor_info(gname, rows.shape, np.dtype(rows.dtype), rows.nbytes, raw_dtype=rows.raw)
+        tensors.append(rows)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for rows in tensors:  # in the order of the tensor table (the writer pops its entries in that order)
+        writer.write_tensor_data(rows)  # type: ignore[arg-type]  # duck-typed: nbytes and tofile
+    writer.close()
 
 
 def write_lora_gguf(out: Path, config: Path | Mapping[str, Any], lora: Mapping[str, tuple[Any, Any]], alpha: float,

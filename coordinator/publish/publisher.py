@@ -6,7 +6,10 @@ over a copy of the weights in the publish dtype (taking that copy *is* the dtype
 checkpoint as references to its live tensors (its next optimizer step waits until they are written, see
 :class:`coordinator.publish.checkpoints.CheckpointState`). One worker thread then writes the checkpoint first (so the
 learner is released early), then the snapshot — safetensors, GGUF, sha256, fsync, signed manifest last
-(coordinator.publish.snapshots) — while the learner already computes the next step.
+(coordinator.publish.snapshots) — while the learner already computes the next step. The weight copy is dropped
+as soon as the version's files are written (``SnapshotFiles.release``), and the learner takes its next copy only
+after that, so at most one copy is ever in flight (the learner's peak memory is its training state plus one
+snapshot in the publish dtype, docs/benchmarks.md).
 
 Publications complete in submission order. A version becomes leasable only when the caller records it in the
 database after the returned future resolves; until then it exists only as files that a restart removes. The
@@ -58,10 +61,13 @@ class Publisher:
 
     def _publish(self, pub: Publication) -> Published:
         ck_s, ck_bytes = 0.0, 0
-        if pub.checkpoint is not None:
-            ck_s, ck_bytes = self.checkpoints.write(pub.checkpoint, pub.created_at)
-        t0 = time.monotonic()
-        sha = self.snapshots.publish(pub.version, pub.files, pub.created_at)
+        try:
+            if pub.checkpoint is not None:
+                ck_s, ck_bytes = self.checkpoints.write(pub.checkpoint, pub.created_at)
+            t0 = time.monotonic()
+            sha = self.snapshots.publish(pub.version, pub.files, pub.created_at)
+        finally:
+            pub.files.release()  # the learner's next hand-over waits for this, even after a failure
         publish_s = time.monotonic() - t0
         folder = self.snapshots.folder(pub.version)
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())

@@ -23,15 +23,17 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.holds import hold
 from coordinator.publish.deltas import PATCHED_FILES, write_delta
+from coordinator.publish.lazy import Settled, settle
 from shared import wire
 from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.messages import Manifest, ManifestFile, SignedManifest
@@ -52,10 +54,23 @@ class SnapshotFiles:
     ``write(folder)`` writes the version's own files into ``folder``; ``shared`` maps a manifest file name to a
     writer of a run-level file (``writer(path)`` writes exactly that file) that is the same in every version:
     it is written into ``snapshots/base/`` the first time and reused afterwards. Both run on the publisher's
-    thread, after the learner has moved on, so they must read copies (or weights that never change)."""
+    thread, after the learner has moved on, so they must read copies (or weights that never change).
+
+    ``weights`` (full-weight versions): the hand-over copy ``write`` reads, by tensor name. The store settles it
+    against the previous version before writing (lazy publication, coordinator.publish.lazy) and empties it as
+    soon as the files are written, so the copy is freed before hashing, patches and the manifest; ``written`` is
+    set then (also on failure). The learner hands over its next copy only after that: one copy in flight."""
 
     write: FileWriter
     shared: Mapping[str, FileWriter] = field(default_factory=dict)
+    weights: MutableMapping[str, Any] | None = None
+    written: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """The files are written (or will not be): drop the hand-over copy. Idempotent."""
+        if self.weights is not None:
+            self.weights.clear()
+        self.written.set()
 
 
 def fsync_dir(path: Path) -> None:
@@ -89,12 +104,17 @@ class SnapshotStore:
     """The ``snapshots/`` folder of a run, plus an in-memory index of servable files by sha256."""
 
     def __init__(self, root: Path, key: Ed25519PrivateKey, run_id: str, *, piece_size: int = PIECE_SIZE,
-                 anchor_every: int | None = None) -> None:
+                 anchor_every: int | None = None, lag_tolerance: float = 0.0, lag_cap: float | None = None) -> None:
         self.root = Path(root)
         self.piece_size = piece_size  # of the manifests' per-piece hashes (ManifestFile.pieces)
         if anchor_every is not None and anchor_every < 1:
             raise ValueError(f"anchor_every must be at least 1 (every version a full anchor), not {anchor_every}")
+        if lag_tolerance < 0:
+            raise ValueError(f"lag_tolerance must be at least 0 (0: publish every rounding), not {lag_tolerance}")
         self.anchor_every = anchor_every  # None: no delta files
+        self.lag_tolerance = lag_tolerance  # lazy publication between anchors (coordinator.publish.lazy); 0: off
+        self.lag_cap = lag_cap  # the largest δ in absolute terms (snapshots.lag_steps × learner.lr); None: no cap
+        self.last_settled: Settled | None = None  # what the newest publication's settling did (benches, logs)
         self.root.mkdir(parents=True, exist_ok=True)
         self.key = key
         self.run_id = run_id
@@ -151,7 +171,11 @@ class SnapshotStore:
         tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            files.write(tmp)
+            try:
+                self.last_settled = self._settle(version, files)
+                files.write(tmp)
+            finally:
+                files.release()
             hold(f"publish-v{version}")  # a fault test's kill point: written, not yet durable or renamed
             # the fsync (waiting on the disk) and the hashing (reading the same files from the page cache) overlap
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-fsync") as pool:
@@ -187,6 +211,24 @@ class SnapshotStore:
     def is_anchor(self, version: int) -> bool:
         """A version published whole only (no patches): every ``anchor_every``-th, and every one without deltas."""
         return self.anchor_every is None or version % self.anchor_every == 0
+
+    def _settle(self, version: int, files: SnapshotFiles) -> Settled | None:
+        """Lazy publication (coordinator.publish.lazy): hold back the hand-over copy's elements that moved by no
+        more than the tolerance from the previous version's ``model.safetensors``. Not at an anchor (a resync),
+        not without deltas (nothing to save), not when the previous version's file is not here."""
+        if self.lag_tolerance <= 0 or files.weights is None or self.is_anchor(version):
+            return None
+        with self._index_lock:
+            if version - 1 not in self._signed:
+                return None
+            previous = self._file_of(version - 1, PATCHED_FILES[0])
+        try:
+            settled = settle(files.weights, previous, self.lag_tolerance, self.lag_cap)
+        except FileNotFoundError:  # pruned under us: published whole
+            return None
+        logger.debug("version %d: %d of %d elements republished, %d held back", version, settled.republished,
+                     settled.elements, settled.held)
+        return settled
 
     def _write_deltas(self, version: int, folder: Path, manifest: Manifest) -> list[ManifestFile]:
         """The patches of this version's whole-weight files against the previous version's (written into

@@ -96,6 +96,8 @@ class LearnerRole:
         # steps trained but not yet published → their job ids (kept out of the next batch)
         self._unpublished: dict[int, frozenset[str]] = {}
         self._publishing: asyncio.Task[None] | None = None
+        # the last hand-over's files: the next copy of the weights is taken only once the publisher has written them
+        self._handed_over: SnapshotFiles | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._last_checkpoint_version = 0
         self._last_checkpoint_at = time.monotonic()
@@ -378,12 +380,21 @@ class LearnerRole:
                     and time.monotonic() - self._last_checkpoint_at >= cfg.checkpoint_every_s))
 
     def _hand_over(self, checkpoint: bool) -> tuple[SnapshotFiles, CheckpointState | None]:
-        """On the learner thread: what the publisher needs to write this version (and a checkpoint)."""
+        """On the learner thread: what the publisher needs to write this version (and a checkpoint). Waits until
+        the previous version's files are written, which frees its copy: one copy of the weights in flight."""
+        if self._handed_over is not None:
+            self._handed_over.written.wait()
         files = self.learner.snapshot_files(self.config.snapshots.dtype)
-        if not checkpoint:
-            return files, None
-        staging = self.checkpoints.staging(self.learner.model_version) if self._ranks is not None else None
-        return files, self.learner.checkpoint_state(staging)
+        try:
+            state = None
+            if checkpoint:
+                staging = self.checkpoints.staging(self.learner.model_version) if self._ranks is not None else None
+                state = self.learner.checkpoint_state(staging)
+        except BaseException:
+            files.release()
+            raise
+        self._handed_over = files
+        return files, state
 
     def _learn(self, samples: list[Any], checkpoint: bool
                ) -> tuple[dict[str, Any], SnapshotFiles, CheckpointState | None]:
@@ -391,7 +402,8 @@ class LearnerRole:
         metrics: dict[str, Any] = self.learner.train_step(samples)
         t0 = time.monotonic()
         files, state = self._hand_over(checkpoint)
-        metrics["handover_s"] = time.monotonic() - t0  # the weight copy in the publish dtype
+        # the weight copy in the publish dtype, and any wait for the previous version's files to be written
+        metrics["handover_s"] = time.monotonic() - t0
         return metrics, files, state
 
     async def _train_step(self, version: int, job_ids: list[str], waited_from: float) -> None:
@@ -405,6 +417,7 @@ class LearnerRole:
         self._unpublished[new_version] = frozenset(job_ids)
         self._report()  # before training: the API issues no job bound to a version this step supersedes
         state: CheckpointState | None = None
+        files: SnapshotFiles | None = None
         try:
             metrics, files, state = await self._run(self._learn, batch.samples, checkpoint)
             t1 = time.monotonic()
@@ -413,6 +426,8 @@ class LearnerRole:
         except BaseException:
             if state is not None:
                 state.release()
+            if files is not None:  # never submitted: nothing will write it
+                files.release()
             self._unpublished.pop(new_version, None)
             raise
         if checkpoint:

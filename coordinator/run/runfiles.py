@@ -65,7 +65,10 @@ class RunFiles:
                    snapshots=SnapshotStore(run_dir / "snapshots", key, run_id,
                                              piece_size=config.snapshots.piece_kib * 1024,
                                              anchor_every=config.snapshots.anchor_every if config.snapshots.deltas
-                                             else None),
+                                             else None,
+                                             lag_tolerance=config.snapshots.lag_tolerance if config.snapshots.deltas
+                                             else 0.0,
+                                             lag_cap=config.snapshots.lag_steps * config.learner.lr),
                    task=make_task(config.task, config.model.path))
 
     def close(self) -> None:

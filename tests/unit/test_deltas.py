@@ -195,3 +195,24 @@ def test_a_manifest_whose_patch_rebuilds_an_unlisted_file_does_not_decode() -> N
         wire.decode(raw, Manifest)
     with pytest.raises(ValueError, match="delta"):
         ManifestFile(path="x", size=1, sha256="a" * 64, base_sha256="c" * 64)  # only a delta names a base
+
+
+def test_long_spans_are_coded_in_pieces_and_applying_returns_the_rebuilt_files_sha256(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor longer than SPAN_BYTES is coded as several spans (each side then holds one piece at a time, not the
+    tensor); the rebuilt file is the same, and apply_patch returns its sha256 computed as it was written."""
+    from shared import deltas
+
+    a, b, sa, sb = _pair(tmp_path, lr=1e-4)
+    whole = write_delta(a, b, tmp_path / "whole", base_sha256=sa, result_sha256=sb)
+    monkeypatch.setattr(deltas, "SPAN_BYTES", 4096)
+    pieces = write_delta(a, b, tmp_path / "pieces", base_sha256=sa, result_sha256=sb)
+    assert whole is not None and pieces is not None
+    spans = read_header(tmp_path / "pieces").spans
+    assert len(spans) > len(read_header(tmp_path / "whole").spans) + 20
+    assert max(length for _, length, _, _, _ in spans) <= 4096
+    assert {width for _, _, width, _, _ in spans} == {1, 2, 4}  # still the tensors' element widths
+    for name in ("whole", "pieces"):
+        digest = apply_patch(a, tmp_path / name, tmp_path / f"out-{name}", base_sha256=sa, result_sha256=sb)
+        assert digest == sb == sha256_file(tmp_path / f"out-{name}")
+    assert deltas.split_spans([Span(0, 10, 2)], 4) == [Span(0, 4, 2), Span(4, 4, 2), Span(8, 2, 2)]

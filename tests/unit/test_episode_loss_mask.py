@@ -14,8 +14,14 @@ from coordinator.engine.learner import Learner, Sample
 def _step(folder: Path, sample: Sample) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     learner = Learner(folder, ModelConfig(device="cpu"), LearnerConfig(lr=1e-2, threads=1), temperature=1.0)
-    metrics = learner.train_step([sample])  # the step leaves each parameter's gradient in place
-    return metrics, {k: p.grad.detach().clone() for k, p in learner.model.named_parameters() if p.grad is not None}
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(*_: object) -> None:  # the gradients as the optimizer gets them (the step frees them afterwards)
+        grads.update({k: p.grad.detach().clone() for k, p in learner.model.named_parameters() if p.grad is not None})
+
+    learner.optimizer.register_step_pre_hook(keep)
+    metrics = learner.train_step([sample])
+    return metrics, grads
 
 
 def test_observation_tokens_are_masked_out_of_the_loss(tiny_model_dir: Path) -> None:

@@ -1,0 +1,82 @@
+"""The gradient of a tied input/output embedding (``tie_word_embeddings``) summed in place, in one tensor.
+
+One weight serves as the input lookup and as the output layer, and a learner step uses each more than once (the
+shared-prompt pass runs the output layer on the prompts and on the completions). Autograd computes each use's
+gradient as a tensor of its own — a dense [vocab, hidden] tensor per output-layer use, one more for the lookup — and
+sums them (not always in place) before it stores the weight's gradient: two to three tensors of the embedding's size
+on top of the gradient itself at the end of every backward pass, 1–1.5 GB at 0.5 B parameters (vocabulary
+151,936), where they made the learner's peak (bench/learner_memory.py). Here every use reads the weight detached,
+and a hook on each use's output adds that use's gradient into the weight's ``.grad`` in place as backward reaches
+it: the output layer's with one ``addmm_`` (no temporary), the lookup's rows with ``index_add_`` (rows of
+``padding_idx`` get none, as in the embedding's own backward). Same gradient up to the order of float sums; only
+where autograd records (training), never under ``no_grad`` (sampling, recomputes, evaluation).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+
+class TiedEmbeddingGradient:
+    """Forward hooks on a model's input embedding and output layer, which share ``weight``."""
+
+    def __init__(self, lookup: nn.Embedding, output: nn.Linear) -> None:
+        if lookup.weight is not output.weight:
+            raise ValueError("the input embedding and the output layer do not share their weight")
+        self.weight = lookup.weight
+        self._handles = [lookup.register_forward_hook(self._lookup), output.register_forward_hook(self._output)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _recording(self) -> bool:
+        import torch
+
+        return torch.is_grad_enabled() and self.weight.requires_grad
+
+    def _grad(self) -> Tensor:
+        import torch
+
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        return self.weight.grad
+
+    def _lookup(self, module: Any, args: tuple[Any, ...], output: Tensor) -> Tensor | None:
+        import torch.nn.functional as F
+
+        if not self._recording():
+            return None
+        ids = args[0]
+        out = F.embedding(ids, self.weight.detach(), module.padding_idx, module.max_norm, module.norm_type,
+                          module.scale_grad_by_freq, False).requires_grad_()
+        pad = module.padding_idx
+
+        def add(grad: Tensor) -> None:
+            flat, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+            if pad is not None:
+                keep = flat != pad
+                flat, rows = flat[keep], rows[keep]
+            self._grad().index_add_(0, flat, rows.to(self.weight.dtype))
+
+        out.register_hook(add)
+        return out
+
+    def _output(self, module: Any, args: tuple[Any, ...], output: Tensor) -> Tensor | None:
+        import torch.nn.functional as F
+
+        if not self._recording():
+            return None
+        hidden = args[0]
+        out = F.linear(hidden, self.weight.detach(), module.bias)
+        saved = hidden.detach()
+
+        def add(grad: Tensor) -> None:
+            self._grad().addmm_(grad.reshape(-1, grad.shape[-1]).t().to(self.weight.dtype),
+                                saved.reshape(-1, saved.shape[-1]).to(self.weight.dtype))
+
+        out.register_hook(add)
+        return out
