@@ -118,6 +118,9 @@ class StochasticBf16AdamW:
         return pool
 
     def step(self) -> None:
+        """One AdamW step of every parameter with a gradient; each gradient is freed (set to None) as soon as it
+        is applied. The learner zeroes them before its next backward pass anyway, and what follows a step (the
+        hand-over copy for publication, the publisher's buffers) then does not stack on 2 B/param of gradients."""
         import torch
 
         with torch.no_grad():
@@ -138,6 +141,7 @@ class StochasticBf16AdamW:
                     gen = torch.Generator().manual_seed(_mix(self.seed, step, index))
                     _update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, (lr, beta1, beta2, eps, decay),
                             self._pool(p.device), gen)
+                    p.grad = None  # applied: freed now, not at the next zero_grad (see step's docstring)
 
 
 def _update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,

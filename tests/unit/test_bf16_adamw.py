@@ -178,3 +178,4 @@ def test_a_bf16_learner_trains_bfloat16_weights_and_publishes_them_as_they_are(t
     assert any(not torch.equal(before[n], p) for n, p in learner.model.named_parameters())
     state = learner.optimizer.state_dict()["state"]
     assert {s["exp_avg"].dtype for s in state.values()} == {torch.bfloat16}
+    assert all(p.grad is None for p in learner.model.parameters())  # freed as applied: not held past the step
