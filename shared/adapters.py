@@ -287,41 +287,9 @@ class SafetensorsFile:
 READ_PIECE = 32 * 2**20
 
 
-def read_weights_into(model: Any, folder: Path) -> None:
-    """Load a Hugging Face folder's safetensors weights into ``model`` in place, one tensor at a time with
-    ordinary reads (:class:`SafetensorsFile`): no state dict of the whole model, no memory-mapped pages held by
-    the process, at most READ_PIECE bytes of conversion buffer. A tied output layer is stored once (as
-    save_pretrained writes it), so only tied weights may be missing; anything else missing or left over means the
-    folder is not this model's snapshot."""
-    import torch
-
-    shards = sorted(Path(folder).glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"no weights in {folder}")
-    targets = dict(model.state_dict(keep_vars=True))
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    with torch.no_grad():
-        for shard in shards:
-            with SafetensorsFile(shard) as fh:
-                for name in fh.entries:
-                    target = targets.get(name)
-                    if target is None:
-                        unexpected.append(name)
-                        continue
-                    fh.read_into(name, target)
-                    seen.add(name)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    persistent = set(targets)  # state_dict holds parameters and persistent buffers only
-    missing = sorted(persistent - seen - tied)
-    if missing or unexpected:
-        raise ValueError(f"the weights in {folder} do not match the model: missing {missing[:3]}, unexpected "
-                         f"{sorted(unexpected)[:3]}")
-
-
 def read_model(folder: Path, device: str = "cpu", dtype: str = "float32") -> Any:
     """:func:`shared.policy.load_model`'s model, built from the folder's config with uninitialised weights and
-    filled by :func:`read_weights_into`. Why: transformers' loader maps the safetensors file, and every page it
+    filled by :func:`load_weights_in_place`. Why: transformers' loader maps the safetensors file, and every page it
     touches counts against the process until loading ends, so a bfloat16 snapshot loaded as float32 peaks at
     1.5× the model; here the peak is the model plus READ_PIECE. Owns its memory (no mapping of a file that the
     publisher may later prune)."""
@@ -334,7 +302,7 @@ def read_model(folder: Path, device: str = "cpu", dtype: str = "float32") -> Any
         with torch.device(device), no_init_weights():  # untouched empty pages cost no memory until read into
             model: Any = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
         model.tie_weights()
-    read_weights_into(model, Path(folder))
+    load_weights_in_place(model, Path(folder))
     return model.eval()
 
 

@@ -16,7 +16,7 @@ Requests that are queued together for the same version are recomputed in one bat
 form a batch: a lone request is computed at once.
 
 The model is built once from the first snapshot's config and every version's weights are read into it in place
-(shared.adapters.read_model / read_weights_into: tensor by tensor with ordinary reads, so loading costs no second
+(shared.adapters.read_model / load_weights_in_place: tensor by tensor with ordinary reads, so loading costs no second
 copy and no resident file mapping), keeping at most ``cached_versions`` replicas in memory (least recently used
 dropped). The held-out evaluation borrows the replica (:meth:`Verifier.lend`) instead of loading a model of its own:
 the role's memory is the replica plus bounded temporaries (issue 23: at most 1.5× the replica while evaluating).
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 from coordinator.core.verify import TokenStats
 from coordinator.engine import fsdp
 from coordinator.errors import VersionGone
-from shared.adapters import read_model, read_weights_into
+from shared.adapters import load_weights_in_place, read_model
 from shared.policy import completion_stats
 from shared.sampler import Segment
 
@@ -130,7 +130,7 @@ class Verifier:
         if load_into is None and load_state is not None:
             def load_into(model: Any, folder: Path) -> None:
                 _load_into(model, load_state(folder, self.device), folder)
-        self._load_into = load_into or read_weights_into
+        self._load_into = load_into or load_weights_in_place
         self._ranks = ranks
         self.mixed_precision = mixed_precision
         self._models: OrderedDict[int, Any] = OrderedDict()  # version → model, most recently used last
