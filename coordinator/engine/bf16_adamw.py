@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     import torch
     from torch import Tensor
+    from torch.optim.optimizer import StateDict  # torch's own open shape of an optimizer's state
 
 #: Elements updated at once: five float32 temporaries of 16 MiB each, whatever the tensor.
 CHUNK = 2**22
@@ -90,20 +91,16 @@ class StochasticBf16AdamW:
         self._pools: dict[str, Tensor] = {}
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    @property
     def state(self) -> Any:
         return self.inner.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return self.inner.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """torch's: floating state is cast to each parameter's dtype (a float32 run's moments become bfloat16)."""
         self.inner.load_state_dict(state_dict)
 
