@@ -107,7 +107,8 @@ class Evaluator:
     With ``borrow(version, fn)`` (the verifier role: coordinator.engine.verifier.Verifier.lend) the evaluation
     runs each batch on a model that already holds the version — the verifier's replica, loaded from the same
     snapshot — so the role holds one model, not two (a second float32 copy was most of the verifier role's 4.1×
-    its replica at 0.5 B, issue 23); ``tokenizer_of(folder)`` reads the tokenizer (default: the folder's own).
+    its replica at 0.5 B, issue 23), and the accuracy is computed in the replica's dtype (``model.dtype``; an own
+    copy is float32); ``tokenizer_of(folder)`` reads the tokenizer (default: the folder's own).
     Otherwise the model is loaded for an evaluation and dropped after it unless ``keep_model``: memory holds one
     extra model copy only while evaluating. ``load(folder)`` returns (model, tokenizer) for a snapshot folder (a
     LoRA layout can pass its own).
