@@ -179,3 +179,13 @@ def test_a_bf16_learner_trains_bfloat16_weights_and_publishes_them_as_they_are(t
     state = learner.optimizer.state_dict()["state"]
     assert {s["exp_avg"].dtype for s in state.values()} == {torch.bfloat16}
     assert all(p.grad is None for p in learner.model.parameters())  # freed as applied: not held past the step
+
+
+def test_the_disk_preflight_counts_bf16_snapshots_of_a_bf16_learner(tiny_model_dir: Path) -> None:
+    from coordinator.launch.preflight import model_weight_count, version_bytes
+
+    weights = model_weight_count(tiny_model_dir)
+    f32 = load_config(None, {"snapshots.gguf": "off"})
+    bf16 = load_config(None, {"snapshots.gguf": "off", "learner.precision": "bf16"})
+    assert version_bytes(f32, tiny_model_dir) == 4 * weights
+    assert version_bytes(bf16, tiny_model_dir) == 2 * weights  # snapshots.dtype "training" is the learner's bf16
