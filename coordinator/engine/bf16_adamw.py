@@ -89,6 +89,7 @@ class StochasticBf16AdamW:
                                     f"{list(p.shape)} (load the model in bfloat16 first)")
         self.seed = int(seed)
         self._pools: dict[str, Tensor] = {}
+        self._scratch: dict[str, Tensor] = {}
 
     @property
     def state(self) -> Any:
@@ -114,6 +115,16 @@ class StochasticBf16AdamW:
             self._pools[str(device)] = pool
         return pool
 
+    def _scratch_for(self, device: torch.device) -> Tensor:
+        """Four float32 buffers of CHUNK elements, kept: fresh temporaries per chunk cost more in page faults
+        than the arithmetic."""
+        import torch
+
+        buf = self._scratch.get(str(device))
+        if buf is None:
+            buf = self._scratch[str(device)] = torch.empty((4, CHUNK), dtype=torch.float32, device=device)
+        return buf
+
     def step(self) -> None:
         """One AdamW step of every parameter with a gradient; each gradient is freed (set to None) as soon as it
         is applied. The learner zeroes them before its next backward pass anyway, and what follows a step (the
@@ -137,12 +148,13 @@ class StochasticBf16AdamW:
                     step = int(state["step"].item())
                     gen = torch.Generator().manual_seed(_mix(self.seed, step, index))
                     _update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, (lr, beta1, beta2, eps, decay),
-                            self._pool(p.device), gen)
+                            self._pool(p.device), gen, self._scratch_for(p.device))
                     p.grad = None  # applied: freed now, not at the next zero_grad (see step's docstring)
 
 
 def _update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
-            hyper: tuple[float, float, float, float, float], pool: Tensor, gen: torch.Generator) -> None:
+            hyper: tuple[float, float, float, float, float], pool: Tensor, gen: torch.Generator,
+            scratch: Tensor) -> None:
     """One AdamW step of one parameter, CHUNK elements at a time, in float32, rounded into bfloat16."""
     import torch
 
@@ -159,7 +171,7 @@ def _update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: 
     for k, start in enumerate(range(0, n, CHUNK)):
         sl = slice(start, min(n, start + CHUNK))
         size = sl.stop - start
-        g32, m32, v32, p32 = (t[sl].to(torch.float32, copy=True) for t in (g, m, v, flat))  # scratch of our own
+        g32, m32, v32, p32 = (buf[:size].copy_(t[sl]) for buf, t in zip(scratch, (g, m, v, flat), strict=True))
         m32.lerp_(g32, 1 - beta1)
         v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
         denom = g32.copy_(v32).sqrt_().div_(bc2_sqrt).add_(eps)  # the gradient's copy, no longer needed
