@@ -31,7 +31,10 @@ the whole weight files' and their patches' sizes; the client's log gives each pa
 apply took (rebuilding the file, plus its sha256 check). Printed as bytes per version, delta and full.
 
 A mode may name a layout: ``sequential@one-process`` runs every role in one process (the layout before the
-split), ``sequential`` the default process layout, so one run measures both side by side.
+split), ``sequential`` the default process layout, so one run measures both side by side; and options after a
+space: ``lr=1e-6``, ``precision=bf16`` (``learner.precision``), so ``--modes "sequential,sequential precision=bf16"``
+measures the float32 and the bf16 learner side by side. Peak RSS is also given per parameter for the learner
+(bytes per parameter) and against the replica for each verifier (its bytes in ``model.dtype``, float32).
 
     python bench/scale.py --model tiny --steps 4 --modes sequential,sequential@one-process
     nice -n 5 python bench/scale.py --model qwen0.5b --steps 5 --modes sequential,async \\
@@ -100,6 +103,22 @@ def build_model(kind: str, into: Path) -> Path:
     return folder
 
 
+def parameter_count(folder: Path) -> int:
+    """Parameters of the model in ``folder``, from its safetensors headers (a tied output layer counted once, as
+    the model holds it)."""
+    from shared.adapters import SafetensorsFile
+
+    total = 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        with SafetensorsFile(shard) as fh:
+            for entry in fh.entries.values():
+                n = 1
+                for d in entry["shape"]:
+                    n *= int(d)
+                total += n
+    return total
+
+
 EVEN_REWARD = f"{REPO / 'bench' / 'rewards.py'}:even_token_ids"
 
 
@@ -110,9 +129,19 @@ def write_prompts(into: Path, count: int = 256) -> Path:
     return path
 
 
+def mode_options(mode: str) -> tuple[str, dict[str, str]]:
+    """``"sequential@one-process lr=1e-6 precision=bf16"`` → ("sequential@one-process", {"lr": …, "precision": …})."""
+    name, *pairs = mode.split()
+    options = dict(p.split("=", 1) for p in pairs)
+    unknown = set(options) - {"lr", "precision"}
+    if unknown:
+        raise SystemExit(f"mode {mode!r}: unknown options {sorted(unknown)} (lr=…, precision=float32|bf16)")
+    return name, options
+
+
 def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, args: argparse.Namespace) -> None:
-    mode, _, lr_text = mode.partition(" lr=")
-    lr = float(lr_text) if lr_text else float(args.lr.split(",")[0])
+    mode, options = mode_options(mode)
+    lr = float(options.get("lr", args.lr.split(",")[0]))
     name, _, layout = mode.partition("@")
     top = dict(MODES[name]) | {"layout": layout or "processes"}
     keep = 2 if top["sync_mode"] == "sequential-pull" else top["max_staleness"] + 2
@@ -124,6 +153,7 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
                     "eval_size": 16, "weight_decay": 0.01 if args.reward == "addition" else 0.0, "lr": lr,
                     "checkpoint_every_steps": args.checkpoint_every, "lora_rank": args.lora_rank,
                     "world_size": args.learner_ranks, "mixed_precision": args.mixed_precision,
+                    "precision": options.get("precision", "float32"),
                     **({"fsdp": True} if args.fsdp else {})},
         "jobs": {"prompts_per_job": args.prompts_per_job, "lease_timeout_s": 600.0, "long_poll_s": 10.0},
         "sampling": {"max_tokens": args.max_tokens},
@@ -314,7 +344,7 @@ def delta_figures(manifests: dict[int, dict[str, dict[str, Any]]], client_log: P
 
 
 def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    safe = mode.replace("@", "-").replace(" lr=", "-lr")
+    safe = mode.replace("@", "-").replace(" ", "-").replace("=", "")
     run_dir = work / f"run-{safe}"
     cfg = work / f"{safe}.toml"
     write_config(cfg, run_dir, model, mode, args.steps, args)
@@ -451,6 +481,7 @@ ROWS = [
     ("bytes per version (own snapshot folder)", "snapshot_bytes", "GB"),
     ("run directory: peak / at the end", "run_dir_peak_bytes", "GB2"),
     ("peak RSS per role process, and the client", "role_peak_rss_gib", "RSS"),
+    ("learner peak RSS per parameter; verifier peak ÷ its float32 replica", "role_peak_rss_gib", "per-param"),
     ("signed request (POST /v1/release) p50 / p99 while stepping", "signed_p50_ms", "ms"),
     ("GET /healthz p50 / p99 while stepping", "healthz_p50_ms", "msh"),
 ]
@@ -469,6 +500,14 @@ def fmt(r: dict[str, Any], key: str, kind: str) -> str:
     if kind == "RSS":
         roles = ", ".join(f"{name} {gib:.2f}" for name, gib in r["role_peak_rss_gib"].items())
         return f"{roles}; client {r['client_peak_rss_gib']:.2f} GiB"
+    if kind == "per-param":
+        n = r.get("parameters") or 0
+        if not n:
+            return "–"
+        parts = [f"{name} {gib * 2**30 / n:.1f} B/param" if not name.startswith("verifier")
+                 else f"{name} {gib * 2**30 / (4 * n):.2f}×" for name, gib in r["role_peak_rss_gib"].items()
+                 if name == "learner" or name.startswith("verifier")]
+        return ", ".join(parts) or "–"
     if kind == "ms":
         return f"{r['signed_p50_ms']:.0f} / {r['signed_p99_ms']:.0f} ms"
     return f"{r['healthz_p50_ms']:.0f} / {r['healthz_p99_ms']:.0f} ms"
@@ -592,7 +631,10 @@ def main() -> None:
         model = build_model(args.model, work)
         lrs = args.lr.split(",")
         for mode in [m.strip() + (f" lr={lr}" if len(lrs) > 1 else "") for lr in lrs for m in args.modes.split(",")]:
-            r = run_mode(mode, model, work, args) | {"lora_rank": args.lora_rank,
+            r = run_mode(mode, model, work, args) | {"parameters": parameter_count(model),
+                                                              "precision": mode_options(mode)[1].get("precision",
+                                                                                                     "float32"),
+                                                              "lora_rank": args.lora_rank,
                                                               "client": args.client_backend,
                                                               "learner_ranks": args.learner_ranks,
                                                               "fsdp": args.fsdp or args.learner_ranks > 1,

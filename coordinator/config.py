@@ -42,7 +42,8 @@ class ModelConfig(_Strict):
         "'tiny' for the built-in ~1M-parameter Qwen2 model warm-started on the arithmetic task.",
     )
     device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="Where the learner runs.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Learner parameter dtype.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the learner (unless "
+                                                  "learner.precision = 'bf16') and of the verifier's replicas.")
 
 
 class ArithmeticTaskConfig(_Strict):
@@ -373,6 +374,12 @@ class LearnerConfig(_Strict):
                                                     "model.dtype = float32 (the float32 master weights).")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in the backward "
                                            "pass instead of keeping them (less memory, about one more forward).")
+    precision: Literal["float32", "bf16"] = Field(
+        "float32", description="float32: torch's AdamW over model.dtype weights (16 B/param of weights, gradients "
+        "and moments in float32). bf16: weights, gradients and both AdamW moments in bfloat16 (8 B/param), every "
+        "update stochastically rounded so that small steps add up as in float32 on average "
+        "(coordinator.engine.bf16_adamw; learning compared in docs/benchmarks.md). One device, full weights; the "
+        "verifier still computes in model.dtype.")
 
     @model_validator(mode="after")
     def _some_checkpoint_trigger(self) -> LearnerConfig:
@@ -395,6 +402,20 @@ class LearnerConfig(_Strict):
     def sharded(self) -> bool:
         """Whether the learner runs under torch.distributed with FSDP2 (coordinator.engine.fsdp)."""
         return bool(self.fsdp) or (self.fsdp is None and self.world_size > 1)
+
+    @model_validator(mode="after")
+    def _bf16_precision_on_one_device(self) -> LearnerConfig:
+        if self.precision != "bf16":
+            return self
+        if self.sharded:
+            raise ValueError("learner.precision = 'bf16' trains on one device; on FSDP ranks use "
+                             "learner.mixed_precision = 'bf16' (bf16 compute over float32 master weights) instead, "
+                             "or set learner.world_size = 1 and remove learner.fsdp")
+        if self.lora_rank > 0:
+            raise ValueError("learner.precision = 'bf16' keeps all weights and their AdamW state in bfloat16; with "
+                             "LoRA only the small adapters train: set learner.precision = 'float32' (and model.dtype "
+                             "= 'bfloat16' to hold the frozen base in bfloat16), or learner.lora_rank = 0")
+        return self
 
     @model_validator(mode="after")
     def _sequence_weight_needs_decoupled(self) -> LearnerConfig:

@@ -59,6 +59,7 @@ class DemoConfig:
     store: str = "sqlite"  # sqlite | postgresql (a private server the demo starts) | a postgresql:// URL
     task: str = "addition"  # a key of DEMO_TASKS
     p2p: bool = False  # clients fetch snapshots from each other over libp2p (the p2p extra; docs/protocol.md §6a)
+    learner_precision: str = "float32"  # learner.precision: "bf16" trains bf16 weights and moments (bench/bf16_learning.py)
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
@@ -133,6 +134,7 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
         f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
         f"lr = {task.lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
+        + (f'precision = "{cfg.learner_precision}"\n' if cfg.learner_precision != "float32" else "")
         + "".join(f"{k} = {v}\n" for k, v in task.learner.items())
         + (f"\n[store]\nurl = {json.dumps(store_url)}\n" if store_url else "")
         + ("\n[p2p]\nenabled = true\n" if cfg.p2p else "")

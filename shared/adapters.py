@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.policy import load_model
+from shared.policy import LOAD_LOCK, load_model
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -250,18 +250,60 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: {name} is {entry.get('dtype')} {list(shape)}, the model's is "
                              f"{str(dest.dtype).removeprefix('torch.')} {list(dest.shape)}: not this model's weights")
         direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
-        buf = dest.detach() if direct else torch.empty(shape, dtype=dtype)
+        self._fh.seek(self._base + begin)
+        if direct:
+            self._read_exactly(name, dest.detach())
+            return
+        if not dest.is_contiguous():
+            buf = torch.empty(shape, dtype=dtype)
+            self._read_exactly(name, buf)
+            dest.copy_(buf)
+            return
+        # converted a piece at a time: the temporary is READ_PIECE bytes, not the tensor (a 0.5 B model's
+        # embedding is 272 MB in bfloat16)
+        flat = dest.detach().view(-1)
+        step = max(1, READ_PIECE // dtype.itemsize)
+        piece = torch.empty(min(step, flat.numel()), dtype=dtype)
+        for start in range(0, flat.numel(), step):
+            part = piece[: min(step, flat.numel() - start)]
+            self._read_exactly(name, part)
+            flat[start : start + part.numel()].copy_(part)
+
+    def _read_exactly(self, name: str, buf: Any) -> None:
+        """Fill ``buf`` (a contiguous CPU tensor) from the file's current position."""
+        import torch
+
         raw: Any = buf.view(torch.uint8).reshape(-1).numpy()  # the tensor's own bytes, writable
         view = memoryview(raw) if buf.numel() else memoryview(b"")
-        self._fh.seek(self._base + begin)
         got = 0
         while got < len(view):
             n = self._fh.readinto(view[got:])
             if not n:
                 raise ValueError(f"{self.path} ends inside tensor {name}: the file is truncated")
             got += n
-        if not direct:
-            dest.copy_(buf)
+
+
+#: Bytes :meth:`SafetensorsFile.read_into` converts at once when the file's dtype or device is not the tensor's.
+READ_PIECE = 32 * 2**20
+
+
+def read_model(folder: Path, device: str = "cpu", dtype: str = "float32") -> Any:
+    """:func:`shared.policy.load_model`'s model, built from the folder's config with uninitialised weights and
+    filled by :func:`load_weights_in_place`. Why: transformers' loader maps the safetensors file, and every page it
+    touches counts against the process until loading ends, so a bfloat16 snapshot loaded as float32 peaks at
+    1.5× the model; here the peak is the model plus READ_PIECE. Owns its memory (no mapping of a file that the
+    publisher may later prune)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with LOAD_LOCK:  # transformers' construction is not thread-safe (shared.policy.LOAD_LOCK), nor is the patching
+        config = AutoConfig.from_pretrained(str(folder))
+        with torch.device(device), no_init_weights():  # untouched empty pages cost no memory until read into
+            model: Any = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model.tie_weights()
+    load_weights_in_place(model, Path(folder))
+    return model.eval()
 
 
 def load_base_model(folder: Path, device: str = "cpu", dtype: str = "float32") -> Any:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from shared.messages import Completion
-from shared.sampler import Segment, choose_torch, margins_torch, row_keys
+from shared.sampler import KeyedRows, Segment, choose_torch, margins_of_rows, margins_torch, row_keys
 
 if TYPE_CHECKING:
     import torch
@@ -321,6 +322,15 @@ def completion_logprobs(
 # completion_stats expands the distribution for this many (sequence, position, vocabulary) entries at a time:
 # 2**25 float32 values = 128 MiB per temporary, whatever the batch or the vocabulary
 STATS_ELEMENTS = 2**25
+#: Without gradients, completion_stats computes the logits themselves from the last hidden states this many
+#: (position, vocabulary) entries at a time once the whole [completions × tokens × vocabulary] tensor would be at
+#: least twice that: 2**23 float32 values = 32 MiB per temporary (at Qwen's 152 k vocabulary, [64 × 512 × V] would
+#: be 20 GB, ten copies of the 0.5 B model) ...
+LOGIT_ELEMENTS = 2**23
+#: ... but for at least this many positions at once: a matrix product over so many rows takes the same BLAS path
+#: as over all of them (for a handful of rows MKL picks other kernels, with other rounding), so the logits are the
+#: unchunked pass's to the bit.
+LOGIT_ROWS = 64
 
 
 class CompletionStats(NamedTuple):
@@ -355,7 +365,9 @@ def completion_stats(
     position, so a result's summed surprisal can be compared with its summed entropy without a second sample
     (the sampling test, coordinator.core.verify.check_sampling). The logprobs are bit-identical to
     completion_logprobs'. No gradient flows into the entropy terms. The full [T, vocab] distribution is
-    expanded STATS_ELEMENTS entries at a time, so the extra memory is bounded whatever the batch.
+    expanded STATS_ELEMENTS entries at a time, so the extra memory is bounded whatever the batch; without
+    gradients, a batch whose logits would be large gets them LOGIT_ELEMENTS at a time from the last hidden states
+    (:func:`_streamed_stats`), with the same bits.
 
     ``segments`` (per completion, which keyed draws its tokens are: shared.sampler.Segment): also each token's
     margin under the keyed sampler, from the same logits — the check of every token's choice. Tokens outside every
@@ -366,26 +378,180 @@ def completion_stats(
     """
     import torch
 
+    if segments is not None and len(segments) != len(completions):
+        raise ValueError(f"{len(segments)} segment lists for {len(completions)} completions")
+    streamed = _streamed_stats(model, prompts, completions, temperature, pad_id, share_prompts, segments)
+    if streamed is not None:
+        return streamed
     logits, c_ids, c_mask = _logits(model, prompts, completions, temperature, pad_id, share_prompts)
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(2, c_ids[:, :, None]).squeeze(2)
-    entropy = torch.empty_like(logp, requires_grad=False)
-    variance = torch.empty_like(logp, requires_grad=False)
+    entropy, variance = _entropy_variance(logp_all.detach())
     top = logp_all.detach().max(-1).values
-    rows = max(1, STATS_ELEMENTS // max(1, logp_all.shape[1] * logp_all.shape[2]))
+    margins = None
+    if segments is not None:
+        # the logits are already tempered (float32 l/T, as a client computes them): the scores are l/T + G
+        margins = margins_torch(logits, c_ids, 1.0, segments) * c_mask
+    return CompletionStats(logp, entropy, variance, top, c_mask.to(logp.dtype), margins)
+
+
+def _entropy_variance(logp_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """H and V (see :func:`completion_stats`) of each row of log-probabilities [..., V], STATS_ELEMENTS entries at
+    a time (whole rows of the leading dimension)."""
+    import torch
+
+    lead = logp_all.shape[:-1]
+    entropy = torch.empty(lead, dtype=logp_all.dtype, device=logp_all.device)
+    variance = torch.empty_like(entropy)
+    inner = 1
+    for d in logp_all.shape[1:]:
+        inner *= d
+    rows = max(1, STATS_ELEMENTS // max(1, inner))
     with torch.no_grad():
         for b in range(0, logp_all.shape[0], rows):
             part = logp_all[b : b + rows]
             p = part.exp()
             # a token whose probability underflows to 0 contributes nothing (and no 0 · −inf = nan)
-            h = -torch.where(p > 0, p * part, 0.0).sum(-1)
-            dev = torch.where(p > 0, -part - h[..., None], 0.0)
+            nothing = torch.logical_not(p > 0)
+            t = torch.mul(p, part).masked_fill_(nothing, 0.0)
+            h = t.sum(-1).neg_()  # H = −Σ p·log p
+            dev = torch.neg(part, out=t).sub_(h[..., None]).masked_fill_(nothing, 0.0)  # −log p − H, in t's place
             entropy[b : b + rows] = h
-            variance[b : b + rows] = (p * dev * dev).sum(-1)
-    margins = None
-    if segments is not None:
-        if len(segments) != len(completions):
-            raise ValueError(f"{len(segments)} segment lists for {len(completions)} completions")
-        # the logits are already tempered (float32 l/T, as a client computes them): the scores are l/T + G
-        margins = margins_torch(logits, c_ids, 1.0, segments) * c_mask
-    return CompletionStats(logp, entropy, variance, top, c_mask.to(logp.dtype), margins)
+            variance[b : b + rows] = p.mul_(dev).mul_(dev).sum(-1)  # Σ (p·dev)·dev, in p's place
+    return entropy, variance
+
+
+_PLAIN_HEAD: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _plain_head(model: Any) -> bool:
+    """Whether ``model``'s logits are its output layer applied to its decoder's last hidden states and nothing
+    more, checked once per model by computing a two-token pass both ways (a model that scales or soft-caps its
+    logits, or a wrapper, fails it). Never on FSDP-sharded models: there a pass on one rank alone would hang."""
+    known = _PLAIN_HEAD.get(model)
+    if known is not None:
+        return known
+    import torch
+
+    plain = False
+    decoder = getattr(model, "get_decoder", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    sharded = type(model).__name__.startswith("FSDP") or any(
+        type(m).__name__.startswith("FSDP") for m in (decoder, head) if m is not None)
+    if isinstance(head, torch.nn.Linear) and decoder is not None and not sharded:
+        device = next(model.parameters()).device
+        ids = torch.tensor([[0, 1]], dtype=torch.long, device=device)
+        with torch.no_grad():
+            try:
+                whole = model(input_ids=ids).logits
+                parts = head(decoder(input_ids=ids).last_hidden_state)
+                plain = whole.shape == parts.shape and bool(torch.equal(whole, parts))
+            except Exception:  # any model that cannot be taken apart this way computes its logits whole
+                plain = False
+    _PLAIN_HEAD[model] = plain
+    return plain
+
+
+def _streamed_stats(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                    temperature: float, pad_id: int, share_prompts: bool,
+                    segments: Sequence[Sequence[Segment]] | None) -> CompletionStats | None:
+    """:func:`completion_stats` without ever holding the [B, T, V] logits: the decoder's last hidden states once,
+    then the output layer, the log-softmax, the entropy terms and the margins on LOGIT_ELEMENTS entries at a time.
+    None where that does not apply (gradients wanted, a small batch, a model whose head is not plain): then the
+    caller computes the logits whole.
+
+    The bits are the whole pass's: each chunk's rows go through the same output layer (a product over at least
+    LOGIT_ROWS rows, as the whole one), and everything after it depends on its own row alone. For shared prompts,
+    each completion's first logits come from the prompt's own pass, as in :func:`_shared_prompt_logits`."""
+    import torch
+
+    if torch.is_grad_enabled() or not completions:
+        return None
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    width = max(1, max(len(c) for c in completions))
+    rows_per_chunk = max(LOGIT_ROWS, LOGIT_ELEMENTS // max(1, vocab))
+    if vocab <= 0 or len(completions) * width < 2 * rows_per_chunk or not _plain_head(model):
+        return None
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    device = next(model.parameters()).device
+    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
+    c_ids, c_mask = _right_pad(completions, pad_id, device)
+    first: torch.Tensor | None = None
+    if repeated:  # as _shared_prompt_logits: each prompt once, then the completions on a copy of its cache
+        index: dict[tuple[int, ...], int] = {}
+        rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        p_ids, p_mask = _left_pad(list(index), pad_id, str(device))
+        p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
+                    **_last_logits_only(model))
+        sel = torch.tensor(rows, dtype=torch.long, device=device)
+        first = out.logits[:, -1, :][sel]  # [B, V]: predicts each completion's first token
+        hidden = None
+        if width > 1:
+            cache = _cache_of(out)
+            cache.reorder_cache(sel)
+            mask = torch.cat([p_mask[sel], c_mask[:, :-1]], dim=1)
+            positions = p_pos[sel][:, -1:] + 1 + torch.arange(width - 1, device=device)[None, :]
+            hidden = decoder(input_ids=c_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{_cache_kwarg(decoder): cache}).last_hidden_state  # [B, T − 1, H]
+        del out
+    else:  # as _completion_logits: one pass over prompt + completion
+        p_ids, p_mask = _left_pad(prompts, pad_id, str(device))
+        ids = torch.cat([p_ids, c_ids], dim=1)
+        mask = torch.cat([p_mask, c_mask], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        start = p_ids.shape[1] - 1
+        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        hidden = hidden[:, start : start + width]  # [B, T, H]
+    bsz = len(completions)
+    total = bsz * width
+    flat_ids = c_ids.reshape(-1)
+    outs = [torch.empty(total, dtype=torch.float32, device=device) for _ in range(4)]  # logp, H, V, top
+    margins = torch.zeros(total, dtype=torch.float32, device=device) if segments is not None else None
+    keyed = KeyedRows.of(segments, width, device) if segments is not None else None
+    bounds = list(range(0, total, rows_per_chunk))
+    if total - bounds[-1] < rows_per_chunk:  # no short last chunk: it joins the one before
+        bounds.pop()
+    bounds.append(total)
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        logits = _logit_rows(head, hidden, first, width, start, stop).float().div_(temperature)
+        logp_all = torch.log_softmax(logits, -1)
+        outs[0][start:stop] = logp_all.gather(1, flat_ids[start:stop, None]).squeeze(1)
+        outs[1][start:stop], outs[2][start:stop] = _entropy_variance(logp_all)
+        outs[3][start:stop] = logp_all.max(-1).values
+        del logp_all
+        if keyed is not None and margins is not None:
+            mine, _ = keyed.within(start, stop)
+            if mine.count:
+                margins[mine.flat] = margins_of_rows(logits, flat_ids[mine.flat], 1.0, mine,
+                                                     rows_at=mine.flat - start)
+        del logits
+    c_maskf = c_mask.to(torch.float32)
+    logp, entropy, variance, top = (t.view(bsz, width) for t in outs)
+    return CompletionStats(logp, entropy, variance, top, c_maskf,
+                           margins.view(bsz, width) * c_mask if margins is not None else None)
+
+
+def _logit_rows(head: Any, hidden: torch.Tensor | None, first: torch.Tensor | None, width: int, start: int,
+                stop: int) -> torch.Tensor:
+    """Untempered logits [stop − start, V] of rows start…stop of the [B × T] completion positions (row b·T + t),
+    from the decoder's hidden states; with ``first`` (shared prompts) position 0's are the prompt pass's own and
+    ``hidden`` holds positions 1…T−1."""
+    import torch
+
+    source = first if first is not None else hidden
+    assert source is not None
+    rows = torch.arange(start, stop, device=source.device)
+    b, t = rows // width, rows % width
+    if first is None:
+        assert hidden is not None
+        return head(hidden[b, t])
+    out = torch.empty((stop - start, first.shape[-1]), dtype=first.dtype, device=first.device)
+    later = torch.nonzero(t > 0).squeeze(1)
+    at_first = torch.nonzero(t == 0).squeeze(1)
+    if len(at_first):
+        out[at_first] = first[b[at_first]]
+    if len(later):
+        assert hidden is not None
+        out[later] = head(hidden[b[later], t[later] - 1]).to(out.dtype)
+    return out

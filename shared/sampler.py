@@ -324,28 +324,65 @@ def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
     import torch
 
     bsz, width, vocab = logits.shape
-    device = logits.device
-    flat: list[int] = []
-    words: list[int] = []
-    rollouts: list[int] = []
-    positions: list[int] = []
-    for b, row in enumerate(segments):
-        for key, rollout, offset, length in row:
-            end = min(width, offset + length)
-            if offset < 0 or end <= offset:
-                continue
-            word = job_word(key)
-            flat.extend(range(b * width + offset, b * width + end))
-            words.extend([word] * (end - offset))
-            rollouts.extend([rollout] * (end - offset))
-            positions.extend(range(end - offset))
-    out = torch.zeros(bsz * width, dtype=torch.float32, device=device)
-    if not flat:
-        return out.view(bsz, width)
-    idx = torch.tensor(flat, dtype=torch.int64, device=device)
-    w, r, t = (torch.tensor(v, dtype=torch.int64, device=device) for v in (words, rollouts, positions))
-    rows = logits.detach().reshape(bsz * width, vocab)
-    chosen_ids = tokens.reshape(-1)[idx]
+    out = torch.zeros(bsz * width, dtype=torch.float32, device=logits.device)
+    keyed = KeyedRows.of(segments, width, logits.device)
+    if keyed.count:
+        out[keyed.flat] = margins_of_rows(logits.detach().reshape(bsz * width, vocab), tokens.reshape(-1)[keyed.flat],
+                                          temperature, keyed, chunk_elements=chunk_elements)
+    return out.view(bsz, width)
+
+
+class KeyedRows:
+    """The keyed positions of completions padded to ``width`` columns: flat row indices ``flat`` (b·width + t) into
+    the [B·width, V] logits, with each one's job word, rollout index and position among its segment's draws."""
+
+    def __init__(self, flat: torch.Tensor, words: torch.Tensor, rollouts: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+        self.flat, self.words, self.rollouts, self.positions = flat, words, rollouts, positions
+
+    @property
+    def count(self) -> int:
+        return int(self.flat.numel())
+
+    @classmethod
+    def of(cls, segments: Sequence[Sequence[Segment]], width: int, device: Any) -> KeyedRows:
+        import torch
+
+        flat: list[int] = []
+        words: list[int] = []
+        rollouts: list[int] = []
+        positions: list[int] = []
+        for b, row in enumerate(segments):
+            for key, rollout, offset, length in row:
+                end = min(width, offset + length)
+                if offset < 0 or end <= offset:
+                    continue
+                word = job_word(key)
+                flat.extend(range(b * width + offset, b * width + end))
+                words.extend([word] * (end - offset))
+                rollouts.extend([rollout] * (end - offset))
+                positions.extend(range(end - offset))
+        return cls(*(torch.tensor(v, dtype=torch.int64, device=device) for v in (flat, words, rollouts, positions)))
+
+    def within(self, start: int, stop: int) -> tuple[KeyedRows, torch.Tensor]:
+        """Those whose flat index lies in [start, stop), and where they are among all of them."""
+        import torch
+
+        where = torch.nonzero((self.flat >= start) & (self.flat < stop)).squeeze(1)
+        return KeyedRows(self.flat[where], self.words[where], self.rollouts[where], self.positions[where]), where
+
+
+def margins_of_rows(rows: torch.Tensor, chosen_ids: torch.Tensor, temperature: float, keyed: KeyedRows, *,
+                    chunk_elements: int = MARGIN_CHUNK, rows_at: torch.Tensor | None = None) -> torch.Tensor:
+    """The margins (float32, [keyed.count]) of the keyed draws whose untempered logits are ``rows[rows_at]``
+    (default: ``rows[keyed.flat]``), the token drawn at each being ``chosen_ids``. Each margin depends on its own
+    row alone, so any grouping of rows gives the same bits (how completion_stats streams the logits)."""
+    import torch
+
+    device = rows.device
+    vocab = rows.shape[-1]
+    idx = keyed.flat if rows_at is None else rows_at
+    w, r, t = keyed.words, keyed.rollouts, keyed.positions
     step = max(1, chunk_elements // max(1, vocab))
 
     def chunk(start: int) -> tuple[slice, torch.Tensor]:
@@ -366,7 +403,8 @@ def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
             chosen = scores.gather(1, chosen_ids[sl, None]).squeeze(1)
             return sl, scores.max(-1).values - chosen
 
-    starts = range(0, len(flat), step)
+    out = torch.empty(len(idx), dtype=torch.float32, device=device)
+    starts = range(0, len(idx), step)
     if device.type == "cpu" and len(starts) > 1 and torch.get_num_threads() > 1:
         # numpy's and torch's elementwise loops release the GIL but run on one core: the chunks go to as many
         # threads as torch computes the recompute with, so the check keeps pace with the pass it follows
@@ -375,8 +413,8 @@ def margins_torch(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
     else:
         done = [chunk(start) for start in starts]
     for sl, margin in done:
-        out[idx[sl]] = margin
-    return out.view(bsz, width)
+        out[sl] = margin
+    return out
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}

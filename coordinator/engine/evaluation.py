@@ -25,14 +25,35 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Task, items: Sequence[Task
 
     episodes = getattr(task, "greedy_success", None)
     if episodes is not None:  # a multi-turn task: the share of held-out episodes solved (coordinator.tasks.episodes)
-        was_training = model.training
-        model.eval()
-        try:
-            return float(episodes(model, tokenizer, items, max_tokens))
-        finally:
-            model.train(was_training)
-    was_training = model.training
-    model.eval()
+        return float(_in_eval_mode(model, lambda: episodes(model, tokenizer, items, max_tokens)))
+    return _batched_accuracy(lambda fn: fn(model), tokenizer, task, items, max_tokens, batch_size, before_batch)
+
+
+def borrowed_accuracy(on_model: Callable[[Callable[[Any], Any]], Any], tokenizer: Any, task: Task,
+                      items: Sequence[TaskItem], max_tokens: int, batch_size: int,
+                      before_batch: Callable[[], object] | None = None) -> float:
+    """:func:`greedy_accuracy` on a model someone else holds: ``on_model(fn)`` returns ``fn(model)``, called once per
+    batch (the verifier lends its replica between recomputes, coordinator.engine.verifier.Verifier.lend). A
+    multi-turn task's episodes are played ``batch_size`` at a time as well, so no call holds the model long."""
+    episodes = getattr(task, "greedy_success", None)
+    if episodes is None:
+        return _batched_accuracy(on_model, tokenizer, task, items, max_tokens, batch_size, before_batch)
+    solved = 0.0
+    for start in range(0, len(items), batch_size):
+        if before_batch is not None:
+            before_batch()
+        chunk = items[start : start + batch_size]
+
+        def play(model: Any, chunk: Sequence[TaskItem] = chunk) -> Any:
+            return _in_eval_mode(model, lambda: episodes(model, tokenizer, chunk, max_tokens))
+
+        solved += float(on_model(play)) * len(chunk)
+    return solved / max(1, len(items))
+
+
+def _batched_accuracy(on_model: Callable[[Callable[[Any], Any]], Any], tokenizer: Any, task: Task,
+                      items: Sequence[TaskItem], max_tokens: int, batch_size: int,
+                      before_batch: Callable[[], object] | None) -> float:
     stops = stop_token_ids(tokenizer)
     correct = 0.0
     for start in range(0, len(items), batch_size):
@@ -40,12 +61,25 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Task, items: Sequence[Task
             before_batch()
         chunk = items[start : start + batch_size]
         prompts = [tokenizer.encode(it.prompt) for it in chunk]
-        outs = generate(model, prompts, group_size=1, temperature=1.0, max_tokens=max_tokens, stop_ids=stops,
-                        seed=None, pad_id=pad_id(tokenizer))
+
+        def greedy(model: Any, prompts: list[list[int]] = prompts) -> list[Any]:
+            return _in_eval_mode(model, lambda: generate(model, prompts, group_size=1, temperature=1.0,
+                                                         max_tokens=max_tokens, stop_ids=stops, seed=None,
+                                                         pad_id=pad_id(tokenizer)))
+
+        outs = on_model(greedy)
         for it, out in zip(chunk, outs, strict=True):
             correct += task.reward(it, tokenizer.decode(out.token_ids, skip_special_tokens=True))
-    model.train(was_training)
     return correct / max(1, len(items))
+
+
+def _in_eval_mode(model: Any, fn: Callable[[], Any]) -> Any:
+    was_training = model.training
+    model.eval()
+    try:
+        return fn()
+    finally:
+        model.train(was_training)
 
 
 def pad_id(tokenizer: Any) -> int:
@@ -64,18 +98,26 @@ class EvalOutcome:
 
 
 class Evaluator:
-    """Held-out evaluation of *published* snapshots, on its own thread with its own model.
+    """Held-out evaluation of *published* snapshots, on its own thread.
 
     Evaluating on the learner's model meant the learner stopped learning for it (10–12 s per evaluation at
     0.5 B parameters). Here a version is evaluated from the files clients download, so the figure is the
-    accuracy of what was actually published (in the publish dtype). The model is loaded for an evaluation and
-    dropped after it unless ``keep_model``: memory holds one extra model copy only while evaluating.
-    ``load(folder)`` returns (model, tokenizer) for a snapshot folder (a LoRA layout can pass its own).
-    The unit needs only the snapshot folders and the task, so it can move into its own process.
+    accuracy of what was actually published (in the publish dtype).
+
+    With ``borrow(version, fn)`` (the verifier role: coordinator.engine.verifier.Verifier.lend) the evaluation
+    runs each batch on a model that already holds the version — the verifier's replica, loaded from the same
+    snapshot — so the role holds one model, not two (a second float32 copy was most of the verifier role's 4.1×
+    its replica at 0.5 B, issue 23), and the accuracy is computed in the replica's dtype (``model.dtype``; an own
+    copy is float32); ``tokenizer_of(folder)`` reads the tokenizer (default: the folder's own).
+    Otherwise the model is loaded for an evaluation and dropped after it unless ``keep_model``: memory holds one
+    extra model copy only while evaluating. ``load(folder)`` returns (model, tokenizer) for a snapshot folder (a
+    LoRA layout can pass its own).
     """
 
     def __init__(self, task: Task, items: Sequence[TaskItem], max_tokens: int, *, device: str = "cpu",
-                 load: Any = None, keep_model: bool = False, yield_to: Callable[[], object] | None = None) -> None:
+                 load: Any = None, keep_model: bool = False, yield_to: Callable[[], object] | None = None,
+                 borrow: Callable[[int, Callable[[Any], Any]], Any] | None = None,
+                 tokenizer_of: Callable[[Path], Any] | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.task = task
@@ -83,6 +125,8 @@ class Evaluator:
         self.max_tokens = max_tokens
         self.device = device
         self._load = load or self._load_folder
+        self._borrow = borrow
+        self._tokenizer_of = tokenizer_of or load_tokenizer
         self.keep_model = keep_model
         self.yield_to = yield_to  # called before the load and each batch: lets more urgent work on the host go first
         self._model: Any = None
@@ -113,6 +157,8 @@ class Evaluator:
         t0 = time.monotonic()
         if self.yield_to is not None:
             self.yield_to()
+        if self._borrow is not None:
+            return self._evaluate_borrowed(self._borrow, version, folder, t0)
         model, tokenizer = self._load(folder)
         load_s = time.monotonic() - t0
         try:
@@ -124,6 +170,18 @@ class Evaluator:
                 self._model, self._tokenizer = model, tokenizer
             else:
                 self._model = self._tokenizer = None
+        seconds = time.monotonic() - t0
+        self.eval_s_total += seconds
+        return EvalOutcome(version, acc, len(self.items), seconds, load_s)
+
+    def _evaluate_borrowed(self, borrow: Callable[[int, Callable[[Any], Any]], Any], version: int, folder: Path,
+                           t0: float) -> EvalOutcome:
+        tokenizer = self._tokenizer_of(folder)
+        borrow(version, lambda model: None)  # the replica loads the version now, if it holds another
+        load_s = time.monotonic() - t0
+        acc = borrowed_accuracy(lambda fn: borrow(version, fn), tokenizer, self.task, self.items, self.max_tokens,
+                                batch_size=YIELD_BATCH if self.yield_to is not None else 256,
+                                before_batch=self.yield_to)
         seconds = time.monotonic() - t0
         self.eval_s_total += seconds
         return EvalOutcome(version, acc, len(self.items), seconds, load_s)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from coordinator.config import LearnerConfig, ModelConfig
 from coordinator.engine import fsdp, lora
+from coordinator.engine.bf16_adamw import StochasticBf16AdamW
 from coordinator.engine.evaluation import greedy_accuracy, pad_id
 from coordinator.engine.fsdp import single_rank
 from coordinator.engine.tied import TiedEmbeddingGradient
@@ -127,12 +128,13 @@ class Learner:
         if adapter_dir is not None:
             model_dir = lora.base_folder_for(adapter_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        dtype = "bfloat16" if cfg.precision == "bf16" else model_cfg.dtype
         if adapter_dir is not None and not self.lora:  # LoRA switched off mid-run: train the merged policy
-            self.model = lora.load_version_model(model_dir, adapter_dir, self.device, model_cfg.dtype)
+            self.model = lora.load_version_model(model_dir, adapter_dir, self.device, dtype)
         elif adapter_dir is not None:
-            self.model = lora.load_base_model(model_dir, self.device, model_cfg.dtype)
+            self.model = lora.load_base_model(model_dir, self.device, dtype)
         else:
-            self.model = load_model(model_dir, self.device, model_cfg.dtype)
+            self.model = load_model(model_dir, self.device, dtype)
         # each GRPO group's prompt runs once per micro-batch, its KV cache copied to the group's completions (a
         # group repeats its prompt group_size times). Not where the cache is not a plain one: activation
         # checkpointing turns it off, peft's wrapper hides its name, FSDP ranks must all run the same passes
@@ -159,11 +161,16 @@ class Learner:
             raise ValueError(f"the tokenizer in {model_dir} defines no end-of-sequence token; set eos_token in its "
                              f"tokenizer_config.json so completions can stop")
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        # fused on one CPU or CUDA device: one kernel per tensor with no temporaries (the for-loop form allocates
-        # two of each parameter's size, 1 GB at a 0.5 B model's embedding) and ~10x faster on a CPU
-        fused = ranks is None and torch.device(self.device).type in ("cpu", "cuda")
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
-                                           weight_decay=cfg.weight_decay, fused=fused or None)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer: Any
+        if cfg.precision == "bf16":  # bf16 weights and moments, stochastically rounded (LearnerConfig.precision)
+            self.optimizer = StochasticBf16AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed)
+        else:
+            # fused on one CPU or CUDA device: one kernel per tensor with no temporaries (the for-loop form allocates
+            # two of each parameter's size, 1 GB at a 0.5 B model's embedding) and ~10x faster on a CPU
+            fused = ranks is None and torch.device(self.device).type in ("cpu", "cuda")
+            self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                               fused=fused or None)
         self.model_version = 0
         # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
         self._checkpoint_gate: threading.Event | None = None

@@ -269,7 +269,12 @@ class VersionLoader:
 
         folder = Path(folder)
         model = self.load_first(folder, device, "float32")
-        return model, load_tokenizer(self._base_of(folder) if is_adapter_folder(folder) else folder)
+        return model, self.load_tokenizer(folder)
+
+    def load_tokenizer(self, folder: Path) -> Any:
+        """A version's tokenizer: its base's for an adapter folder (which holds none), else the folder's own."""
+        folder = Path(folder)
+        return load_tokenizer(self._base_of(folder) if is_adapter_folder(folder) else folder)
 
     def load_into(self, model: Any, folder: Path) -> None:
         folder = Path(folder)

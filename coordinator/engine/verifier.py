@@ -15,8 +15,11 @@ Requests that are queued together for the same version are recomputed in one bat
 ``MICRO_BATCH`` completions), so a burst of results costs one pass instead of one per result. Nothing waits to
 form a batch: a lone request is computed at once.
 
-The model is loaded once (``load_model`` on the first snapshot) and later versions are loaded into it in place
-(their safetensors), keeping at most ``cached_versions`` replicas in memory (least recently used dropped).
+The model is built once from the first snapshot's config and every version's weights are read into it in place
+(shared.adapters.read_model / load_weights_in_place: tensor by tensor with ordinary reads, so loading costs no second
+copy and no resident file mapping), keeping at most ``cached_versions`` replicas in memory (least recently used
+dropped). The held-out evaluation borrows the replica (:meth:`Verifier.lend`) instead of loading a model of its own:
+the role's memory is the replica plus bounded temporaries (issue 23: at most 1.5× the replica while evaluating).
 
 On FSDP ranks (``verification.placement = "fsdp"``, ``ranks`` given): rank 0's Verifier leads, the other ranks'
 Verifiers follow (coordinator.engine.fsdp). Each version is loaded whole on every rank and then sharded (fully_shard), so
@@ -39,12 +42,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from coordinator.core.verify import TokenStats
 from coordinator.engine import fsdp
 from coordinator.errors import VersionGone
-from shared.policy import completion_stats, load_model
+from shared.adapters import load_weights_in_place, read_model
+from shared.policy import completion_stats
 from shared.sampler import Segment
 
 if TYPE_CHECKING:
@@ -56,21 +60,10 @@ logger = logging.getLogger(__name__)
 
 MICRO_BATCH = 64  # completions per forward pass, as the learner's
 
-# Loads a version folder's weights as a plain (Hugging Face names) state dict on a device. The default reads
-# every *.safetensors file in the folder; a LoRA layout passes its own (base + adapter).
+# Loads a version folder's weights as a plain (Hugging Face names) state dict on a device: for layouts that can
+# only give whole state dicts (without one, a version is read into the replica tensor by tensor).
 StateLoader = Callable[[Path, str], "dict[str, Tensor]"]
-
-
-def read_safetensors_state(folder: Path, device: str) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
-    shards = sorted(Path(folder).glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"no weights in {folder}")
-    state: dict[str, Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(shard), device=device))
-    return state
+T = TypeVar("T")
 
 
 class VerifierDescription(TypedDict):
@@ -112,12 +105,13 @@ class Verifier:
     """Recompute at any kept version, off the learner.
 
     ``folder_of(version)`` returns the published snapshot folder of a version, or None when it is not (or no
-    longer) published; ``load_state`` reads a folder's weights (default: its safetensors files).
+    longer) published; ``load_state`` reads a folder's weights as a whole state dict (default: none, each version
+    is read into the replica tensor by tensor).
     """
 
     def __init__(self, folder_of: Callable[[int], Path | None], *, device: str, dtype: str, temperature: float,
                  pad_id: int, stop_ids: Sequence[int], cached_versions: int = 1,
-                 load_state: StateLoader = read_safetensors_state,
+                 load_state: StateLoader | None = None,
                  load_first: Callable[[Path, str, str], Any] | None = None,
                  load_into: Callable[[Any, Path], None] | None = None, ranks: Ranks | None = None,
                  mixed_precision: str = "off") -> None:
@@ -130,12 +124,13 @@ class Verifier:
         self.pad_id = pad_id
         self.stop_ids = list(stop_ids)
         self._cached = max(1, cached_versions)
-        self._load_state = load_state
         self._load_first = load_first
         # rewrites a loaded replica's weights in place from a version folder (a LoRA layout rewrites only the
-        # adapted weights); default: load the folder's full state dict (load_state) into it
-        self._load_into = load_into or (lambda model, folder: _load_into(model, self._load_state(folder, self.device),
-                                                                         folder))
+        # adapted weights); default: read the folder's tensors into it one by one, or load load_state's dict
+        if load_into is None and load_state is not None:
+            def load_into(model: Any, folder: Path) -> None:
+                _load_into(model, load_state(folder, self.device), folder)
+        self._load_into = load_into or load_weights_in_place
         self._ranks = ranks
         self.mixed_precision = mixed_precision
         self._models: OrderedDict[int, Any] = OrderedDict()  # version → model, most recently used last
@@ -183,6 +178,22 @@ class Verifier:
             logger.exception("loading version %d ahead of its results failed", version)
             return False
         return True
+
+    def lend(self, version: int, fn: Callable[[Any], T]) -> T:
+        """``fn(model)`` with the replica holding ``version``, run on the verifier's thread between recomputes; for
+        another thread (the held-out evaluator's), which waits for it. The evaluation then needs no model of its
+        own: the replica is the policy it would have loaded (the same snapshot, read the same way). A recompute
+        queued meanwhile waits for ``fn`` to return, so a borrower keeps each call short (one batch). Raises
+        VersionGone when ``version`` is no longer kept. Not on FSDP ranks (there a pass is a collective)."""
+        if self._ranks is not None:
+            raise ValueError("a verifier on FSDP ranks cannot lend its sharded replica: evaluate with a model of "
+                             "the evaluator's own")
+        if threading.current_thread().name.startswith("verifier"):
+            raise RuntimeError("Verifier.lend called on the verifier's own thread: it would wait for itself")
+        return self._executor.submit(self._with_model, version, fn).result()
+
+    def _with_model(self, version: int, fn: Callable[[Any], T]) -> T:
+        return fn(self._model_at(version))
 
     def wait_quiet(self, timeout: float) -> bool:
         """Block (a thread, not the loop) until no request is queued or being answered, at most ``timeout`` s;
@@ -404,7 +415,7 @@ class Verifier:
         if self._load_first is not None:
             return self._load_first(folder, self.device, self.dtype)
 
-        return load_model(folder, self.device, self.dtype, own_memory=True)
+        return read_model(folder, self.device, self.dtype)
 
 
 def _load_into(model: Any, state: dict[str, Tensor], folder: Path) -> None:

@@ -141,7 +141,8 @@ def version_bytes(config: CoordinatorConfig, folder: Path | None) -> int:
     if folder is None:
         return 0  # the built-in tiny model: a few MB
     weights = model_weight_count(folder)
-    dtype = config.model.dtype if config.snapshots.dtype == "training" else config.snapshots.dtype
+    training = "bfloat16" if config.learner.precision == "bf16" else config.model.dtype  # as Learner loads it
+    dtype = training if config.snapshots.dtype == "training" else config.snapshots.dtype
     return int(weights * (DTYPE_BYTES[dtype] + GGUF_BYTES[config.snapshots.gguf]))
 
 

@@ -28,7 +28,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.engine import fsdp
 from coordinator.engine.evaluation import Evaluator
 from coordinator.engine.lora import VersionLoader
-from coordinator.engine.verifier import Verifier, read_safetensors_state
+from coordinator.engine.verifier import Verifier
 from coordinator.errors import VersionGone
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
@@ -88,10 +88,15 @@ class VerifierWorker:
         self.verifier = _make_verifier(self.config, self.snapshots, self.store, device, codec, self.ranks)
         self.evaluator: Any = None
         if "evaluate" in self.kinds:
-            lora_eval = VersionLoader(self.snapshots.base_dir).load_eval if lora else None
+            versions = VersionLoader(self.snapshots.base_dir) if lora else None
             verifier = self.verifier
+            # the evaluation borrows the verifier's replica (no second model in this process), except on FSDP
+            # ranks, whose sharded replica only computes in step with the other ranks
+            borrow = verifier.lend if self.ranks is None else None
             self.evaluator = Evaluator(self.task, self.task.heldout[: self.config.learner.eval_size],
-                                       self.config.sampling.max_tokens, device=device, load=lora_eval,
+                                       self.config.sampling.max_tokens, device=device,
+                                       load=versions.load_eval if versions is not None else None, borrow=borrow,
+                                       tokenizer_of=versions.load_tokenizer if versions is not None else None,
                                        yield_to=lambda: verifier.wait_quiet(EVAL_YIELD_MAX_S))
         handed_back = self.store.work.unclaim(self.name)
         if handed_back:
@@ -190,7 +195,7 @@ class VerifierWorker:
         assert self.evaluator is not None
         try:
             out = await asyncio.wrap_future(self.evaluator.submit(version, self.snapshots.folder(version)))
-        except OSError as exc:  # the version was pruned before it was loaded
+        except (OSError, VersionGone) as exc:  # the version was pruned before (or while) it was evaluated
             logger.warning("held-out evaluation of version %d skipped: %s", version, exc)
         else:
             self.store.evals.record(out.version, out.accuracy, out.n, time.time())
@@ -243,7 +248,7 @@ def _verifier(config: CoordinatorConfig, folder_of: Any, device: str, pad_id: in
     return Verifier(folder_of, device=device, dtype=config.model.dtype, temperature=config.sampling.temperature,
                     pad_id=pad_id, stop_ids=stop_ids, cached_versions=config.verification.cached_versions,
                     ranks=ranks, mixed_precision=config.verification.mixed_precision,
-                    load_state=read_safetensors_state if lora is None else lora.load_state,
+                    load_state=None if lora is None else lora.load_state,
                     load_first=None if lora is None else lora.load_first,
                     load_into=None if lora is None else lora.load_into)
 

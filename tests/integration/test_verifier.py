@@ -135,3 +135,54 @@ def test_the_verifier_is_quiet_only_when_nothing_waits_for_it(versions: dict[int
             ver.close()
 
     asyncio.run(main())
+
+
+def test_the_held_out_evaluation_borrows_the_replica_and_scores_as_its_own_copy_did(versions: dict[int, Path]) -> None:
+    """Issue 23: the verifier role's evaluation runs each batch on the verifier's replica (on the verifier's thread,
+    loaded in place with the evaluated version), never on a model of its own — and scores exactly what an
+    evaluator with its own copy of the same snapshot scores, batch for batch. A version that is gone is refused;
+    lending on the verifier's own thread is refused rather than deadlocking."""
+    import threading
+
+    from coordinator.config import ArithmeticTaskConfig
+    from coordinator.engine.evaluation import Evaluator
+    from coordinator.tasks.builtin import ArithmeticTask
+
+    task = ArithmeticTask(ArithmeticTaskConfig())
+    items = task.heldout[:130]
+
+    async def main() -> tuple[Any, Any, list[tuple[int, Any, str]], int, bool]:
+        ver = _verifier(versions)
+        lent: list[tuple[int, Any, str]] = []
+
+        def lend(version: int, fn: Any) -> Any:
+            def traced(model: Any) -> Any:
+                lent.append((version, model, threading.current_thread().name))
+                return fn(model)
+
+            return ver.lend(version, traced)
+
+        borrowed = Evaluator(task, items, 8, yield_to=lambda: ver.wait_quiet(5.0), borrow=lend,
+                             load=lambda folder: pytest.fail("the evaluator loaded a model of its own"))
+        own = Evaluator(task, items, 8, yield_to=lambda: None)  # the same batches (128 + 2), its own model
+        try:
+            await ver.recompute(PROMPTS, COMPLETIONS, 1)  # the replica holds version 1
+            out = await asyncio.wrap_future(borrowed.submit(0, versions[0]))
+            ref = await asyncio.wrap_future(own.submit(0, versions[0]))
+            replica_is_v0 = lent[-1][1] is ver._models[0]
+            with pytest.raises(VersionGone):
+                await asyncio.wrap_future(borrowed.submit(7, versions[0]))
+            with pytest.raises(RuntimeError, match="own thread"):
+                await ver.run(ver.lend, 0, id)
+            return out, ref, lent, ver.stats.loads, replica_is_v0
+        finally:
+            ver.close()
+            borrowed.close()
+            own.close()
+
+    out, ref, lent, loads, replica_is_v0 = asyncio.run(main())
+    assert out.n == ref.n == 130 and out.accuracy == ref.accuracy > 0.1
+    assert [v for v, _, _ in lent] == [0, 0, 0]  # the load, batches of 128 and 2 (version 7: refused before)
+    assert len({id(m) for _, m, _ in lent}) == 1 and replica_is_v0  # one model: the replica, holding version 0
+    assert all(name.startswith("verifier") for _, _, name in lent)
+    assert loads == 2  # version 1, then version 0 read into the same replica: no second model

@@ -185,12 +185,14 @@ def test_optimizer_step_waits_for_the_checkpoint_write(tiny_model_dir: Path) -> 
     assert any(not torch.equal(frozen[n], p) for n, p in state.weights.items())
 
 
-def test_checkpoint_plus_replay_reproduces_the_weights_and_optimizer_exactly(tmp_path: Path,
-                                                                             tiny_model_dir: Path) -> None:
-    """The resume semantics: load the checkpoint at version c, retrain the recorded batches c+1..k in order."""
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_checkpoint_plus_replay_reproduces_the_weights_and_optimizer_exactly(tmp_path: Path, tiny_model_dir: Path,
+                                                                             precision: str) -> None:
+    """The resume semantics: load the checkpoint at version c, retrain the recorded batches c+1..k in order. With
+    learner.precision = "bf16" too: the stochastic rounding follows from the seed and the step count."""
     import torch
 
-    a = _learner(tiny_model_dir)
+    a = _learner(tiny_model_dir, precision=precision)
     batches = [_samples(a, s) for s in range(4)]
     a.train_step(batches[0])
     store = CheckpointStore(tmp_path / "checkpoints")
@@ -198,7 +200,7 @@ def test_checkpoint_plus_replay_reproduces_the_weights_and_optimizer_exactly(tmp
     for b in batches[1:]:
         a.train_step(b)
     assert a.model_version == 4
-    b_ = _learner(tiny_model_dir)
+    b_ = _learner(tiny_model_dir, precision=precision)
     weights, optimizer = store.load(store.latest(4) or 0, "cpu")
     b_.load_checkpoint(weights, optimizer, 1)
     for b in batches[1:]:
@@ -208,6 +210,8 @@ def test_checkpoint_plus_replay_reproduces_the_weights_and_optimizer_exactly(tmp
         assert torch.equal(pa, pb), name
     sa, sb = a.optimizer.state_dict()["state"], b_.optimizer.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+    assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
+    assert {p.dtype for p in b_.model.parameters()} == {torch.bfloat16 if precision == "bf16" else torch.float32}
 
 
 def test_checkpoint_store_keeps_the_newest_at_or_below_current(tmp_path: Path, tiny_model_dir: Path) -> None:
