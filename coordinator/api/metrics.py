@@ -132,6 +132,15 @@ class StoreCollector(Collector):
         if last is not None:
             yield GaugeMetricFamily("echo_swarm_mean_reward", "Mean rollout reward of the last learner step.",
                                     value=last.mean_reward)
+        tally = coord.margins  # this API process's results
+        if tally.buckets:
+            margins = HistogramMetricFamily(
+                "echo_swarm_choice_margin_ratio", "Worst keyed-sampler margin of each result that passed the choice "
+                "check, as a share of its backend class's tolerance (since this process started): a class drifting "
+                "towards 1 is about to refuse honest work.", labels=["backend_class"])
+            for cls in sorted(tally.buckets):
+                margins.add_metric([cls], tally.cumulative(cls), sum_value=tally.sums[cls])
+            yield margins
 
 
 class ServingCollector(Collector):

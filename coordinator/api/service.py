@@ -33,6 +33,7 @@ from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, kept_
 from coordinator.core.trust import class_backend, is_invalidating
 from coordinator.core.verify import (
     JobTerms,
+    MarginTally,
     TokenStats,
     check_choices,
     check_logprobs,
@@ -119,6 +120,7 @@ class Coordinator:
         #: which API process this is ("api", "api-1", …: several may share one PostgreSQL store; launch.serve sets it)
         self.api_name = API
         self.egress = SnapshotEgress()  # snapshot bytes out over HTTP / libp2p (coordinator.api.egress)
+        self.margins = MarginTally()  # passing results' worst keyed margin ÷ tolerance, per class (/metrics)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def attach(self, files: RunFiles) -> None:
@@ -528,9 +530,12 @@ class Coordinator:
                                                                    self.config.snapshots.gguf))
         vcfg = self.config.verification
         if vcfg.choice_check and token_stats.margins is not None:  # every token's choice
-            check_choices(choice_stats(token_stats.margins),  # margins are in tempered units: the tolerance too
-                          vcfg.choice_tolerance(self.backend_class(client_id), self.config.snapshots.gguf)
-                          / self.config.sampling.temperature)
+            choices = choice_stats(token_stats.margins)
+            pinned = self.backend_class(client_id)
+            # margins are in tempered units: the tolerance too
+            choice_tol = vcfg.choice_tolerance(pinned, self.config.snapshots.gguf) / self.config.sampling.temperature
+            check_choices(choices, choice_tol)
+            self.margins.add(pinned, choices.worst, choice_tol)
         if vcfg.sampling_check:  # are the tokens as surprising as sampling makes them?
             check_sampling(sampling_stats(token_stats, vcfg.sampling_var_floor), z_low=vcfg.sampling_z_low,
                            z_high=vcfg.sampling_z_high, top_z=vcfg.sampling_top_z, min_tokens=vcfg.sampling_min_tokens,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.core.leases import LeaseCheck, LeaseView, check_lease
 from shared.errors import ProtocolError, Reason
@@ -237,6 +237,39 @@ def choice_stats(margins: list[list[float]]) -> ChoiceStats:
                 if m > worst:
                     worst, at = m, (c, t)
     return ChoiceStats(tokens, off, worst, at)
+
+
+#: Edges of the margin-to-tolerance histogram (:class:`MarginTally`): where a class's honest results sit below it.
+MARGIN_RATIO_EDGES = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class MarginTally:
+    """The worst keyed-sampler margin of every result that passed the choice check, as a share of its class's
+    tolerance, per backend class: a histogram over :data:`MARGIN_RATIO_EDGES` (``/metrics``).
+
+    Why: the tolerances were calibrated on particular models and machines (docs/benchmarks.md); honest margins grow
+    as training sharpens the policy and differ on other hardware. A class whose passing results drift towards 1 is
+    about to refuse honest work: the operator raises its ``choice_tol`` before that happens."""
+
+    buckets: dict[str, list[int]] = field(default_factory=dict)  # class → count per edge (not cumulative)
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, backend_class: str, worst: float, tolerance: float) -> None:
+        ratio = worst / tolerance if tolerance > 0 else 0.0
+        counts = self.buckets.setdefault(backend_class, [0] * (len(MARGIN_RATIO_EDGES) + 1))
+        k = next((i for i, edge in enumerate(MARGIN_RATIO_EDGES) if ratio <= edge), len(MARGIN_RATIO_EDGES))
+        counts[k] += 1
+        self.sums[backend_class] = self.sums.get(backend_class, 0.0) + ratio
+
+    def cumulative(self, backend_class: str) -> list[tuple[str, float]]:
+        """Prometheus' cumulative buckets of one class, ``+Inf`` last."""
+        total, out = 0, []
+        counts = self.buckets[backend_class]
+        for edge, n in zip((*MARGIN_RATIO_EDGES, math.inf), counts, strict=True):
+            total += n
+            out.append(("+Inf" if edge == math.inf else str(edge), float(total)))
+        return out
 
 
 def check_choices(stats: ChoiceStats, tolerance: float) -> None:

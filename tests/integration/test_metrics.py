@@ -57,4 +57,8 @@ def test_metrics_parse_and_counters_move_during_a_run(live_coordinator: LiveCoor
     assert value(after, "echo_swarm_rollout_staleness_versions_bucket", le="0") == 2
     assert value(after, "echo_swarm_rollout_staleness_versions_count") == 2
     assert value(after, "echo_swarm_results_rejected_total", reason="binding_mismatch") == 1
+    # both passed the keyed-sampler check with a margin of exactly 0 (a torch client on the verifier's CPU); the
+    # refused one never reached it
+    assert value(after, "echo_swarm_choice_margin_ratio_count", backend_class="torch/cpu") == 2
+    assert value(after, "echo_swarm_choice_margin_ratio_bucket", backend_class="torch/cpu", le="0.0") == 2
     assert value(after, "echo_swarm_jobs", state="leased") == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.core.verify import check_choices, choice_stats
+from coordinator.core.verify import MarginTally, check_choices, choice_stats
 from shared import sampler
 from shared.errors import ProtocolError, Reason
 
@@ -110,6 +110,18 @@ def test_check_choices_refuses_beyond_the_tolerance_with_where_and_how_far() -> 
     assert err.value.reason is Reason.CHOICE_MISMATCH and err.value.http_status == 422
     assert "completion 1, token 1" in err.value.message and "2.5 below the best" in err.value.message
     assert "2 of 5 tokens off the argmax" in err.value.message and "§5b" in err.value.message
+
+
+def test_the_margin_tally_bins_passing_results_by_their_share_of_the_tolerance() -> None:
+    tally = MarginTally()
+    for worst in (0.0, 0.0, 0.004, 0.3, 0.5):  # tolerance 0.5: ratios 0, 0, 0.008, 0.6, 1.0
+        tally.add("llama/cpu", worst, 0.5)
+    tally.add("torch/cpu", 0.0, 0.02)
+    cum = dict(tally.cumulative("llama/cpu"))
+    assert cum["0.0"] == 2 and cum["0.01"] == 3 and cum["0.5"] == 3 and cum["0.75"] == 4 and cum["1.0"] == 5
+    assert cum["+Inf"] == 5 and list(cum)[-1] == "+Inf"
+    assert math.isclose(tally.sums["llama/cpu"], 0.008 + 0.6 + 1.0)
+    assert dict(tally.cumulative("torch/cpu"))["0.0"] == 1
 
 
 def test_an_honest_torch_result_has_zero_margins_and_a_forced_one_does_not(tiny_model_dir: Path) -> None:
