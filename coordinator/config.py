@@ -458,15 +458,18 @@ class BackendTolerance(_Strict):
 
 # Keyed-sampler margins (shared.sampler), in logit units: the check divides them by the job's temperature, as an
 # honest margin is the two implementations' logit difference at a near-tie, divided by T. Source:
-# bench/choice_calibration.py (docs/benchmarks.md, "Keyed sampling: calibration"), tiny model, T = 1.0 and 0.7:
-# worst honest margin × T seen: torch 0 (bit-identical), llama.cpp f32/f16 0.022, q8_0 0.40 (one q8_0 result of
-# 700 at T = 0.7 passed 0.5/T only at 0.71). Those were the untrained model's margins: a trained policy's sharper
-# logits carry larger f16 rounding, and an honest llama.cpp f16 client in tests/adversarial/test_adversaries.py
-# (async push-pull, hundreds of versions in) had one token at 0.182 — so f32/f16 take 0.5 (every attack of
-# bench/choice_calibration.py is still refused at 1.0, the q8_0 tolerance). Calibrating on trained versions is open.
+# bench/choice_calibration.py and bench/choice_tail.py (docs/benchmarks.md, "Keyed sampling: calibration"): 10,000
+# honest results per class on the demo's policy trained 200 steps, T = 1.0 and 0.7, and ~8.6 M fresh Gumbel draws
+# per class, checkpoint (untrained, 200 and 386 versions) and T on measured llama.cpp/torch logit pairs. Torch:
+# margins exactly 0 (bit-identical logits). llama.cpp f16: largest honest margin × T 0.13 (386 versions): at 0.5
+# the fitted false-refusal rate per result is < 1e-20. q8_0: honest margins grow as training sharpens the policy
+# (largest × T 0.44 → 1.29 → 1.54 untrained → 200 → 386 versions; 42 of 8.6 M draws above 1.0 at T = 0.7); at 2.5
+# the fitted rate per result is ≤ 1.7e-6 on the 386-version policy (1e-14 at 200), and 77–100 % of attack results
+# that differ from the keyed sample are still refused there (f16: 100 %). Operators watch the margins' drift in
+# /metrics (echo_swarm_choice_margin_ratio, docs/operations.md).
 CHOICE_TOL_TORCH = 0.02
 CHOICE_TOL_LLAMA = 0.5
-CHOICE_TOL_LLAMA_Q8 = 1.0
+CHOICE_TOL_LLAMA_Q8 = 2.5
 
 # Source: bench/llama_parity.py (docs/benchmarks.md, "llama.cpp parity with the learner"), llama-cpp-python
 # 0.3.36 on x86_64 CPU, llama.cpp's default f16 KV cache, the tiny model at version 0 and after 183 RL steps
@@ -715,7 +718,9 @@ class SnapshotConfig(_Strict):
     gguf: Literal["off", "f32", "f16", "q8_0"] = Field(
         "f16", description="Also publish every version as GGUF for llama.cpp clients, at this precision "
         "(off: safetensors only, torch clients). f16 halves the bytes of f32 at ~1e-2 nats of logprob drift; "
-        "q8_0 quarters them (docs/benchmarks.md, 'llama.cpp parity').")
+        "q8_0 quarters them but needs a 5x wider keyed-sampler tolerance, under which 78-100 % of attack results "
+        "are refused on a trained policy, where f16's refuses all (docs/benchmarks.md, 'llama.cpp parity' and "
+        "'Keyed sampling: calibration').")
     deltas: bool = Field(True, description="Also publish each full-weight version's model.safetensors and model.gguf "
                          "as a patch against the previous version (changed elements only, zstd; docs/protocol.md §6), "
                          "so a client holding that version downloads a few per cent of the file instead of all of it. "
