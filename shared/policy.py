@@ -249,6 +249,34 @@ def _completion_logits(
     return logits[:, start : start + width, :].float() / temperature, c_ids, c_mask
 
 
+def _prefill_once(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: Any
+                  ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each distinct prompt through the model once, keeping its cache: (the output, each completion's row in it,
+    the prompts' attention mask, their positions)."""
+    import torch
+
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    p_ids, p_mask = _left_pad(list(index), pad_id, str(device))
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
+                **_last_logits_only(model))
+    return out, torch.tensor(rows, dtype=torch.long, device=device), p_mask, p_pos
+
+
+def _continuation(out: Any, sel: torch.Tensor, p_mask: torch.Tensor, p_pos: torch.Tensor, c_mask: torch.Tensor,
+                  width: int, device: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The prompts' cache copied to every completion's row, and the mask and positions that continue it with the
+    completions' tokens but their last (which predict the ones after them)."""
+    import torch
+
+    cache = _cache_of(out)
+    cache.reorder_cache(sel)
+    mask = torch.cat([p_mask[sel], c_mask[:, :-1]], dim=1)
+    positions = p_pos[sel][:, -1:] + 1 + torch.arange(width - 1, device=device)[None, :]
+    return cache, mask, positions
+
+
 def _shared_prompt_logits(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -266,22 +294,13 @@ def _shared_prompt_logits(
     import torch
 
     device = next(model.parameters()).device
-    index: dict[tuple[int, ...], int] = {}
-    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    p_ids, p_mask = _left_pad(list(index), pad_id, str(device))
-    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
-                **_last_logits_only(model))
-    sel = torch.tensor(rows, dtype=torch.long, device=device)
+    out, sel, p_mask, p_pos = _prefill_once(model, prompts, pad_id, device)
     first = out.logits[:, -1, :][sel]  # predicts each completion's first token
     c_ids, c_mask = _right_pad(completions, pad_id, device)
     width = c_ids.shape[1]
     logits = first[:, None, :]
     if width > 1:  # the completion's tokens but its last predict the ones after them
-        cache = _cache_of(out)
-        cache.reorder_cache(sel)
-        mask = torch.cat([p_mask[sel], c_mask[:, :-1]], dim=1)
-        positions = p_pos[sel][:, -1:] + 1 + torch.arange(width - 1, device=device)[None, :]
+        cache, mask, positions = _continuation(out, sel, p_mask, p_pos, c_mask, width, device)
         rest = model(input_ids=c_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
                      **{_cache_kwarg(model): cache}).logits
         logits = torch.cat([logits, rest], dim=1)
@@ -478,20 +497,11 @@ def _streamed_stats(model: Any, prompts: Sequence[Sequence[int]], completions: S
     c_ids, c_mask = _right_pad(completions, pad_id, device)
     first: torch.Tensor | None = None
     if repeated:  # as _shared_prompt_logits: each prompt once, then the completions on a copy of its cache
-        index: dict[tuple[int, ...], int] = {}
-        rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
-        p_ids, p_mask = _left_pad(list(index), pad_id, str(device))
-        p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
-                    **_last_logits_only(model))
-        sel = torch.tensor(rows, dtype=torch.long, device=device)
+        out, sel, p_mask, p_pos = _prefill_once(model, prompts, pad_id, device)
         first = out.logits[:, -1, :][sel]  # [B, V]: predicts each completion's first token
         hidden = None
         if width > 1:
-            cache = _cache_of(out)
-            cache.reorder_cache(sel)
-            mask = torch.cat([p_mask[sel], c_mask[:, :-1]], dim=1)
-            positions = p_pos[sel][:, -1:] + 1 + torch.arange(width - 1, device=device)[None, :]
+            cache, mask, positions = _continuation(out, sel, p_mask, p_pos, c_mask, width, device)
             hidden = decoder(input_ids=c_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
                              **{_cache_kwarg(decoder): cache}).last_hidden_state  # [B, T − 1, H]
         del out

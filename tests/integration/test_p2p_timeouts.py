@@ -40,6 +40,21 @@ class Stalling(PeerNode):
         await asyncio.sleep(60)  # far past the client's timeouts
 
 
+async def _fetch_from(server: PeerNode, mf: Any, part: Path, deadline_s: float) -> tuple[Any, float]:
+    """A fresh client fetches ``mf`` from ``server`` (its only peer, holding it): (its report, seconds taken)."""
+    client = PeerNode("run", server.coordinator_key, lambda s: None, Uploads())
+    try:
+        await server.start(initial_peers=[], host_maddrs=LOOPBACK)
+        await client.start(initial_peers=await server.visible_maddrs(), host_maddrs=LOOPBACK)
+        await server.announce([mf.sha256])
+        t0 = time.monotonic()
+        report = await client.fetch(mf, part, deadline_s=deadline_s)
+        return report, time.monotonic() - t0
+    finally:
+        await client.stop()
+        await server.stop()
+
+
 async def _scenario(tmp_path: Path, mode: str) -> None:
     blob = tmp_path / "blob"
     blob.write_bytes(os.urandom(4 * 65536))
@@ -47,23 +62,13 @@ async def _scenario(tmp_path: Path, mode: str) -> None:
     pub = crypto.public_bytes(crypto.generate_key())
     server = Stalling("run", pub, lambda s: blob if s == mf.sha256 else None, Uploads())
     server.mode = mode
-    client = PeerNode("run", pub, lambda s: None, Uploads())
-    try:
-        await server.start(initial_peers=[], host_maddrs=LOOPBACK)
-        await client.start(initial_peers=await server.visible_maddrs(), host_maddrs=LOOPBACK)
-        await server.announce([mf.sha256])
-        t0 = time.monotonic()
-        report = await client.fetch(mf, tmp_path / "part", deadline_s=1.0)
-        took = time.monotonic() - t0
-        assert report.fallback.startswith("no peer delivered the file within 1s"), report
-        # the reply (silent) or the next byte (stall) timed out; then the deadline (1 s) passed
-        assert took < p2p.CALL_TIMEOUT_S + p2p.IDLE_TIMEOUT_S + 5, took
-        assert report.peer_bytes == (65536 if mode == "stall" else 0)  # the one piece that arrived counts
-        part = tmp_path / "part"
-        assert (part.stat().st_size if part.exists() else 0) == report.peer_bytes  # verified bytes only
-    finally:
-        await client.stop()
-        await server.stop()
+    part = tmp_path / "part"
+    report, took = await _fetch_from(server, mf, part, 1.0)
+    assert report.fallback.startswith("no peer delivered the file within 1s"), report
+    # the reply (silent) or the next byte (stall) timed out; then the deadline (1 s) passed
+    assert took < p2p.CALL_TIMEOUT_S + p2p.IDLE_TIMEOUT_S + 5, took
+    assert report.peer_bytes == (65536 if mode == "stall" else 0)  # the one piece that arrived counts
+    assert (part.stat().st_size if part.exists() else 0) == report.peer_bytes  # verified bytes only
 
 
 @pytest.mark.parametrize("mode", ["silent", "stall"])
@@ -80,21 +85,11 @@ async def _refusing_scenario(tmp_path: Path) -> None:
     mf = manifest_file(blob, "model.safetensors", piece_size=65536)
     pub = crypto.public_bytes(crypto.generate_key())
     server = PeerNode("run", pub, lambda s: blob if s == mf.sha256 else None, Uploads(per_blob=0))  # all "seeded"
-    client = PeerNode("run", pub, lambda s: None, Uploads())
-    try:
-        await server.start(initial_peers=[], host_maddrs=LOOPBACK)
-        await client.start(initial_peers=await server.visible_maddrs(), host_maddrs=LOOPBACK)
-        await server.announce([mf.sha256])
-        t0 = time.monotonic()
-        report = await client.fetch(mf, tmp_path / "part", deadline_s=3.0)
-        took = time.monotonic() - t0
-        assert report.fallback.startswith("no peer delivered the file within 3s"), report
-        assert report.refused == 1, report  # "seeded" is final: asked once, not on every round
-        # rounds back off (0.25-0.5 s, doubling): over 3 s a handful of lookups, not one every 0.3-1 s
-        assert 2 <= report.lookups <= 6, (report.lookups, took)
-    finally:
-        await client.stop()
-        await server.stop()
+    report, took = await _fetch_from(server, mf, tmp_path / "part", 3.0)
+    assert report.fallback.startswith("no peer delivered the file within 3s"), report
+    assert report.refused == 1, report  # "seeded" is final: asked once, not on every round
+    # rounds back off (0.25-0.5 s, doubling): over 3 s a handful of lookups, not one every 0.3-1 s
+    assert 2 <= report.lookups <= 6, (report.lookups, took)
 
 
 def test_a_final_refusal_is_not_asked_again_and_lookups_back_off(tmp_path: Path) -> None:
