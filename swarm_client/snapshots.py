@@ -36,7 +36,7 @@ from shared import wire
 from shared.deltas import PatchError, apply_patch
 from shared.endpoints import BLOB, SNAPSHOT
 from shared.errors import EchoSwarmError, IntegrityError, ProtocolError
-from shared.hashing import FileDigest, sha256_file
+from shared.hashing import FileDigest
 from shared.messages import Manifest, ManifestFile, SignedManifest
 from shared.records import open_manifest
 from swarm_client.api import CoordinatorClient, duration_text
