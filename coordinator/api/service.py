@@ -346,9 +346,11 @@ class Coordinator:
                 if resp.current_version > announced and self.issuer.next_in_line(req.client_id, self.version):
                     # push: pull the new version now, then ask again holding it
                     return resp.model_copy(update={"prefetch": True})
-                # expired or overdue leases free slots without an event: re-check at least every second
+                # expired or overdue leases free slots without an event: re-check at least every second (timeout,
+                # not wait_for: on shutdown a cancellation racing a wake-up must end the poll, see Bell.wait)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
+                    async with asyncio.timeout(min(remaining, 1.0)):
+                        await event.wait()
 
     def _try_lease(self, client_id: str, held_version: int) -> LeaseResponse:
         """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while

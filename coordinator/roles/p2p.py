@@ -186,7 +186,8 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
         while True:
             files.store.role_status.set(P2P, peer.report().as_json() | {"pid": os.getpid(), "at": time.time()})
             try:
-                await asyncio.wait_for(stop.wait(), REPORT_EVERY_S)
+                async with asyncio.timeout(REPORT_EVERY_S):  # not wait_for: it can swallow a cancellation (Bell.wait)
+                    await stop.wait()
                 return 0
             except TimeoutError:
                 pass

@@ -86,9 +86,15 @@ class Bell:
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float) -> None:
+        """Until the next ring or ``timeout`` seconds. A cancellation always ends it: ``asyncio.timeout``, not
+        ``asyncio.wait_for``, whose Python 3.11 version returns normally when the task is cancelled in the loop
+        iteration its awaited event completes (CPython gh-86296), and a role loop cancelled within two iterations of
+        a ring (the learner's cancelled step rings on shutdown) would then wait again for ever, hanging the
+        shutdown that awaits it."""
         event = self._event
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
 
 
 class VerifierUnavailable(RuntimeError):

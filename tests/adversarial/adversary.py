@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import copy
 import json
 import random
@@ -121,7 +122,8 @@ class Adversary:
                 reason, message = err.error, err.message
             except ProtocolError:
                 message = raw[:200].decode(errors="replace")
-        entry: dict[str, Any] = {"what": what, "status": status, "reason": reason, "message": message}
+        entry: dict[str, Any] = {"what": what, "status": status, "reason": reason, "message": message,
+                                 "at": round(time.time(), 2)}
         if path == "/v1/lease" and status == 200:
             entry["raw"] = raw
         self.attempts.append(entry)
@@ -134,22 +136,30 @@ class Adversary:
     async def cheat(self, api: CoordinatorClient, job: Job, sub: ResultSubmission, what: str) -> dict[str, Any]:
         """Submit a cheating result, noting whether its tokens happen to be exactly the job's honest keyed sample:
         then it is honest work (the keyed sampler's choice at every position) and is accepted — the test expects
-        exactly that, and counts how often it happens (issue 21)."""
+        exactly that, and counts how often it happens (issue 21). Then the job is released, as every other kind
+        releases its job once refused (and the reference client does, docs/protocol.md §1): a refused result does
+        not end the lease, and a lease of an identity of unknown pace kept to its deadline holds the one turn new
+        identities get (§4), so the other attackers waited a lease timeout for each cheat."""
         honest = await self.honest(api, job)
         same = [list(c.token_ids) for c in honest.completions] == [list(c.token_ids) for c in sub.completions]
         entry = await self.submit(api, sub, what)
         entry["same_as_honest"] = same
+        await self.release(api, job)  # released=false once accepted: the job is done
         return entry
 
     async def lease(self, api: CoordinatorClient, timeout: float = 120.0) -> Job:
         assert self.info is not None
         give_up = time.monotonic() + timeout
+        empty: list[LeaseResponse] = []  # the replies without a job (a refusal raises, with its reason)
         while time.monotonic() < give_up:
             resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1), LeaseResponse)
             if resp.job is not None:
                 return open_job(resp.job, self.info.coordinator_public_key)
+            empty.append(resp)
             await asyncio.sleep(min(resp.retry_after_s, 1.0))
-        raise TimeoutError("no job was offered")
+        raise TimeoutError(f"no job was offered in {timeout:.0f} s: {len(empty)} replies with job=null"
+                           + (f" at versions {empty[0].current_version}..{empty[-1].current_version} (finished "
+                              f"{sum(r.finished for r in empty)}, paused {sum(r.paused for r in empty)})" if empty else ""))
 
     async def release(self, api: CoordinatorClient, job: Job) -> None:
         await api.post("/v1/release", ReleaseRequest(job_id=job.job_id, lease_id=job.lease_id), ReleaseResponse)
@@ -526,10 +536,12 @@ class Adversary:
         comps = [[rng.choice(vocab) for _ in range(job.sampling.max_tokens)]
                  for _ in range(len(job.prompts) * job.group_size)]
         await self.submit(api, self.true_result(job, model, comps), "junk tokens, true logprobs")
+        await self.release(api, job)
 
     async def lease_hoarder(self) -> None:
-        """Lease as many jobs as it can without returning any, to starve everyone else: once it holds a first job
-        (the queue may be empty for a while when other attackers hold the open jobs), ten requests at once."""
+        """Lease as many jobs as it can without returning any, to starve everyone else: once it holds a first job,
+        ten requests at once. A new identity's first job waits until no other identity of unknown pace holds a
+        lease (docs/protocol.md §4): the test runs this kind alone, so that is at most a lease timeout away."""
         api = await self.identity("a")
         body = wire.encode(LeaseRequest(backend="torch", held_version=-1))
 
@@ -538,17 +550,32 @@ class Adversary:
             if entry["status"] != 200:
                 return False
             reply = wire.decode(entry.pop("raw"), LeaseResponse)
-            entry["got_job"] = reply.job is not None
+            entry.update(got_job=reply.job is not None, current_version=reply.current_version,
+                         finished=reply.finished, paused=reply.paused)
             return reply.job is not None
 
-        give_up = time.monotonic() + 120
+        started = time.monotonic()
         tries = 0
         while not await lease(f"first lease, try {tries}"):
             tries += 1
-            assert time.monotonic() < give_up, "no job was offered in two minutes"
+            assert time.monotonic() < started + 120, self.no_job_offered(time.monotonic() - started)
             await asyncio.sleep(1.0)
         for i in range(10):
             await lease(f"lease {i}")
+
+    def no_job_offered(self, waited_s: float) -> str:
+        """Why the hoarder's first lease never came, from its attempts: refused (statuses, reasons, the first
+        refusal's message), or answered with no job (at which versions, whether finished or paused)."""
+        tries = [a for a in self.attempts if a["what"].startswith("first lease")]
+        codes = collections.Counter(f"{a['status']} {a['reason'] or ''}".strip() for a in tries)
+        why = f"no job was offered in {waited_s:.0f} s: {len(tries)} lease requests, answered {dict(codes)}"
+        if answered := [a for a in tries if a["status"] == 200]:
+            why += (f"; the 200s had job=null at versions {answered[0]['current_version']}.."
+                    f"{answered[-1]['current_version']} (finished {sum(a['finished'] for a in answered)}, paused "
+                    f"{sum(a['paused'] for a in answered)}): no slot for a new identity, docs/protocol.md §4")
+        if refused := [a for a in tries if a["status"] != 200]:
+            why += f"; first refusal: {refused[0]['message'][:300]}"
+        return why
 
     async def request_flood(self) -> None:
         """One identity sending far more requests than anyone needs (cheap ones: releases of no job)."""

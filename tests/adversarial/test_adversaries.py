@@ -173,14 +173,17 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
     reports: dict[str, dict[str, Any]] = {}
     try:
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 1, 240, "honest clients to train a version")
-        # the two floods run alone afterwards: every process here shares 127.0.0.1, and a flood of connections
-        # from one address is refused by the per-address connection cap, whoever else is on that address
-        floods = ("request_flood", "registration_flood")
-        kinds = [k for k in EXPECTED if k not in floods]
+        # three kinds run alone afterwards. The two floods: every process here shares 127.0.0.1, and a flood of
+        # connections from one address is refused by the per-address connection cap, whoever else is on that
+        # address. The hoarder: a new identity gets its first job only while no other identity of unknown pace holds
+        # a lease (docs/protocol.md §4), and among the other attackers it drew lots for that turn with every new
+        # one (CI at 4bd8ead: no job in two minutes); alone, it waits at most for the last attacker's lease to end
+        alone = ("lease_hoarder", "request_flood", "registration_flood")
+        kinds = [k for k in EXPECTED if k not in alone]
         with ThreadPoolExecutor(max_workers=4) as pool:
             for report in pool.map(lambda k: _run_adversary(k, url, tmp_path), kinds):
                 reports[report["kind"]] = report
-        for kind in floods:
+        for kind in alone:
             reports[kind] = _run_adversary(kind, url, tmp_path)
         version_after_attacks = (get_status(url) or {})["version"]
         wait_until(lambda: (s := get_status(url)) and s["version"] >= version_after_attacks + 2, 240,

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from coordinator.run.doorbell import Doorbell, folder_for
 from coordinator.run.workqueue import Bell
 
@@ -109,5 +111,35 @@ def test_a_socket_path_too_long_falls_back_to_polling(tmp_path: Path) -> None:
         await asyncio.sleep(0)
         bell.ring()
         await asyncio.wait_for(waiting, LONG / 2)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("iterations", range(4))
+def test_a_role_loop_cancelled_right_after_a_ring_ends(iterations: int) -> None:
+    """Every role's loop is ``while True: ...; await bell.wait(...)`` and is stopped by cancelling it. On shutdown
+    a ring often comes just before the cancel (the learner's cancelled step rings): a cancel in the same loop
+    iterations as the woken wait must still end the loop. (It did not with asyncio.wait_for, whose Python 3.11
+    version then returns normally: the loop waited again for ever and the coordinator's shutdown hung, CI at 4bd8ead.)
+    """
+    async def main() -> None:
+        bell = Bell()
+
+        async def role_loop() -> None:
+            while True:
+                await bell.wait(LONG)
+
+        loop_task = asyncio.create_task(role_loop())
+        await asyncio.sleep(0)  # it waits on the bell
+        bell.ring()
+        for _ in range(iterations):  # the cancel lands 0..3 event-loop iterations after the ring
+            await asyncio.sleep(0)
+        loop_task.cancel()
+        done, _ = await asyncio.wait({loop_task}, timeout=LONG / 2)
+        try:
+            assert loop_task in done and loop_task.cancelled(), "the cancelled role loop went on waiting on the bell"
+        finally:
+            loop_task.cancel()
+            await asyncio.wait({loop_task}, timeout=1.0)
 
     asyncio.run(main())
