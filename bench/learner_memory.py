@@ -118,7 +118,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model_dir = build_model(args.model, work)
     with phases.phase("load the model"):
         learner = Learner(model_dir, ModelConfig(device="cpu"), LearnerConfig(lr=args.lr, weight_decay=0.0,
-                                                                                 threads=args.threads), 1.0,
+                                                                                 threads=args.threads,
+                                                                                 precision=args.precision), 1.0,
                           gguf=args.gguf)
     params = sum(p.numel() for p in learner.model.parameters())
     store = SnapshotStore(work / "snapshots", crypto.generate_key(), "bench", anchor_every=args.anchor_every,
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     def publish(version: int, checkpoint: bool, label: str) -> None:
         with phases.phase(f"{label}: hand-over copy" + (" + checkpoint refs" if checkpoint else "")):
-            files = learner.snapshot_files("bfloat16")
+            files = learner.snapshot_files("bfloat16")  # bf16 learner: its live weights
             state = learner.checkpoint_state() if checkpoint else None
         with phases.phase(f"{label}: publication" + (" + checkpoint" if checkpoint else "")):
             publisher.submit(Publication(version, files, time.time(), state)).result()
@@ -170,6 +171,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--gguf", default="f16")
+    ap.add_argument("--precision", choices=["float32", "bf16"], default="float32", help="learner.precision (bf16: "
+                    "weights and moments in bfloat16; published bf16 snapshots are then its live weights, no copy)")
     ap.add_argument("--anchor-every", type=int, default=50)
     ap.add_argument("--lag-tolerance", type=float, default=None, help="snapshots.lag_tolerance (default: the config's)")
     ap.add_argument("--threads", type=int, default=None)

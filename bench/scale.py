@@ -417,7 +417,7 @@ def summarise(mode: str, steps: list[dict[str, Any]], versions: list[tuple[int, 
     def med(key: str, rows: list[dict[str, Any]] = steady) -> float:
         return statistics.median(float(s.get(key, 0.0)) for s in rows)
 
-    opt = [s["train_s"] - s.get("checkpoint_gate_s", 0.0) for s in steady]
+    opt = [s["train_s"] - s.get("checkpoint_gate_s", 0.0) - s.get("publish_gate_s", 0.0) for s in steady]
     busy = [s["learner_s"] - s["wait_s"] for s in steady]
     v0_at = min(at for v, at in versions if v == 0)
     first_step_at = steps[0]["at"] - steps[0]["step_s"]
@@ -439,6 +439,7 @@ def summarise(mode: str, steps: list[dict[str, Any]], versions: list[tuple[int, 
         "publish_s": med("publish_s"),
         "checkpoint_s": max(float(s.get("checkpoint_s", 0.0)) for s in steps),
         "checkpoint_gate_s": max(float(s.get("checkpoint_gate_s", 0.0)) for s in steps),
+        "publish_gate_s": med("publish_gate_s"),
         "verify_s": med("verify_s"),
         "eval_s": max(float(s.get("eval_s", 0.0)) for s in steps),
         "step_to_leasable_s": med("step_s"),
@@ -472,6 +473,7 @@ ROWS = [
     ("publication (background: safetensors, GGUF, sha256, fsync, manifest)", "publish_s", "s"),
     ("checkpoint write (background, max)", "checkpoint_s", "s"),
     ("optimizer step held for a checkpoint write (max)", "checkpoint_gate_s", "s"),
+    ("optimizer step held while live weights are written (zero-copy hand-over), median", "publish_gate_s", "s"),
     ("verification per step (verifier thread)", "verify_s", "s"),
     ("held-out evaluation (evaluator thread, max)", "eval_s", "s"),
     ("train start → version leasable, median", "step_to_leasable_s", "s"),

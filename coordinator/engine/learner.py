@@ -42,6 +42,7 @@ from coordinator.engine.tied import TiedEmbeddingGradient
 from coordinator.publish.checkpoints import CheckpointState, ShardedCheckpoint
 from coordinator.publish.gguf_export import write_model_gguf
 from coordinator.publish.snapshots import SnapshotFiles
+from coordinator.publish.weights_file import StoredWeights
 from coordinator.tasks.base import Task, TaskItem
 from shared.policy import completion_logprobs, load_model, load_tokenizer, pick_device, stop_token_ids
 
@@ -174,6 +175,8 @@ class Learner:
         self.model_version = 0
         # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
         self._checkpoint_gate: threading.Event | None = None
+        # set while a version's files are being written from the live weights (snapshot_files): the same
+        self._publish_gate: threading.Event | None = None
         self._static_files: dict[str, bytes] | None = None  # config and tokenizer files of every snapshot
         self._lora_base: dict[str, Tensor] | None = None  # FSDP + LoRA: the frozen base, gathered once (rank 0)
 
@@ -253,7 +256,8 @@ class Learner:
             ratio_max, is_max = fsdp.all_reduce(self.ranks, [ratio_max, is_max], "max")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        gate_s = self._await_checkpoint()
+        gate_s, publish_gate_s = self._await_gates()
+        self._checkpoint_gate = self._publish_gate = None
         self.optimizer.step()
         # the gradients are not read again before the next backward pass: freed now, the hand-over copy and the
         # publication that follow a step do not stack on them (docs/benchmarks.md, the learner's memory)
@@ -281,6 +285,7 @@ class Learner:
             "samples": float(len(samples)),
             "train_s": time.monotonic() - t0,
             "checkpoint_gate_s": gate_s,  # part of train_s spent waiting for a checkpoint write to finish
+            "publish_gate_s": publish_gate_s,  # part of train_s spent waiting for the live weights to be written
         }
 
     def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
@@ -321,36 +326,53 @@ class Learner:
 
     def snapshot_files(self, dtype: str = "training") -> SnapshotFiles:
         """On the learner thread, right after a step: what the publisher needs to write this version while the
-        learner goes on training. Full weights: one CPU copy of the state dict in the publish dtype (the copy
-        is the dtype conversion); safetensors, config/tokenizer files and GGUF are written from it later."""
+        learner goes on training. Full weights: the state dict in the publish dtype on the CPU, as
+        ``SnapshotFiles.weights`` (the store writes ``model.safetensors`` from it, then ``write`` adds the config and
+        tokenizer files and the GGUF form, read back from that file).
+
+        Where the live weights already are that (a bf16 learner on the CPU publishing bf16, not FSDP, not LoRA)
+        they are handed over themselves, not copied (2 B/param less at the learner's peak): the next optimizer
+        update waits until the publisher has written them (:meth:`_await_gates`), as for a checkpoint; that
+        step's forward and backward passes run meanwhile. Otherwise one CPU copy (the copy is the dtype conversion
+        or the transfer off the accelerator), freed once written."""
         import torch
 
         fsdp.lead(self.ranks, "snapshot_files", dtype)
         if self.lora:
             return self._lora_snapshot_files(dtype)
         target = getattr(torch, self.publish_dtype(dtype))
+        live = False
         if self.ranks is not None:  # gathered from the shards, one tensor at a time; only rank 0 keeps them
             state = fsdp.full_tensors(self.model.state_dict().items(), self.ranks.leader, target)
             if not self.ranks.leader:
                 return SnapshotFiles(lambda folder: None)
         else:
-            state = {k: v.detach().to("cpu", dtype=target if v.is_floating_point() else v.dtype, copy=True)
-                     for k, v in self.model.state_dict().items()}
+            current = self.model.state_dict()
+            live = all(v.device.type == "cpu" and v.is_contiguous()
+                       and (v.dtype == target or not v.is_floating_point()) for v in current.values())
+            if live:
+                state = {k: v.detach() for k, v in current.items()}
+            else:
+                state = {k: v.detach().to("cpu", dtype=target if v.is_floating_point() else v.dtype, copy=True)
+                         for k, v in current.items()}
+            del current
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied to the embeddings, stored once (as save_pretrained does)
         static = self._snapshot_static_files(self.publish_dtype(dtype))
         gguf = self.gguf
+        order = list(state)
 
         def write(folder: Path) -> None:
-            from safetensors.torch import save_file
-
-            save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
             for name, data in static.items():
                 (folder / name).write_bytes(data)
-            if gguf != "off":
-                write_model_gguf(folder / "model.gguf", folder, state, gguf)
+            if gguf != "off":  # from the published (settled) values, a block of rows at a time
+                write_model_gguf(folder / "model.gguf", folder, StoredWeights(folder / "model.safetensors", order),
+                                 gguf)
 
-        return SnapshotFiles(write, weights=state)
+        files = SnapshotFiles(write, weights=state)
+        if live:
+            self._publish_gate = files.written
+        return files
 
     def _lora_snapshot_files(self, dtype: str) -> SnapshotFiles:
         """A LoRA version (coordinator.engine.lora has the layout): its own files are the adapter, copied here (a few
@@ -406,7 +428,7 @@ class Learner:
     def checkpoint_state(self, staging: Path | None = None) -> CheckpointState:
         """References to the trainable weights and the optimizer state at this version, for the publisher to
         write while the next step's forward and backward passes run; that step's optimizer update waits until
-        the publisher calls ``release`` (:meth:`_await_checkpoint`), so nothing is copied.
+        the publisher calls ``release`` (:meth:`_await_gates`), so nothing is copied.
 
         On FSDP ranks every rank writes its shards into ``staging`` now (torch.distributed.checkpoint); the
         publisher then only completes the checkpoint (coordinator.publish.checkpoints)."""
@@ -422,8 +444,13 @@ class Learner:
         weights = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         return CheckpointState(self.model_version, weights, self.optimizer.state_dict(), gate.set)
 
-    def _await_checkpoint(self) -> float:
-        gate, self._checkpoint_gate = self._checkpoint_gate, None
+    def _await_gates(self) -> tuple[float, float]:
+        """Before an optimizer update: wait until the publisher has released the live tensors it was handed, the
+        checkpoint's (written first) and the version's weights (:meth:`snapshot_files`); seconds waited for each.
+        The publisher never waits for the learner, so these waits end (a failed write releases too)."""
+        return self._wait(self._checkpoint_gate), self._wait(self._publish_gate)
+
+    def _wait(self, gate: threading.Event | None) -> float:
         if gate is None or gate.is_set():
             return 0.0
         t0 = time.monotonic()

@@ -246,7 +246,7 @@ class _Rows:
     def tofile(self, fh: Any) -> None:
         value = self.value
         if self.heads is not None:  # the row permutation needs the whole (small: attention) matrix
-            value = llama_permute(_as_numpy(value), self.heads)
+            value = llama_permute(_as_numpy(value[0:int(value.shape[0])]), self.heads)
         if len(value.shape) < 2:
             value = value.reshape(-1)
             step = CHUNK_ELEMENTS
@@ -263,7 +263,9 @@ def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precisio
                      name: str = "echo-swarm policy") -> None:
     """Write a whole model as GGUF. ``folder`` holds the HF config and tokenizer files; ``state`` maps HF
     parameter names to arrays (torch tensors or numpy), e.g. the model's ``state_dict()``. Streamed: the tensor
-    table is written first, then each tensor converted and written a block of rows at a time (:class:`_Rows`)."""
+    table is written first, then each tensor converted and written a block of rows at a time (:class:`_Rows`). A
+    value is only sliced by rows (``value[a:b]``) and read for its ``shape``, so it may be read from a file on
+    demand (coordinator.publish.weights_file.StoredTensor)."""
     import gguf
     import numpy as np
 

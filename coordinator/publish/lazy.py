@@ -36,8 +36,9 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import MutableMapping
+from collections.abc import Iterator
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,12 +54,22 @@ _DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 
 @dataclass(frozen=True)
 class Settled:
-    """What :func:`settle` did: elements of 16-bit tensors compared, republished (differ from the previous
-    version's) and held back (their rounding moved, by no more than δ)."""
+    """What a version's settling (:class:`Lag`) did: elements of 16-bit tensors compared, republished (differ from
+    the previous version's) and held back (their rounding moved, by no more than δ)."""
 
     elements: int
     republished: int
     held: int
+
+
+@dataclass(frozen=True)
+class LagRule:
+    """Lazy publication of one version: against ``previous`` (the previous version's ``model.safetensors``), with
+    δ = ``tolerance`` · eps · RMS, at most ``cap`` (``lag_steps × lr``; None: no cap)."""
+
+    previous: Path
+    tolerance: float
+    cap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -70,53 +81,83 @@ class _Stored:
     offset: int
 
 
-def _tensors(path: Path) -> dict[str, _Stored]:
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
+def _tensors(fh: BufferedReader) -> dict[str, _Stored]:
+    fh.seek(0)
+    (n,) = struct.unpack("<Q", fh.read(8))
+    header = json.loads(fh.read(n))
     return {name: _Stored(str(t["dtype"]), tuple(int(d) for d in t["shape"]), 8 + n + int(t["data_offsets"][0]))
             for name, t in header.items() if name != "__metadata__"}
 
 
-def settle(weights: MutableMapping[str, Tensor], previous: Path, tolerance: float,
-           cap: float | None = None) -> Settled:
-    """Apply the rule (module docstring) in place to ``weights`` (the hand-over copy about to be written: name →
-    CPU tensor in the publish dtype), against ``previous``, the previous version's ``model.safetensors``. Tensors
-    the previous file does not hold with the same dtype and shape are left as they are (published whole). ``cap``:
-    the largest δ in absolute terms (``lag_steps × lr``), whatever the tensor's RMS.
+class Lag:
+    """The rule (module docstring) applied on the way to the file (coordinator.publish.weights_file): a tensor of
+    this version (name → CPU tensor in the publish dtype) is read a chunk at a time and each chunk's settled bits
+    are yielded from a scratch buffer, so the tensor itself is never written to (it may be the learner's live
+    weights). Tensors the previous file does not hold with the same dtype and shape are published whole.
 
-    Works on the elements' bit patterns with numpy, a chunk at a time, and computes the gap only where the rounding
-    moved (a minority): about 15 ms per million elements, where torch's masked ops took 120."""
-    import numpy as np
-    import torch
+    Works on the elements' bit patterns with numpy and computes the gap only where the rounding moved (a
+    minority): about 15 ms per million elements, where torch's masked ops took 120."""
 
-    stored = _tensors(previous)
-    elements = republished = held = 0
-    with open(previous, "rb") as fh:
-        for name, tensor in weights.items():
-            entry = stored.get(name)
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if (dtype not in _DTYPES.values() or entry is None or _DTYPES.get(entry.dtype) != dtype
-                    or entry.shape != tuple(tensor.shape) or not tensor.is_contiguous()):
-                continue
-            bits = tensor.view(-1).view(torch.int16).numpy().view(np.uint16)  # the tensor's own memory
-            delta = tolerance * float(torch.finfo(tensor.dtype).eps) * _rms(bits, dtype)
-            if cap is not None:
-                delta = min(delta, cap)
-            old = np.empty(min(CHUNK_ELEMENTS, bits.size), np.uint16)
-            for at in range(0, bits.size, CHUNK_ELEMENTS):
-                new = bits[at:at + CHUNK_ELEMENTS]
-                prev = old[:new.size]
-                fh.seek(entry.offset + 2 * at)
-                if fh.readinto(prev.data) != prev.nbytes:
-                    raise ValueError(f"{previous} ends inside tensor {name!r}")
-                moved = np.flatnonzero(new != prev)  # bit patterns: +0 and -0 differ too
-                near = moved[np.abs(_values(new[moved], dtype) - _values(prev[moved], dtype)) <= delta]
-                new[near] = prev[near]
-                elements += new.size
-                held += near.size
-                republished += moved.size - near.size
-    return Settled(elements, republished, held)
+    def __init__(self, rule: LagRule, fh: BufferedReader) -> None:
+        self.rule = rule
+        self._fh = fh
+        self._stored = _tensors(fh)
+        self._elements = self._republished = self._held = 0
+
+    @classmethod
+    def open(cls, rule: LagRule) -> Lag | None:
+        """None when the previous file is gone (pruned under us): the version is published whole."""
+        try:
+            fh = open(rule.previous, "rb")  # noqa: SIM115  # closed by close(), after the whole file is written
+        except FileNotFoundError:
+            return None
+        try:
+            return cls(rule, fh)
+        except BaseException:
+            fh.close()
+            raise
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def settled(self) -> Settled:
+        return Settled(self._elements, self._republished, self._held)
+
+    def applies(self, name: str, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is settled (a 16-bit float tensor the previous file holds alike), else written whole."""
+        entry = self._stored.get(name)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return (dtype in _DTYPES.values() and entry is not None and _DTYPES.get(entry.dtype) == dtype
+                and entry.shape == tuple(tensor.shape) and tensor.is_contiguous() and tensor.device.type == "cpu")
+
+    def chunks(self, name: str, tensor: Tensor) -> Iterator[np.ndarray]:
+        """The settled bit patterns of ``tensor`` (for which :meth:`applies`), in order, a chunk at a time; each
+        yielded array is a scratch buffer, valid until the next one is asked for."""
+        import numpy as np
+        import torch
+
+        entry = self._stored[name]
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        bits = tensor.detach().view(-1).view(torch.int16).numpy().view(np.uint16)  # read only
+        delta = self.rule.tolerance * float(torch.finfo(tensor.dtype).eps) * _rms(bits, dtype)
+        if self.rule.cap is not None:
+            delta = min(delta, self.rule.cap)
+        size = min(CHUNK_ELEMENTS, bits.size)
+        old, out = np.empty(size, np.uint16), np.empty(size, np.uint16)
+        for at in range(0, bits.size, CHUNK_ELEMENTS):
+            new = bits[at:at + CHUNK_ELEMENTS]
+            prev, settled = old[:new.size], out[:new.size]
+            self._fh.seek(entry.offset + 2 * at)
+            if self._fh.readinto(prev.data) != prev.nbytes:
+                raise ValueError(f"{self.rule.previous} ends inside tensor {name!r}")
+            np.copyto(settled, new)
+            moved = np.flatnonzero(new != prev)  # bit patterns: +0 and -0 differ too
+            near = moved[np.abs(_values(new[moved], dtype) - _values(prev[moved], dtype)) <= delta]
+            settled[near] = prev[near]
+            self._elements += new.size
+            self._held += near.size
+            self._republished += moved.size - near.size
+            yield settled
 
 
 def _values(bits: np.ndarray, dtype: str) -> np.ndarray:

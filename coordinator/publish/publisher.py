@@ -1,15 +1,17 @@
 """The publisher role: writes each new policy version (and, when due, a learner checkpoint) off the learner's
 critical path.
 
-The learner hands over a :class:`Publication` right after its optimizer step: the version's files as closures
-over a copy of the weights in the publish dtype (taking that copy *is* the dtype conversion), and optionally a
-checkpoint as references to its live tensors (its next optimizer step waits until they are written, see
-:class:`coordinator.publish.checkpoints.CheckpointState`). One worker thread then writes the checkpoint first (so the
-learner is released early), then the snapshot — safetensors, GGUF, sha256, fsync, signed manifest last
-(coordinator.publish.snapshots) — while the learner already computes the next step. The weight copy is dropped
-as soon as the version's files are written (``SnapshotFiles.release``), and the learner takes its next copy only
-after that, so at most one copy is ever in flight (the learner's peak memory is its training state plus one
-snapshot in the publish dtype, docs/benchmarks.md).
+The learner hands over a :class:`Publication` right after its optimizer step: the version's weights in the publish
+dtype (a CPU copy, taking it *is* the dtype conversion; or, for a bf16 learner on the CPU publishing bf16, its live
+weights, which its next optimizer update does not change until they are written, coordinator.engine.learner), and
+optionally a checkpoint as references to its live tensors (its next optimizer step waits until they are written,
+see :class:`coordinator.publish.checkpoints.CheckpointState`). One worker thread then writes the checkpoint first
+(so the learner is released early), then the snapshot — ``model.safetensors`` first, from the weights (settled,
+coordinator.publish.weights_file), then the other files, GGUF (read back from ``model.safetensors``), sha256, fsync,
+signed manifest last (coordinator.publish.snapshots) — while the learner already computes the next step. The weights
+are released as soon as ``model.safetensors`` is written (``SnapshotFiles.release``), and the learner takes its next
+copy only after that, so at most one copy is ever in flight (the learner's peak memory is its training state plus
+one snapshot in the publish dtype, or none with live weights, docs/benchmarks.md).
 
 Publications complete in submission order. A version becomes leasable only when the caller records it in the
 database after the returned future resolves; until then it exists only as files that a restart removes. The

@@ -33,7 +33,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.holds import hold
 from coordinator.publish.deltas import PATCHED_FILES, write_delta
-from coordinator.publish.lazy import Settled, settle
+from coordinator.publish.lazy import LagRule, Settled
+from coordinator.publish.weights_file import write_weights
 from shared import wire
 from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.messages import Manifest, ManifestFile, SignedManifest
@@ -56,18 +57,34 @@ class SnapshotFiles:
     it is written into ``snapshots/base/`` the first time and reused afterwards. Both run on the publisher's
     thread, after the learner has moved on, so they must read copies (or weights that never change).
 
-    ``weights`` (full-weight versions): the hand-over copy ``write`` reads, by tensor name. The store settles it
-    against the previous version before writing (lazy publication, coordinator.publish.lazy) and empties it as
-    soon as the files are written, so the copy is freed before hashing, patches and the manifest; ``written`` is
-    set then (also on failure). The learner hands over its next copy only after that: one copy in flight."""
+    ``weights`` (full-weight versions): the tensors of the version's ``model.safetensors``, by name. The store
+    writes that file from them first (coordinator.publish.weights_file: a chunk at a time, settled against the
+    previous version on the way, lazy publication, coordinator.publish.lazy; the tensors themselves are only read),
+    then calls :meth:`release`, then ``write``, which writes the rest and may read ``model.safetensors`` back (the
+    GGUF form is written from it). They are either the learner's hand-over copy, or its live weights (already in
+    the publish dtype on the CPU): then the learner's next optimizer update waits for ``written``.
+    :meth:`release` empties ``weights`` (a copy is freed before GGUF, hashing, patches and the manifest) and sets
+    ``written`` (also on failure). The learner hands over its next copy only after that: one copy in flight."""
 
     write: FileWriter
     shared: Mapping[str, FileWriter] = field(default_factory=dict)
     weights: MutableMapping[str, Any] | None = None
     written: threading.Event = field(default_factory=threading.Event)
 
+    def write_into(self, folder: Path, lag: LagRule | None = None) -> Settled | None:
+        """Write the version's own files into ``folder``: ``model.safetensors`` from ``weights`` (settled by ``lag``,
+        lazy publication; what it did is returned), :meth:`release`, then ``write`` (everything else)."""
+        settled = None
+        try:
+            if self.weights is not None:
+                settled = write_weights(folder / PATCHED_FILES[0], self.weights, {"format": "pt"}, lag)
+        finally:
+            self.release()
+        self.write(folder)
+        return settled
+
     def release(self) -> None:
-        """The files are written (or will not be): drop the hand-over copy. Idempotent."""
+        """The weights are written (or will not be): drop them, let the learner go on updating. Idempotent."""
         if self.weights is not None:
             self.weights.clear()
         self.written.set()
@@ -171,11 +188,15 @@ class SnapshotStore:
         tmp = self.root / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
+            self.last_settled = None
             try:
-                self.last_settled = self._settle(version, files)
-                files.write(tmp)
+                self.last_settled = files.write_into(tmp, self._lag_rule(version))
             finally:
                 files.release()
+            if self.last_settled is not None:
+                done = self.last_settled
+                logger.debug("version %d: %d of %d elements republished, %d held back", version, done.republished,
+                             done.elements, done.held)
             hold(f"publish-v{version}")  # a fault test's kill point: written, not yet durable or renamed
             # the fsync (waiting on the disk) and the hashing (reading the same files from the page cache) overlap
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-fsync") as pool:
@@ -212,23 +233,17 @@ class SnapshotStore:
         """A version published whole only (no patches): every ``anchor_every``-th, and every one without deltas."""
         return self.anchor_every is None or version % self.anchor_every == 0
 
-    def _settle(self, version: int, files: SnapshotFiles) -> Settled | None:
-        """Lazy publication (coordinator.publish.lazy): hold back the hand-over copy's elements that moved by no
-        more than the tolerance from the previous version's ``model.safetensors``. Not at an anchor (a resync),
-        not without deltas (nothing to save), not when the previous version's file is not here."""
-        if self.lag_tolerance <= 0 or files.weights is None or self.is_anchor(version):
+    def _lag_rule(self, version: int) -> LagRule | None:
+        """Lazy publication (coordinator.publish.lazy): hold back the elements of this version's weights that moved
+        by no more than the tolerance from the previous version's ``model.safetensors``. Not at an anchor (a
+        resync), not without deltas (nothing to save), not when the previous version is not here."""
+        if self.lag_tolerance <= 0 or self.is_anchor(version):
             return None
         with self._index_lock:
             if version - 1 not in self._signed:
                 return None
             previous = self._file_of(version - 1, PATCHED_FILES[0])
-        try:
-            settled = settle(files.weights, previous, self.lag_tolerance, self.lag_cap)
-        except FileNotFoundError:  # pruned under us: published whole
-            return None
-        logger.debug("version %d: %d of %d elements republished, %d held back", version, settled.republished,
-                     settled.elements, settled.held)
-        return settled
+        return LagRule(previous, self.lag_tolerance, self.lag_cap)
 
     def _write_deltas(self, version: int, folder: Path, manifest: Manifest) -> list[ManifestFile]:
         """The patches of this version's whole-weight files against the previous version's (written into

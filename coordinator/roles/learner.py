@@ -381,7 +381,8 @@ class LearnerRole:
 
     def _hand_over(self, checkpoint: bool) -> tuple[SnapshotFiles, CheckpointState | None]:
         """On the learner thread: what the publisher needs to write this version (and a checkpoint). Waits until
-        the previous version's files are written, which frees its copy: one copy of the weights in flight."""
+        the previous version's weights are written, which frees its copy: one copy of the weights in flight. (With
+        live weights handed over, Learner.snapshot_files, the optimizer step before this already waited for it.)"""
         if self._handed_over is not None:
             self._handed_over.written.wait()
         files = self.learner.snapshot_files(self.config.snapshots.dtype)

@@ -46,7 +46,7 @@ def write(learner: Any, folder: Path) -> None:
     files = learner.snapshot_files("float32")
     for name, writer in files.shared.items():
         writer(folder / name)
-    files.write(folder)
+    files.write_into(folder)
 
 
 def main(out: Path, model_dir: Path, world: str) -> None:

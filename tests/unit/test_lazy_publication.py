@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from coordinator.config import SnapshotConfig
-from coordinator.publish.lazy import settle
+from coordinator.publish.lazy import LagRule, Settled
 from coordinator.publish.publisher import Publication, Publisher
 from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
+from coordinator.publish.weights_file import write_weights
 from shared import crypto, wire
 from shared.deltas import apply_patch
 from shared.hashing import sha256_file
@@ -30,16 +31,27 @@ def _master(seed: int = 0) -> dict[str, Any]:
 
 
 def _files(master: dict[str, Any]) -> SnapshotFiles:
-    """A hand-over as the learner makes it: the master rounded to bf16 (norms kept in f32), written as safetensors."""
+    """A hand-over as the learner makes it: the master rounded to bf16 (norms kept in f32), which the store writes
+    as ``model.safetensors``."""
     import torch
-    from safetensors.torch import save_file
 
     state = {k: v.to(torch.float32 if k == "norm.weight" else torch.bfloat16, copy=True) for k, v in master.items()}
+    return SnapshotFiles(lambda folder: None, weights=state)
 
-    def write(folder: Path) -> None:
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
-    return SnapshotFiles(write, weights=state)
+def settle(weights: dict[str, Any], previous: Path, tolerance: float, cap: float | None = None) -> Settled:
+    """The rule applied to ``weights`` on their way to a file, as the store does; ``weights`` then hold what was
+    written (the writer itself never changes its input: checked here too)."""
+    import torch
+    from safetensors.torch import load_file
+
+    before = {k: v.clone() for k, v in weights.items()}
+    out = previous.with_name(previous.name + ".next")
+    done = write_weights(out, weights, {"format": "pt"}, LagRule(previous, tolerance, cap))
+    assert done is not None
+    assert all(torch.equal(before[k], v) for k, v in weights.items())
+    weights.update(load_file(str(out)))
+    return done
 
 
 def _published(store: SnapshotStore, version: int) -> dict[str, Any]:

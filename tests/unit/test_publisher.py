@@ -61,7 +61,7 @@ def test_snapshot_in_bfloat16_is_the_rounded_learner_and_loads_as_a_model(tmp_pa
     learner.train_step(_samples(learner, 1))  # the learner moves on: the hand-over holds a copy
     folder = tmp_path / "v"
     folder.mkdir()
-    files.write(folder)
+    files.write_into(folder)
     state = load_file(str(folder / "model.safetensors"))
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
     assert "lm_head.weight" not in state or not learner.model.config.tie_word_embeddings
@@ -150,7 +150,7 @@ def test_publisher_writes_the_checkpoint_first_then_the_version(tmp_path: Path, 
 
         def write(folder: Path) -> None:
             order.append("snapshot")
-            files.write(folder)
+            files.write_into(folder)
 
         pub = Publication(1, SnapshotFiles(write), 1.0,
                           CheckpointState(state.version, state.weights, state.optimizer, release))
@@ -260,7 +260,7 @@ def test_evaluator_scores_the_published_snapshot_off_the_learner(tmp_path: Path,
     learner = _learner(tiny_model_dir)
     folder = tmp_path / "v0"
     folder.mkdir()
-    learner.snapshot_files("float32").write(folder)
+    learner.snapshot_files("float32").write_into(folder)
     items = task.heldout[:130]
     evaluator = Evaluator(task, items, 8)
     yields: list[int] = []
