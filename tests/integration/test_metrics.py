@@ -3,11 +3,16 @@ clients lease, fetch snapshots, submit good and bad results, and the learner ste
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from shared import wire
 from shared.messages import ResultSubmission
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import wait_until
 from tests.integration.ops_helpers import fetch_snapshot, honest_result, lease, register, scrape
+
+OPERATIONS_DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 
 def value(metrics: dict, name: str, **labels: str) -> float:
@@ -62,3 +67,9 @@ def test_metrics_parse_and_counters_move_during_a_run(live_coordinator: LiveCoor
     assert value(after, "echo_swarm_choice_margin_ratio_count", backend_class="torch/cpu") == 2
     assert value(after, "echo_swarm_choice_margin_ratio_bucket", backend_class="torch/cpu", le="0.0") == 2
     assert value(after, "echo_swarm_jobs", state="leased") == 0
+    # every family a coordinator exports is in docs/operations.md's table, so the table cannot drift from the code
+    documented = OPERATIONS_DOC.read_text()
+    families = {re.sub(r"_(bucket|count|sum|total|created)$", "", name) for name, _ in after}
+    missing = sorted(f for f in families
+                     if f.startswith("echo_swarm_") and not re.search(rf"`{f}(_total)?[`{{]", documented))
+    assert not missing, f"metrics not in docs/operations.md's table: {missing}"
