@@ -111,9 +111,13 @@ async def durability_middleware(request: web.Request,
                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """No reply leaves before what its request committed is power-safe (an accepted result above all): the
     store's commits are not fsynced under SQLite's write lock, so a lease never waits for a disk flush
-    (coordinator.store.db, durability); the flush happens here, after the commit, off the event loop."""
+    (coordinator.store.db, durability); the flush happens here, after the commit, off the event loop. Only a
+    request during which something was committed waits for it (a role's commit in the meantime may be counted)."""
+    coord = request.app[COORDINATOR]
+    store = getattr(coord, "store", None)  # absent before the start
+    before = 0 if store is None else store.commits  # the durability watermark (Coordinator.flush)
     response = await handler(request)
-    await request.app[COORDINATOR].flush()
+    await coord.flush(since=before)
     return response
 
 

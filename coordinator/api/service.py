@@ -187,15 +187,17 @@ class Coordinator:
         role's own JSON (what the API itself reads of it: :class:`LearnerProgress`)."""
         return self.store.role_status.get(LEARNER) or {}
 
-    async def flush(self) -> None:
+    async def flush(self, since: int = 0) -> None:
         """Make what this process committed so far power-safe before a reply tells a client about it
-        (coordinator.api.app's durability middleware). The fsync runs in a thread, holding no database lock, while
-        the event loop serves other requests; requests that committed while one was running share the next."""
+        (coordinator.api.app's durability middleware), if anything was committed after ``since`` (the watermark
+        when the request began: a lease, committed through the light connection, does not wait for an fsync of
+        what another role committed meanwhile). The fsync runs in a thread, holding no database lock, while the
+        event loop serves other requests; requests that committed while one was running share the next."""
         store = getattr(self, "store", None)
         if store is None:  # not started
             return
         target = store.commits
-        if self._synced >= target:
+        if self._synced >= target or target <= since:
             return
         async with self._sync_lock:
             if self._synced >= target:  # a sync that began after our commit finished meanwhile
