@@ -530,12 +530,12 @@ class Coordinator:
                 select(token_stats.top, m), None if token_stats.margins is None else select(token_stats.margins, m))
         recomputed = token_stats.logprobs
         stats = logprob_stats(reported, recomputed)
-        check_logprobs(stats, *self.config.verification.tolerances(self.backend_class(client_id),
+        pinned = self.backend_class(client_id)  # a store read: once per result
+        check_logprobs(stats, *self.config.verification.tolerances(pinned,
                                                                    self.config.snapshots.gguf))
         vcfg = self.config.verification
         if vcfg.choice_check and token_stats.margins is not None:  # every token's choice
             choices = choice_stats(token_stats.margins)
-            pinned = self.backend_class(client_id)
             # margins are in tempered units: the tolerance too
             choice_tol = vcfg.choice_tolerance(pinned, self.config.snapshots.gguf) / self.config.sampling.temperature
             check_choices(choices, choice_tol)
