@@ -102,7 +102,7 @@ def samples(learner: Any, rng: random.Random, prompts: int, group: int, tokens: 
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from coordinator.launch.malloc import return_freed_memory
+    from coordinator.memory import return_freed_memory
 
     if not args.keep_malloc:
         return_freed_memory()  # as every coordinator process does (coordinator.launch.main)

@@ -440,14 +440,14 @@ def _entropy_variance(logp_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return entropy, variance
 
 
-_PLAIN_HEAD: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_PLAIN_HEADS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-def _plain_head(model: Any) -> bool:
+def plain_head(model: Any) -> bool:
     """Whether ``model``'s logits are its output layer applied to its decoder's last hidden states and nothing
     more, checked once per model by computing a two-token pass both ways (a model that scales or soft-caps its
     logits, or a wrapper, fails it). Never on FSDP-sharded models: there a pass on one rank alone would hang."""
-    known = _PLAIN_HEAD.get(model)
+    known = _PLAIN_HEADS.get(model)
     if known is not None:
         return known
     import torch
@@ -467,8 +467,52 @@ def _plain_head(model: Any) -> bool:
                 plain = whole.shape == parts.shape and bool(torch.equal(whole, parts))
             except Exception:  # any model that cannot be taken apart this way computes its logits whole
                 plain = False
-    _PLAIN_HEAD[model] = plain
+    _PLAIN_HEADS[model] = plain
     return plain
+
+
+class CompletionHidden(NamedTuple):
+    """The decoder's last hidden states at the positions that predict each completion token, without the logits
+    (:func:`completion_hidden`). Position t of completion b predicts its token t: ``hidden[b, t]`` — or, with shared
+    prompts (``first`` set), ``first[b]`` holds position 0's logits (from the prompt's own pass) and ``hidden[b, t − 1]``
+    position t ≥ 1 (None when every completion has one token)."""
+
+    hidden: torch.Tensor | None
+    first: torch.Tensor | None
+    ids: torch.Tensor  # [B, T] completion token ids, right-padded
+    mask: torch.Tensor  # [B, T] 1 on real tokens
+
+
+def completion_hidden(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
+                      pad_id: int, share_prompts: bool) -> CompletionHidden:
+    """The passes of :func:`completion_logprobs` up to the decoder's last hidden states, for callers that apply the
+    output layer a slice at a time (:func:`_streamed_stats`; the learner's coordinator.engine.head). Differentiable
+    under grad mode. The model's head must be plain (:func:`plain_head`)."""
+    import torch
+
+    decoder = model.get_decoder()
+    device = next(model.parameters()).device
+    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
+    c_ids, c_mask = _right_pad(completions, pad_id, device)
+    width = c_ids.shape[1]
+    if repeated:  # as _shared_prompt_logits: each prompt once, then the completions on a copy of its cache
+        out, sel, p_mask, p_pos = _prefill_once(model, prompts, pad_id, device)
+        first = out.logits[:, -1, :][sel]  # [B, V]: predicts each completion's first token
+        hidden = None
+        if width > 1:
+            cache, mask, positions = _continuation(out, sel, p_mask, p_pos, c_mask, width, device)
+            hidden = decoder(input_ids=c_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{_cache_kwarg(decoder): cache}).last_hidden_state  # [B, T − 1, H]
+        del out
+        return CompletionHidden(hidden, first, c_ids, c_mask)
+    # as _completion_logits: one pass over prompt + completion
+    p_ids, p_mask = _left_pad(prompts, pad_id, str(device))
+    ids = torch.cat([p_ids, c_ids], dim=1)
+    mask = torch.cat([p_mask, c_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    start = p_ids.shape[1] - 1
+    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    return CompletionHidden(hidden[:, start : start + width], None, c_ids, c_mask)  # [B, T, H]
 
 
 def _streamed_stats(model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -489,30 +533,12 @@ def _streamed_stats(model: Any, prompts: Sequence[Sequence[int]], completions: S
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     width = max(1, max(len(c) for c in completions))
     rows_per_chunk = max(LOGIT_ROWS, LOGIT_ELEMENTS // max(1, vocab))
-    if vocab <= 0 or len(completions) * width < 2 * rows_per_chunk or not _plain_head(model):
+    if vocab <= 0 or len(completions) * width < 2 * rows_per_chunk or not plain_head(model):
         return None
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    device = next(model.parameters()).device
-    repeated = share_prompts and len({tuple(p) for p in prompts}) < len(prompts)
-    c_ids, c_mask = _right_pad(completions, pad_id, device)
-    first: torch.Tensor | None = None
-    if repeated:  # as _shared_prompt_logits: each prompt once, then the completions on a copy of its cache
-        out, sel, p_mask, p_pos = _prefill_once(model, prompts, pad_id, device)
-        first = out.logits[:, -1, :][sel]  # [B, V]: predicts each completion's first token
-        hidden = None
-        if width > 1:
-            cache, mask, positions = _continuation(out, sel, p_mask, p_pos, c_mask, width, device)
-            hidden = decoder(input_ids=c_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
-                             **{_cache_kwarg(decoder): cache}).last_hidden_state  # [B, T − 1, H]
-        del out
-    else:  # as _completion_logits: one pass over prompt + completion
-        p_ids, p_mask = _left_pad(prompts, pad_id, str(device))
-        ids = torch.cat([p_ids, c_ids], dim=1)
-        mask = torch.cat([p_mask, c_mask], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        start = p_ids.shape[1] - 1
-        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
-        hidden = hidden[:, start : start + width]  # [B, T, H]
+    head = model.get_output_embeddings()
+    hidden, first, c_ids, c_mask = completion_hidden(model, prompts, completions, pad_id=pad_id,
+                                                     share_prompts=share_prompts)
+    device = c_ids.device
     bsz = len(completions)
     total = bsz * width
     flat_ids = c_ids.reshape(-1)

@@ -38,13 +38,22 @@ from coordinator.engine import fsdp, lora
 from coordinator.engine.bf16_adamw import StochasticBf16AdamW
 from coordinator.engine.evaluation import greedy_accuracy, pad_id
 from coordinator.engine.fsdp import single_rank
+from coordinator.engine.head import contiguous_input, streamed_logprobs
 from coordinator.engine.tied import TiedEmbeddingGradient
+from coordinator.memory import release_free_heap
 from coordinator.publish.checkpoints import CheckpointState, ShardedCheckpoint
 from coordinator.publish.gguf_export import write_model_gguf
 from coordinator.publish.snapshots import SnapshotFiles
 from coordinator.publish.weights_file import StoredWeights
 from coordinator.tasks.base import Task, TaskItem
-from shared.policy import completion_logprobs, load_model, load_tokenizer, pick_device, stop_token_ids
+from shared.policy import (
+    completion_logprobs,
+    load_model,
+    load_tokenizer,
+    pick_device,
+    plain_head,
+    stop_token_ids,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -156,6 +165,11 @@ class Learner:
         self._tied = (TiedEmbeddingGradient(self.model.get_input_embeddings(), output) if ranks is None
                       and not self.lora and output is not None
                       and output.weight is self.model.get_input_embeddings().weight else None)
+        # the training pass applies the output layer a vocabulary slice at a time (engine.head), never holding the
+        # [tokens × vocabulary] logits; not through peft's wrapper or FSDP's shards, nor for a head that is not plain
+        self.stream_head = ranks is None and not self.lora and plain_head(self.model)
+        if output is not None and ranks is None:
+            contiguous_input(output)  # no per-sequence copies of the output weight in autograd's products (engine.head)
         self.pad_id = pad_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
         if not self.stop_ids:
@@ -218,8 +232,9 @@ class Learner:
         world = self.ranks.world_size if self.ranks is not None else 1
         for chunk, real in self._micro_batches(samples):
             prompts, comps = [c.prompt_ids for c in chunk], [c.completion_ids for c in chunk]
-            logp, mask = completion_logprobs(self.model, prompts, comps, temperature=self.temperature,
-                                             pad_id=self.pad_id, share_prompts=self.share_prompts)
+            logprobs = streamed_logprobs if self.stream_head else completion_logprobs
+            logp, mask = logprobs(self.model, prompts, comps, temperature=self.temperature, pad_id=self.pad_id,
+                                  share_prompts=self.share_prompts)
             if not real:  # a rank with no samples left still joins FSDP's collectives, contributing nothing
                 mask = mask * 0
             if any(c.loss_mask is not None for c in chunk):  # observation tokens: context, never trained on
@@ -262,6 +277,7 @@ class Learner:
         # the gradients are not read again before the next backward pass: freed now, the hand-over copy and the
         # publication that follow a step do not stack on them (docs/benchmarks.md, the learner's memory)
         self.optimizer.zero_grad(set_to_none=True)
+        release_free_heap()  # the step's small blocks: not left resident under the publication that follows
         self.model_version += 1
         mismatch = [
             (b - o) for smp in samples for b, o in zip(smp.behaviour_logprobs, smp.old_logprobs, strict=True)

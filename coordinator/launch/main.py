@@ -10,9 +10,9 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
 from coordinator.launch import preflight
-from coordinator.launch.malloc import return_freed_memory
 from coordinator.launch.processes import CONFIG_ERROR, RoleLocked, fsdp_env, role_lock, run_role, supervise
 from coordinator.launch.serve import serve
+from coordinator.memory import return_freed_memory
 from coordinator.run.names import API, LEARNER, verifier_name
 from shared import safe_text
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(config: CoordinatorConfig, role: str = "all", index: int = 0, parent: int | None = None) -> int:
-    return_freed_memory()  # before any tensor is allocated: every role's peak is what it holds (launch.malloc)
+    return_freed_memory()  # before any tensor is allocated: every role's peak is what it holds (coordinator.memory)
     if parent is None:  # started by the operator (a supervisor's own children were checked before it started them)
         try:
             preflight.check(config, role)

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from coordinator.memory import release_free_heap
 from coordinator.publish.checkpoints import CheckpointState, CheckpointStore
 from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
 
@@ -70,6 +71,7 @@ class Publisher:
             sha = self.snapshots.publish(pub.version, pub.files, pub.created_at)
         finally:
             pub.files.release()  # the learner's next hand-over waits for this, even after a failure
+            release_free_heap()  # this thread's arena keeps nothing the learner thread could reuse (coordinator.memory)
         publish_s = time.monotonic() - t0
         folder = self.snapshots.folder(pub.version)
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())

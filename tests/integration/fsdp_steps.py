@@ -66,7 +66,12 @@ def main(out: Path, model_dir: Path, world: str) -> None:
     metrics: dict[str, list[float]] = {}
 
     def learner(cfg: LearnerConfig) -> Learner:
-        return Learner(model_dir, config.model, cfg, 1.0, ranks=ranks)
+        made = Learner(model_dir, config.model, cfg, 1.0, ranks=ranks)
+        # the reference computes the passes the ranks compute: the output layer whole, not a vocabulary slice at a
+        # time (engine.head, the same numbers up to float rounding, which AdamW's first step turns into sign flips
+        # of near-zero gradients)
+        made.stream_head = False
+        return made
 
     try:
         full = learner(learner_cfg)

@@ -83,7 +83,7 @@ def test_small_batches_and_gradients_take_the_whole_pass(tiny_model_dir: Path, m
 
 def test_a_model_whose_logits_are_not_its_head_alone_is_not_streamed(tiny_model_dir: Path) -> None:
     model = load_model(tiny_model_dir).eval()
-    assert policy._plain_head(model)
+    assert policy.plain_head(model)
     capped = load_model(tiny_model_dir).eval()
     real_forward = capped.forward
 
@@ -93,7 +93,7 @@ def test_a_model_whose_logits_are_not_its_head_alone_is_not_streamed(tiny_model_
         return out
 
     capped.forward = soft_capped  # as Gemma 2 computes its logits
-    assert not policy._plain_head(capped)
+    assert not policy.plain_head(capped)
 
 
 def test_the_same_bits_at_the_half_billion_models_width_and_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
