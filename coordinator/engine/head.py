@@ -3,8 +3,8 @@
 Why: the plain pass (shared.policy.completion_logprobs) materialises the tempered logits of every completion
 position and autograd keeps or rebuilds several tensors of that size for the backward pass — the float32 logits,
 the log-softmax, its gradient, the gradient of the bf16 logits. At a 151,936-token vocabulary that is 0.6 MB per
-token each: ~0.3 GiB for the 0.5 B bench's 8 × 16 tokens, where it set part of the bf16 learner's peak, and ~10 GB
-each for one 64 × 256-token micro-batch, more than the model. Here the output layer is applied a slice of the
+token each: ~0.3 GiB for the 0.5 B bench's 8 × 16 tokens (below that step's peak) and ~10 GB each for one 64 ×
+256-token micro-batch, more than the model (bench/output_layer.py measures both ways). Here the output layer is applied a slice of the
 vocabulary at a time, twice: the forward pass keeps only each row's log-sum-exp (an online log-sum-exp over the
 slices) and the chosen token's logit; the backward pass recomputes each slice's logits and turns them into the
 gradients of the hidden states (accumulated in float32) and of the output weight (added in place into its
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from coordinator.engine.tied import grad_buffer
 from shared.policy import LOGIT_ELEMENTS, completion_hidden
 
 if TYPE_CHECKING:
@@ -36,14 +37,6 @@ def _slice_width(rows: int, vocab: int, hidden: int) -> int:
     """Vocabulary entries per slice: a [rows, slice] float32 temporary of at most LOGIT_ELEMENTS entries, and the
     slice's float32 weight ([slice, hidden]) no larger either."""
     return max(MIN_SLICE, min(vocab, LOGIT_ELEMENTS // max(1, rows), LOGIT_ELEMENTS // max(1, hidden)))
-
-
-def _grad_of(param: nn.Parameter) -> torch.Tensor:
-    import torch
-
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    return param.grad
 
 
 def _make_function() -> Any:
@@ -104,9 +97,9 @@ def _make_function() -> Any:
                     if train_weight or train_bias:
                         low = d.to(weight.dtype)
                         if train_weight:
-                            _grad_of(head.weight)[v0:v1].addmm_(low.t(), hidden.detach().to(weight.dtype))
+                            grad_buffer(head.weight)[v0:v1].addmm_(low.t(), hidden.detach().to(weight.dtype))
                         if train_bias:
-                            _grad_of(head.bias)[v0:v1].add_(low.sum(0))
+                            grad_buffer(head.bias)[v0:v1].add_(low.sum(0))
             return grad_hidden.to(hidden.dtype), None, None, None
 
     return HeadLogprobs
@@ -121,7 +114,7 @@ def contiguous_input(output_layer: nn.Module) -> Any:
     gradients and cannot be viewed as rows, torch's matmul does not fold the batch into one product but broadcasts
     the weight to a batched one, copying it once per sequence: [B, vocab, hidden] in the forward pass and again in
     the backward pass — 0.51 GiB for two prompts at the 0.5 B shape, which set the bf16 learner's peak
-    (bench/learner_memory.py). A contiguous copy of the slice is a few kB."""
+    (docs/benchmarks.md, "Rerun 2026-12-03 (issue 23, afternoon)"). A contiguous copy of the slice is a few kB."""
 
     def hook(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         import torch

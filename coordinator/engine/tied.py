@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 
+def grad_buffer(param: Tensor) -> Tensor:
+    """``param.grad``, created as zeros where there is none yet: for code that adds a gradient into it in place
+    instead of returning one to autograd (here, and coordinator.engine.head's output layer)."""
+    import torch
+
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
 class TiedEmbeddingGradient:
     """Forward hooks on a model's input embedding and output layer, which share ``weight``."""
 
@@ -39,11 +49,7 @@ class TiedEmbeddingGradient:
         return torch.is_grad_enabled() and self.weight.requires_grad
 
     def _grad(self) -> Tensor:
-        import torch
-
-        if self.weight.grad is None:
-            self.weight.grad = torch.zeros_like(self.weight)
-        return self.weight.grad
+        return grad_buffer(self.weight)
 
     def _lookup(self, module: Any, args: tuple[Any, ...], output: Tensor) -> Tensor | None:
         import torch.nn.functional as F
