@@ -35,7 +35,7 @@ from tests.integration.helpers import (
 pytestmark = pytest.mark.slow
 
 BENIGN = ("lease_expired", "not_lease_holder", "job_completed")  # bad luck, not evidence against a result
-RATE_STEPS = 48  # learner steps timed in each phase of the idle-sybil measurement (~0.15 s a step now: 6 steps were under a second, where one slow step decided the 10 %)
+RATE_STEPS = 96  # learner steps timed in each phase of the idle-sybil measurement (~0.14 s a step: 6 steps were under a second, where one slow step decided the 10 %; 48 steps, ~7 s a phase, still measured one 12 % phase in a full run)
 
 
 @dataclass
