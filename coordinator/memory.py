@@ -25,17 +25,21 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD = 1 << 20
 
 _libc: ctypes.CDLL | None = None
+_looked = False  # looked for glibc once: find_library may run ldconfig, and release_free_heap runs every step
 
 
 def _glibc() -> ctypes.CDLL | None:
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
+    """glibc's malloc functions, or None where malloc is not glibc's (found once per process)."""
+    global _libc, _looked
+    if not _looked:
+        _looked = True
         try:
-            _libc = ctypes.CDLL(name or "libc.so.6")
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         except OSError:
-            return None
-    return _libc if hasattr(_libc, "mallopt") and hasattr(_libc, "malloc_trim") else None
+            libc = None
+        if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
+            _libc = libc
+    return _libc
 
 
 def return_freed_memory() -> bool:
