@@ -471,16 +471,21 @@ CHOICE_TOL_TORCH = 0.02
 CHOICE_TOL_LLAMA = 0.5
 CHOICE_TOL_LLAMA_Q8 = 2.5
 
-# Source: bench/llama_parity.py (docs/benchmarks.md, "llama.cpp parity with the learner"), llama-cpp-python
-# 0.3.36 on x86_64 CPU, llama.cpp's default f16 KV cache, the tiny model at version 0 and after 183 RL steps
-# (512 prompts × 8 samples). Worst per-result mean |Δ| / worst single token |Δ| measured:
-#   f32 8.2e-4 / 2.6e-2,   f16 1.0e-3 / 2.8e-2 (one token of 0.113 seen in a 200-step demo),   q8_0 1.1e-2 / 0.67.
-# The per-token maximum is heavy-tailed and grows as training sharpens the policy; the tolerances leave
-# ≥ 4x headroom over everything measured (more on the mean, the statistic that catches a wrong policy).
+# Source: bench/llama_parity.py (docs/benchmarks.md, "llama.cpp parity with the verifier"), llama-cpp-python
+# 0.3.36 on x86_64 CPU, llama.cpp's default f16 KV cache, 3,000 honest results per class, checkpoint and temperature
+# (1.0, 0.7) of the smallest job shape in use (2 prompts × 4 completions, tests/adversarial) on two trained tiny
+# policies: the demo's after 386 versions and the adversarial suite's after 407 (the sharper). The gap is heavy-tailed
+# and clustered (a rounding-sensitive position repeats across a group's completions that share the prefix), so on
+# small results a few tokens carry the mean, and it grows as training sharpens the policy: the former 0.01 / 0.5
+# (f16) and 0.05 / 2.0 (q8_0), measured on 64-completion results of a 183-version policy, refused honest results of
+# the sharper one (CI at 31fd491: an honest llama.cpp client in test_adversaries). Largest seen, f16: mean 0.035,
+# token 0.42; q8_0: 0.10, 1.47. The tolerances leave ≥ 2.4x over every value seen; the fitted per-result rates are in
+# docs/benchmarks.md. The learner never trains on reported logprobs (π_b is the verifier's recompute) and the keyed
+# choice check judges every token, so the width costs little: a wrong model still lands far outside (0.35-8.8 nats).
 LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
-    "llama-f32": BackendTolerance(mean_tol=0.01, max_tol=0.5, choice_tol=CHOICE_TOL_LLAMA),
-    "llama-f16": BackendTolerance(mean_tol=0.01, max_tol=0.5, choice_tol=CHOICE_TOL_LLAMA),
-    "llama-q8_0": BackendTolerance(mean_tol=0.05, max_tol=2.0, choice_tol=CHOICE_TOL_LLAMA_Q8),
+    "llama-f32": BackendTolerance(mean_tol=0.1, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA),
+    "llama-f16": BackendTolerance(mean_tol=0.1, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA),
+    "llama-q8_0": BackendTolerance(mean_tol=0.25, max_tol=4.0, choice_tol=CHOICE_TOL_LLAMA_Q8),
 }
 
 

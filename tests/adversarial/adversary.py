@@ -582,7 +582,9 @@ class Adversary:
         api = await self.identity("a")
         body = wire.encode(ReleaseRequest(job_id="j-none", lease_id="none"))
         envelopes = [self.envelope(api.identity, "/v1/release", body) for _ in range(300)]
+        t0 = time.monotonic()
         await asyncio.gather(*(self.send(api, "/v1/release", env, f"request {i}") for i, env in enumerate(envelopes)))
+        self.notes["flood_s"] = time.monotonic() - t0  # the bucket refills meanwhile: the test's bound counts it
 
     # -- the trust boundary's classes (issue 13): claims the coordinator must not believe ----------------------
     async def unknown_device(self) -> None:
@@ -667,7 +669,7 @@ class Adversary:
 
     async def tolerance_escape(self) -> None:
         """A torch identity whose logprobs are off by 1.5 nats on one token — beyond torch's 1.0, within the
-        2.0 llama.cpp gets under snapshots.gguf = q8_0 — sent once claiming llama, once as torch."""
+        4.0 llama.cpp gets under snapshots.gguf = q8_0 — sent once claiming llama, once as torch."""
         api = await self.identity("a")
         job = await self.lease(api)
         sub = await self.honest(api, job)

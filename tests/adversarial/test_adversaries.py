@@ -11,6 +11,7 @@ earning credit) and the run must keep training.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from tests.integration.helpers import (
 pytestmark = pytest.mark.slow
 
 Attempts = list[dict[str, Any]]
+Report = dict[str, Any]
 
 
 def _codes(attempts: Attempts) -> list[tuple[int, str | None]]:
@@ -91,12 +93,15 @@ def _flood(attempts: Attempts) -> None:
     assert "slow down" in next(a["message"] for a in attempts if a["status"] == 429)
 
 
-def _request_flood(attempts: Attempts) -> None:
-    # 300 requests at once: beyond the per-identity burst (60 + refill) they are refused with rate_limited, and
-    # connections beyond server.max_connections_per_address are refused before any request is read (status 0)
-    codes = _codes(attempts)
+def _request_flood(report: Report) -> None:
+    # 300 requests at once: beyond the per-identity burst (limits.per_identity_burst 60, plus the refill at
+    # per_identity_rps 20 while the flood lasts: 0.3 s on a quiet machine, 0.6 s seen with two suites at once)
+    # they are refused with rate_limited, and connections beyond server.max_connections_per_address are refused
+    # before any request is read (status 0)
+    codes = _codes(report["attempts"])
     assert set(codes) <= {(200, None), (429, "rate_limited"), (0, None)}, codes
-    assert codes.count((200, None)) <= 70 and (429, "rate_limited") in codes, codes
+    allowed = 60 + 20 * report["notes"]["flood_s"] + 1
+    assert codes.count((200, None)) <= allowed and (429, "rate_limited") in codes, (allowed, codes)
 
 
 def _hoarder(attempts: Attempts) -> None:
@@ -120,7 +125,14 @@ def _sybil(attempts: Attempts) -> None:
     assert "in a row" in attempts[-1]["message"]
 
 
-EXPECTED: dict[str, Callable[[Attempts], None]] = {
+def _of_attempts(check: Callable[[Attempts], None]) -> Callable[[Report], None]:
+    def of_report(report: Report) -> None:
+        check(report["attempts"])
+
+    return of_report
+
+
+ATTEMPT_CHECKS: dict[str, Callable[[Attempts], None]] = {
     "forged_signature": _all(401, "bad_signature", 2),
     "replayed_result": _exact((200, None), (409, "replayed_nonce")),
     "other_clients_lease": _all(403, "not_lease_holder", 1),
@@ -135,7 +147,6 @@ EXPECTED: dict[str, Callable[[Attempts], None]] = {
     "malformed_msgpack": _all(400, "malformed", 4),
     "unauthenticated_admin": _admin,
     "sybil_rotation": _sybil,
-    "request_flood": _request_flood,
     "lease_hoarder": _hoarder,
     # real policy tokens (or chosen ones) with their true logprobs: the logprob check passes, and the keyed sampler's
     # per-token check refuses them at once — the attacks the spot-checks used to catch afterwards, if at all
@@ -147,9 +158,30 @@ EXPECTED: dict[str, Callable[[Attempts], None]] = {
     "junk": _junk,
     "registration_flood": _flood,  # last: it spends the address's registration budget
 }
+#: Each kind's check of its report (what each attempt got back, and the adversary's notes)
+EXPECTED: dict[str, Callable[[Report], None]] = {
+    **{kind: _of_attempts(check) for kind, check in ATTEMPT_CHECKS.items()},
+    "request_flood": _request_flood,
+}
 
 
-def _run_adversary(kind: str, url: str, tmp: Path) -> dict[str, Any]:
+def _honest_refusals(run_dir: Path, client_id: str, logs: dict[int, str]) -> str:
+    """What an honest client had refused, in enough detail to tell why from a CI log alone: the client's backend,
+    each refusal's version and message (its logprob or margin figures), and the lines of the clients' own logs
+    that name the refused job (which version each loaded, what it fetched)."""
+    (profile,), = db_rows(run_dir, "SELECT profile FROM clients WHERE client_id=?", (client_id,))
+    rows = db_rows(run_dir, "SELECT job_id, version, reason, detail FROM audit WHERE client_id=? AND "
+                            "outcome='rejected'", (client_id,))
+    out = [f"honest client {client_id[:8]} ({json.loads(profile)['backend']}) was refused:"]
+    for job_id, version, reason, detail in rows:
+        out.append(f"  {job_id} at version {version}: {reason}: {detail}")
+        for k, text in logs.items():
+            out.extend(f"    honest{k}.log: {line}" for line in text.splitlines()
+                       if job_id and re.search(rf"\b{re.escape(job_id)}\b", line))
+    return "\n".join(out)
+
+
+def _run_adversary(kind: str, url: str, tmp: Path) -> Report:
     out = tmp / f"{kind}.json"
     proc = Proc([sys.executable, "-m", "tests.adversarial.adversary", kind, "--url", url, "--home",
                  str(tmp / f"adv-{kind}"), "--out", str(out)], tmp / f"adv-{kind}.log")
@@ -201,7 +233,7 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
         report = reports[kind]
         try:
             assert report["error"] is None, report["error"]
-            check(report["attempts"])
+            check(report)
         except AssertionError as exc:
             failures.append(f"{kind}: {exc}")
     assert not failures, "\n".join(failures)
@@ -235,9 +267,11 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
         assert (reason,) in audited, reason
 
     # honest clients lose nothing: no refusal for cause, trust intact, credit earned
+    logs = {k: p.output() for k, p in enumerate(honest)}
     for cid in honest_ids:
         reasons = db_rows(run_dir, "SELECT reason FROM rejections WHERE client_id=?", (cid,))
-        assert not [r for (r,) in reasons if r not in ("lease_expired", "not_lease_holder", "job_completed")], reasons
+        assert not [r for (r,) in reasons if r not in ("lease_expired", "not_lease_holder", "job_completed")], (
+            _honest_refusals(run_dir, cid, logs))
         (credit, accepted), = db_rows(run_dir, "SELECT credit, accepted FROM clients WHERE client_id=?", (cid,))
         assert credit > 0 and accepted > 0
         for (cv, ci, q) in db_rows(run_dir, "SELECT consecutive_valid, consecutive_invalid, quarantines FROM trust "
