@@ -23,6 +23,12 @@ Free choice: at each honest position, the tokens whose noised score is within th
 ones an adversary could send instead without refusal: log2 of their count, averaged over positions, is its free
 choice in bits per token (0 when only the keyed choice passes).
 
+``--verifier own`` (issue 36, the default since the verifier recomputes llama.cpp results with llama.cpp): a
+llama.cpp class's results are judged by coordinator.engine.llama_verifier on the very GGUF the client ran, at the
+class's own tolerance; precisions q6_K, q5_K_M, q4_K_M and q4_0 come from llama.cpp's quantiser. ``--verifier
+torch`` judges every class by the torch float32 recompute, as before. Each class row also gives the largest
+per-result mean and per-token |Δ logprob| between the client's report and the recompute (the logprob check).
+
 Attacks (judged against the torch verifier at each class's tolerance): greedy decoding; forced-correct answers;
 best-of-16 by reward (honest keyed samples of 16 other keys, the group with the highest reward); top-k steering
 (at every position, the token among the policy's 4 likeliest that continues the correct answer, else the keyed
@@ -69,6 +75,9 @@ class ClassRow:
     bits: float = 0.0  # summed over the tokens of every BITS_EVERY-th result
     bits_tokens: int = 0
     seconds: float = 0.0
+    lp_mean: float = 0.0  # largest per-result mean |Δ logprob| (report vs recompute)
+    lp_max: float = 0.0  # largest per-token |Δ logprob|
+    verifier: str = "torch"
 
     def tail_rate(self) -> float:
         """Estimated per-result false-refusal rate at the tolerance (see the module docstring)."""
@@ -103,6 +112,7 @@ class Judge:
 
     def __init__(self, setup: Setup) -> None:
         self.s = setup
+        self.logprobs: list[list[float]] = []  # the last result's recomputed logprobs (the logprob check's)
 
     def margins(self, results: list[tuple[list[list[int]], list[list[int]], int]], tolerance: float | None = None
                 ) -> list[tuple[list[list[float]], float]]:
@@ -121,6 +131,7 @@ class Judge:
                                          segments=plain_segments(key, [len(c) for c in comps]))
                 assert stats.margins is not None
                 rows = [r[: len(c)] for r, c in zip(stats.margins.tolist(), comps, strict=True)]
+                self.logprobs = [r[: len(c)] for r, c in zip(stats.logprobs.tolist(), comps, strict=True)]
                 bits = 0.0
                 if tolerance is not None:
                     logits, ids, mask = _logits(self.s.model, prompts, comps, self.s.temperature, self.s.pad, True)
@@ -135,14 +146,37 @@ class Judge:
         return out
 
 
+class LlamaJudge:
+    """The verifier's llama.cpp recompute (coordinator.engine.llama_verifier) on the class's own GGUF: margins and
+    logprobs from one teacher-forced pass; free choice is not measured (0 bits: no second pass over the scores)."""
+
+    def __init__(self, folder: Path, temperature: float) -> None:
+        from coordinator.engine.llama_verifier import LlamaRecompute
+
+        self.recompute = LlamaRecompute(lambda _v: folder, temperature=temperature, threads=1)
+        self.logprobs: list[list[float]] = []
+
+    def margins(self, results: list[tuple[list[list[int]], list[list[int]], int]], tolerance: float | None = None
+                ) -> list[tuple[list[list[float]], float]]:
+        from shared.sampler import plain_segments
+
+        out = []
+        for prompts, comps, key in results:
+            stats = self.recompute.recompute_stats(0, prompts, comps, plain_segments(key, [len(c) for c in comps]))
+            assert stats.margins is not None
+            self.logprobs = stats.logprobs
+            out.append((stats.margins, 0.0))
+        return out
+
+
 def _results(idx: list[int], comps: list[list[int]], setup: Setup, per_result: int, group: int, key: int
              ) -> tuple[list[list[int]], list[list[int]], int]:
     return [setup.prompts[i] for i in idx for _ in range(group)], comps, key
 
 
-def honest(setup: Setup, judge: Judge, row: ClassRow, backend: Any, n: int, shape: tuple[int, int, int],
+def honest(setup: Setup, judge: Any, row: ClassRow, backend: Any, n: int, shape: tuple[int, int, int],
            first: int, tol: float) -> None:
-    from coordinator.core.verify import check_choices, choice_stats
+    from coordinator.core.verify import check_choices, choice_stats, logprob_stats
     from shared.errors import ProtocolError
 
     per_result, group, max_tokens = shape
@@ -152,10 +186,13 @@ def honest(setup: Setup, judge: Judge, row: ClassRow, backend: Any, n: int, shap
         idx = stream.take(1)
         key = 10_000_019 * (first + r + 1) + int(row.temperature * 1000)
         job = _job([setup.prompts[i] for i in idx], group, max_tokens, setup.temperature, setup.stops, key)
-        comps = [list(x.token_ids) for x in backend.generate(job, lambda: False)]
+        sampled = backend.generate(job, lambda: False)
+        comps = [list(x.token_ids) for x in sampled]
         measure = r % BITS_EVERY == 0
         ((rows, bits),) = judge.margins([_results(idx, comps, setup, per_result, group, key)],
                                         tol if measure else None)
+        lp = logprob_stats([list(x.logprobs) for x in sampled], judge.logprobs)
+        row.lp_mean, row.lp_max = max(row.lp_mean, lp.mean_abs), max(row.lp_max, lp.max_abs)
         row.results += 1
         if measure:
             row.bits += bits
@@ -176,7 +213,9 @@ def honest(setup: Setup, judge: Judge, row: ClassRow, backend: Any, n: int, shap
 
 
 def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tolerances: dict[str, float],
-            first: int) -> list[AttackRow]:
+            first: int, own: dict[str, tuple[Any, float]] | None = None) -> list[AttackRow]:
+    """Attack results judged by the torch recompute at each of ``tolerances``, and by each of ``own``'s judges
+    (label → (judge, tolerance): a llama.cpp class's own-precision recompute) at its own tolerance."""
     import torch
 
     from coordinator.core.verify import check_choices, choice_stats
@@ -243,7 +282,11 @@ def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tol
         for kind, comps in cands.items():
             same = comps == honest_comps
             ((margin_rows, _),) = judge.margins([(flat, comps, key)])
-            for cls, tol in tolerances.items():
+            judged = [(cls, tol, margin_rows) for cls, tol in tolerances.items()]
+            for cls, (own_judge, tol) in (own or {}).items():
+                ((own_rows, _),) = own_judge.margins([(flat, comps, key)])
+                judged.append((cls, tol, own_rows))
+            for cls, tol, margin_rows in judged:
                 row = rows.setdefault((kind, cls), AttackRow(kind, cls))
                 row.results += 1
                 if same:
@@ -274,13 +317,16 @@ def _row_json(r: ClassRow) -> dict[str, Any]:
 
 
 def table(rows: list[ClassRow], atk: list[AttackRow]) -> str:
-    lines = ["| class | T | results | tokens | off the argmax | worst honest margin | tolerance | refused | "
-             "est. false-refusal rate per result | free choice (bits/token) | s/result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| class | verifier | T | results | tokens | off the argmax | worst honest margin | tolerance | refused | "
+             "est. false-refusal rate per result | free choice (bits/token) | largest mean / token \\|Δ logprob\\| "
+             "| s/result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.name} | {r.temperature:g} | {r.results} | {r.tokens} | "
+        bits = f"{r.bits / max(1, r.bits_tokens):.2e}" if r.verifier == "torch" else "–"
+        lines.append(f"| {r.name} | {r.verifier} | {r.temperature:g} | {r.results} | {r.tokens} | "
                      f"{len(r.positive) / max(1, r.tokens):.4%} | {r.worst:.3g} | {r.tolerance:g} | {r.refused} | "
-                     f"{r.tail_rate():.1e} | {r.bits / max(1, r.bits_tokens):.2e} | {r.seconds / max(1, r.results):.3f} |")
+                     f"{r.tail_rate():.1e} | {bits} | {r.lp_mean:.2e} / {r.lp_max:.2e} | "
+                     f"{r.seconds / max(1, r.results):.3f} |")
     lines += ["", "| attack | tolerance of | results | same as honest | refused of the others |", "|---|---|---|---|---|"]
     for a in atk:
         other = a.results - a.same_as_honest
@@ -294,7 +340,10 @@ def main() -> None:
     ap.add_argument("--results", type=int, default=2000, help="honest results per class and temperature")
     ap.add_argument("--attacks", type=int, default=200, help="results per attack kind (temperature 1.0)")
     ap.add_argument("--temperatures", default="1.0,0.7")
-    ap.add_argument("--classes", default="torch-f32,torch-bf16,llama-f32,llama-f16,llama-q8_0")
+    ap.add_argument("--classes", default="torch-f32,torch-bf16,llama-f16,llama-q8_0,llama-q6_K,llama-q5_K_M,"
+                    "llama-q4_K_M")
+    ap.add_argument("--verifier", choices=("own", "torch"), default="own", help="own: a llama.cpp class is judged "
+                    "by llama.cpp on its own GGUF (the coordinator's verifier); torch: by the torch recompute")
     ap.add_argument("--model-dir", type=Path, default=None, help="the tiny model's folder (default: build/cache it)")
     ap.add_argument("--shape", default=None, help="prompts per result, completions per prompt, max new tokens "
                     "(e.g. 1,4,16 at the 0.5 B shape; default: the coordinator's job defaults)")
@@ -327,6 +376,8 @@ def main() -> None:
         backend, _, precision = cls.partition("-")
         return vcfg.choice_tolerance("llama/cpu" if backend == "llama" else "torch/cpu", precision)
 
+    own_judges: dict[str, tuple[Any, float]] = {}
+
     t0 = time.monotonic()
     rows: list[ClassRow] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -345,10 +396,15 @@ def main() -> None:
                 export_folder(base, gdir / "model.gguf", precision)
                 backend = LlamaBackend(device="cpu", threads=1, n_ctx=64)
                 backend.load(gdir)
+                if args.verifier == "own":
+                    own_judges[cls] = (LlamaJudge(gdir, 1.0), tolerance(cls))
             for k, temperature in enumerate(float(t) for t in args.temperatures.split(",")):
                 setup = load_setup(folder, temperature)  # the verifier's replica: float32 from the same weights
-                row = ClassRow(cls, temperature, tolerance(cls) / temperature)  # logit units ÷ T
-                honest(setup, Judge(setup), row, backend, args.results, shape, first=k * args.results,
+                own = backend_name == "llama" and args.verifier == "own"
+                row = ClassRow(cls, temperature, tolerance(cls) / temperature,  # logit units ÷ T
+                               verifier="llama.cpp, own file" if own else "torch")
+                judge: Any = LlamaJudge(Path(tmp) / precision, temperature) if own else Judge(setup)
+                honest(setup, judge, row, backend, args.results, shape, first=k * args.results,
                        tol=row.tolerance)
                 rows.append(row)
                 print(f"[{time.monotonic() - t0:6.0f}s] {cls} T={temperature:g}: {row.results} results, "
@@ -357,12 +413,14 @@ def main() -> None:
                     args.json.write_text(json.dumps({"classes": [_row_json(r) for r in rows], "attacks": []}))
             del backend
         setup = load_setup(base, 1.0)
-        tols = {"torch": tolerance("torch-f32"), "llama-f16": tolerance("llama-f16"),
-                "llama-q8_0": tolerance("llama-q8_0")}
+        tols = {"torch": tolerance("torch-f32")}
+        if args.verifier == "torch":
+            tols |= {"llama-f16": tolerance("llama-f16"), "llama-q8_0": tolerance("llama-q8_0")}
         for spec in filter(None, args.attack_tolerances.split(",")):  # label=logit units, e.g. "q8_0 at 3=3.0"
             label, _, value = spec.partition("=")
             tols[label.strip()] = float(value)
-        atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=10 ** 6) if args.attacks else []
+        atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=10 ** 6,
+                      own=own_judges) if args.attacks else []
         print(f"[{time.monotonic() - t0:6.0f}s] attacks done", flush=True)
     for path in args.add:
         earlier = json.loads(path.read_text())

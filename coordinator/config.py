@@ -457,35 +457,27 @@ class BackendTolerance(_Strict):
 
 
 # Keyed-sampler margins (shared.sampler), in logit units: the check divides them by the job's temperature, as an
-# honest margin is the two implementations' logit difference at a near-tie, divided by T. Source:
-# bench/choice_calibration.py and bench/choice_tail.py (docs/benchmarks.md, "Keyed sampling: calibration"): 10,000
-# honest results per class on the demo's policy trained 200 steps, T = 1.0 and 0.7, and ~8.6 M fresh Gumbel draws
-# per class, checkpoint (untrained, 200 and 386 versions) and T on measured llama.cpp/torch logit pairs. Torch:
-# margins exactly 0 (bit-identical logits). llama.cpp f16: largest honest margin × T 0.13 (386 versions): at 0.5
-# the fitted false-refusal rate per result is < 1e-20. q8_0: honest margins grow as training sharpens the policy
-# (largest × T 0.44 → 1.29 → 1.54 untrained → 200 → 386 versions; 42 of 8.6 M draws above 1.0 at T = 0.7); at 2.5
-# the fitted rate per result is ≤ 1.7e-6 on the 386-version policy (1e-14 at 200), and 77–100 % of attack results
-# that differ from the keyed sample are still refused there (f16: 100 %). Operators watch the margins' drift in
-# /metrics (echo_swarm_choice_margin_ratio, docs/operations.md).
+# honest margin is the two implementations' logit difference at a near-tie, divided by T. Torch clients are
+# recomputed by torch from the same safetensors: margins exactly 0 (bit-identical logits), 0.02 leaves room for
+# other devices' arithmetic. llama.cpp clients are recomputed by llama.cpp on the very GGUF file they ran
+# (coordinator.engine.llama_verifier): one teacher-forced pass against the client's one-token decoding, the same
+# kernels. Source: bench/choice_calibration.py --verifier own (docs/benchmarks.md, "Quantised volunteers"): on
+# trained tiny policies honest margins were exactly 0 for every quantised precision and ≤ 1e-3 for f16 (the f16
+# matmul takes another path for a batch), per-token |Δ logprob| ≤ 1e-4. The tolerance 0.1 leaves 100x that for
+# hardware the calibration has not seen (a CUDA or Metal client against a CPU verifier is unmeasured:
+# docs/security.md §4; operators watch echo_swarm_choice_margin_ratio). Before issue 36 llama.cpp results were
+# checked against a torch float32 recompute, and the quantisation itself had to pass: f16 0.5, q8_0 2.5.
 CHOICE_TOL_TORCH = 0.02
-CHOICE_TOL_LLAMA = 0.5
-CHOICE_TOL_LLAMA_Q8 = 2.5
+CHOICE_TOL_LLAMA = 0.1
 
-# Source: bench/llama_parity.py (docs/benchmarks.md, "llama.cpp parity with the verifier"), llama-cpp-python
-# 0.3.36 on x86_64 CPU, llama.cpp's default f16 KV cache, 3,000 honest results per class, checkpoint and temperature
-# (1.0, 0.7) of the smallest job shape in use (2 prompts × 4 completions, tests/adversarial) on two trained tiny
-# policies: the demo's after 386 versions and the adversarial suite's after 407 (the sharper). The gap is heavy-tailed
-# and clustered (a rounding-sensitive position repeats across a group's completions that share the prefix), so on
-# small results a few tokens carry the mean, and it grows as training sharpens the policy: the former 0.01 / 0.5
-# (f16) and 0.05 / 2.0 (q8_0), measured on 64-completion results of a 183-version policy, refused honest results of
-# the sharper one (CI at 31fd491: an honest llama.cpp client in test_adversaries). Largest seen, f16: mean 0.035,
-# token 0.42; q8_0: 0.10, 1.47. The tolerances leave ≥ 2.4x over every value seen; the fitted per-result rates are in
-# docs/benchmarks.md. The learner never trains on reported logprobs (π_b is the verifier's recompute) and the keyed
-# choice check judges every token, so the width costs little: a wrong model still lands far outside (0.35-8.8 nats).
+#: The GGUF precisions a run can publish (snapshots.gguf; coordinator.publish.gguf_export writes f32 and f16,
+#: llama.cpp's quantiser the rest), each a backend class of llama.cpp results, "llama-<precision>".
+GGUF_PRECISIONS = ("f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0")
+
+# Logprob check of llama.cpp results against the same own-precision recompute: the reported logprobs are
+# log_softmax of the very logits the verifier recomputes, so torch's tolerances hold (measured ≤ 1e-4 per token).
 LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
-    "llama-f32": BackendTolerance(mean_tol=0.1, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA),
-    "llama-f16": BackendTolerance(mean_tol=0.1, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA),
-    "llama-q8_0": BackendTolerance(mean_tol=0.25, max_tol=4.0, choice_tol=CHOICE_TOL_LLAMA_Q8),
+    f"llama-{p}": BackendTolerance(mean_tol=0.05, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA) for p in GGUF_PRECISIONS
 }
 
 
@@ -554,8 +546,9 @@ class VerificationConfig(_Strict):
                                                     "tolerances above are unchanged.")
     backend_tolerances: dict[str, BackendTolerance] = Field(
         default_factory=lambda: dict(LLAMA_TOLERANCES),
-        description="Per backend class ('llama-f32', 'llama-f16', 'llama-q8_0'): tolerances that replace the two "
-        "above for results from llama.cpp clients. The class is derived from snapshots.gguf, which the "
+        description="Per backend class ('llama-f16', 'llama-q4_K_M', ...: 'llama-' and a snapshots.gguf precision): "
+        "tolerances that replace the two above for results from llama.cpp clients, which the verifier recomputes "
+        "with llama.cpp on the GGUF file they ran. The class is derived from snapshots.gguf, which the "
         "coordinator controls, never from the client's word.")
 
     @model_validator(mode="after")
@@ -720,12 +713,13 @@ class SnapshotConfig(_Strict):
         "(docs/benchmarks.md, 'Real model size', measures the logprob gap). Recommended at real model size.")
     keep_exports: int = Field(3, ge=1, description="Operator exports (`echo-swarm admin checkpoint`, exports/) "
                               "kept; older ones are deleted when a version is published.")
-    gguf: Literal["off", "f32", "f16", "q8_0"] = Field(
+    gguf: Literal["off", "f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"] = Field(
         "f16", description="Also publish every version as GGUF for llama.cpp clients, at this precision "
-        "(off: safetensors only, torch clients). f16 halves the bytes of f32 at ~1e-2 nats of logprob drift; "
-        "q8_0 quarters them but needs a 5x wider keyed-sampler tolerance, under which 78-100 % of attack results "
-        "are refused on a trained policy, where f16's refuses all (docs/benchmarks.md, 'llama.cpp parity' and "
-        "'Keyed sampling: calibration').")
+        "(off: safetensors only, torch clients). f32 and f16 are written by the coordinator; q8_0, q6_K, q5_K_M, "
+        "q4_K_M and q4_0 by llama.cpp's own quantiser from the f16 file (coordinator.publish.quantise; needs "
+        "llama-cpp-python on the coordinator). Every precision is checked equally tightly: a llama.cpp result "
+        "is recomputed by llama.cpp on the very file the client ran (coordinator.engine.llama_verifier). q4_K_M "
+        "is ~0.31x the bytes of f16: a 7 B policy in ~4.4 GB, for 8 GB GPUs and 16 GB Macs (README).")
     deltas: bool = Field(True, description="Also publish each full-weight version's model.safetensors and model.gguf "
                          "as a patch against the previous version (changed elements only, zstd; docs/protocol.md §6), "
                          "so a client holding that version downloads a few per cent of the file instead of all of it. "

@@ -405,7 +405,7 @@ def completion_stats(
     logits, c_ids, c_mask = _logits(model, prompts, completions, temperature, pad_id, share_prompts)
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(2, c_ids[:, :, None]).squeeze(2)
-    entropy, variance = _entropy_variance(logp_all.detach())
+    entropy, variance = entropy_variance(logp_all.detach())
     top = logp_all.detach().max(-1).values
     margins = None
     if segments is not None:
@@ -414,7 +414,7 @@ def completion_stats(
     return CompletionStats(logp, entropy, variance, top, c_mask.to(logp.dtype), margins)
 
 
-def _entropy_variance(logp_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def entropy_variance(logp_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """H and V (see :func:`completion_stats`) of each row of log-probabilities [..., V], STATS_ELEMENTS entries at
     a time (whole rows of the leading dimension)."""
     import torch
@@ -553,7 +553,7 @@ def _streamed_stats(model: Any, prompts: Sequence[Sequence[int]], completions: S
         logits = _logit_rows(head, hidden, first, width, start, stop).float().div_(temperature)
         logp_all = torch.log_softmax(logits, -1)
         outs[0][start:stop] = logp_all.gather(1, flat_ids[start:stop, None]).squeeze(1)
-        outs[1][start:stop], outs[2][start:stop] = _entropy_variance(logp_all)
+        outs[1][start:stop], outs[2][start:stop] = entropy_variance(logp_all)
         outs[3][start:stop] = logp_all.max(-1).values
         del logp_all
         if keyed is not None and margins is not None:

@@ -50,7 +50,14 @@ from coordinator.run.names import API, LEARNER
 from coordinator.run.records import AcceptedResult, LearnerProgress
 from coordinator.run.relay import relay_token
 from coordinator.run.runfiles import RunFiles, wait_for_first_version
-from coordinator.run.workqueue import POLL_S, Bell, RemoteVerifier, VerificationError, VerifierUnavailable
+from coordinator.run.workqueue import (
+    POLL_S,
+    Bell,
+    Engine,
+    RemoteVerifier,
+    VerificationError,
+    VerifierUnavailable,
+)
 from coordinator.store.job_rows import JobRow
 from coordinator.store.records import AuditLine, as_json
 from coordinator.store.store import Store
@@ -521,7 +528,12 @@ class Coordinator:
         else:
             segments = episode_segments(row.seed, [[(len(t.token_ids), len(t.observation_ids)) for t in c.turns or []]
                                                    for c in sub.completions])
-        token_stats = await self._recompute_stats_at(prompts, completions, sub.version, segments)
+        pinned = self.backend_class(client_id)  # a store read: once per result
+        # a llama.cpp client's result is recomputed by llama.cpp on the GGUF file it ran; the co-located loop's own
+        # (torch) rollouts and torch clients' from the safetensors
+        engine: Engine = "llama" if not own and self.config.snapshots.gguf != "off" and \
+            class_backend(pinned) == "llama" else "torch"
+        token_stats = await self._recompute_stats_at(prompts, completions, sub.version, segments, engine)
         if replayed is not None:  # the model's tokens only, never the observations'
             full_recomputed = token_stats.logprobs
             m = replayed.masks
@@ -530,9 +542,7 @@ class Coordinator:
                 select(token_stats.top, m), None if token_stats.margins is None else select(token_stats.margins, m))
         recomputed = token_stats.logprobs
         stats = logprob_stats(reported, recomputed)
-        pinned = self.backend_class(client_id)  # a store read: once per result
-        check_logprobs(stats, *self.config.verification.tolerances(pinned,
-                                                                   self.config.snapshots.gguf))
+        check_logprobs(stats, *self.config.verification.tolerances(pinned, self.config.snapshots.gguf))
         vcfg = self.config.verification
         if vcfg.choice_check and token_stats.margins is not None:  # every token's choice
             choices = choice_stats(token_stats.margins)
@@ -599,11 +609,12 @@ class Coordinator:
         return (await self._recompute_stats_at(prompts, completions, version)).logprobs
 
     async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int,
-                                  segments: list[list[Segment]] | None = None) -> TokenStats:
-        """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass), and
-        with the completions' keyed draws (``segments``) each token's keyed-sampler margin."""
+                                  segments: list[list[Segment]] | None = None, engine: Engine = "torch"
+                                  ) -> TokenStats:
+        """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass, by
+        ``engine``), and with the completions' keyed draws (``segments``) each token's keyed-sampler margin."""
         try:
-            return await self.verifier.recompute_stats(prompts, completions, version, segments)
+            return await self.verifier.recompute_stats(prompts, completions, version, segments, engine=engine)
         except VersionGone:
             raise ProtocolError(Reason.VERSION_RETIRED,
                                 f"policy version {version} is no longer kept for verification") from None

@@ -24,8 +24,11 @@ from shared.exit_codes import ExitCode
 
 #: Bytes per element of a published version's safetensors weights, by snapshots.dtype (or model.dtype).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: Bytes per weight of the GGUF form, by snapshots.gguf (q8_0: 34 bytes per block of 32).
-GGUF_BYTES = {"off": 0.0, "f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+#: Bytes per weight of the GGUF form, by snapshots.gguf: q8_0 34 bytes per block of 32, q4_0 18; q6_K 210 per
+#: super-block of 256; the K_M mixtures keep some tensors at a higher type (llama.cpp's own bits-per-weight
+#: figures, 5.69 and 4.85, rounded up).
+GGUF_BYTES = {"off": 0.0, "f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q6_K": 210 / 256, "q5_K_M": 0.72,
+              "q4_K_M": 0.62, "q4_0": 18 / 32}
 #: Headroom over the estimate of one version: tokenizer files, manifests, the version being replaced.
 HEADROOM = 1.25
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -154,7 +157,7 @@ def check_disk(run_dir: Path, need_bytes: int) -> None:
                              f"version needs about {need / 2**30:.2f} GiB (weights, plus GGUF for llama.cpp "
                              f"clients), {free / 2**30:.2f} GiB are free; free some space, put run_dir on a larger "
                              f"disk, or publish smaller versions (snapshots.dtype = 'bfloat16', snapshots.gguf = "
-                             f"'q8_0' or 'off')")
+                             f"'q4_K_M' or 'off')")
 
 
 def check(config: CoordinatorConfig, role: str) -> None:

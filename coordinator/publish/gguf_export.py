@@ -11,8 +11,10 @@ Two details llama.cpp silently depends on:
   rope in llama.cpp and needs no permutation.
 - ``tokenizer.ggml.bos_token_id`` must be written: without it llama.cpp assumes token 11 is BOS.
 
-Precisions: f32; f16 (matrices in f16, norms and biases in f32, as llama.cpp's converter does); q8_0
-(matrices whose rows are a multiple of 32 quantised with gguf's own Q8_0 quantiser, the rest f16).
+Precisions: f32 and f16 are written here (f16: matrices in f16, norms and biases in f32, as llama.cpp's converter
+does). The quantised ones — q8_0, q6_K, q5_K_M, q4_K_M, q4_0 — are made from that f16 file by llama.cpp's own
+quantiser (coordinator.publish.quantise), exactly as a volunteer's llama.cpp would make them: no quantisation code
+of ours, and the file a client runs is the file the verifier recomputes with (coordinator.engine.llama_verifier).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from coordinator.publish.quantise import QUANTISED, quantise
+
 # numpy and gguf are imported where a file is written: every role process imports this module, and only the learner
 # ever writes GGUF (the API process stays light)
 if TYPE_CHECKING:
@@ -33,8 +37,8 @@ logger = logging.getLogger(__name__)
 # the writer logs every file it writes at INFO: one line per tensor file per published version
 logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
-Precision = Literal["f32", "f16", "q8_0"]
-PRECISIONS: tuple[str, ...] = ("f32", "f16", "q8_0")
+Precision = Literal["f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"]
+PRECISIONS: tuple[str, ...] = ("f32", "f16", *QUANTISED)
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 # HF module name (inside model.layers.N.) → GGUF tensor name (inside blk.N.)
@@ -198,29 +202,23 @@ def _add_tokenizer(writer: Any, folder: Path, config: Mapping[str, Any]) -> None
 
 
 def _ggml_type(shape: tuple[int, ...], precision: str) -> Any:
-    """The raw ggml type a tensor of this shape is stored as: vectors stay f32; matrices follow the precision
-    (q8_0 where a row is a whole number of 32-element blocks, f16 otherwise)."""
+    """The raw ggml type a tensor of this shape is stored as: vectors stay f32; matrices follow the precision."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     if len(shape) < 2 or precision == "f32":
         return q.F32
-    if precision == "q8_0" and shape[-1] % 32 == 0:
-        return q.Q8_0
     return q.F16
 
 
 def _encode(arr: np.ndarray, raw: Any) -> np.ndarray:
-    """A block of rows as stored: f32, f16, or Q8_0 blocks (uint8) quantised by gguf's own quantiser."""
+    """A block of rows as stored: f32 or f16."""
     import gguf
     import numpy as np
 
-    q = gguf.GGMLQuantizationType
     arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if raw == q.F32:
+    if raw == gguf.GGMLQuantizationType.F32:
         return arr
-    if raw == q.Q8_0:
-        return gguf.quants.quantize(arr, q.Q8_0)
     return arr.astype(np.float16)
 
 
@@ -237,11 +235,10 @@ class _Rows:
         import gguf
 
         self.value, self.raw, self.heads = value, raw, heads
-        shape = tuple(int(d) for d in value.shape)
-        self.shape = gguf.quant_shape_to_byte_shape(shape, raw) if raw == gguf.GGMLQuantizationType.Q8_0 else shape
-        width = {gguf.GGMLQuantizationType.F32: 4, gguf.GGMLQuantizationType.F16: 2}.get(raw, 1)
+        self.shape = tuple(int(d) for d in value.shape)
+        width = 4 if raw == gguf.GGMLQuantizationType.F32 else 2
         self.nbytes = width * math.prod(self.shape)
-        self.dtype = {4: "float32", 2: "float16", 1: "uint8"}[width]
+        self.dtype = {4: "float32", 2: "float16"}[width]
 
     def tofile(self, fh: Any) -> None:
         value = self.value
@@ -250,27 +247,40 @@ class _Rows:
         if len(value.shape) < 2:
             value = value.reshape(-1)
             step = CHUNK_ELEMENTS
-        else:  # whole rows: a Q8_0 block never straddles two of them
+        else:  # whole rows
             step = max(1, CHUNK_ELEMENTS // max(1, math.prod(int(d) for d in value.shape[1:])))
         for at in range(0, int(value.shape[0]), step):
             _encode(_as_numpy(value[at:at + step]), self.raw).tofile(fh)
 
 
-_FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_F16 / MOSTLY_Q8_0
+_FILE_TYPES = {"f32": 0, "f16": 1}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_F16
 
 
 def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precision: str = "f16",
-                     name: str = "echo-swarm policy") -> None:
+                     name: str = "echo-swarm policy", *, threads: int | None = None) -> None:
     """Write a whole model as GGUF. ``folder`` holds the HF config and tokenizer files; ``state`` maps HF
     parameter names to arrays (torch tensors or numpy), e.g. the model's ``state_dict()``. Streamed: the tensor
     table is written first, then each tensor converted and written a block of rows at a time (:class:`_Rows`). A
     value is only sliced by rows (``value[a:b]``) and read for its ``shape``, so it may be read from a file on
-    demand (coordinator.publish.weights_file.StoredTensor)."""
+    demand (coordinator.publish.weights_file.StoredTensor). A quantised precision is written as f16 beside ``out``
+    first, then quantised into ``out`` by llama.cpp's quantiser (``threads`` of it; the f16 file is deleted)."""
+    if precision not in PRECISIONS:
+        raise GGUFExportError(f"unknown GGUF precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if precision in QUANTISED:
+        f16 = out.with_name(out.name + ".f16.tmp")
+        try:
+            _write_plain_gguf(f16, folder, state, "f16", name)
+            quantise(f16, out, precision, threads=threads)
+        finally:
+            f16.unlink(missing_ok=True)
+        return
+    _write_plain_gguf(out, folder, state, precision, name)
+
+
+def _write_plain_gguf(out: Path, folder: Path, state: Mapping[str, Any], precision: str, name: str) -> None:
     import gguf
     import numpy as np
 
-    if precision not in PRECISIONS:
-        raise GGUFExportError(f"unknown GGUF precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     config = json.loads((folder / "config.json").read_text())
     arch = gguf_arch(config)
     tied = bool(config.get("tie_word_embeddings", False))

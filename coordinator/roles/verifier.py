@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 from coordinator.config import CoordinatorConfig
 from coordinator.engine import fsdp
 from coordinator.engine.evaluation import Evaluator
+from coordinator.engine.llama_verifier import LlamaRecompute
 from coordinator.engine.lora import VersionLoader
 from coordinator.engine.verifier import Verifier
 from coordinator.errors import VersionGone
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
 from coordinator.run.runfiles import wait_for_first_version
-from coordinator.run.workqueue import POLL_S, Bell, segments_from_wire, stats_answer
+from coordinator.run.workqueue import POLL_S, Bell, engine_from_wire, segments_from_wire, stats_answer
 from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.text import TextCodec
@@ -86,6 +87,14 @@ class VerifierWorker:
         device = self.ranks.device if self.ranks is not None else pick_device(
             self.config.model.device if vcfg.device == "auto" else vcfg.device)
         self.verifier = _make_verifier(self.config, self.snapshots, self.store, device, codec, self.ranks)
+        # llama.cpp clients' results: recomputed by llama.cpp on the GGUF file they ran (engine.llama_verifier)
+        self.llama: LlamaRecompute | None = None
+        if self.config.snapshots.gguf != "off":
+            snapshots = self.snapshots
+            self.llama = LlamaRecompute(
+                lambda v: snapshots.folder(v) if snapshots.signed_manifest(v) is not None else None,
+                temperature=self.config.sampling.temperature,
+                threads=vcfg.threads or self.config.learner.threads, cached_versions=vcfg.cached_versions)
         self.evaluator: Any = None
         if "evaluate" in self.kinds:
             versions = VersionLoader(self.snapshots.base_dir) if lora else None
@@ -107,7 +116,8 @@ class VerifierWorker:
     def _report(self) -> None:
         self.store.role_status.set(self.name, {
             "pid": os.getpid(), "device": self.verifier.device, "at": time.time(), "in_flight": len(self._inflight),
-            "evaluations": self.evaluations, "eval_s": self.eval_s, **self.verifier.describe()})
+            "evaluations": self.evaluations, "eval_s": self.eval_s, **self.verifier.describe(),
+            **(self.llama.describe() if self.llama is not None else {})})
 
     async def run(self) -> None:
         """Claim, answer, report — until cancelled."""
@@ -178,8 +188,17 @@ class VerifierWorker:
                 return
             if self.snapshots.signed_manifest(version) is None:  # published since the last look?
                 self.snapshots.observe(v.version for v in self.store.versions.all())
-            answer = stats_answer(await self.verifier.recompute_stats(request["prompts"], request["completions"],
-                                                                      version, segments_from_wire(request.get("segments"))))
+            segments = segments_from_wire(request.get("segments"))
+            if engine_from_wire(request.get("engine")) == "llama":
+                if self.llama is None:
+                    raise VersionGone("this run publishes no GGUF: a llama.cpp result cannot be recomputed")
+                # on the verifier's thread, in turn with torch recomputes: the two never share the cores
+                stats = await self.verifier.run(self.llama.recompute_stats, version, request["prompts"],
+                                                request["completions"], segments)
+            else:
+                stats = await self.verifier.recompute_stats(request["prompts"], request["completions"], version,
+                                                            segments)
+            answer = stats_answer(stats)
             self.store.work.finish(item, self.name, answer)
         except (VersionGone, FileNotFoundError):
             self.store.work.finish(item, self.name, wire.pack({"gone": True}))
@@ -210,6 +229,9 @@ class VerifierWorker:
             task.cancel()
         with contextlib.suppress(AttributeError):
             self.verifier.close()
+        llama = getattr(self, "llama", None)
+        if llama is not None:
+            llama.close()
         evaluator = getattr(self, "evaluator", None)
         if evaluator is not None:
             evaluator.close()

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 
 #: Seconds between looks at the store when another process may have changed it.
 POLL_S = 0.02
+
+#: What recomputes a result: torch from the version's safetensors, or llama.cpp from its GGUF file (the file a
+#: llama.cpp client ran, coordinator.engine.llama_verifier).
+Engine = Literal["torch", "llama"]
+ENGINES: tuple[Engine, ...] = ("torch", "llama")
 
 
 class StatsWire(TypedDict):
@@ -122,11 +127,14 @@ class RemoteVerifier:
         self.requester = "api"  # the asking API process's name (Coordinator.api_name), kept with each request
 
     async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
-                              segments: list[list[Segment]] | None = None) -> TokenStats:
+                              segments: list[list[Segment]] | None = None, *, engine: Engine = "torch"
+                              ) -> TokenStats:
+        """``engine``: "llama" recomputes with llama.cpp on the version's GGUF file (a llama.cpp client's result,
+        coordinator.engine.llama_verifier), "torch" from its safetensors."""
         t0 = time.monotonic()
         try:
             answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
-                                                           "segments": segments})
+                                                           "segments": segments, "engine": engine})
         finally:
             self.stats.recompute_s += time.monotonic() - t0
         if answer.get("gone"):
@@ -164,6 +172,11 @@ class RemoteVerifier:
 
 def stats_answer(stats: TokenStats) -> bytes:
     return wire.pack({"stats": asdict(stats)})
+
+
+def engine_from_wire(raw: Any) -> Engine:
+    """A recompute request's engine; requests written before engines existed are torch's."""
+    return "llama" if raw == "llama" else "torch"
 
 
 def segments_from_wire(raw: Any) -> list[list[Segment]] | None:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shared.llama_files import file_id, gguf_precision, keep_prefix, open_model, set_adapter, version_files
 from shared.messages import Job
 from shared.policy import Sampled
 from shared.sampler import choose_np
@@ -56,15 +56,6 @@ def token_logprobs(logits: np.ndarray, tokens: list[int], temperature: float) ->
 LOGIT_BUFFER_BYTES = 64 * 2**20
 
 
-def gguf_precision(path: Path) -> str:
-    """The precision class of a GGUF file ("f32", "f16", "q8_0", ...), from its general.file_type."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("general.file_type")
-    names = {0: "f32", 1: "f16", 7: "q8_0", 2: "q4_0", 3: "q4_1", 32: "bf16"}
-    return names.get(int(field.parts[-1][0]), "other") if field is not None else "f32"
-
-
 class LlamaBackend:
     name = "llama"
     kind = "llama"
@@ -96,70 +87,38 @@ class LlamaBackend:
         """What the verifier's tolerance depends on: the library and the GGUF precision, e.g. ``llama-f16``."""
         return f"llama-{self.precision}"
 
-    @staticmethod
-    def _file_id(path: Path) -> tuple[int, int, int]:
-        st = os.stat(path)
-        return (st.st_dev, st.st_ino, st.st_size)
-
     def load(self, folder: Path) -> None:
         folder = Path(folder)
         if folder == self.folder:
             return
-        full, base, adapter = folder / "model.gguf", folder / "base.gguf", folder / "adapter.gguf"
-        if full.exists():
-            self._load_base(full)
-            self._set_adapter(None)
-        elif base.exists() and adapter.exists():
-            self._load_base(base)
-            self._set_adapter(adapter)
-        else:
-            raise FileNotFoundError(
-                f"snapshot {folder} has no GGUF form (model.gguf, or base.gguf + adapter.gguf): the coordinator "
-                f"publishes safetensors only. Ask its operator to set snapshots.gguf, or join with --backend torch")
+        model, adapter = version_files(folder)
+        self._load_base(model)
+        self._set_adapter(adapter)
         self.folder = folder
 
     def _load_base(self, path: Path) -> None:
-        ident = self._file_id(path)
+        ident = file_id(path)
         if self.llm is not None and ident == self._base_id:
             return
         self._set_adapter(None)
         self.llm = None
-        kwargs: dict[str, Any] = {}
-        if self.kv_f32:
-            kwargs.update(type_k=0, type_v=0)  # GGML_TYPE_F32: removes the f16 KV cache rounding
         # logits_all=False: the logits of each sampled step are read from the context right after sampling
         # (llama_get_logits_ith), so no n_ctx × n_vocab score matrix is allocated (1.2 GB for a 150k vocabulary)
-        self.llm = self._lib.Llama(model_path=str(path), n_ctx=self.n_ctx, n_batch=min(512, self.n_ctx),
-                                   logits_all=False, n_gpu_layers=self.n_gpu_layers, n_threads=self.threads,
-                                   n_threads_batch=self.threads, seed=0, verbose=False, **kwargs)
+        self.llm = open_model(path, n_ctx=self.n_ctx, threads=self.threads, n_gpu_layers=self.n_gpu_layers,
+                              kv_f32=self.kv_f32)
         self._base_id = ident
         self.precision = gguf_precision(path)
         logger.info("loaded %s (%s, %s)", path, self.precision, self.device)
 
     def _set_adapter(self, path: Path | None) -> None:
-        """Swap the LoRA adapter (None: the bare base) without reloading the base; then reset the context."""
+        """Swap the LoRA adapter (None: the bare base) without reloading the base (shared.llama_files)."""
         if self.llm is None:
             return
-        ident = self._file_id(path) if path is not None else None
+        ident = file_id(path) if path is not None else None
         if ident == self._adapter_id and (path is None or self._adapter is not None):
             return
-        lib = self._lib
-        if path is not None:
-            new = lib.llama_adapter_lora_init(self.llm.model, str(path).encode())
-            if not new:
-                raise ValueError(f"llama.cpp could not load the LoRA adapter {path}")
-            arr = (lib.llama_adapter_lora_p_ctypes * 1)(new)
-            scales = (ctypes.c_float * 1)(1.0)
-            rc = lib.llama_set_adapters_lora(self.llm.ctx, arr, 1, scales)
-        else:
-            new = None
-            rc = lib.llama_set_adapters_lora(self.llm.ctx, None, 0, None)
-        if rc != 0:
-            raise ValueError(f"llama.cpp refused the LoRA adapter {path} (code {rc})")
-        if self._adapter is not None:
-            lib.llama_adapter_lora_free(self._adapter)
-        self._adapter, self._adapter_id = new, ident
-        self.llm.reset()
+        self._adapter = set_adapter(self.llm, path, self._adapter)
+        self._adapter_id = ident
 
     # -- generation ---------------------------------------------------------------------------------------
     def sample(self, prompt: list[int], *, temperature: float, max_tokens: int, stop_ids: frozenset[int],
@@ -206,13 +165,7 @@ class LlamaBackend:
         (a GRPO group samples its prompt ``group_size`` times): only the rest is evaluated, at least one token so
         that the context holds the logits of the prompt's last position."""
         llm = self.llm
-        held = llm.input_ids[: llm.n_tokens]
-        same = 0
-        for x, y in zip(held, prompt, strict=False):  # the shorter one bounds the shared prefix
-            if int(x) != y:
-                break
-            same += 1
-        llm.n_tokens = min(same, len(prompt) - 1)  # eval() drops the cache past n_tokens
+        keep_prefix(llm, prompt, len(prompt) - 1)
         llm.eval(prompt[llm.n_tokens :])
 
     def _logit_rows(self, max_tokens: int) -> np.ndarray:

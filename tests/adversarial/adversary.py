@@ -68,13 +68,18 @@ class Adversary:
         self.backend: TorchBackend | None = None
         self.notes: dict[str, Any] = {}  # observations beyond the attempts (e.g. whether a linked job was recognised)
         self.seconds = 30.0  # how long a timed kind (idle_sybil) runs at most
+        # the backend its identities register as and its results claim: "llama" for the llama_* kinds, which make
+        # the same cheats through a llama.cpp identity (verified by llama.cpp on the job's own GGUF file)
+        self.claim: str = "torch"
+        self._llama: Any = None
         self.until: Path | None = None  # ... or until this file appears
 
     # -- plumbing -----------------------------------------------------------------------------------------
-    async def identity(self, name: str, *, register: bool = True, backend: str = "torch", device: str = "cpu"
+    async def identity(self, name: str, *, register: bool = True, backend: str | None = None, device: str = "cpu"
                        ) -> CoordinatorClient:
-        """A fresh identity (registered claiming ``backend`` on ``device``; it always computes with torch on the
-        CPU, whatever it claims)."""
+        """A fresh identity (registered claiming ``backend`` (default: :attr:`claim`) on ``device``; it computes with
+        torch on the CPU, whatever it claims, except for its honest results under a llama.cpp claim)."""
+        backend = backend or self.claim
         ident = load_identity(self.home / name)
         api = CoordinatorClient(self.url, ident, retry=NO_RETRY)
         self.apis.append(api)
@@ -152,7 +157,8 @@ class Adversary:
         give_up = time.monotonic() + timeout
         empty: list[LeaseResponse] = []  # the replies without a job (a refusal raises, with its reason)
         while time.monotonic() < give_up:
-            resp = await api.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1), LeaseResponse)
+            resp = await api.post("/v1/lease", LeaseRequest(backend=self.claim, held_version=-1),  # type: ignore[arg-type]
+                                  LeaseResponse)
             if resp.job is not None:
                 return open_job(resp.job, self.info.coordinator_public_key)
             empty.append(resp)
@@ -169,12 +175,20 @@ class Adversary:
         assert self.info is not None
         cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
         folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
-        backend = backend or self.backend or TorchBackend(device="cpu", threads=1)
-        backend.load(folder)
-        samples = backend.generate(job, lambda: False)
+        if self.claim == "llama" and backend is None:  # what an honest llama.cpp client sends: its own GGUF's sample
+            from swarm_client.backends.llama_backend import LlamaBackend
+
+            self._llama = self._llama or LlamaBackend(device="cpu", threads=1, n_ctx=256)
+            self._llama.load(folder)
+            samples = self._llama.generate(job, lambda: False)
+        else:
+            backend = backend or self.backend or TorchBackend(device="cpu", threads=1)
+            backend.load(folder)
+            samples = backend.generate(job, lambda: False)
         return ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
                                 prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
-                                backend="torch", generation_s=0.1, completions=[s.to_completion() for s in samples])
+                                backend=self.claim, generation_s=0.1,  # type: ignore[arg-type]
+                                completions=[s.to_completion() for s in samples])
 
     async def lease_as(self, api: CoordinatorClient, backend: str, what: str) -> dict[str, Any]:
         """One signed lease request claiming ``backend``, recorded as an attempt."""
@@ -236,8 +250,7 @@ class Adversary:
     def rollout_prompts(job: Job) -> list[list[int]]:
         return [list(p.token_ids) for p in job.prompts for _ in range(job.group_size)]
 
-    @staticmethod
-    def true_result(job: Job, model: Any, completions: list[list[int]]) -> ResultSubmission:
+    def true_result(self, job: Job, model: Any, completions: list[list[int]]) -> ResultSubmission:
         """A result of exactly these tokens with each token's true behaviour logprob under the job's snapshot and
         temperature, and the finish reasons the shape rules demand: nothing but the choice of tokens is forged."""
         import torch
@@ -255,7 +268,7 @@ class Adversary:
                  for c, row in zip(completions, lp.tolist(), strict=True)]
         return ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
                                 prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
-                                backend="torch", generation_s=0.1, completions=comps)
+                                backend=self.claim, generation_s=0.1, completions=comps)  # type: ignore[arg-type]
 
     @staticmethod
     def decode_steered(job: Job, model: Any, pick: Any) -> list[list[int]]:
@@ -497,7 +510,7 @@ class Adversary:
                   for c in sorted(pool, key=lambda c, i=i: -reward(i, c))[: job.group_size]]
         sub = ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
                                prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size,
-                               backend="torch", generation_s=0.1, completions=picked)
+                               backend=self.claim, generation_s=0.1, completions=picked)  # type: ignore[arg-type]
         await self.cheat(api, job, sub, f"best of {BEST_OF} draws by reward, true logprobs")
 
     async def topk_steer(self) -> None:
@@ -537,6 +550,40 @@ class Adversary:
                  for _ in range(len(job.prompts) * job.group_size)]
         await self.submit(api, self.true_result(job, model, comps), "junk tokens, true logprobs")
         await self.release(api, job)
+
+    # The same cheats through a llama.cpp identity (issue 36): before, a llama.cpp result was checked against a torch
+    # recompute at a tolerance wide enough for the quantisation, and a torch client that registered as llama got 25x
+    # torch's freedom. Now it is recomputed by llama.cpp on the job's own GGUF file, at a tolerance of 0.1 logit.
+    async def llama_greedy(self) -> None:
+        self.claim = "llama"
+        await self.greedy()
+
+    async def llama_forced_correct(self) -> None:
+        self.claim = "llama"
+        await self.forced_correct()
+
+    async def llama_best_of_16(self) -> None:
+        self.claim = "llama"
+        await self.best_of_16()
+
+    async def llama_topk_steer(self) -> None:
+        self.claim = "llama"
+        await self.topk_steer()
+
+    async def llama_junk(self) -> None:
+        self.claim = "llama"
+        await self.junk()
+
+    async def llama_torch_sample(self) -> None:
+        """Class shopping: a torch client's honest keyed sample (torch float32 logits) sent by an identity that
+        registered as llama.cpp. Under the llama.cpp recompute its tokens must be the keyed choices of the GGUF's
+        logits; where the two models' logits differ at a near-tie by more than the tolerance, it is refused."""
+        self.claim = "llama"
+        api = await self.identity("a")
+        job = await self.lease(api)
+        assert self.backend is not None
+        sub = await self.honest(api, job, self.backend)  # computed by torch, claims llama
+        await self.cheat(api, job, sub, "a torch sample sent as llama.cpp's")
 
     async def lease_hoarder(self) -> None:
         """Lease as many jobs as it can without returning any, to starve everyone else: once it holds a first job,
@@ -701,7 +748,8 @@ class Adversary:
              "oversized_body", "malformed_msgpack", "registration_flood", "unauthenticated_admin", "sybil_rotation", "request_flood", "own_seed", "lease_hoarder",
              "forced_correct", "best_of_16", "topk_steer", "greedy", "junk",
              "unknown_device", "sybil_confirms", "accomplice_junk", "accomplice_sits", "quarantine_backend_claim",
-             "quarantine_reregister", "tolerance_escape", "idle_sybil")
+             "quarantine_reregister", "tolerance_escape", "idle_sybil", "llama_greedy", "llama_forced_correct",
+             "llama_best_of_16", "llama_topk_steer", "llama_junk", "llama_torch_sample")
 
 
 async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0, until: Path | None = None

@@ -3,7 +3,8 @@
 One coordinator process (async push-pull, so several jobs are open at once), three honest `echo-swarm join`
 processes (two torch, one llama.cpp: one check for every backend class), and one adversary process per kind
 (tests/adversarial/adversary.py: its own Ed25519 identity, the production HTTP client and backend, one
-corruption). Each kind must be refused with its reason code; nothing an adversary sent may reach the training
+corruption; the token-choice cheats also through llama.cpp identities, whose results the verifier recomputes with
+llama.cpp on the job's own GGUF file). Each kind must be refused with its reason code; nothing an adversary sent may reach the training
 data (result rows, learner batches); the honest clients must lose nothing (no refusals, no lost trust, still
 earning credit) and the run must keep training.
 """
@@ -65,10 +66,23 @@ def _cheat(attempts: Attempts) -> None:
     assert _codes(attempts) == [want], attempts
 
 
+def _llama_cheat(attempts: Attempts) -> None:
+    """The same cheat through a llama.cpp identity: recomputed by llama.cpp on the job's GGUF, it is refused by the
+    keyed check — or by the logprob check first, as its "true" logprobs are torch's, not the file's — unless its
+    tokens are exactly the llama.cpp client's honest keyed sample."""
+    assert len(attempts) == 1, attempts
+    if attempts[0].get("same_as_honest"):
+        assert _codes(attempts) == [(200, None)], attempts
+    else:
+        assert _codes(attempts) in ([(422, "choice_mismatch")], [(422, "logprob_mismatch")]), attempts
+
+
 def _junk(attempts: Attempts) -> None:
     # junk tokens are far less likely than sampling makes them: the sampling test alone refuses them too, so which
-    # of the two checks answers depends only on their order in the intake
-    assert _codes(attempts) in ([(422, "choice_mismatch")], [(422, "sampling_mismatch")]), attempts
+    # of the two checks answers depends only on their order in the intake (through a llama.cpp identity their torch
+    # logprobs may already differ from the GGUF's beyond the logprob check's tolerance)
+    assert _codes(attempts) in ([(422, "choice_mismatch")], [(422, "sampling_mismatch")],
+                                [(422, "logprob_mismatch")]), attempts
 
 
 def _late(attempts: Attempts) -> None:
@@ -158,6 +172,14 @@ ATTEMPT_CHECKS: dict[str, Callable[[Attempts], None]] = {
     "topk_steer": _cheat,
     "greedy": _cheat,
     "junk": _junk,
+    # the same through llama.cpp identities (issue 36: recomputed by llama.cpp on the job's own GGUF at 0.1 logit),
+    # and a torch client's sample sent as a llama.cpp one (class shopping)
+    "llama_greedy": _llama_cheat,
+    "llama_forced_correct": _llama_cheat,
+    "llama_best_of_16": _llama_cheat,
+    "llama_topk_steer": _llama_cheat,
+    "llama_junk": _junk,
+    "llama_torch_sample": _llama_cheat,
     "registration_flood": _flood,  # last: it spends the address's registration budget
 }
 #: Each kind's check of its report (what each attempt got back, and the adversary's notes)
@@ -284,7 +306,8 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
         assert not invalidated
 
     # each token-choice cheat was refused on arrival: never accepted, never held, never trained, no credit
-    for kind in ("own_seed", "forced_correct", "best_of_16", "topk_steer", "greedy", "junk"):
+    for kind in ("own_seed", "forced_correct", "best_of_16", "topk_steer", "greedy", "junk", "llama_greedy",
+                 "llama_forced_correct", "llama_best_of_16", "llama_topk_steer", "llama_junk", "llama_torch_sample"):
         (cheat,) = reports[kind]["identities"]
         if cheat in coincided:  # honest work after all (its tokens were the keyed sample): accepted, credited
             continue
