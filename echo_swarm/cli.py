@@ -22,7 +22,7 @@ from swarm_client.config import ClientConfigError, build, client_paths, resolve_
 from swarm_client.control import describe, parse_duration, pid_alive, set_paused, update_controls
 from swarm_client.control import snooze as set_snooze
 from swarm_client.panel import software_version
-from swarm_client.service import ServiceSpec, install, join_argv, render, uninstall
+from swarm_client.service import ServiceNotStarted, ServiceSpec, install, join_argv, render, uninstall
 from swarm_client.settings import FLAG_FIELDS, JoinConfig
 
 app = typer.Typer(
@@ -315,8 +315,15 @@ def install_service(
         typer.echo(render(spec).decode(), nl=False)
         return
     paths.logs.mkdir(parents=True, exist_ok=True)
-    for line in install(spec, start=start):
+    try:
+        done, problem = install(spec, start=start), None
+    except ServiceNotStarted as exc:  # the unit is written, but nothing runs it: say so, and fail
+        done, problem = exc.done, exc
+    for line in done:
         typer.echo(line)
+    if problem is not None:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(ExitCode.FAILED)
 
 
 @client_app.command("uninstall-service")
