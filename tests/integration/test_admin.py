@@ -28,8 +28,8 @@ from shared.messages import LeaseRequest, LeaseResponse, ResultSubmission
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import RawClient, db_rows
 from tests.integration.ops_helpers import honest_result, lease, register, try_lease
-from tests.integration.terminal import run_on_terminal
 from tests.integration.test_untrusted_strings import store_profile
+from tests.terminal import run_on_terminal
 
 runner = CliRunner()
 
