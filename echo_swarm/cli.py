@@ -277,9 +277,14 @@ def status(
         typer.echo(f"no client has run with home {info['home']} yet" + (" (paused)" if info["paused"] else ""))
         return
     state = info.get("state", "?") if info["running"] else "not running"
-    held = " (paused)" if info["paused"] else ""
+    # the controls in force, each said once: a running client that obeyed a pause or snooze already says so in its
+    # state ("paused", "snoozed until 14:00"); before it has, or while it finishes a job, the note says what comes
+    held = ""
+    if info["paused"] and not state.startswith("paused"):
+        held += " (paused: no new job after this one)" if info["running"] else " (paused)"
     if info.get("snoozed_until"):
-        held += f" (snoozed until {dt.datetime.fromtimestamp(info['snoozed_until']):%H:%M})"
+        snooze = f"snoozed until {dt.datetime.fromtimestamp(info['snoozed_until']):%H:%M}"
+        held += "" if state.startswith(snooze) else f" ({snooze})"
     if info.get("finishing") and info["running"]:
         held += " (finishing)"
     typer.echo(f"client {info['client_id']}: {state}{held}\n"

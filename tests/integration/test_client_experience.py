@@ -60,7 +60,8 @@ def test_pause_stops_new_leases_within_one_poll_and_resume_restarts_them(
         assert _leases(live_coordinator) == at_pause, "a paused client leased a job"
         shown = json.loads(_cli("client", "status", "--home", str(home), "--json"))
         assert shown["running"] and shown["paused"] and shown["state"] == "paused"
-        assert "paused" in _cli("client", "status", "--home", str(home))
+        # said once: the state already says it (it printed "paused (paused)")
+        assert _cli("client", "status", "--home", str(home)).splitlines()[0] == f"client {shown['client_id']}: paused"
 
         assert "resumed" in _cli("client", "resume", "--home", str(home))
         wait_until(lambda: _leases(live_coordinator) > at_pause, 60, "a new lease after resume")
