@@ -103,8 +103,8 @@ def resolve_target(url: str | None, run_dir: Path | None, key_path: Path | None)
     if key_path is None and run_dir is not None:
         key_path = run_dir / DEFAULT_KEY_NAME
     if url is None or key_path is None:
-        raise AdminUsageError("say which coordinator to administer: --run-dir DIR on the coordinator's machine, or "
-                         "--url http://HOST:PORT --key PATH (an operator key listed in the run's admin_keys)")
+        raise AdminUsageError("say which coordinator to administer: --run-dir DIR on the coordinator's machine, "
+                              "or --url http://HOST:PORT --key PATH (an operator key listed in the run's admin_keys)")
     return url.rstrip("/"), key_path
 
 
