@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from shared.exit_codes import ExitCode, codes_text
 from shared.safe_text import escape
 
 console = Console()
@@ -36,7 +37,8 @@ admin_app = typer.Typer(
     "checkpoints, pausing job issue, and operator keys.\n\n"
     "Requests are signed with an operator key listed in the run directory's `admin_keys` file. On the "
     "coordinator's machine `--run-dir DIR` is enough (the URL comes from DIR/endpoint.json, the key from "
-    "DIR/admin.key, both created by the coordinator). From elsewhere pass --url and --key.",
+    "DIR/admin.key, both created by the coordinator). From elsewhere pass --url and --key.\n\n"
+    "Exit codes: " + codes_text((ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE)) + ".",
     no_args_is_help=True,
 )
 keys_app = typer.Typer(help="Operator keys: list them (and the coordinator's own signing key), add, remove, "
@@ -56,9 +58,11 @@ class _Target:
     timeout: float
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, code: ExitCode = ExitCode.FAILED) -> NoReturn:
+    """One line on stderr and the exit code: USAGE (2) when the command line is wrong and nothing was sent (the
+    README's table of codes), FAILED (1) when the coordinator refused or could not be reached."""
     errors.print(Text.assemble(("error:", "red"), " ", _text(message)), highlight=False)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 def _text(value: Any, style: str = "") -> Text:
@@ -93,21 +97,20 @@ def _options(
 
 
 def _run(ctx: typer.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Open a client for the target the group's options name, make one call, return its reply; a refusal, an
-    unreachable coordinator or a missing key is one line on stderr and exit code 1."""
-    from pydantic import ValidationError
-
+    """Open a client for the target the group's options name, make one call, return its reply. Each failure is one
+    line on stderr: a wrong command line (no coordinator named, an unreadable key, a bad argument) exits 2 and
+    sends nothing; a refusal or an unreachable coordinator exits 1."""
     # lazy: admin_client signs with cryptography (~0.3 s), which `echo-swarm --help` and `join` never load
-    from echo_swarm.admin_client import AdminClient, AdminError
+    from echo_swarm.admin_client import AdminClient, AdminError, AdminUsageError
 
     target: _Target = ctx.obj
     try:
         client = AdminClient.open(target.url, target.run_dir, target.key, target.timeout)
         return getattr(client, fn)(*args, **kwargs)
+    except AdminUsageError as exc:
+        _fail(str(exc), ExitCode.USAGE)
     except AdminError as exc:
         _fail(str(exc))
-    except ValidationError as exc:
-        _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
 
 
 def _dump(data: Any) -> None:
@@ -154,27 +157,78 @@ def status(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     console.print(t)
 
 
+# The columns of `admin clients`, in order: (header, right-aligned, width when squeezed, drop rank). When the whole
+# table does not fit the terminal, the long texts (name, device, platform) are cut short with an ellipsis, then the
+# columns with the highest drop rank go, until it fits: the id, state and counts stay longest.
+_CLIENT_COLUMNS: tuple[tuple[str, bool, int, int], ...] = (
+    ("client", False, 8, 0), ("name", False, 16, 1), ("state", False, 12, 0), ("valid", True, 24, 5),
+    ("backend", False, 8, 3), ("device", False, 24, 6), ("platform", False, 18, 7), ("accepted", True, 12, 1),
+    ("rejected", True, 12, 2), ("unreturned", True, 12, 4), ("reward z", True, 8, 4), ("credit", True, 14, 1),
+    ("last seen", True, 10, 2),
+)
+_GAP = 2  # spaces between two columns (a table without a box)
+
+
+def _fit_columns(cells: dict[str, list[Text]], width: int) -> dict[str, int | None]:
+    """The columns of ``cells`` to show in ``width`` terminal cells, each with its width limit (None: as wide as
+    its widest cell): every column whole when that fits, else squeezed, dropping whole columns by rank rather than
+    wrapping every cell into a tower of fragments."""
+    spec = {name: (squeezed, rank) for name, _, squeezed, rank in _CLIENT_COLUMNS}
+    full = {name: max(len(name), *(c.cell_len for c in col)) for name, col in cells.items()}
+
+    def fits(names: list[str], widths: dict[str, int]) -> bool:
+        return sum(widths[n] for n in names) + _GAP * (len(names) - 1) <= width
+
+    if fits(list(cells), full):
+        return dict.fromkeys(cells)
+    need = {name: min(spec[name][0], w) for name, w in full.items()}
+    shown, dropped = list(cells), []
+    while len(shown) > 1 and not fits(shown, need):
+        dropped.append(max(shown, key=lambda n: (spec[n][1], shown.index(n))))
+        shown.remove(dropped[-1])
+    for name in reversed(dropped):  # a narrow column dropped before a wide one may fit in what is left
+        if fits([*shown, name], need):
+            shown.append(name)
+    return {name: spec[name][0] for name in cells if name in shown}
+
+
 @admin_app.command()
 def clients(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 1000) -> None:
-    """Every registered client: state, trust (when the coordinator keeps one), backend, platform, counts, credit,
-    and its reporting: the share of its leases that ended without a result, and how the rewards of what it returned
-    compare with the other volunteers' at the same versions (z; selective reporting, docs/security.md)."""
+    """Every registered client: state, trust (valid results of those checked, when the coordinator keeps it),
+    backend, device, platform, counts, credit, and its reporting: the share of its leases that ended without a
+    result (unreturned), and how the rewards of what it returned compare with the other volunteers' at the same
+    versions (reward z; selective reporting, docs/security.md). A terminal too narrow for every column shows the
+    most useful ones and names the rest; --json has them all."""
     rows = _run(ctx, "clients", limit)
     if as_json:
         return _dump(rows)
     has_trust = any("trust" in r for r in rows)
     has_reporting = any("reporting" in r for r in rows)
-    t = Table(title=f"{len(rows)} clients")
-    for col in ["client", "name", "state", *(["trust"] if has_trust else []), "backend", "device", "platform",
-                "accepted", "rejected", *(["unreturned", "reward z"] if has_reporting else []), "credit", "last seen"]:
-        t.add_column(col, justify="right" if col in ("accepted", "rejected", "credit", "trust", "unreturned",
-                                                     "reward z") else "left")
     colour = {"working": "green", "active": "cyan", "idle": "dim", "banned": "red"}
+    cells: dict[str, list[Text]] = {name: [] for name, *_ in _CLIENT_COLUMNS
+                                    if (has_trust or name != "valid")
+                                    and (has_reporting or name not in ("unreturned", "reward z"))}
     for r in rows:
-        _row(t, r["client_id"][:12], r["name"], _text(r["state"], colour.get(r["state"], "")),
-             *([_trust(r.get("trust"))] if has_trust else []), r["backend"], r["device"],
-             r["platform"], r["accepted"], r["rejected"], *(_reporting(r.get("reporting")) if has_reporting else []),
-             f"{r['credit']:,.0f}", _ago(r["last_seen"]))
+        unreturned, reward_z = _reporting(r.get("reporting"))
+        row = {"client": r["client_id"][:8], "name": r["name"], "state": _text(r["state"], colour.get(r["state"], "")),
+               "valid": _trust(r.get("trust")), "backend": r["backend"], "device": r["device"],
+               "platform": r["platform"], "accepted": r["accepted"], "rejected": r["rejected"],
+               "unreturned": unreturned, "reward z": reward_z, "credit": f"{r['credit']:,.0f}",
+               "last seen": _ago(r["last_seen"])}
+        for name, col in cells.items():
+            col.append(row[name] if isinstance(row[name], Text) else _text(row[name]))
+    shown = _fit_columns(cells, console.width)
+    t = Table(title=f"{len(rows)} clients", box=None, pad_edge=False, header_style="bold")
+    for name, right, _, _ in _CLIENT_COLUMNS:
+        if name in shown:
+            t.add_column(name, justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
+                         max_width=shown[name])
+    for i in range(len(rows)):
+        t.add_row(*(cells[name][i] for name in shown))
+    hidden = [name for name in cells if name not in shown]
+    if hidden:
+        t.caption = f"not shown (too narrow): {', '.join(hidden)}; widen the terminal or use --json"
+        t.caption_justify = "left"
     console.print(t)
 
 
@@ -189,7 +243,7 @@ def _reporting(rep: Optional[dict[str, Any]]) -> list[Text]:
 def _trust(t: Optional[dict[str, Any]]) -> Text:
     if not t:
         return _text("-")
-    cell = _text(f"{t['valid']}/{t['valid'] + t['invalid']} valid")
+    cell = _text(f"{t['valid']}/{t['valid'] + t['invalid']}")
     return cell.append(" quarantined", "red") if t["quarantined"] else cell
 
 
@@ -323,7 +377,7 @@ def registration(ctx: typer.Context, mode: Annotated[str, typer.Argument(help="'
     """Set the run's registration: invite-only or open. Kept in the run's store: it survives a restart and holds
     for every API process, over the config's registration.mode. Known identities are not affected."""
     if mode not in ("open", "invite"):
-        _fail(f"registration mode must be 'open' or 'invite', not {mode!r}")
+        _fail(f"registration mode must be 'open' or 'invite', not {mode!r}", ExitCode.USAGE)
     r = _run(ctx, "registration", mode)
     if as_json:
         return _dump(r)
@@ -361,7 +415,8 @@ def keys_add(
     except ValueError:
         raw = b""
     if len(raw) != 32:
-        _fail("the public key must be 64 hex digits (32 bytes)")
+        _fail(f"{public_key!r} is not a public key: give its 64 hex digits, as `echo-swarm admin keys generate` "
+              f"printed them", ExitCode.USAGE)
     r = _run(ctx, "add_key", raw, comment)
     if as_json:
         return _dump(r)
@@ -386,11 +441,7 @@ def keys_remove(
 def keys_rotate(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Replace the key you are using with a new one: the new key is listed, the old one revoked, and the
     key file (--key, or <run dir>/admin.key) rewritten."""
-    from echo_swarm.admin_client import resolve_target  # lazy: as in _run (cryptography)
-
-    target: _Target = ctx.obj
-    _, key_path = resolve_target(target.url, target.run_dir, target.key)
-    r = _run(ctx, "rotate_key", key_path)
+    r = _run(ctx, "rotate_key")
     if as_json:
         return _dump(r)
     _say(f"rotated: {r['old_key_id'][:12]} → {r['new_key_id'][:12]} (saved to {r['key_file']})")
@@ -403,12 +454,12 @@ def keys_generate(
 ) -> None:
     """Create an operator key file locally (no coordinator needed) and print its public key, which an existing
     operator then allows with `echo-swarm admin keys add`."""
-    from echo_swarm.admin_client import AdminError, generate_key_file  # lazy: as in _run (cryptography)
+    from echo_swarm.admin_client import AdminUsageError, generate_key_file  # lazy: as in _run (cryptography)
 
     try:
         r = generate_key_file(path)
-    except AdminError as exc:
-        _fail(str(exc))
+    except AdminUsageError as exc:
+        _fail(str(exc), ExitCode.USAGE)
     if as_json:
         return _dump(r)
     for line in (f"wrote {r['key_file']}", f"public key: {r['public_key']}",

@@ -8,14 +8,16 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import ValidationError
 
 from shared import crypto, wire
 from shared.admin import (
@@ -44,6 +46,47 @@ class AdminError(EchoSwarmError):
         self.status = status
 
 
+class AdminUsageError(AdminError):
+    """The command itself is wrong, so no request was sent: no coordinator named, an unreadable key file, an
+    argument that no coordinator would accept. `echo-swarm admin` exits with the usage code (2) for it."""
+
+
+M = TypeVar("M", bound=Message)
+
+# what an argument must look like, said in words (a pydantic error quotes the field's regex, which helps nobody)
+_IDS = {"client": ("client", "client id", "echo-swarm admin clients"),
+        "key_id": ("key", "key id", "echo-swarm admin keys list")}
+_RULES = {
+    "job_id": "a job id is 1 to 64 letters, digits, '_' or '-', as `echo-swarm admin jobs` lists them",
+    "outcome": "an outcome is lowercase letters and '_', e.g. accepted or rejected",
+    "note": "a note is one line of at most 256 characters",
+    "comment": "a comment is one line of at most 128 characters",
+}
+
+
+def _argument_problem(field: str, value: Any) -> str:
+    """One line for an argument the request schema refuses: what was wrong and what would do."""
+    if field in _IDS:
+        label, what, lister = _IDS[field]
+        text = str(value)
+        why = ("is not hex (0-9, a-f)" if not re.fullmatch(r"[0-9a-f]*", text) else
+               f"is too short ({len(text)} hex digits)" if len(text) < 6 else f"is longer than a {what} (32 hex digits)")
+        return f"{label} {text!r} {why}: give the whole {what} or at least its first 6 digits, as `{lister}` shows them"
+    rule = _RULES.get(field, "see `echo-swarm admin --help`")
+    shown = f"{value!r} " if isinstance(value, str) and len(value) <= 64 and "\n" not in value else ""
+    return f"{field.replace('_', ' ')} {shown}does not fit: {rule}"
+
+
+def _body(model: type[M], **fields: Any) -> M:
+    """The request body, or AdminUsageError saying which argument does not fit, before anything is sent."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        loc = exc.errors()[0]["loc"]
+        field = str(loc[0]) if loc else ""
+        raise AdminUsageError(_argument_problem(field, fields.get(field))) from None
+
+
 def resolve_target(url: str | None, run_dir: Path | None, key_path: Path | None) -> tuple[str, Path]:
     """URL: --url, else $ECHO_SWARM_ADMIN_URL, else <run_dir>/endpoint.json (written by a running coordinator).
     Key: --key, else $ECHO_SWARM_ADMIN_KEY, else <run_dir>/admin.key (created with the run)."""
@@ -60,8 +103,8 @@ def resolve_target(url: str | None, run_dir: Path | None, key_path: Path | None)
     if key_path is None and run_dir is not None:
         key_path = run_dir / DEFAULT_KEY_NAME
     if url is None or key_path is None:
-        raise AdminError("say which coordinator to administer: --run-dir DIR on the coordinator's machine, or "
-                         "--url http://HOST:PORT --key PATH (an operator key listed in the run's admin_keys)")
+        raise AdminUsageError("say which coordinator to administer: --run-dir DIR on the coordinator's machine, "
+                              "or --url http://HOST:PORT --key PATH (an operator key listed in the run's admin_keys)")
     return url.rstrip("/"), key_path
 
 
@@ -71,6 +114,7 @@ class AdminClient:
     key: Ed25519PrivateKey
     timeout_s: float = 60.0
     retries: int = 3
+    key_path: Path | None = None  # where the key came from: `keys rotate` rewrites it
 
     @classmethod
     def open(cls, url: str | None = None, run_dir: Path | None = None, key_path: Path | None = None,
@@ -79,8 +123,8 @@ class AdminClient:
         try:
             key = crypto.load_private_key(key_path)
         except crypto.KeyFileError as exc:
-            raise AdminError(str(exc)) from None
-        return cls(url, key, timeout_s, retries)
+            raise AdminUsageError(str(exc)) from None
+        return cls(url, key, timeout_s, retries, key_path)
 
     @property
     def key_id(self) -> str:
@@ -114,10 +158,10 @@ class AdminClient:
         return self.call("clients", AdminList(limit=limit))["clients"]
 
     def ban(self, client: str, note: str = "") -> dict[str, Any]:
-        return self.call("ban", AdminBan(client=client.lower(), banned=True, note=note))
+        return self.call("ban", _body(AdminBan, client=client.lower(), banned=True, note=note))
 
     def unban(self, client: str, note: str = "") -> dict[str, Any]:
-        return self.call("ban", AdminBan(client=client.lower(), banned=False, note=note))
+        return self.call("ban", _body(AdminBan, client=client.lower(), banned=False, note=note))
 
     def versions(self, limit: int = 50) -> dict[str, Any]:
         return self.call("versions", AdminList(limit=limit))
@@ -127,8 +171,8 @@ class AdminClient:
 
     def audit(self, limit: int = 100, client: str | None = None, job_id: str | None = None,
               outcome: str | None = None) -> list[dict[str, Any]]:
-        body = AdminAudit.model_validate({"limit": limit, "client": client.lower() if client else None,
-                                          "job_id": job_id, "outcome": outcome})
+        body = _body(AdminAudit, limit=limit, client=client.lower() if client else None, job_id=job_id,
+                     outcome=outcome)
         return self.call("audit", body)["entries"]
 
     def checkpoint(self) -> dict[str, Any]:
@@ -141,23 +185,27 @@ class AdminClient:
         return self.call("issuing", AdminIssuing(paused=False))
 
     def invite(self, note: str = "") -> dict[str, Any]:
-        return self.call("invite", AdminInvite(note=note))
+        return self.call("invite", _body(AdminInvite, note=note))
 
     def registration(self, mode: str) -> dict[str, Any]:
-        return self.call("registration", AdminRegistration.model_validate({"mode": mode}))
+        return self.call("registration", _body(AdminRegistration, mode=mode))
 
     def keys(self) -> dict[str, Any]:
         return self.call("keys", AdminEmpty())
 
     def add_key(self, public_key: bytes, comment: str = "") -> dict[str, Any]:
-        return self.call("keys/add", AdminKeyAdd(public_key=public_key, comment=comment))
+        return self.call("keys/add", _body(AdminKeyAdd, public_key=public_key, comment=comment))
 
     def remove_key(self, key_id: str) -> dict[str, Any]:
-        return self.call("keys/remove", AdminKeyRemove(key_id=key_id.lower()))
+        return self.call("keys/remove", _body(AdminKeyRemove, key_id=key_id.lower()))
 
-    def rotate_key(self, key_path: Path) -> dict[str, Any]:
+    def rotate_key(self, key_path: Path | None = None) -> dict[str, Any]:
         """Replace this operator key: the new key is saved beside the old one (``.new``), listed, then used to
-        remove the old key — which proves it works — and finally moved over the old key file."""
+        remove the old key — which proves it works — and finally moved over the old key file (``key_path``, by
+        default the file the key was opened from)."""
+        key_path = key_path or self.key_path
+        if key_path is None:
+            raise AdminUsageError("no key file to rewrite: pass --key PATH (the key you are rotating)")
         new = crypto.generate_key()
         staged = key_path.with_name(key_path.name + ".new")
         crypto.save_private_key(new, staged)
@@ -173,7 +221,7 @@ class AdminClient:
 def generate_key_file(path: Path) -> dict[str, str]:
     """A new operator key for another person or machine; its public key goes to `admin keys add`."""
     if path.exists():
-        raise AdminError(f"{path} already exists; choose another file (keys are never overwritten)")
+        raise AdminUsageError(f"{path} already exists; choose another file (keys are never overwritten)")
     key = crypto.generate_key()
     crypto.save_private_key(key, path)
     pub = crypto.public_bytes(key)

@@ -8,10 +8,12 @@ once; what this module imports at its top loads only the standard library, typer
 
 from __future__ import annotations
 
+from functools import reduce
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from echo_swarm.admin_cli import admin_app
 from echo_swarm.argv import hoist_group_options
@@ -22,10 +24,37 @@ from swarm_client.config import ClientConfigError, build, client_paths, resolve_
 from swarm_client.control import describe, parse_duration, pid_alive, set_paused, update_controls
 from swarm_client.control import snooze as set_snooze
 from swarm_client.panel import software_version
-from swarm_client.service import ServiceSpec, install, join_argv, render, uninstall
+from swarm_client.service import ServiceNotStarted, ServiceSpec, install, join_argv, render, uninstall
 from swarm_client.settings import FLAG_FIELDS, JoinConfig
 
+
+def _bare_flags(command: Any, ctx: Any) -> None:
+    """typer's rich help prints a flag's value type as if it took a value (`--p2p/--no-p2p <bool>`, `--help
+    <bool>`): every flag of ``command`` and of the commands under it gets an empty metavar, printed instead."""
+    for param in [*command.params, command.get_help_option(ctx)]:
+        if param is not None and getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _bare_flags(sub, ctx)
+
+
+class _Commands(TyperGroup):
+    """The root command group: whatever it hands out (a command, the `client` or `admin` group and theirs) shows
+    its flags as flags in --help."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _bare_flags(command, ctx)
+        return command
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _bare_flags(self, ctx)
+        super().format_help(ctx, formatter)
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="echo-swarm",
     help="RL post-training of language models on volunteer hardware.\n\n"
     "A coordinator hosts the GRPO learner and hands out signed rollout jobs; volunteers run `echo-swarm join` "
@@ -58,8 +87,14 @@ def _h(name: str) -> str:
     text = (field.description or "").replace("None = ", "unset: ").replace("None: ", "unset: ")
     default = field.default
     if default is not None and not isinstance(default, bool) and default != [] and "default" not in text.lower():
-        text += f" [default: {default}]"
+        text = _with_default(text, default)
     return text
+
+
+def _with_default(help_text: str, default: object) -> str:
+    """``help_text`` ending in ``[default: …]`` as --help shows it: the bracket escaped, or rich (typer's help
+    renderer) takes ``[default: 5]`` for a style tag and prints nothing."""
+    return f"{help_text} \\[default: {default}]"
 
 
 JOIN_HELP = f"""Contribute this machine's compute to a coordinator's training run.
@@ -242,9 +277,14 @@ def status(
         typer.echo(f"no client has run with home {info['home']} yet" + (" (paused)" if info["paused"] else ""))
         return
     state = info.get("state", "?") if info["running"] else "not running"
-    held = " (paused)" if info["paused"] else ""
+    # the controls in force, each said once: a running client that obeyed a pause or snooze already says so in its
+    # state ("paused", "snoozed until 14:00"); before it has, or while it finishes a job, the note says what comes
+    held = ""
+    if info["paused"] and not state.startswith("paused"):
+        held += " (paused: no new job after this one)" if info["running"] else " (paused)"
     if info.get("snoozed_until"):
-        held += f" (snoozed until {dt.datetime.fromtimestamp(info['snoozed_until']):%H:%M})"
+        snooze = f"snoozed until {dt.datetime.fromtimestamp(info['snoozed_until']):%H:%M}"
+        held += "" if state.startswith(snooze) else f" ({snooze})"
     if info.get("finishing") and info["running"]:
         held += " (finishing)"
     typer.echo(f"client {info['client_id']}: {state}{held}\n"
@@ -315,8 +355,15 @@ def install_service(
         typer.echo(render(spec).decode(), nl=False)
         return
     paths.logs.mkdir(parents=True, exist_ok=True)
-    for line in install(spec, start=start):
+    try:
+        done, problem = install(spec, start=start), None
+    except ServiceNotStarted as exc:  # the unit is written, but nothing runs it: say so, and fail
+        done, problem = exc.done, exc
+    for line in done:
         typer.echo(line)
+    if problem is not None:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(ExitCode.FAILED)
 
 
 @client_app.command("uninstall-service")
@@ -354,7 +401,42 @@ def _needs_coordinator_extra(command: str) -> None:
         raise typer.Exit(ExitCode.USAGE)
 
 
-@app.command()
+# `coordinator`'s flags, each the run-config key it sets (coordinator/config.py): flags override the config file
+COORDINATOR_KEYS = {
+    "run_dir": "run_dir", "model": "model.path", "sync_mode": "sync_mode", "max_staleness": "max_staleness",
+    "host": "server.host", "port": "server.port", "max_steps": "learner.max_steps", "lr": "learner.lr",
+    "lease_timeout": "jobs.lease_timeout_s", "threads": "learner.threads", "layout": "layout",
+    "verifiers": "verification.workers", "store_url": "store.url", "learner_ranks": "learner.world_size",
+    "verifier_placement": "verification.placement", "verifier_ranks": "verification.world_size",
+    "p2p": "p2p.enabled",
+}
+
+
+class _CoordinatorCommand(TyperCommand):
+    """`coordinator --help` shows each flag's default: the run config's own (a flag's Python default is None, so
+    that an unset flag leaves the config file's key alone). Read when help is shown, since loading
+    coordinator.config costs ~0.2 s that no other use of the command line should pay."""
+
+    _defaults_shown = False
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        if not self._defaults_shown:
+            from coordinator.config import load_config  # lazy: pydantic models of the whole run config
+
+            built_in = load_config(None)
+            for param in self.params:
+                if not isinstance(param, TyperOption) or param.name not in COORDINATOR_KEYS:
+                    continue
+                value = reduce(getattr, COORDINATOR_KEYS[param.name].split("."), built_in)
+                if isinstance(value, bool):
+                    value = param.opts[0] if value else param.secondary_opts[0]
+                if value is not None:
+                    param.help = _with_default(param.help or "", value)
+            self._defaults_shown = True
+        super().format_help(ctx, formatter)
+
+
+@app.command(cls=_CoordinatorCommand)
 def coordinator(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML run config (see docs/run-dir.md). "
                                                                          "Flags below override its keys.")] = None,
@@ -393,7 +475,7 @@ def coordinator(
                                                                  "the run directory's SQLite file).")] = None,
     p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", help="Run a libp2p peer: publish versions in a DHT "
                                                 "and seed snapshot files to volunteers, who then serve each other "
-                                                "(p2p.enabled; needs the p2p extra). [default: off]",
+                                                "(p2p.enabled; needs the p2p extra).",
                                                 show_default=False)] = None,
 ) -> None:
     """Serve a training run: the learner, job leasing, result verification and snapshot downloads.
@@ -406,15 +488,12 @@ def coordinator(
     # lazy: serve loads the whole coordinator (aiohttp, the store, prometheus_client; ~0.6 s)
     from echo_swarm.serve import serve
 
-    raise typer.Exit(serve(config, {
-        "run_dir": str(run_dir) if run_dir else None, "model.path": model, "server.host": host,
-        "sync_mode": sync_mode, "max_staleness": max_staleness,
-        "server.port": port, "learner.max_steps": max_steps, "learner.lr": lr,
-        "jobs.lease_timeout_s": lease_timeout, "learner.threads": threads, "layout": layout,
-        "verification.workers": verifiers, "store.url": store_url, "learner.world_size": learner_ranks,
-        "verification.placement": verifier_placement, "verification.world_size": verifier_ranks,
-        "p2p.enabled": p2p,
-    }, role, index))
+    flags = {"run_dir": str(run_dir) if run_dir else None, "model": model, "sync_mode": sync_mode,
+             "max_staleness": max_staleness, "host": host, "port": port, "max_steps": max_steps, "lr": lr,
+             "lease_timeout": lease_timeout, "threads": threads, "layout": layout, "verifiers": verifiers,
+             "store_url": store_url, "learner_ranks": learner_ranks, "verifier_placement": verifier_placement,
+             "verifier_ranks": verifier_ranks, "p2p": p2p}
+    raise typer.Exit(serve(config, {COORDINATOR_KEYS[name]: value for name, value in flags.items()}, role, index))
 
 
 @app.command()

@@ -30,7 +30,8 @@ class ExitCode(IntEnum):
 MEANING: dict[ExitCode, str] = {
     ExitCode.OK: "done (join: stopped by Ctrl-C, `client finish`, --max-jobs or a finished run with "
                  "--exit-when-finished)",
-    ExitCode.FAILED: "an unexpected failure (the coordinator: the run stopped; see the log)",
+    ExitCode.FAILED: "an unexpected failure (the coordinator: the run stopped; see the log), or the coordinator "
+                     "refused an `admin` command or could not be reached",
     ExitCode.USAGE: "bad usage: an unknown flag, an invalid setting or config file",
     ExitCode.REFUSED: "join: refused by the coordinator (e.g. banned, or its key changed); retrying cannot help",
     ExitCode.RESOURCES: "join: this machine lacks the memory or disk for the run's model",

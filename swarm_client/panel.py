@@ -87,10 +87,13 @@ class Display:
             print(text, flush=True)
 
     def error(self, text: str) -> None:
-        """An error or warning line, on stderr (above the panel when there is one)."""
+        """An error or warning line, on stderr; above the panel when stderr is the panel's terminal. It goes
+        through the live display there: written to the terminal directly, it landed below the panel, and the next
+        redraw (which moves up the panel's height and erases) wiped it, so a banned client's reason was never
+        seen. Redirected, stderr gets the plain line and the screen is not touched."""
         text = "\n".join(escape(line) for line in text.split("\n"))
-        if self._live is not None and self._err_console is not None:
-            self._err_console.print(text, markup=False, highlight=False, style="red")
+        if self._live is not None and self._err_console is not None and self._err_console.is_terminal:
+            self._live.console.print(text, markup=False, highlight=False, style="red")
         else:
             print(text, file=sys.stderr, flush=True)
 

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.errors import EchoSwarmError
 from shared.exit_codes import NO_RESTART
 
 UNIT_NAME = "echo-swarm.service"
@@ -123,17 +124,28 @@ def render(spec: ServiceSpec, platform: str | None = None) -> bytes:
     return render_launchd(spec) if platform == "darwin" else render_systemd(spec).encode()
 
 
+class ServiceNotStarted(EchoSwarmError):
+    """The unit (or agent) was written but the service manager did not enable and start it: the message says why
+    and the command that does it by hand; ``done`` lists what was done (the file written)."""
+
+    def __init__(self, message: str, done: list[str]) -> None:
+        super().__init__(message)
+        self.done = done
+
+
 def _run(argv: list[str]) -> tuple[bool, str]:
+    """Run a service manager command; (succeeded, its message on one line)."""
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
-    return res.returncode == 0, (res.stderr or res.stdout).strip()
+    return res.returncode == 0, "; ".join(line.strip() for line in (res.stderr or res.stdout).splitlines()
+                                          if line.strip())
 
 
 def install(spec: ServiceSpec, *, start: bool = True, platform: str | None = None) -> list[str]:
-    """Write the unit or agent (atomically) and, with ``start``, enable and start it. Returns what was done and
-    what the volunteer may still need to do, one line each."""
+    """Write the unit or agent (atomically) and, with ``start``, enable and start it. Returns what was done, one
+    line each; ServiceNotStarted when the unit is written but not running (no systemd, no user session)."""
     platform = platform or sys.platform
     path = unit_path(platform)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,18 +159,20 @@ def install(spec: ServiceSpec, *, start: bool = True, platform: str | None = Non
         uid = os.getuid()
         _run(["launchctl", "bootout", f"gui/{uid}/{AGENT_LABEL}"])  # an older copy, if loaded
         ok, err = _run(["launchctl", "bootstrap", f"gui/{uid}", str(path)])
-        done.append("started it with launchctl; it starts again at every login" if ok else
-                    f"could not load it with launchctl ({err}); load it with: launchctl bootstrap gui/{uid} {path}")
-        return done
+        if not ok:
+            raise ServiceNotStarted(f"launchctl could not load {path} ({err}); load it with: launchctl bootstrap "
+                                    f"gui/{uid} {path}", done)
+        return done + ["started it with launchctl; it starts again at every login"]
     if shutil.which("systemctl") is None:
-        return done + ["systemctl is not available here: start the client another way (this machine does not "
-                       "run systemd)"]
+        raise ServiceNotStarted("systemctl is not available (this machine does not run systemd): start `echo-swarm "
+                                "join` another way, or install with --no-start to only write the unit", done)
     ok, err = _run(["systemctl", "--user", "daemon-reload"])
     if ok:
         ok, err = _run(["systemctl", "--user", "enable", "--now", UNIT_NAME])
     if not ok:
-        return done + [f"could not enable it ({err}); with a user session, run: systemctl --user daemon-reload && "
-                       f"systemctl --user enable --now {UNIT_NAME}"]
+        raise ServiceNotStarted(f"systemd did not enable {UNIT_NAME} ({err}); in a login session (not su or sudo), "
+                                f"run: systemctl --user daemon-reload && systemctl --user enable --now {UNIT_NAME}",
+                                done)
     return done + [f"enabled and started {UNIT_NAME} (logs: journalctl --user -u {UNIT_NAME}); to keep it running "
                    f"while you are logged out: loginctl enable-linger {os.environ.get('USER', '$USER')}"]
 

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,9 @@ def existing_ancestor(path: Path) -> Path:
 
 def check_run_dir(run_dir: Path) -> None:
     """The run directory (or, when it does not exist yet, the folder it would be created in) must be a writable
-    folder. Checked by permission, not by writing a file: a refused start writes nothing."""
+    folder. Checked by permission, then by making and at once removing an empty folder in it: root passes every
+    permission check, yet cannot create anything in /proc, /sys or a read-only mount. A refused start writes
+    nothing, and an accepted one leaves nothing of the check."""
     run_dir = Path(run_dir).expanduser()
     if run_dir.exists() and not run_dir.is_dir():
         raise PreflightError(ExitCode.RUN_DIR_UNWRITABLE, f"run_dir {run_dir} exists and is not a folder: pass "
@@ -137,6 +140,12 @@ def check_run_dir(run_dir: Path) -> None:
         what = "is not writable" if base == run_dir.absolute() else f"cannot be created: {base} is not writable"
         raise PreflightError(ExitCode.RUN_DIR_UNWRITABLE, f"run_dir {run_dir} {what} by this user: pass a "
                              f"--run-dir in a folder you can write, or fix its permissions")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".echo-swarm-check-", dir=base))
+    except OSError as exc:
+        what = "cannot be written" if base == run_dir.absolute() else f"cannot be created in {base}"
+        raise PreflightError(ExitCode.RUN_DIR_UNWRITABLE, f"run_dir {run_dir} {what} ({exc.strerror}): pass a "
+                             f"--run-dir in a folder you can write") from None
 
 
 def version_bytes(config: CoordinatorConfig, folder: Path | None) -> int:

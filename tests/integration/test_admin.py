@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +23,13 @@ from coordinator.api.service import Coordinator
 from echo_swarm.cli import app
 from shared import crypto, wire
 from shared.admin import AdminEmpty
+from shared.exit_codes import ExitCode
 from shared.messages import LeaseRequest, LeaseResponse, ResultSubmission
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import RawClient, db_rows
 from tests.integration.ops_helpers import honest_result, lease, register, try_lease
+from tests.integration.test_untrusted_strings import store_profile
+from tests.terminal import run_on_terminal
 
 runner = CliRunner()
 
@@ -74,9 +80,9 @@ def test_admin_api_refuses_unauthenticated_requests(live_coordinator: LiveCoordi
     status, body = raw.send("/v1/admin/ban", admin_envelope(operator, "/v1/admin/ban", wire.pack({"client": "abc"})))
     assert (status, RawClient.error(body).error) == (422, "schema_invalid")
     assert raw.get("/v1/admin/status")[0] == 405
-    # no CLI key → a clear message, exit 1
+    # no CLI key → a clear message, exit 2 (a wrong command line: nothing was sent)
     result = runner.invoke(app, ["admin", "--url", live.url, "--key", str(live.run_dir / "nope.key"), "status"])
-    assert result.exit_code == 1 and "cannot read key file" in result.output
+    assert result.exit_code == ExitCode.USAGE and "cannot read key file" in result.output
 
 
 def test_cli_says_what_to_do_without_a_coordinator(tmp_path: Path) -> None:
@@ -87,7 +93,103 @@ def test_cli_says_what_to_do_without_a_coordinator(tmp_path: Path) -> None:
     result = runner.invoke(app, ["admin", "--run-dir", str(tmp_path), "status"], env={"COLUMNS": "200"})
     assert result.exit_code == 1 and "endpoint.json is missing" in result.output
     result = runner.invoke(app, ["admin", "status"], env={"ECHO_SWARM_ADMIN_URL": "", "ECHO_SWARM_ADMIN_KEY": ""})
-    assert result.exit_code == 1 and "--run-dir" in result.output
+    assert result.exit_code == ExitCode.USAGE and "--run-dir" in result.output
+
+
+HINT_CLIENTS = "give the whole client id or at least its first 6 digits, as `echo-swarm admin clients` shows them"
+HINT_KEYS = "give the whole key id or at least its first 6 digits, as `echo-swarm admin keys list` shows them"
+# a command line that no coordinator would accept: (arguments after `admin --url U --key K`, the line on stderr)
+USAGE_ERRORS = [
+    (["ban", "abc"], f"client 'abc' is too short (3 hex digits): {HINT_CLIENTS}"),
+    (["unban", "xyz12345"], f"client 'xyz12345' is not hex (0-9, a-f): {HINT_CLIENTS}"),
+    (["ban", "0" * 33], f"client '{'0' * 33}' is longer than a client id (32 hex digits): {HINT_CLIENTS}"),
+    (["audit", "--client", "ab"], f"client 'ab' is too short (2 hex digits): {HINT_CLIENTS}"),
+    (["audit", "--outcome", "Not Valid"],
+     "outcome 'Not Valid' does not fit: an outcome is lowercase letters and '_', e.g. accepted or rejected"),
+    (["audit", "--job", "a/b"],
+     "job id 'a/b' does not fit: a job id is 1 to 64 letters, digits, '_' or '-', as `echo-swarm admin jobs` lists them"),
+    (["ban", "abcdef", "--note", "x" * 300], "note does not fit: a note is one line of at most 256 characters"),
+    (["registration", "bogus"], "registration mode must be 'open' or 'invite', not 'bogus'"),
+    (["keys", "add", "12"], "'12' is not a public key: give its 64 hex digits, as `echo-swarm admin keys generate` "
+                            "printed them"),
+    (["keys", "remove", "12"], f"key '12' is too short (2 hex digits): {HINT_KEYS}"),
+]
+
+
+def echo_swarm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "echo_swarm", *args], capture_output=True, text=True, timeout=120,
+                          env=os.environ | (env or {}))
+
+
+def test_usage_errors_exit_2_with_one_line_and_change_nothing(live_coordinator: LiveCoordinator,
+                                                              tmp_path: Path) -> None:
+    """README's exit codes: 2 is bad usage. Each wrong command line is one line on stderr saying what was wrong
+    and what to give instead (never a schema's regex), nothing on stdout, and the run is unchanged."""
+    live = live_coordinator
+    register(live)
+    key = str(live.run_dir / ADMIN_KEY_FILE)
+
+    def state() -> tuple[object, ...]:
+        admin_log = live.run_dir / "admin.log"
+        return (db_rows(live.run_dir, "SELECT * FROM clients"), (live.run_dir / ADMIN_KEY_FILE).read_bytes(),
+                (live.run_dir / "admin_keys").read_bytes(), admin_log.exists() and admin_log.read_bytes())
+
+    before = state()
+    for args, line in USAGE_ERRORS:
+        res = echo_swarm("admin", "--url", live.url, "--key", key, *args)
+        assert (res.returncode, res.stderr, res.stdout) == (ExitCode.USAGE, f"error: {line}\n", ""), args
+    assert state() == before
+    assert cli_json(live, "clients")[0]["state"] != "banned" and cli_json(live, "status")["issuing_paused"] is False
+
+    # the command line names no usable coordinator or key
+    no_env = {"ECHO_SWARM_ADMIN_URL": "", "ECHO_SWARM_ADMIN_KEY": ""}
+    res = echo_swarm("admin", "status", env=no_env)
+    assert (res.returncode, res.stderr) == (ExitCode.USAGE, "error: say which coordinator to administer: --run-dir "
+                                            "DIR on the coordinator's machine, or --url http://HOST:PORT --key PATH "
+                                            "(an operator key listed in the run's admin_keys)\n")
+    missing = tmp_path / "nope.key"
+    res = echo_swarm("admin", "--url", live.url, "--key", str(missing), "status", env=no_env)
+    assert (res.returncode, res.stderr) == (ExitCode.USAGE, f"error: cannot read key file {missing}: No such file "
+                                                            f"or directory\n")
+    res = echo_swarm("admin", "keys", "generate", key)
+    assert (res.returncode, res.stderr) == (ExitCode.USAGE, f"error: {key} already exists; choose another file "
+                                                            f"(keys are never overwritten)\n")
+    # a refusal by the coordinator is not a usage error: 1, as before
+    res = echo_swarm("admin", "--url", live.url, "--key", key, "ban", "ffffff")
+    assert res.returncode == ExitCode.FAILED and res.stderr.startswith("error: refused (404 ") and \
+        "no client id starts with 'ffffff'" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_clients_fit_an_80_column_terminal(live_coordinator: LiveCoordinator) -> None:
+    """`admin clients` on an 80-column terminal (a real pty, as an operator's ssh session): every line fits, each
+    client is one line with its id, name, state and counts, and the columns left out are named. On a wide terminal
+    every column shows, whole."""
+    live = live_coordinator
+    names = ["alice", "a volunteer's laptop in the kitchen", "gpu-box-3"]
+    volunteers = [register(live, name=n) for n in names]
+    store_profile(live, volunteers[1].client_id, {"device": "cuda:NVIDIA GeForce RTX 4090 Laptop GPU",
+                                                  "platform": "Windows AMD64"})
+    argv = [sys.executable, "-m", "echo_swarm", "admin", "--url", live.url, "--key",
+            str(live.run_dir / ADMIN_KEY_FILE), "clients"]
+
+    screen = run_on_terminal(argv, columns=80)
+    assert screen.returncode == 0, screen.text()
+    lines = [line.rstrip() for line in screen.lines() if line.strip()]
+    assert screen.widest() <= 80, screen.text()
+    assert lines[0].strip() == "3 clients"
+    assert lines[1].split() == ["client", "name", "state", "accepted", "rejected", "credit", "last", "seen"]
+    rows = {line[:8]: line for line in lines[2:5]}  # one line per client (in the coordinator's order)
+    for volunteer, name in zip(volunteers, names, strict=True):
+        row = rows[volunteer.client_id[:8]]
+        assert row.startswith(f"{volunteer.client_id[:8]}  {name[:15]}") and row.endswith(" ago"), row
+    hidden = " ".join(lines[5:])
+    assert hidden.startswith("not shown (too narrow): ") and hidden.endswith("; widen the terminal or use --json")
+    assert "platform" in hidden and "device" in hidden
+
+    wide = run_on_terminal(argv, columns=240)
+    assert wide.returncode == 0 and "not shown" not in wide.text(), wide.text()
+    assert "cuda:NVIDIA GeForce RTX 4090 Laptop GPU" in wide.text() and names[1] in wide.text()
+    assert all(h in wide.text() for h in ("backend", "device", "platform", "accepted", "rejected", "last seen"))
 
 
 @pytest.fixture
@@ -116,7 +218,7 @@ def test_status_clients_versions_jobs_audit(live: LiveCoordinator) -> None:
     (row,) = rows
     assert row["client_id"] == client.client_id and row["name"] == "alice" and row["backend"] == "torch"
     assert row["platform"] and row["state"] == "working" and row["credit"] > 0 and row["accepted"] == 1
-    assert client.client_id[:12] in cli(live, "clients")
+    assert client.client_id[:8] in cli(live, "clients")
 
     v = cli_json(live, "versions")
     assert v["current"] == 0 and v["versions"][0]["version"] == 0 and v["versions"][0]["served"] is True
@@ -212,7 +314,7 @@ def test_pause_resume_checkpoint_and_keys(live_coordinator: LiveCoordinator, tmp
     new_key = tmp_path / "ops.key"
     gen = json.loads(runner.invoke(app, ["admin", "keys", "generate", str(new_key), "--json"]).output)
     assert new_key.stat().st_mode & 0o777 == 0o600
-    assert runner.invoke(app, ["admin", "keys", "generate", str(new_key)]).exit_code == 1  # never overwritten
+    assert runner.invoke(app, ["admin", "keys", "generate", str(new_key)]).exit_code == ExitCode.USAGE  # never overwritten
     assert "not an operator key" in cli(live, "status", key=new_key, ok=False)
     assert cli_json(live, "keys", "add", gen["public_key"], "--comment", "ops laptop")["added"] is True
     assert cli_json(live, "status", key=new_key)["version"] == 0

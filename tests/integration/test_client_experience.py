@@ -60,7 +60,8 @@ def test_pause_stops_new_leases_within_one_poll_and_resume_restarts_them(
         assert _leases(live_coordinator) == at_pause, "a paused client leased a job"
         shown = json.loads(_cli("client", "status", "--home", str(home), "--json"))
         assert shown["running"] and shown["paused"] and shown["state"] == "paused"
-        assert "paused" in _cli("client", "status", "--home", str(home))
+        # said once: the state already says it (it printed "paused (paused)")
+        assert _cli("client", "status", "--home", str(home)).splitlines()[0] == f"client {shown['client_id']}: paused"
 
         assert "resumed" in _cli("client", "resume", "--home", str(home))
         wait_until(lambda: _leases(live_coordinator) > at_pause, 60, "a new lease after resume")
@@ -160,3 +161,40 @@ def test_outside_its_time_window_the_client_leases_nothing(tmp_path: Path,
     finally:
         assert client.stop() == 0, client.output()[-3000:]
     assert f"not fetching new work: outside {window}" in client.output()
+
+
+def test_a_banned_client_leaves_its_reason_on_the_terminal(tmp_path: Path, live_coordinator: LiveCoordinator) -> None:
+    """A client banned while it runs exits 3. Its red lines were written below rich's live panel and wiped by the
+    next redraw: the screen showed only `state stopped` and the reason survived in client.log alone. Here the
+    client runs on a real pseudo-terminal, and its bytes are played on a VT100 screen (pyte): what a volunteer
+    sees at the end has the reason, in red, above the final panel."""
+    import pyte
+
+    from coordinator.api.admin_keys import ADMIN_KEY_FILE
+    from echo_swarm.admin_client import AdminClient
+    from tests.terminal import run_on_terminal
+
+    live = live_coordinator
+    home = tmp_path / "client"
+    columns, rows = 100, 80  # tall enough that nothing scrolls off the top
+    argv = [sys.executable, "-m", "echo_swarm", "join", live.url, "--home", str(home), "--threads", "1",
+            "--backend", "torch", "--no-benchmark", "--no-control-page"]
+
+    def ban(_: object) -> None:
+        AdminClient.open(live.url, key_path=live.run_dir / ADMIN_KEY_FILE).ban(_status(home)["client_id"],
+                                                                               "sent garbage")
+
+    screen_bytes = run_on_terminal(argv, columns=columns, rows=rows, timeout_s=300,
+                                   until=lambda _: bool(_status(home).get("client_id")), then=ban)
+    client_id = _status(home)["client_id"]
+    screen = pyte.Screen(columns, rows)
+    pyte.ByteStream(screen).feed(screen_bytes.raw)
+    shown = [line.rstrip() for line in screen.display]
+    assert screen_bytes.returncode == 3, "\n".join(shown)
+    words = " ".join(" ".join(shown).split())
+    reason = f"error: the coordinator has banned this client ({client_id}):"
+    assert reason in words and "retrying will not help" in words, "\n".join(shown)
+    row = next(i for i, line in enumerate(shown) if line.startswith("error: the coordinator has banned"))
+    assert all(screen.buffer[row][x].fg == "red" for x in range(len("error:"))), "the reason is not in red"
+    panel = [i for i, line in enumerate(shown) if "state" in line and "stopped" in line]
+    assert panel and panel[-1] > row, "\n".join(shown)  # the final panel is below the reason, not over it

@@ -103,7 +103,7 @@ def test_admin_clients_renders_stored_strings_as_text(live_coordinator: LiveCoor
     assert "[/]" in out  # markup is printed as written: it neither crashes nor styles anything
     assert HOSTILE["device"] in out
     assert escape(HOSTILE["platform"]) in out and escape(HOSTILE["backend"]) in out  # visible, escaped
-    assert client.client_id[:12] in out and "honest" in out
+    assert client.client_id[:8] in out and "honest" in out
     # the JSON view carries the values exactly, JSON-escaped
     rows = {r["client_id"]: r for r in json.loads(admin(live, "clients", "--json"))}
     assert "\x1b" not in admin(live, "clients", "--json")

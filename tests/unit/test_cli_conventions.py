@@ -109,3 +109,51 @@ def test_errors_go_to_stderr_with_the_usage_code(tmp_path: Path) -> None:
     assert not (tmp_path / "identity.key").exists()
     res = CliRunner().invoke(app, ["client", "snooze", "soon", "--home", str(tmp_path)])
     assert res.exit_code == ExitCode.USAGE and "30m" in res.output
+
+
+def _options(help_text: str) -> dict[str, str]:
+    """The rows of rich's options panel: each option's first name → the rest of its row, continuation lines
+    joined, as one line of words."""
+    rows: dict[str, str] = {}
+    current = ""
+    for line in help_text.splitlines():
+        words = line.strip("│ ").split()
+        if line.startswith("│ --"):
+            current = words[0]
+            rows[current] = " ".join(words[1:])
+        elif current and line.startswith("│") and words:
+            rows[current] += " " + " ".join(words)
+    return rows
+
+
+def test_coordinator_help_shows_the_run_configs_defaults_and_flags_as_flags() -> None:
+    """`coordinator --help` on a terminal: each flag that sets a run-config key shows that key's built-in default
+    (the flags themselves default to unset, so that the config file's keys stand), and a flag shows no `<bool>`
+    value, since it takes none. The same for every command's --help."""
+    from coordinator.config import load_config
+    from echo_swarm.cli import COORDINATOR_KEYS
+    from tests.terminal import run_on_terminal
+
+    screen = run_on_terminal([sys.executable, "-m", "echo_swarm", "coordinator", "--help"], columns=200)
+    assert screen.returncode == 0, screen.text()
+    rows = _options(screen.text())
+    built_in = load_config(None)
+    expected = {"--port": "8470", "--host": "127.0.0.1", "--sync-mode": "sequential-pull", "--p2p": "--no-p2p",
+                "--role": "all", "--index": "0"}
+    for name, key in COORDINATOR_KEYS.items():
+        value: object = built_in
+        for part in key.split("."):
+            value = getattr(value, part)
+        flag = "--" + name.replace("_", "-")
+        if value is None:  # unset: the help says what happens then
+            assert "[default:" not in rows[flag], rows[flag]
+        else:
+            shown = expected.get(flag, "--no-p2p" if value is False else str(value))
+            assert rows[flag].endswith(f"[default: {shown}]"), (flag, rows[flag])
+    assert set(expected) <= set(rows)
+    assert rows["--p2p"].startswith("--no-p2p Run a libp2p peer") and rows["--help"] == "Show this message and exit."
+    for command in ([], ["join"], ["client", "status"], ["admin"], ["admin", "clients"], ["demo"]):
+        shown = run_on_terminal([sys.executable, "-m", "echo_swarm", *command, "--help"], columns=200)
+        assert shown.returncode == 0 and "Usage:" in shown.text() and "<bool>" not in shown.text(), command
+        if command == ["join"]:  # its defaults come from JoinConfig, and were swallowed as rich markup too
+            assert _options(shown.text())["--retries"].endswith(f"[default: {JoinConfig.model_fields['retries'].default}]")

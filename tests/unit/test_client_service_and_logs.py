@@ -213,3 +213,42 @@ def test_install_service_writes_a_unit_that_validates_and_runs_join_and_uninstal
 
     gone = _cli("client", "uninstall-service", env=env)
     assert gone.returncode == 0 and f"removed {unit}" in gone.stdout and not unit.exists(), gone.stdout + gone.stderr
+
+
+def _service_env(tmp_path: Path) -> dict[str, str]:
+    """A throwaway user: its own HOME and config dir, and a runtime dir without a user bus (as under su, sudo or a
+    container), so `systemctl --user` cannot reach a service manager."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "ECHO_SWARM_", "DBUS_"))}
+    env |= {"HOME": str(tmp_path / "user"), "XDG_CONFIG_HOME": str(tmp_path / "user" / ".config"),
+            "XDG_RUNTIME_DIR": str(tmp_path / "runtime")}
+    (tmp_path / "runtime").mkdir(mode=0o700, exist_ok=True)
+    return env
+
+
+ENABLE_BY_HAND = ("in a login session (not su or sudo), run: systemctl --user daemon-reload && systemctl --user "
+                  "enable --now echo-swarm.service")
+
+
+def test_install_service_fails_when_systemd_does_not_enable_the_unit(tmp_path: Path) -> None:
+    """Before, `install-service` exited 0 although nothing would ever run the client. The unit is written (so it
+    can be enabled by hand), the reason is one line on stderr with the command to run, and the exit code is 1."""
+    if shutil.which("systemctl") is None:
+        pytest.skip("systemctl is not installed (Debian: apt-get install systemd): its refusal cannot be seen")
+    env = _service_env(tmp_path)
+    unit = tmp_path / "user" / ".config" / "systemd" / "user" / "echo-swarm.service"
+    res = _cli("client", "install-service", "http://127.0.0.1:8470", "--home", str(tmp_path / "home"), env=env)
+    assert res.returncode == ExitCode.FAILED and res.stdout == f"wrote {unit}\n", res.stdout + res.stderr
+    assert res.stderr.startswith("error: systemd did not enable echo-swarm.service (") and res.stderr.count("\n") == 1
+    assert res.stderr.endswith(f"); {ENABLE_BY_HAND}\n"), res.stderr
+    assert unit.is_file()
+
+
+def test_install_service_fails_without_systemd(tmp_path: Path) -> None:
+    env = _service_env(tmp_path) | {"PATH": str(tmp_path / "empty")}  # no systemctl on PATH
+    unit = tmp_path / "user" / ".config" / "systemd" / "user" / "echo-swarm.service"
+    res = _cli("client", "install-service", "http://127.0.0.1:8470", "--home", str(tmp_path / "home"), env=env)
+    assert (res.returncode, res.stdout, res.stderr) == (
+        ExitCode.FAILED, f"wrote {unit}\n", "error: systemctl is not available (this machine does not run systemd): "
+        "start `echo-swarm join` another way, or install with --no-start to only write the unit\n")
+    assert _cli("client", "install-service", "http://127.0.0.1:8470", "--home", str(tmp_path / "home"),
+                "--no-start", env=env).returncode == 0  # only writing the unit was asked: done

@@ -80,6 +80,24 @@ def test_the_run_dir_must_be_creatable(tmp_path: Path) -> None:
     assert err.code == ExitCode.RUN_DIR_UNWRITABLE and "not a folder" in err.message
     assert _code(check_run_dir, tmp_path / "file" / "run").code == ExitCode.RUN_DIR_UNWRITABLE
     assert not (tmp_path / "new").exists()  # checked, not created
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # the check's own folder is gone too
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_run_dir_in_proc_is_one_line_and_its_exit_code(tmp_path: Path) -> None:
+    """/proc passes a permission check for root, then mkdir failed deep in the supervisor with a 40-line traceback.
+    The preflight makes (and removes) a folder there first: one line on stderr, exit 12, nothing started."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--run-dir", "/proc/nope", "--port", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert (res.returncode, res.stdout) == (ExitCode.RUN_DIR_UNWRITABLE, ""), res.stderr
+    assert res.stderr in ("error: run_dir /proc/nope cannot be created in /proc (No such file or directory): pass a "
+                          "--run-dir in a folder you can write\n",  # root
+                          "error: run_dir /proc/nope cannot be created: /proc is not writable by this user: pass a "
+                          "--run-dir in a folder you can write, or fix its permissions\n"), res.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_not_enough_disk_for_one_version(tmp_path: Path) -> None:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-from datetime import datetime
+import subprocess
+import sys
+from datetime import datetime, time, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +25,7 @@ from swarm_client.control import (
     set_paused,
     snooze,
     update_controls,
+    write_status,
 )
 from swarm_client.schedule import IdleProbe, parse_window, work_gate
 
@@ -175,3 +179,31 @@ def test_idle_probe_prefers_input_over_cpu(tmp_path: Path) -> None:
     seconds[0] = None  # the platform stopped answering: CPU load decides
     stat_file.write_text("cpu 200 0 200 0 0 0 0 0 0 0\n")
     assert not probe.idle() and probe.source == "cpu"
+
+
+@pytest.mark.parametrize(("state", "running", "controls", "first_line"), [
+    # a running client that obeyed the pause says so in its state: said once (it printed "paused (paused)")
+    ("paused", True, {"paused": True}, "paused"),
+    # a pause set while a job runs: the job is finished first
+    ("generating", True, {"paused": True}, "generating (paused: no new job after this one)"),
+    ("stopped", False, {"paused": True}, "not running (paused)"),
+    ("snoozed until 23:59", True, {"snooze_until": "23:59"}, "snoozed until 23:59"),
+    ("generating", True, {"snooze_until": "23:59"}, "generating (snoozed until 23:59)"),
+    ("paused", True, {"paused": True, "snooze_until": "23:59"}, "paused (snoozed until 23:59)"),
+    ("generating", True, {"finish": True}, "generating (finishing)"),
+])
+def test_client_status_says_each_control_once(tmp_path: Path, state: str, running: bool, controls: dict[str, Any],
+                                              first_line: str) -> None:
+    """`echo-swarm client status` as a volunteer reads it (its stdout, from the real command)."""
+    if "snooze_until" in controls:  # the next 23:59 to come
+        at = datetime.combine(datetime.now().date(), time(23, 59))
+        controls = controls | {"snooze_until": (at if at > datetime.now() else at + timedelta(days=1)).timestamp()}
+    update_controls(tmp_path, **controls)
+    write_status(tmp_path, {"client_id": "c0ffee" * 5 + "00", "state": state, "pid": os.getpid() if running else 0,
+                            "url": "http://127.0.0.1:8470", "run_id": "r1", "version": 3, "last_job": "j29",
+                            "tokens_per_s": 12.5, "accepted": 4, "rejected": 0, "credit": 40.0})
+    res = subprocess.run([sys.executable, "-m", "echo_swarm", "client", "status", "--home", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout.splitlines()[0] == f"client {'c0ffee' * 5}00: {first_line}", res.stdout
+
