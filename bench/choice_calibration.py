@@ -162,7 +162,9 @@ class LlamaJudge:
 
         out = []
         for prompts, comps, key in results:
-            stats = self.recompute.recompute_stats(0, prompts, comps, plain_segments(key, [len(c) for c in comps]))
+            group = next((k for k in range(1, len(prompts)) if prompts[k] != prompts[0]), len(prompts))
+            stats = self.recompute.recompute_stats(0, prompts, comps, plain_segments(key, [len(c) for c in comps]),
+                                                   group)
             assert stats.margins is not None
             self.logprobs = stats.logprobs
             out.append((stats.margins, 0.0))

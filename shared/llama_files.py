@@ -19,8 +19,10 @@ from typing import Any
 #: llama.cpp's ``general.file_type`` numbers (LLAMA_FTYPE_*, llama.h) → the precision names snapshots use.
 FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 15: "q4_K_M", 17: "q5_K_M", 18: "q6_K",
               32: "bf16"}
-#: Tokens evaluated per llama_decode call when a sequence is evaluated at once (prefill; the verifier's pass).
+#: Tokens evaluated per llama_decode call when a prompt is evaluated at once (prefill).
 N_BATCH = 512
+#: The context window both sides open a model with (the KV cache's size; the footprint estimate counts it).
+N_CTX = 2048
 
 
 def gguf_precision(path: Path) -> str:
@@ -48,10 +50,10 @@ def file_id(path: Path) -> tuple[int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size)
 
 
-def open_model(path: Path, *, n_ctx: int, threads: int | None, n_gpu_layers: int = 0, logits_all: bool = False,
-               kv_f32: bool = False) -> Any:
-    """A ``llama_cpp.Llama`` on ``path``. ``logits_all``: keep every evaluated position's logits (the verifier's
-    teacher-forced pass; allocates n_ctx × n_vocab floats); otherwise only the last position's are read."""
+def open_model(path: Path, *, n_ctx: int = N_CTX, threads: int | None, n_gpu_layers: int = 0,
+               logits_all: bool = False, kv_f32: bool = False) -> Any:
+    """A ``llama_cpp.Llama`` on ``path``. ``logits_all``: keep every evaluated position's logits (allocates
+    n_ctx × n_vocab floats); otherwise only the last position's are read (:func:`last_logits`)."""
     import llama_cpp
 
     kwargs: dict[str, Any] = {}
@@ -86,14 +88,26 @@ def set_adapter(llm: Any, path: Path | None, current: Any) -> Any:
     return new
 
 
-def keep_prefix(llm: Any, tokens: list[int], at_most: int) -> int:
-    """Keep the KV cache of the longest prefix ``tokens`` shares with what ``llm`` holds, up to ``at_most`` tokens,
-    and drop the rest (a GRPO group evaluates its prompt ``group_size`` times); returns how many are kept."""
-    held = llm.input_ids[: llm.n_tokens]
-    same = 0
-    for x, y in zip(held, tokens, strict=False):  # the shorter one bounds the shared prefix
-        if int(x) != y:
-            break
-        same += 1
-    llm.n_tokens = min(same, at_most)  # eval() drops the cache past n_tokens
-    return int(llm.n_tokens)
+def prefill(llm: Any, prompt: list[int], *, fresh: bool) -> None:
+    """Evaluate ``prompt`` so that the context holds the logits of its last position. ``fresh``: from scratch, in
+    one batch. Otherwise, when the context holds ``prompt[:-1]`` (a GRPO group's next rollout: the previous one
+    left its prompt and completion there), that cache is kept and only the last prompt token is evaluated.
+
+    Why one fixed schedule: llama.cpp computes a batch with other kernels than a single token (a matrix product
+    instead of a matrix-vector one), and the two round differently — enough to move a keyed choice at a near-tie
+    (measured up to 0.05 logit on a sharp model). The client (swarm_client.backends.llama_backend) follows this
+    schedule and decodes one token at a time; the verifier (coordinator.engine.llama_verifier) replays exactly the
+    same evaluations, so on the same kind of machine it computes the client's logits bit for bit."""
+    n = len(prompt) - 1
+    keep = 0
+    if not fresh and llm.n_tokens >= n and [int(t) for t in llm.input_ids[:n]] == list(prompt[:n]):
+        keep = n
+    llm.n_tokens = keep  # eval() drops the cache past n_tokens
+    llm.eval(list(prompt[keep:]))
+
+
+def last_logits(llm: Any, out: Any) -> None:
+    """Copy the logits of the last evaluated position into ``out`` (a float32 array of n_vocab)."""
+    import llama_cpp
+
+    ctypes.memmove(out.ctypes.data, llama_cpp.llama_get_logits_ith(llm.ctx, -1), out.nbytes)

@@ -533,7 +533,10 @@ class Coordinator:
         # (torch) rollouts and torch clients' from the safetensors
         engine: Engine = "llama" if not own and self.config.snapshots.gguf != "off" and \
             class_backend(pinned) == "llama" else "torch"
-        token_stats = await self._recompute_stats_at(prompts, completions, sub.version, segments, engine)
+        # the llama.cpp recompute replays the client's evaluations: a group's rollouts share the prompt's cache, an
+        # episode's every turn starts afresh (shared.llama_files.prefill)
+        token_stats = await self._recompute_stats_at(prompts, completions, sub.version, segments, engine,
+                                                     1 if replayed is not None else row.group_size)
         if replayed is not None:  # the model's tokens only, never the observations'
             full_recomputed = token_stats.logprobs
             m = replayed.masks
@@ -609,12 +612,13 @@ class Coordinator:
         return (await self._recompute_stats_at(prompts, completions, version)).logprobs
 
     async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int,
-                                  segments: list[list[Segment]] | None = None, engine: Engine = "torch"
-                                  ) -> TokenStats:
+                                  segments: list[list[Segment]] | None = None, engine: Engine = "torch",
+                                  group: int = 1) -> TokenStats:
         """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass, by
         ``engine``), and with the completions' keyed draws (``segments``) each token's keyed-sampler margin."""
         try:
-            return await self.verifier.recompute_stats(prompts, completions, version, segments, engine=engine)
+            return await self.verifier.recompute_stats(prompts, completions, version, segments, engine=engine,
+                                                       group=group)
         except VersionGone:
             raise ProtocolError(Reason.VERSION_RETIRED,
                                 f"policy version {version} is no longer kept for verification") from None

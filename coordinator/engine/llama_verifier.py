@@ -4,18 +4,25 @@ Why not torch: a llama.cpp client samples from the model in the snapshot's GGUF 
 Compared with a torch float32 recompute, the honest gap *is* the quantisation — up to 0.47 logit at f16 and 1.5
 at q8_0 on trained policies (docs/benchmarks.md) — so the tolerances had to be that wide, an attacker could spend
 them, and a torch client that registered as llama got 25× torch's freedom. Recomputed by llama.cpp on the same
-file, like is compared with like: what is left is the difference between one-token decoding (the client) and one
-teacher-forced pass (here), which llama.cpp computes with the same kernels on the same kind of CPU (measured in
-docs/benchmarks.md, "Quantised volunteers"). Every check — the logprob check, every token's keyed choice, the
-sampling test — reads this one pass, and the learner trains on its logprobs as π_b: the behaviour policy the
-client actually sampled from, not the float32 policy it approximates.
+file, like is compared with like, and the learner trains on these logprobs as π_b: the behaviour policy the client
+actually sampled from, not the float32 policy it approximates.
 
-The model is opened as the client opens it (shared.llama_files: same batch size, f16 KV cache, same LoRA
-application), with every position's logits kept (``logits_all``). The prompt a GRPO group shares is evaluated
-once. Post-processing (tempered log-softmax, entropy, surprisal variance, keyed margins) is shared.policy's and
-shared.sampler's own torch code on the llama.cpp logits, so each statistic means exactly what it means for a
-torch recompute. Calls run on the verifier's thread (coordinator.engine.verifier.Verifier.run), in turn with the
-torch recomputes, so the two never compete for the cores.
+How: the verifier replays the client's own evaluations, token by token. llama.cpp computes a batch of tokens with
+other kernels than one token (a matrix product instead of a matrix-vector one), and they round differently: a
+teacher-forced pass over a whole completion differed from the client's decoding by up to 0.05 logit and 0.1 nats
+on a sharp 256-wide model, at every quantised precision. So both sides follow one schedule (shared.llama_files.
+prefill): a group's first rollout evaluates its prompt from scratch in one batch, the next ones reuse the prompt's
+cache and evaluate its last token, and every sampled token is then evaluated alone — as the client generated it.
+A multi-turn episode's turns each start from a fresh context (prompt, earlier actions and observations), as the
+client's turns do. On the same kind of machine the logits are then the client's bit for bit (measured: margins 0,
+docs/benchmarks.md "Quantised volunteers"); what is left for the tolerance is other hardware (a GPU client against a
+CPU verifier: unmeasured, docs/security.md §4). The cost is decoding speed instead of a batched pass.
+
+The model is opened as the client opens it (shared.llama_files.open_model: same context window and batch size, f16
+KV cache, same LoRA application). Post-processing (tempered log-softmax, entropy, surprisal variance, keyed margins)
+is shared.policy's and shared.sampler's own torch code on the llama.cpp logits, so each statistic means exactly what
+it means for a torch recompute. Calls run on the verifier's thread (coordinator.engine.verifier.Verifier.run), in
+turn with the torch recomputes, so the two never compete for the cores.
 """
 
 from __future__ import annotations
@@ -31,16 +38,11 @@ from typing import Any
 
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
-from shared.llama_files import file_id, keep_prefix, open_model, set_adapter, version_files
+from shared.llama_files import file_id, last_logits, open_model, prefill, set_adapter, version_files
 from shared.policy import entropy_variance
 from shared.sampler import Segment, margins_torch
 
 logger = logging.getLogger(__name__)
-
-#: Context windows are sized to the longest sequence seen, rounded up to this: the logits of every position are
-#: kept (n_ctx × n_vocab floats: 0.3 GB at n_ctx 512 and a 152 k vocabulary), so no larger window than needed.
-CTX_STEP = 256
-
 
 @dataclass
 class LlamaStats:
@@ -71,24 +73,28 @@ class LlamaRecompute:
         self.threads = threads
         self._cached = max(1, cached_versions)
         self._models: OrderedDict[tuple[int, int, int], _Loaded] = OrderedDict()  # model file → loaded model
-        self._n_ctx = CTX_STEP
         self._lock = threading.Lock()  # one pass at a time per process: a llama.cpp context is not thread-safe
         self.stats = LlamaStats()
 
     def recompute_stats(self, version: int, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                        segments: Sequence[Sequence[Segment]] | None) -> TokenStats:
+                        segments: Sequence[Sequence[Segment]] | None, group: int = 1) -> TokenStats:
         """Logprobs, entropy, surprisal variance, largest logprob and (with ``segments``) keyed margins of each
         completion token under ``version``'s GGUF, as coordinator.engine.verifier.Verifier computes them from
-        torch. Raises VersionGone if the version is not (or no longer) published."""
+        torch. ``group``: completions per prompt (each group's first rollout evaluated its prompt from scratch);
+        1 for episodes, whose every turn started from a fresh context. A position no segment covers (an episode's
+        observation tokens: never sampled, never trained) gets uniform logits. Raises VersionGone if the version is
+        not (or no longer) published."""
+        import numpy as np
         import torch
 
         with self._lock:
             t0 = time.monotonic()
-            longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-            llm = self._model_at(version, longest)
+            llm = self._model_at(version)
+            row = np.empty(llm.n_vocab(), dtype=np.float32)
             out: dict[str, list[list[float]]] = {k: [] for k in ("logprobs", "entropy", "variance", "top", "margins")}
             for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-                rows = _teacher_forced(llm, list(prompt), list(completion))
+                spans = [(o, n) for _k, _r, o, n in segments[i]] if segments is not None else [(0, len(completion))]
+                rows = _replay(llm, list(prompt), list(completion), spans, i % max(1, group) == 0, row)
                 tempered = torch.from_numpy(rows) / self.temperature  # float32 l/T, as the client's sampler
                 ids = torch.tensor(list(completion), dtype=torch.long)
                 logp_all = torch.log_softmax(tempered, -1)
@@ -104,7 +110,7 @@ class LlamaRecompute:
         return TokenStats(out["logprobs"], out["entropy"], out["variance"], out["top"],
                           out["margins"] if segments is not None else None)
 
-    def _model_at(self, version: int, longest: int) -> Any:
+    def _model_at(self, version: int) -> Any:
         folder = self._folder_of(version)
         if folder is None:
             raise VersionGone(f"policy version {version} is no longer kept for verification")
@@ -113,21 +119,16 @@ class LlamaRecompute:
             ident = file_id(model_path)
         except FileNotFoundError as exc:
             raise VersionGone(str(exc)) from None
-        need = -(-(longest + 1) // CTX_STEP) * CTX_STEP
-        if need > self._n_ctx:  # a longer sequence than any before: every model is reopened with the larger window
-            self._models.clear()
-            self._n_ctx = need
         loaded = self._models.get(ident)
         if loaded is None:
             t0 = time.monotonic()
             while len(self._models) >= self._cached:
                 self._models.popitem(last=False)
-            loaded = _Loaded(open_model(model_path, n_ctx=self._n_ctx, threads=self.threads, logits_all=True), ident)
+            loaded = _Loaded(open_model(model_path, threads=self.threads), ident)
             self._models[ident] = loaded
             self.stats.loads += 1
             self.stats.load_s += time.monotonic() - t0
-            logger.info("llama.cpp verifier loaded %s for version %d (n_ctx %d)", model_path.name, version,
-                        self._n_ctx)
+            logger.info("llama.cpp verifier loaded %s for version %d", model_path.name, version)
         self._models.move_to_end(ident)
         adapter_id = file_id(adapter) if adapter is not None else None
         if adapter_id != loaded.adapter_id:
@@ -145,15 +146,20 @@ class LlamaRecompute:
                 "llama_load_s": s.load_s}
 
 
-def _teacher_forced(llm: Any, prompt: list[int], completion: list[int]) -> Any:
-    """The float32 logits [len(completion), n_vocab] that predict each completion token: prompt and completion
-    (but its last token) evaluated in batches of up to shared.llama_files.N_BATCH tokens, the KV cache of the
-    prompt reused when the previous sequence shared it."""
+def _replay(llm: Any, prompt: list[int], completion: list[int], spans: list[tuple[int, int]], fresh: bool,
+            row: Any) -> Any:
+    """The float32 logits [len(completion), n_vocab] the client computed for each completion token, by replaying its
+    evaluations (module docstring): per span (offset, count) of sampled tokens, the context ``prompt +
+    completion[:offset]`` prefilled (the first span: fresh or reusing the group's prompt, as the client did; later
+    ones — an episode's turns — fresh), then each token's logits read and the token evaluated, one at a time."""
     import numpy as np
 
-    sequence = prompt + completion[:-1]
-    kept = keep_prefix(llm, sequence, len(prompt))
-    if kept < len(sequence):
-        llm.eval(sequence[kept:])
-    start = len(prompt) - 1
-    return np.array(llm.scores[start : start + len(completion)], dtype=np.float32, copy=True)
+    rows = np.zeros((len(completion), row.shape[0]), dtype=np.float32)
+    for k, (offset, count) in enumerate(spans):
+        prefill(llm, prompt + completion[:offset], fresh=fresh or k > 0)
+        for j in range(count):
+            last_logits(llm, row)
+            rows[offset + j] = row
+            if j < count - 1:
+                llm.eval([completion[offset + j]])
+    return rows

@@ -194,7 +194,7 @@ class VerifierWorker:
                     raise VersionGone("this run publishes no GGUF: a llama.cpp result cannot be recomputed")
                 # on the verifier's thread, in turn with torch recomputes: the two never share the cores
                 stats = await self.verifier.run(self.llama.recompute_stats, version, request["prompts"],
-                                                request["completions"], segments)
+                                                request["completions"], segments, int(request.get("group") or 1))
             else:
                 stats = await self.verifier.recompute_stats(request["prompts"], request["completions"], version,
                                                             segments)

@@ -127,14 +127,15 @@ class RemoteVerifier:
         self.requester = "api"  # the asking API process's name (Coordinator.api_name), kept with each request
 
     async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
-                              segments: list[list[Segment]] | None = None, *, engine: Engine = "torch"
-                              ) -> TokenStats:
+                              segments: list[list[Segment]] | None = None, *, engine: Engine = "torch",
+                              group: int = 1) -> TokenStats:
         """``engine``: "llama" recomputes with llama.cpp on the version's GGUF file (a llama.cpp client's result,
-        coordinator.engine.llama_verifier), "torch" from its safetensors."""
+        coordinator.engine.llama_verifier, which replays the client's evaluations: ``group`` completions per
+        prompt), "torch" from its safetensors."""
         t0 = time.monotonic()
         try:
             answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
-                                                           "segments": segments, "engine": engine})
+                                                           "segments": segments, "engine": engine, "group": group})
         finally:
             self.stats.recompute_s += time.monotonic() - t0
         if answer.get("gone"):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.llama_files import file_id, gguf_precision, keep_prefix, open_model, set_adapter, version_files
+from shared.llama_files import N_CTX, file_id, gguf_precision, open_model, prefill, set_adapter, version_files
 from shared.messages import Job
 from shared.policy import Sampled
 from shared.sampler import choose_np
@@ -62,7 +62,7 @@ class LlamaBackend:
     forms = GGUF_FORMS
 
     def __init__(self, device: str = "auto", threads: int | None = None, n_gpu_layers: int | None = None,
-                 n_ctx: int = 2048, kv_f32: bool = False) -> None:
+                 n_ctx: int = N_CTX, kv_f32: bool = False) -> None:
         import llama_cpp
 
         self._lib = llama_cpp
@@ -122,14 +122,18 @@ class LlamaBackend:
 
     # -- generation ---------------------------------------------------------------------------------------
     def sample(self, prompt: list[int], *, temperature: float, max_tokens: int, stop_ids: frozenset[int],
-               key: int, rollout: int, should_stop: Callable[[], bool] | None = None) -> Sampled:
+               key: int, rollout: int, should_stop: Callable[[], bool] | None = None, fresh: bool = True
+               ) -> Sampled:
         """One rollout with the keyed sampler (shared.sampler): llama.cpp computes the logits, we choose the token
         and feed it back. llama.cpp's own sampler is never used — its inverse-CDF draw cannot be replayed by
         the verifier.
 
         Per token, the logits are copied once into a preallocated row (one memmove); the keyed choice runs on that
         row, and the log-softmax runs vectorised over many steps at once (converting and normalising each step's
-        logits on its own cost a quarter of a small model's decoding time: bench/client_overhead.py)."""
+        logits on its own cost a quarter of a small model's decoding time: bench/client_overhead.py).
+
+        ``fresh``: the prompt is evaluated from scratch (a group's first rollout), else its cache is reused
+        (shared.llama_files.prefill: the schedule the verifier replays)."""
         llm = self.llm
         if len(prompt) + max_tokens > self.n_ctx:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context "
@@ -141,7 +145,7 @@ class LlamaBackend:
         logprobs: list[float] = []
         finish = "length"
         filled = 0
-        self._prefill(list(prompt))
+        prefill(llm, list(prompt), fresh=fresh)
         for position in range(max_tokens):
             memmove(base + filled * row_bytes, logits_ith(ctx, -1), row_bytes)
             tok = choose_np(rows[filled], temperature, key, rollout, position)
@@ -159,14 +163,6 @@ class LlamaBackend:
         if filled:
             logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
         return Sampled(tokens, logprobs, finish)
-
-    def _prefill(self, prompt: list[int]) -> None:
-        """Evaluate ``prompt``, reusing the KV cache of the longest prefix it shares with what the context holds
-        (a GRPO group samples its prompt ``group_size`` times): only the rest is evaluated, at least one token so
-        that the context holds the logits of the prompt's last position."""
-        llm = self.llm
-        keep_prefix(llm, prompt, len(prompt) - 1)
-        llm.eval(prompt[llm.n_tokens :])
 
     def _logit_rows(self, max_tokens: int) -> np.ndarray:
         """A reusable float32 buffer for up to ``max_tokens`` steps of logits, capped at 64 MiB (a 150k-token
@@ -203,7 +199,7 @@ class LlamaBackend:
             for g in range(job.group_size):
                 out.append(self.sample(list(p.token_ids), temperature=job.sampling.temperature,
                                        max_tokens=job.sampling.max_tokens, stop_ids=stops, key=job.seed,
-                                       rollout=i * job.group_size + g, should_stop=should_stop))
+                                       rollout=i * job.group_size + g, should_stop=should_stop, fresh=g == 0))
                 if should_stop():
                     return out
         return out
