@@ -33,11 +33,15 @@ def gguf_precision(path: Path) -> str:
     return FILE_TYPES.get(int(field.parts[-1][0]), "other") if field is not None else "f32"
 
 
-def version_files(folder: Path) -> tuple[Path, Path | None]:
-    """(the model file, the LoRA adapter or None) of a version folder; FileNotFoundError naming what to do."""
+def version_files(folder: Path, base_dir: Path | None = None) -> tuple[Path, Path | None]:
+    """(the model file, the LoRA adapter or None) of a version folder; FileNotFoundError naming what to do. A
+    client's cache links a LoRA run's base into every version's folder; the coordinator keeps it once, in
+    ``base_dir``."""
     full, base, adapter = folder / "model.gguf", folder / "base.gguf", folder / "adapter.gguf"
     if full.exists():
         return full, None
+    if not base.exists() and base_dir is not None:
+        base = base_dir / "base.gguf"
     if base.exists() and adapter.exists():
         return base, adapter
     raise FileNotFoundError(

@@ -16,7 +16,9 @@ Loss per token, token-mean over the batch. Two off-policy corrections (``learner
   on-policy GRPO's improvement in held-out accuracy, ``behaviour-clip`` 97 %.
 
 π_b is the coordinator's own recompute (coordinator.engine.verifier, from the published snapshot of the version that
-generated the rollout; trusted, unlike the client's report); π_prox the learner's policy at the start of this
+generated the rollout; trusted, unlike the client's report) — for a llama.cpp client's rollout, llama.cpp's on the
+GGUF file it ran (coordinator.engine.llama_verifier): the quantised policy it actually sampled from, so the
+quantisation's gap to πθ is an importance ratio the correction clips, like staleness; π_prox the learner's policy at the start of this
 step (no gradient); w = ``staleness_decay`` ** staleness; A the group-normalised advantage. For a fresh
 rollout π_b = π_prox = πθ when the gradient is taken, both corrections are plain GRPO, and co-located or
 sequential-pull training is unaffected by the choice. The learner's model is touched only by the learner's

@@ -67,8 +67,10 @@ class LlamaRecompute:
     recently used dropped; a LoRA run's versions share one base model and swap adapters)."""
 
     def __init__(self, folder_of: Callable[[int], Path | None], *, temperature: float, threads: int | None,
-                 cached_versions: int = 1) -> None:
+                 cached_versions: int = 1, base_dir: Path | None = None) -> None:
+        """``base_dir``: where a LoRA run keeps its base GGUF (the versions' folders hold only their adapters)."""
         self._folder_of = folder_of
+        self._base_dir = base_dir
         self.temperature = temperature
         self.threads = threads
         self._cached = max(1, cached_versions)
@@ -115,7 +117,7 @@ class LlamaRecompute:
         if folder is None:
             raise VersionGone(f"policy version {version} is no longer kept for verification")
         try:
-            model_path, adapter = version_files(folder)
+            model_path, adapter = version_files(folder, self._base_dir)
             ident = file_id(model_path)
         except FileNotFoundError as exc:
             raise VersionGone(str(exc)) from None

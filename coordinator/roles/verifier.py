@@ -94,7 +94,8 @@ class VerifierWorker:
             self.llama = LlamaRecompute(
                 lambda v: snapshots.folder(v) if snapshots.signed_manifest(v) is not None else None,
                 temperature=self.config.sampling.temperature,
-                threads=vcfg.threads or self.config.learner.threads, cached_versions=vcfg.cached_versions)
+                threads=vcfg.threads or self.config.learner.threads, cached_versions=vcfg.cached_versions,
+                base_dir=self.snapshots.base_dir if lora else None)
         self.evaluator: Any = None
         if "evaluate" in self.kinds:
             versions = VersionLoader(self.snapshots.base_dir) if lora else None
