@@ -8,8 +8,9 @@ its decode speed, and how long the coordinator takes to make the file — measur
 494 M parameters; ~25 s), saved in float32. Each precision is written the coordinator's way
 (coordinator.publish.gguf_export: f16 by our writer, the rest by llama.cpp's quantiser from it) and loaded the
 client's way (swarm_client.backends.llama_backend.LlamaBackend, n_ctx 2048 as `join` uses, f16 KV cache). Memory
-is the resident set of a fresh process that loads the file and decodes ``--tokens`` tokens with the keyed sampler
-(each precision in its own process, so nothing of an earlier one is counted). The 7 B column scales the measured
+is the peak resident set (VmHWM) of a fresh process that loads the file and decodes ``--tokens`` tokens with the
+keyed sampler (each precision in its own process, so nothing of an earlier one is counted). Speeds need a quiet
+machine: run it alone. The 7 B column scales the measured
 bytes per parameter to Qwen2.5-7B's 7.62 B parameters and adds the measured non-weight memory unchanged (an
 underestimate: a 7 B model's KV cache and compute buffers are larger).
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PARAMS_7B = 7.62e9
 PROBE = r"""
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from swarm_client.backends.llama_backend import LlamaBackend
 folder, threads, tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -40,8 +41,9 @@ b.sample(prompt, temperature=1.0, max_tokens=4, stop_ids=frozenset({-1}), key=1,
 t0 = time.monotonic(); n = 0
 for r in range(4):
     n += len(b.sample(prompt, temperature=1.0, max_tokens=tokens, stop_ids=frozenset({-1}), key=2, rollout=r).token_ids)
-print(json.dumps({"load_s": load_s, "tokens_per_s": n / (time.monotonic() - t0),
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+# VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's peak at fork (the bench holds a float32 model)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"load_s": load_s, "tokens_per_s": n / (time.monotonic() - t0), "peak_rss": hwm * 1024}))
 """
 
 

@@ -114,6 +114,7 @@ class Sample:
     staleness: int = 0
     weight: float = 1.0
     loss_mask: list[int] | None = None  # 1 on the model's tokens, 0 on an episode's observation tokens (not trained)
+    source: str = "torch"  # the class that sampled it ("torch", "llama-q4_K_M", ...): π_b's precision, for metrics
 
 
 class Learner:
@@ -220,7 +221,7 @@ class Learner:
         return out
 
     # -- training -----------------------------------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample]) -> dict[str, Any]:
         import torch
 
         fsdp.lead(self.ranks, "train_step", samples)
@@ -230,6 +231,8 @@ class Learner:
         total_tokens = sum(len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples)
         eps, cap = self.cfg.clip_eps, self.cfg.is_cap
         loss_sum = ratio_sum = clipped = is_sum = is_truncated = prox_kl = 0.0
+        # per sampling class: Σ k3 estimate of KL(π_b ‖ πθ) over its tokens, and their count (policy_mismatch_kl)
+        by_source: dict[str, list[float]] = {}
         ratio_max = is_max = 0.0
         world = self.ranks.world_size if self.ranks is not None else 1
         for chunk, real in self._micro_batches(samples):
@@ -267,6 +270,15 @@ class Learner:
                 is_truncated += float(((raw_is > cap).to(mask.dtype) * mask).sum())
                 # k3 estimate of KL(π_b ‖ π_prox) from tokens sampled by π_b: r − log r − 1, r = π_prox/π_b
                 prox_kl += float(((raw_is - log_is - 1) * mask).sum())
+                # the same between π_b and the policy being trained, per class: a quantised client's π_b is the
+                # quantised model's, and this is how far it lies from πθ (0 for a fresh torch rollout of a
+                # float32 snapshot)
+                d = (logp.detach() - behaviour) * mask
+                k3 = (torch.exp(d) - d - 1) * mask
+                for i, c in enumerate(chunk):
+                    acc = by_source.setdefault(c.source, [0.0, 0.0])
+                    acc[0] += float(k3[i].sum())
+                    acc[1] += float(mask[i].sum())
         if self.ranks is not None:  # each rank saw its share of the batch
             loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl = fsdp.all_reduce(
                 self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl], "sum")
@@ -299,6 +311,8 @@ class Learner:
             "staleness_mean": sum(smp.staleness for smp in samples) / max(1, len(samples)),
             "staleness_max": float(max((smp.staleness for smp in samples), default=0)),
             "mismatch_kl": kl,
+            # this rank's samples (each FSDP rank reports its own share; one device: the batch)
+            "policy_mismatch_kl": {k: v[0] / max(1.0, v[1]) for k, v in sorted(by_source.items()) if v[1] > 0},
             "tokens": float(total_tokens),
             "samples": float(len(samples)),
             "train_s": time.monotonic() - t0,

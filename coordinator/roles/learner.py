@@ -350,10 +350,13 @@ class LearnerRole:
         rewards_all: list[float] = []
         staleness_hist: dict[str, int] = {}
         reward_parts: dict[str, list[float]] = {}
+        sources: dict[str, str] = {}
         for r in rows:
             job = self.store.jobs.get(r.job_id)
             assert job is not None
             result = AcceptedResult.decode(r.payload)
+            if r.client_id not in sources:
+                sources[r.client_id] = self._source(r.client_id)
             for name, mean in result.reward_means.items():  # each reward's own mean (task.rewards)
                 reward_parts.setdefault(name, []).append(mean)
             advs = group_advantages(r.rewards, job.group_size)
@@ -366,10 +369,18 @@ class LearnerRole:
             masks: list[list[int] | None] = list(result.loss_mask) if result.loss_mask else [None] * len(prompts)
             for k, (p, c) in enumerate(zip(prompts, result.completions, strict=True)):
                 samples.append(Sample(p, c, result.recomputed_logprobs[k], result.behaviour_logprobs[k], advs[k],
-                                      stale, weight, masks[k]))
+                                      stale, weight, masks[k], sources[r.client_id]))
             rewards_all.extend(r.rewards)
         return Batch(samples, rewards_all, staleness_hist, rows,
                      {k: sum(v) / len(v) for k, v in sorted(reward_parts.items())})
+
+    def _source(self, client_id: str) -> str:
+        """The class whose recompute is a result's π_b: "llama-<snapshots.gguf>" for an identity pinned as llama.cpp
+        (coordinator.engine.llama_verifier), "torch" otherwise (torch clients, the co-located loop)."""
+        client = self.store.clients.get(client_id)
+        pinned = str(client["backend_class"] or "") if client is not None else ""
+        gguf = self.config.snapshots.gguf
+        return f"llama-{gguf}" if pinned.startswith("llama") and gguf != "off" else "torch"
 
     def _checkpoint_due(self, new_version: int) -> bool:
         cfg = self.config.learner

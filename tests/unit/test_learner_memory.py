@@ -4,6 +4,7 @@ and AdamW runs fused on a CPU (no per-tensor temporaries)."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -62,3 +63,24 @@ def test_sampling_and_recomputes_leave_the_lookup_alone(tiny_model_dir: Path) ->
     learner.recompute([s.prompt_ids for s in batch], [s.completion_ids for s in batch])  # under no_grad
     assert all(p.grad is None for p in learner.model.parameters())
     assert learner._tied is not None
+
+
+def test_the_step_reports_each_sampling_class_distance_from_the_policy(tiny_model_dir: Path) -> None:
+    """policy_mismatch_kl: per class that sampled the batch's rollouts, the k3 estimate of KL(π_b ‖ πθ) over its
+    tokens — 0 for rollouts whose π_b is the policy's own logprobs, positive for one whose π_b differs (a quantised
+    llama.cpp client's recompute)."""
+    from shared.policy import completion_logprobs
+
+    learner = _learner(tiny_model_dir)
+    eos = learner.stop_ids[0]
+    prompt, completion = [81, 58, 32, 50, 43, 50, 61, 32, 65, 58], [52, 53, eos]
+    with torch.no_grad():
+        lp, _ = completion_logprobs(learner.model, [prompt], [completion], temperature=1.0, pad_id=eos)
+    own = lp[0, : len(completion)].tolist()
+    shifted = [x - 0.3 for x in own]  # another model's logprobs of the same tokens
+    metrics = learner.train_step([Sample(prompt, completion, own, own, 1.0),
+                                  Sample(prompt, completion, shifted, shifted, -1.0, source="llama-q4_K_M")])
+    mismatch = metrics["policy_mismatch_kl"]
+    assert set(mismatch) == {"torch", "llama-q4_K_M"}
+    assert abs(mismatch["torch"]) < 1e-6
+    assert abs(mismatch["llama-q4_K_M"] - (math.exp(0.3) - 0.3 - 1)) < 1e-5  # k3 at log r = 0.3 on every token
