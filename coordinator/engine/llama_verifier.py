@@ -37,22 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.core.verify import TokenStats
+from coordinator.engine.verifier import VerifierStats
 from coordinator.errors import VersionGone
 from shared.llama_files import file_id, last_logits, open_model, prefill, set_adapter, version_files
 from shared.policy import entropy_variance
 from shared.sampler import Segment, margins_torch
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class LlamaStats:
-    """Cumulative figures for the verifier's report."""
-
-    results: int = 0
-    recompute_s: float = 0.0
-    loads: int = 0
-    load_s: float = 0.0
-
 
 @dataclass
 class _Loaded:
@@ -76,7 +67,7 @@ class LlamaRecompute:
         self._cached = max(1, cached_versions)
         self._models: OrderedDict[tuple[int, int, int], _Loaded] = OrderedDict()  # model file → loaded model
         self._lock = threading.Lock()  # one pass at a time per process: a llama.cpp context is not thread-safe
-        self.stats = LlamaStats()
+        self.stats = VerifierStats()  # results, recompute_s, loads, load_s as the torch verifier counts them
 
     def recompute_stats(self, version: int, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                         segments: Sequence[Sequence[Segment]] | None, group: int = 1) -> TokenStats:
