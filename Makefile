@@ -1,6 +1,7 @@
 # Quick start targets. Each one sets up what it needs (a local .venv) and is safe to re-run.
 #   make demo   — coordinator + 2 volunteer clients + learner on the built-in tiny model (a few minutes)
 #   make test   — lint, type check, the import contracts (docs/architecture.md) and the whole test suite
+#   make test-twice — the same suite twice at once (CI's timing, doubled), for a change that touches tests/
 PYTHON ?= python3
 VENV   ?= .venv
 # The CPU build of torch for the quick start; GPU users can pass e.g. TORCH_SPEC="torch" for their own build.
@@ -9,7 +10,7 @@ OUT    ?= demo-out
 
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean browser postgres
+.PHONY: setup demo test test-twice lint clean browser postgres
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,16 +68,49 @@ postgres:
 # skew). --durations and the JUnit reports: the suite watches its own time (bench/suite_time.py writes the table
 # in docs/operations.md §6). A test that skips fails here (tests/conftest.py): what CI cannot run is a failure to
 # fix, not a pass. Both phases run; the target fails if either did (a selection with no serial test is fine).
+# Each phase is a command writing its JUnit report into the folder given ($(call PARALLEL_PHASE,folder[,options])).
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
+PARALLEL_PHASE = ECHO_SWARM_NO_SKIPS=1 $(BIN)/python -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup \
+	-m "not serial" --junitxml=$(1)/junit-parallel.xml $(2) $(PYTEST_ARGS)
+SERIAL_PHASE = ECHO_SWARM_NO_SKIPS=1 $(BIN)/python -m pytest -ra --durations=10 -m serial \
+	--junitxml=$(1)/junit-serial.xml $(2) $(PYTEST_ARGS)
 test: lint browser postgres
 	@mkdir -p test-artifacts
 	@status=0; \
-	ECHO_SWARM_NO_SKIPS=1 $(BIN)/python -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup \
-	  -m "not serial" --junitxml=test-artifacts/junit-parallel.xml $(PYTEST_ARGS) || status=$$?; \
-	ECHO_SWARM_NO_SKIPS=1 $(BIN)/python -m pytest -ra --durations=10 -m serial \
-	  --junitxml=test-artifacts/junit-serial.xml $(PYTEST_ARGS) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
+	$(call PARALLEL_PHASE,test-artifacts) || status=$$?; \
+	$(call SERIAL_PHASE,test-artifacts) || { rc=$$?; [ $$rc = 5 ] || status=$$rc; }; \
 	$(BIN)/python bench/suite_time.py --junit test-artifacts/junit-parallel.xml test-artifacts/junit-serial.xml || true; \
+	exit $$status
+
+# The suite twice at once, as a change touching tests/ runs it before it stops: a test that passes alone but not
+# beside a copy of itself depends on the machine's timing, and CI's loaded 2-core machine would find it one day.
+# The two parallel phases run together (each on TEST_WORKERS workers, its own TMPDIR so that pytest's temporary
+# folders, run directories and PostgreSQL servers cannot meet, its own log, JUnit reports and screenshots in
+# test-artifacts/twice/1 and 2, no shared .pytest_cache); then each copy's serial phase alone, one after the other,
+# as `make test` runs it. Fails if any phase of either copy failed; a copy's temporary folder is kept when it failed.
+TWICE := test-artifacts/twice
+TWIN = TMPDIR=$$(cat $(TWICE)/$(1)/tmpdir) ECHO_SWARM_TEST_ARTIFACTS=$(CURDIR)/$(TWICE)/$(1)
+test-twice: lint browser postgres
+	@rm -rf $(TWICE) && mkdir -p $(TWICE)/1 $(TWICE)/2
+	@status=0; \
+	for k in 1 2; do mktemp -d "$${TMPDIR:-/tmp}/echo-swarm-twice-$$k.XXXXXX" > $(TWICE)/$$k/tmpdir || exit 1; done; \
+	echo "the suite twice at once: logs and JUnit reports in $(TWICE)/1 and $(TWICE)/2"; \
+	$(call TWIN,1) $(call PARALLEL_PHASE,$(TWICE)/1,-p no:cacheprovider) > $(TWICE)/1/parallel.log 2>&1 & one=$$!; \
+	$(call TWIN,2) $(call PARALLEL_PHASE,$(TWICE)/2,-p no:cacheprovider) > $(TWICE)/2/parallel.log 2>&1 & two=$$!; \
+	wait $$one; echo $$? > $(TWICE)/1/rc; wait $$two; echo $$? > $(TWICE)/2/rc; \
+	for k in 1 2; do \
+	  $(call TWIN,$$k) $(call SERIAL_PHASE,$(TWICE)/$$k,-p no:cacheprovider) > $(TWICE)/$$k/serial.log 2>&1; \
+	  rc=$$?; [ $$rc = 5 ] && rc=0; echo $$rc >> $(TWICE)/$$k/rc; \
+	done; \
+	for k in 1 2; do \
+	  for phase in parallel serial; do \
+	    echo "copy $$k, $$phase phase: $$(tail -n 1 $(TWICE)/$$k/$$phase.log)"; \
+	    grep -E '^(FAILED|ERROR) ' $(TWICE)/$$k/$$phase.log || true; \
+	  done; \
+	  if ! grep -qv '^0$$' $(TWICE)/$$k/rc; then rm -rf "$$(cat $(TWICE)/$$k/tmpdir)"; \
+	  else status=1; echo "copy $$k failed: its temporary files are in $$(cat $(TWICE)/$$k/tmpdir)"; fi; \
+	done; \
 	exit $$status
 
 clean:

@@ -31,6 +31,37 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.longrepr = f"skipped, and {NO_SKIPS_ENV} allows no skip (make test sets it): {reason}"
 
 
+class SkippedAtCollection(pytest.Item):
+    """Stands in for a module (or directory) that skipped while it was collected — a module-level
+    ``pytest.skip(..., allow_module_level=True)`` or ``pytest.importorskip``, in it or in its conftest.py — and
+    fails with the skip's reason when it runs. Such a skip has no test to report it, so
+    :func:`pytest_runtest_makereport` never sees it; as a test of its own it fails like any other, in the same
+    summary and JUnit report, while the rest of the suite still runs (a collection error would stop the run)."""
+
+    def __init__(self, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reason = reason
+
+    def runtest(self) -> None:
+        pytest.fail(f"skipped at collection, and {NO_SKIPS_ENV} allows no skip (make test sets it): {self.reason}",
+                    pytrace=False)
+
+    def reportinfo(self) -> tuple[Path, None, str]:
+        return self.path, None, f"{self.name}: {self.reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport,
+                                                                          pytest.CollectReport]:
+    """Where ECHO_SWARM_NO_SKIPS is set, a collector that skipped yields one :class:`SkippedAtCollection` test."""
+    report = yield
+    if not os.environ.get(NO_SKIPS_ENV) or not report.skipped:
+        return report
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    item = SkippedAtCollection.from_parent(collector, name="skipped-at-collection", reason=reason)
+    return pytest.CollectReport(report.nodeid, "passed", None, [item])
+
+
 #: The longest tests (CI's --durations, stop 28), run first: with `make test`'s two workers (pytest-xdist) the
 #: rest packs in around them instead of one long test finishing alone at the end. Update when --durations moves.
 LONGEST_FIRST = (

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+from coordinator.run.names import API, P2P
 from tests.adversarial.test_trust_boundary import BENIGN
 from tests.integration.helpers import (
     Proc,
@@ -34,7 +35,7 @@ from tests.integration.helpers import (
 pytestmark = pytest.mark.slow
 
 PER_ADDRESS_RPS, PER_ADDRESS_BURST = 40.0, 150.0
-REG_BURST = 4  # new identities one address may register at once (and 6 a minute after)
+REG_BURST, REG_PER_MIN = 4, 6.0  # new identities one address may register at once, and a minute after
 SIGNUP_BURST, SIGNUP_PER_MIN = 30.0, 60.0  # new identities of the whole swarm
 MAX_IDLE = 10  # identities without an accepted result the store keeps
 PEERS_PER_ADDRESS = 2
@@ -57,7 +58,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         tmp / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 2},
         learner={"max_steps": 100_000}, jobs={"lease_timeout_s": 20.0, "long_poll_s": 1.0},
         limits={"per_address_rps": PER_ADDRESS_RPS, "per_address_burst": PER_ADDRESS_BURST,
-                "registration_burst": REG_BURST, "registrations_per_address_per_min": 6.0,
+                "registration_burst": REG_BURST, "registrations_per_address_per_min": REG_PER_MIN,
                 "new_identity_burst": SIGNUP_BURST, "new_identities_per_min": SIGNUP_PER_MIN},
         registration={"max_idle_identities": MAX_IDLE},
         p2p={"enabled": True, "peers_per_address": PEERS_PER_ADDRESS})
@@ -103,10 +104,19 @@ def honest_accepted(swarm: Swarm) -> dict[str, int]:
     return dict(rows)
 
 
-def rss_bytes(proc: Proc) -> int:
-    """The coordinator's resident memory, its role processes included."""
-    root = psutil.Process(proc.pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)] if p.is_running())
+def serving_rss_bytes(proc: Proc) -> int:
+    """Resident memory of the coordinator's processes a sign-up reaches: the API role and the libp2p peer that relays
+    to it (role processes run as ``python -m coordinator.launch.main ROLE ...``). The learner and the verifier are
+    left out: no sign-up reaches them, and their memory moves with where in a step they happen to be when sampled,
+    which depends on how fast the machine is (a whole-tree figure failed this test's bound for that reason)."""
+    serving = [p for p in psutil.Process(proc.pid).children(recursive=True) if _role(p) in (API, P2P)]
+    assert len(serving) == 2, [p.cmdline() for p in serving]
+    return sum(p.memory_info().rss for p in serving)
+
+
+def _role(process: psutil.Process) -> str | None:
+    argv = process.cmdline()
+    return argv[3] if argv[1:3] == ["-m", "coordinator.launch.main"] and len(argv) > 3 else None
 
 
 def test_header_fuzzing_on_every_endpoint_direct_and_relayed_is_charged_and_never_a_500(swarm: Swarm) -> None:
@@ -142,8 +152,10 @@ def test_many_peer_ids_from_one_host_are_charged_as_one_address(swarm: Swarm) ->
     for a in report["attempts"]:
         by_peer.setdefault(a["peer"], []).append((a["status"], a["reason"]))
     assert len(by_peer) == 3, by_peer
-    # the host's registration budget (REG_BURST) is one, whichever peer id sends: the rest are refused
-    assert REG_BURST <= codes.count((200, None)) <= REG_BURST + 1, codes  # (+ what refilled meanwhile)
+    # the host's registration budget (REG_BURST) is one, whichever peer id sends: the rest are refused (what refilled
+    # while the attack lasted excepted: on a loaded machine starting three peers alone can take longer than a refill)
+    refilled = REG_PER_MIN / 60 * report["elapsed_s"]
+    assert REG_BURST <= codes.count((200, None)) <= REG_BURST + refilled + 1, (codes, report["elapsed_s"])
     assert set(codes) <= {(200, None), (429, "rate_limited")}, codes
     third = list(by_peer.values())[PEERS_PER_ADDRESS]  # a third peer id from the host: refused by the relay
     assert third == [(429, "rate_limited")] * 3, third
@@ -159,7 +171,7 @@ def test_many_peer_ids_from_one_host_are_charged_as_one_address(swarm: Swarm) ->
 def test_a_sign_up_flood_from_many_addresses_is_bounded_with_flat_memory_and_store(swarm: Swarm) -> None:
     before = honest_accepted(swarm)
     rounds = []
-    rss = [rss_bytes(swarm.coord)]
+    rss = [serving_rss_bytes(swarm.coord)]
     for n, source in enumerate(("127.0.1.1", "127.0.2.1")):
         report = attack(swarm, "signup_flood", source, addresses=60, per_address=4)
         accepted = [a for a in report["attempts"] if a["status"] == 200]
@@ -173,10 +185,10 @@ def test_a_sign_up_flood_from_many_addresses_is_bounded_with_flat_memory_and_sto
         idle = db_rows(swarm.run_dir, "SELECT COUNT(*) FROM clients WHERE accepted = 0")[0][0]
         assert idle <= MAX_IDLE, idle  # the longest idle identities were removed
         rounds.append(len(accepted))
-        rss.append(rss_bytes(swarm.coord))
+        rss.append(serving_rss_bytes(swarm.coord))
     growth = rss[2] - rss[1]
-    print(f"sign-up flood: accepted {rounds} of 240 + 240; RSS {[r >> 20 for r in rss]} MiB")
-    assert growth < 32 << 20, [r >> 20 for r in rss]  # the second flood costs no more memory than noise
+    print(f"sign-up flood: accepted {rounds} of 240 + 240; RSS of the API and p2p roles {[r >> 20 for r in rss]} MiB")
+    assert growth < 32 << 20, [r >> 20 for r in rss]  # the second flood costs the serving roles no more than noise
     assert db_rows(swarm.run_dir, "SELECT COUNT(*) FROM clients")[0][0] <= MAX_IDLE + 2
     assert server_errors(swarm.url) == 0
     honest_results_all_accepted(swarm, before)

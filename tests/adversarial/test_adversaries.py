@@ -38,6 +38,8 @@ pytestmark = pytest.mark.slow
 
 Attempts = list[dict[str, Any]]
 Report = dict[str, Any]
+#: the run's per-address registration budget: the registration flood's 60 sign-ups from 127.0.0.1 meet it
+REGISTRATION_BURST, REGISTRATIONS_PER_MIN = 40, 6.0
 
 
 def _codes(attempts: Attempts) -> list[tuple[int, str | None]]:
@@ -100,11 +102,14 @@ def _oversized(attempts: Attempts) -> None:
     assert (second["status"], second["reason"]) in {(413, "body_too_large"), (0, None)}, second
 
 
-def _flood(attempts: Attempts) -> None:
+def _registration_flood(report: Report) -> None:
+    attempts = report["attempts"]
     codes = _codes(attempts)
     ok = sum(1 for c in codes if c == (200, None))
     assert set(codes) <= {(200, None), (429, "rate_limited")}, codes
-    assert 1 <= ok <= 45 and (429, "rate_limited") in codes, codes  # burst 40 (+ a little refill)
+    # the address's burst, plus what refilled while the flood lasted (a loaded machine makes it last longer)
+    allowed = REGISTRATION_BURST + REGISTRATIONS_PER_MIN / 60 * report["notes"]["flood_s"] + 1
+    assert 1 <= ok <= allowed and (429, "rate_limited") in codes, (allowed, codes)
     assert "slow down" in next(a["message"] for a in attempts if a["status"] == 429)
 
 
@@ -180,12 +185,12 @@ ATTEMPT_CHECKS: dict[str, Callable[[Attempts], None]] = {
     "llama_topk_steer": _llama_cheat,
     "llama_junk": _junk,
     "llama_torch_sample": _llama_cheat,
-    "registration_flood": _flood,  # last: it spends the address's registration budget
 }
 #: Each kind's check of its report (what each attempt got back, and the adversary's notes)
 EXPECTED: dict[str, Callable[[Report], None]] = {
     **{kind: _of_attempts(check) for kind, check in ATTEMPT_CHECKS.items()},
     "request_flood": _request_flood,
+    "registration_flood": _registration_flood,  # last: it spends the address's registration budget
 }
 
 
@@ -216,12 +221,15 @@ def _run_adversary(kind: str, url: str, tmp: Path) -> Report:
     return report
 
 
+# its own hang guard, with room for a loaded machine: 195 s in CI, but `make test-twice` on a busy 2-core machine had
+# run 20 of its 23 attackers (~100 s each, four at a time) when the suite's 600-s timeout stopped it, in both copies
+@pytest.mark.timeout(1800)
 def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = write_config(
         tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 2},
         learner={"max_steps": 5000}, jobs={"lease_timeout_s": 20.0, "long_poll_s": 1.0},
-        limits={"registration_burst": 40, "registrations_per_address_per_min": 6.0},
+        limits={"registration_burst": REGISTRATION_BURST, "registrations_per_address_per_min": REGISTRATIONS_PER_MIN},
         trust={"quarantine_s": 3600.0})
     coord, url = start_coordinator(cfg, tmp_path / "coord.log")
     honest = [start_client(url, tmp_path / f"honest{k}", tmp_path / f"honest{k}.log", "--backend", backend)

@@ -1,7 +1,7 @@
 """Crash safety with real OS processes on 127.0.0.1 (moved here from tests/integration/test_swarm.py).
 
-- a client killed with SIGKILL mid-job: its job is reissued after the lease deadline and completed by another
-  client within one more lease period;
+- a client killed with SIGKILL mid-job: its job is reissued once its lease deadline has passed, never before,
+  ahead of any fresher job, and completed by another client;
 - the coordinator killed with SIGKILL while results stream in, then restarted: every acknowledged result is
   still there exactly once, each ingested by exactly one learner step, and the learner resumes at the version
   it had published."""
@@ -28,8 +28,13 @@ from tests.integration.helpers import (
 pytestmark = pytest.mark.slow
 
 
-def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_lease(tmp_path: Path,
-                                                                                     tiny_model_dir: Path) -> None:
+def test_killed_client_job_is_reissued_at_its_deadline_ahead_of_fresh_work(tmp_path: Path,
+                                                                            tiny_model_dir: Path) -> None:
+    """What the store records, not how soon: each job row keeps its last lease's deadline (lease time + lease_s),
+    so the reissue time is read back exactly. The job was not reissued before the dead client's deadline, and no
+    job fresher than it was leased between that deadline and its reissue (core.leases.choose_job: reissued work
+    before fresh work). How long the healthy client takes to ask again and to compute is the machine's business;
+    a bound on that ("completed within one more lease") failed on a loaded CI machine."""
     run_dir = tmp_path / "run"
     lease_s = 20.0
     coord, url = start_coordinator(
@@ -52,17 +57,27 @@ def test_killed_client_job_is_reissued_and_completed_before_deadline_plus_one_le
         victim_job, deadline = held[0]["job_id"], held[0]["deadline"]
         slow.kill9()  # mid-job: it has had the job for a moment, at 2 % speed
         assert db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(0,)]
+        # a bound against a hang only: the deadline, then time to ask and compute on a loaded machine
         wait_until(lambda: db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE job_id=?", (victim_job,)) == [(1,)],
-                   deadline - time.time() + lease_s + 30, "the killed client's job to be completed")
+                   deadline - time.time() + 300, "the killed client's job to be completed")
         assert get_status(url) is not None and fast.proc.poll() is None  # the healthy client kept working
     finally:
         stop_all(*(p for p in (fast, slow, coord) if p is not None))
-    (holder, issues, received), = db_rows(
-        run_dir, "SELECT r.client_id, j.issue_count, r.received_at FROM results r JOIN jobs j USING(job_id) "
-                 "WHERE job_id=?", (victim_job,))
-    assert holder != slow_id and issues >= 2
-    assert received <= deadline + lease_s, f"completed {received - deadline:.1f}s after the dead client's deadline"
+    (holder, issues, reissued_at, created_at, received, result_lease, job_lease), = db_rows(
+        run_dir, "SELECT r.client_id, j.issue_count, j.lease_deadline - ?, j.created_at, r.received_at, r.lease_id, "
+                 "j.lease_id FROM results r JOIN jobs j USING(job_id) WHERE job_id=?", (lease_s, victim_job))
+    assert holder != slow_id and issues >= 2 and result_lease == job_lease  # done under the reissued lease
+    assert reissued_at >= deadline - 1e-3, f"reissued {deadline - reissued_at:.1f}s before the dead client's deadline"
+    assert received >= reissued_at
+    # every job first leased between the deadline and the reissue (its only lease, so its row says when) must be
+    # older than the victim: choose_job hands out the oldest leasable job, and the victim was leasable then
+    jumped = db_rows(run_dir, "SELECT job_id, lease_deadline - ?, created_at FROM jobs WHERE job_id != ? AND "
+                              "issue_count = 1 AND lease_deadline - ? > ? AND lease_deadline - ? < ? AND created_at > ?",
+                     (lease_s, victim_job, lease_s, deadline, lease_s, reissued_at, created_at))
+    assert jumped == [], f"fresher jobs leased after the deadline, before the reissue at +{reissued_at - deadline:.1f}s"
     assert db_rows(run_dir, "SELECT COUNT(*) FROM results WHERE client_id=?", (slow_id,)) == [(0,)]
+    print(f"reissued {reissued_at - deadline:.1f}s after the dead client's deadline, completed "
+          f"{received - reissued_at:.1f}s later")
 
 
 def test_coordinator_killed_and_restarted_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:

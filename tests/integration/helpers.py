@@ -28,6 +28,9 @@ from shared.messages import ErrorBody, Message
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
+#: Where tests leave files for a person to look at (the pages' screenshots): test-artifacts/, or a folder of
+#: each copy's own under `make test-twice` (ECHO_SWARM_TEST_ARTIFACTS), so two runs never write one file
+ARTIFACTS = Path(os.environ.get("ECHO_SWARM_TEST_ARTIFACTS") or REPO / "test-artifacts")
 
 
 #: Learner steps of the demos that test something other than the demo's length (the store, the backends). The

@@ -23,7 +23,7 @@ from swarm_client.control import read_controls, read_status
 from swarm_client.webcontrol import PAGE_FILE, TOKEN_FILE
 from tests.integration.browser import Chromium, Page, open_page
 from tests.integration.conftest import LiveCoordinator
-from tests.integration.helpers import REPO, db_rows, start_client, wait_until
+from tests.integration.helpers import ARTIFACTS, REPO, db_rows, start_client, wait_until
 from tests.integration.test_status_page import wait_for
 
 pytestmark = pytest.mark.slow
@@ -135,7 +135,7 @@ def test_the_control_page_pauses_and_resumes_the_running_client(tmp_path: Path,
                                "the page to show the client working again")
                 await wait_for(page, "document.querySelectorAll('#history tbody tr').length >= 1", 60,
                                "the history table")
-                await page.screenshot(REPO / "test-artifacts" / "control-page.png")
+                await page.screenshot(ARTIFACTS / "control-page.png")
                 state = await page.evaluate("""({rows: document.querySelectorAll('#history tbody tr').length,
                     credit: document.getElementById('credit').textContent, errors: window.echoControl.errors})""")
 

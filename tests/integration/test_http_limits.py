@@ -232,7 +232,9 @@ def test_a_body_that_trickles_in_is_cut_off_at_the_body_timeout(tmp_path: Path, 
                      b"Content-Length: 4000\r\n\r\n")
         sock.settimeout(0.2)
         started, closed = time.monotonic(), False
-        while not closed and time.monotonic() - started < 30:  # one byte every 0.2 s: never done in time
+        # one byte every 0.2 s: never done in time. Cut within 30 s, a quarter of the 120-s default, the configured
+        # 1.5 s applied (how much sooner is the machine's load, not the server's rule)
+        while not closed and time.monotonic() - started < 30:
             try:
                 sock.send(b"\x00")
                 closed = sock.recv(1) == b""
@@ -241,6 +243,6 @@ def test_a_body_that_trickles_in_is_cut_off_at_the_body_timeout(tmp_path: Path, 
             except OSError:
                 closed = True
         sock.close()
-        assert closed and time.monotonic() - started < 10
-        assert served.guard.stats.expired["body"] == 1
+        assert closed, "the trickling body was not cut within 30 s"
+        assert served.guard.stats.expired["body"] == 1  # cut for the body timeout, not for another reason
         assert db_rows(served.run_dir, "SELECT COUNT(*) FROM clients") == [(0,)]

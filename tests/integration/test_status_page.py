@@ -19,10 +19,15 @@ from typer.testing import CliRunner
 
 from echo_swarm.cli import app
 from tests.integration.browser import Chromium, Page, open_page
-from tests.integration.helpers import REPO, Proc, db_rows, start_client, start_coordinator, write_config
+from tests.integration.helpers import (
+    ARTIFACTS,
+    Proc,
+    db_rows,
+    start_client,
+    start_coordinator,
+    write_config,
+)
 from tests.integration.ops_helpers import scrape
-
-ARTIFACTS = REPO / "test-artifacts"
 
 
 async def wait_for(page: Page, expression: str, timeout: float, what: str) -> Any:

@@ -3,7 +3,8 @@
 - Start-up failures are one line on stderr, each with its own exit code, and write nothing: a coordinator whose
   port is taken or whose model folder is missing, a join to a web server that is not a coordinator, to a URL
   without a scheme, or to a port where nothing listens.
-- The download rate cap holds within 10 % on a real throttled transfer from a coordinator.
+- The download rate cap holds on a real throttled transfer from a coordinator: never more than 10 % above the
+  cap, and the throttle itself holds the transfer back no longer than the cap requires.
 - The one long test: a client keeps working through a coordinator outage of two minutes and has results accepted
   after it (the snapshot egress counter survives the restart); when the run finishes it says so and leases
   nothing; and when the operator starts the next run at the same URL it joins that one by itself.
@@ -126,7 +127,26 @@ def test_join_tells_a_wrong_url_apart_in_one_line_and_writes_nothing(tmp_path: P
 
 
 # ---- the bandwidth cap -------------------------------------------------------------------------------------------
+class _CountedThrottle(Throttle):
+    """The real token bucket, adding up the waits it asks for (what the cap costs, apart from the machine's own
+    time to receive, hash and write the bytes)."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__(rate)
+        self.waited_s = 0.0
+
+    def delay(self, nbytes: int) -> float:
+        wait = super().delay(nbytes)
+        self.waited_s += wait
+        return wait
+
+
 def test_the_download_rate_cap_holds_within_ten_percent(live_coordinator: LiveCoordinator, tmp_path: Path) -> None:
+    """Two conditions a slow machine cannot break (it only makes a download slower, and the bucket's waits shorter):
+    the transfer is never more than 10 % faster than the cap, and the waits the throttle asks for add up to no more
+    than 10 % over what the cap requires (size / cap). A throttle that let bytes through too fast fails the first;
+    one that held them back too long (a wrong unit, a bucket that never refills) fails the second. (A lower bound on
+    the rate itself would fail on a loaded machine for the machine's sake, not the throttle's.)"""
     weights = live_coordinator.run_dir / "snapshots" / "v000000" / "model.safetensors"
     size = weights.stat().st_size
     from shared.hashing import sha256_file
@@ -134,12 +154,13 @@ def test_the_download_rate_cap_holds_within_ten_percent(live_coordinator: LiveCo
     sha = sha256_file(weights)
     cap = 0.5e6  # bytes/s: the 4 MB file takes about 8 s
     meter = MonthlyMeter(tmp_path / "data_usage.json", None)
+    throttle = _CountedThrottle(cap)
 
     async def fetch() -> float:
         client = CoordinatorClient(live_coordinator.url, None, retry=RetryPolicy(attempts=2, base_s=0.01))
         try:
             cache = SnapshotCache(tmp_path / "cache", client, live_coordinator.coordinator.public_key,
-                                  throttle=Throttle(cap), count=meter.add)
+                                  throttle=throttle, count=meter.add)
             t0 = time.monotonic()
             await cache._fetch_blob(sha, size, "model.safetensors")
             return time.monotonic() - t0
@@ -147,9 +168,11 @@ def test_the_download_rate_cap_holds_within_ten_percent(live_coordinator: LiveCo
             await client.close()
 
     elapsed = asyncio.run(fetch())
-    rate = size / elapsed
-    print(f"\n{size} bytes in {elapsed:.2f} s: {rate / 1e6:.3f} MB/s against a cap of {cap / 1e6:.3f} MB/s")
-    assert abs(rate - cap) / cap < 0.10, f"{rate / 1e6:.3f} MB/s is not within 10 % of the {cap / 1e6} MB/s cap"
+    rate, needed = size / elapsed, size / cap
+    print(f"\n{size} bytes in {elapsed:.2f} s: {rate / 1e6:.3f} MB/s against a cap of {cap / 1e6:.3f} MB/s; "
+          f"the throttle waited {throttle.waited_s:.2f} s of the {needed:.2f} s the cap requires")
+    assert rate <= 1.10 * cap, f"{rate / 1e6:.3f} MB/s is more than 10 % above the {cap / 1e6} MB/s cap"
+    assert throttle.waited_s <= 1.10 * needed, f"the throttle waited {throttle.waited_s:.2f} s for a {needed:.2f}-s cap"
     assert meter.used() == size  # every byte counted toward the monthly budget
     assert sha256_file(tmp_path / "cache" / "blobs" / sha) == sha
 
