@@ -221,7 +221,7 @@ class Learner:
         return out
 
     # -- training -----------------------------------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict[str, Any]:
+    def train_step(self, samples: list[Sample]) -> dict[str, float | dict[str, float]]:
         import torch
 
         fsdp.lead(self.ranks, "train_step", samples)
