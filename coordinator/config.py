@@ -460,12 +460,12 @@ class BackendTolerance(_Strict):
 # honest margin is the two implementations' logit difference at a near-tie, divided by T. Torch clients are
 # recomputed by torch from the same safetensors: margins exactly 0 (bit-identical logits), 0.02 leaves room for
 # other devices' arithmetic. llama.cpp clients are recomputed by llama.cpp on the very GGUF file they ran
-# (coordinator.engine.llama_verifier): one teacher-forced pass against the client's one-token decoding, the same
-# kernels. Source: bench/choice_calibration.py --verifier own (docs/benchmarks.md, "Quantised volunteers"): on
-# trained tiny policies honest margins were exactly 0 for every quantised precision and ≤ 1e-3 for f16 (the f16
-# matmul takes another path for a batch), per-token |Δ logprob| ≤ 1e-4. The tolerance 0.1 leaves 100x that for
-# hardware the calibration has not seen (a CUDA or Metal client against a CPU verifier is unmeasured:
-# docs/security.md §4; operators watch echo_swarm_choice_margin_ratio). Before issue 36 llama.cpp results were
+# (coordinator.engine.llama_verifier), replaying the client's own evaluations (prompt prefill, then one token at a
+# time), so the kernels and their rounding are the client's. Source: tests/integration/test_llama_verifier.py and
+# bench/choice_calibration.py --verifier own (docs/benchmarks.md, "Quantised volunteers"): 3,000 honest results at
+# f16, q8_0, q6_K, q5_K_M, q4_K_M and q4_0, T 1.0 and 0.7, not one token off the keyed argmax, per-token |Δ logprob|
+# ≤ 2e-6. The tolerance 0.1 is headroom for hardware the calibration has not seen (a CUDA or Metal client against a
+# CPU verifier is unmeasured: docs/security.md §4; operators watch echo_swarm_choice_margin_ratio). Before issue 36 llama.cpp results were
 # checked against a torch float32 recompute, and the quantisation itself had to pass: f16 0.5, q8_0 2.5.
 CHOICE_TOL_TORCH = 0.02
 CHOICE_TOL_LLAMA = 0.1
@@ -475,7 +475,7 @@ CHOICE_TOL_LLAMA = 0.1
 GGUF_PRECISIONS = ("f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0")
 
 # Logprob check of llama.cpp results against the same own-precision recompute: the reported logprobs are
-# log_softmax of the very logits the verifier recomputes, so torch's tolerances hold (measured ≤ 1e-4 per token).
+# log_softmax of the very logits the verifier recomputes, so torch's tolerances hold (measured ≤ 2e-6 per token).
 LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
     f"llama-{p}": BackendTolerance(mean_tol=0.05, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA) for p in GGUF_PRECISIONS
 }

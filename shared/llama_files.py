@@ -55,15 +55,15 @@ def file_id(path: Path) -> tuple[int, int, int]:
 
 
 def open_model(path: Path, *, n_ctx: int = N_CTX, threads: int | None, n_gpu_layers: int = 0,
-               logits_all: bool = False, kv_f32: bool = False) -> Any:
-    """A ``llama_cpp.Llama`` on ``path``. ``logits_all``: keep every evaluated position's logits (allocates
-    n_ctx × n_vocab floats); otherwise only the last position's are read (:func:`last_logits`)."""
+               kv_f32: bool = False) -> Any:
+    """A ``llama_cpp.Llama`` on ``path``. Only the last evaluated position's logits are kept (:func:`last_logits`):
+    no n_ctx × n_vocab score matrix (1.2 GB for a 150 k vocabulary)."""
     import llama_cpp
 
     kwargs: dict[str, Any] = {}
     if kv_f32:
         kwargs.update(type_k=0, type_v=0)  # GGML_TYPE_F32: removes the f16 KV cache rounding
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(N_BATCH, n_ctx), logits_all=logits_all,
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(N_BATCH, n_ctx), logits_all=False,
                            n_gpu_layers=n_gpu_layers, n_threads=threads, n_threads_batch=threads, seed=0,
                            verbose=False, **kwargs)
 

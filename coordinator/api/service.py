@@ -30,7 +30,7 @@ from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.duplicates import check_copy, surprisal
 from coordinator.core.jobs import plan_job, plan_key
 from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, kept_versions, lease_live
-from coordinator.core.trust import class_backend, is_invalidating
+from coordinator.core.trust import class_backend, is_invalidating, recompute_class
 from coordinator.core.verify import (
     JobTerms,
     MarginTally,
@@ -531,8 +531,8 @@ class Coordinator:
         pinned = self.backend_class(client_id)  # a store read: once per result
         # a llama.cpp client's result is recomputed by llama.cpp on the GGUF file it ran; the co-located loop's own
         # (torch) rollouts and torch clients' from the safetensors
-        engine: Engine = "llama" if not own and self.config.snapshots.gguf != "off" and \
-            class_backend(pinned) == "llama" else "torch"
+        engine: Engine = "llama" if not own and recompute_class(pinned, self.config.snapshots.gguf) != "torch" \
+            else "torch"
         # the llama.cpp recompute replays the client's evaluations: a group's rollouts share the prompt's cache, an
         # episode's every turn starts afresh (shared.llama_files.prefill)
         token_stats = await self._recompute_stats_at(prompts, completions, sub.version, segments, engine,

@@ -109,6 +109,13 @@ def known_class(backend: str, device: str) -> str | None:
     return f"{backend}/{kind}" if kind in BACKEND_CLASSES.get(backend, frozenset()) else None
 
 
+def recompute_class(pinned: str, gguf: str) -> str:
+    """What recomputes a result of an identity pinned to ``pinned`` when the run publishes GGUFs at ``gguf``:
+    "llama-<gguf>" (llama.cpp on the GGUF file the client ran, coordinator.engine.llama_verifier) for a llama.cpp
+    class, "torch" otherwise. Its logprobs are the result's π_b, so the learner groups its metrics by it too."""
+    return f"llama-{gguf}" if class_backend(pinned) == "llama" and gguf != "off" else "torch"
+
+
 def class_backend(bclass: str) -> str:
     """The backend half of a class ('llama/cpu' → 'llama'); a bare backend name is returned as it is."""
     return bclass.split("/", 1)[0]

@@ -275,10 +275,10 @@ class Learner:
                 # float32 snapshot)
                 d = (logp.detach() - behaviour) * mask
                 k3 = (torch.exp(d) - d - 1) * mask
-                for i, c in enumerate(chunk):
+                for c, kl_sum, n in zip(chunk, k3.sum(-1).tolist(), mask.sum(-1).tolist(), strict=False):
                     acc = by_source.setdefault(c.source, [0.0, 0.0])
-                    acc[0] += float(k3[i].sum())
-                    acc[1] += float(mask[i].sum())
+                    acc[0] += kl_sum
+                    acc[1] += n
         if self.ranks is not None:  # each rank saw its share of the batch
             loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl = fsdp.all_reduce(
                 self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl], "sum")

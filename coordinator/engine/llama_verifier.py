@@ -45,17 +45,17 @@ from shared.sampler import Segment, margins_torch
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Loaded:
     llm: Any
-    base_id: tuple[int, int, int]
     adapter: Any = None
     adapter_id: tuple[int, int, int] | None = None
 
 
 class LlamaRecompute:
-    """Teacher-forced llama.cpp passes over published versions' GGUF files, ``cached_versions`` models kept (least
-    recently used dropped; a LoRA run's versions share one base model and swap adapters)."""
+    """Replays of llama.cpp clients' evaluations over published versions' GGUF files, ``cached_versions`` models
+    kept (least recently used dropped; a LoRA run's versions share one base model and swap adapters)."""
 
     def __init__(self, folder_of: Callable[[int], Path | None], *, temperature: float, threads: int | None,
                  cached_versions: int = 1, base_dir: Path | None = None) -> None:
@@ -117,7 +117,7 @@ class LlamaRecompute:
             t0 = time.monotonic()
             while len(self._models) >= self._cached:
                 self._models.popitem(last=False)
-            loaded = _Loaded(open_model(model_path, threads=self.threads), ident)
+            loaded = _Loaded(open_model(model_path, threads=self.threads))
             self._models[ident] = loaded
             self.stats.loads += 1
             self.stats.load_s += time.monotonic() - t0

@@ -27,6 +27,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.advantages import group_advantages
 from coordinator.core.leases import deadline_for, kept_versions
 from coordinator.core.scheduling import select_batch, staleness_weight
+from coordinator.core.trust import recompute_class
 from coordinator.engine import fsdp
 from coordinator.engine.learner import Learner, Sample
 from coordinator.engine.tiny_model import ensure_tiny_model
@@ -379,8 +380,7 @@ class LearnerRole:
         (coordinator.engine.llama_verifier), "torch" otherwise (torch clients, the co-located loop)."""
         client = self.store.clients.get(client_id)
         pinned = str(client["backend_class"] or "") if client is not None else ""
-        gguf = self.config.snapshots.gguf
-        return f"llama-{gguf}" if pinned.startswith("llama") and gguf != "off" else "torch"
+        return recompute_class(pinned, self.config.snapshots.gguf)
 
     def _checkpoint_due(self, new_version: int) -> bool:
         cfg = self.config.learner

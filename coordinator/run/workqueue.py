@@ -38,7 +38,6 @@ POLL_S = 0.02
 #: What recomputes a result: torch from the version's safetensors, or llama.cpp from its GGUF file (the file a
 #: llama.cpp client ran, coordinator.engine.llama_verifier).
 Engine = Literal["torch", "llama"]
-ENGINES: tuple[Engine, ...] = ("torch", "llama")
 
 
 class StatsWire(TypedDict):

@@ -116,3 +116,13 @@ def test_bucket_never_exceeds_burst_or_goes_negative(times: list[float]) -> None
     for now in sorted(times):
         bucket, _ = take(bucket, rate, now)
         assert 0.0 <= bucket.tokens <= 4.0
+
+
+def test_a_llama_class_is_recomputed_in_the_published_precision_and_everything_else_by_torch() -> None:
+    from coordinator.core.trust import recompute_class
+
+    assert recompute_class("llama/gpu", "q4_K_M") == "llama-q4_K_M"
+    assert recompute_class("llama/cpu", "f16") == "llama-f16"
+    assert recompute_class("llama/cpu", "off") == "torch"  # no GGUF published: nothing for llama.cpp to rerun
+    assert recompute_class("torch/cuda", "q4_K_M") == "torch"
+    assert recompute_class("", "f16") == "torch"  # the co-located loop's identity has no pinned class
