@@ -32,6 +32,12 @@ class JoinConfig(BaseModel):
                          "the llama extra, built for Metal/CUDA/CPU as the README explains), 'torch' (needs the torch "
                          "extra), or 'auto' (llama where installed, else torch).")
     device: str = Field("auto", description="'auto' picks CUDA, then Apple MPS, then CPU; or cpu, cuda, mps.")
+    precision: Literal["auto", "f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"] = Field(
+        "auto", description="llama.cpp backend: the GGUF precision to download and run, one the run offers "
+        "(`echo-swarm join` says which). 'auto' takes the best one that fits this machine's memory ceiling "
+        "(f16 before q8_0 before q4_K_M ...), checked from the signed manifest before anything is downloaded. "
+        "Every precision is verified equally tightly (on the very file you ran); a smaller one needs less memory "
+        "and download.")
     threads: int | None = Field(None, ge=1, description="CPU threads for generation; unset: the backend's choice.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
     max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted results (this session).")

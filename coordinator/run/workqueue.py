@@ -127,14 +127,15 @@ class RemoteVerifier:
 
     async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
                               segments: list[list[Segment]] | None = None, *, engine: Engine = "torch",
-                              group: int = 1) -> TokenStats:
-        """``engine``: "llama" recomputes with llama.cpp on the version's GGUF file (a llama.cpp client's result,
-        coordinator.engine.llama_verifier, which replays the client's evaluations: ``group`` completions per
-        prompt), "torch" from its safetensors."""
+                              group: int = 1, precision: str | None = None) -> TokenStats:
+        """``engine``: "llama" recomputes with llama.cpp on the version's GGUF file of ``precision`` (None: the
+        run's default; a llama.cpp client's result, coordinator.engine.llama_verifier, which replays the client's
+        evaluations: ``group`` completions per prompt), "torch" from its safetensors."""
         t0 = time.monotonic()
         try:
             answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
-                                                           "segments": segments, "engine": engine, "group": group})
+                                                           "segments": segments, "engine": engine, "group": group,
+                                                           "precision": precision})
         finally:
             self.stats.recompute_s += time.monotonic() - t0
         if answer.get("gone"):
@@ -177,6 +178,11 @@ def stats_answer(stats: TokenStats) -> bytes:
 def engine_from_wire(raw: Any) -> Engine:
     """A recompute request's engine; requests written before engines existed are torch's."""
     return "llama" if raw == "llama" else "torch"
+
+
+def precision_from_wire(raw: Any) -> str | None:
+    """A recompute request's GGUF precision (the API wrote it from a lease the store holds); None: the default."""
+    return str(raw) if raw is not None else None
 
 
 def segments_from_wire(raw: Any) -> list[list[Segment]] | None:
