@@ -60,6 +60,8 @@ class DemoConfig:
     task: str = "addition"  # a key of DEMO_TASKS
     p2p: bool = False  # clients fetch snapshots from each other over libp2p (the p2p extra; docs/protocol.md §6a)
     learner_precision: str = "float32"  # learner.precision: "bf16" trains bf16 weights and moments (bench/bf16_learning.py)
+    gguf: str | None = None  # snapshots.gguf for llama.cpp clients (None: the default, f16; bench/quantised_learning.py)
+    correction: str | None = None  # learner.correction (None: the default, behaviour-clip)
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
@@ -128,13 +130,15 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
         + (f'dtype = "{cfg.snapshot_dtype}"\n' if cfg.snapshot_dtype != "training" else "")
         + (f"lag_tolerance = {cfg.lag_tolerance}\n" if cfg.lag_tolerance is not None else "")
         # GGUF only for llama.cpp clients: with torch clients alone (or none) nobody would download it
-        + ('gguf = "off"\n' if cfg.clients == 0 or cfg.backend == "torch" else "") + "\n"
+        + ('gguf = "off"\n' if cfg.clients == 0 or cfg.backend == "torch" else
+           f'gguf = "{cfg.gguf}"\n' if cfg.gguf is not None else "") + "\n"
         # a local demonstration: its clients are the project's own, and one seed should draw the same jobs run
         # after run (bench/sync_modes.py compares modes seed by seed)
         f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
         f"lr = {task.lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
         + (f'precision = "{cfg.learner_precision}"\n' if cfg.learner_precision != "float32" else "")
+        + (f'correction = "{cfg.correction}"\n' if cfg.correction is not None else "")
         + "".join(f"{k} = {v}\n" for k, v in task.learner.items())
         + (f"\n[store]\nurl = {json.dumps(store_url)}\n" if store_url else "")
         + ("\n[p2p]\nenabled = true\n" if cfg.p2p else "")
