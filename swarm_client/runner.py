@@ -107,6 +107,19 @@ logger = logging.getLogger(__name__)
 EXIT_OK, EXIT_REFUSED, EXIT_RESOURCES = ExitCode.OK, ExitCode.REFUSED, ExitCode.RESOURCES
 EXIT_UNREACHABLE, EXIT_NOT_A_COORDINATOR = ExitCode.UNREACHABLE, ExitCode.NOT_A_COORDINATOR
 STOP_CODES = {"banned", "quarantined"}  # refusals that end the client: retrying cannot help
+#: Refusals that say nothing about this client's result (the coordinator's timing or state: a version pruned, a
+#: verifier busy, a lease run out or reissued): retried as usual, but after a streak of them the client backs off
+#: (:func:`setback_delay`) instead of computing one job after another that meets the same refusal.
+SETBACKS = {Reason.VERSION_RETIRED, Reason.UNAVAILABLE, Reason.LEASE_EXPIRED, Reason.NOT_LEASE_HOLDER,
+            Reason.JOB_COMPLETED, Reason.REWARD_FAILED}
+SETBACK_GRACE = 2  # setbacks in a row taken without a pause
+SETBACK_MAX_S = 300.0
+
+
+def setback_delay(streak: int) -> float:
+    """Seconds to wait before the next lease after ``streak`` setbacks in a row: none for the first SETBACK_GRACE,
+    then 5 s doubling up to SETBACK_MAX_S. An accepted result ends the streak."""
+    return 0.0 if streak <= SETBACK_GRACE else min(SETBACK_MAX_S, 5.0 * 2 ** (streak - SETBACK_GRACE - 1))
 
 
 @dataclass
@@ -189,6 +202,7 @@ class Runner:
         self._precision: str | None = None
         self._precision_chosen = False
         self._file_precision: str | None = None  # the GGUF precision of the job in hand (what the pre-check sizes)
+        self._setbacks = 0  # refusals in a row that were not about this client's result (SETBACKS)
         self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
         self.ready_version = -1  # the newest version fetched and verified ahead of need (push-pull prefetch)
         self.prefetch_target = -1  # the newest version a lease reply asked this client to prefetch
@@ -683,6 +697,13 @@ class Runner:
             # staleness bound, so prefetching (when the coordinator asks for it) keeps rollouts as fresh as the
             # swarm allows
             held = max(held, self.ready_version)
+            if (pause := setback_delay(self._setbacks)) > 0:
+                self._warn(f"{self._setbacks} results in a row refused for reasons on the coordinator's side; "
+                           f"waiting {pause:g}s before the next job")
+                self._set_state("backing off")
+                await asyncio.to_thread(self.stop.wait, pause)
+                if self.stop.is_set():
+                    break
             precision = await self._lease_precision(cache, max(held, info.current_version))
             try:
                 resp = await api.call(LEASE, LeaseRequest(backend=kind, held_version=held,
@@ -828,6 +849,7 @@ class Runner:
                                     "seconds": round(elapsed, 2)}
         try:
             res = await api.call(RESULTS, sub)
+            self._setbacks = 0
             self.stats.accepted += 1
             self.stats.credit = res.total_credit
             self.stats.tokens += n_tok
@@ -838,6 +860,7 @@ class Runner:
             if refusal_code(exc) in STOP_CODES:
                 raise
             self.stats.rejected += 1
+            self._setbacks = self._setbacks + 1 if exc.reason in SETBACKS else 0
             code = refusal_code(exc)
             self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1
             entry |= {"outcome": code, "credit": 0.0}

@@ -170,3 +170,61 @@ def test_a_bandwidth_cap_set_at_run_time_applies_at_once(tmp_path: Path, monkeyp
     update_controls(home, max_mbps=None)  # back to the configured cap
     runner._apply_controls()
     assert runner.throttle.rate == 5e6
+
+
+class RefusingCoordinator(ScriptedCoordinator):
+    """Refuses every result with ``reason`` (a refusal about the coordinator's state, or about the result)."""
+
+    def __init__(self, runner: Runner, identity: Identity, script: list[Any], reason: Reason) -> None:
+        super().__init__(runner, identity, script)
+        self.reason = reason
+
+    async def post(self, path: str, message: Any, response_type: type) -> Any:
+        if path == "/v1/results":
+            self.submitted.append(message.version)
+            raise ProtocolError(self.reason, "refused by the script")
+        return await super().post(path, message, response_type)
+
+
+class RecordingStop:
+    """The runner's stop event, whose waits are recorded and return at once (no test waits on the clock)."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self._set = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0.0))
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+def test_setbacks_in_a_row_back_off_and_an_accepted_result_ends_them() -> None:
+    assert [runner_mod.setback_delay(n) for n in range(7)] == [0.0, 0.0, 0.0, 5.0, 10.0, 20.0, 40.0]
+    assert runner_mod.setback_delay(40) == runner_mod.SETBACK_MAX_S
+
+
+@pytest.mark.parametrize(("reason", "backs_off"), [(Reason.VERSION_RETIRED, True), (Reason.CHOICE_MISMATCH, False)])
+def test_a_client_refused_for_the_coordinators_reasons_backs_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 reason: Reason, backs_off: bool) -> None:
+    """A client whose results keep meeting version_retired (the coordinator pruned the version under it) waits,
+    longer each time, instead of computing job after job into the same refusal (one client looped 2,900 times);
+    a refusal about its own result is no such streak."""
+    runner, identity = make_client(tmp_path / "home", monkeypatch)
+    stop = RecordingStop()
+    runner.stop = stop  # type: ignore[assignment]
+    cid = identity.client_id
+    jobs = [reply(0, job_version=0, client_id=cid, job_id=f"v0-j{k}") for k in range(6)]
+    coordinator = RefusingCoordinator(runner, identity, jobs, reason)
+    assert _serve(runner, identity, coordinator) == runner_mod.EXIT_OK
+    assert len(coordinator.submitted) == 6
+    pauses = [w for w in stop.waits if w >= 5.0]
+    if backs_off:  # from the third setback in a row (the last result's verdict may land after the last lease)
+        assert pauses[:2] == [5.0, 10.0], stop.waits
+    else:
+        assert pauses == [], stop.waits
