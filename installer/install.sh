@@ -350,10 +350,17 @@ uninstall() {
     fi
     if [ "$PURGE" = 1 ]; then
         remove_path "$config_dir" "identity, settings and pause files"
-        remove_path "$cache_dir" "snapshot cache"
+        # the client's snapshots only: the same cache folder holds a coordinator's model cache (models/), which a
+        # volunteer who also runs a coordinator on this machine did not ask to lose
+        remove_path "$cache_dir/snapshots" "snapshot cache"
+        if [ -d "$cache_dir" ] && [ -z "$(ls -A "$cache_dir" 2>/dev/null)" ]; then
+            remove_path "$cache_dir" "the empty cache folder"
+        elif [ -d "$cache_dir" ]; then
+            info "left $cache_dir's other contents alone (e.g. a coordinator's model cache, models/)"
+        fi
         remove_path "$state_dir" "logs"
     else
-        info "kept your identity and settings ($config_dir), snapshot cache ($cache_dir) and logs ($state_dir);"
+        info "kept your identity and settings ($config_dir), snapshot cache ($cache_dir/snapshots) and logs ($state_dir);"
         info "re-run with --uninstall --purge to delete them too"
     fi
     if [ "$DRY_RUN" = 1 ]; then

@@ -109,8 +109,9 @@ class JoinConfig(BaseModel):
     control_page: bool = Field(True, description="Serve the local control page on 127.0.0.1 (never another "
                                "address), protected by a token in the client home; `echo-swarm client open` "
                                "opens it.")
-    control_port: int = Field(0, ge=0, le=65535, description="Port of the local control page on 127.0.0.1; 0 = any "
-                              "free port (written to the client home for `echo-swarm client open`).")
+    control_port: int = Field(0, ge=0, le=65535, description="Port of the local control page on 127.0.0.1; 0 = the "
+                              "port it had last time if free (a bookmark keeps working), else any free port "
+                              "(written to the client home for `echo-swarm client open`).")
     # snapshots from other volunteers over libp2p (the p2p extra; swarm_client/peer_fetch.py)
     p2p: bool = Field(False, description="Fetch snapshot files from peers over libp2p when the coordinator runs a "
                       "peer (every piece checked against the signed manifest; HTTP is the fallback).")

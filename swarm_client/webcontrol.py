@@ -3,8 +3,9 @@ a terminal (Folding@home's Web Control is the model). It shows the client's stat
 credit and recent results, and has buttons to pause, resume, finish, snooze and cap the bandwidth.
 
 Safety, since it controls the volunteer's machine:
-- it listens on 127.0.0.1 only (there is no setting for another address), on ``--control-port`` (0: any free
-  port, written to ``control-page.json`` in the client home);
+- it listens on 127.0.0.1 only (there is no setting for another address), on ``--control-port`` (0: the port this
+  home's page had last time when it is free — so a bookmark keeps working across restarts — else any free port;
+  written to ``control-page.json`` in the client home while it runs, remembered in ``control-page.port``);
 - every request needs the token in ``control-page.token`` (the client home, mode 0600, made once): `echo-swarm
   client open` opens ``/?token=…``, which trades it for an HttpOnly, SameSite=Strict cookie and redirects to
   ``/`` (so the token leaves the address bar); scripts may send ``Authorization: Bearer <token>`` instead;
@@ -34,6 +35,7 @@ from swarm_client.control import controls_view, set_paused, snooze, update_contr
 
 TOKEN_FILE = "control-page.token"
 PAGE_FILE = "control-page.json"
+PORT_FILE = "control-page.port"  # the port the page had last (kept after the client stops: the next start reuses it)
 COOKIE = "echo_swarm_control"
 HOST = "127.0.0.1"
 WEB_DIR = Path(__file__).with_name("web")
@@ -41,6 +43,14 @@ MAX_SNOOZE_MIN = 7 * 24 * 60
 HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
            "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff",
            "Cache-Control": "no-store"}
+
+
+def _remembered_port(home: Path) -> int | None:
+    try:
+        port = int((home / PORT_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return port if 0 < port < 65536 else None
 
 
 def load_or_create_token(home: Path) -> str:
@@ -89,7 +99,21 @@ class ControlPage:
         self._runner: web.AppRunner | None = None
 
     async def start(self, port: int = 0) -> str:
-        """Listen on 127.0.0.1:``port``; returns the URL to open (with the token)."""
+        """Listen on 127.0.0.1:``port`` (0: the remembered port if it is free, else any); returns the URL to open."""
+        remembered = _remembered_port(self.source.home) if port == 0 else None
+        if remembered is not None:
+            try:
+                return await self._listen(remembered)
+            except OSError:  # taken meanwhile (another client, another program): any free port
+                pass
+        url = await self._listen(port)
+        if port == 0:
+            tmp = self.source.home / f".{PORT_FILE}.{os.getpid()}.tmp"
+            tmp.write_text(str(self.port))
+            os.replace(tmp, self.source.home / PORT_FILE)
+        return url
+
+    async def _listen(self, port: int) -> str:
         app = web.Application(middlewares=[self._guard], client_max_size=4096)
         app.router.add_get("/", self._index)
         app.router.add_get("/static/{name}", self._static)

@@ -23,6 +23,12 @@ function draw(s) {
     : s.state === "stopped" || s.state.startsWith("coordinator unreachable") ? "off" : "held");
   st.dataset.state = s.state;
   st.dataset.paused = String(!!c.paused);
+  // only the buttons that would change something: Resume while paused or snoozed, Pause otherwise; none once
+  // the client is finishing or stopped
+  const held = !!c.paused || !!c.snoozed_until, over = !!c.finishing || s.state === "stopped";
+  $("pause").disabled = held || over;
+  $("resume").disabled = !held || over;
+  $("finish").disabled = over;
   $("url").textContent = `${s.url} (run ${s.run_id || "–"})`;
   $("version").textContent = s.version >= 0 ? String(s.version) : "–";
   $("job").textContent = s.last_job || "–";

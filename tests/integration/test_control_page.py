@@ -120,6 +120,8 @@ def test_the_control_page_pauses_and_resumes_the_running_client(tmp_path: Path,
                 assert at_pause - before <= 1  # at most a lease already in flight (handed back)
                 await wait_for(page, "document.getElementById('state').dataset.state === 'paused'", 30,
                                "the page to show the pause")
+                buttons = "['pause', 'resume'].map(b => document.getElementById(b).disabled)"
+                assert await page.evaluate(buttons) == [True, False]  # only what would change something
                 polls = _status(home)["gated_polls"]
                 await asyncio.to_thread(wait_until, lambda: _status(home)["gated_polls"] >= polls + 3, 60,
                                         "three polls while paused")
@@ -133,6 +135,8 @@ def test_the_control_page_pauses_and_resumes_the_running_client(tmp_path: Path,
                                         "a result accepted after Resume")
                 await wait_for(page, "document.getElementById('state').dataset.state !== 'paused'", 30,
                                "the page to show the client working again")
+                await wait_for(page, "!document.getElementById('pause').disabled", 30, "Pause to be offered again")
+                assert await page.evaluate(buttons) == [False, True]
                 await wait_for(page, "document.querySelectorAll('#history tbody tr').length >= 1", 60,
                                "the history table")
                 await page.screenshot(ARTIFACTS / "control-page.png")

@@ -335,8 +335,15 @@ def test_uninstall_removes_the_venv_and_the_link_and_keeps_the_volunteers_data(t
     assert not venv.exists() and not (bin_dir / "echo-swarm").exists() and (bin_dir / "other").is_symlink()
     assert identity.read_text() == "secret" and "--uninstall --purge" in res.stdout
 
+    snapshot = home / ".cache" / "echo-swarm" / "snapshots" / "blobs" / "ab"
+    model = home / ".cache" / "echo-swarm" / "models" / "tiny" / "config.json"  # a coordinator's model cache
+    for path in (snapshot, model):
+        path.parent.mkdir(parents=True)
+        path.write_text("{}")
     purge = run_installer("--uninstall", "--purge", "--bin-dir", str(bin_dir), env=env, cwd=tmp_path)
     assert purge.returncode == 0 and not identity.exists()
+    assert not snapshot.parent.parent.exists() and model.read_text() == "{}", purge.stdout  # the client's data only
+    assert "left " in purge.stdout and "models/" in purge.stdout
 
 
 def test_uninstall_leaves_a_folder_that_is_not_a_venv_alone(tmp_path: Path, home: Path) -> None:
