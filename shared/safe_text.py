@@ -19,8 +19,10 @@ Nothing here imports more than the standard library, so that every part of the p
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import re
 import sys
+from pathlib import Path
 from typing import TextIO
 
 UNSAFE_CHARS = re.compile(
@@ -123,3 +125,20 @@ def configure_logging(level: int, fmt: str, stream: TextIO | None = None) -> Non
 
 
 _OURS = "_echo_swarm_safe_handler"
+_FILE = "_echo_swarm_log_file"
+
+
+def log_to_file(path: Path, fmt: str, *, max_bytes: int = 10 * 2**20, backups: int = 5) -> None:
+    """Also write this process's log records to ``path`` (rotated at ``max_bytes``, ``backups`` kept), through a
+    :class:`SafeFormatter`: an operator's record of the run that outlives the terminal. One file per process —
+    rotating a file that several processes append to loses lines — and a later call replaces an earlier one."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, _FILE, False)]:
+        root.removeHandler(handler)
+        handler.close()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8",
+                                                   delay=True)
+    setattr(handler, _FILE, True)
+    handler.setFormatter(SafeFormatter(fmt))
+    root.addHandler(handler)

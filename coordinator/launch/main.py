@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from coordinator.launch import preflight
 from coordinator.launch.processes import CONFIG_ERROR, RoleLocked, fsdp_env, role_lock, run_role, supervise
 from coordinator.launch.serve import serve
 from coordinator.memory import return_freed_memory
-from coordinator.run.names import API, LEARNER, verifier_name
+from coordinator.run.names import API, LEARNER, api_name, verifier_name
 from shared import safe_text
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,14 @@ def run(config: CoordinatorConfig, role: str = "all", index: int = 0, parent: in
             print(f"error: {exc.message}", file=sys.stderr, flush=True)
             return int(exc.code)
     label = "" if role == "all" else f"{role}{index if role == 'verifier' else ''} "
-    # every record one line, client text escaped (issue 13)
-    safe_text.configure_logging(logging.INFO, f"%(asctime)s %(levelname)s {label}%(name)s: %(message)s", sys.stderr)
+    # every record one line, client text escaped (issue 13); on stderr and in the run's logs/ (one file a process)
+    fmt = f"%(asctime)s %(levelname)s {label}%(name)s: %(message)s"
+    safe_text.configure_logging(logging.INFO, fmt, sys.stderr)
+    log_file = Path(config.run_dir) / "logs" / f"{log_name(config, role, index)}.log"
+    try:
+        safe_text.log_to_file(log_file, fmt)
+    except OSError as exc:  # the run can go on without it; stderr still has every line
+        logger.warning("not writing %s (%s): the log goes to stderr only", log_file, exc)
     if fsdp_env() and role != LEARNER:  # torchrun's ranks are the learner's; the other roles run once
         logger.critical("started as one of several torch.distributed ranks (WORLD_SIZE is set): only the learner "
                         "runs on ranks; use --role learner under torchrun and start the API and verifiers on their "
@@ -46,6 +53,17 @@ def run(config: CoordinatorConfig, role: str = "all", index: int = 0, parent: in
             logger.critical("%s", exc)
             return CONFIG_ERROR
     return supervise(config)
+
+
+def log_name(config: CoordinatorConfig, role: str, index: int) -> str:
+    """The process's log file name in ``<run_dir>/logs``: "coordinator" for a one-process run, "supervisor" for
+    the processes layout's parent, else the role's own name (api, learner, verifier0, p2p …; a learner rank of
+    torchrun past the first, learner-rank<R>)."""
+    if role == "all":
+        return "coordinator" if config.layout == "one-process" or config.sync_mode == "colocated" else "supervisor"
+    if role == LEARNER and fsdp_env() and int(os.environ.get("RANK") or 0) > 0:
+        return f"learner-rank{os.environ['RANK']}"
+    return f"verifier{index}" if role == "verifier" else api_name(index) if role == API else role
 
 
 def main(argv: list[str]) -> int:

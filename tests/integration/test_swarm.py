@@ -48,3 +48,9 @@ def test_run_completes_with_every_client_contributing(tmp_path: Path, tiny_model
                     "WHERE ingested_step IS NOT NULL GROUP BY ingested_step ORDER BY 1")
     assert mixed == [(step, 1, step - 1) for step in range(1, 7)]
     assert "joined run" in clients[0].output() and "stopped:" in clients[0].output()
+    # every role process kept its own log in the run directory, as it printed it (issue 34: the operator's record)
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert {"supervisor.log", "api.log", "learner.log", "verifier0.log"} <= set(logs), sorted(logs)
+    assert "registered client" in logs["api.log"] and logs["learner.log"], logs["api.log"][-2000:]
+    assert all(line.split(" ", 3)[2] in ("INFO", "WARNING", "ERROR", "CRITICAL") or line.startswith("  | ")
+               for text in logs.values() for line in text.splitlines()), "a line that is not one record"
