@@ -31,6 +31,7 @@ from coordinator.engine.llama_verifier import LlamaRecompute
 from coordinator.engine.lora import VersionLoader
 from coordinator.engine.verifier import Verifier
 from coordinator.errors import VersionGone
+from coordinator.holds import hold_async
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
 from coordinator.run.runfiles import wait_for_first_version
@@ -187,6 +188,7 @@ class VerifierWorker:
             if kind == "evaluate":
                 await self._evaluate(item, version)
                 return
+            await hold_async(f"recompute-v{version}")  # a fault test's busy verifier (coordinator.holds)
             if self.snapshots.signed_manifest(version) is None:  # published since the last look?
                 self.snapshots.observe(v.version for v in self.store.versions.all())
             segments = segments_from_wire(request.get("segments"))
