@@ -16,6 +16,8 @@ The points (each reached once per run; the name carries the version):
 - ``recompute-vN`` (coordinator.roles.verifier.VerifierWorker): a verifier has claimed a request to recompute a
   result of version N and not begun it — a verifier held busy, while the rest of the run goes on. Reached by every
   such request: each one held writes the marker again, and removing it lets every one held go on.
+- ``evaluate-vN`` (coordinator.roles.verifier.VerifierWorker): verifier 0 has claimed the held-out evaluation of
+  version N and not begun it — an evaluation slowed down while the learner goes on.
 """
 
 from __future__ import annotations
