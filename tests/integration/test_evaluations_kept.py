@@ -10,6 +10,7 @@ recorded, and the verifier reports none skipped.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tests.integration.helpers import (
     db_rows,
@@ -38,9 +39,12 @@ def test_a_version_waiting_for_its_evaluation_is_kept_until_evaluated(tmp_path: 
         assert (run_dir / "snapshots" / "v000001").is_dir()  # kept for its evaluation (keep_last alone prunes it)
         assert 1 not in {v for (v,) in db_rows(run_dir, "SELECT version FROM evals")}
         marker.unlink()  # the verifier goes on
-        final = wait_until(lambda: (s := get_status(url)) and s["finished"] and
-                           {e["version"] for e in s["evals"]} >= set(range(STEPS + 1)) and s, 300,
-                           "every version's evaluation")
+        def evaluated() -> dict[str, Any]:  # the final status once every version is evaluated, else {}
+            s = get_status(url) or {}
+            done = s and s["finished"] and {e["version"] for e in s["evals"]} >= set(range(STEPS + 1))
+            return s if done else {}
+
+        final = wait_until(evaluated, 300, "every version's evaluation")
         for c in clients:
             assert c.proc.wait(120) == 0, c.output()[-3000:]
     finally:

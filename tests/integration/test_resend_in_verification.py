@@ -18,20 +18,7 @@ from pathlib import Path
 
 from shared import wire
 from shared.endpoints import RESULTS
-from shared.messages import (
-    Info,
-    Job,
-    LeaseRequest,
-    LeaseResponse,
-    Manifest,
-    RegisterRequest,
-    ResultSubmission,
-    SignedManifest,
-    SubmitResponse,
-)
-from shared.records import open_job, open_manifest
-from swarm_client.backends.torch_backend import TorchBackend
-from swarm_client.hardware import profile
+from shared.messages import Info, ResultSubmission, SubmitResponse
 from tests.integration.helpers import (
     RawClient,
     db_rows,
@@ -40,7 +27,7 @@ from tests.integration.helpers import (
     wait_until,
     write_config,
 )
-from tests.integration.ops_helpers import scrape
+from tests.integration.ops_helpers import honest_result_at, lease, register_at, scrape
 
 GAVE_UP_S = 1.0  # the clients' request timeout here: far shorter than the verifier is held
 
@@ -51,30 +38,6 @@ def joined(url: str) -> float:
 
 def recomputes(url: str) -> float:
     return scrape(url)[("echo_swarm_result_recomputes_total", ())]
-
-
-def lease(client: RawClient, key: bytes) -> Job:
-    status, raw = client.post("/v1/register", RegisterRequest(public_key=client.public_key,
-                                                              profile=profile("torch", "cpu", "resender")))
-    assert status == 200, raw
-    status, raw = client.post("/v1/lease", LeaseRequest(backend="torch", held_version=-1))
-    assert status == 200, raw
-    resp = wire.decode(raw, LeaseResponse)
-    assert resp.job is not None, "expected a job to be available"
-    return open_job(resp.job, key)
-
-
-def honest_result(url: str, key: bytes, run_dir: Path, job: Job) -> ResultSubmission:
-    """What an honest torch client returns for ``job`` (the version's signed manifest checked first)."""
-    status, raw = RawClient(url).get(f"/v1/snapshots/{job.version}")
-    assert status == 200
-    manifest, _ = open_manifest(wire.decode(raw, SignedManifest), key)
-    assert isinstance(manifest, Manifest)
-    backend = TorchBackend(device="cpu", threads=1)
-    backend.load(run_dir / "snapshots" / f"v{job.version:06d}")
-    return ResultSubmission(job_id=job.job_id, lease_id=job.lease_id, version=job.version,
-                            prompt_hash=job.prompt_hash, seed=job.seed, group_size=job.group_size, backend="torch",
-                            generation_s=0.1, completions=[s.to_completion() for s in backend.generate(job, lambda: False)])
 
 
 def forged(sub: ResultSubmission) -> ResultSubmission:
@@ -105,10 +68,10 @@ def test_a_resend_joins_the_verification_in_flight(tmp_path: Path, tiny_model_di
     try:
         with urllib.request.urlopen(f"{url}/v1/info", timeout=30) as resp:
             key = wire.decode(resp.read(), Info).coordinator_public_key
-        honest, forger = RawClient(url), RawClient(url)
+        honest, forger = register_at(url, "honest"), register_at(url, "forger")
         job, other = lease(honest, key), lease(forger, key)
-        sub = honest_result(url, key, run_dir, job)
-        body, bad = wire.encode(sub), wire.encode(forged(honest_result(url, key, run_dir, other)))
+        sub = honest_result_at(url, key, run_dir, job)
+        body, bad = wire.encode(sub), wire.encode(forged(honest_result_at(url, key, run_dir, other)))
 
         gives_up(honest, body)
         wait_until(marker.exists, 120, "the verifier to hold the result's recompute")
