@@ -13,10 +13,16 @@ The points (each reached once per run; the name carries the version):
 - ``publish-vN`` (coordinator.publish.snapshots.SnapshotStore.publish): version N's files are written into its
   temporary folder ``snapshots/.tmp-vN-*``; nothing is fsynced, renamed or signed yet, and the database does not
   know the version.
+- ``recompute-vN`` (coordinator.roles.verifier.VerifierWorker): a verifier has claimed a request to recompute a
+  result of version N and not begun it — a verifier held busy, while the rest of the run goes on. Reached by every
+  such request: each one held writes the marker again, and removing it lets every one held go on.
+- ``evaluate-vN`` (coordinator.roles.verifier.VerifierWorker): verifier 0 has claimed the held-out evaluation of
+  version N and not begun it — an evaluation slowed down while the learner goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from pathlib import Path
@@ -51,3 +57,9 @@ def hold(point: str) -> None:
     released = threading.Event()
     while marker.exists():
         released.wait(POLL_S)
+
+
+async def hold_async(point: str) -> None:
+    """:func:`hold` on an event loop: the wait runs on a thread, so the role's loop goes on meanwhile."""
+    if HOLD_ENV in os.environ and point in hold_markers():
+        await asyncio.to_thread(hold, point)

@@ -62,6 +62,7 @@ class DemoConfig:
     learner_precision: str = "float32"  # learner.precision: "bf16" trains bf16 weights and moments (bench/bf16_learning.py)
     gguf: str | None = None  # snapshots.gguf for llama.cpp clients (None: the default, f16; bench/quantised_learning.py)
     correction: str | None = None  # learner.correction (None: the default, behaviour-clip)
+    final_eval_wait_s: float = 600.0  # longest wait, once trained, for the final version's held-out evaluation
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
@@ -270,6 +271,8 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
                   TextColumn("reward {task.fields[reward]:.2f}  held-out {task.fields[acc]}  accepted {task.fields[acc_n]}"),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("train", total=cfg.steps, reward=0.0, acc="-", acc_n=0)
+        finished_at: float | None = None  # when the run was first seen finished
+        told = False
         stop = threading.Event()
         while not stop.wait(1.0):
             if time.monotonic() - t0 > cfg.timeout_s:
@@ -290,9 +293,43 @@ def _follow(url: str, cfg: DemoConfig, coord: _Proc, procs: list[_Proc], t0: flo
             evals = status["evals"]
             bar.update(task, completed=status["version"], reward=sum(recent) / len(recent) if recent else 0.0,
                        acc=f"{evals[-1]['accuracy']:.3f}" if evals else "-", acc_n=status["totals"]["accepted"])
-            if status["finished"] and evals and evals[-1]["version"] == status["version"]:
-                return status
+            if status["finished"]:
+                finished_at = finished_at or time.monotonic()
+                wait = final_evaluation(status, time.monotonic() - finished_at, cfg.final_eval_wait_s)
+                if wait.done:
+                    if wait.message:
+                        console.print(f"[yellow]{wait.message}[/]")
+                    return status
+                if not told:
+                    console.print(f"trained to v{status['version']}; waiting for its held-out evaluation "
+                                  f"(at most {cfg.final_eval_wait_s:.0f}s: the verifier may be busy)")
+                    told = True
     return None
+
+
+@dataclass(frozen=True)
+class FinalWait:
+    """Whether the demo stops waiting for the final version's held-out evaluation, and what it says if it got none."""
+
+    done: bool
+    message: str = ""
+
+
+def final_evaluation(status: dict[str, Any], waited_s: float, bound_s: float) -> FinalWait:
+    """A finished run's final held-out evaluation: recorded (done), reported skipped by the verifier (done, said),
+    past ``bound_s`` seconds of waiting (done, said), or still to wait for."""
+    version, evals = status["version"], status["evals"]
+    if evals and evals[-1]["version"] == version:
+        return FinalWait(True)
+    last = f"the last one is v{evals[-1]['version']}'s" if evals else "there is none"
+    skipped = status.get("roles", {}).get("verifier-0", {}).get("evaluations_skipped", [])
+    if version in skipped:
+        return FinalWait(True, f"the held-out evaluation of the final version v{version} was skipped (see the "
+                               f"coordinator's log); {last}")
+    if waited_s >= bound_s:
+        return FinalWait(True, f"no held-out evaluation of the final version v{version} within {bound_s:.0f}s of the "
+                               f"end of training (the verifier is busy or stopped); {last}")
+    return FinalWait(False)
 
 
 def _rejection_reasons(db: Path | str) -> dict[str, int]:
@@ -329,6 +366,7 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
         "reward_curve": status["reward_curve"],
         "eval_before": evals[0]["accuracy"] if evals else None,
         "eval_after": evals[-1]["accuracy"] if evals else None,
+        "eval_after_version": evals[-1]["version"] if evals else None,  # the final version's, unless it was not done
         "eval_prompts": evals[-1]["n"] if evals else 0,
         "eval_curve": [{"version": e["version"], "accuracy": e["accuracy"]} for e in evals],
         "mean_step_s": sum(s["metrics"]["step_s"] for s in steps) / max(1, len(steps)),

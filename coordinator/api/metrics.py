@@ -132,6 +132,12 @@ class StoreCollector(Collector):
         if last is not None:
             yield GaugeMetricFamily("echo_swarm_mean_reward", "Mean rollout reward of the last learner step.",
                                     value=last.mean_reward)
+        yield CounterMetricFamily("echo_swarm_result_recomputes", "Recomputes this API process asked of the "
+                                  "verifiers for results (since it started): one per result, however often "
+                                  "it is resent.", value=coord.recomputes)
+        yield CounterMetricFamily("echo_swarm_result_resends_joined", "Resends of a result that joined its "
+                                  "verification in flight (same client, job and body) instead of starting another "
+                                  "(since this process started).", value=coord.verdicts.joined)
         tally = coord.margins  # this API process's results
         if tally.buckets:
             margins = HistogramMetricFamily(

@@ -24,6 +24,7 @@ from coordinator.api.egress import SnapshotEgress
 from coordinator.api.guard import Guard
 from coordinator.api.issuer import Issuer
 from coordinator.api.replies import CoordinatorStatus
+from coordinator.api.verdicts import Verdicts
 from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
@@ -121,6 +122,8 @@ class Coordinator:
         # jobs whose result is being verified (job id → submissions in verification): never reissued meanwhile,
         # so a lease that runs out while the coordinator is busy verifying does not cost the honest holder
         self._verifying: dict[str, int] = {}
+        self.verdicts = Verdicts()  # results in verification, by sender, job and body hash: a resend joins one
+        self.recomputes = 0  # recomputes asked of the verifiers for results (/metrics)
         self.issuing_paused = False  # set by the operator (coordinator.api.admin): no new leases while True
         self._watcher: asyncio.Task[None] | None = None
         self._owns_files = False
@@ -254,6 +257,7 @@ class Coordinator:
             return SubmitResponse(accepted=False, job_id=sub.job_id, mean_reward=0.0, credit=0.0, total_credit=0.0)
 
     async def stop(self) -> None:
+        await self.verdicts.close()
         if self._watcher is not None and not self._watcher.done():  # (done: its event loop already ended)
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
@@ -449,22 +453,36 @@ class Coordinator:
                                     f"{bclass}; results are verified as the registered class. Send results from "
                                     f"the backend it registered with (or use a new identity for another backend)")
             earlier = self.store.results.get(sub.job_id)
-            if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
-                # the same client resending the same result (its first reply was lost): answer as before
-                client = self.store.clients.get(req.client_id)
-                return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
-                                      credit=float(earlier["n_tokens"]),
-                                      total_credit=float(client["credit"]) if client is not None else 0.0)
-            return await self._verify_and_accept(req.client_id, sub, len(req.body), content_sha)
         except ProtocolError as exc:
-            if exc.reason is Reason.UNAVAILABLE:
-                raise  # the coordinator's own shortfall: nothing is recorded against the client
-            self.store.results.record_rejection(req.client_id, job_id, exc.reason.value, exc.message, content_sha,
-                                                self.clock(), version)
-            if is_invalidating(exc.reason):
-                self.guard.record_invalid(req.client_id, self.clock())
-            logger.info("rejected result from %s for %s: %s", req.client_id[:8], job_id, exc)
+            self._refused(req.client_id, job_id, version, content_sha, exc)
             raise
+        if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
+            # the same client resending the same result (its first reply was lost): answer as before
+            client = self.store.clients.get(req.client_id)
+            return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
+                                  credit=float(earlier["n_tokens"]),
+                                  total_credit=float(client["credit"]) if client is not None else 0.0)
+        # a resend while the first copy is still being verified joins that verification (coordinator.api.verdicts)
+        return await self.verdicts.once((req.client_id, sub.job_id, content_sha), functools.partial(
+            self._verdict, req.client_id, sub, len(req.body), content_sha))
+
+    async def _verdict(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str) -> SubmitResponse:
+        """Verify a client's result and record the outcome, once for every copy of it that joins."""
+        try:
+            return await self._verify_and_accept(client_id, sub, size, content_sha)
+        except ProtocolError as exc:
+            self._refused(client_id, sub.job_id, sub.version, content_sha, exc)
+            raise
+
+    def _refused(self, client_id: str, job_id: str | None, version: int | None, content_sha: str,
+                 exc: ProtocolError) -> None:
+        if exc.reason is Reason.UNAVAILABLE:
+            return  # the coordinator's own shortfall: nothing is recorded against the client
+        self.store.results.record_rejection(client_id, job_id, exc.reason.value, exc.message, content_sha,
+                                            self.clock(), version)
+        if is_invalidating(exc.reason):
+            self.guard.record_invalid(client_id, self.clock())
+        logger.info("rejected result from %s for %s: %s", client_id[:8], job_id, exc)
 
     # -- trust boundary (logic in coordinator.api.guard) ----------------------------------------------------------
     def backend_class(self, client_id: str) -> str:
@@ -621,6 +639,7 @@ class Coordinator:
         """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass, by
         ``engine`` in ``precision``), and with the completions' keyed draws (``segments``) each token's
         keyed-sampler margin."""
+        self.recomputes += 1
         try:
             return await self.verifier.recompute_stats(prompts, completions, version, segments, engine=engine,
                                                        group=group, precision=precision)

@@ -7,6 +7,7 @@ job is simply leasable again, and the old lease id stops being accepted.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -75,11 +76,16 @@ def check_lease(job: LeaseView, client_id: str, lease_id: str, now: float) -> Le
     return LeaseCheck.OK
 
 
-def kept_versions(current: int, keep_last: int, jobs: list[LeaseView], now: float) -> set[int]:
-    """The published versions to keep on disk: the newest ``keep_last``, and every version a live lease is bound
-    to. Why the second part: a slow honest client's result is verified against its job's version, and pruning
-    that version under its lease would refuse the work for something the client did not do (its lease still
-    runs). A lease is bounded by ``jobs.lease_timeout_s``, so this keeps at most that long a few more folders."""
+def kept_versions(current: int, keep_last: int, jobs: list[LeaseView], now: float,
+                  evaluating: Iterable[int] = ()) -> set[int]:
+    """The published versions to keep on disk: the newest ``keep_last``, every version a live lease is bound
+    to, and every version whose held-out evaluation was asked and is not done yet (``evaluating``). Why the
+    second part: a slow honest client's result is verified against its job's version, and pruning that version
+    under its lease would refuse the work for something the client did not do (its lease still runs). A lease is
+    bounded by ``jobs.lease_timeout_s``, so this keeps at most that long a few more folders. Why the third: an
+    operator's held-out curve must not depend on the verifier keeping up with the learner (async runs step
+    faster than a busy verifier evaluates); those folders go once their evaluations are recorded."""
     keep = set(range(max(0, current - keep_last + 1), current + 1))
     keep.update(j.version for j in jobs if j.version is not None and j.version <= current and lease_live(j, now))
+    keep.update(v for v in evaluating if v <= current)
     return keep

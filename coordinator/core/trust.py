@@ -37,6 +37,14 @@ INVALIDATING: frozenset[Reason] = frozenset({
 })
 
 
+# refusals that return the job's result all the same: it was checked, and refused for the coordinator's own failing,
+# not the result's. Only these (and an accepted result) end a lease as returned (coordinator.store.job_rows): a
+# refusal the client can cause at will — a copy of an earlier result (duplicate_result), a late or mismatched
+# submission, a result broken on purpose — returns nothing that is trained, so it must not hide an abandoned lease
+# from the selective-reporting rule (coordinator.core.reporting)
+RETURNS_RESULT: frozenset[Reason] = frozenset({Reason.REWARD_FAILED})
+
+
 @dataclass(frozen=True)
 class TrustPolicy:
     """Parameters of the trust rules (see coordinator.config.TrustConfig for units and defaults)."""

@@ -518,10 +518,10 @@ class LearnerRole:
             await task
 
     def _prune(self, current: int) -> None:
-        """Bound the run directory: keep_last versions (and those under a live lease), the newest checkpoint,
-        keep_exports exports."""
+        """Bound the run directory: keep_last versions (and those under a live lease or waiting for their held-out
+        evaluation), the newest checkpoint, keep_exports exports."""
         keep = kept_versions(current, self.config.snapshots.keep_last, [j.view for j in self.store.jobs.active()],
-                             self.clock())
+                             self.clock(), self.store.work.versions("evaluate"))
         self.snapshots.prune(keep)
         self.checkpoints.prune(current)
         exports = self.run_dir / "exports"

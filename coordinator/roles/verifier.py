@@ -31,6 +31,7 @@ from coordinator.engine.llama_verifier import LlamaRecompute
 from coordinator.engine.lora import VersionLoader
 from coordinator.engine.verifier import Verifier
 from coordinator.errors import VersionGone
+from coordinator.holds import hold_async
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
 from coordinator.run.runfiles import wait_for_first_version
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 CLAIM_BATCH = 16
 #: Seconds between this worker's reports in the store (role status, claim renewals).
 REPORT_EVERY_S = 2.0
+#: Skipped held-out evaluations a verifier's role status lists (the newest)
+SKIPPED_SHOWN = 20
 #: Longest the evaluator waits, before each of its batches, for the verifier to have nothing to answer: under a
 #: steady stream of results an evaluation still advances a batch at least this often.
 EVAL_YIELD_MAX_S = 5.0
@@ -79,6 +82,7 @@ class VerifierWorker:
         self._preload: asyncio.Task[bool] | None = None
         self.evaluations = 0
         self.eval_s = 0.0
+        self.evaluations_skipped: list[int] = []  # versions whose held-out evaluation could not be done (newest last)
 
     async def start(self) -> None:
         import_backends()  # on this thread, before the verifier's and evaluator's threads load models
@@ -124,7 +128,8 @@ class VerifierWorker:
     def _report(self) -> None:
         self.store.role_status.set(self.name, {
             "pid": os.getpid(), "device": self.verifier.device, "at": time.time(), "in_flight": len(self._inflight),
-            "evaluations": self.evaluations, "eval_s": self.eval_s, **self.verifier.describe(),
+            "evaluations": self.evaluations, "eval_s": self.eval_s,
+            "evaluations_skipped": self.evaluations_skipped[-SKIPPED_SHOWN:], **self.verifier.describe(),
             **(self.llama.describe() if self.llama is not None else {})})
 
     async def run(self) -> None:
@@ -191,11 +196,12 @@ class VerifierWorker:
         item, kind, version = int(row["id"]), str(row["kind"]), int(row["version"])
         request = wire.unpack(row["request"], max_bytes=len(row["request"]))
         try:
+            if self.snapshots.signed_manifest(version) is None:  # published since the last look?
+                self.snapshots.observe(v.version for v in self.store.versions.all())
             if kind == "evaluate":
                 await self._evaluate(item, version)
                 return
-            if self.snapshots.signed_manifest(version) is None:  # published since the last look?
-                self.snapshots.observe(v.version for v in self.store.versions.all())
+            await hold_async(f"recompute-v{version}")  # a fault test's busy verifier (coordinator.holds)
             segments = segments_from_wire(request.get("segments"))
             if engine_from_wire(request.get("engine")) == "llama":
                 if self.llama is None:
@@ -221,10 +227,13 @@ class VerifierWorker:
     async def _evaluate(self, item: int, version: int) -> None:
         """A held-out evaluation of a published version, recorded in the store; nobody waits for the answer."""
         assert self.evaluator is not None
+        await hold_async(f"evaluate-v{version}")  # a fault test's slow evaluation (coordinator.holds)
         try:
             out = await asyncio.wrap_future(self.evaluator.submit(version, self.snapshots.folder(version)))
-        except (OSError, VersionGone) as exc:  # the version was pruned before (or while) it was evaluated
+        except (OSError, VersionGone) as exc:  # the learner keeps the version until this row is gone: a bug, a disk
             logger.warning("held-out evaluation of version %d skipped: %s", version, exc)
+            self.evaluations_skipped.append(version)
+            self._report()  # at once: whoever waits for this evaluation (echo-swarm demo) learns it will not come
         else:
             self.store.evals.record(out.version, out.accuracy, out.n, time.time())
             self.evaluations += 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from coordinator.core.jobs import JobPlan
 from coordinator.core.leases import JobState, LeaseView
+from coordinator.core.trust import RETURNS_RESULT
 from coordinator.store.db import Db, Row
 
 #: The job stream's lock (Db.lock): one writer at a time draws the next sequence number and inserts its job.
@@ -117,9 +118,13 @@ class Jobs:
     @staticmethod
     def _count_unreturned(db: Db, client_id: str, job_id: str) -> None:
         """A lease of ``client_id`` on ``job_id`` ended without its result: counted unless the client did send
-        one that was refused (a refused result was returned; the refusal is counted where it belongs)."""
+        one that was checked and refused for no fault of its own (core.trust.RETURNS_RESULT: a reward that
+        failed). Any other refusal — a copy of an earlier result, a late or broken one — returned nothing that
+        is trained, and counting it as a return would let a client hide the leases it abandons."""
+        marks = ",".join("?" * len(RETURNS_RESULT))
         db.execute("UPDATE clients SET unreturned=unreturned+1 WHERE client_id=? AND NOT EXISTS (SELECT 1 FROM "
-                   "rejections WHERE rejections.client_id=? AND rejections.job_id=?)", (client_id, client_id, job_id))
+                   f"rejections WHERE rejections.client_id=? AND rejections.job_id=? AND reason IN ({marks}))",
+                   (client_id, client_id, job_id, *sorted(r.value for r in RETURNS_RESULT)))
 
     def release(self, job_id: str, lease_id: str, client_id: str) -> bool:
         with self._light.transaction():  # as lease: a forgotten release only means the lease runs out

@@ -83,6 +83,11 @@ class WorkRows:
             cur = self._light.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(kinds))}){who}", args)
         return cur.rowcount
 
+    def versions(self, kind: WorkKind) -> set[int]:
+        """The versions that requests of ``kind`` not yet deleted by their requester or worker are about."""
+        rows = self._light.execute("SELECT DISTINCT version FROM work WHERE kind=?", (kind,)).fetchall()
+        return {int(r["version"]) for r in rows}
+
     def counts(self) -> dict[str, int]:
         rows = self._light.execute("SELECT state, COUNT(*) AS n FROM work GROUP BY state").fetchall()
         return {str(r["state"]): int(r["n"]) for r in rows}

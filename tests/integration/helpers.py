@@ -232,11 +232,11 @@ class RawClient:
         raw = body if isinstance(body, bytes) else wire.encode(body)
         return wire.encode(crypto.sign_request(self.key, path, raw, timestamp=timestamp or time.time()))
 
-    def send(self, path: str, data: bytes) -> tuple[int, bytes]:
+    def send(self, path: str, data: bytes, timeout: float = 60) -> tuple[int, bytes]:
         req = urllib.request.Request(self.url + path, data=data, method="POST",
                                      headers={"Content-Type": "application/msgpack"})
         try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, resp.read()
         except urllib.error.HTTPError as err:
             return err.code, err.read()

@@ -4,6 +4,7 @@ register a raw client, lease a job, generate an honest result with the real torc
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,7 +26,12 @@ from tests.integration.helpers import RawClient
 
 
 def register(live: LiveCoordinator, name: str = "test") -> RawClient:
-    client = RawClient(live.url)
+    return register_at(live.url, name)
+
+
+def register_at(url: str, name: str = "test") -> RawClient:
+    """A raw client registered with the coordinator at ``url`` (one in another process, too)."""
+    client = RawClient(url)
     status, raw = client.post("/v1/register", RegisterRequest(public_key=client.public_key,
                                                               profile=profile("torch", "cpu", name)))
     assert status == 200, raw
@@ -62,12 +68,17 @@ def fetch_snapshot(live: LiveCoordinator, version: int) -> int:
 
 def honest_result(live: LiveCoordinator, job: Job) -> ResultSubmission:
     """What an honest torch client returns for ``job``: the version's signed manifest is checked first."""
-    status, raw = RawClient(live.url).get(f"/v1/snapshots/{job.version}")
+    return honest_result_at(live.url, live.coordinator.public_key, live.run_dir, job)
+
+
+def honest_result_at(url: str, coordinator_key: bytes, run_dir: Path, job: Job) -> ResultSubmission:
+    """:func:`honest_result` for a coordinator at ``url`` with its key and run directory."""
+    status, raw = RawClient(url).get(f"/v1/snapshots/{job.version}")
     assert status == 200
-    manifest, _ = open_manifest(wire.decode(raw, SignedManifest), live.coordinator.public_key)
+    manifest, _ = open_manifest(wire.decode(raw, SignedManifest), coordinator_key)
     assert isinstance(manifest, Manifest)
     backend = TorchBackend(device="cpu", threads=1)
-    backend.load(live.run_dir / "snapshots" / f"v{job.version:06d}")
+    backend.load(run_dir / "snapshots" / f"v{job.version:06d}")
     samples = backend.generate(job, lambda: False)
     return ResultSubmission(
         job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash, seed=job.seed,

@@ -183,3 +183,10 @@ def test_kept_versions_are_the_window_and_every_live_leases_version() -> None:
     assert kept_versions(9, 4, [bound(2, 90.0)], now=100.0) == {6, 7, 8, 9}  # expired: pruned as usual
     done = view("d", JobState.DONE, 1, 0.0)
     assert kept_versions(2, 4, [done], now=100.0) == {0, 1, 2}
+
+
+def test_kept_versions_keep_every_version_waiting_for_its_evaluation() -> None:
+    """A held-out evaluation asked of a busy verifier must find its version still on disk, however far the learner
+    moved meanwhile; the newest is kept anyway, and a version not yet published is no reason to keep anything."""
+    assert kept_versions(9, 2, [], now=100.0, evaluating=[1, 5, 9]) == {1, 5, 8, 9}
+    assert kept_versions(9, 2, [], now=100.0, evaluating=[12]) == {8, 9}

@@ -302,7 +302,8 @@ def test_live_leases_counts_only_unexpired_leases(store: Store) -> None:
 
 def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> None:
     """What the selective-reporting rule reads: leases granted, and those that ended without a result from the
-    client — released, or run out and reissued — but not one whose result was sent and refused."""
+    client — released, or run out and reissued — but not one whose result was checked and refused for the
+    coordinator's own failing (a reward that failed on it)."""
     published(store, 5)
     registered(store, ALICE, BOB)
     assert lease(store, "j0", "L0", ALICE) and accept(store, "j0", "L0", ALICE)  # returned
@@ -312,12 +313,31 @@ def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> 
     assert lease(store, "j2", "L2b", BOB, now=T0 + 10)  # ran out, reissued: ALICE's lease ended without a result
     assert store.trust.lease_counts(ALICE) == (3, 2) and store.trust.lease_counts(BOB) == (1, 0)
     assert lease(store, "j3", "L3", ALICE)
-    store.results.record_rejection(ALICE, "j3", "choice_mismatch", "no", "e" * 64, T0)
-    assert store.jobs.release("j3", "L3", ALICE)  # refused, then released: it was returned
+    store.results.record_rejection(ALICE, "j3", "reward_failed", "no", "e" * 64, T0)
+    assert store.jobs.release("j3", "L3", ALICE)  # checked, refused for the reward's fault, released: returned
     assert not store.jobs.release("j3", "L3", ALICE)  # a release that changes nothing counts nothing
     assert lease(store, "nope", "Lx", ALICE) is False  # a lease that was not granted counts nothing
     assert store.trust.lease_counts(ALICE) == (4, 2) and store.trust.lease_counts("c" * 32) == (0, 0)
     assert {c.client_id: (c.leased, c.unreturned) for c in store.clients.all()}[ALICE] == (4, 2)
+
+
+def test_a_refusal_the_client_can_cause_does_not_return_its_lease(store: Store) -> None:
+    """An identity that sends a copy of its own earlier result (409 duplicate_result) to each job it wants to drop,
+    or a result broken on purpose, and then releases the job, returned nothing that is trained: each of those
+    leases counts as unreturned, released or run out, so the selective-reporting rule sees every one."""
+    published(store, 5)
+    registered(store, ALICE, BOB)
+    assert lease(store, "j0", "L0", ALICE) and accept(store, "j0", "L0", ALICE)
+    for job, reason in (("j1", "duplicate_result"), ("j2", "choice_mismatch"), ("j3", "lease_expired")):
+        assert lease(store, job, f"L{job}", ALICE, deadline=T0 + 10)
+        store.results.record_rejection(ALICE, job, reason, "no", "e" * 64, T0)
+    assert store.jobs.release("j1", "Lj1", ALICE) and store.jobs.release("j2", "Lj2", ALICE)
+    assert lease(store, "j3", "L3b", BOB, now=T0 + 10)  # ran out after its refusal, reissued
+    assert store.trust.lease_counts(ALICE) == (4, 3) and store.trust.lease_counts(BOB) == (1, 0)
+    # only the refused client's own refusal counts for it: BOB's lease on j3 is judged by BOB's
+    store.results.record_rejection(BOB, "j3", "reward_failed", "no", "f" * 64, T0 + 11)
+    assert store.jobs.release("j3", "L3b", BOB)
+    assert store.trust.lease_counts(BOB) == (1, 0)
 
 
 # ---- results --------------------------------------------------------------------------------------------
