@@ -32,6 +32,10 @@ class JoinConfig(BaseModel):
                          "the llama extra, built for Metal/CUDA/CPU as the README explains), 'torch' (needs the torch "
                          "extra), or 'auto' (llama where installed, else torch).")
     device: str = Field("auto", description="'auto' picks CUDA, then Apple MPS, then CPU; or cpu, cuda, mps.")
+    torch_dtype: Literal["float32", "bfloat16"] = Field("float32", description="What the torch backend computes in: "
+                                                        "bfloat16 needs half the memory (a 7 B model fits a 16 GB "
+                                                        "GPU only so); the coordinator checks such results against "
+                                                        "its own bf16 replay of them.")
     threads: int | None = Field(None, ge=1, description="CPU threads for generation; unset: the backend's choice.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
     max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted results (this session).")
