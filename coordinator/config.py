@@ -480,6 +480,20 @@ LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
     f"llama-{p}": BackendTolerance(mean_tol=0.05, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA) for p in GGUF_PRECISIONS
 }
 
+# torch clients computing in bf16 (class "torch-bf16"), recomputed by the verifier in bf16 replaying the client's
+# generations (coordinator.engine.torch_replay: prefill together, then one token at a time, same rows). Source:
+# bench/choice_calibration.py --classes torch-bf16 --verifier own and tests/integration/test_torch_replay.py
+# (docs/benchmarks.md, "torch in bf16"): on the same kind of CPU the replay has the client's logits bit for bit —
+# margins 0, |Δ logprob| 0. What the replay cannot make equal is other hardware (a CUDA or MPS bf16 client against a
+# CPU verifier: unmeasured, docs/security.md §4); on one CPU, bf16 arithmetic in another schedule (one teacher-forced
+# pass) moved honest tokens by up to 0.047 logit and 0.11 nats, so the class gets the llama.cpp classes' 0.1 (about
+# twice that), not torch's 0.02. Judged by the float32 pass instead, honest bf16 results had margins up to 0.18 and
+# were refused at torch's 0.02: a bf16 result must be recomputed in bf16.
+CHOICE_TOL_TORCH_BF16 = 0.1
+TORCH_TOLERANCES: dict[str, BackendTolerance] = {
+    "torch-bf16": BackendTolerance(mean_tol=0.05, max_tol=1.0, choice_tol=CHOICE_TOL_TORCH_BF16),
+}
+
 
 def _cuda_device(device: str) -> bool:
     """'cuda' or 'cuda:K'."""
@@ -545,11 +559,12 @@ class VerificationConfig(_Strict):
                                                     "and compute in bf16 (as learner.mixed_precision does); the "
                                                     "tolerances above are unchanged.")
     backend_tolerances: dict[str, BackendTolerance] = Field(
-        default_factory=lambda: dict(LLAMA_TOLERANCES),
-        description="Per backend class ('llama-f16', 'llama-q4_K_M', ...: 'llama-' and a snapshots.gguf precision): "
-        "tolerances that replace the two above for results from llama.cpp clients, which the verifier recomputes "
-        "with llama.cpp on the GGUF file they ran. The class is derived from snapshots.gguf, which the "
-        "coordinator controls, never from the client's word.")
+        default_factory=lambda: LLAMA_TOLERANCES | TORCH_TOLERANCES,
+        description="Per backend class ('llama-f16', 'llama-q4_K_M', ...: 'llama-' and a snapshots.gguf precision; "
+        "'torch-bf16'): tolerances that replace the ones above for results from llama.cpp clients, which the "
+        "verifier recomputes with llama.cpp on the GGUF file they ran, and from torch clients computing in bf16, "
+        "whose generations it replays in bf16. The class is derived from what the coordinator controls, never from "
+        "the client's word.")
 
     @model_validator(mode="after")
     def _ranks_need_fsdp_placement(self) -> VerificationConfig:
@@ -575,6 +590,16 @@ class VerificationConfig(_Strict):
             if tol is not None:
                 return tol.mean_tol, tol.max_tol
         return self.logprob_mean_tol, self.logprob_max_tol
+
+    def class_tolerance(self, recompute_class: str) -> BackendTolerance:
+        """The tolerances of results recomputed as ``recompute_class`` ('torch', 'torch-bf16', 'llama-q8_0', ...:
+        coordinator.core.trust.recompute_class): its backend_tolerances entry (a missing choice_tol: choice_tol),
+        else the torch tolerances above."""
+        tol = self.backend_tolerances.get(recompute_class)
+        if tol is None:
+            return BackendTolerance(mean_tol=self.logprob_mean_tol, max_tol=self.logprob_max_tol,
+                                    choice_tol=self.choice_tol)
+        return tol if tol.choice_tol is not None else tol.model_copy(update={"choice_tol": self.choice_tol})
 
     def choice_tolerance(self, backend_class: str, gguf: str) -> float:
         """The largest keyed-sampler margin accepted from ``backend_class`` (pinned, as for :meth:`tolerances`)."""
