@@ -23,15 +23,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from coordinator.core.verify import TokenStats
-from coordinator.engine.verifier import VerifierStats
-from coordinator.errors import VersionGone
-from shared.adapters import load_weights_in_place, read_model
+from coordinator.engine.verifier import Verifier, VerifierStats
 from shared.policy import replay_stats
 from shared.sampler import Segment
 
@@ -51,15 +48,14 @@ class TorchReplay:
                  temperature: float, pad_id: int, cached_versions: int = 1,
                  load_first: Callable[[Path, str, str], Any] | None = None,
                  load_into: Callable[[Any, Path], None] | None = None) -> None:
-        self._folder_of = folder_of
         self.dtype = dtype
-        self.device = device
         self.temperature = temperature
         self.pad_id = pad_id
-        self._cached = max(1, cached_versions)
-        self._load_first = load_first or read_model
-        self._load_into = load_into or load_weights_in_place
-        self._models: OrderedDict[int, Any] = OrderedDict()  # version → replica, most recently used last
+        # the replicas at ``dtype``, kept and loaded as the verifier keeps its own (never started: no thread of its
+        # own, its replicas are only read here, on the calling verifier's thread)
+        self._replicas = Verifier(folder_of, device=device, dtype=dtype, temperature=temperature, pad_id=pad_id,
+                                  stop_ids=[], cached_versions=cached_versions, load_first=load_first,
+                                  load_into=load_into)
         self._lock = threading.Lock()
         self.stats = VerifierStats()
 
@@ -67,10 +63,11 @@ class TorchReplay:
                         segments: Sequence[Sequence[Segment]] | None) -> TokenStats:
         """Logprobs, entropy, surprisal variance, largest logprob and (with ``segments``) keyed margins of each
         completion token under ``version``, as the client computed them (shared.policy.replay_stats: the segments say
-        which rows were generated together). Raises VersionGone if the version is not (or no longer) published."""
+        which rows were generated together). Raises VersionGone if the version is not (or no longer) published.
+        Call it on the verifier's thread (Verifier.run)."""
         with self._lock:
             t0 = time.monotonic()
-            model = self._model_at(version)
+            model = self._replicas.model_at(version)
             stats = replay_stats(model, prompts, completions, temperature=self.temperature, pad_id=self.pad_id,
                                  segments=segments)
             logprobs, entropy, variance, top = ([row[: len(c)] for row, c in zip(t.tolist(), completions, strict=True)]
@@ -82,33 +79,11 @@ class TorchReplay:
             self.stats.recompute_s += time.monotonic() - t0
         return TokenStats(logprobs, entropy, variance, top, margins)
 
-    def _model_at(self, version: int) -> Any:
-        if version in self._models:
-            self._models.move_to_end(version)
-            return self._models[version]
-        folder = self._folder_of(version)
-        if folder is None:
-            raise VersionGone(f"policy version {version} is no longer kept for verification")
-        t0 = time.monotonic()
-        try:
-            if len(self._models) >= self._cached:  # the least recently used replica's memory, rewritten in place
-                _, model = self._models.popitem(last=False)
-                self._load_into(model, folder)
-            else:
-                model = self._load_first(folder, self.device, self.dtype)
-        except FileNotFoundError:  # pruned between the lookup and the read
-            raise VersionGone(f"policy version {version} is no longer kept for verification") from None
-        self._models[version] = model.eval()
-        self.stats.loads += 1
-        self.stats.load_s += time.monotonic() - t0
-        logger.info("torch %s replay loaded version %d", self.dtype, version)
-        return model
-
     def close(self) -> None:
         with self._lock:
-            self._models.clear()
+            self._replicas.close()
 
     def describe(self) -> dict[str, float]:
-        s, tag = self.stats, "torch_" + {"float32": "f32", "bfloat16": "bf16"}[self.dtype]
-        return {f"{tag}_results": s.results, f"{tag}_recompute_s": s.recompute_s, f"{tag}_loads": s.loads,
-                f"{tag}_load_s": s.load_s}
+        s, loads, tag = self.stats, self._replicas.stats, "torch_" + {"float32": "f32", "bfloat16": "bf16"}[self.dtype]
+        return {f"{tag}_results": s.results, f"{tag}_recompute_s": s.recompute_s, f"{tag}_loads": loads.loads,
+                f"{tag}_load_s": loads.load_s}
