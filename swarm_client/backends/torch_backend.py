@@ -57,11 +57,11 @@ class TorchBackend:
         """``dtype``: what the model computes in, "float32" or "bfloat16" (half the memory: a 7 B policy fits a 16 GB
         card only so). The coordinator recomputes a bf16 client's results in bf16, replaying its generations
         (coordinator.engine.torch_replay); :attr:`precision` is how the lease names it."""
-        import torch
-
         if dtype not in TORCH_PRECISIONS:
             raise ValueError(f"torch dtype {dtype!r} is not one the coordinator can verify: choose "
                              f"{' or '.join(TORCH_PRECISIONS)}")
+        import torch
+
         # seconds of torch and transformers imports: taken while the client starts (and, started with its
         # coordinator, waits for it), not when the first job is waiting
         import_backends()

@@ -151,6 +151,32 @@ def test_llama_classes_get_their_choice_tolerance() -> None:
     assert v.choice_tolerance("llama/cpu", "f16") == 0.03  # no choice_tol in the class: the general one
 
 
+def test_recompute_classes_get_their_tolerances_and_engines() -> None:
+    """class_tolerance reads a recompute class's entry (torch-bf16 by default: the bf16 replay's 0.1), falls back to
+    the torch tolerances for "torch" and for a class without an entry; the work queue names the bf16 replay's engine
+    and refuses a name it does not know."""
+    from coordinator.config import CHOICE_TOL_TORCH_BF16
+    from coordinator.run.workqueue import engine_from_wire
+
+    v = VerificationConfig()
+    assert v.class_tolerance("torch-bf16").choice_tol == CHOICE_TOL_TORCH_BF16
+    assert (v.class_tolerance("torch").mean_tol, v.class_tolerance("torch").choice_tol) == (0.05, v.choice_tol)
+    custom = VerificationConfig(choice_tol=0.03, backend_tolerances={"torch-bf16": {"mean_tol": 0.02, "max_tol": 0.5}})
+    assert custom.class_tolerance("torch-bf16").choice_tol == 0.03  # no choice_tol in the entry: the general one
+    assert custom.class_tolerance("llama-q8_0").max_tol == custom.logprob_max_tol  # replaced dict: no entry
+    assert [engine_from_wire(e) for e in (None, "torch", "torch-bf16", "llama")] == ["torch", "torch", "torch-bf16",
+                                                                                    "llama"]
+    with pytest.raises(ValueError, match="unknown recompute engine 'torch-fp8'"):
+        engine_from_wire("torch-fp8")
+
+
+def test_torch_dtype_is_checked_before_anything_loads() -> None:
+    from swarm_client.backends import make_backend
+
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        make_backend("torch", device="cpu", torch_dtype="float16")
+
+
 def test_log_softmax_is_tempered_and_normalised() -> None:
     import numpy as np
 
