@@ -151,7 +151,8 @@ class Decoder:
     (:func:`completion_stats`) rounds differently from one-token decoding, and the batch's rows and width change the
     kernels too: measured on the tiny model, a bf16 client's keyed choices were off the teacher-forced bf16
     recompute's by up to 0.047 logit and its logprobs by 0.11 nats; replayed with this schedule (same rows, same
-    padding, same steps), margins and logprobs were the client's to the bit (docs/benchmarks.md, "torch in bf16")."""
+    padding, same steps), margins and logprobs were the client's to the bit (docs/benchmarks.md, "torch clients
+    computing in bf16")."""
 
     def __init__(self, model: Any, seqs: Sequence[Sequence[int]], pad_id: int) -> None:
         self.model = model

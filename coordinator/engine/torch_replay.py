@@ -2,14 +2,14 @@
 a consumer GPU in float32), replaying the client's own evaluations.
 
 Why not the verifier's float32 pass: against it, a bf16 client's honest gap is bf16 rounding — keyed margins up to
-0.18 logit and single-token |Δ logprob| up to 0.52 nats on the tiny model (docs/benchmarks.md, "torch in bf16"), so
-its tolerance would have to be ten times torch's. Why not one bf16 teacher-forced pass either: bf16 results depend on
-the schedule (a batched pass rounds otherwise than one-token decoding, and a batch's rows and width change the
-kernels: up to 0.047 logit and 0.11 nats on the same CPU). So, as coordinator.engine.llama_verifier does for
-llama.cpp, the verifier replays what the client ran — shared.policy.replay_stats: every generation's rows prefilled
-together, then one token at a time on the KV cache, in the same dtype — and on the same kind of CPU has the client's
-logits bit for bit. What is left for the tolerance is other hardware (a CUDA or MPS bf16 client against a CPU
-verifier: unmeasured, docs/security.md §4).
+0.53 logit and single-token |Δ logprob| up to 0.61 nats on the tiny models (docs/benchmarks.md, "torch clients
+computing in bf16"), so its tolerance would have to be 25 times torch's. Why not one bf16 teacher-forced pass
+either: bf16 results depend on the schedule (a batched pass rounds otherwise than one-token decoding, and a batch's
+rows and width change the kernels: up to 0.047 logit and 0.11 nats on the same CPU). So, as
+coordinator.engine.llama_verifier does for llama.cpp, the verifier replays what the client ran —
+shared.policy.replay_stats: every generation's rows prefilled together, then one token at a time on the KV cache, in
+the same dtype — and on the same kind of CPU has the client's logits bit for bit. What is left for the tolerance is
+other hardware (a CUDA or MPS bf16 client against a CPU verifier: unmeasured, docs/security.md §4).
 
 The replica is loaded as the client loads it (a float32 or bf16 snapshot rounded to ``dtype`` when read, the same
 tensors and buffers as transformers' ``from_pretrained(dtype=...)``; a LoRA version through the role's loaders).

@@ -109,7 +109,7 @@ def test_an_honest_bf16_client_is_its_own_replay(client: Any, replay: TorchRepla
     # replayed in the client's dtype and schedule: the client's logits bit for bit
     assert worst["replay"] == 0.0 and worst_lp["replay"] == 0.0, (worst, worst_lp)
     # the float32 pass sees bf16 rounding: honest bf16 results would need more than torch's tolerance (measured up
-    # to 0.18 logit, docs/benchmarks.md "torch in bf16") ...
+    # to 0.53 logit, docs/benchmarks.md "torch clients computing in bf16") ...
     assert worst["f32 pass"] > CHOICE_TOL_TORCH / TEMPERATURE, worst
     # ... and one bf16 teacher-forced pass is not the client's arithmetic: the schedule matters, hence the replay
     assert worst["bf16 pass"] > 0.0 or worst_lp["bf16 pass"] > 0.0, (worst, worst_lp)
