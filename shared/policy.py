@@ -474,7 +474,8 @@ def replay_stats(
     generations: dict[int, list[tuple[int, int, int, int]]] = {}  # key → (rollout, completion, offset, count)
     for b, row in enumerate(draws):
         for key, rollout, offset, count in row:
-            if count > 0:
+            count = min(count, len(completions[b]) - offset)  # a draw past the completion's end has no token
+            if count > 0 and offset >= 0:
                 generations.setdefault(key, []).append((rollout, b, offset, count))
     device = next(model.parameters()).device
     c_ids, c_mask = _right_pad(completions, pad_id, device)
