@@ -404,9 +404,7 @@ def main() -> None:
     def tolerance(cls: str) -> float:
         """The class's keyed tolerance; torch-bf16 judged by the float32 pass (--verifier torch) gets torch's."""
         own_class = cls.startswith("llama-") or (cls == "torch-bf16" and args.verifier == "own")
-        choice = vcfg.class_tolerance(cls if own_class else "torch").choice_tol
-        assert choice is not None
-        return choice
+        return vcfg.choice_tolerance(cls if own_class else "torch")
 
     own_judges: dict[str, tuple[Any, float]] = {}
 

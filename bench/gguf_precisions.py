@@ -1,5 +1,6 @@
 """What each GGUF precision costs a llama.cpp volunteer: file bytes per parameter, the client's memory once loaded,
-its decode speed, and how long the coordinator takes to make the file — measured on one model, projected to 7 B.
+its decode speed (and the raw llama.cpp loop's beside it), how long the coordinator takes to make the file and to
+recompute a result on it — measured on one model, projected to 7 B.
 
     PYTHONPATH=. nice -n 5 python bench/gguf_precisions.py [--model qwen0.5b | --model-dir DIR]
         [--precisions f16,q8_0,q6_K,q5_K_M,q4_K_M,q4_0] [--threads 2] [--tokens 64] [--json out.json]
@@ -38,12 +39,29 @@ b = LlamaBackend(device="cpu", threads=threads)
 t0 = time.monotonic(); b.load(folder); load_s = time.monotonic() - t0
 prompt = list(range(3, 35))
 b.sample(prompt, temperature=1.0, max_tokens=4, stop_ids=frozenset({-1}), key=1, rollout=0)  # warm
-t0 = time.monotonic(); n = 0
-for r in range(4):
-    n += len(b.sample(prompt, temperature=1.0, max_tokens=tokens, stop_ids=frozenset({-1}), key=2, rollout=r).token_ids)
+t0 = time.monotonic(); samples = []
+for r in range(4):  # one group: the first rollout prefills the prompt, the others reuse its cache (as a job's)
+    samples.append(b.sample(prompt, temperature=1.0, max_tokens=tokens, stop_ids=frozenset({-1}), key=2, rollout=r,
+                            fresh=r == 0).token_ids)
+ours = sum(map(len, samples)) / (time.monotonic() - t0)
 # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's peak at fork (the bench holds a float32 model)
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"load_s": load_s, "tokens_per_s": n / (time.monotonic() - t0), "peak_rss": hwm * 1024}))
+# raw llama.cpp: the library's own sampler and generation loop on the same model, prompt and lengths
+llm, m = b.llm, 0
+t0 = time.monotonic()
+for r in range(4):
+    for i, _ in enumerate(llm.generate(prompt, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, reset=True)):
+        m += 1
+        if i + 1 >= tokens:
+            break
+raw = m / (time.monotonic() - t0)
+# the verifier's llama.cpp recompute of that group (coordinator.engine.llama_verifier: replaying its evaluations)
+from coordinator.engine.llama_verifier import LlamaRecompute
+rec = LlamaRecompute(lambda v: folder, temperature=1.0, threads=threads)
+rec.recompute_stats(0, [prompt], samples[:1], None)  # loads the file: timed apart (load_s), once per version
+t0 = time.monotonic(); rec.recompute_stats(0, [prompt] * 4, samples, None, group=4); verify_s = time.monotonic() - t0
+print(json.dumps({"load_s": load_s, "tokens_per_s": ours, "raw_tokens_per_s": raw, "peak_rss": hwm * 1024,
+                  "verify_s": verify_s, "samples": samples, "prompt": prompt}))
 """
 
 
@@ -63,6 +81,28 @@ def build_qwen05(out: Path) -> Path:
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     return out
+
+
+_TORCH: dict[str, object] = {}
+
+
+def torch_verify_s(model_dir: Path, prompt: list[int], samples: list[list[int]], threads: int) -> float:
+    """Seconds of the torch verifier's recompute (shared.policy.completion_stats, one batched float32 pass, the
+    prompt shared) of the same group — what a llama.cpp result cost the verifier before issue 36."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.policy import completion_stats
+
+    torch.set_num_threads(threads)
+    model = _TORCH.get(str(model_dir))
+    if model is None:
+        model = _TORCH[str(model_dir)] = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    prompts = [prompt] * len(samples)
+    completion_stats(model, prompts[:1], samples[:1], temperature=1.0, pad_id=0)  # warm
+    t0 = time.monotonic()
+    completion_stats(model, prompts, samples, temperature=1.0, pad_id=0, share_prompts=True)
+    return time.monotonic() - t0
 
 
 def main() -> None:
@@ -107,16 +147,21 @@ def main() -> None:
             rss = measured["peak_rss"]
             row = {"precision": precision, "bytes": size, "bytes_per_param": size / params, "made_s": made_s,
                    "client_peak_rss": rss, "tokens_per_s": measured["tokens_per_s"], "load_s": measured["load_s"],
+                   "raw_tokens_per_s": measured["raw_tokens_per_s"], "llama_verify_s": measured["verify_s"],
+                   "torch_verify_s": torch_verify_s(model_dir, measured["prompt"], measured["samples"], args.threads),
                    "est_7b_bytes": size / params * PARAMS_7B + max(0, rss - size)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             (folder / "model.gguf").unlink()
     print(f"\n{params / 1e6:.0f} M parameters ({model_dir.name})\n")
-    print("| precision | GGUF bytes | bytes/param | made in | client peak memory | decode tokens/s | est. 7 B memory |")
-    print("|---|---|---|---|---|---|---|")
+    print("| precision | GGUF bytes | bytes/param | made in | client peak memory | decode tokens/s (÷ raw llama.cpp) "
+          "| verifier s per group: llama.cpp replay / torch float32 | est. 7 B memory |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['precision']} | {r['bytes'] / 2**20:,.0f} MiB | {r['bytes_per_param']:.3f} | {r['made_s']:.1f} s | "
-              f"{r['client_peak_rss'] / 2**30:.2f} GiB | {r['tokens_per_s']:.1f} | {r['est_7b_bytes'] / 2**30:.1f} GiB |")
+              f"{r['client_peak_rss'] / 2**30:.2f} GiB | {r['tokens_per_s']:.1f} "
+              f"({r['tokens_per_s'] / r['raw_tokens_per_s']:.2f}) | {r['llama_verify_s']:.2f} / "
+              f"{r['torch_verify_s']:.2f} | {r['est_7b_bytes'] / 2**30:.1f} GiB |")
     if args.json:
         args.json.write_text(json.dumps({"params": params, "rows": rows}, indent=2))
 

@@ -560,11 +560,11 @@ class VerificationConfig(_Strict):
                                                     "tolerances above are unchanged.")
     backend_tolerances: dict[str, BackendTolerance] = Field(
         default_factory=lambda: LLAMA_TOLERANCES | TORCH_TOLERANCES,
-        description="Per backend class ('llama-f16', 'llama-q4_K_M', ...: 'llama-' and a snapshots.gguf precision; "
-        "'torch-bf16'): tolerances that replace the ones above for results from llama.cpp clients, which the "
-        "verifier recomputes with llama.cpp on the GGUF file they ran, and from torch clients computing in bf16, "
-        "whose generations it replays in bf16. The class is derived from what the coordinator controls, never from "
-        "the client's word.")
+        description="Per recompute class ('llama-f16', 'llama-q4_K_M', ...: 'llama-' and a published GGUF "
+        "precision; 'torch-bf16'): tolerances that replace the ones above for results recomputed that way — "
+        "llama.cpp clients' results, recomputed with llama.cpp on the very GGUF file their lease named, and torch "
+        "clients' computed in bf16, whose generations the verifier replays in bf16. The class follows from the "
+        "identity's pinned backend and the lease's precision, which must be one the run offers.")
 
     @model_validator(mode="after")
     def _ranks_need_fsdp_placement(self) -> VerificationConfig:
@@ -581,33 +581,17 @@ class VerificationConfig(_Strict):
                              f"'cuda' or 'cuda:K', not {self.device!r}")
         return self
 
-    def tolerances(self, backend_class: str, gguf: str) -> tuple[float, float]:
-        """(mean, max) |Δ logprob| allowed for a result from an identity of ``backend_class`` (the class the
-        coordinator pinned at registration, e.g. 'llama/cpu'; never the result's own claim) when GGUFs are
-        published at ``gguf``. A bare backend name ('llama') is read as its class."""
-        if backend_class.split("/", 1)[0] == "llama":
-            tol = self.backend_tolerances.get(f"llama-{gguf}")
-            if tol is not None:
-                return tol.mean_tol, tol.max_tol
-        return self.logprob_mean_tol, self.logprob_max_tol
+    def tolerances(self, rclass: str) -> tuple[float, float]:
+        """(mean, max) |Δ logprob| allowed for a result recomputed as ``rclass`` (core.trust.recompute_class:
+        "torch", "llama-q4_K_M", ... — from the identity's pinned class and the precision its lease named, never
+        from the result's own claim)."""
+        tol = self.backend_tolerances.get(rclass)
+        return (tol.mean_tol, tol.max_tol) if tol is not None else (self.logprob_mean_tol, self.logprob_max_tol)
 
-    def class_tolerance(self, recompute_class: str) -> BackendTolerance:
-        """The tolerances of results recomputed as ``recompute_class`` ('torch', 'torch-bf16', 'llama-q8_0', ...:
-        coordinator.core.trust.recompute_class): its backend_tolerances entry (a missing choice_tol: choice_tol),
-        else the torch tolerances above."""
-        tol = self.backend_tolerances.get(recompute_class)
-        if tol is None:
-            return BackendTolerance(mean_tol=self.logprob_mean_tol, max_tol=self.logprob_max_tol,
-                                    choice_tol=self.choice_tol)
-        return tol if tol.choice_tol is not None else tol.model_copy(update={"choice_tol": self.choice_tol})
-
-    def choice_tolerance(self, backend_class: str, gguf: str) -> float:
-        """The largest keyed-sampler margin accepted from ``backend_class`` (pinned, as for :meth:`tolerances`)."""
-        if backend_class.split("/", 1)[0] == "llama":
-            tol = self.backend_tolerances.get(f"llama-{gguf}")
-            if tol is not None and tol.choice_tol is not None:
-                return tol.choice_tol
-        return self.choice_tol
+    def choice_tolerance(self, rclass: str) -> float:
+        """The largest keyed-sampler margin accepted from a result recomputed as ``rclass`` (as :meth:`tolerances`)."""
+        tol = self.backend_tolerances.get(rclass)
+        return tol.choice_tol if tol is not None and tol.choice_tol is not None else self.choice_tol
 
 
 #: What an old config may still name from the spot-check era, and why it is refused rather than ignored: a key
@@ -745,6 +729,12 @@ class SnapshotConfig(_Strict):
         "llama-cpp-python on the coordinator). Every precision is checked equally tightly: a llama.cpp result "
         "is recomputed by llama.cpp on the very file the client ran (coordinator.engine.llama_verifier). q4_K_M "
         "is ~0.31x the bytes of f16: a 7 B policy in ~4.4 GB, for 8 GB GPUs and 16 GB Macs (README).")
+    gguf_also: list[Literal["f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"]] = Field(
+        default_factory=list, max_length=6, description="More precisions offered beside snapshots.gguf, each "
+        "published per version as model.<precision>.gguf (with its own patches), e.g. ['q4_K_M'] so that 8 GB "
+        "volunteers can join a 7 B run that others run at f16. A llama.cpp client takes the best offered "
+        "precision that fits its memory (`join --precision auto`) and names it in its lease; its result is "
+        "recomputed on that very file. Full-weight runs only (a LoRA run publishes one base GGUF).")
     deltas: bool = Field(True, description="Also publish each full-weight version's model.safetensors and model.gguf "
                          "as a patch against the previous version (changed elements only, zstd; docs/protocol.md §6), "
                          "so a client holding that version downloads a few per cent of the file instead of all of it. "
@@ -767,6 +757,22 @@ class SnapshotConfig(_Strict):
     piece_kib: int = Field(16384, ge=64, le=262144, description="Piece size of the per-piece hashes in manifests "
                            "(KiB, a power of two): a client fetching from peers checks each piece as it arrives, so a "
                            "bad peer costs at most one piece.")
+
+    @model_validator(mode="after")
+    def _offered_once(self) -> SnapshotConfig:
+        if self.gguf_also and self.gguf == "off":
+            raise ValueError(f"snapshots.gguf_also = {self.gguf_also} offers precisions beside snapshots.gguf, which "
+                             f"is 'off': set snapshots.gguf to the default precision (e.g. 'f16'), or gguf_also = []")
+        repeated = sorted({p for p in self.gguf_also if p == self.gguf or self.gguf_also.count(p) > 1})
+        if repeated:
+            raise ValueError(f"snapshots.gguf_also names {', '.join(repeated)} twice (snapshots.gguf is "
+                             f"{self.gguf!r}, published anyway): list each further precision once")
+        return self
+
+    def offered(self) -> tuple[str, ...]:
+        """Every GGUF precision a version is published in, the default (snapshots.gguf, ``model.gguf``) first;
+        () when the run publishes no GGUF."""
+        return () if self.gguf == "off" else (self.gguf, *self.gguf_also)
 
     @field_validator("lag_tolerance")
     @classmethod
@@ -944,6 +950,14 @@ class CoordinatorConfig(_Strict):
                                  f"per result; the limit is {MAX_MESSAGE_BYTES // 2**20} MiB. Lower "
                                  f"jobs.prompts_per_job, task.max_turns, "
                                  f"sampling.max_tokens or task.max_observation_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _one_base_gguf_for_lora(self) -> CoordinatorConfig:
+        if self.learner.lora_rank > 0 and self.snapshots.gguf_also:
+            raise ValueError(f"snapshots.gguf_also = {self.snapshots.gguf_also} is for full-weight runs: a LoRA run "
+                             f"publishes one base GGUF (snapshots.gguf) and per-version adapters; set gguf_also = [] "
+                             f"or learner.lora_rank = 0")
         return self
 
     @model_validator(mode="after")

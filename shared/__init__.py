@@ -4,5 +4,5 @@ Nothing in this package imports torch or transformers at module import time, so 
 or a status tool can use it without the learner's dependencies.
 """
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any incompatible change to a message or endpoint; both sides refuse a mismatch."""

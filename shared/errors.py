@@ -48,6 +48,7 @@ class Reason(StrEnum):
     REWARD_CLAIMED = "reward_claimed"  # a result reports a reward: rewards are computed by the coordinator
     ENVIRONMENT_MISMATCH = "environment_mismatch"  # the client's environment code differs from the job's
     REWARD_FAILED = "reward_failed"  # the run's reward function failed on this result (not the client's fault)
+    PRECISION_NOT_OFFERED = "precision_not_offered"  # a lease asks for a precision this run does not publish
     QUARANTINED = "quarantined"  # too many invalid results in a row; no work until the quarantine ends
     RATE_LIMITED = "rate_limited"  # too many requests from this identity or address; slow down
     REGISTRATION_CLOSED = "registration_closed"  # private swarm: a valid invite token is needed to register
@@ -95,6 +96,7 @@ HTTP_STATUS: dict[Reason, int] = {
     Reason.REWARD_CLAIMED: 422,
     Reason.ENVIRONMENT_MISMATCH: 409,
     Reason.REWARD_FAILED: 422,
+    Reason.PRECISION_NOT_OFFERED: 409,
     Reason.QUARANTINED: 403,
     Reason.RATE_LIMITED: 429,
     Reason.REGISTRATION_CLOSED: 403,

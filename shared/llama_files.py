@@ -6,7 +6,9 @@ needs the same model built the same way on both sides: the same file, the same c
 arithmetic (batch size, KV-cache type), the same LoRA application. So both open files through here.
 
 A version is either one full GGUF (``model.gguf``) or a base GGUF shared by a LoRA run's versions plus the
-version's adapter (``base.gguf`` + ``adapter.gguf``).
+version's adapter (``base.gguf`` + ``adapter.gguf``). A run that offers more precisions than its default
+(snapshots.gguf_also) publishes each of them beside it as ``model.<precision>.gguf`` (:func:`gguf_name`); a client
+downloads only the one its lease names, so its folder holds one model file whichever it is.
 """
 
 from __future__ import annotations
@@ -33,13 +35,33 @@ def gguf_precision(path: Path) -> str:
     return FILE_TYPES.get(int(field.parts[-1][0]), "other") if field is not None else "f32"
 
 
-def version_files(folder: Path, base_dir: Path | None = None) -> tuple[Path, Path | None]:
+def gguf_name(precision: str, default: str) -> str:
+    """The file name of a version's GGUF at ``precision`` in a run whose default precision (snapshots.gguf) is
+    ``default``: the default keeps the name every client knows, ``model.gguf``; another is ``model.<p>.gguf``."""
+    return "model.gguf" if precision == default else f"model.{precision}.gguf"
+
+
+def name_precision(name: str) -> str | None:
+    """The precision a file name states (``model.q4_K_M.gguf`` → "q4_K_M"); None for any other name (the
+    default's ``model.gguf`` states none: its header does, :func:`gguf_precision`)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) == 3 and parts[0] == "model" and parts[2] == "gguf" else None
+
+
+def version_files(folder: Path, base_dir: Path | None = None, precision: str | None = None
+                  ) -> tuple[Path, Path | None]:
     """(the model file, the LoRA adapter or None) of a version folder; FileNotFoundError naming what to do. A
     client's cache links a LoRA run's base into every version's folder; the coordinator keeps it once, in
-    ``base_dir``."""
+    ``base_dir``. ``precision``: the file of that precision where the run offers several (``model.<p>.gguf``),
+    else the default ``model.gguf`` (which is that precision when it is the run's default)."""
     full, base, adapter = folder / "model.gguf", folder / "base.gguf", folder / "adapter.gguf"
+    if precision is not None and (folder / f"model.{precision}.gguf").exists():
+        return folder / f"model.{precision}.gguf", None
     if full.exists():
         return full, None
+    others = sorted(p for p in folder.glob("model.*.gguf") if name_precision(p.name) is not None)
+    if precision is None and len(others) == 1:  # a client's folder: the one precision its lease named
+        return others[0], None
     if not base.exists() and base_dir is not None:
         base = base_dir / "base.gguf"
     if base.exists() and adapter.exists():

@@ -51,10 +51,15 @@ ProtocolNumber = Annotated[int, Field(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
 # Manifests are stored in the run directory and re-served after an upgrade. Protocols 2 and 3 changed lease replies
 # and error codes only; protocol 4 added piece hashes to ManifestFile with defaults meaning "none", so a snapshot
 # published under protocol 1 to 3 stays valid (it is fetched over HTTP only: peers need piece hashes); protocol 5
-# added delta files (form "delta", base_sha256, result_sha256; defaults "none"), so every older manifest stays valid.
+# added delta files (form "delta", base_sha256, result_sha256; defaults "none"), so every older manifest stays valid;
+# protocol 6 added ManifestFile.precision (default "not stated").
 MANIFEST_PROTOCOLS = (1, PROTOCOL_VERSION)
 ManifestProtocolNumber = Annotated[int, Field(ge=MANIFEST_PROTOCOLS[0], le=MANIFEST_PROTOCOLS[1])]
 AnyProtocolNumber = Annotated[int, Field(ge=0, lt=2**16)]  # envelope: checked explicitly → protocol_version
+#: The precision a client computes in (protocol 6): a llama.cpp client's GGUF file ("f32" … "q4_0": the run's
+#: snapshots.gguf and snapshots.gguf_also), a torch client's compute dtype ("f32", "bf16"). The coordinator
+#: recomputes a result in the precision its lease named (docs/protocol.md §5).
+Precision = Literal["f32", "bf16", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"]
 
 
 class Message(BaseModel):
@@ -157,6 +162,9 @@ class Job(Message):
     deadline: Timestamp
     max_result_bytes: Annotated[int, Field(ge=1, le=64 * 1024 * 1024)]
     environment: EnvironmentSpec | None = None  # a multi-turn job: completions are episodes (Completion.turns)
+    # protocol 6: the precision the lease asked for and the result is recomputed in (None: the run's default —
+    # a llama.cpp client's snapshots.gguf, a torch client's float32); a llama.cpp client generates from that file
+    precision: Precision | None = None
 
 
 class SignedJob(Message):
@@ -167,6 +175,9 @@ class SignedJob(Message):
 class LeaseRequest(Message):
     backend: Literal["torch", "llama"]
     held_version: Annotated[int, Field(ge=-1, lt=2**31)]  # -1: holds no snapshot yet
+    # protocol 6: the precision this client computes in (a GGUF file the manifest lists, or a torch dtype); None:
+    # the run's default. One the run does not offer is refused (precision_not_offered).
+    precision: Precision | None = None
 
 
 class LeaseResponse(Message):
@@ -254,6 +265,9 @@ class ManifestFile(Message):
     # protocol 5, form "delta" only: the file the patch applies to, and the file it rebuilds (listed in this manifest)
     base_sha256: Sha256Hex | None = None
     result_sha256: Sha256Hex | None = None
+    # protocol 6, GGUF forms ("gguf", "gguf-base") only: the file's precision (its general.file_type), so a client
+    # can choose the precision that fits its memory before downloading; None: not stated (an older manifest)
+    precision: Precision | None = None
 
     @model_validator(mode="after")
     def _pieces_cover_the_file(self) -> ManifestFile:

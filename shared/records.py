@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import get_args
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared import PROTOCOL_VERSION, crypto, wire
 from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
-from shared.messages import Job, LatestRecord, Manifest, ManifestFile, SignedJob, SignedManifest
+from shared.llama_files import gguf_precision, name_precision
+from shared.messages import Job, LatestRecord, Manifest, ManifestFile, Precision, SignedJob, SignedManifest
+
+logger = logging.getLogger(__name__)
 
 GGUF_FILES = {"model.gguf": "gguf", "base.gguf": "gguf-base", "adapter.gguf": "gguf-lora"}
 DELTA_SUFFIX = ".delta"  # "model.safetensors.delta": the patch that rebuilds model.safetensors (shared.deltas)
@@ -16,17 +21,35 @@ DELTA_SUFFIX = ".delta"  # "model.safetensors.delta": the patch that rebuilds mo
 
 def file_form(name: str) -> str:
     """Which client form a snapshot file belongs to (see ManifestFile.form)."""
-    return "delta" if name.endswith(DELTA_SUFFIX) else GGUF_FILES.get(name, "hf")
+    if name.endswith(DELTA_SUFFIX):
+        return "delta"
+    return "gguf" if name_precision(name) is not None else GGUF_FILES.get(name, "hf")
+
+
+def file_precision(path: Path, form: str) -> str | None:
+    """A whole-model or base GGUF's precision for its manifest entry: from its name (``model.<p>.gguf``) or its
+    header; None for other forms, and for a file whose header names none the protocol knows."""
+    if form not in ("gguf", "gguf-base"):
+        return None
+    named = name_precision(path.name)
+    try:
+        precision = named or gguf_precision(path)
+    except (ImportError, OSError, ValueError, KeyError, IndexError) as exc:
+        logger.warning("%s: no GGUF precision read (%s); its manifest entry states none", path.name, exc)
+        return None
+    return precision if precision in get_args(Precision) else None
 
 
 def manifest_file(path: Path, name: str | None = None, piece_size: int = PIECE_SIZE, *,
                   base_sha256: str | None = None, result_sha256: str | None = None) -> ManifestFile:
     """The manifest entry of one file: size, sha256 and the sha256 of each piece (one read); a patch also names
-    the file it applies to and the file it rebuilds."""
+    the file it applies to and the file it rebuilds; a GGUF its precision."""
     digest, pieces = file_digests(path, piece_size)
+    form = file_form(name or path.name)
     return ManifestFile(path=name or path.name, size=path.stat().st_size, sha256=digest,
-                        form=file_form(name or path.name), piece_size=piece_size, pieces=pieces,  # type: ignore[arg-type]
-                        base_sha256=base_sha256, result_sha256=result_sha256)
+                        form=form, piece_size=piece_size, pieces=pieces,  # type: ignore[arg-type]
+                        base_sha256=base_sha256, result_sha256=result_sha256,
+                        precision=file_precision(path, form))  # type: ignore[arg-type]
 
 
 def build_manifest(folder: Path, *, run_id: str, version: int, created_at: float,

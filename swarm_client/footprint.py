@@ -189,9 +189,9 @@ def read_shape(folder: Path) -> ModelShape | None:
         cfg = None
     if isinstance(cfg, dict):
         return ModelShape.from_config(cfg)
-    for name in ("model.gguf", "base.gguf"):
-        if (folder / name).is_file():
-            return gguf_shape(folder / name)
+    for path in [folder / "model.gguf", folder / "base.gguf", *sorted(folder.glob("model.*.gguf"))]:
+        if path.is_file():
+            return gguf_shape(path)
     return None
 
 
@@ -294,5 +294,6 @@ def torch_need(folder: Path, batch: Batch) -> Need:
 def llama_need(folder: Path) -> Need:
     """The llama.cpp backend's peak for the GGUF form in ``folder``."""
     folder = Path(folder)
-    files = [folder / n for n in ("model.gguf", "base.gguf", "adapter.gguf") if (folder / n).is_file()]
+    files = [p for p in [*(folder / n for n in ("model.gguf", "base.gguf", "adapter.gguf")),
+                         *folder.glob("model.*.gguf")] if p.is_file()]
     return llama_need_from(sum(p.stat().st_size for p in files), read_shape(folder))

@@ -86,6 +86,7 @@ from swarm_client.panel import Display
 from swarm_client.paths import ClientPaths, migrate_cache
 from swarm_client.peer_calls import PeerCalls
 from swarm_client.peer_fetch import ClientPeer, PeerSettings
+from swarm_client.precision import choose_precision, offered_precisions
 from swarm_client.presence import input_idle_s, on_battery
 from swarm_client.resources import (
     GIB,
@@ -98,7 +99,7 @@ from swarm_client.resources import (
 )
 from swarm_client.schedule import IdleProbe, parse_window, work_gate
 from swarm_client.settings import JoinConfig
-from swarm_client.snapshots import DownloadStalled, SnapshotCache, Transfer
+from swarm_client.snapshots import DownloadStalled, SnapshotCache, Transfer, wanted_files
 from swarm_client.webcontrol import ControlPage, PageSource
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,10 @@ class Runner:
         self.peer: ClientPeer | None = None  # `--p2p`: this client's libp2p peer (swarm_client/peer_fetch.py)
         self.device = "cpu"  # the backend's device, once created
         self._forms: frozenset[str] | None = None  # the snapshot file forms the backend needs (None: all)
+        # the GGUF precision a llama.cpp client leases in (swarm_client.precision), once chosen from a manifest
+        self._precision: str | None = None
+        self._precision_chosen = False
+        self._file_precision: str | None = None  # the GGUF precision of the job in hand (what the pre-check sizes)
         self.accepted_before = self.rejected_before = 0  # this client's totals from earlier sessions
         self.ready_version = -1  # the newest version fetched and verified ahead of need (push-pull prefetch)
         self.prefetch_target = -1  # the newest version a lease reply asked this client to prefetch
@@ -456,7 +461,7 @@ class Runner:
         so almost always the same architecture), else from the fallbacks of swarm_client/footprint.py. The check
         before loading (``_check_fits``) is exact."""
         limits = self._limits()
-        files = [f for f in manifest.files if self._forms is None or f.form in self._forms]
+        files = wanted_files(manifest, self._forms, self._file_precision)
         held: Path | None = getattr(self.backend, "folder", None)
         shape = like = None
         if held is not None:
@@ -470,6 +475,43 @@ class Runner:
             need = torch_need_from(Weights.from_file_bytes(weight_bytes, like), shape, self._batch)
         self._check_need(need, manifest.version, limits)
         check_disk(missing_bytes, int(free_disk_gb(self.cfg.home) * GIB), limits, manifest.version)
+
+    async def _lease_precision(self, cache: SnapshotCache, version: int) -> str | None:
+        """The precision this client leases in: None for torch (float32); for llama.cpp the one chosen from
+        ``version``'s signed manifest (swarm_client.precision: --precision, or the best offered that fits), once
+        per run. A manifest that cannot be read now leaves the choice to the next lease (the run's default
+        meanwhile)."""
+        if not self._is_llama():
+            return None
+        if self._precision_chosen:
+            return self._precision
+        try:
+            manifest, _ = await cache.manifest(version)
+        except ProtocolError as exc:
+            logger.info("could not read version %d's manifest to choose a precision: %s", version, exc)
+            return None
+        offered = offered_precisions(manifest)
+        chosen = choose_precision(offered, self.cfg.precision, lambda size: self._fits_gguf(size, version))
+        self._precision, self._precision_chosen = chosen, True
+        cache.precision = self._file_precision = chosen  # prefetches fetch the same file
+        if chosen is not None and len(offered) > 1:
+            self._say(f"running the {chosen} GGUF ({offered[chosen] / GIB:.2f} GiB) of the precisions this run "
+                      f"offers ({', '.join(offered)})")
+        return chosen
+
+    def _fits_gguf(self, size: int, version: int) -> bool:
+        """Whether a GGUF of ``size`` bytes fits this machine's memory ceiling (and GPU), as the download's
+        pre-check will judge it."""
+        held: Path | None = getattr(self.backend, "folder", None)
+        shape = None
+        if held is not None:
+            with contextlib.suppress(OSError, ValueError):
+                shape = read_shape(held)
+        try:
+            self._check_need(llama_need_from(size, shape), version)
+        except ResourceRefusal:
+            return False
+        return True
 
     def _check_fits(self, folder: Path, batch: Batch, version: int) -> None:
         """Before loading a verified version to generate ``batch``: the estimate from the version's own files
@@ -641,9 +683,17 @@ class Runner:
             # staleness bound, so prefetching (when the coordinator asks for it) keeps rollouts as fresh as the
             # swarm allows
             held = max(held, self.ready_version)
+            precision = await self._lease_precision(cache, max(held, info.current_version))
             try:
-                resp = await api.call(LEASE, LeaseRequest(backend=kind, held_version=held))
+                resp = await api.call(LEASE, LeaseRequest(backend=kind, held_version=held,
+                                                          precision=precision))  # type: ignore[arg-type]
             except ProtocolError as exc:
+                if exc.reason == Reason.PRECISION_NOT_OFFERED and self.cfg.precision == "auto" \
+                        and self._precision_chosen:
+                    self._warn(f"{exc.message}; choosing again from the newest version")  # the operator changed it
+                    self._precision_chosen = False
+                    await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
+                    continue
                 if exc.reason != Reason.UNKNOWN_CLIENT:
                     raise
                 # the coordinator no longer knows this client: another run at this URL, or a store started afresh
@@ -677,6 +727,8 @@ class Runner:
                 continue
             self.stats.last_job = job.job_id
             self._batch = Batch.of_job(job)
+            # the file the coordinator will recompute this job's result on
+            cache.precision = self._file_precision = job.precision
             self._set_state("fetching")
             try:
                 folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)

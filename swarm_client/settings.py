@@ -32,6 +32,12 @@ class JoinConfig(BaseModel):
                          "the llama extra, built for Metal/CUDA/CPU as the README explains), 'torch' (needs the torch "
                          "extra), or 'auto' (llama where installed, else torch).")
     device: str = Field("auto", description="'auto' picks CUDA, then Apple MPS, then CPU; or cpu, cuda, mps.")
+    precision: Literal["auto", "f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"] = Field(
+        "auto", description="llama.cpp backend: the GGUF precision to download and run, one the run offers "
+        "(`echo-swarm join` says which). 'auto' takes the best one that fits this machine's memory ceiling "
+        "(f16 before q8_0 before q4_K_M ...), checked from the signed manifest before anything is downloaded. "
+        "Every precision is verified equally tightly (on the very file you ran); a smaller one needs less memory "
+        "and download.")
     torch_dtype: Literal["float32", "bfloat16"] = Field("float32", description="What the torch backend computes in: "
                                                         "bfloat16 needs half the memory (a 7 B model fits a 16 GB "
                                                         "GPU only so); the coordinator checks such results against "

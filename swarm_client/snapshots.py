@@ -130,6 +130,8 @@ class SnapshotCache:
                  throttle: Throttle | None = None, count: Callable[[int], None] | None = None) -> None:
         self.root = Path(root)
         self.forms = forms  # the file forms this client's backend needs (None: all); see ManifestFile.form
+        # the GGUF precision this client runs (its lease names it): of a run's several, only that file is fetched
+        self.precision: str | None = None
         self.blobs = self.root / "blobs"
         self.models = self.root / "snapshots"
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -170,11 +172,11 @@ class SnapshotCache:
 
     async def _ensure(self, run_id: str, version: int, manifest_sha256: str | None, folder: Path) -> Path:
         async with self._lock(str(folder)):
-            if (folder / ".complete").exists() and manifest_sha256 in (None, (folder / ".manifest_sha256").read_text()):
+            if (folder / ".complete").exists() and manifest_sha256 in (None, (folder / ".manifest_sha256").read_text()) \
+                    and _read(folder / ".precision") == (self.precision or ""):
                 _touch(folder)
                 return folder
-            signed = wire.decode(await self.client.get_raw(SNAPSHOT.at(version=version)), SignedManifest)
-            manifest, sha = open_manifest(signed, self.coordinator_key)
+            manifest, sha = await self.manifest(version)
             if manifest_sha256 not in (None, sha) or manifest.version != version or manifest.run_id != run_id:
                 raise IntegrityError(f"snapshot manifest for version {version} does not match the one the job names")
             if self.precheck is not None:
@@ -191,9 +193,14 @@ class SnapshotCache:
             self._prune(run_id, keep=folder)
             return folder
 
+    async def manifest(self, version: int) -> tuple[Manifest, str]:
+        """``version``'s manifest, its signature checked against the pinned coordinator key, and its sha256."""
+        signed = wire.decode(await self.client.get_raw(SNAPSHOT.at(version=version)), SignedManifest)
+        return open_manifest(signed, self.coordinator_key)
+
     def _wanted(self, manifest: Manifest) -> list[ManifestFile]:
         """The files this client's model folder holds (patches are only a way to get some of them)."""
-        return [f for f in manifest.files if f.form != "delta" and (self.forms is None or f.form in self.forms)]
+        return wanted_files(manifest, self.forms, self.precision)
 
     # -- deltas -----------------------------------------------------------------------------------------------
     async def _rebuild(self, manifest: Manifest, file: ManifestFile) -> None:
@@ -436,6 +443,7 @@ class SnapshotCache:
             except OSError:
                 shutil.copyfile(src, tmp / f.path)
         (tmp / ".manifest_sha256").write_text(manifest_sha)
+        (tmp / ".precision").write_text(self.precision or "")
         (tmp / ".complete").write_text("")
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(tmp, folder)
@@ -456,6 +464,25 @@ class SnapshotCache:
             if removed:
                 logger.info("snapshot cache over %d bytes: removed %s", self.max_bytes,
                             ", ".join(p.name for p in removed))
+
+
+def wanted_files(manifest: Manifest, forms: frozenset[str] | None, precision: str | None) -> list[ManifestFile]:
+    """The files of ``manifest`` a client of ``forms`` (None: all) holds: never patches; of a run's several whole
+    GGUFs (snapshots.gguf_also) only the one of ``precision`` — the default ``model.gguf`` when ``precision`` is
+    None or not among them (a coordinator that states no precisions)."""
+    ggufs = [f for f in manifest.files if f.form == "gguf"]
+    chosen = next((f for f in ggufs if precision is not None and f.precision == precision), None)
+    if chosen is None:
+        chosen = next((f for f in ggufs if f.path == "model.gguf"), ggufs[0] if ggufs else None)
+    return [f for f in manifest.files if f.form != "delta" and (forms is None or f.form in forms)
+            and (f.form != "gguf" or f is chosen)]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _touch(folder: Path) -> None:

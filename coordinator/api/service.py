@@ -30,7 +30,7 @@ from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.core.duplicates import check_copy, surprisal
 from coordinator.core.jobs import plan_job, plan_key
 from coordinator.core.leases import LeaseCheck, check_lease, deadline_for, kept_versions, lease_live
-from coordinator.core.trust import class_backend, is_invalidating, recompute_class
+from coordinator.core.trust import class_backend, is_invalidating, lease_precision, recompute_class
 from coordinator.core.verify import (
     JobTerms,
     MarginTally,
@@ -343,12 +343,14 @@ class Coordinator:
         req = self.authenticate(raw, LEASE.path)
         body = wire.decode(req.body, LeaseRequest)
         self.guard.check_quarantine(req.client_id, self.clock())  # per identity, whatever backend it claims
+        # what the result will be recomputed in: a precision this run publishes for the identity's pinned class
+        precision = lease_precision(self.backend_class(req.client_id), body.precision, self.config.snapshots.offered())
         give_up = time.monotonic() + self.config.jobs.long_poll_s
         announced = max(self.version, body.held_version)  # what the client knows of once this request began
         with self.issuer.waiting(req.client_id):
             while True:
                 event = self._jobs_event
-                resp = self._try_lease(req.client_id, body.held_version)
+                resp = self._try_lease(req.client_id, body.held_version, precision)
                 remaining = give_up - time.monotonic()
                 if resp.job is not None or resp.finished or remaining <= 0:
                     return resp
@@ -361,7 +363,7 @@ class Coordinator:
                     async with asyncio.timeout(min(remaining, 1.0)):
                         await event.wait()
 
-    def _try_lease(self, client_id: str, held_version: int) -> LeaseResponse:
+    def _try_lease(self, client_id: str, held_version: int, precision: str | None = None) -> LeaseResponse:
         """Admission (core.scheduling): reissue the oldest expired or released job, else plan a new one, while
         the queue (live leases + untrained results) is below B·(S+1); bind the version it is generated with."""
         retry = self.config.jobs.retry_after_s
@@ -392,16 +394,16 @@ class Coordinator:
             version = self.version
         lease_id = secrets.token_hex(8)
         deadline = deadline_for(now, self.config.jobs.lease_timeout_s)
-        if not self.store.jobs.lease(row.view.job_id, lease_id, client_id, deadline, version, now):
+        if not self.store.jobs.lease(row.view.job_id, lease_id, client_id, deadline, version, now, precision):
             return LeaseResponse(job=None, retry_after_s=retry, current_version=self.version, finished=False)
         if row.issue_count > 0:
             logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
-        job = self.job_message(row, version, lease_id, client_id, now, deadline)
+        job = self.job_message(row, version, lease_id, client_id, now, deadline, precision)
         return LeaseResponse(job=sign_job(self.key, job), retry_after_s=retry, current_version=self.version,
                              finished=False)
 
-    def job_message(self, row: JobRow, version: int, lease_id: str, client_id: str, now: float, deadline: float
-                     ) -> Job:
+    def job_message(self, row: JobRow, version: int, lease_id: str, client_id: str, now: float, deadline: float,
+                    precision: str | None = None) -> Job:
         prompts = [JobPrompt(prompt_id=i, token_ids=self.prompt_tokens(i), text=self.task.train[i].prompt)
                    for i in row.prompt_ids]
         n = len(prompts) * row.group_size
@@ -416,6 +418,7 @@ class Coordinator:
                                     stop_token_ids=self.codec.stop_ids),
             seed=row.seed, issued_at=now, deadline=deadline, max_result_bytes=self._result_cap(n),
             environment=self.task.spec(row.prompt_ids) if isinstance(self.task, EnvTask) else None,
+            precision=precision,  # type: ignore[arg-type]  # core.trust.lease_precision: a Precision or None
         )
 
     def _result_cap(self, n_completions: int) -> int:
@@ -528,15 +531,16 @@ class Coordinator:
         else:
             segments = episode_segments(row.seed, [[(len(t.token_ids), len(t.observation_ids)) for t in c.turns or []]
                                                    for c in sub.completions])
+        # recomputed as the lease said (core.trust.recompute_class): a llama.cpp client's result by llama.cpp on the
+        # very GGUF file its lease named; the co-located loop's own (torch) rollouts and torch clients' from the
+        # safetensors. The lease is this client's (verify_submission), so its precision is the one it was granted
         pinned = self.backend_class(client_id)  # a store read: once per result
-        # a llama.cpp client's result is recomputed by llama.cpp on the GGUF file it ran; the co-located loop's own
-        # (torch) rollouts and torch clients' from the safetensors
-        engine: Engine = "llama" if not own and recompute_class(pinned, self.config.snapshots.gguf) != "torch" \
-            else "torch"
+        rclass = "torch" if own else recompute_class(pinned, row.precision)
+        engine: Engine = "llama" if rclass.startswith("llama-") else "torch"
         # the llama.cpp recompute replays the client's evaluations: a group's rollouts share the prompt's cache, an
         # episode's every turn starts afresh (shared.llama_files.prefill)
         token_stats = await self._recompute_stats_at(prompts, completions, sub.version, segments, engine,
-                                                     1 if replayed is not None else row.group_size)
+                                                     1 if replayed is not None else row.group_size, row.precision)
         if replayed is not None:  # the model's tokens only, never the observations'
             full_recomputed = token_stats.logprobs
             m = replayed.masks
@@ -545,14 +549,14 @@ class Coordinator:
                 select(token_stats.top, m), None if token_stats.margins is None else select(token_stats.margins, m))
         recomputed = token_stats.logprobs
         stats = logprob_stats(reported, recomputed)
-        check_logprobs(stats, *self.config.verification.tolerances(pinned, self.config.snapshots.gguf))
+        check_logprobs(stats, *self.config.verification.tolerances(rclass))
         vcfg = self.config.verification
         if vcfg.choice_check and token_stats.margins is not None:  # every token's choice
             choices = choice_stats(token_stats.margins)
             # margins are in tempered units: the tolerance too
-            choice_tol = vcfg.choice_tolerance(pinned, self.config.snapshots.gguf) / self.config.sampling.temperature
+            choice_tol = vcfg.choice_tolerance(rclass) / self.config.sampling.temperature
             check_choices(choices, choice_tol)
-            self.margins.add(pinned, choices.worst, choice_tol)
+            self.margins.add(pinned, choices.worst, choice_tol)  # by hardware: a GPU client's margins apart
         if vcfg.sampling_check:  # are the tokens as surprising as sampling makes them?
             check_sampling(sampling_stats(token_stats, vcfg.sampling_var_floor), z_low=vcfg.sampling_z_low,
                            z_high=vcfg.sampling_z_high, top_z=vcfg.sampling_top_z, min_tokens=vcfg.sampling_min_tokens,
@@ -578,7 +582,7 @@ class Coordinator:
         payload = AcceptedResult(
             completions=completions, behaviour_logprobs=behaviour, recomputed_logprobs=recomputed,
             finish_reasons=[c.finish_reason for c in sub.completions], logprob_mean_abs_diff=stats.mean_abs,
-            reward_means=reward_means, loss_mask=loss_mask).encode()
+            reward_means=reward_means, loss_mask=loss_mask, source=rclass).encode()
         credit = float(n_tokens)
         if not self.store.results.accept(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
                                          version=sub.version, content_sha256=content_sha, payload=payload,
@@ -613,12 +617,13 @@ class Coordinator:
 
     async def _recompute_stats_at(self, prompts: list[list[int]], completions: list[list[int]], version: int,
                                   segments: list[list[Segment]] | None = None, engine: Engine = "torch",
-                                  group: int = 1) -> TokenStats:
+                                  group: int = 1, precision: str | None = None) -> TokenStats:
         """Logprobs, entropy and surprisal variance under the version that generated the rollout (one pass, by
-        ``engine``), and with the completions' keyed draws (``segments``) each token's keyed-sampler margin."""
+        ``engine`` in ``precision``), and with the completions' keyed draws (``segments``) each token's
+        keyed-sampler margin."""
         try:
             return await self.verifier.recompute_stats(prompts, completions, version, segments, engine=engine,
-                                                       group=group)
+                                                       group=group, precision=precision)
         except VersionGone:
             raise ProtocolError(Reason.VERSION_RETIRED,
                                 f"policy version {version} is no longer kept for verification") from None

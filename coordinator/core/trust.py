@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shared.errors import Reason
+from shared.errors import ProtocolError, Reason
 
 # refusals that are evidence about the result itself (poisoned, lazy, forged or broken hardware)
 INVALIDATING: frozenset[Reason] = frozenset({
@@ -109,11 +109,40 @@ def known_class(backend: str, device: str) -> str | None:
     return f"{backend}/{kind}" if kind in BACKEND_CLASSES.get(backend, frozenset()) else None
 
 
-def recompute_class(pinned: str, gguf: str) -> str:
-    """What recomputes a result of an identity pinned to ``pinned`` when the run publishes GGUFs at ``gguf``:
-    "llama-<gguf>" (llama.cpp on the GGUF file the client ran, coordinator.engine.llama_verifier) for a llama.cpp
-    class, "torch" otherwise. Its logprobs are the result's π_b, so the learner groups its metrics by it too."""
-    return f"llama-{gguf}" if class_backend(pinned) == "llama" and gguf != "off" else "torch"
+#: The compute precisions a torch client may lease in (LeaseRequest.precision); None means "f32".
+TORCH_PRECISIONS: tuple[str, ...] = ("f32",)
+
+
+def lease_precision(pinned: str, asked: str | None, offered: tuple[str, ...]) -> str | None:
+    """The precision a lease of an identity pinned to ``pinned`` is granted in (what its result is recomputed in),
+    given what it ``asked`` (LeaseRequest.precision, None: the run's default) and the GGUF precisions the run
+    ``offered`` (snapshots.offered(), default first). A llama.cpp class gets a GGUF precision (None when the run
+    publishes none: such a client cannot generate, and says so itself); a torch class one of TORCH_PRECISIONS,
+    None for the default float32. Anything else — a torch identity asking for a GGUF precision, a llama.cpp one
+    for a file the run does not publish — is refused, so a class can never be shopped for by asking."""
+    if class_backend(pinned) == "llama":
+        if asked is None or asked in offered:
+            return asked if asked is not None else (offered[0] if offered else None)
+        where = f"publishes GGUF at {', '.join(offered)}" if offered else "publishes no GGUF (torch clients only)"
+        raise ProtocolError(Reason.PRECISION_NOT_OFFERED, f"this run {where}, not {asked}; lease with one of them "
+                            f"(`join --precision auto` takes the best that fits this machine)")
+    if asked is None or asked == "f32":
+        return None
+    if asked in TORCH_PRECISIONS:
+        return asked
+    raise ProtocolError(Reason.PRECISION_NOT_OFFERED, f"a torch client computes in {', '.join(TORCH_PRECISIONS)}, "
+                        f"not {asked}; GGUF precisions are for llama.cpp clients (join --backend llama)")
+
+
+def recompute_class(pinned: str, precision: str | None) -> str:
+    """What recomputes a result of an identity pinned to ``pinned`` whose lease named ``precision``
+    (:func:`lease_precision`): "llama-<precision>" (llama.cpp on that very GGUF file,
+    coordinator.engine.llama_verifier) for a llama.cpp class, "torch-<precision>" for a torch class computing in
+    another dtype than float32, "torch" otherwise. Its logprobs are the result's π_b, so the learner groups its
+    metrics by it too."""
+    if class_backend(pinned) == "llama":
+        return f"llama-{precision}" if precision is not None else "torch"
+    return f"torch-{precision}" if precision in TORCH_PRECISIONS and precision != "f32" else "torch"
 
 
 def class_backend(bclass: str) -> str:

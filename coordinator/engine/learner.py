@@ -31,6 +31,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -44,7 +45,7 @@ from coordinator.engine.head import contiguous_input, streamed_logprobs
 from coordinator.engine.tied import TiedEmbeddingGradient
 from coordinator.memory import release_free_heap
 from coordinator.publish.checkpoints import CheckpointState, ShardedCheckpoint
-from coordinator.publish.gguf_export import write_model_gguf
+from coordinator.publish.gguf_export import write_model_ggufs
 from coordinator.publish.snapshots import SnapshotFiles
 from coordinator.publish.weights_file import StoredWeights
 from coordinator.tasks.base import Task, TaskItem
@@ -119,8 +120,9 @@ class Sample:
 
 class Learner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cfg: LearnerConfig, temperature: float,
-                 gguf: str = "off", ranks: Ranks | None = None) -> None:
-        """``ranks``: this process's place among the learner's FSDP ranks (coordinator.engine.fsdp), None on one
+                 gguf: str | Sequence[str] = "off", ranks: Ranks | None = None) -> None:
+        """``gguf``: the precisions of the GGUF forms published with every version (snapshots.offered(), the
+        default first; one name, or "off" / () for none). ``ranks``: this process's place among the learner's FSDP ranks (coordinator.engine.fsdp), None on one
         device without FSDP. On rank 0 of several, the other ranks build the same learner from ``model_dir``."""
         import torch
         from transformers.utils import logging as hf_logging
@@ -134,7 +136,7 @@ class Learner:
         self.temperature = temperature
         self.ranks = ranks
         self.device = ranks.device if ranks is not None else pick_device(model_cfg.device)
-        self.gguf = gguf  # precision of the GGUF form published with every version ("off": none)
+        self.gguf: tuple[str, ...] = ((gguf,) if gguf != "off" else ()) if isinstance(gguf, str) else tuple(gguf)
         self.lora = cfg.lora_rank > 0
         # a LoRA version folder (resuming a run) holds an adapter: the model is its base plus that adapter
         adapter_dir = Path(model_dir) if lora.is_adapter_folder(Path(model_dir)) else None
@@ -335,7 +337,7 @@ class Learner:
 
     # -- persistence --------------------------------------------------------------------------------------
     def save_model(self, folder: Path) -> None:
-        """Write a version: the Hugging Face folder, plus its GGUF form(s) when ``gguf`` is not "off"."""
+        """Write a version: the Hugging Face folder, plus its GGUF forms (one per offered precision)."""
 
         single_rank(self.ranks, "Learner.save_model (the publisher's snapshot_files gathers the shards)")
         if self.lora:  # a self-contained LoRA version: the base files and this version's adapter in one folder
@@ -346,8 +348,8 @@ class Learner:
             return
         self.model.save_pretrained(str(folder), safe_serialization=True)
         self.tokenizer.save_pretrained(str(folder))
-        if self.gguf != "off":
-            write_model_gguf(folder / "model.gguf", folder, self.model.state_dict(), self.gguf)
+        if self.gguf:
+            write_model_ggufs(folder, self.model.state_dict(), self.gguf)
 
     # -- publication (coordinator.publish.publisher) -----------------------------------------------------------
     def publish_dtype(self, configured: str) -> str:
@@ -397,9 +399,8 @@ class Learner:
         def write(folder: Path) -> None:
             for name, data in static.items():
                 (folder / name).write_bytes(data)
-            if gguf != "off":  # from the published (settled) values, a block of rows at a time
-                write_model_gguf(folder / "model.gguf", folder, StoredWeights(folder / "model.safetensors", order),
-                                 gguf)
+            if gguf:  # from the published (settled) values, a block of rows at a time
+                write_model_ggufs(folder, StoredWeights(folder / "model.safetensors", order), gguf)
 
         files = SnapshotFiles(write, weights=state)
         if live:
@@ -428,7 +429,7 @@ class Learner:
         publish = self.publish_dtype(dtype)
         static = self._snapshot_static_files(publish)
         hf_config = json.loads(static["config.json"])
-        gguf = self.gguf
+        gguf = self.gguf[0] if self.gguf else "off"  # a LoRA run offers one precision (config)
         shared = lora.base_writers(self.model, static, getattr(torch, publish), gguf, self._lora_base)
 
         def write(folder: Path) -> None:

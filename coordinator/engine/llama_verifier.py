@@ -70,19 +70,21 @@ class LlamaRecompute:
         self.stats = VerifierStats()  # results, recompute_s, loads, load_s as the torch verifier counts them
 
     def recompute_stats(self, version: int, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                        segments: Sequence[Sequence[Segment]] | None, group: int = 1) -> TokenStats:
+                        segments: Sequence[Sequence[Segment]] | None, group: int = 1,
+                        precision: str | None = None) -> TokenStats:
         """Logprobs, entropy, surprisal variance, largest logprob and (with ``segments``) keyed margins of each
         completion token under ``version``'s GGUF, as coordinator.engine.verifier.Verifier computes them from
         torch. ``group``: completions per prompt (each group's first rollout evaluated its prompt from scratch);
         1 for episodes, whose every turn started from a fresh context. A position no segment covers (an episode's
-        observation tokens: never sampled, never trained) gets uniform logits. Raises VersionGone if the version is
-        not (or no longer) published."""
+        observation tokens: never sampled, never trained) gets uniform logits. ``precision``: the GGUF file the
+        result's lease named (None: the run's default, ``model.gguf``). Raises VersionGone if the version is not (or
+        no longer) published in it."""
         import numpy as np
         import torch
 
         with self._lock:
             t0 = time.monotonic()
-            llm = self._model_at(version)
+            llm = self._model_at(version, precision)
             row = np.empty(llm.n_vocab(), dtype=np.float32)
             out: dict[str, list[list[float]]] = {k: [] for k in ("logprobs", "entropy", "variance", "top", "margins")}
             for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
@@ -103,12 +105,12 @@ class LlamaRecompute:
         return TokenStats(out["logprobs"], out["entropy"], out["variance"], out["top"],
                           out["margins"] if segments is not None else None)
 
-    def _model_at(self, version: int) -> Any:
+    def _model_at(self, version: int, precision: str | None = None) -> Any:
         folder = self._folder_of(version)
         if folder is None:
             raise VersionGone(f"policy version {version} is no longer kept for verification")
         try:
-            model_path, adapter = version_files(folder, self._base_dir)
+            model_path, adapter = version_files(folder, self._base_dir, precision)
             ident = file_id(model_path)
         except FileNotFoundError as exc:
             raise VersionGone(str(exc)) from None

@@ -155,7 +155,7 @@ def version_bytes(config: CoordinatorConfig, folder: Path | None) -> int:
     weights = model_weight_count(folder)
     training = "bfloat16" if config.learner.precision == "bf16" else config.model.dtype  # as Learner loads it
     dtype = training if config.snapshots.dtype == "training" else config.snapshots.dtype
-    return int(weights * (DTYPE_BYTES[dtype] + GGUF_BYTES[config.snapshots.gguf]))
+    return int(weights * (DTYPE_BYTES[dtype] + sum(GGUF_BYTES[p] for p in config.snapshots.offered())))
 
 
 def check_disk(run_dir: Path, need_bytes: int) -> None:

@@ -126,7 +126,7 @@ def _build(ranks: Ranks, config: CoordinatorConfig, role: str, args: tuple[Any, 
     if role == "verifier":
         return follower_verifier(ranks, config, *args)
     return Learner(Path(args[0]), config.model, LearnerConfig.model_validate(args[1]), config.sampling.temperature,
-                   gguf=config.snapshots.gguf, ranks=ranks)
+                   gguf=config.snapshots.offered(), ranks=ranks)
 
 
 def main_under_torchrun(config: CoordinatorConfig, role: str = "learner", index: int = 0) -> int:

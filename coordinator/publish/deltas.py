@@ -1,7 +1,7 @@
 """The publisher's side of delta snapshots (shared.deltas): which files get a patch, and their element layout.
 
-A full-weight version's weight files (``model.safetensors`` for torch clients, ``model.gguf`` for llama.cpp
-clients) are also published as a patch against the previous version's file of the same name, when both have the
+A full-weight version's weight files (``model.safetensors`` for torch clients, ``model.gguf`` and any further
+precision's ``model.<p>.gguf`` for llama.cpp clients) are also published as a patch against the previous version's file of the same name, when both have the
 same size and layout, the version is not an anchor, and the patch is smaller than ``MAX_SHARE`` of the file
 (otherwise it saves nothing worth a second download path). The layout gives each tensor its element width, so
 that a bf16 element that moved by one unit in the last place is one small change: safetensors from its JSON header,
@@ -18,10 +18,17 @@ import struct
 from pathlib import Path
 
 from shared.deltas import Span, check_layout, encode, whole_file
+from shared.llama_files import name_precision
 
 logger = logging.getLogger(__name__)
 
 PATCHED_FILES = ("model.safetensors", "model.gguf")  # the whole weights of a full-weight version
+
+
+def patched(name: str) -> bool:
+    """Whether a version file gets a patch: the whole weights, in every published form and precision (the
+    further precisions' ``model.<p>.gguf``, shared.llama_files.gguf_name, as the default's ``model.gguf``)."""
+    return name in PATCHED_FILES or name_precision(name) is not None
 MAX_SHARE = 0.5  # a patch larger than this share of its file is not published
 _SAFETENSORS_WIDTH = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I16": 2, "I32": 4, "I64": 8, "U16": 2, "U32": 4,
                       "U64": 8}

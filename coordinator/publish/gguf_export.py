@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from coordinator.publish.quantise import QUANTISED, quantise
+from shared.llama_files import gguf_name
 
 # numpy and gguf are imported where a file is written: every role process imports this module, and only the learner
 # ever writes GGUF (the API process stays light)
@@ -275,6 +276,31 @@ def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precisio
             f16.unlink(missing_ok=True)
         return
     _write_plain_gguf(out, folder, state, precision, name)
+
+
+def write_model_ggufs(folder: Path, state: Mapping[str, Any], offered: Sequence[str], *,
+                      threads: int | None = None) -> None:
+    """Write a version's GGUF in every precision the run offers (snapshots.offered(): the default first, as
+    ``model.gguf``; the others as ``model.<p>.gguf``, shared.llama_files.gguf_name). The weights are converted once
+    to f16 and every quantised file is made from that one file by llama.cpp's quantiser; f32 is written from
+    ``state`` itself."""
+    names = {p: folder / gguf_name(p, offered[0]) for p in offered}
+    if len(offered) == 1:
+        write_model_gguf(names[offered[0]], folder, state, offered[0], threads=threads)
+        return
+    if "f32" in names:
+        _write_plain_gguf(names["f32"], folder, state, "f32", "echo-swarm policy")
+    quantised = [p for p in offered if p in QUANTISED]
+    if "f16" not in names and not quantised:
+        return
+    f16 = names.get("f16", folder / "model.f16.gguf.tmp")
+    try:
+        _write_plain_gguf(f16, folder, state, "f16", "echo-swarm policy")
+        for p in quantised:
+            quantise(f16, names[p], p, threads=threads)
+    finally:
+        if "f16" not in names:
+            f16.unlink(missing_ok=True)
 
 
 def _write_plain_gguf(out: Path, folder: Path, state: Mapping[str, Any], precision: str, name: str) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.holds import hold
-from coordinator.publish.deltas import PATCHED_FILES, write_delta
+from coordinator.publish.deltas import PATCHED_FILES, patched, write_delta
 from coordinator.publish.lazy import LagRule, Settled
 from coordinator.publish.weights_file import write_weights
 from shared import wire
@@ -259,7 +259,7 @@ class SnapshotStore:
         entries = []
         for f in manifest.files:
             old = before.get(f.path)
-            if f.path not in PATCHED_FILES or old is None or old.sha256 == f.sha256:
+            if not patched(f.path) or old is None or old.sha256 == f.sha256:
                 continue
             base, out = self._file_of(version - 1, f.path), folder / (f.path + DELTA_SUFFIX)
             try:

@@ -149,7 +149,7 @@ class LearnerRole:
 
     def _make_learner(self, model_dir: Path) -> Any:
         return Learner(model_dir, self.config.model, self.config.learner, self.config.sampling.temperature,
-                       gguf=self.config.snapshots.gguf, ranks=self._ranks)
+                       gguf=self.config.snapshots.offered(), ranks=self._ranks)
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -356,8 +356,9 @@ class LearnerRole:
             job = self.store.jobs.get(r.job_id)
             assert job is not None
             result = AcceptedResult.decode(r.payload)
-            if r.client_id not in sources:
+            if result.source is None and r.client_id not in sources:
                 sources[r.client_id] = self._source(r.client_id)
+            source = result.source or sources[r.client_id]
             for name, mean in result.reward_means.items():  # each reward's own mean (task.rewards)
                 reward_parts.setdefault(name, []).append(mean)
             advs = group_advantages(r.rewards, job.group_size)
@@ -370,17 +371,17 @@ class LearnerRole:
             masks: list[list[int] | None] = list(result.loss_mask) if result.loss_mask else [None] * len(prompts)
             for k, (p, c) in enumerate(zip(prompts, result.completions, strict=True)):
                 samples.append(Sample(p, c, result.recomputed_logprobs[k], result.behaviour_logprobs[k], advs[k],
-                                      stale, weight, masks[k], sources[r.client_id]))
+                                      stale, weight, masks[k], source))
             rewards_all.extend(r.rewards)
         return Batch(samples, rewards_all, staleness_hist, rows,
                      {k: sum(v) / len(v) for k, v in sorted(reward_parts.items())})
 
     def _source(self, client_id: str) -> str:
-        """The class whose recompute is a result's π_b: "llama-<snapshots.gguf>" for an identity pinned as llama.cpp
-        (coordinator.engine.llama_verifier), "torch" otherwise (torch clients, the co-located loop)."""
+        """For a result accepted before the intake recorded its class (AcceptedResult.source): the class whose
+        recompute was its π_b, "llama-<snapshots.gguf>" for an identity pinned as llama.cpp, "torch" otherwise."""
         client = self.store.clients.get(client_id)
         pinned = str(client["backend_class"] or "") if client is not None else ""
-        return recompute_class(pinned, self.config.snapshots.gguf)
+        return recompute_class(pinned, self.config.snapshots.gguf if self.config.snapshots.gguf != "off" else None)
 
     def _checkpoint_due(self, new_version: int) -> bool:
         cfg = self.config.learner

@@ -35,7 +35,14 @@ from coordinator.errors import VersionGone
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
 from coordinator.run.runfiles import wait_for_first_version
-from coordinator.run.workqueue import POLL_S, Bell, engine_from_wire, segments_from_wire, stats_answer
+from coordinator.run.workqueue import (
+    POLL_S,
+    Bell,
+    engine_from_wire,
+    precision_from_wire,
+    segments_from_wire,
+    stats_answer,
+)
 from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.text import TextCodec
@@ -199,7 +206,8 @@ class VerifierWorker:
                     raise VersionGone("this run publishes no GGUF: a llama.cpp result cannot be recomputed")
                 # on the verifier's thread, in turn with torch recomputes: the two never share the cores
                 stats = await self.verifier.run(self.llama.recompute_stats, version, request["prompts"],
-                                                request["completions"], segments, int(request.get("group") or 1))
+                                                request["completions"], segments, int(request.get("group") or 1),
+                                                precision_from_wire(request.get("precision")))
             elif engine == "torch-bf16":  # a bf16 client's generations replayed in bf16 (engine.torch_replay)
                 stats = await self.verifier.run(self._replay().recompute_stats, version, request["prompts"],
                                                 request["completions"], segments)

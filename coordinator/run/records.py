@@ -25,11 +25,15 @@ class AcceptedResult:
     logprob_mean_abs_diff: float  # how far the client's logprobs were from the recompute
     reward_means: dict[str, float]  # each reward's mean over the result (task.rewards)
     loss_mask: list[list[int]] | None = None  # episodes: 1 on the model's tokens, 0 on observation tokens
+    # the class whose recompute is π_b (core.trust.recompute_class: "torch", "llama-q4_K_M", ...); None: a result
+    # accepted before the intake recorded it (the learner derives it from the client's pinned class)
+    source: str | None = None
 
     def encode(self) -> bytes:
         data = {f.name: getattr(self, f.name) for f in fields(self)}  # not asdict(): no deep copy of the lists
-        if self.loss_mask is None:
-            del data["loss_mask"]
+        for optional in ("loss_mask", "source"):
+            if data[optional] is None:
+                del data[optional]
         return wire.pack(data)
 
     @classmethod
@@ -39,7 +43,7 @@ class AcceptedResult:
                    recomputed_logprobs=data["recomputed_logprobs"], finish_reasons=data.get("finish_reasons", []),
                    logprob_mean_abs_diff=float(data.get("logprob_mean_abs_diff", 0.0)),
                    reward_means={str(k): float(v) for k, v in (data.get("reward_means") or {}).items()},
-                   loss_mask=data.get("loss_mask"))
+                   loss_mask=data.get("loss_mask"), source=data.get("source"))
 
 
 class RelayReport(BaseModel):

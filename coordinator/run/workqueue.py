@@ -128,16 +128,17 @@ class RemoteVerifier:
 
     async def recompute_stats(self, prompts: list[list[int]], completions: list[list[int]], version: int,
                               segments: list[list[Segment]] | None = None, *, engine: Engine = "torch",
-                              group: int = 1) -> TokenStats:
-        """``engine``: "llama" recomputes with llama.cpp on the version's GGUF file (a llama.cpp client's result,
-        coordinator.engine.llama_verifier, which replays the client's evaluations: ``group`` completions per
-        prompt); "torch-bf16" replays a bf16 torch client's generations in bf16 (coordinator.engine.torch_replay;
-        the ``segments`` say which rows were generated together, ``group`` is not used); "torch" one float32 pass
-        from its safetensors."""
+                              group: int = 1, precision: str | None = None) -> TokenStats:
+        """``engine``: "llama" recomputes with llama.cpp on the version's GGUF file of ``precision`` (None: the
+        run's default; a llama.cpp client's result, coordinator.engine.llama_verifier, which replays the client's
+        evaluations: ``group`` completions per prompt); "torch-bf16" replays a bf16 torch client's generations in
+        bf16 (coordinator.engine.torch_replay; the ``segments`` say which rows were generated together, ``group``
+        and ``precision`` are not used); "torch" one float32 pass from its safetensors."""
         t0 = time.monotonic()
         try:
             answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
-                                                           "segments": segments, "engine": engine, "group": group})
+                                                           "segments": segments, "engine": engine, "group": group,
+                                                           "precision": precision})
         finally:
             self.stats.recompute_s += time.monotonic() - t0
         if answer.get("gone"):
@@ -185,6 +186,11 @@ def engine_from_wire(raw: Any) -> Engine:
     if raw not in get_args(Engine):
         raise ValueError(f"unknown recompute engine {raw!r}: one of {', '.join(get_args(Engine))}")
     return cast(Engine, raw)
+
+
+def precision_from_wire(raw: Any) -> str | None:
+    """A recompute request's GGUF precision (the API wrote it from a lease the store holds); None: the default."""
+    return str(raw) if raw is not None else None
 
 
 def segments_from_wire(raw: Any) -> list[list[Segment]] | None:

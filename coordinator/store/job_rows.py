@@ -28,6 +28,7 @@ class JobRow:
     seed: int
     group_size: int
     issue_count: int
+    precision: str | None = None  # the precision the current lease named (None: the run's default)
 
 
 class Jobs:
@@ -77,7 +78,7 @@ class Jobs:
         view = LeaseView(row["job_id"], JobState(row["state"]), version, float(row["created_at"]),
                          row["lease_id"], row["lease_client"], row["lease_deadline"])
         return JobRow(view, tuple(json.loads(row["prompt_ids"])), int(row["seed"]), int(row["group_size"]),
-                      int(row["issue_count"]))
+                      int(row["issue_count"]), row["lease_precision"])
 
     def get(self, job_id: str) -> JobRow | None:
         row = self._conn.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
@@ -88,8 +89,10 @@ class Jobs:
         rows = self._conn.execute("SELECT * FROM jobs WHERE state != 'done' ORDER BY seq")
         return [self._job(r) for r in rows.fetchall()]
 
-    def lease(self, job_id: str, lease_id: str, client_id: str, deadline: float, version: int, now: float) -> bool:
-        """Compare-and-set: lease the job (bound to ``version``) only if it is open or its lease has expired.
+    def lease(self, job_id: str, lease_id: str, client_id: str, deadline: float, version: int, now: float,
+              precision: str | None = None) -> bool:
+        """Compare-and-set: lease the job (bound to ``version``, to be computed in ``precision``) only if it is open
+        or its lease has expired.
 
         Through the no-fsync connection: a lease is reply-path state a client waits on, and an fsync there queues
         behind the publisher's multi-gigabyte writes. A kill -9 keeps it exactly; the next sync (an accepted result, a
@@ -100,9 +103,9 @@ class Jobs:
                                          (job_id,)).fetchone()
             cur = self._light.execute(
                 "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
-                "issue_count=issue_count+1 WHERE job_id=(SELECT job_id FROM jobs WHERE job_id=? AND "
-                f"(state='open' OR (state='leased' AND lease_deadline<=?)){self._light.skip_locked})",
-                (lease_id, client_id, deadline, version, job_id, now),
+                "lease_precision=?, issue_count=issue_count+1 WHERE job_id=(SELECT job_id FROM jobs WHERE job_id=? "
+                f"AND (state='open' OR (state='leased' AND lease_deadline<=?)){self._light.skip_locked})",
+                (lease_id, client_id, deadline, version, precision, job_id, now),
             )
             if cur.rowcount != 1:
                 return False

@@ -81,7 +81,8 @@ CREATE TABLE IF NOT EXISTS jobs(
   job_id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, version INTEGER, prompt_ids TEXT NOT NULL,
   seed INTEGER NOT NULL, group_size INTEGER NOT NULL, created_at REAL NOT NULL,
   state TEXT NOT NULL CHECK(state IN ('open','leased','done')),
-  lease_id TEXT, lease_client TEXT, lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0);
+  lease_id TEXT, lease_client TEXT, lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0,
+  lease_precision TEXT);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS results(
   job_id TEXT PRIMARY KEY REFERENCES jobs(job_id), client_id TEXT NOT NULL, lease_id TEXT NOT NULL,
@@ -118,7 +119,8 @@ CREATE TABLE IF NOT EXISTS trust(
 #: 6: spot-checks retired (issue 21) — the replicas table and the work queue's 'replay' kind are gone
 #: (:meth:`Store._retire_replication`); clients.leased / clients.unreturned count leases for the selective-reporting
 #: rule (coordinator.core.reporting); results.completions_sha256 finds copies (coordinator.core.duplicates).
-SCHEMA_VERSION = 6
+#: 7: jobs.lease_precision, the precision a lease named (LeaseRequest.precision): what its result is recomputed in.
+SCHEMA_VERSION = 7
 #: Replay protection: on SQLite in its own database file beside the main one, on PostgreSQL a table of the
 #: main database (see Store._nonce_db).
 NONCE_SCHEMA = "CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)"
@@ -356,6 +358,9 @@ class Store:
         if "completions_sha256" not in self.conn.columns("results"):
             self.conn.execute("ALTER TABLE results ADD COLUMN completions_sha256 TEXT")
         self.conn.execute("CREATE INDEX IF NOT EXISTS results_by_completions ON results(completions_sha256)")
+        # schema 7: the precision the current lease named (NULL: the run's default, or a lease from before)
+        if "lease_precision" not in self.conn.columns("jobs"):
+            self.conn.execute("ALTER TABLE jobs ADD COLUMN lease_precision TEXT")
         # schema 4: which API process asked (API processes sharing a PostgreSQL store each drop only their own
         # previous run's requests when they start)
         if "requester" not in self.conn.columns("work"):

@@ -88,9 +88,9 @@ class LlamaBackend:
         return f"llama-{self.precision}"
 
     def load(self, folder: Path) -> None:
+        """Load the GGUF form of a version folder; a no-op when its files are those already loaded (by file
+        identity, not by the folder's name: a folder reassembled for another precision holds another file)."""
         folder = Path(folder)
-        if folder == self.folder:
-            return
         model, adapter = version_files(folder)
         self._load_base(model)
         self._set_adapter(adapter)

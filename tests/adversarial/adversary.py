@@ -71,6 +71,7 @@ class Adversary:
         # the backend its identities register as and its results claim: "llama" for the llama_* kinds, which make
         # the same cheats through a llama.cpp identity (verified by llama.cpp on the job's own GGUF file)
         self.claim: str = "torch"
+        self.precision: str | None = None  # what its leases ask for (LeaseRequest.precision; None: the default)
         self._llama: Any = None
         self.until: Path | None = None  # ... or until this file appears
 
@@ -157,8 +158,8 @@ class Adversary:
         give_up = time.monotonic() + timeout
         empty: list[LeaseResponse] = []  # the replies without a job (a refusal raises, with its reason)
         while time.monotonic() < give_up:
-            resp = await api.post("/v1/lease", LeaseRequest(backend=self.claim, held_version=-1),  # type: ignore[arg-type]
-                                  LeaseResponse)
+            resp = await api.post("/v1/lease", LeaseRequest(backend=self.claim, held_version=-1,  # type: ignore[arg-type]
+                                                            precision=self.precision), LeaseResponse)  # type: ignore[arg-type]
             if resp.job is not None:
                 return open_job(resp.job, self.info.coordinator_public_key)
             empty.append(resp)
@@ -174,6 +175,7 @@ class Adversary:
         """What an honest client would send for this job (the real cache, backend and seeded sampler)."""
         assert self.info is not None
         cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
+        cache.precision = job.precision  # a llama.cpp client runs the GGUF file its lease names
         folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
         if self.claim == "llama" and backend is None:  # what an honest llama.cpp client sends: its own GGUF's sample
             from swarm_client.backends.llama_backend import LlamaBackend

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from coordinator.config import CoordinatorConfig, VerificationConfig, load_config
+from coordinator.core.trust import recompute_class
 from shared.records import file_form
 from swarm_client.backends import backend_kind, resolve_backend
 from swarm_client.backends.llama_backend import log_softmax, token_logprobs
@@ -125,12 +126,26 @@ def test_file_forms() -> None:
 def test_llama_results_get_their_precision_class_tolerance() -> None:
     v = VerificationConfig(logprob_mean_tol=0.01, logprob_max_tol=0.2,
                            backend_tolerances={"llama-q8_0": {"mean_tol": 0.07, "max_tol": 1.5}})
-    assert v.tolerances("llama", "q8_0") == (0.07, 1.5)
-    assert v.tolerances("torch", "q8_0") == (0.01, 0.2)  # torch clients never get the looser class
-    assert v.tolerances("llama", "f32") == (0.01, 0.2)  # no entry for the class: the general tolerance
+    assert v.tolerances(recompute_class("llama/cpu", "q8_0")) == (0.07, 1.5)
+    assert v.tolerances(recompute_class("torch/cpu", None)) == (0.01, 0.2)  # torch clients never get the looser class
+    assert v.tolerances(recompute_class("llama/cpu", "f32")) == (0.01, 0.2)  # no entry: the general tolerance
     default = CoordinatorConfig().verification
     for precision in ("f32", "f16", "q8_0"):
         assert f"llama-{precision}" in default.backend_tolerances
+
+
+def test_further_precisions_are_offered_after_the_default_once() -> None:
+    from coordinator.config import ConfigError
+
+    assert load_config(None, {"snapshots.gguf_also": ["q4_K_M", "q8_0"]}).snapshots.offered() == ("f16", "q4_K_M",
+                                                                                                   "q8_0")
+    assert load_config(None, {"snapshots.gguf": "off"}).snapshots.offered() == ()
+    with pytest.raises(ConfigError, match="twice"):
+        load_config(None, {"snapshots.gguf_also": ["f16"]})
+    with pytest.raises(ConfigError, match="'off'"):
+        load_config(None, {"snapshots.gguf": "off", "snapshots.gguf_also": ["q4_K_M"]})
+    with pytest.raises(ConfigError, match="full-weight runs"):
+        load_config(None, {"snapshots.gguf_also": ["q4_K_M"], "learner.lora_rank": 4})
 
 
 def test_config_refuses_unknown_precision_with_the_choices() -> None:
@@ -146,24 +161,24 @@ def test_llama_classes_get_their_choice_tolerance() -> None:
     v = VerificationConfig(choice_tol=0.03, backend_tolerances={
         "llama-q8_0": {"mean_tol": 0.07, "max_tol": 1.5, "choice_tol": 0.4},
         "llama-f16": {"mean_tol": 0.01, "max_tol": 0.5}})
-    assert v.choice_tolerance("llama/cpu", "q8_0") == 0.4
-    assert v.choice_tolerance("torch/cpu", "q8_0") == 0.03  # torch clients never get a llama class's tolerance
-    assert v.choice_tolerance("llama/cpu", "f16") == 0.03  # no choice_tol in the class: the general one
+    assert v.choice_tolerance(recompute_class("llama/cpu", "q8_0")) == 0.4
+    assert v.choice_tolerance(recompute_class("torch/cpu", None)) == 0.03  # never a llama class's tolerance
+    assert v.choice_tolerance(recompute_class("llama/cpu", "f16")) == 0.03  # no choice_tol: the general one
 
 
 def test_recompute_classes_get_their_tolerances_and_engines() -> None:
-    """class_tolerance reads a recompute class's entry (torch-bf16 by default: the bf16 replay's 0.1), falls back to
-    the torch tolerances for "torch" and for a class without an entry; the work queue names the bf16 replay's engine
-    and refuses a name it does not know."""
+    """torch-bf16 (the bf16 replay's class) has its own entry by default, 0.1 logit; a class without one, "torch"
+    included, gets the torch tolerances; the work queue names the bf16 replay's engine and refuses a name it does
+    not know."""
     from coordinator.config import CHOICE_TOL_TORCH_BF16
     from coordinator.run.workqueue import engine_from_wire
 
     v = VerificationConfig()
-    assert v.class_tolerance("torch-bf16").choice_tol == CHOICE_TOL_TORCH_BF16
-    assert (v.class_tolerance("torch").mean_tol, v.class_tolerance("torch").choice_tol) == (0.05, v.choice_tol)
+    assert v.choice_tolerance("torch-bf16") == CHOICE_TOL_TORCH_BF16 and v.tolerances("torch-bf16") == (0.05, 1.0)
+    assert v.choice_tolerance("torch") == v.choice_tol and v.tolerances("torch") == (0.05, 1.0)
     custom = VerificationConfig(choice_tol=0.03, backend_tolerances={"torch-bf16": {"mean_tol": 0.02, "max_tol": 0.5}})
-    assert custom.class_tolerance("torch-bf16").choice_tol == 0.03  # no choice_tol in the entry: the general one
-    assert custom.class_tolerance("llama-q8_0").max_tol == custom.logprob_max_tol  # replaced dict: no entry
+    assert custom.choice_tolerance("torch-bf16") == 0.03  # no choice_tol in the entry: the general one
+    assert custom.tolerances("torch-bf16") == (0.02, 0.5)
     assert [engine_from_wire(e) for e in (None, "torch", "torch-bf16", "llama")] == ["torch", "torch", "torch-bf16",
                                                                                     "llama"]
     with pytest.raises(ValueError, match="unknown recompute engine 'torch-fp8'"):
@@ -198,3 +213,21 @@ def test_token_logprobs_agree_with_a_float64_log_softmax(temperature: float) -> 
     tokens[0] = int(logits[0].argmax())  # the likeliest token too, whose logprob is nearest 0
     exact = log_softmax(logits, temperature)[np.arange(6), tokens]
     assert np.abs(np.array(token_logprobs(logits, tokens, temperature)) - exact).max() < 1e-5
+
+
+def test_every_place_that_names_the_gguf_precisions_names_the_same_ones() -> None:
+    """The precisions are spelled where a type needs them spelled (config keys, the wire's Literal, the client's
+    flag); one list, checked here, so that a precision added to the exporter is offered, leased and chosen alike."""
+    from typing import get_args
+
+    from coordinator.config import GGUF_PRECISIONS, SnapshotConfig
+    from coordinator.publish.gguf_export import PRECISIONS
+    from shared.messages import Precision
+    from swarm_client.precision import QUALITY
+    from swarm_client.settings import JoinConfig
+
+    assert tuple(PRECISIONS) == GGUF_PRECISIONS == QUALITY
+    assert get_args(SnapshotConfig.model_fields["gguf"].annotation) == ("off", *GGUF_PRECISIONS)
+    assert get_args(get_args(SnapshotConfig.model_fields["gguf_also"].annotation)[0]) == GGUF_PRECISIONS
+    assert get_args(JoinConfig.model_fields["precision"].annotation) == ("auto", *GGUF_PRECISIONS)
+    assert set(get_args(Precision)) == {*GGUF_PRECISIONS, "bf16"}  # and torch's bf16 compute

@@ -599,6 +599,7 @@ def _as_schema_5(store: Store) -> None:
         conn.execute(f"ALTER TABLE clients DROP COLUMN {col}")
     conn.execute("DROP INDEX results_by_completions")
     conn.execute("ALTER TABLE results DROP COLUMN completions_sha256")
+    conn.execute("ALTER TABLE jobs DROP COLUMN lease_precision")  # schema 7
     if conn.postgres:
         conn.execute("ALTER TABLE work DROP CONSTRAINT work_kind_check")
         conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check CHECK(kind IN ('recompute','replay','evaluate'))")
@@ -628,8 +629,9 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
 
     new = Store(db_path)
     try:
-        assert new.schema_version() == SCHEMA_VERSION == 6
+        assert new.schema_version() == SCHEMA_VERSION == 7
         assert not new.conn.has_table("replicas")
+        assert "lease_precision" in new.conn.columns("jobs") and new.jobs.get("j0").precision is None  # type: ignore[union-attr]
         assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.trust.lease_counts(ALICE) == (0, 0)
         assert "completions_sha256" in new.conn.columns("results")
         assert new.results.with_tokens("c" * 64, "j1") is None  # j0, accepted before schema 6, has no hash: NULL
@@ -646,7 +648,7 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
         new.close()
     again = Store(db_path)  # opening a schema-6 database again changes nothing
     try:
-        assert again.schema_version() == 6 and pending_ids(again) == {"j0"}
+        assert again.schema_version() == SCHEMA_VERSION and pending_ids(again) == {"j0"}
         assert [r["kind"] for r in again.conn.execute("SELECT kind FROM work ORDER BY id")] == ["recompute", "evaluate"]
     finally:
         again.close()

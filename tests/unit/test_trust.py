@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -123,6 +124,22 @@ def test_a_llama_class_is_recomputed_in_the_published_precision_and_everything_e
 
     assert recompute_class("llama/gpu", "q4_K_M") == "llama-q4_K_M"
     assert recompute_class("llama/cpu", "f16") == "llama-f16"
-    assert recompute_class("llama/cpu", "off") == "torch"  # no GGUF published: nothing for llama.cpp to rerun
-    assert recompute_class("torch/cuda", "q4_K_M") == "torch"
+    assert recompute_class("llama/cpu", None) == "torch"  # no GGUF published: nothing for llama.cpp to rerun
+    assert recompute_class("torch/cuda", None) == "torch"
     assert recompute_class("", "f16") == "torch"  # the co-located loop's identity has no pinned class
+
+
+def test_a_lease_gets_an_offered_precision_of_its_pinned_class_or_is_refused() -> None:
+    from coordinator.core.trust import lease_precision
+    from shared.errors import ProtocolError, Reason
+
+    offered = ("f16", "q4_K_M")
+    assert lease_precision("llama/cpu", None, offered) == "f16"  # the run's default, recorded as such
+    assert lease_precision("llama/gpu", "q4_K_M", offered) == "q4_K_M"
+    assert lease_precision("torch/cpu", None, offered) is None and lease_precision("torch/cpu", "f32", offered) is None
+    for pinned, asked in (("llama/cpu", "q8_0"), ("torch/cuda", "q4_K_M"), ("torch/cpu", "f16")):
+        with pytest.raises(ProtocolError) as caught:  # class shopping by asking is refused, naming what is offered
+            lease_precision(pinned, asked, offered)
+        assert caught.value.reason is Reason.PRECISION_NOT_OFFERED and asked in caught.value.message
+    with pytest.raises(ProtocolError, match="publishes no GGUF"):
+        lease_precision("llama/cpu", "f16", ())

@@ -315,9 +315,9 @@ def test_huge_int_refused() -> None:
 
 # ---- encode / pack --------------------------------------------------------------------------------------
 def test_encode_is_canonical_field_order() -> None:
-    data = wire.encode(LeaseRequest(backend="torch", held_version=3))
-    assert data == packed({"backend": "torch", "held_version": 3})
-    assert list(wire.unpack(data)) == ["backend", "held_version"]
+    data = wire.encode(LeaseRequest(backend="torch", held_version=3, precision="f32"))
+    assert data == packed({"backend": "torch", "held_version": 3, "precision": "f32"})
+    assert list(wire.unpack(data)) == ["backend", "held_version", "precision"]
 
 
 def test_pack_unpack_plain_values() -> None:
