@@ -484,11 +484,12 @@ LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
 # generations (coordinator.engine.torch_replay: prefill together, then one token at a time, same rows). Source:
 # bench/choice_calibration.py --classes torch-bf16 --verifier own and tests/integration/test_torch_replay.py
 # (docs/benchmarks.md, "torch clients computing in bf16"): on the same kind of CPU the replay has the client's logits
-# bit for bit — margins 0, |Δ logprob| 0 over 800 results. What the replay cannot make equal is other hardware (a CUDA or MPS bf16 client against a
-# CPU verifier: unmeasured, docs/security.md §4); on one CPU, bf16 arithmetic in another schedule (one teacher-forced
-# pass) moved honest tokens by up to 0.047 logit and 0.11 nats, so the class gets the llama.cpp classes' 0.1 (about
-# twice that), not torch's 0.02. Judged by the float32 pass instead, honest bf16 results had margins up to 0.53 logit
-# and about half were refused at torch's 0.02: a bf16 result must be recomputed in bf16.
+# bit for bit — margins 0, |Δ logprob| 0 over 1,800 results. What the replay cannot make equal is other hardware (a
+# CUDA or MPS bf16 client against a CPU verifier: unmeasured, docs/security.md §4); on one CPU, bf16 arithmetic in
+# another schedule (one teacher-forced pass) moved honest tokens by up to 0.047 logit and 0.11 nats, so the class gets
+# the llama.cpp classes' 0.1 (about twice that), not torch's 0.02. Judged by the float32 pass instead, honest bf16
+# results had margins up to 0.53 logit and about half were refused at torch's 0.02: a bf16 result must be recomputed
+# in bf16.
 CHOICE_TOL_TORCH_BF16 = 0.1
 TORCH_TOLERANCES: dict[str, BackendTolerance] = {
     "torch-bf16": BackendTolerance(mean_tol=0.05, max_tol=1.0, choice_tol=CHOICE_TOL_TORCH_BF16),
