@@ -3,12 +3,12 @@ from the keyed argmax per backend class, how often honest results would be refus
 beyond the sample), how much free choice the tolerance leaves an adversary, and how often attacks are caught.
 
     PYTHONPATH=. nice -n 5 python bench/choice_calibration.py [--results 2000] [--attacks 200]
-        [--temperatures 1.0,0.7] [--classes torch-f32,torch-bf16,llama-f32,llama-f16,llama-q8_0]
+        [--temperatures 1.0,0.7] [--classes torch-f32,torch-bf16w,torch-bf16,llama-f32,llama-f16,llama-q8_0]
         [--model-dir DIR] [--json out.json] [--write-docs]
 
-What runs is the real code: honest torch results come from the client's TorchBackend (on the model folder, or on
-a copy whose safetensors are bf16 — the verifier then recomputes in float32 from the same bf16 weights, as the
-coordinator does), llama.cpp results from the client's LlamaBackend on GGUFs written by
+What runs is the real code: honest torch results come from the client's TorchBackend (torch-f32: on the model
+folder; torch-bf16w: on a copy whose safetensors are bf16 — the verifier then recomputes in float32 from the same
+bf16 weights, as the coordinator does; torch-bf16: computing in bf16, `--torch-dtype bfloat16`), llama.cpp results from the client's LlamaBackend on GGUFs written by
 coordinator.publish.gguf_export, the recompute is shared.policy.completion_stats with the jobs' keys (the
 verifier's function) and the verdict check_choices with coordinator.config's default tolerance of the class.
 Results are shaped like the default run's jobs: jobs.prompts_per_job × learner.group_size completions of at most
@@ -26,7 +26,8 @@ choice in bits per token (0 when only the keyed choice passes).
 ``--verifier own`` (issue 36, the default since the verifier recomputes llama.cpp results with llama.cpp): a
 llama.cpp class's results are judged by coordinator.engine.llama_verifier on the very GGUF the client ran, at the
 class's own tolerance; precisions q6_K, q5_K_M, q4_K_M and q4_0 come from llama.cpp's quantiser. ``--verifier
-torch`` judges every class by the torch float32 recompute, as before. Each class row also gives the largest
+torch`` judges every class by the torch float32 recompute, as before. Likewise torch-bf16: ``own`` judges it by
+coordinator.engine.torch_replay in bf16 (the client's generations replayed), ``torch`` by the float32 pass. Each class row also gives the largest
 per-result mean and per-token |Δ logprob| between the client's report and the recompute (the logprob check).
 
 Attacks (judged against the torch verifier at each class's tolerance): greedy decoding; forced-correct answers;
@@ -165,6 +166,30 @@ class LlamaJudge:
             group = next((k for k in range(1, len(prompts)) if prompts[k] != prompts[0]), len(prompts))
             stats = self.recompute.recompute_stats(0, prompts, comps, plain_segments(key, [len(c) for c in comps]),
                                                    group)
+            assert stats.margins is not None
+            self.logprobs = stats.logprobs
+            out.append((stats.margins, 0.0))
+        return out
+
+
+class ReplayJudge:
+    """The verifier's bf16 replay of a torch client's generations (coordinator.engine.torch_replay) on the folder the
+    client loaded; free choice is not measured (0 bits), as for :class:`LlamaJudge`."""
+
+    def __init__(self, folder: Path, temperature: float, pad: int) -> None:
+        from coordinator.engine.torch_replay import TorchReplay
+
+        self.recompute = TorchReplay(lambda _v: folder, dtype="bfloat16", device="cpu", temperature=temperature,
+                                     pad_id=pad)
+        self.logprobs: list[list[float]] = []
+
+    def margins(self, results: list[tuple[list[list[int]], list[list[int]], int]], tolerance: float | None = None
+                ) -> list[tuple[list[list[float]], float]]:
+        from shared.sampler import plain_segments
+
+        out = []
+        for prompts, comps, key in results:
+            stats = self.recompute.recompute_stats(0, prompts, comps, plain_segments(key, [len(c) for c in comps]))
             assert stats.margins is not None
             self.logprobs = stats.logprobs
             out.append((stats.margins, 0.0))
@@ -342,7 +367,7 @@ def main() -> None:
     ap.add_argument("--results", type=int, default=2000, help="honest results per class and temperature")
     ap.add_argument("--attacks", type=int, default=200, help="results per attack kind (temperature 1.0)")
     ap.add_argument("--temperatures", default="1.0,0.7")
-    ap.add_argument("--classes", default="torch-f32,torch-bf16,llama-f16,llama-q8_0,llama-q6_K,llama-q5_K_M,"
+    ap.add_argument("--classes", default="torch-f32,torch-bf16w,torch-bf16,llama-f16,llama-q8_0,llama-q6_K,llama-q5_K_M,"
                     "llama-q4_K_M")
     ap.add_argument("--verifier", choices=("own", "torch"), default="own", help="own: a llama.cpp class is judged "
                     "by llama.cpp on its own GGUF (the coordinator's verifier); torch: by the torch recompute")
@@ -360,7 +385,9 @@ def main() -> None:
     import torch
 
     from coordinator.config import VerificationConfig
+    from coordinator.engine.evaluation import pad_id
     from coordinator.publish.gguf_export import export_folder
+    from shared.policy import load_tokenizer
     from swarm_client.backends.llama_backend import LlamaBackend
     from swarm_client.backends.torch_backend import TorchBackend
 
@@ -375,8 +402,9 @@ def main() -> None:
     vcfg = VerificationConfig()
 
     def tolerance(cls: str) -> float:
-        backend, _, precision = cls.partition("-")
-        return vcfg.choice_tolerance("llama/cpu" if backend == "llama" else "torch/cpu", precision)
+        """The class's keyed tolerance; torch-bf16 judged by the float32 pass (--verifier torch) gets torch's."""
+        own_class = cls.startswith("llama-") or (cls == "torch-bf16" and args.verifier == "own")
+        return vcfg.choice_tolerance(cls if own_class else "torch")
 
     own_judges: dict[str, tuple[Any, float]] = {}
 
@@ -386,11 +414,14 @@ def main() -> None:
         folders = {"f32": base}
         for cls in args.classes.split(","):
             backend_name, _, precision = cls.partition("-")
-            if backend_name == "torch":
-                folder = base if precision == "f32" else folders.get("bf16") or bf16_copy(base, Path(tmp) / "bf16")
-                folders["bf16" if precision == "bf16" else "f32"] = folder
-                backend: Any = TorchBackend(device="cpu", threads=1)
+            if backend_name == "torch":  # bf16w: bf16 snapshot weights, computed in float32; bf16: computed in bf16
+                folder = base if precision != "bf16w" else folders.get("bf16w") or bf16_copy(base, Path(tmp) / "bf16")
+                folders[precision] = folder
+                backend: Any = TorchBackend(device="cpu", threads=1,
+                                            dtype="bfloat16" if precision == "bf16" else "float32")
                 backend.load(folder)
+                if cls == "torch-bf16" and args.verifier == "own":
+                    own_judges[cls] = (ReplayJudge(folder, 1.0, pad_id(load_tokenizer(folder))), tolerance(cls))
             else:
                 folder = base
                 gdir = Path(tmp) / precision
@@ -402,10 +433,14 @@ def main() -> None:
                     own_judges[cls] = (LlamaJudge(gdir, 1.0), tolerance(cls))
             for k, temperature in enumerate(float(t) for t in args.temperatures.split(",")):
                 setup = load_setup(folder, temperature)  # the verifier's replica: float32 from the same weights
-                own = backend_name == "llama" and args.verifier == "own"
+                own = args.verifier == "own" and (backend_name == "llama" or cls == "torch-bf16")
                 row = ClassRow(cls, temperature, tolerance(cls) / temperature,  # logit units ÷ T
-                               verifier="llama.cpp, own file" if own else "torch")
-                judge: Any = LlamaJudge(Path(tmp) / precision, temperature) if own else Judge(setup)
+                               verifier=("torch bf16 replay" if backend_name == "torch" else "llama.cpp, own file")
+                               if own else "torch")
+                judge: Any = Judge(setup)
+                if own:
+                    judge = (ReplayJudge(folder, temperature, setup.pad) if backend_name == "torch"
+                             else LlamaJudge(Path(tmp) / precision, temperature))
                 honest(setup, judge, row, backend, args.results, shape, first=k * args.results,
                        tol=row.tolerance)
                 rows.append(row)

@@ -480,6 +480,21 @@ LLAMA_TOLERANCES: dict[str, BackendTolerance] = {
     f"llama-{p}": BackendTolerance(mean_tol=0.05, max_tol=1.0, choice_tol=CHOICE_TOL_LLAMA) for p in GGUF_PRECISIONS
 }
 
+# torch clients computing in bf16 (class "torch-bf16"), recomputed by the verifier in bf16 replaying the client's
+# generations (coordinator.engine.torch_replay: prefill together, then one token at a time, same rows). Source:
+# bench/choice_calibration.py --classes torch-bf16 --verifier own and tests/integration/test_torch_replay.py
+# (docs/benchmarks.md, "torch clients computing in bf16"): on the same kind of CPU the replay has the client's logits
+# bit for bit — margins 0, |Δ logprob| 0 over 1,800 results. What the replay cannot make equal is other hardware (a
+# CUDA or MPS bf16 client against a CPU verifier: unmeasured, docs/security.md §4); on one CPU, bf16 arithmetic in
+# another schedule (one teacher-forced pass) moved honest tokens by up to 0.047 logit and 0.11 nats, so the class gets
+# the llama.cpp classes' 0.1 (about twice that), not torch's 0.02. Judged by the float32 pass instead, honest bf16
+# results had margins up to 0.53 logit and about half were refused at torch's 0.02: a bf16 result must be recomputed
+# in bf16.
+CHOICE_TOL_TORCH_BF16 = 0.1
+TORCH_TOLERANCES: dict[str, BackendTolerance] = {
+    "torch-bf16": BackendTolerance(mean_tol=0.05, max_tol=1.0, choice_tol=CHOICE_TOL_TORCH_BF16),
+}
+
 
 def _cuda_device(device: str) -> bool:
     """'cuda' or 'cuda:K'."""
@@ -545,11 +560,12 @@ class VerificationConfig(_Strict):
                                                     "and compute in bf16 (as learner.mixed_precision does); the "
                                                     "tolerances above are unchanged.")
     backend_tolerances: dict[str, BackendTolerance] = Field(
-        default_factory=lambda: dict(LLAMA_TOLERANCES),
+        default_factory=lambda: LLAMA_TOLERANCES | TORCH_TOLERANCES,
         description="Per recompute class ('llama-f16', 'llama-q4_K_M', ...: 'llama-' and a published GGUF "
-        "precision): tolerances that replace the two above for results recomputed that way — llama.cpp clients' "
-        "results, recomputed with llama.cpp on the very GGUF file their lease named. The class follows from the "
-        "identity's pinned backend and the lease's precision, which must be one the run publishes.")
+        "precision; 'torch-bf16'): tolerances that replace the ones above for results recomputed that way — "
+        "llama.cpp clients' results, recomputed with llama.cpp on the very GGUF file their lease named, and torch "
+        "clients' computed in bf16, whose generations the verifier replays in bf16. The class follows from the "
+        "identity's pinned backend and the lease's precision, which must be one the run offers.")
 
     @model_validator(mode="after")
     def _ranks_need_fsdp_placement(self) -> VerificationConfig:

@@ -133,6 +133,7 @@ def join(
     backend: Annotated[Optional[str], typer.Option(help=_h("backend"))] = None,
     device: Annotated[Optional[str], typer.Option(help=_h("device"))] = None,
     precision: Annotated[Optional[str], typer.Option(help=_h("precision"))] = None,
+    torch_dtype: Annotated[Optional[str], typer.Option(help=_h("torch_dtype"))] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help=_h("threads"))] = None,
     gpu_layers: Annotated[Optional[int], typer.Option(min=0, help=_h("gpu_layers"))] = None,
     max_memory_gb: Annotated[Optional[float], typer.Option(help=_h("max_memory_gb"))] = None,

@@ -142,6 +142,43 @@ def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: str) -> tuple[
     return ids.to(device), mask.to(device)
 
 
+class Decoder:
+    """How a client evaluates a batch of contexts, one implementation for sampling (:func:`generate`) and its replay
+    by the verifier (:func:`replay_stats`): every context left-padded and evaluated in one batch (the prefill, the
+    last position's logits only), then one token per row at a time on the KV cache.
+
+    Why one: in bfloat16 the logits depend on that schedule, not only on the tokens. A batched teacher-forced pass
+    (:func:`completion_stats`) rounds differently from one-token decoding, and the batch's rows and width change the
+    kernels too: measured on the tiny model, a bf16 client's keyed choices were off the teacher-forced bf16
+    recompute's by up to 0.047 logit and its logprobs by 0.11 nats; replayed with this schedule (same rows, same
+    padding, same steps), margins and logprobs were the client's to the bit (docs/benchmarks.md, "torch clients
+    computing in bf16")."""
+
+    def __init__(self, model: Any, seqs: Sequence[Sequence[int]], pad_id: int) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self._mask: torch.Tensor
+        ids, self._mask = _left_pad(seqs, pad_id, str(self.device))
+        self._positions = (self._mask.cumsum(-1) - 1).clamp(min=0)
+        self._cache_kw = _cache_kwarg(model)
+        self._out = model(input_ids=ids, attention_mask=self._mask, position_ids=self._positions, use_cache=True,
+                          **_last_logits_only(model))
+
+    def logits(self) -> torch.Tensor:
+        """The float32 logits [rows, V] that predict each row's next token."""
+        return self._out.logits[:, -1, :].float()
+
+    def step(self, nxt: torch.Tensor) -> None:
+        """Evaluate one more token per row (``nxt`` [rows])."""
+        import torch
+
+        ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        self._positions = self._positions[:, -1:] + 1
+        self._out = self.model(input_ids=nxt[:, None], attention_mask=self._mask, position_ids=self._positions,
+                               use_cache=True, **{self._cache_kw: _cache_of(self._out)})
+
+
 def generate(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -164,23 +201,19 @@ def generate(
     """
     import torch
 
-    device = next(model.parameters()).device
     seqs = [list(p) for p in prompts for _ in range(group_size)]
-    ids, mask = _left_pad(seqs, pad_id, str(device))
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     n = len(seqs)
-    words, rollouts = row_keys([(int(seed or 0), r) for r in range(n)], device)
-    cache_kw = _cache_kwarg(model)
     tokens: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    stopped = torch.zeros(n, dtype=torch.bool, device=device)
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **_last_logits_only(model))
+        decoder = Decoder(model, seqs, pad_id)
+        device = decoder.device
+        stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+        words, rollouts = row_keys([(int(seed or 0), r) for r in range(n)], device)
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        stopped = torch.zeros(n, dtype=torch.bool, device=device)
         for position in range(max_tokens):
-            logits = out.logits[:, -1, :].float()
+            logits = decoder.logits()
             if seed is None:
                 nxt = logits.argmax(-1)
                 lp = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1)
@@ -198,10 +231,7 @@ def generate(
             done |= hit
             if bool(done.all()) or (should_stop is not None and should_stop()):
                 break
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
-                        **{cache_kw: _cache_of(out)})
+            decoder.step(nxt)
     stopped_list = stopped.tolist()
     return [
         Sampled(tokens[i], logprobs[i], "stop" if stopped_list[i] else "length") for i in range(n)
@@ -412,6 +442,87 @@ def completion_stats(
         # the logits are already tempered (float32 l/T, as a client computes them): the scores are l/T + G
         margins = margins_torch(logits, c_ids, 1.0, segments) * c_mask
     return CompletionStats(logp, entropy, variance, top, c_mask.to(logp.dtype), margins)
+
+
+def replay_stats(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    pad_id: int,
+    segments: Sequence[Sequence[Segment]] | None = None,
+) -> CompletionStats:
+    """:func:`completion_stats` computed as the client computed its logits: each of the client's generations
+    replayed with :class:`Decoder` — the same rows in the same order, prefilled together, then fed the completions'
+    tokens one at a time. For a model in half precision, whose logits depend on that schedule (Decoder's docstring);
+    in float32 one teacher-forced pass already gives the client's bits, at a fraction of the cost.
+
+    The generations follow from ``segments`` (each completion's keyed draws, shared.sampler.Segment): the draws of
+    one key were one generation, whose row ``rollout`` continued ``prompt + completion[:offset]`` — a plain job's
+    one batch of every completion, a multi-turn job's one batch per turn over the episodes then live
+    (shared.envs.play.episode_segments). Without segments, the completions are one batch. A position no segment
+    covers (an episode's observation tokens: never sampled, never trained) gets the statistics of uniform logits,
+    as coordinator.engine.llama_verifier gives it. Statistics are computed a step at a time, so the memory is one
+    step's [rows × vocabulary], whatever the completions' length."""
+    import torch
+
+    if segments is not None and len(segments) != len(completions):
+        raise ValueError(f"{len(segments)} segment lists for {len(completions)} completions")
+    keyed = segments is not None
+    draws = segments if segments is not None else [[(0, b, 0, len(c))] for b, c in enumerate(completions)]
+    generations: dict[int, list[tuple[int, int, int, int]]] = {}  # key → (rollout, completion, offset, count)
+    for b, row in enumerate(draws):
+        for key, rollout, offset, count in row:
+            count = min(count, len(completions[b]) - offset)  # a draw past the completion's end has no token
+            if count > 0 and offset >= 0:
+                generations.setdefault(key, []).append((rollout, b, offset, count))
+    device = next(model.parameters()).device
+    c_ids, c_mask = _right_pad(completions, pad_id, device)
+    vocab = int(model.config.vocab_size)
+    flat = torch.zeros((1, vocab), dtype=torch.float32, device=device)  # uniform logits
+    uniform = _step_stats(flat, temperature, flat.new_zeros(1, dtype=torch.long), None)
+    out = [torch.full(c_ids.shape, float(v[0]), dtype=torch.float32, device=device) for v in uniform]
+    with torch.inference_mode():
+        for key, rows in generations.items():
+            rows.sort()
+            decoder = Decoder(model, [list(prompts[b]) + list(completions[b][:o]) for _r, b, o, _n in rows], pad_id)
+            steps = max(n for *_, n in rows)
+            for j in range(steps):
+                live = [i for i, (*_, n) in enumerate(rows) if j < n]
+                at = torch.tensor([rows[i][1] for i in live], dtype=torch.long, device=device)
+                col = torch.tensor([rows[i][2] + j for i in live], dtype=torch.long, device=device)
+                ids = c_ids[at, col]
+                draw = None
+                if keyed:
+                    n_live = len(live)
+                    words, rollouts = row_keys([(key, rows[i][0]) for i in live], device)
+                    draw = KeyedRows(torch.arange(n_live, device=device), words, rollouts,
+                                     torch.full((n_live,), j, dtype=torch.long, device=device))
+                logits = decoder.logits()[torch.tensor(live, dtype=torch.long, device=device)]
+                for dst, value in zip(out, _step_stats(logits, temperature, ids, draw), strict=True):
+                    dst[at, col] = value
+                if j + 1 < steps:  # rows already ended are fed padding: only their own later logits would change
+                    feed = [completions[b][o + j] if j < n else pad_id for _r, b, o, n in rows]
+                    decoder.step(torch.tensor(feed, dtype=torch.long, device=device))
+    mask = c_mask.to(torch.float32)
+    logp, entropy, variance, top, margins = out
+    return CompletionStats(logp, entropy, variance, top, mask, margins * mask if keyed else None)
+
+
+def _step_stats(logits: torch.Tensor, temperature: float, ids: torch.Tensor, draw: KeyedRows | None
+                ) -> tuple[torch.Tensor, ...]:
+    """(logprob of ``ids``, entropy, surprisal variance, top logprob, keyed margin) of each row of untempered float32
+    logits [n, V], with the arithmetic of :func:`generate` (``l / T``, then log-softmax and the keyed scores); margins
+    0 without ``draw``."""
+    import torch
+
+    tempered = logits / temperature
+    logp_all = torch.log_softmax(tempered, -1)
+    entropy, variance = entropy_variance(logp_all)
+    margins = (margins_of_rows(tempered, ids, 1.0, draw) if draw is not None
+               else torch.zeros(len(ids), dtype=torch.float32, device=logits.device))
+    return (logp_all.gather(1, ids[:, None]).squeeze(1), entropy, variance, logp_all.max(-1).values, margins)
 
 
 def entropy_variance(logp_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

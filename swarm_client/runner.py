@@ -376,7 +376,7 @@ class Runner:
         """The generation backend, with its libraries' logging routed into ours (swarm_client/logs.py)."""
         try:
             backend = make_backend(self.cfg.backend, device=self.cfg.device, threads=self.cfg.threads,
-                                   gpu_layers=self.cfg.gpu_layers)
+                                   gpu_layers=self.cfg.gpu_layers, torch_dtype=self.cfg.torch_dtype)
         except ValueError as exc:  # unknown backend, or llama-cpp-python not installed: the message says what to do
             self._error(f"error: {exc}")
             return None

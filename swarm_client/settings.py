@@ -38,6 +38,10 @@ class JoinConfig(BaseModel):
         "(f16 before q8_0 before q4_K_M ...), checked from the signed manifest before anything is downloaded. "
         "Every precision is verified equally tightly (on the very file you ran); a smaller one needs less memory "
         "and download.")
+    torch_dtype: Literal["float32", "bfloat16"] = Field("float32", description="What the torch backend computes in: "
+                                                        "bfloat16 needs half the memory (a 7 B model fits a 16 GB "
+                                                        "GPU only so); the coordinator checks such results against "
+                                                        "its own bf16 replay of them.")
     threads: int | None = Field(None, ge=1, description="CPU threads for generation; unset: the backend's choice.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
     max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted results (this session).")

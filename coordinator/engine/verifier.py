@@ -354,6 +354,11 @@ class Verifier:
             fsdp.broken(self._ranks, f"{what} on the verifier's ranks failed: {type(exc).__name__}: {exc}")
             raise  # not reached
 
+    def model_at(self, version: int) -> Any:
+        """The replica holding ``version``, loaded (or another rewritten in place) if need be, for a caller on a
+        verifier's thread that computes with it otherwise (coordinator.engine.torch_replay). Raises VersionGone."""
+        return self._model_at(version)
+
     def _model_at(self, version: int) -> Any:
         if version in self._models:
             self._models.move_to_end(version)

@@ -29,6 +29,7 @@ from coordinator.engine import fsdp
 from coordinator.engine.evaluation import Evaluator
 from coordinator.engine.llama_verifier import LlamaRecompute
 from coordinator.engine.lora import VersionLoader
+from coordinator.engine.torch_replay import TorchReplay
 from coordinator.engine.verifier import Verifier
 from coordinator.errors import VersionGone
 from coordinator.holds import hold_async
@@ -107,6 +108,7 @@ class VerifierWorker:
                 temperature=self.config.sampling.temperature,
                 threads=vcfg.threads or self.config.learner.threads, cached_versions=vcfg.cached_versions,
                 base_dir=self.snapshots.base_dir if lora else None)
+        self.torch_bf16: TorchReplay | None = None  # bf16 torch clients' results (engine.torch_replay), on demand
         self.evaluator: Any = None
         if "evaluate" in self.kinds:
             versions = VersionLoader(self.snapshots.base_dir) if lora else None
@@ -130,7 +132,8 @@ class VerifierWorker:
             "pid": os.getpid(), "device": self.verifier.device, "at": time.time(), "in_flight": len(self._inflight),
             "evaluations": self.evaluations, "eval_s": self.eval_s,
             "evaluations_skipped": self.evaluations_skipped[-SKIPPED_SHOWN:], **self.verifier.describe(),
-            **(self.llama.describe() if self.llama is not None else {})})
+            **(self.llama.describe() if self.llama is not None else {}),
+            **(self.torch_bf16.describe() if self.torch_bf16 is not None else {})})
 
     async def run(self) -> None:
         """Claim, answer, report — until cancelled."""
@@ -203,13 +206,17 @@ class VerifierWorker:
                 return
             await hold_async(f"recompute-v{version}")  # a fault test's busy verifier (coordinator.holds)
             segments = segments_from_wire(request.get("segments"))
-            if engine_from_wire(request.get("engine")) == "llama":
+            engine = engine_from_wire(request.get("engine"))
+            if engine == "llama":
                 if self.llama is None:
                     raise VersionGone("this run publishes no GGUF: a llama.cpp result cannot be recomputed")
                 # on the verifier's thread, in turn with torch recomputes: the two never share the cores
                 stats = await self.verifier.run(self.llama.recompute_stats, version, request["prompts"],
                                                 request["completions"], segments, int(request.get("group") or 1),
                                                 precision_from_wire(request.get("precision")))
+            elif engine == "torch-bf16":  # a bf16 client's generations replayed in bf16 (engine.torch_replay)
+                stats = await self.verifier.run(self._replay().recompute_stats, version, request["prompts"],
+                                                request["completions"], segments)
             else:
                 stats = await self.verifier.recompute_stats(request["prompts"], request["completions"], version,
                                                             segments)
@@ -223,6 +230,19 @@ class VerifierWorker:
             logger.exception("%s: %s request %d failed", self.name, kind, item)
             self.store.work.finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
         self.bell.ring()
+
+    def _replay(self) -> TorchReplay:
+        """The bf16 replay of torch clients' results, made on the first one (a bf16 replica per kept version)."""
+        if self.torch_bf16 is None:
+            snapshots, lora = self.snapshots, self.config.learner.lora_rank > 0
+            versions = VersionLoader(snapshots.base_dir) if lora else None
+            self.torch_bf16 = TorchReplay(
+                lambda v: snapshots.folder(v) if snapshots.signed_manifest(v) is not None else None,
+                dtype="bfloat16", device=self.verifier.device, temperature=self.config.sampling.temperature,
+                pad_id=self.verifier.pad_id, cached_versions=self.config.verification.cached_versions,
+                load_first=versions.load_first if versions is not None else None,
+                load_into=versions.load_into if versions is not None else None)
+        return self.torch_bf16
 
     async def _evaluate(self, item: int, version: int) -> None:
         """A held-out evaluation of a published version, recorded in the store; nobody waits for the answer."""
@@ -247,9 +267,9 @@ class VerifierWorker:
             task.cancel()
         with contextlib.suppress(AttributeError):
             self.verifier.close()
-        llama = getattr(self, "llama", None)
-        if llama is not None:
-            llama.close()
+        for other in (getattr(self, "llama", None), getattr(self, "torch_bf16", None)):
+            if other is not None:
+                other.close()
         evaluator = getattr(self, "evaluator", None)
         if evaluator is not None:
             evaluator.close()

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, cast, get_args
 
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
@@ -35,9 +35,10 @@ if TYPE_CHECKING:
 #: Seconds between looks at the store when another process may have changed it.
 POLL_S = 0.02
 
-#: What recomputes a result: torch from the version's safetensors, or llama.cpp from its GGUF file (the file a
-#: llama.cpp client ran, coordinator.engine.llama_verifier).
-Engine = Literal["torch", "llama"]
+#: What recomputes a result: torch from the version's safetensors in one batched pass ("torch"), torch replaying a
+#: bf16 client's generations in bf16 ("torch-bf16", coordinator.engine.torch_replay), or llama.cpp from its GGUF file
+#: (the file a llama.cpp client ran, coordinator.engine.llama_verifier).
+Engine = Literal["torch", "torch-bf16", "llama"]
 
 
 class StatsWire(TypedDict):
@@ -130,7 +131,9 @@ class RemoteVerifier:
                               group: int = 1, precision: str | None = None) -> TokenStats:
         """``engine``: "llama" recomputes with llama.cpp on the version's GGUF file of ``precision`` (None: the
         run's default; a llama.cpp client's result, coordinator.engine.llama_verifier, which replays the client's
-        evaluations: ``group`` completions per prompt), "torch" from its safetensors."""
+        evaluations: ``group`` completions per prompt); "torch-bf16" replays a bf16 torch client's generations in
+        bf16 (coordinator.engine.torch_replay; the ``segments`` say which rows were generated together, ``group``
+        and ``precision`` are not used); "torch" one float32 pass from its safetensors."""
         t0 = time.monotonic()
         try:
             answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
@@ -176,8 +179,13 @@ def stats_answer(stats: TokenStats) -> bytes:
 
 
 def engine_from_wire(raw: Any) -> Engine:
-    """A recompute request's engine; requests written before engines existed are torch's."""
-    return "llama" if raw == "llama" else "torch"
+    """A recompute request's engine; requests written before engines existed are torch's. The API wrote it (never a
+    client), so an unknown name is a bug, not bad input."""
+    if raw is None:
+        return "torch"
+    if raw not in get_args(Engine):
+        raise ValueError(f"unknown recompute engine {raw!r}: one of {', '.join(get_args(Engine))}")
+    return cast(Engine, raw)
 
 
 def precision_from_wire(raw: Any) -> str | None:

@@ -52,10 +52,10 @@ def resolve_backend(name: str) -> str:
 
 
 def make_backend(name: str, *, device: str = "auto", threads: int | None = None,
-                 gpu_layers: int | None = None) -> Backend:
+                 gpu_layers: int | None = None, torch_dtype: str = "float32") -> Backend:
     """``gpu_layers``: layers to offload to a GPU (None: the backend's default, all layers where a GPU is
     found; 0: GPU off). The torch backend cannot split a model, so for it any value but 0 means "all layers
-    on the GPU if there is one"."""
+    on the GPU if there is one". ``torch_dtype``: what the torch backend computes in (float32 or bfloat16)."""
     chosen = resolve_backend(name)
     if chosen == "llama":
         if not llama_available():
@@ -69,7 +69,7 @@ def make_backend(name: str, *, device: str = "auto", threads: int | None = None,
     if gpu_layers == 0:
         device = "cpu"
 
-    return TorchBackend(device=device, threads=threads)
+    return TorchBackend(device=device, threads=threads, dtype=torch_dtype)
 
 
 def backend_forms(backend: object) -> frozenset[str] | None:

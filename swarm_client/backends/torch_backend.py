@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 FileIds = tuple[tuple[str, int, int, int, int], ...]
 
+#: The compute dtypes of a torch client, each with the precision its lease and class name ("torch-bf16").
+TORCH_PRECISIONS = {"float32": "f32", "bfloat16": "bf16"}
+
 
 def _file_ids(folder: Path) -> FileIds:
     """Identity of a folder's base weight files: name, device, inode, size, mtime (cached blobs are immutable
@@ -50,7 +53,13 @@ class TorchBackend:
     name = "torch"
     forms = frozenset({"hf"})  # the safetensors model folder (or base + adapter); GGUF files are not fetched
 
-    def __init__(self, device: str = "auto", threads: int | None = None) -> None:
+    def __init__(self, device: str = "auto", threads: int | None = None, dtype: str = "float32") -> None:
+        """``dtype``: what the model computes in, "float32" or "bfloat16" (half the memory: a 7 B policy fits a 16 GB
+        card only so). The coordinator recomputes a bf16 client's results in bf16, replaying its generations
+        (coordinator.engine.torch_replay); :attr:`precision` is how the lease names it."""
+        if dtype not in TORCH_PRECISIONS:
+            raise ValueError(f"torch dtype {dtype!r} is not one the coordinator can verify: choose "
+                             f"{' or '.join(TORCH_PRECISIONS)}")
         import torch
 
         # seconds of torch and transformers imports: taken while the client starts (and, started with its
@@ -59,6 +68,8 @@ class TorchBackend:
         if threads:
             torch.set_num_threads(threads)
         self.device = pick_device(device)
+        self.dtype = dtype
+        self.precision = TORCH_PRECISIONS[dtype]
         self.model: Any = None
         self.tokenizer: Any = None
         self._config_text: str | None = None
@@ -76,7 +87,8 @@ class TorchBackend:
         if self.model is None or config_text != self._config_text:
             self.model = self._weights_id = None
             self.tokenizer = load_tokenizer(folder)
-            self.model = load_base_model(folder, self.device) if lora else load_model(folder, self.device)
+            load = load_base_model if lora else load_model
+            self.model = load(folder, self.device, self.dtype)
             self._config_text = config_text
         elif weights_id != self._weights_id:
             self._weights_id = None

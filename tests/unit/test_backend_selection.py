@@ -166,6 +166,32 @@ def test_llama_classes_get_their_choice_tolerance() -> None:
     assert v.choice_tolerance(recompute_class("llama/cpu", "f16")) == 0.03  # no choice_tol: the general one
 
 
+def test_recompute_classes_get_their_tolerances_and_engines() -> None:
+    """torch-bf16 (the bf16 replay's class) has its own entry by default, 0.1 logit; a class without one, "torch"
+    included, gets the torch tolerances; the work queue names the bf16 replay's engine and refuses a name it does
+    not know."""
+    from coordinator.config import CHOICE_TOL_TORCH_BF16
+    from coordinator.run.workqueue import engine_from_wire
+
+    v = VerificationConfig()
+    assert v.choice_tolerance("torch-bf16") == CHOICE_TOL_TORCH_BF16 and v.tolerances("torch-bf16") == (0.05, 1.0)
+    assert v.choice_tolerance("torch") == v.choice_tol and v.tolerances("torch") == (0.05, 1.0)
+    custom = VerificationConfig(choice_tol=0.03, backend_tolerances={"torch-bf16": {"mean_tol": 0.02, "max_tol": 0.5}})
+    assert custom.choice_tolerance("torch-bf16") == 0.03  # no choice_tol in the entry: the general one
+    assert custom.tolerances("torch-bf16") == (0.02, 0.5)
+    assert [engine_from_wire(e) for e in (None, "torch", "torch-bf16", "llama")] == ["torch", "torch", "torch-bf16",
+                                                                                    "llama"]
+    with pytest.raises(ValueError, match="unknown recompute engine 'torch-fp8'"):
+        engine_from_wire("torch-fp8")
+
+
+def test_torch_dtype_is_checked_before_anything_loads() -> None:
+    from swarm_client.backends import make_backend
+
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        make_backend("torch", device="cpu", torch_dtype="float16")
+
+
 def test_log_softmax_is_tempered_and_normalised() -> None:
     import numpy as np
 
