@@ -39,6 +39,7 @@ MIB = 2**20
 TORCH_RUNTIME_BYTES = 400 * MIB
 LLAMA_RUNTIME_BYTES = 128 * MIB
 TORCH_DTYPE_BYTES = 4  # the torch backend holds and computes in float32 (shared.policy.load_model's default)
+BF16_BYTES = 2  # ... or in bfloat16 (`join --torch-dtype bfloat16`): every figure below takes the width as ``width``
 LLAMA_KV_DTYPE_BYTES = 2  # llama.cpp's default KV cache type: f16
 LLAMA_N_CTX = 2048  # LlamaBackend's context window (n_ctx) and the tokens its KV cache holds
 LLAMA_N_BATCH = 512  # tokens llama.cpp evaluates at once (LlamaBackend: n_batch = min(512, n_ctx))
@@ -121,16 +122,18 @@ class Need:
 class Weights:
     """The weights as the torch backend will hold them."""
 
-    memory_bytes: int  # all tensors at TORCH_DTYPE_BYTES per element
+    memory_bytes: int  # all tensors at the backend's bytes per element (``width``)
     largest_bytes: int  # the largest single tensor, same unit
     file_bytes: int  # the safetensors files' total size
 
     @classmethod
-    def from_file_bytes(cls, file_bytes: int, like: Weights | None) -> Weights:
+    def from_file_bytes(cls, file_bytes: int, like: Weights | None, width: int = TORCH_DTYPE_BYTES) -> Weights:
         """Weights known only by their files' size (before a download): scaled like ``like`` (another version
-        of the run, whose headers were read), else assumed float32 with the fallback share for the largest."""
-        if like is None or like.file_bytes <= 0:  # float32 files: the coordinator's default (a float32 learner)
-            return cls(file_bytes, int(file_bytes * FALLBACK_LARGEST_SHARE), file_bytes)
+        of the run, whose headers were read), else assumed float32 files (the coordinator's default, a float32
+        learner) held at ``width`` bytes per element, with the fallback share for the largest."""
+        if like is None or like.file_bytes <= 0:
+            memory = file_bytes * width // TORCH_DTYPE_BYTES
+            return cls(memory, int(memory * FALLBACK_LARGEST_SHARE), file_bytes)
         memory = file_bytes * like.memory_bytes // like.file_bytes
         return cls(memory, memory * like.largest_bytes // max(1, like.memory_bytes), file_bytes)
 
@@ -143,24 +146,26 @@ class Weights:
 
 
 # ---- the formulas ---------------------------------------------------------------------------------------------
-def torch_generation_bytes(shape: ModelShape, batch: Batch) -> tuple[int, int]:
+def torch_generation_bytes(shape: ModelShape, batch: Batch, width: int = TORCH_DTYPE_BYTES) -> tuple[int, int]:
     """(KV cache, prefill transients) of one generation of ``batch`` by the torch backend, in bytes."""
     n, p = batch.sequences, batch.prompt_tokens
-    kv = 2 * shape.layers * shape.kv_width * n * (p + batch.new_tokens) * TORCH_DTYPE_BYTES
+    kv = 2 * shape.layers * shape.kv_width * n * (p + batch.new_tokens) * width
     per_token = shape.vocab + MLP_TRANSIENTS * shape.intermediate + HIDDEN_TRANSIENTS * shape.hidden
     scores = shape.heads * p  # one layer's attention scores for one query token
-    prefill = n * p * (per_token + scores) * TORCH_DTYPE_BYTES
+    prefill = n * p * (per_token + scores) * width
     return kv, prefill
 
 
-def torch_need_from(weights: Weights, shape: ModelShape | None, batch: Batch) -> Need:
-    """The torch backend's peak for ``weights`` and one generation of ``batch`` (shape None: fallbacks)."""
+def torch_need_from(weights: Weights, shape: ModelShape | None, batch: Batch, width: int = TORCH_DTYPE_BYTES
+                    ) -> Need:
+    """The torch backend's peak for ``weights`` and one generation of ``batch`` at ``width`` bytes per element
+    (shape None: fallbacks)."""
     if shape is not None:
-        kv, prefill = torch_generation_bytes(shape, batch)
+        kv, prefill = torch_generation_bytes(shape, batch, width)
     else:
         n, p = batch.sequences, batch.prompt_tokens
         kv = int(weights.memory_bytes * FALLBACK_KV_SHARE_PER_TOKEN * n * (p + batch.new_tokens))
-        prefill = int(n * p * (FALLBACK_VOCAB * TORCH_DTYPE_BYTES
+        prefill = int(n * p * (FALLBACK_VOCAB * width
                                + weights.memory_bytes * FALLBACK_ACTIVATION_SHARE_PER_TOKEN))
     return Need({"runtime": TORCH_RUNTIME_BYTES, "weights": weights.memory_bytes, "loading": weights.loading_bytes,
                  "KV cache": int(kv * TRANSIENT_SLACK), "prefill": int(prefill * TRANSIENT_SLACK)},
@@ -269,9 +274,9 @@ def gguf_shape(path: Path) -> ModelShape | None:
     return ModelShape.from_config(cfg)
 
 
-def torch_weights(folder: Path) -> Weights:
+def torch_weights(folder: Path, width: int = TORCH_DTYPE_BYTES) -> Weights:
     """From the safetensors headers of ``folder`` (base weights; a LoRA adapter's own file is tiny and only ever
-    one tensor at a time): the bytes the torch backend holds, at TORCH_DTYPE_BYTES per element."""
+    one tensor at a time): the bytes the torch backend holds, at ``width`` bytes per element."""
     total = largest = size = 0
     for path in base_weight_files(folder):
         size += path.stat().st_size
@@ -280,15 +285,15 @@ def torch_weights(folder: Path) -> Weights:
                 n = 1
                 for d in entry.get("shape", ()):
                     n *= int(d)
-                b = n * TORCH_DTYPE_BYTES
+                b = n * width
                 total += b
                 largest = max(largest, b)
     return Weights(total, largest, size)
 
 
-def torch_need(folder: Path, batch: Batch) -> Need:
-    """The torch backend's peak for the model in ``folder`` and one generation of ``batch``."""
-    return torch_need_from(torch_weights(folder), read_shape(folder), batch)
+def torch_need(folder: Path, batch: Batch, width: int = TORCH_DTYPE_BYTES) -> Need:
+    """The torch backend's peak for the model in ``folder`` and one generation of ``batch`` at ``width``."""
+    return torch_need_from(torch_weights(folder, width), read_shape(folder), batch, width)
 
 
 def llama_need(folder: Path) -> Need:

@@ -69,7 +69,9 @@ from swarm_client.benchmark import run_benchmark
 from swarm_client.control import Controls, read_controls, update_controls, write_status
 from swarm_client.episodes import play_job
 from swarm_client.footprint import (
+    BF16_BYTES,
     DEFAULT_BATCH,
+    TORCH_DTYPE_BYTES,
     Batch,
     Need,
     Weights,
@@ -481,22 +483,28 @@ class Runner:
         if held is not None:
             with contextlib.suppress(OSError, ValueError):
                 shape = read_shape(held)
-                like = None if self._is_llama() else torch_weights(held)
+                like = None if self._is_llama() else torch_weights(held, self._torch_width())
         if self._is_llama():
             need = llama_need_from(sum(f.size for f in files if f.path.endswith(".gguf")), shape)
         else:
             weight_bytes = sum(f.size for f in files if f.path.endswith(".safetensors") and f.path != ADAPTER_WEIGHTS)
-            need = torch_need_from(Weights.from_file_bytes(weight_bytes, like), shape, self._batch)
+            width = self._torch_width()
+            need = torch_need_from(Weights.from_file_bytes(weight_bytes, like, width), shape, self._batch, width)
         self._check_need(need, manifest.version, limits)
         check_disk(missing_bytes, int(free_disk_gb(self.cfg.home) * GIB), limits, manifest.version)
 
+    def _torch_width(self) -> int:
+        """Bytes per element the torch backend holds the model in (its compute dtype)."""
+        return BF16_BYTES if getattr(self.backend, "precision", "f32") == "bf16" else TORCH_DTYPE_BYTES
+
     async def _lease_precision(self, cache: SnapshotCache, version: int) -> str | None:
-        """The precision this client leases in: None for torch (float32); for llama.cpp the one chosen from
+        """The precision this client leases in: a torch backend's compute dtype ("bf16"; None for the default
+        float32, what every coordinator accepts); for llama.cpp the one chosen from
         ``version``'s signed manifest (swarm_client.precision: --precision, or the best offered that fits), once
         per run. A manifest that cannot be read now leaves the choice to the next lease (the run's default
         meanwhile)."""
         if not self._is_llama():
-            return None
+            return "bf16" if getattr(self.backend, "precision", "f32") == "bf16" else None
         if self._precision_chosen:
             return self._precision
         try:
@@ -532,7 +540,7 @@ class Runner:
         (safetensors or GGUF headers, config.json) and the batch, so that nothing passes the check to be killed
         by the OOM killer while loading or generating."""
         try:
-            need = llama_need(folder) if self._is_llama() else torch_need(folder, batch)
+            need = llama_need(folder) if self._is_llama() else torch_need(folder, batch, self._torch_width())
         except (OSError, ValueError) as exc:  # a verified folder reads; if not, loading it says what is wrong
             logger.info("could not estimate the memory for %s: %s", folder, exc)
             return

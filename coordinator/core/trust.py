@@ -117,8 +117,9 @@ def known_class(backend: str, device: str) -> str | None:
     return f"{backend}/{kind}" if kind in BACKEND_CLASSES.get(backend, frozenset()) else None
 
 
-#: The compute precisions a torch client may lease in (LeaseRequest.precision); None means "f32".
-TORCH_PRECISIONS: tuple[str, ...] = ("f32",)
+#: The compute precisions a torch client may lease in (LeaseRequest.precision); None means "f32". A "bf16" result is
+#: recomputed by a bf16 replay of its generations (coordinator.engine.torch_replay), class "torch-bf16".
+TORCH_PRECISIONS: tuple[str, ...] = ("f32", "bf16")
 
 
 def lease_precision(pinned: str, asked: str | None, offered: tuple[str, ...]) -> str | None:

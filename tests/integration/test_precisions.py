@@ -13,9 +13,12 @@ from typing import Any
 
 import pytest
 
+from coordinator.config import CoordinatorConfig
+from coordinator.engine.llama_verifier import LlamaRecompute
 from coordinator.run.records import AcceptedResult
 from shared import wire
-from shared.messages import LeaseRequest, Manifest, SignedManifest
+from shared.messages import Job, LeaseRequest, Manifest, ResultSubmission, SignedManifest
+from shared.sampler import plain_segments
 from swarm_client.api import CoordinatorClient
 from swarm_client.precision import choose_precision, offered_precisions
 from swarm_client.resources import ResourceRefusal
@@ -68,30 +71,61 @@ def test_each_volunteer_runs_and_is_checked_on_the_precision_its_lease_names(tmp
         assert sources == [("f16", "llama-f16")] * 2 + [("q4_K_M", "llama-q4_K_M")] * 2
 
 
+def test_a_torch_client_computing_in_bf16_is_checked_by_a_bf16_replay(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`join --torch-dtype bfloat16` leases in bf16; its results are recomputed by replaying its generations in
+    bf16 (class torch-bf16) and accepted — judged by the float32 pass instead, about half were refused."""
+    with running_coordinator(tmp_path, tiny_model_dir) as live:
+        proc = subprocess.run([sys.executable, "-m", "echo_swarm", "join", live.url, "--home", str(tmp_path / "bf16"),
+                               "--backend", "torch", "--torch-dtype", "bfloat16", "--threads", "1", "--max-jobs", "3"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert db_rows(live.run_dir, "SELECT COUNT(*) FROM rejections") == [(0,)]
+        rows = db_rows(live.run_dir, "SELECT j.lease_precision, r.payload FROM results r JOIN jobs j "
+                                     "ON j.job_id = r.job_id")
+        assert sorted((p, AcceptedResult.decode(payload).source) for p, payload in rows) == [("bf16", "torch-bf16")] * 3
+
+
 def test_asking_for_another_precision_than_the_one_run_buys_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Class shopping through the lease: a torch identity asking for a GGUF precision, and a llama.cpp identity
     asking for one the run does not publish, are refused before anything is leased; a llama.cpp identity that
     ran the q4_K_M file and leased as f16 is recomputed on the f16 file, so its result passes only where its
-    tokens are f16's own keyed sample."""
+    tokens are f16's own keyed sample, or within the class's 0.1 logit of it."""
     with running_coordinator(tmp_path, tiny_model_dir, sections=TWO, learner=WIDE) as live:
-        asks, askers, shops = asyncio.run(_shop(live.url, tmp_path / "adversary"))
+        asks, askers, shops, ran = asyncio.run(_shop(live.url, tmp_path / "adversary"))
     refused = [o for o in asks if o["status"] == 409]
     assert [o["reason"] for o in refused] == ["precision_not_offered"] * 2, asks
     assert "publishes GGUF at f16, q4_K_M" in refused[1]["message"], refused[1]
     assert db_rows(live.run_dir, "SELECT COUNT(*) FROM jobs WHERE lease_client IN (?, ?)",
                    tuple(askers)) == [(0,)]  # nothing leased to the refused askers
-    for entry in shops:
+    snapshots = live.run_dir / "snapshots"
+    judge = LlamaRecompute(lambda v: snapshots / f"v{v:06d}", temperature=1.0, threads=1)
+    tol = CoordinatorConfig().verification.choice_tolerance("llama-f16")
+    for entry, (job, sub) in zip(shops, ran, strict=True):
+        assert _worst_margin(judge, job, sub, "q4_K_M") == 0.0  # the file it ran: every token its keyed choice
+        judged = _worst_margin(judge, job, sub, "f16")  # the file its lease named: what the coordinator judged
         if entry["same_as_honest"]:  # the q4_K_M sample is f16's keyed sample token for token: honest f16 work
-            assert (entry["status"], entry["reason"]) == (200, None), entry
-        else:
+            assert judged == 0.0 and (entry["status"], entry["reason"]) == (200, None), entry
+        elif judged > tol / job.sampling.temperature:  # off f16's keyed choice by more than the class allows
             assert (entry["status"], entry["reason"]) in {(422, "choice_mismatch"), (422, "logprob_mismatch")}, entry
-    assert any(not e["same_as_honest"] for e in shops), shops  # the check was exercised, not only coincidences
+        else:  # within f16's 0.1 logit everywhere: as f16 work it passes (the tolerance's own freedom), or is
+            assert entry["status"] in (200, 422), entry  # refused by the logprob check first
 
 
 Attempt = dict[str, Any]
 
 
-async def _shop(url: str, home: Path) -> tuple[list[Attempt], list[str], list[Attempt]]:
+def _worst_margin(judge: LlamaRecompute, job: Job, sub: ResultSubmission, precision: str) -> float:
+    """The largest keyed-sampler margin of ``sub``'s tokens under ``job``'s version at ``precision``."""
+    prompts = [list(p.token_ids) for p in job.prompts for _ in range(job.group_size)]
+    tokens = [list(c.token_ids) for c in sub.completions]
+    stats = judge.recompute_stats(job.version, prompts, tokens, plain_segments(job.seed, [len(t) for t in tokens]),
+                                  job.group_size, precision)
+    assert stats.margins is not None
+    return max(max(m, default=0.0) for m in stats.margins)
+
+
+async def _shop(url: str, home: Path) -> tuple[list[Attempt], list[str], list[Attempt],
+                                               list[tuple[Job, ResultSubmission]]]:
     adv = Adversary(url, home)
 
     async def ask(api: CoordinatorClient, request: LeaseRequest, what: str) -> Attempt:
@@ -108,13 +142,14 @@ async def _shop(url: str, home: Path) -> tuple[list[Attempt], list[str], list[At
                               "llama asks for q8_0"))
         shopper = await adv.identity("shopper")
         adv.precision = "f16"
-        shops = []
+        shops, ran = [], []
         for _ in range(6):
             job = await adv.lease(shopper)
             assert job.precision == "f16"
-            ran = await adv.honest(shopper, job.model_copy(update={"precision": "q4_K_M"}))
-            shops.append(await adv.cheat(shopper, job, ran, "ran q4_K_M, leased as f16"))
-        return asks, adv.identities[:2], shops
+            sub = await adv.honest(shopper, job.model_copy(update={"precision": "q4_K_M"}))
+            shops.append(await adv.cheat(shopper, job, sub, "ran q4_K_M, leased as f16"))
+            ran.append((job, sub))
+        return asks, adv.identities[:2], shops, ran
     finally:
         await adv.close()
 

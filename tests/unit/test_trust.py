@@ -130,13 +130,15 @@ def test_a_llama_class_is_recomputed_in_the_published_precision_and_everything_e
 
 
 def test_a_lease_gets_an_offered_precision_of_its_pinned_class_or_is_refused() -> None:
-    from coordinator.core.trust import lease_precision
+    from coordinator.core.trust import lease_precision, recompute_class
     from shared.errors import ProtocolError, Reason
 
     offered = ("f16", "q4_K_M")
     assert lease_precision("llama/cpu", None, offered) == "f16"  # the run's default, recorded as such
     assert lease_precision("llama/gpu", "q4_K_M", offered) == "q4_K_M"
     assert lease_precision("torch/cpu", None, offered) is None and lease_precision("torch/cpu", "f32", offered) is None
+    assert lease_precision("torch/cuda", "bf16", offered) == "bf16"  # a torch client computing in bf16
+    assert recompute_class("torch/cuda", "bf16") == "torch-bf16" and recompute_class("llama/cpu", "bf16") == "llama-bf16"
     for pinned, asked in (("llama/cpu", "q8_0"), ("torch/cuda", "q4_K_M"), ("torch/cpu", "f16")):
         with pytest.raises(ProtocolError) as caught:  # class shopping by asking is refused, naming what is offered
             lease_precision(pinned, asked, offered)
