@@ -1,19 +1,28 @@
-"""SIMULATION of the coordinator's scheduling with 1 to 1,000 heterogeneous clients (no network, no model).
+"""SIMULATION of the coordinator's scheduling with 1 to 10,000 heterogeneous clients (no network, no model).
 
 The decisions are the coordinator's own code — its issuer (``coordinator.api.issuer.Issuer``: paces, who waits,
 due times, ``decide_lease`` for admission, reissue and version binding, the speed-aware rules of
 ``coordinator.core.pacing``), ``check_lease`` (is a returned result still wanted) and ``select_batch``
-(oldest-first batches within the staleness bound) — driven by a discrete-event clock. What is simulated: clients whose job times are spread log-uniformly over 100× (fastest 1 s); each
+(oldest-first batches within the staleness bound) — driven by a discrete-event clock. What is simulated, by
+default (``--mix spread``): clients whose job times are spread log-uniformly over 100× (fastest 1 s); each
 client leaves at an exponentially distributed time (mean 3,000 s), mid-job if it holds one, and never comes
-back; 80 % of clients declare a self-benchmark that is off by a log-normal factor (σ = 0.3), the rest are
-unknown until their first result; a learner step takes 1 s per batch of B = 2 jobs. Idle clients long-poll:
-they ask again when a new version is published, a lease expires or falls overdue.
+back. ``--mix realistic``: GPU, Apple-silicon, laptop-CPU and old-CPU volunteers (:data:`KINDS`, job times
+1–1,000× the fastest GPU's) with churn (each client that leaves is replaced by a newcomer), and with
+``--vanish`` a share that takes one job and is never heard of again. 80 % of clients declare a self-benchmark
+that is off by a log-normal factor (σ = 0.3), the rest are unknown until their first result; a learner step
+takes 1 s per batch of B = 2 jobs. Idle clients long-poll: they ask again when a new version is published, a
+lease expires or falls overdue.
 
     python bench/swarm_sim.py                          # the sweep: clients × S, speed-aware and plain
     python bench/swarm_sim.py --clients 50 --staleness 2   # one configuration
+    python bench/swarm_sim.py --mix realistic --vanish 0.1 --clients 10 20 100 1000 10000 --staleness 2 16 64 \
+        --no-plain --lease-timeout-s 3600 --max-sim-s 7200 --fastest-job-s 2
+    python bench/swarm_sim.py --decision-cost 100 1000 10000   # the issuer's CPU per lease decision
 
-Reports, per (clients, S, issuance): learner busy fraction, staleness histogram of trained rollouts, results
-set aside as too stale, reissued jobs; writes JSON and a PNG plot.
+Reports, per (clients, S, issuance): learner busy fraction, staleness of trained rollouts, results set aside as
+too stale (and their share of those returned), the share of clients that ever got work (of all, and of those
+that stayed an hour), reissued jobs, the issuer's CPU per lease decision and the run's wall time; writes JSON
+and a PNG plot.
 """
 
 from __future__ import annotations
