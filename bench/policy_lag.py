@@ -9,10 +9,11 @@ set to k. Everything else is the coordinator's: the tiny model, the task and its
 (prompts and sampling seeds from ``core.jobs.plan_job``), group-normalised advantages and the learner
 configuration defaults (lr 1e-4, 16 prompts × 8 samples per step).
 
-    python bench/policy_lag.py                                   # lags 0, 1, 3, 4 × both corrections × 3 seeds
+    python bench/policy_lag.py                                   # lags 0, 1, 3, 4 × every correction × 3 seeds
     python bench/policy_lag.py --lags 0,3 --seeds 1 --steps 60   # a quick look
+    python bench/policy_lag.py --lags 0,16,64 --corrections behaviour-clip,m2po   # deep asynchrony
 
-Lag 0 is plain on-policy GRPO (both corrections reduce to it) and runs once per seed. Each run uses one
+Lag 0 is plain on-policy GRPO (every correction reduces to it) and runs once per seed. Each run uses one
 torch thread; ``--workers`` runs that many at once. Writes ``<out>/policy_lag.json`` and
 ``<out>/policy_lag.png`` and prints a markdown table: final held-out accuracy, the mean of the last three
 evaluations, mean training reward over the last 50 steps, and the improvement as a share of lag 0's.
@@ -33,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CORRECTIONS = ("behaviour-clip", "decoupled")
+CORRECTIONS = ("behaviour-clip", "decoupled", "m2po")
 
 
 def run_one(lag: int, correction: str, seed: int, steps: int, eval_every: int) -> dict[str, Any]:

@@ -332,11 +332,17 @@ class LearnerConfig(_Strict):
     prompts_per_step: int = Field(16, ge=1, le=4096, description="GRPO groups per optimiser step.")
     group_size: int = Field(8, ge=2, le=64, description="Samples per prompt; advantages are normalised within a group.")
     max_steps: int = Field(200, ge=0, description="Optimiser steps (= policy versions) before the run finishes.")
-    correction: Literal["behaviour-clip", "decoupled"] = Field(
+    correction: Literal["behaviour-clip", "decoupled", "m2po"] = Field(
         "behaviour-clip", description="Off-policy correction of stale rollouts (async mode; fresh ones train as "
         "plain GRPO either way). behaviour-clip: PPO's clipped ratio πθ/π_b anchored at the version that "
         "generated the rollout, so tokens earlier steps already moved past 1±clip_eps get no further push. "
-        "decoupled (AReaL): the clip around this step's policy, times the truncated weight min(is_cap, π_prox/π_b).")
+        "decoupled (AReaL): the clip around this step's policy, times the truncated weight min(is_cap, π_prox/π_b). "
+        "m2po (M2PO, arXiv 2510.01161): the unclipped ratio πθ/π_b, with the fewest tokens of largest "
+        "(log πθ/π_b)² masked so that the batch's mean of it stays within m2_threshold; for large max_staleness.")
+    m2_threshold: float = Field(0.04, gt=0, le=10, description="m2po only: bound τ on the batch's mean of "
+                                "(log πθ/π_b)² over the tokens trained on (the paper's and AReaL's 0.04); tokens "
+                                "with the largest squares are masked until it holds (step metric "
+                                "m2po_masked_fraction).")
     is_cap: float = Field(2.0, ge=1.0, description="Bound on the importance ratio: behaviour-clip cuts πθ/π_b at "
                           "is_cap for negative advantages (dual clip); decoupled truncates π_prox/π_b at is_cap "
                           "(1 means ratios above 1 are cut to 1).")

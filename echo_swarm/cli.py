@@ -410,7 +410,7 @@ COORDINATOR_KEYS = {
     "lease_timeout": "jobs.lease_timeout_s", "threads": "learner.threads", "layout": "layout",
     "verifiers": "verification.workers", "store_url": "store.url", "learner_ranks": "learner.world_size",
     "verifier_placement": "verification.placement", "verifier_ranks": "verification.world_size",
-    "p2p": "p2p.enabled",
+    "p2p": "p2p.enabled", "correction": "learner.correction",
 }
 
 
@@ -449,6 +449,9 @@ def coordinator(
                                                           "--max-staleness versions old, importance-corrected), or "
                                                           "colocated (the learner generates its own rollouts).")] = None,
     max_staleness: Annotated[Optional[int], typer.Option(help="S for async-push-pull, in policy versions.")] = None,
+    correction: Annotated[Optional[str], typer.Option(help="learner.correction: the off-policy correction of stale "
+                                                           "rollouts, behaviour-clip, decoupled or m2po (for a "
+                                                           "large --max-staleness; docs/run-dir.md).")] = None,
     host: Annotated[Optional[str], typer.Option(help="Listen address (0.0.0.0 to accept remote volunteers).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (0: any free port).")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Learner steps (policy versions) to train.")] = None,
@@ -491,7 +494,7 @@ def coordinator(
     from echo_swarm.serve import serve
 
     flags = {"run_dir": str(run_dir) if run_dir else None, "model": model, "sync_mode": sync_mode,
-             "max_staleness": max_staleness, "host": host, "port": port, "max_steps": max_steps, "lr": lr,
+             "max_staleness": max_staleness, "correction": correction, "host": host, "port": port, "max_steps": max_steps, "lr": lr,
              "lease_timeout": lease_timeout, "threads": threads, "layout": layout, "verifiers": verifiers,
              "store_url": store_url, "learner_ranks": learner_ranks, "verifier_placement": verifier_placement,
              "verifier_ranks": verifier_ranks, "p2p": p2p}

@@ -6,13 +6,19 @@ who was woken for the current version, and how fast versions come. It holds no I
 (:class:`coordinator.api.service.Coordinator`) feeds it the jobs from the store and acts on its decisions, and
 ``bench/swarm_sim.py`` drives this same object with simulated clients, so the simulation cannot drift from
 what the coordinator does.
+
+Every long-polling request re-checks on each new version, so one version costs as many decisions as there are
+clients waiting: a decision must not itself cost more with more of them. The paces of the waiting clients are kept
+sorted (sortedcontainers.SortedList), so "how many waiting clients are faster than this one" is a binary search,
+not a pass over the waiting set; a decision costs O(log W) in the W waiting clients (bench/swarm_sim.py measures it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+
+from sortedcontainers import SortedList
 
 from coordinator.core import pacing
 from coordinator.core.leases import LeaseView, lease_live
@@ -27,6 +33,9 @@ class Issuer:
         self.pace: dict[str, float] = {}  # seconds from lease to result, per client (core.pacing)
         self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
         self._waiting: dict[str, int] = {}  # long-polling clients → requests waiting
+        # the paces of the waiting clients whose pace is known, sorted; each waiting client's pace as listed there
+        self._waiting_paces: SortedList = SortedList()
+        self._listed: dict[str, float | None] = {}
         self._woken: set[str] = set()  # clients a new version woke to pull it (next_in_line), for that version
         self._woken_version = -1
         self.version_interval: float | None = None  # recent seconds between policy versions
@@ -36,13 +45,35 @@ class Issuer:
     def declare(self, client_id: str, pace_s: float | None) -> None:
         """A declared self-benchmark seeds the pace until a result is seen (never overrides an observed one)."""
         if pace_s is not None and client_id not in self.pace:
-            self.pace[client_id] = pace_s
+            self._set_pace(client_id, pace_s)
 
     def forget(self, client_ids: list[str]) -> None:
         """Identities the store removed (Store.clients.expire_idle): their declared pace goes too."""
         for cid in client_ids:
-            self.pace.pop(cid, None)
+            self._set_pace(cid, None)
             self._pace_observed.discard(cid)
+
+    def _set_pace(self, client_id: str, pace_s: float | None) -> None:
+        """Change a client's pace, and where it waits, its place among the waiting clients' paces."""
+        waiting = client_id in self._waiting
+        if waiting:
+            self._unlist(client_id)
+        if pace_s is None:
+            self.pace.pop(client_id, None)
+        else:
+            self.pace[client_id] = pace_s
+        if waiting:
+            self._list(client_id)
+
+    def _list(self, client_id: str) -> None:
+        pace = self._listed[client_id] = self.pace.get(client_id)
+        if pace is not None:
+            self._waiting_paces.add(pace)
+
+    def _unlist(self, client_id: str) -> None:
+        pace = self._listed.pop(client_id, None)  # the pace it was listed with, whatever ``pace`` says by now
+        if pace is not None:
+            self._waiting_paces.remove(pace)
 
     def observe(self, client_id: str, view: LeaseView, now: float) -> None:
         """Lease-to-result seconds of an accepted result update the client's pace."""
@@ -51,7 +82,7 @@ class Issuer:
         leased_at = view.lease_deadline - self.lease_timeout_s
         # the first observation replaces a declared (untrusted, optimistic) self-benchmark outright
         previous = self.pace.get(client_id) if client_id in self._pace_observed else None
-        self.pace[client_id] = pacing.update_pace(previous, now - leased_at)
+        self._set_pace(client_id, pacing.update_pace(previous, now - leased_at))
         self._pace_observed.add(client_id)
 
     def new_version(self, now: float) -> None:
@@ -62,12 +93,18 @@ class Issuer:
 
     def begin_wait(self, client_id: str) -> None:
         """A lease request of ``client_id`` starts long-polling (requests of one client are counted)."""
+        if client_id not in self._waiting:
+            self._list(client_id)
         self._waiting[client_id] = self._waiting.get(client_id, 0) + 1
 
     def end_wait(self, client_id: str) -> None:
-        left = self._waiting.pop(client_id, 1) - 1
+        if client_id not in self._waiting:
+            return
+        left = self._waiting.pop(client_id) - 1
         if left > 0:
             self._waiting[client_id] = left
+        else:
+            self._unlist(client_id)
 
     @contextmanager
     def waiting(self, client_id: str) -> Iterator[None]:
@@ -91,27 +128,42 @@ class Issuer:
         if self._woken_version != version:
             self._woken_version, self._woken = version, set()
         b = self.policy.jobs_per_step
-        ahead = (self.pace.get(c) for c in self._waiting.keys() | self._woken if c != client_id)
-        if len(self._woken - {client_id}) >= b or pacing.faster_count(self.pace.get(client_id), ahead) >= b:
-            return False  # the B woken so far (ties, unknown paces) or B faster ones waiting are ahead of it
+        woken_others = [c for c in self._woken if c != client_id]  # at most B
+        if len(woken_others) >= b:
+            return False  # the B woken so far (ties, unknown paces) are ahead of it
+        mine = self.pace.get(client_id)
+        ahead = self._faster_waiting(mine) + pacing.faster_count(
+            mine, (self.pace.get(c) for c in woken_others if c not in self._waiting))
+        if ahead >= b:
+            return False  # B faster ones waiting or woken are ahead of it
         self._woken.add(client_id)
         return True
+
+    def _faster_waiting(self, pace_s: float | None) -> int:
+        """How many waiting clients are expected to finish strictly sooner than ``pace_s`` (unknown = slowest;
+        core.pacing.faster_count over the waiting set, by binary search). The asking client, if it waits, is never
+        counted: its own pace is not strictly faster than itself, and an unknown one is not counted at all."""
+        if pace_s is None:
+            return len(self._waiting_paces)
+        return int(self._waiting_paces.bisect_left(pace_s))
 
     def with_due(self, view: LeaseView) -> LeaseView:
         """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known."""
         if view.lease_client is None or view.lease_deadline is None:
             return view
-        leased_at = view.lease_deadline - self.lease_timeout_s
         pace = self.pace.get(view.lease_client)
-        return replace(view, due_at=pacing.due_at(leased_at, pace, self.version_interval),
-                       expected_at=pacing.expected_back(leased_at, pace))
+        if pace is None and view.due_at is None and view.expected_at is None:
+            return view  # nothing to estimate (and a decision reads every active job: no copy)
+        leased_at = view.lease_deadline - self.lease_timeout_s
+        return LeaseView(view.job_id, view.state, view.version, view.created_at, view.lease_id, view.lease_client,
+                         view.lease_deadline, pacing.due_at(leased_at, pace, self.version_interval),
+                         pacing.expected_back(leased_at, pace))
 
     def speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
         mine = self.pace.get(client_id)
-        others = (self.pace.get(c) for c in self._waiting if c != client_id)
         exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self.pace
                         and v.lease_client != client_id)
-        return pacing.ClientSpeed(pace_s=mine, faster_waiting=pacing.faster_count(mine, others),
+        return pacing.ClientSpeed(pace_s=mine, faster_waiting=self._faster_waiting(mine),
                                   exploring=exploring, step_s=self.version_interval)
 
     def decide(self, client_id: str, views: list[LeaseView], queued: int, now: float, version: int,

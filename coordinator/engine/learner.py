@@ -14,6 +14,14 @@ Loss per token, token-mean over the batch. Two off-policy corrections (``learner
   With one optimiser step per batch ρ = 1 when the gradient is taken, so nothing bounds how far earlier steps
   have already moved a stale token. With rollouts 3 versions old (bench/policy_lag.py, 3 seeds) it kept 74 % of
   on-policy GRPO's improvement in held-out accuracy, ``behaviour-clip`` 97 %.
+- ``m2po`` (M2PO, Zheng et al. 2025, arXiv 2510.01161; AReaL's ``m2_threshold``), a second-moment trust region
+  over the whole batch instead of a per-token clip:
+      w · M · −r·A,   r = πθ/π_b,   M = 0 on the fewest tokens whose removal brings the batch's
+      mean of (log r)² at the start of the step to at most τ = ``m2_threshold`` (the largest ones), 1 elsewhere
+  PPO's clip silences exactly the tokens whose ratio moved most, which at high policy lag are the high-entropy
+  ones that carry most of the signal; M2PO keeps every token and drops only the outliers that would make the
+  importance-weighted gradient's variance explode, so it stays stable with rollouts many versions old (the paper:
+  256). The mask is chosen once per batch (:func:`second_moment_keep`), over every rank's tokens.
 
 π_b is the coordinator's own recompute (coordinator.engine.verifier, from the published snapshot of the version that
 generated the rollout; trusted, unlike the client's report) — for a llama.cpp client's rollout, llama.cpp's on the
@@ -69,18 +77,52 @@ logger = logging.getLogger(__name__)
 MICRO_BATCH = 64
 
 
+def second_moment_keep(log_ratio: Any, mask: Any, threshold: float) -> Any:
+    """M2PO's mask: 1 on the tokens kept, 0 on the fewest tokens (those with the largest (log r)²) whose removal
+    brings the mean of (log r)² over the tokens left to at most ``threshold``; 0 where ``mask`` is 0.
+
+    Any shape; ``mask`` is 1 on real tokens. Removing the largest squares first is what makes the set minimal:
+    the mean of the m smallest grows with m, so the tokens kept are the longest prefix of the squares in
+    ascending order whose mean is within the bound. Equal squares (a group's identical completions) are kept in
+    the order they appear, so the choice does not depend on the sort's implementation."""
+    import torch
+
+    real = mask.reshape(-1) > 0
+    squares = (log_ratio.detach().reshape(-1)[real].to(torch.float64)) ** 2
+    keep = (mask > 0).to(mask.dtype)
+    if squares.numel() == 0 or float(squares.mean()) <= threshold:
+        return keep
+    ascending = torch.sort(squares, stable=True).indices
+    prefix_mean = torch.cumsum(squares[ascending], 0) / torch.arange(1, squares.numel() + 1, dtype=torch.float64)
+    kept = int((prefix_mean <= threshold).sum())
+    flat = torch.zeros(squares.numel(), dtype=mask.dtype, device=mask.device)
+    flat[ascending[:kept]] = 1
+    out = torch.zeros(mask.numel(), dtype=mask.dtype, device=mask.device)
+    out[real] = flat
+    return out.view_as(mask)
+
+
 def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any, mask: Any, eps: float,
-                    cap: float, level: str = "token", correction: str = "behaviour-clip") -> tuple[Any, Any, Any]:
-    """Per-token loss (module docstring), plus the clipped ratio (πθ/π_b for ``behaviour-clip``, πθ/π_prox
-    for ``decoupled``) and log(π_prox/π_b) for metrics.
+                    cap: float, level: str = "token", correction: str = "behaviour-clip",
+                    keep: Any = None) -> tuple[Any, Any, Any]:
+    """Per-token loss (module docstring), plus the clipped ratio (πθ/π_b for ``behaviour-clip`` and ``m2po``,
+    πθ/π_prox for ``decoupled``) and log(π_prox/π_b) for metrics.
 
     All tensors are [sequences, tokens] (``adv`` and ``weight`` broadcast from [sequences, 1]); ``mask`` is 1
     on real completion tokens. ``level`` ("token" or "sequence") applies to the decoupled importance weight,
-    which carries no gradient.
+    which carries no gradient. ``keep``: M2PO's mask (:func:`second_moment_keep`, chosen over the whole batch),
+    for ``m2po`` only.
     """
     import torch
 
     log_is = ((prox - behaviour) * mask).detach()
+    if correction == "m2po":
+        if keep is None:
+            raise ValueError("the m2po correction needs the batch's second-moment mask (second_moment_keep)")
+        kept = mask * keep
+        # a masked token's ratio is exp(0) = 1 times 0, so an extreme log ratio never reaches exp's gradient
+        ratio = torch.exp((logp - behaviour.detach()) * kept)
+        return -ratio * adv * weight * kept, torch.exp(((logp - behaviour) * mask).detach()), log_is
     if correction == "behaviour-clip":
         ratio = torch.exp((logp - behaviour.detach()) * mask)
         objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
@@ -237,28 +279,25 @@ class Learner:
         by_source: dict[str, list[float]] = {}
         ratio_max = is_max = 0.0
         world = self.ranks.world_size if self.ranks is not None else 1
-        for chunk, real in self._micro_batches(samples):
-            prompts, comps = [c.prompt_ids for c in chunk], [c.completion_ids for c in chunk]
-            logprobs = streamed_logprobs if self.stream_head else completion_logprobs
-            logp, mask = logprobs(self.model, prompts, comps, temperature=self.temperature, pad_id=self.pad_id,
-                                  share_prompts=self.share_prompts)
-            if not real:  # a rank with no samples left still joins FSDP's collectives, contributing nothing
-                mask = mask * 0
-            if any(c.loss_mask is not None for c in chunk):  # observation tokens: context, never trained on
-                mask = mask.clone()
-                for i, c in enumerate(chunk):
-                    if c.loss_mask is not None:
-                        mask[i, : len(c.loss_mask)] *= torch.tensor(c.loss_mask, dtype=mask.dtype, device=mask.device)
-            behaviour = torch.zeros_like(logp)
-            for i, c in enumerate(chunk):
-                behaviour[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)
+        chunks = self._micro_batches(samples)
+        m2po = self.cfg.correction == "m2po"
+        # M2PO's mask is chosen over the whole batch: with more than one micro-batch (or rank) it needs every
+        # token's ratio before the first backward pass, so a pass without gradients comes first
+        keeps = self._second_moment_keeps(chunks) if m2po and (len(chunks) > 1 or self.ranks is not None) else None
+        masked = squares = 0.0
+        for n, (chunk, real) in enumerate(chunks):
+            logp, mask, behaviour = self._token_tensors(chunk, real)
             # π_prox is this step's starting policy: the weights ``logp`` was just computed with (the
             # optimiser steps only after every micro-batch), so its values need no second forward pass
             prox = logp.detach() if any(c.staleness > 0 for c in chunk) else behaviour
             adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
+            keep = None
+            if m2po:
+                keep = keeps[n] if keeps is not None else second_moment_keep(logp - behaviour, mask,
+                                                                             self.cfg.m2_threshold)
             per_token, ratio, log_is = token_objective(logp, prox, behaviour, adv, weight, mask, eps, cap,
-                                                       self.cfg.is_level, self.cfg.correction)
+                                                       self.cfg.is_level, self.cfg.correction, keep)
             loss = per_token.sum() / max(1, total_tokens)
             (loss * world).backward()  # FSDP averages gradients over the ranks; the loss is already the batch's
             with torch.no_grad():
@@ -272,6 +311,9 @@ class Learner:
                 is_truncated += float(((raw_is > cap).to(mask.dtype) * mask).sum())
                 # k3 estimate of KL(π_b ‖ π_prox) from tokens sampled by π_b: r − log r − 1, r = π_prox/π_b
                 prox_kl += float(((raw_is - log_is - 1) * mask).sum())
+                squares += float((((logp.detach() - behaviour) * mask) ** 2).sum())
+                if keep is not None:
+                    masked += float((mask * (1 - keep)).sum())
                 # the same between π_b and the policy being trained, per class: a quantised client's π_b is the
                 # quantised model's, and this is how far it lies from πθ (0 for a fresh torch rollout of a
                 # float32 snapshot)
@@ -282,8 +324,8 @@ class Learner:
                     acc[0] += kl_sum
                     acc[1] += n
         if self.ranks is not None:  # each rank saw its share of the batch
-            loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl = fsdp.all_reduce(
-                self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl], "sum")
+            loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl, squares, masked = fsdp.all_reduce(
+                self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl, squares, masked], "sum")
             ratio_max, is_max = fsdp.all_reduce(self.ranks, [ratio_max, is_max], "max")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -310,6 +352,10 @@ class Learner:
             "is_ratio_max": is_max,
             "is_truncated_fraction": is_truncated / max(1, total_tokens),
             "behaviour_prox_kl": prox_kl / max(1, total_tokens),
+            # mean of (log πθ/π_b)² over the batch at the start of the step (M2PO's second moment, whatever the
+            # correction), and the share of tokens the m2po correction masked to bring it within m2_threshold
+            "second_moment": squares / max(1, total_tokens),
+            "m2po_masked_fraction": masked / max(1, total_tokens),
             "staleness_mean": sum(smp.staleness for smp in samples) / max(1, len(samples)),
             "staleness_max": float(max((smp.staleness for smp in samples), default=0)),
             "mismatch_kl": kl,
@@ -321,6 +367,64 @@ class Learner:
             "checkpoint_gate_s": gate_s,  # part of train_s spent waiting for a checkpoint write to finish
             "publish_gate_s": publish_gate_s,  # part of train_s spent waiting for the live weights to be written
         }
+
+    def _token_tensors(self, chunk: list[Sample], real: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """A micro-batch's logprobs under the current weights (with gradients where enabled), its mask of the
+        tokens trained on (none for a stand-in, no observation tokens) and π_b's logprobs, all [sequences, tokens]."""
+        import torch
+
+        prompts, comps = [c.prompt_ids for c in chunk], [c.completion_ids for c in chunk]
+        logprobs = streamed_logprobs if self.stream_head else completion_logprobs
+        logp, mask = logprobs(self.model, prompts, comps, temperature=self.temperature, pad_id=self.pad_id,
+                              share_prompts=self.share_prompts)
+        if not real:  # a rank with no samples left still joins FSDP's collectives, contributing nothing
+            mask = mask * 0
+        if any(c.loss_mask is not None for c in chunk):  # observation tokens: context, never trained on
+            mask = mask.clone()
+            for i, c in enumerate(chunk):
+                if c.loss_mask is not None:
+                    mask[i, : len(c.loss_mask)] *= torch.tensor(c.loss_mask, dtype=mask.dtype, device=mask.device)
+        behaviour = torch.zeros_like(logp)
+        for i, c in enumerate(chunk):
+            behaviour[i, : len(c.old_logprobs)] = torch.tensor(c.old_logprobs, dtype=logp.dtype)
+        return logp, mask, behaviour
+
+    def _second_moment_keeps(self, chunks: list[tuple[list[Sample], bool]]) -> list[Tensor]:
+        """M2PO's mask for each of this rank's micro-batches, chosen over the tokens of the whole batch (every
+        rank's, in rank order): a forward pass without gradients for log πθ/π_b at the start of the step."""
+        import torch
+
+        ratios: list[Tensor] = []
+        masks: list[Tensor] = []
+        with torch.no_grad():
+            for chunk, real in chunks:
+                logp, mask, behaviour = self._token_tensors(chunk, real)
+                ratios.append((logp - behaviour).cpu())
+                masks.append(mask.cpu())
+        mine = torch.cat([r[m > 0] for r, m in zip(ratios, masks, strict=True)]).to(torch.float64)
+        threshold = self.cfg.m2_threshold
+        if self.ranks is None:
+            flat = second_moment_keep(mine, torch.ones_like(mine), threshold)
+        else:  # rank 0 chooses over every rank's tokens and hands each rank its part
+            every = fsdp.gather(self.ranks, mine.tolist())
+            parts: list[list[float]] | None = None
+            if every is not None:
+                values = torch.tensor([v for part in every for v in part], dtype=torch.float64)
+                chosen = second_moment_keep(values, torch.ones_like(values), threshold).tolist()
+                bounds = [0]
+                for part in every:
+                    bounds.append(bounds[-1] + len(part))
+                parts = [chosen[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+            flat = torch.tensor(fsdp.broadcast(self.ranks, parts)[self.ranks.rank], dtype=torch.float64)
+        keeps: list[Tensor] = []
+        offset = 0
+        for mask in masks:
+            keep = torch.zeros(mask.shape, dtype=mask.dtype)
+            count = int((mask > 0).sum())
+            keep[mask > 0] = flat[offset : offset + count].to(mask.dtype)
+            offset += count
+            keeps.append(keep.to(self.device))
+        return keeps
 
     def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], bool]]:
         """This rank's micro-batches, each flagged real or not. On N ranks each takes every N-th sample and all

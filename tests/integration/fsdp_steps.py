@@ -7,7 +7,7 @@ itself (coordinator.launch.ranks.start, as the learner role does), which follow 
 
 It writes into OUT: ``metrics.json`` (each step's loss and grad norm) and, after each step, the published form of
 the weights (the snapshot files the publisher would write: gathered from the shards on N ranks): ``full-1``,
-``full-2`` (full fine-tuning, two steps), ``lora-1``, ``lora-2`` (LoRA). On N ranks also ``full-2-resumed`` and
+``full-2`` (full fine-tuning, two steps), ``m2po-1`` (one step with the m2po correction), ``lora-1``, ``lora-2`` (LoRA). On N ranks also ``full-2-resumed`` and
 ``lora-2-resumed``: a fresh learner that loads the sharded checkpoint written after step 1 and takes step 2 again.
 """
 
@@ -95,6 +95,11 @@ def main(out: Path, model_dir: Path, world: str) -> None:
             resumed.load_sharded_checkpoint(checkpoints.folder(1), 1, info["world_size"], info["optimizer"])
             metrics["resumed"] = [[resumed.train_step(second)["loss"], 0.0]]
             write(resumed, out / "full-2-resumed")
+        # the m2po correction: its mask chosen over both ranks' tokens (gathered on rank 0) as over the one device's
+        m2po = learner(learner_cfg.model_copy(update={"correction": "m2po"}))
+        m = m2po.train_step(first)
+        metrics["m2po"] = [[m["loss"], m["m2po_masked_fraction"]]]
+        write(m2po, out / "m2po-1")
         lora_cfg = learner_cfg.model_copy(update={"lora_rank": 4, "lr": 1e-2})
         torch.manual_seed(0)  # the same random adapters as the reference run (rank 0's reach every rank)
         adapted = learner(lora_cfg)

@@ -69,6 +69,13 @@ def test_two_ranks_match_one_device_and_resume_bit_for_bit(tmp_path: Path, tiny_
     info = json.loads((ranks / "checkpoints" / "v000001" / "checkpoint.json").read_text())
     assert info["format"] == 2 and info["world_size"] == 2 and info["optimizer"] is True
 
+    # m2po: the same tokens masked (one device: from the step's own pass; two ranks: chosen on rank 0 over both
+    # ranks' tokens from a pass before the step), the same loss and weights
+    (loss1, masked1), (loss2, masked2) = one["m2po"][0], two["m2po"][0]
+    assert 0.0 < masked1 < 1.0 and masked2 == masked1
+    assert loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-7)
+    assert _max_diff(_weights(single / "m2po-1"), _weights(ranks / "m2po-1")) < 1e-6
+
     # LoRA: the same loss, the same adapter after the step; the frozen base published whole and unchanged
     assert two["lora"][0][0] == pytest.approx(one["lora"][0][0], rel=1e-5, abs=1e-7)
     adapter = "adapter_model.safetensors"

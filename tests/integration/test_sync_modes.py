@@ -62,6 +62,39 @@ def test_async_push_pull_trains_within_the_staleness_bound(tmp_path: Path, tiny_
     assert all(c["accepted"] > 0 for c in status["clients"])
 
 
+def test_a_client_twenty_times_slower_is_trained_with_a_large_staleness_bound(tmp_path: Path,
+                                                                             tiny_model_dir: Path) -> None:
+    """Every volunteer counts (issue 32): beside a normal client, one throttled to 5 % of its CPU time (~20×
+    slower) in async push-pull with S = 32 and the m2po correction. Issuance gives the slow client work (its
+    result will still be trainable) and the learner trains what it returns: the store names the step that
+    ingested each of its results, and none is set aside as too stale. The run is stopped once one of them was
+    trained more than 2 versions old (the default bound would have set it aside)."""
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "async-push-pull",
+                       "max_staleness": 32}, learner={"max_steps": 1000, "correction": "m2po"},
+                       snapshots={"keep_last": 34})
+    coord, url = start_coordinator(cfg, tmp_path / "coord.log")
+    fast = start_client(url, tmp_path / "fast", tmp_path / "fast.log", "--name", "fast")
+    slow = start_client(url, tmp_path / "slow", tmp_path / "slow.log", "--name", "slow", "--max-cpu-percent", "5")
+    slow_results = ("SELECT r.version, r.ingested_step, r.stale_at FROM results r JOIN clients c "
+                    "ON c.client_id = r.client_id WHERE json_extract(c.profile, '$.name') = 'slow'")
+    try:
+        wait_until(lambda: any(step is not None and step - 1 - version > 2
+                               for version, step, _ in db_rows(run_dir, slow_results)), 600,
+                   "a result of the slow client trained more than 2 versions old")
+        fast_results = db_rows(run_dir, slow_results.replace("'slow'", "'fast'"))
+    finally:
+        for p in (fast, slow, coord):
+            p.stop()
+    trained = [(version, step) for version, step, _ in db_rows(run_dir, slow_results) if step is not None]
+    assert all(stale_at is None for _, _, stale_at in db_rows(run_dir, slow_results))  # none set aside
+    assert all(0 <= (step - 1) - version <= 32 for version, step in trained)  # within S when trained
+    assert len(fast_results) > 2 * len(trained)  # the other client was the fast one all along
+    steps = _steps(run_dir)
+    assert all(s["staleness_max"] <= 32 for s in steps)
+    assert all("m2po_masked_fraction" in s for s in steps)
+
+
 def test_colocated_baseline_runs_the_same_learner_without_clients(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "colocated"},

@@ -1,0 +1,80 @@
+"""coordinator/api/issuer.py's index of the waiting clients' paces: whatever happens to the waiting set and to the
+paces (waits begun and ended, several requests of one client, declarations, observed results, forgotten
+identities, in any order), the counts a decision reads equal core.pacing.faster_count over the waiting set, as the
+issuer computed them before it kept the index (a pass over every waiting client per decision)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.api.issuer import Issuer
+from coordinator.core import pacing
+from coordinator.core.leases import JobState, LeaseView
+from coordinator.core.scheduling import SyncPolicy
+
+
+def reference_next_in_line(issuer: Issuer, woken: set[str], cid: str) -> bool:
+    """next_in_line as a pass over the waiting and woken clients (the issuer's rule before the index)."""
+    ahead = (issuer.pace.get(c) for c in set(issuer.waiting_clients()) | woken if c != cid)
+    return not (len(woken - {cid}) >= issuer.policy.jobs_per_step
+                or pacing.faster_count(issuer.pace.get(cid), ahead) >= issuer.policy.jobs_per_step)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_waiting_index_counts_what_a_pass_over_the_waiting_clients_counts(seed: int) -> None:
+    rng = random.Random(seed)
+    issuer = Issuer(SyncPolicy("async-push-pull", 4, 2), lease_timeout_s=100.0)
+    clients = [f"c{i}" for i in range(30)]
+    waits: dict[str, int] = {}
+    woken: set[str] = set()
+    version = 0
+    for _ in range(600):
+        cid = rng.choice(clients)
+        op = rng.randrange(8)
+        if op in (0, 1):
+            issuer.begin_wait(cid)
+            waits[cid] = waits.get(cid, 0) + 1
+        elif op == 2 and waits.get(cid):
+            issuer.end_wait(cid)
+            waits[cid] -= 1
+        elif op == 3:  # ties are common: paces from a small set
+            issuer.declare(cid, rng.choice([None, 1.0, 2.0, 2.0, 5.0]))
+        elif op == 4:  # an accepted result of a lease taken at t = 0
+            view = LeaseView("j", JobState.LEASED, 0, 0.0, "l", cid, 100.0)
+            issuer.observe(cid, view, rng.choice([1.0, 3.0, 3.0, 8.0]))
+        elif op == 5:
+            issuer.forget([cid])
+        elif op == 6:
+            version += 1
+            woken = set()
+        else:
+            expected = reference_next_in_line(issuer, woken, cid)
+            assert issuer.next_in_line(cid, version) is expected
+            if expected:
+                woken.add(cid)
+        waiting = {c for c, n in waits.items() if n > 0}
+        assert set(issuer.waiting_clients()) == waiting
+        for asker in clients[:6]:
+            others = (issuer.pace.get(c) for c in waiting if c != asker)
+            speed = issuer.speed_of(asker, [], 0.0)
+            assert speed.faster_waiting == pacing.faster_count(issuer.pace.get(asker), others)
+    for cid, n in waits.items():  # every wait ended: the index is empty again
+        for _ in range(n):
+            issuer.end_wait(cid)
+    assert not list(issuer.waiting_clients())
+    assert issuer.speed_of("c0", [], 0.0).faster_waiting == 0
+
+
+def test_ending_a_wait_that_was_never_begun_changes_nothing() -> None:
+    issuer = Issuer(SyncPolicy("async-push-pull", 2, 2), lease_timeout_s=100.0)
+    issuer.declare("a", 1.0)
+    issuer.end_wait("a")
+    issuer.begin_wait("a")
+    assert issuer.speed_of("b", [], 0.0).faster_waiting == 1  # an unknown pace counts as the slowest
+    issuer.declare("c", 0.5)
+    assert issuer.speed_of("c", [], 0.0).faster_waiting == 0
+    issuer.end_wait("a")
+    issuer.end_wait("a")  # once more than begun: nothing left to remove
+    assert issuer.speed_of("b", [], 0.0).faster_waiting == 0
