@@ -10,7 +10,9 @@ clients lost nothing (no refusal for cause, nothing invalidated or dropped, cred
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 import sys
 import time
 import urllib.request
@@ -186,13 +188,18 @@ def test_tolerance_is_the_pinned_class_not_the_result_claim(swarm: Swarm) -> Non
 
 @pytest.mark.serial  # a rate comparison: `make test` runs it alone, after the parallel phase
 def test_an_idle_sybil_does_not_slow_training(swarm: Swarm) -> None:
-    """The time of RATE_STEPS learner steps without the sybil (an identity that only sends signed requests), with
-    it, and without it again: the middle phase takes at most 10 % longer than the slower of the two others.
-    Whole steps, timed from one version change to another: counting steps in fixed windows read a one-step
-    difference as 14 %."""
+    """RATE_STEPS learner steps without the sybil (an identity that only sends signed requests), with it, and
+    without it again: the middle phase's typical step — the median of its steps' durations, from the store's step
+    times — takes at most 20 % longer than the slower of the two others', and the whole phase at most 25 % longer
+    (a sybil that stalled steps now and then). On this 2-core box, where the learner, the verifier, the API and
+    two clients already share the cores, the sybil's 4 signed requests a second cost the typical step 0–10 % in
+    runs that all passed a 10 % bound by luck or not (totals with the sybil ÷ without: 0.90, 0.94, 0.98, 1.03,
+    1.09, 1.11); what this test exists to catch — a request path that stalls the learner (an fsync shared with its
+    commits, a lock, a scan per identity) — cost several times that. Whole steps, from one version change to
+    another: counting steps in fixed windows read a one-step difference as 14 %."""
 
-    def seconds_for_steps() -> tuple[float, float]:
-        """Wall-clock start and length of RATE_STEPS steps, from the next version change on."""
+    def seconds_for_steps() -> tuple[float, float, float]:
+        """Wall-clock start, length and median step duration of RATE_STEPS steps, from the next version change on."""
         def version() -> int:  # /healthz: cheap, and not under the status page's per-address read limit
             with urllib.request.urlopen(swarm.url + "/healthz", timeout=10) as resp:
                 return int(json.loads(resp.read())["version"])
@@ -202,9 +209,11 @@ def test_an_idle_sybil_does_not_slow_training(swarm: Swarm) -> None:
         t0, w0 = time.monotonic(), time.time()
         wait_until(lambda: version() >= first + RATE_STEPS, 60 * RATE_STEPS, f"{RATE_STEPS} learner steps",
                    interval=0.1)
-        return w0, time.monotonic() - t0
+        at = [float(a) for (a,) in db_rows(swarm.run_dir, "SELECT at FROM steps WHERE step > ? AND step <= ? "
+                                                           "ORDER BY step", (first, first + RATE_STEPS))]
+        return w0, time.monotonic() - t0, statistics.median(b - a for a, b in itertools.pairwise(at))
 
-    _, before = seconds_for_steps()
+    _, before, before_step = seconds_for_steps()
     started = time.time()
     out, stop = swarm.tmp / "idle_sybil.json", swarm.tmp / "idle_sybil.stop"
     proc = Proc([sys.executable, "-m", "tests.adversarial.adversary", "idle_sybil", "--url", swarm.url, "--home",
@@ -214,22 +223,24 @@ def test_an_idle_sybil_does_not_slow_training(swarm: Swarm) -> None:
         wait_until(lambda: db_rows(swarm.run_dir, "SELECT client_id FROM clients WHERE profile LIKE "
                                                   "'%adversary-a%' AND registered_at >= ?", (started,)),
                    120, "the sybil to register and start sending requests")
-        measured_from, during = seconds_for_steps()
+        measured_from, during, during_step = seconds_for_steps()
         measured_to = time.time()
         stop.touch()
         assert proc.proc.wait(120) == 0, proc.output()[-3000:]
     finally:
         proc.stop()
     report = json.loads(out.read_text())
-    _, after = seconds_for_steps()
-    print(f"seconds for {RATE_STEPS} steps: before {before:.1f}, with the idle sybil {during:.1f}, after {after:.1f}")
+    _, after, after_step = seconds_for_steps()
+    print(f"seconds for {RATE_STEPS} steps: before {before:.1f}, with the idle sybil {during:.1f}, after {after:.1f}; "
+          f"median step {before_step:.3f} / {during_step:.3f} / {after_step:.3f} s")
     notes = report["notes"]
     assert report["error"] is None
     # the sybil was at work throughout the middle phase, at least a request a second (it sends 4)
     assert notes["first_at"] <= measured_from and notes["last_at"] >= measured_to, (notes, measured_from, measured_to)
     assert notes["requests"] >= notes["last_at"] - notes["first_at"], notes
     assert set(codes(report)) == {(200, None)}  # it was served: every request valid, it simply never worked
-    assert during <= 1.1 * max(before, after), (before, during, after)
+    assert during_step <= 1.2 * max(before_step, after_step), (before_step, during_step, after_step)
+    assert during <= 1.25 * max(before, after), (before, during, after)
     nothing_trained_or_earned(swarm, report)
     honest_lose_nothing(swarm)
 
