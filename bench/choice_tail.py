@@ -144,7 +144,7 @@ def run_class(cls: str, folder: Path, temperature: float, results: int, shape: t
     from swarm_client.backends.llama_backend import LlamaBackend
 
     _, _, precision = cls.partition("-")
-    tol = VerificationConfig().choice_tolerance("llama/cpu", precision)
+    tol = VerificationConfig().choice_tolerance(cls)  # the class is "llama-<precision>"
     row = TailRow(cls, folder.name, temperature, tol / temperature)
     gdir = tmp / f"{folder.name}-{precision}"
     if not gdir.exists():

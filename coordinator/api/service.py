@@ -58,6 +58,7 @@ from coordinator.run.workqueue import (
     RemoteVerifier,
     VerificationError,
     VerifierUnavailable,
+    engine_of,
 )
 from coordinator.store.job_rows import JobRow
 from coordinator.store.records import AuditLine, as_json
@@ -554,7 +555,7 @@ class Coordinator:
         # safetensors. The lease is this client's (verify_submission), so its precision is the one it was granted
         pinned = self.backend_class(client_id)  # a store read: once per result
         rclass = "torch" if own else recompute_class(pinned, row.precision)
-        engine: Engine = "llama" if rclass.startswith("llama-") else "torch-bf16" if rclass == "torch-bf16" else "torch"
+        engine = engine_of(rclass)
         # the llama.cpp recompute replays the client's evaluations: a group's rollouts share the prompt's cache, an
         # episode's every turn starts afresh (shared.llama_files.prefill)
         token_stats = await self._recompute_stats_at(prompts, completions, sub.version, segments, engine,

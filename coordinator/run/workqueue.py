@@ -178,6 +178,12 @@ def stats_answer(stats: TokenStats) -> bytes:
     return wire.pack({"stats": asdict(stats)})
 
 
+def engine_of(rclass: str) -> Engine:
+    """The engine that recomputes a result of class ``rclass`` (core.trust.recompute_class): llama.cpp for every
+    "llama-<precision>", the bf16 replay for "torch-bf16", the float32 torch pass otherwise."""
+    return "llama" if rclass.startswith("llama-") else "torch-bf16" if rclass == "torch-bf16" else "torch"
+
+
 def engine_from_wire(raw: Any) -> Engine:
     """A recompute request's engine; requests written before engines existed are torch's. The API wrote it (never a
     client), so an unknown name is a bug, not bad input."""

@@ -145,3 +145,12 @@ def test_a_lease_gets_an_offered_precision_of_its_pinned_class_or_is_refused() -
         assert caught.value.reason is Reason.PRECISION_NOT_OFFERED and asked in caught.value.message
     with pytest.raises(ProtocolError, match="publishes no GGUF"):
         lease_precision("llama/cpu", "f16", ())
+
+
+def test_each_recompute_class_has_its_engine() -> None:
+    from coordinator.core.trust import recompute_class
+    from coordinator.run.workqueue import engine_of
+
+    assert engine_of(recompute_class("llama/gpu", "q4_K_M")) == "llama"
+    assert engine_of(recompute_class("torch/cuda", "bf16")) == "torch-bf16"
+    assert engine_of(recompute_class("torch/cpu", None)) == engine_of(recompute_class("llama/cpu", None)) == "torch"
