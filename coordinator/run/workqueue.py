@@ -25,7 +25,7 @@ from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
 from coordinator.run.doorbell import Doorbell, folder_for
 from coordinator.store.store import Store
-from coordinator.store.work_rows import WorkKind
+from coordinator.store.work_rows import WorkKind, WorkState
 from shared import wire
 from shared.sampler import Segment
 
@@ -159,10 +159,10 @@ class RemoteVerifier:
                 row = self.store.work.item(item)
                 if row is None:
                     raise VerificationError("the request was dropped (the verifier queue was reset)")
-                if row["state"] == "done":
+                if row["state"] == WorkState.DONE:
                     answer: WorkAnswer = wire.unpack(row["answer"], max_bytes=len(row["answer"]))
                     return answer
-                if row["state"] == "failed":
+                if row["state"] == WorkState.FAILED:
                     raise VerificationError(str(row["error"]))
                 if time.monotonic() > give_up:
                     raise VerifierUnavailable(f"no verifier answered within {self.wait_s:.0f}s")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from coordinator.core.leases import JobState
 from coordinator.store.db import Db, Row
 from coordinator.store.records import ClientRow
 
@@ -57,7 +58,7 @@ class Clients:
                 return []
             rows = self._conn.execute(
                 f"SELECT client_id FROM clients WHERE {idle} AND client_id != ? AND client_id NOT IN (SELECT "
-                "lease_client FROM jobs WHERE state='leased' AND lease_client IS NOT NULL) AND client_id NOT IN "
+                f"lease_client FROM jobs WHERE state='{JobState.LEASED}' AND lease_client IS NOT NULL) AND client_id NOT IN "
                 "(SELECT client_id FROM trust WHERE quarantined_until > ?) ORDER BY last_seen, registered_at LIMIT ?",
                 (spare, now, count - keep)).fetchall()
             gone = [str(r["client_id"]) for r in rows]

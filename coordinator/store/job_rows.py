@@ -18,6 +18,8 @@ from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.trust import RETURNS_RESULT
 from coordinator.store.db import Db, Row
 
+OPEN, LEASED, DONE = JobState.OPEN, JobState.LEASED, JobState.DONE  # spelled into the statements below
+
 #: The job stream's lock (Db.lock): one writer at a time draws the next sequence number and inserts its job.
 JOB_STREAM = "echo-swarm:job-stream"
 
@@ -70,8 +72,8 @@ class Jobs:
 
     def _insert(self, plan: JobPlan, group_size: int, now: float, db: Db | None = None) -> None:
         (db or self._conn).execute(
-            "INSERT INTO jobs(job_id, seq, prompt_ids, seed, group_size, created_at, state) VALUES(?,?,?,?,?,?,'open')",
-            (plan.job_id, plan.seq, json.dumps(list(plan.prompt_ids)), plan.seed, group_size, now))
+            "INSERT INTO jobs(job_id, seq, prompt_ids, seed, group_size, created_at, state) VALUES(?,?,?,?,?,?,?)",
+            (plan.job_id, plan.seq, json.dumps(list(plan.prompt_ids)), plan.seed, group_size, now, OPEN))
 
     @staticmethod
     def _job(row: Row) -> JobRow:
@@ -87,7 +89,7 @@ class Jobs:
 
     def active(self) -> list[JobRow]:
         """Jobs not yet done (open, leased, or leased with an expired lease), oldest first."""
-        rows = self._conn.execute("SELECT * FROM jobs WHERE state != 'done' ORDER BY seq")
+        rows = self._conn.execute(f"SELECT * FROM jobs WHERE state != '{DONE}' ORDER BY seq")
         return [self._job(r) for r in rows.fetchall()]
 
     def lease(self, job_id: str, lease_id: str, client_id: str, deadline: float, version: int, now: float,
@@ -103,15 +105,15 @@ class Jobs:
             before = self._light.execute("SELECT state, lease_client FROM jobs WHERE job_id=?",
                                          (job_id,)).fetchone()
             cur = self._light.execute(
-                "UPDATE jobs SET state='leased', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
+                f"UPDATE jobs SET state='{LEASED}', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
                 "lease_precision=?, issue_count=issue_count+1 WHERE job_id=(SELECT job_id FROM jobs WHERE job_id=? "
-                f"AND (state='open' OR (state='leased' AND lease_deadline<=?)){self._light.skip_locked})",
+                f"AND (state='{OPEN}' OR (state='{LEASED}' AND lease_deadline<=?)){self._light.skip_locked})",
                 (lease_id, client_id, deadline, version, precision, job_id, now),
             )
             if cur.rowcount != 1:
                 return False
             self._light.execute("UPDATE clients SET leased=leased+1 WHERE client_id=?", (client_id,))
-            if before is not None and before["state"] == "leased" and before["lease_client"]:
+            if before is not None and before["state"] == LEASED and before["lease_client"]:
                 self._count_unreturned(self._light, str(before["lease_client"]), job_id)  # it ran out
             return True
 
@@ -129,14 +131,14 @@ class Jobs:
     def release(self, job_id: str, lease_id: str, client_id: str) -> bool:
         with self._light.transaction():  # as lease: a forgotten release only means the lease runs out
             cur = self._light.execute(
-                "UPDATE jobs SET state='open', lease_deadline=NULL WHERE job_id=? AND lease_id=? AND lease_client=? "
-                "AND state='leased'", (job_id, lease_id, client_id))
+                f"UPDATE jobs SET state='{OPEN}', lease_deadline=NULL WHERE job_id=? AND lease_id=? AND lease_client=? "
+                f"AND state='{LEASED}'", (job_id, lease_id, client_id))
             if cur.rowcount != 1:
                 return False
             self._count_unreturned(self._light, client_id, job_id)
             return True
 
     def live_leases(self, now: float) -> int:
-        row = self._conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_deadline > ?",
+        row = self._conn.execute(f"SELECT COUNT(*) AS n FROM jobs WHERE state='{LEASED}' AND lease_deadline > ?",
                                  (now,)).fetchone()
         return int(row["n"])

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from coordinator.core.leases import lease_live
+from coordinator.core.leases import JobState, lease_live
 from coordinator.core.ops import (
+    JOB_STATES,
     ClientState,
     active_window_s,
     bucket_width,
@@ -258,10 +259,10 @@ def jobs(store: Store, now: float, limit: int = 200) -> JobsView:
     row = store.conn.execute("SELECT COUNT(*) AS done, "
                              "(SELECT COUNT(*) FROM jobs WHERE issue_count > 1) AS reissued, "
                              "(SELECT COALESCE(SUM(issue_count), 0) FROM jobs) AS leases "
-                             "FROM jobs WHERE state='done'").fetchone()
+                             f"FROM jobs WHERE state='{JobState.DONE}'").fetchone()
     counts = count_by(job_status(j.view, now) for j in active)
     return {
-        "counts": {s: counts.get(s, 0) for s in ("open", "leased", "expired")} | {"done": int(row["done"])},
+        "counts": {str(s): counts.get(s, 0) for s in JOB_STATES} | {"done": int(row["done"])},  # done: all, not listed
         "reissued": int(row["reissued"]),
         "leases_issued": int(row["leases"]),
         "buffered_results": len(store.results.pending()),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
 from coordinator.store.audit import Audit
 from coordinator.store.db import Db, Row
@@ -57,7 +58,8 @@ class Results:
                 ) -> None:
         with self._conn.transaction():
             cur = self._conn.execute(
-                "UPDATE jobs SET state='done' WHERE job_id=? AND lease_id=? AND lease_client=? AND state='leased'",
+                f"UPDATE jobs SET state='{JobState.DONE}' WHERE job_id=? AND lease_id=? AND lease_client=? "
+                f"AND state='{JobState.LEASED}'",
                 (job_id, lease_id, client_id))
             if cur.rowcount != 1:
                 raise _Abort

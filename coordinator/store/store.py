@@ -46,9 +46,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from coordinator.core.leases import JobState
 from coordinator.store.audit import Audit
 from coordinator.store.clients import Clients
-from coordinator.store.db import Db, is_postgres_url, pg_ddl
+from coordinator.store.db import Db, is_postgres_url, pg_ddl, sql_in
 from coordinator.store.job_rows import Jobs
 from coordinator.store.nonces import Nonces
 from coordinator.store.results import Results
@@ -57,18 +58,18 @@ from coordinator.store.tmpfs import run_folder
 from coordinator.store.training import Evals, Steps
 from coordinator.store.trust_rows import TrustRows
 from coordinator.store.versions import Versions
-from coordinator.store.work_rows import WorkRows
+from coordinator.store.work_rows import WorkRows, WorkState
 
 #: The work queue (coordinator.run.workqueue), on its own: schema 6 rebuilds it on SQLite (Store._retire_replication).
-WORK_SCHEMA = """
+WORK_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS work(
   id INTEGER PRIMARY KEY, kind TEXT NOT NULL CHECK(kind IN ('recompute','evaluate')),
   version INTEGER NOT NULL, request BLOB NOT NULL, created_at REAL NOT NULL,
-  state TEXT NOT NULL CHECK(state IN ('queued','claimed','done','failed')),
+  state TEXT NOT NULL CHECK(state IN ({sql_in(WorkState)})),
   worker TEXT, claim_until REAL, attempts INTEGER NOT NULL DEFAULT 0, answer BLOB, error TEXT,
   requester TEXT NOT NULL DEFAULT 'api');
 CREATE INDEX IF NOT EXISTS work_by_state ON work(state, kind, id)"""
-SCHEMA = """
+SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS clients(
   client_id TEXT PRIMARY KEY, public_key BLOB NOT NULL, profile TEXT NOT NULL,
@@ -80,7 +81,7 @@ CREATE TABLE IF NOT EXISTS versions(
 CREATE TABLE IF NOT EXISTS jobs(
   job_id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, version INTEGER, prompt_ids TEXT NOT NULL,
   seed INTEGER NOT NULL, group_size INTEGER NOT NULL, created_at REAL NOT NULL,
-  state TEXT NOT NULL CHECK(state IN ('open','leased','done')),
+  state TEXT NOT NULL CHECK(state IN ({sql_in(JobState)})),
   lease_id TEXT, lease_client TEXT, lease_deadline REAL, issue_count INTEGER NOT NULL DEFAULT 0,
   lease_precision TEXT);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, seq);

@@ -9,6 +9,7 @@ refusal is an ``audit`` line (outcome core.reporting.FLAGGED).
 
 from __future__ import annotations
 
+from coordinator.core.leases import JobState
 from coordinator.core.reporting import FLAGGED
 from coordinator.store.audit import Audit
 from coordinator.store.db import Db, Row
@@ -80,6 +81,6 @@ class TrustRows:
 
     def leases_held(self, client_id: str, now: float) -> int:
         """Live (unexpired) leases of one client."""
-        row = self._conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE state='leased' AND lease_client=? AND "
-                                 "lease_deadline>?", (client_id, now)).fetchone()
+        row = self._conn.execute(f"SELECT COUNT(*) AS n FROM jobs WHERE state='{JobState.LEASED}' AND lease_client=? "
+                                 "AND lease_deadline>?", (client_id, now)).fetchone()
         return int(row["n"])
