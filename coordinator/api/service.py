@@ -60,6 +60,7 @@ from coordinator.run.workqueue import (
     VerifierUnavailable,
     engine_of,
 )
+from coordinator.store.hops import RECOMPUTE
 from coordinator.store.job_rows import JobRow
 from coordinator.store.records import AuditLine, as_json
 from coordinator.store.store import Store
@@ -154,7 +155,7 @@ class Coordinator:
         self._synced = self.store.commits
         self.guard = Guard(self.config, self.store)
         # asked by this API's previous run; nobody waits for them (other API processes' requests stay)
-        dropped = self.store.work.drop(("recompute",), self.api_name)
+        dropped = self.store.work.drop((RECOMPUTE,), self.api_name)
         if dropped:
             logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
         self.version = await wait_for_first_version(self.store, self.bell, API)

@@ -7,7 +7,6 @@ import asyncio
 import errno
 import json
 import logging
-import os
 import signal
 import time
 
@@ -18,6 +17,7 @@ from coordinator.api.app import CONN_GUARD, COORDINATOR, FATAL, create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.launch import one_process
 from coordinator.run.names import API
+from coordinator.run.records import ProcessReport
 from coordinator.store.store import Store
 from shared.exit_codes import ExitCode
 
@@ -77,4 +77,4 @@ async def start_site(app: web.Application, config: CoordinatorConfig) -> tuple[w
 
 def report_pid(store: Store, role: str) -> None:
     """The API's entry in the roles' status (the learner and the verifiers report their own)."""
-    store.role_status.set(role, {"pid": os.getpid(), "started_at": time.time()})
+    store.role_status.set(role, ProcessReport(started_at=time.time()))

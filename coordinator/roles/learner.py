@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -35,8 +34,9 @@ from coordinator.publish.checkpoints import CheckpointState, CheckpointStore
 from coordinator.publish.publisher import Publication, Published, Publisher
 from coordinator.publish.snapshots import SnapshotFiles, SnapshotStore
 from coordinator.run.names import LEARNER, LOCAL_CLIENT, VERIFIER_PREFIX
-from coordinator.run.records import AcceptedResult, VerifierTotals
+from coordinator.run.records import AcceptedResult, LearnerReport, VerifierTotals
 from coordinator.run.workqueue import POLL_S, Bell
+from coordinator.store.hops import EVALUATE, EvaluateRequest
 from coordinator.store.job_rows import JobRow
 from coordinator.store.store import Store
 from coordinator.tasks.base import Task
@@ -210,13 +210,14 @@ class LearnerRole:
     def _report(self) -> None:
         """The learner's progress for the API (sequential-pull guard) and the status page."""
         target = max([self.learner.model_version, *self._unpublished]) if hasattr(self, "learner") else self.version
-        self.store.role_status.set(LEARNER, {
-            "pid": os.getpid(), "at": time.time(), "target": target, "version": self.version, "in_training": sorted(self.in_training),
-            "busy_s": self.busy_s, "last_error": self.last_error, "publishing": sorted(self._unpublished),
-            "last_checkpoint": self.checkpoints.latest(self.version) if hasattr(self, "checkpoints") else None,
-            "snapshot_dtype": self.learner.publish_dtype(self.config.snapshots.dtype) if hasattr(self, "learner")
-            else None, "trained_version": self.learner.model_version if hasattr(self, "learner") else None,
-            **(self.learner.describe() if hasattr(self, "learner") else {})})
+        learner = getattr(self, "learner", None)
+        self.store.role_status.set(LEARNER, LearnerReport(
+            target=target, version=self.version, in_training=sorted(self.in_training), busy_s=self.busy_s,
+            last_error=self.last_error, publishing=sorted(self._unpublished),
+            last_checkpoint=self.checkpoints.latest(self.version) if hasattr(self, "checkpoints") else None,
+            snapshot_dtype=learner.publish_dtype(self.config.snapshots.dtype) if learner is not None else None,
+            trained_version=learner.model_version if learner is not None else None,
+            **(learner.describe() if learner is not None else {})))
 
     # -- the loop -----------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -521,7 +522,7 @@ class LearnerRole:
         """Bound the run directory: keep_last versions (and those under a live lease or waiting for their held-out
         evaluation), the newest checkpoint, keep_exports exports."""
         keep = kept_versions(current, self.config.snapshots.keep_last, [j.view for j in self.store.jobs.active()],
-                             self.clock(), self.store.work.versions("evaluate"))
+                             self.clock(), self.store.work.versions(EVALUATE))
         self.snapshots.prune(keep)
         self.checkpoints.prune(current)
         exports = self.run_dir / "exports"
@@ -534,5 +535,5 @@ class LearnerRole:
     def _evaluate(self, version: int) -> None:
         """Ask the verifiers for a held-out evaluation of a published version (off the learner); the first
         verifier records it when done."""
-        self.store.work.submit("evaluate", version, wire.pack({}), time.time())
+        self.store.work.submit(EVALUATE, version, EvaluateRequest(), time.time())
         self.bell.ring()

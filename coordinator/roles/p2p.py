@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Protocol
 
@@ -184,7 +183,7 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
         peer = CoordinatorPeer(ctx)
         await peer.start()
         while True:
-            files.store.role_status.set(P2P, peer.report().as_json() | {"pid": os.getpid(), "at": time.time()})
+            files.store.role_status.set(P2P, peer.report())
             try:
                 async with asyncio.timeout(REPORT_EVERY_S):  # not wait_for: it can swallow a cancellation (Bell.wait)
                     await stop.wait()
@@ -194,5 +193,5 @@ async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     finally:
         if peer is not None:
             await peer.stop()
-        files.store.role_status.set(P2P, {"peer_id": None, "pid": os.getpid(), "at": time.time()})
+        files.store.role_status.set(P2P, P2PReport())  # stopped: no peer_id
         files.close()

@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.config import CoordinatorConfig
+from coordinator.core.verify import TokenStats
 from coordinator.engine import fsdp
 from coordinator.engine.evaluation import Evaluator
 from coordinator.engine.llama_verifier import LlamaRecompute
@@ -35,19 +35,21 @@ from coordinator.errors import VersionGone
 from coordinator.holds import hold_async
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import verifier_name
+from coordinator.run.records import VerifierReport
 from coordinator.run.runfiles import wait_for_first_version
-from coordinator.run.workqueue import (
-    POLL_S,
-    Bell,
-    engine_from_wire,
-    precision_from_wire,
-    segments_from_wire,
-    stats_answer,
+from coordinator.run.workqueue import POLL_S, Bell
+from coordinator.store.hops import (
+    EVALUATE,
+    RECOMPUTE,
+    RecomputeAnswer,
+    RecomputedStats,
+    RecomputeRequest,
+    WorkKind,
+    work_kind,
 )
 from coordinator.store.store import Store
 from coordinator.tasks.base import Task
 from coordinator.tasks.text import TextCodec
-from shared import wire
 from shared.policy import import_backends, pick_device
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ class VerifierWorker:
         self.snapshots = snapshots
         self.task = task
         self.name = verifier_name(index)
-        self.kinds: tuple[str, ...] = ("recompute",) + (("evaluate",) if index == 0 else ())
+        self.kinds: tuple[WorkKind[Any, Any], ...] = (RECOMPUTE,) + ((EVALUATE,) if index == 0 else ())
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._preloaded = -1  # the newest version this worker loaded ahead of its results
         self._preload: asyncio.Task[bool] | None = None
@@ -110,7 +112,7 @@ class VerifierWorker:
                 base_dir=self.snapshots.base_dir if lora else None)
         self.torch_bf16: TorchReplay | None = None  # bf16 torch clients' results (engine.torch_replay), on demand
         self.evaluator: Any = None
-        if "evaluate" in self.kinds:
+        if EVALUATE in self.kinds:
             versions = VersionLoader(self.snapshots.base_dir) if lora else None
             verifier = self.verifier
             # the evaluation borrows the verifier's replica (no second model in this process), except on FSDP
@@ -128,12 +130,12 @@ class VerifierWorker:
         logger.info("%s ready on %s", self.name, device)
 
     def _report(self) -> None:
-        self.store.role_status.set(self.name, {
-            "pid": os.getpid(), "device": self.verifier.device, "at": time.time(), "in_flight": len(self._inflight),
-            "evaluations": self.evaluations, "eval_s": self.eval_s,
-            "evaluations_skipped": self.evaluations_skipped[-SKIPPED_SHOWN:], **self.verifier.describe(),
-            **(self.llama.describe() if self.llama is not None else {}),
-            **(self.torch_bf16.describe() if self.torch_bf16 is not None else {})})
+        engines = {**(self.llama.describe() if self.llama is not None else {}),
+                   **(self.torch_bf16.describe() if self.torch_bf16 is not None else {})}
+        self.store.role_status.set(self.name, VerifierReport(
+            in_flight=len(self._inflight), evaluations=self.evaluations, eval_s=self.eval_s,
+            evaluations_skipped=self.evaluations_skipped[-SKIPPED_SHOWN:], engines=engines,
+            **self.verifier.describe()))
 
     async def run(self) -> None:
         """Claim, answer, report — until cancelled."""
@@ -196,40 +198,43 @@ class VerifierWorker:
                 del self._inflight[item]
 
     async def _answer(self, row: Any) -> None:
-        item, kind, version = int(row["id"]), str(row["kind"]), int(row["version"])
-        request = wire.unpack(row["request"], max_bytes=len(row["request"]))
+        item, kind, version = int(row["id"]), work_kind(row["kind"]), int(row["version"])
         try:
+            request = kind.request.decode(row["request"])
             if self.snapshots.signed_manifest(version) is None:  # published since the last look?
                 self.snapshots.observe(v.version for v in self.store.versions.all())
-            if kind == "evaluate":
+            if not isinstance(request, RecomputeRequest):  # an EvaluateRequest (coordinator.store.hops.WORK_KINDS)
                 await self._evaluate(item, version)
                 return
             await hold_async(f"recompute-v{version}")  # a fault test's busy verifier (coordinator.holds)
-            segments = segments_from_wire(request.get("segments"))
-            engine = engine_from_wire(request.get("engine"))
-            if engine == "llama":
-                if self.llama is None:
-                    raise VersionGone("this run publishes no GGUF: a llama.cpp result cannot be recomputed")
-                # on the verifier's thread, in turn with torch recomputes: the two never share the cores
-                stats = await self.verifier.run(self.llama.recompute_stats, version, request["prompts"],
-                                                request["completions"], segments, int(request.get("group") or 1),
-                                                precision_from_wire(request.get("precision")))
-            elif engine == "torch-bf16":  # a bf16 client's generations replayed in bf16 (engine.torch_replay)
-                stats = await self.verifier.run(self._replay().recompute_stats, version, request["prompts"],
-                                                request["completions"], segments)
-            else:
-                stats = await self.verifier.recompute_stats(request["prompts"], request["completions"], version,
-                                                            segments)
-            answer = stats_answer(stats)
-            self.store.work.finish(item, self.name, answer)
+            stats = await self._recompute(request, version)
+            self.store.work.finish(item, self.name, RecomputeAnswer(stats=RecomputedStats.of(stats)))
         except (VersionGone, FileNotFoundError):
-            self.store.work.finish(item, self.name, wire.pack({"gone": True}))
+            self.store.work.finish(item, self.name, RecomputeAnswer(gone=True))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.exception("%s: %s request %d failed", self.name, kind, item)
+            logger.exception("%s: %s request %d failed", self.name, kind.name, item)
             self.store.work.finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
         self.bell.ring()
+
+    async def _recompute(self, request: RecomputeRequest, version: int) -> TokenStats:
+        """The stats of ``request``'s result at ``version``, by the engine the API named."""
+        segments = request.segments  # the keyed draws, for the margins
+        if request.engine == "llama":
+            if self.llama is None:
+                raise VersionGone("this run publishes no GGUF: a llama.cpp result cannot be recomputed")
+            # on the verifier's thread, in turn with torch recomputes: the two never share the cores
+            stats: TokenStats = await self.verifier.run(self.llama.recompute_stats, version, request.prompts,
+                                                        request.completions, segments, request.group or 1,
+                                                        request.precision)
+            return stats
+        if request.engine == "torch-bf16":  # a bf16 client's generations replayed in bf16 (engine.torch_replay)
+            stats = await self.verifier.run(self._replay().recompute_stats, version, request.prompts,
+                                            request.completions, segments)
+            return stats
+        stats = await self.verifier.recompute_stats(request.prompts, request.completions, version, segments)
+        return stats
 
     def _replay(self) -> TorchReplay:
         """The bf16 replay of torch clients' results, made on the first one (a bf16 replica per kept version)."""

@@ -1,5 +1,8 @@
 """Records that cross a role boundary, typed and encoded in one place: the role that writes one and the role that
-reads it share this definition rather than a dict's keys."""
+reads it share this definition rather than a dict's keys. The roles' status reports are here (each a
+coordinator.store.hops.RoleReport, the only thing the store's role status takes), beside the views a reader takes
+of another role's report (defaults for every field, so a report of an older release still reads); the work
+queue's records are coordinator.store.hops'."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import dataclass, fields
 
 from pydantic import BaseModel, ConfigDict
 
+from coordinator.store.hops import RoleReport
 from shared import wire
 
 
@@ -57,11 +61,11 @@ class RelayReport(BaseModel):
     active: int
 
 
-class P2PReport(BaseModel):
+class P2PReport(RoleReport):
     """What the p2p role reports of the coordinator's libp2p peer, written by that role into the store's role
-    status and read by the API (GET /v1/p2p, the status page's egress) — a pydantic model because the API reads it
-    back from JSON another process wrote. A stopped or unstarted peer reports no ``peer_id``; the role's own
-    ``pid``/``at`` beside it are not read here."""
+    status and read by the API (GET /v1/p2p, the status page's egress) — the one report its reader reads whole, so
+    unknown fields are ignored (a report of a newer release) and every field has a default. A stopped or unstarted
+    peer reports no ``peer_id``."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -71,9 +75,55 @@ class P2PReport(BaseModel):
     peer_served_bytes: int = 0  # bytes volunteers say they served each other
     calls: RelayReport | None = None
 
-    def as_json(self) -> dict[str, object]:
-        """The report as the role writes it (its keys, in order); ``dict[str, object]``: JSON for the store."""
-        return self.model_dump()
+
+class LearnerReport(RoleReport):
+    """The learner role's report (coordinator.roles.learner), served as it is in ``/v1/status`` ``learner``
+    (docs/protocol.md §4); the API reads :class:`LearnerProgress` of it. The model's figures are None until the
+    learner has built its model."""
+
+    target: int  # the version the step in training makes (the sequential-pull guard)
+    version: int  # the newest published version
+    in_training: list[str]  # job ids of the steps trained but not yet recorded
+    busy_s: float
+    last_error: str | None
+    publishing: list[int]  # versions trained, being published
+    last_checkpoint: int | None
+    snapshot_dtype: str | None
+    trained_version: int | None
+    parameters: int | None = None  # coordinator.engine.learner.LearnerDescription
+    device: str | None = None
+    vocab_size: int | None = None
+
+
+class VerifierReport(RoleReport):
+    """A verifier role's report (coordinator.roles.verifier): its queue and held-out evaluations, its torch
+    verifier's figures (the keys of coordinator.engine.verifier.VerifierDescription, flat as ``/v1/status``
+    ``roles`` serves them: declared again here because the engine and the run files know nothing of each other,
+    and checked against it by tests/unit/test_run_records.py) and the other engines' (``engines``: the llama.cpp
+    recompute's and the bf16 replay's counters, once each has run). The learner reads :class:`VerifierTotals` of
+    it."""
+
+    in_flight: int
+    evaluations: int
+    eval_s: float
+    evaluations_skipped: list[int]  # versions whose held-out evaluation could not be done (newest last)
+    engines: dict[str, int | float] = {}
+    # coordinator.engine.verifier.VerifierDescription
+    device: str
+    cached_versions: list[int]
+    ranks: int
+    rank_pids: list[int]
+    recompute_s: float
+    load_s: float
+    results: int
+    batches: int
+    loads: int
+
+
+class ProcessReport(RoleReport):
+    """The API's entry in the roles' reports (coordinator.launch.serve): its process and when it started."""
+
+    started_at: float
 
 
 class VerifierTotals(BaseModel):

@@ -1,8 +1,9 @@
 """Verification and evaluation requests between role processes, through the store's ``work`` table.
 
-The API process asks for a recompute by writing a request row; a verifier worker
-(:mod:`coordinator.roles.verifier`, in its own process or the same one) claims a batch of rows, answers them, and the
-API picks the answer up. The learner asks for held-out evaluations the same way. Going through the database, not
+The API process asks for a recompute by writing a request row; a verifier worker (:mod:`coordinator.roles.verifier`,
+in its own process or the same one) claims a batch of rows, answers them, and the API picks the answer up. The
+learner asks for held-out evaluations the same way. Requests and answers are the records coordinator.store.hops
+declares for each kind, encoded and decoded by their type. Going through the database, not
 a socket, is what lets any role be killed and restarted on its own: a claim runs out and another worker (or the
 restarted one) takes the row; a restarted API drops the requests nobody waits for any more.
 
@@ -16,17 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, cast, get_args
+from typing import TYPE_CHECKING
 
 from coordinator.core.verify import TokenStats
 from coordinator.errors import VersionGone
 from coordinator.run.doorbell import Doorbell, folder_for
+from coordinator.store.hops import RECOMPUTE, Ans, Engine, RecomputeRequest, Req, WorkKind
 from coordinator.store.store import Store
-from coordinator.store.work_rows import WorkKind, WorkState
-from shared import wire
+from coordinator.store.work_rows import WorkState
 from shared.sampler import Segment
 
 if TYPE_CHECKING:
@@ -34,28 +34,6 @@ if TYPE_CHECKING:
 
 #: Seconds between looks at the store when another process may have changed it.
 POLL_S = 0.02
-
-#: What recomputes a result: torch from the version's safetensors in one batched pass ("torch"), torch replaying a
-#: bf16 client's generations in bf16 ("torch-bf16", coordinator.engine.torch_replay), or llama.cpp from its GGUF file
-#: (the file a llama.cpp client ran, coordinator.engine.llama_verifier).
-Engine = Literal["torch", "torch-bf16", "llama"]
-
-
-class StatsWire(TypedDict):
-    """:class:`TokenStats` as a verifier's answer carries it (:func:`stats_answer`)."""
-
-    logprobs: list[list[float]]
-    entropy: list[list[float]]
-    variance: list[list[float]]
-    top: list[list[float]]
-    margins: NotRequired[list[list[float]] | None]
-
-
-class WorkAnswer(TypedDict, total=False):
-    """A verifier's answer to a recompute request: the stats, or ``gone`` when the version is no longer kept."""
-
-    stats: StatsWire
-    gone: bool
 
 
 class Bell:
@@ -136,22 +114,24 @@ class RemoteVerifier:
         and ``precision`` are not used); "torch" one float32 pass from its safetensors."""
         t0 = time.monotonic()
         try:
-            answer = await self.ask("recompute", version, {"prompts": prompts, "completions": completions,
-                                                           "segments": segments, "engine": engine, "group": group,
-                                                           "precision": precision})
+            answer = await self.ask(RECOMPUTE, version, RecomputeRequest(
+                prompts=prompts, completions=completions, segments=segments, engine=engine, group=group,
+                precision=precision))
         finally:
             self.stats.recompute_s += time.monotonic() - t0
-        if answer.get("gone"):
+        if answer.gone or answer.stats is None:
             raise VersionGone(f"policy version {version} is no longer kept for verification")
-        return TokenStats(**answer["stats"])
+        return answer.stats.token_stats()
 
     async def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int
                         ) -> list[list[float]]:
         return (await self.recompute_stats(prompts, completions, version)).logprobs
 
-    async def ask(self, kind: WorkKind, version: int, request: Mapping[str, object]) -> WorkAnswer:
+    async def ask(self, kind: WorkKind[Req, Ans], version: int, request: Req) -> Ans:
         """Queue ``request`` (a verifier decodes it by ``kind``) and wait for its answer."""
-        item = self.store.work.submit(kind, version, wire.pack(request), time.time(), self.requester)
+        if kind.answer is None:
+            raise TypeError(f"nobody answers a {kind.name} request: submit it to the store instead")
+        item = self.store.work.submit(kind, version, request, time.time(), self.requester)
         self.bell.ring()
         give_up = time.monotonic() + self.wait_s
         try:
@@ -160,8 +140,7 @@ class RemoteVerifier:
                 if row is None:
                     raise VerificationError("the request was dropped (the verifier queue was reset)")
                 if row["state"] == WorkState.DONE:
-                    answer: WorkAnswer = wire.unpack(row["answer"], max_bytes=len(row["answer"]))
-                    return answer
+                    return kind.answer.decode(row["answer"])
                 if row["state"] == WorkState.FAILED:
                     raise VerificationError(str(row["error"]))
                 if time.monotonic() > give_up:
@@ -174,34 +153,7 @@ class RemoteVerifier:
         """Nothing to release: requests in flight are deleted by their waiters."""
 
 
-def stats_answer(stats: TokenStats) -> bytes:
-    return wire.pack({"stats": asdict(stats)})
-
-
 def engine_of(rclass: str) -> Engine:
     """The engine that recomputes a result of class ``rclass`` (core.trust.recompute_class): llama.cpp for every
     "llama-<precision>", the bf16 replay for "torch-bf16", the float32 torch pass otherwise."""
     return "llama" if rclass.startswith("llama-") else "torch-bf16" if rclass == "torch-bf16" else "torch"
-
-
-def engine_from_wire(raw: Any) -> Engine:
-    """A recompute request's engine; requests written before engines existed are torch's. The API wrote it (never a
-    client), so an unknown name is a bug, not bad input."""
-    if raw is None:
-        return "torch"
-    if raw not in get_args(Engine):
-        raise ValueError(f"unknown recompute engine {raw!r}: one of {', '.join(get_args(Engine))}")
-    return cast(Engine, raw)
-
-
-def precision_from_wire(raw: Any) -> str | None:
-    """A recompute request's GGUF precision (the API wrote it from a lease the store holds); None: the default."""
-    return str(raw) if raw is not None else None
-
-
-def segments_from_wire(raw: Any) -> list[list[Segment]] | None:
-    """A recompute request's keyed-draw segments (shared.sampler.Segment) as msgpack returns them (lists), typed;
-    None when the request carries none. The API wrote them (never a client), so a malformed value is a bug."""
-    if raw is None:
-        return None
-    return [[(int(k), int(r), int(o), int(n)) for k, r, o, n in row] for row in raw]

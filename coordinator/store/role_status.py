@@ -8,9 +8,9 @@ which nobody syncs.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
 from coordinator.store.db import Db
+from coordinator.store.hops import RoleReport
 
 
 class RoleStatus:
@@ -20,12 +20,14 @@ class RoleStatus:
         self._conn = conn
         self._light = light_conn
 
-    def set(self, role: str, status: Mapping[str, object]) -> None:
-        """``status``: the role's own report (coordinator.run.records types what a reader reads of one); the store
-        keeps it as JSON it does not look into, so its shape is each role's."""
+    def set(self, role: str, report: RoleReport) -> None:
+        """``report``: the role's own record (coordinator.run.records), never a dict built by hand: the store keeps
+        its JSON without looking into it, so the record's type is the only check of its shape."""
+        if not isinstance(report, RoleReport):
+            raise TypeError(f"a role report is a record of coordinator.run.records, not a {type(report).__name__}")
         with self._light.transaction():
             self._light.execute("INSERT INTO meta(key,value) VALUES(?,?) ON CONFLICT(key) DO UPDATE SET "
-                                "value=excluded.value", (f"role:{role}", json.dumps(status, default=str)))
+                                "value=excluded.value", (f"role:{role}", report.to_json()))
 
     def get(self, role: str) -> dict[str, object] | None:
         row = self._conn.execute("SELECT value FROM meta WHERE key=?", (f"role:{role}",)).fetchone()

@@ -50,6 +50,7 @@ from coordinator.core.leases import JobState
 from coordinator.store.audit import Audit
 from coordinator.store.clients import Clients
 from coordinator.store.db import Db, is_postgres_url, pg_ddl, sql_in
+from coordinator.store.hops import WORK_KINDS
 from coordinator.store.job_rows import Jobs
 from coordinator.store.nonces import Nonces
 from coordinator.store.results import Results
@@ -63,7 +64,7 @@ from coordinator.store.work_rows import WorkRows, WorkState
 #: The work queue (coordinator.run.workqueue), on its own: schema 6 rebuilds it on SQLite (Store._retire_replication).
 WORK_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS work(
-  id INTEGER PRIMARY KEY, kind TEXT NOT NULL CHECK(kind IN ('recompute','evaluate')),
+  id INTEGER PRIMARY KEY, kind TEXT NOT NULL CHECK(kind IN ({sql_in(k.name for k in WORK_KINDS)})),
   version INTEGER NOT NULL, request BLOB NOT NULL, created_at REAL NOT NULL,
   state TEXT NOT NULL CHECK(state IN ({sql_in(WorkState)})),
   worker TEXT, claim_until REAL, attempts INTEGER NOT NULL DEFAULT 0, answer BLOB, error TEXT,
@@ -379,7 +380,8 @@ class Store:
         if self.conn.postgres:
             self.conn.execute("DELETE FROM work WHERE kind='replay'")
             self.conn.execute("ALTER TABLE work DROP CONSTRAINT IF EXISTS work_kind_check")
-            self.conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check CHECK(kind IN ('recompute','evaluate'))")
+            self.conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check "
+                              f"CHECK(kind IN ({sql_in(k.name for k in WORK_KINDS)}))")
             return
         row = self.conn.execute("SELECT sql FROM sqlite_master WHERE type='table' AND name='work'").fetchone()
         if row is None or "'replay'" not in str(row["sql"]):

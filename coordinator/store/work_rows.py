@@ -8,12 +8,12 @@ LOCKED on PostgreSQL).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
-from typing import Literal
+from typing import Any
 
 from coordinator.store.db import Db, Row
-
-WorkKind = Literal["recompute", "evaluate"]
+from coordinator.store.hops import Hop, Req, WorkKind
 
 
 class WorkState(StrEnum):
@@ -38,22 +38,29 @@ class WorkRows:
         self._conn = conn
         self._light = light_conn
 
-    def submit(self, kind: WorkKind, version: int, request: bytes, now: float, requester: str = "api") -> int:
+    def submit(self, kind: WorkKind[Req, Any], version: int, request: Req, now: float, requester: str = "api") -> int:
+        """Queue ``request``, which must be the record ``kind`` names (coordinator.store.hops): never a dict or
+        bytes built by hand, so the worker's decode cannot meet a shape its kind does not declare."""
+        if type(request) is not kind.request:
+            raise TypeError(f"the {kind.name} kind takes a {kind.request.__name__}, not a {type(request).__name__}")
         with self._light.transaction():
             row = self._light.execute("INSERT INTO work(kind, version, request, created_at, state, requester) "
                                       "VALUES(?,?,?,?,?,?) RETURNING id",
-                                      (kind, version, request, now, QUEUED, requester)).fetchone()
+                                      (kind.name, version, request.encode(), now, QUEUED, requester)).fetchone()
         return int(row[0])
 
-    def claim(self, worker: str, kinds: tuple[str, ...], limit: int, until: float, now: float) -> list[Row]:
-        """Claim up to ``limit`` queued items (or items whose claim ran out: a worker that died), oldest first."""
-        marks = ",".join("?" * len(kinds))
+    def claim(self, worker: str, kinds: Iterable[WorkKind[Any, Any]], limit: int, until: float, now: float
+              ) -> list[Row]:
+        """Claim up to ``limit`` queued items (or items whose claim ran out: a worker that died), oldest first; a
+        row's ``request`` decodes as its kind's record (coordinator.store.hops.work_kind)."""
+        names = [k.name for k in kinds]
+        marks = ",".join("?" * len(names))
         waiting = (f"SELECT id FROM work WHERE kind IN ({marks}) AND (state='{QUEUED}' OR (state='{CLAIMED}' AND "
                    f"claim_until < ?)) ORDER BY id LIMIT ?")
-        if not self._conn.execute(waiting, (*kinds, now, 1)).fetchone():
+        if not self._conn.execute(waiting, (*names, now, 1)).fetchone():
             return []  # the common case, polled often: no write lock taken
         with self._light.transaction():  # several verifier workers claim at once: each skips what another is claiming
-            rows = self._light.execute(waiting + self._light.skip_locked, (*kinds, now, limit)).fetchall()
+            rows = self._light.execute(waiting + self._light.skip_locked, (*names, now, limit)).fetchall()
             ids = [int(r["id"]) for r in rows]
             self._light.executemany(f"UPDATE work SET state='{CLAIMED}', worker=?, claim_until=?, "
                                     f"attempts=attempts+1 WHERE id=?", [(worker, until, i) for i in ids])
@@ -75,12 +82,16 @@ class WorkRows:
                                       f"WHERE worker=? AND state='{CLAIMED}'", (worker,))
         return cur.rowcount
 
-    def finish(self, item_id: int, worker: str, answer: bytes | None, error: str | None = None) -> bool:
-        """Record an answer (or a failure) — only by the worker that holds the claim."""
+    def finish(self, item_id: int, worker: str, answer: Hop | None, error: str | None = None) -> bool:
+        """Record an answer (or a failure) — only by the worker that holds the claim. ``answer``: the record the
+        item's kind answers with (coordinator.store.hops), None with an ``error``."""
+        if answer is not None and not isinstance(answer, Hop):
+            raise TypeError(f"a work answer is a record of coordinator.store.hops, not a {type(answer).__name__}")
         with self._light.transaction():
             cur = self._light.execute(f"UPDATE work SET state=?, answer=?, error=? WHERE id=? AND worker=? AND "
                                       f"state='{CLAIMED}'", (WorkState.FAILED if error is not None else WorkState.DONE,
-                                                             answer, error, item_id, worker))
+                                                             None if answer is None else answer.encode(), error,
+                                                             item_id, worker))
         return cur.rowcount == 1
 
     def item(self, item_id: int) -> Row | None:
@@ -90,17 +101,18 @@ class WorkRows:
         with self._light.transaction():
             self._light.executemany("DELETE FROM work WHERE id=?", [(i,) for i in item_ids])
 
-    def drop(self, kinds: tuple[str, ...], requester: str | None = None) -> int:
+    def drop(self, kinds: Iterable[WorkKind[Any, Any]], requester: str | None = None) -> int:
         """Forget every item of these kinds (of ``requester``, if given): their requester restarted and no longer
         waits for them."""
-        who, args = ("", kinds) if requester is None else (" AND requester=?", (*kinds, requester))
+        names = [k.name for k in kinds]
+        who, args = ("", names) if requester is None else (" AND requester=?", [*names, requester])
         with self._light.transaction():
-            cur = self._light.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(kinds))}){who}", args)
+            cur = self._light.execute(f"DELETE FROM work WHERE kind IN ({','.join('?' * len(names))}){who}", args)
         return cur.rowcount
 
-    def versions(self, kind: WorkKind) -> set[int]:
+    def versions(self, kind: WorkKind[Any, Any]) -> set[int]:
         """The versions that requests of ``kind`` not yet deleted by their requester or worker are about."""
-        rows = self._light.execute("SELECT DISTINCT version FROM work WHERE kind=?", (kind,)).fetchall()
+        rows = self._light.execute("SELECT DISTINCT version FROM work WHERE kind=?", (kind.name,)).fetchall()
         return {int(r["version"]) for r in rows}
 
     def counts(self) -> dict[str, int]:

@@ -171,7 +171,7 @@ def test_recompute_classes_get_their_tolerances_and_engines() -> None:
     included, gets the torch tolerances; the work queue names the bf16 replay's engine and refuses a name it does
     not know."""
     from coordinator.config import CHOICE_TOL_TORCH_BF16
-    from coordinator.run.workqueue import engine_from_wire
+    from coordinator.store.hops import engine_from_wire
 
     v = VerificationConfig()
     assert v.choice_tolerance("torch-bf16") == CHOICE_TOL_TORCH_BF16 and v.tolerances("torch-bf16") == (0.05, 1.0)

@@ -17,10 +17,19 @@ from coordinator.run.workqueue import (
     RemoteVerifier,
     VerificationError,
     VerifierUnavailable,
-    stats_answer,
+)
+from coordinator.store.hops import (
+    EVALUATE,
+    RECOMPUTE,
+    EvaluateRequest,
+    Hop,
+    RecomputeAnswer,
+    RecomputedStats,
+    RecomputeRequest,
 )
 from coordinator.store.store import SCHEMA_VERSION, Store
 from shared import wire
+from shared.errors import ProtocolError
 
 
 @pytest.fixture
@@ -30,34 +39,61 @@ def store(store_target: str | Path) -> Store:
     s.close()
 
 
+def _req(token: int) -> RecomputeRequest:
+    return RecomputeRequest(prompts=[[1]], completions=[[token]])
+
+
 def test_claims_are_exclusive_and_expire_to_another_worker(store: Store) -> None:
-    a = store.work.submit("recompute", 3, b"req-a", 0.0)
-    b = store.work.submit("recompute", 3, b"req-b", 0.0)
-    first = store.work.claim("verifier-0", ("recompute",), 1, until=100.0, now=10.0)
+    a = store.work.submit(RECOMPUTE, 3, _req(1), 0.0)
+    b = store.work.submit(RECOMPUTE, 3, _req(2), 0.0)
+    first = store.work.claim("verifier-0", (RECOMPUTE,), 1, until=100.0, now=10.0)
     assert [r["id"] for r in first] == [a]
-    second = store.work.claim("verifier-1", ("recompute",), 5, until=1000.0, now=10.0)
+    second = store.work.claim("verifier-1", (RECOMPUTE,), 5, until=1000.0, now=10.0)
     assert [r["id"] for r in second] == [b]  # a is held by verifier-0
-    assert store.work.claim("verifier-1", ("recompute",), 5, until=100.0, now=50.0) == []
+    assert store.work.claim("verifier-1", (RECOMPUTE,), 5, until=100.0, now=50.0) == []
     # verifier-0 died: its claim runs out and verifier-1 takes the request
-    taken = store.work.claim("verifier-1", ("recompute",), 5, until=300.0, now=150.0)
+    taken = store.work.claim("verifier-1", (RECOMPUTE,), 5, until=300.0, now=150.0)
     assert [(r["id"], r["attempts"]) for r in taken] == [(a, 2)]
-    assert not store.work.finish(a, "verifier-0", b"late")  # the old holder can no longer answer
-    assert store.work.finish(a, "verifier-1", b"answer")
-    assert store.work.item(a)["answer"] == b"answer"
+    assert RecomputeRequest.decode(taken[0]["request"]) == _req(1)
+    assert not store.work.finish(a, "verifier-0", RecomputeAnswer(gone=True))  # the old holder can no longer answer
+    assert store.work.finish(a, "verifier-1", RecomputeAnswer(gone=False))
+    assert RecomputeAnswer.decode(store.work.item(a)["answer"]) == RecomputeAnswer(gone=False)
 
 
 def test_a_restarted_worker_hands_back_its_claims_at_once(store: Store) -> None:
-    a = store.work.submit("recompute", 1, b"r", 0.0)
-    store.work.claim("verifier-0", ("recompute",), 4, until=1e12, now=1.0)
-    assert store.work.claim("verifier-1", ("recompute",), 4, until=1e12, now=2.0) == []
+    a = store.work.submit(RECOMPUTE, 1, _req(1), 0.0)
+    store.work.claim("verifier-0", (RECOMPUTE,), 4, until=1e12, now=1.0)
+    assert store.work.claim("verifier-1", (RECOMPUTE,), 4, until=1e12, now=2.0) == []
     assert store.work.unclaim("verifier-0") == 1
-    assert [r["id"] for r in store.work.claim("verifier-1", ("recompute",), 4, until=1e12, now=3.0)] == [a]
+    assert [r["id"] for r in store.work.claim("verifier-1", (RECOMPUTE,), 4, until=1e12, now=3.0)] == [a]
 
 
 def test_kinds_are_claimed_only_by_workers_that_take_them(store: Store) -> None:
-    store.work.submit("evaluate", 2, b"", 0.0)
-    assert store.work.claim("verifier-1", ("recompute",), 4, until=10.0, now=1.0) == []
-    assert len(store.work.claim("verifier-0", ("recompute", "evaluate"), 4, until=10.0, now=1.0)) == 1
+    store.work.submit(EVALUATE, 2, EvaluateRequest(), 0.0)
+    assert store.work.claim("verifier-1", (RECOMPUTE,), 4, until=10.0, now=1.0) == []
+    assert len(store.work.claim("verifier-0", (RECOMPUTE, EVALUATE), 4, until=10.0, now=1.0)) == 1
+
+
+def test_the_work_table_takes_only_its_kinds_records(store: Store) -> None:
+    """Issue 33: a request or answer built by hand — a dict, its msgpack bytes, or another kind's record — is
+    refused before anything is written, so a worker never meets a shape its kind does not declare."""
+    hand_built = {"prompts": [[1]], "completions": [[2]]}
+    for wrong in (hand_built, wire.pack(hand_built), EvaluateRequest()):
+        with pytest.raises(TypeError, match="the recompute kind takes a RecomputeRequest, not a (dict|bytes|EvaluateRequest)"):
+            store.work.submit(RECOMPUTE, 0, wrong, 0.0)  # type: ignore[type-var]
+    with pytest.raises(TypeError, match="the evaluate kind takes a EvaluateRequest, not a bytes"):
+        store.work.submit(EVALUATE, 0, wire.pack({}), 0.0)  # type: ignore[type-var]
+    assert store.work.counts() == {}
+    item = store.work.submit(RECOMPUTE, 0, _req(3), 0.0)
+    store.work.claim("verifier-0", (RECOMPUTE,), 1, until=1e12, now=1.0)
+    for answer in ({"gone": True}, wire.pack({"gone": True})):
+        with pytest.raises(TypeError, match="a work answer is a record"):
+            store.work.finish(item, "verifier-0", answer)  # type: ignore[arg-type]
+    assert store.work.counts() == {"claimed": 1}  # still unanswered
+    # and a record decodes only as what it is: a misspelt or missing field is refused, never read as a default
+    with pytest.raises(ProtocolError, match="RecomputeRequest"):
+        RecomputeRequest.decode(wire.pack({"prompts": [[1]], "completion": [[2]]}))
+    assert isinstance(RecomputeAnswer.decode(RecomputeAnswer(gone=True).encode()), Hop)
 
 
 def test_a_database_from_a_newer_release_is_refused_untouched(tmp_path: Path) -> None:
@@ -114,9 +150,10 @@ def test_schema_3_nonces_move_to_their_own_file_and_still_refuse_a_replay(tmp_pa
         store.close()
 
 
-def _answer_with(store: Store, bell: Bell, answer: bytes | None, error: str | None = None) -> asyncio.Task[None]:
+def _answer_with(store: Store, bell: Bell, answer: RecomputeAnswer | None, error: str | None = None
+                 ) -> asyncio.Task[None]:
     async def worker() -> None:
-        while not (rows := store.work.claim("verifier-0", ("recompute",), 1, until=1e12, now=1.0)):
+        while not (rows := store.work.claim("verifier-0", (RECOMPUTE,), 1, until=1e12, now=1.0)):
             await bell.wait(0.01)
         store.work.finish(int(rows[0]["id"]), "verifier-0", answer, error)
         bell.ring()
@@ -130,7 +167,7 @@ def test_remote_verifier_returns_the_workers_stats_and_cleans_up(store: Store) -
     async def go() -> TokenStats:
         bell = Bell()
         remote = RemoteVerifier(store, bell, wait_s=30)
-        task = _answer_with(store, bell, stats_answer(stats))
+        task = _answer_with(store, bell, RecomputeAnswer(stats=RecomputedStats.of(stats)))
         out = await remote.recompute_stats([[1, 2]], [[3, 4]], 0)
         await task
         return out
@@ -140,7 +177,7 @@ def test_remote_verifier_returns_the_workers_stats_and_cleans_up(store: Store) -
 
 
 def test_remote_verifier_maps_gone_failed_and_silent_workers(store: Store) -> None:
-    async def ask(answer: bytes | None, error: str | None = None, wait_s: float = 30) -> None:
+    async def ask(answer: RecomputeAnswer | None, error: str | None = None, wait_s: float = 30) -> None:
         bell = Bell()
         remote = RemoteVerifier(store, bell, wait_s=wait_s)
         task = _answer_with(store, bell, answer, error) if (answer or error) else None
@@ -151,7 +188,7 @@ def test_remote_verifier_maps_gone_failed_and_silent_workers(store: Store) -> No
                 await task
 
     with pytest.raises(VersionGone):
-        asyncio.run(ask(wire.pack({"gone": True})))
+        asyncio.run(ask(RecomputeAnswer(gone=True)))
     with pytest.raises(VerificationError, match="boom"):
         asyncio.run(ask(None, "RuntimeError: boom"))
     with pytest.raises(VerifierUnavailable):

@@ -3,7 +3,25 @@ by the reader, and an older run's payloads still read after an upgrade (a restar
 
 from __future__ import annotations
 
-from coordinator.run.records import AcceptedResult
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from coordinator.engine.verifier import VerifierDescription
+from coordinator.run.names import API, LEARNER, P2P
+from coordinator.run.records import (
+    AcceptedResult,
+    LearnerProgress,
+    LearnerReport,
+    P2PReport,
+    ProcessReport,
+    VerifierReport,
+)
+from coordinator.store.store import Store
 from shared import wire
 
 
@@ -29,3 +47,47 @@ def test_a_payload_of_an_older_run_still_decodes() -> None:
     result = AcceptedResult.decode(old)
     assert result.completions == [[1, 2]] and result.recomputed_logprobs == [[-1.0, -0.9]]
     assert result.reward_means == {} and result.loss_mask is None
+
+
+def _learner_report(**fields: object) -> LearnerReport:
+    base: dict[str, Any] = dict(target=3, version=2, in_training=["j1"], busy_s=1.5, last_error=None, publishing=[3],
+                                last_checkpoint=2, snapshot_dtype="float32", trained_version=3, parameters=1000,
+                                device="cpu", vocab_size=64)
+    return LearnerReport(**(base | fields))
+
+
+def test_a_role_report_is_a_record_never_a_hand_built_dict(tmp_path: Path) -> None:
+    """Issue 33: the store's role status takes only a report record, so a report whose keys a reader does not expect
+    (a misspelt ``busy_S``, a missing ``target``) cannot be written — it is refused where it is built, in the
+    writer's process, before anything reaches the store."""
+    store = Store(tmp_path / "coordinator.sqlite")
+    try:
+        with pytest.raises(TypeError, match="a role report is a record of coordinator.run.records, not a dict"):
+            store.role_status.set(LEARNER, {"pid": 1, "at": 2.0, "target": 3})  # type: ignore[arg-type]
+        with pytest.raises(ValidationError, match="busy_S"):
+            _learner_report(busy_S=1.0)  # a misspelt field
+        with pytest.raises(ValidationError, match="target"):
+            LearnerReport(version=2, in_training=[], busy_s=0.0, last_error=None, publishing=[],  # type: ignore[call-arg]
+                          last_checkpoint=None, snapshot_dtype=None, trained_version=None)
+        assert store.role_status.all() == {}
+        report = _learner_report()
+        store.role_status.set(LEARNER, report)
+        stored = store.role_status.get(LEARNER)
+        assert stored is not None and LearnerReport.model_validate(stored) == report  # one codec, both ways
+        assert stored["pid"] == os.getpid() and stored["vocab_size"] == 64  # stamped; served as docs/protocol.md §4
+        assert LearnerProgress.model_validate(stored).target == 3  # the API's view of it
+        store.role_status.set(P2P, P2PReport(peer_id="12D3Koo", maddrs=["/ip4/127.0.0.1/tcp/1"]))
+        p2p = store.role_status.get(P2P)
+        assert p2p is not None and P2PReport.model_validate(p2p).peer_id == "12D3Koo"
+        store.role_status.set(API, ProcessReport(started_at=5.0))
+        assert set(store.role_status.all()) == {LEARNER, P2P, API}
+    finally:
+        store.close()
+
+
+def test_a_verifier_report_declares_what_its_verifier_describes() -> None:
+    """VerifierReport repeats VerifierDescription's keys (the engine and the run files do not import each other):
+    the same names with the same types, so a figure the verifier adds cannot be refused at its first report."""
+    described = typing.get_type_hints(VerifierDescription)
+    declared = {name: f.annotation for name, f in VerifierReport.model_fields.items()}
+    assert {name: declared.get(name) for name in described} == described

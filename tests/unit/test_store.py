@@ -16,6 +16,7 @@ from coordinator.core.jobs import JobPlan, plan_job
 from coordinator.core.leases import JobState
 from coordinator.core.scheduling import Pending
 from coordinator.store.db import IntegrityError, pg_ddl
+from coordinator.store.hops import EVALUATE, EvaluateRequest
 from coordinator.store.records import EvalRow, VersionRow
 from coordinator.store.store import SCHEMA_VERSION, Store
 
@@ -662,7 +663,7 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
         with pytest.raises(IntegrityError):  # and the queue no longer takes replays
             new.conn.execute("INSERT INTO work(kind, version, request, created_at, state) "
                              "VALUES('replay',0,?,?,'queued')", (b"r", T0))
-        item = new.work.submit("evaluate", 0, b"e", T0)
+        item = new.work.submit(EVALUATE, 0, EvaluateRequest(), T0)
         assert new.work.item(item)["requester"] == "api"
     finally:
         new.close()
