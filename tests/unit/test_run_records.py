@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from coordinator.engine.learner import LearnerDescription
 from coordinator.engine.verifier import VerifierDescription
 from coordinator.run.names import API, LEARNER, P2P
 from coordinator.run.records import (
@@ -85,9 +86,13 @@ def test_a_role_report_is_a_record_never_a_hand_built_dict(tmp_path: Path) -> No
         store.close()
 
 
-def test_a_verifier_report_declares_what_its_verifier_describes() -> None:
-    """VerifierReport repeats VerifierDescription's keys (the engine and the run files do not import each other):
-    the same names with the same types, so a figure the verifier adds cannot be refused at its first report."""
+def test_the_reports_declare_what_their_engines_describe() -> None:
+    """VerifierReport and LearnerReport repeat the keys of their engine's description (the engine and the run files
+    do not import each other): the same names with the same types (the learner's None until its model is built),
+    so a figure an engine adds cannot be refused at the role's first report."""
     described = typing.get_type_hints(VerifierDescription)
     declared = {name: f.annotation for name, f in VerifierReport.model_fields.items()}
     assert {name: declared.get(name) for name in described} == described
+    learner = {name: f.annotation for name, f in LearnerReport.model_fields.items()}
+    assert {name: learner.get(name) for name in typing.get_type_hints(LearnerDescription)} == {
+        name: t | None for name, t in typing.get_type_hints(LearnerDescription).items()}
