@@ -450,8 +450,8 @@ def coordinator(
                                                           "colocated (the learner generates its own rollouts).")] = None,
     max_staleness: Annotated[Optional[int], typer.Option(help="S for async-push-pull, in policy versions.")] = None,
     correction: Annotated[Optional[str], typer.Option(help="learner.correction: the off-policy correction of stale "
-                                                           "rollouts, behaviour-clip, decoupled or m2po (for a "
-                                                           "large --max-staleness; docs/run-dir.md).")] = None,
+                                                           "or quantised rollouts, behaviour-clip, decoupled, m2po (for "
+                                                           "a large --max-staleness) or none; docs/run-dir.md.")] = None,
     host: Annotated[Optional[str], typer.Option(help="Listen address (0.0.0.0 to accept remote volunteers).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (0: any free port).")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Learner steps (policy versions) to train.")] = None,
