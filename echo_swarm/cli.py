@@ -403,7 +403,7 @@ def _needs_coordinator_extra(command: str) -> None:
         raise typer.Exit(ExitCode.USAGE)
 
 
-# `coordinator`'s flags, each the run-config key it sets (coordinator/config.py): flags override the config file
+# `coordinator`'s flags, each the run-config key it sets (coordinator/config/): flags override the config file
 COORDINATOR_KEYS = {
     "run_dir": "run_dir", "model": "model.path", "sync_mode": "sync_mode", "max_staleness": "max_staleness",
     "host": "server.host", "port": "server.port", "max_steps": "learner.max_steps", "lr": "learner.lr",
