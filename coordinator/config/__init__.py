@@ -17,8 +17,6 @@ from coordinator.config.server import LimitsConfig, RegistrationConfig, ServerCo
 from coordinator.config.snapshots import SnapshotConfig
 from coordinator.config.store import StoreConfig
 from coordinator.config.tasks import (
-    REASONING_GYM_INSTALL,
-    REASONING_GYM_RESERVED,
     ArithmeticTaskConfig,
     DatasetTaskConfig,
     EnvironmentTaskConfig,
@@ -26,8 +24,6 @@ from coordinator.config.tasks import (
     ReasoningGymTaskConfig,
     RewardConfig,
     TaskConfig,
-    check_reasoning_gym_dataset,
-    reasoning_gym_datasets,
 )
 from coordinator.config.trust import RETIRED_MESSAGE, RETIRED_TRUST_KEYS, TrustConfig
 from coordinator.config.verification import (
@@ -50,10 +46,6 @@ __all__ = [
     "JsonlTaskConfig",
     "RewardConfig",
     "DatasetTaskConfig",
-    "REASONING_GYM_INSTALL",
-    "REASONING_GYM_RESERVED",
-    "reasoning_gym_datasets",
-    "check_reasoning_gym_dataset",
     "ReasoningGymTaskConfig",
     "EnvironmentTaskConfig",
     "TaskConfig",
