@@ -14,7 +14,8 @@ class P2PConfig(StrictModel):
     The coordinator runs a DHT node, publishes its newest version there and seeds each blob to a few peers, who
     then serve each other; HTTP stays available to every client."""
 
-    enabled: bool = Field(False, description="Run the libp2p peer (needs `pip install 'echo-swarm[p2p]'`).")
+    enabled: bool = Field(False, description="Run a libp2p peer: publish versions in a DHT and seed snapshot files to "
+                          "volunteers, who then serve each other (needs `pip install 'echo-swarm[p2p]'`).")
     host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"], min_length=1, max_length=8,
                                    description="libp2p listen addresses, e.g. '/ip4/0.0.0.0/tcp/8471' for remote "
                                    "volunteers (default: loopback only).")
