@@ -19,13 +19,17 @@ class LearnerConfig(StrictModel):
     prompts_per_step: int = Field(16, ge=1, le=4096, description="GRPO groups per optimiser step.")
     group_size: int = Field(8, ge=2, le=64, description="Samples per prompt; advantages are normalised within a group.")
     max_steps: int = Field(200, ge=0, description="Optimiser steps (= policy versions) before the run finishes.")
-    correction: Literal["behaviour-clip", "decoupled", "m2po"] = Field(
-        "behaviour-clip", description="Off-policy correction of stale rollouts (async mode; fresh ones train as "
-        "plain GRPO either way). behaviour-clip: PPO's clipped ratio πθ/π_b anchored at the version that "
-        "generated the rollout, so tokens earlier steps already moved past 1±clip_eps get no further push. "
-        "decoupled (AReaL): the clip around this step's policy, times the truncated weight min(is_cap, π_prox/π_b). "
+    correction: Literal["behaviour-clip", "decoupled", "m2po", "none"] = Field(
+        "behaviour-clip", description="Correction for rollouts not sampled by this step's policy: stale ones "
+        "(async mode) and quantised ones (a llama.cpp or bf16 client's π_b is its own precision's, never πθ; a "
+        "fresh torch float32 rollout trains as plain GRPO under every choice). behaviour-clip: PPO's clipped ratio "
+        "πθ/π_b anchored at the policy that generated the rollout, so tokens earlier steps already moved past "
+        "1±clip_eps get no further push. decoupled (AReaL; Yao et al.'s truncated importance sampling for a "
+        "quantised sampler): the clip around this step's policy, times the truncated weight min(is_cap, π_prox/π_b). "
         "m2po (M2PO, arXiv 2510.01161): the unclipped ratio πθ/π_b, with the fewest tokens of largest "
-        "(log πθ/π_b)² masked so that the batch's mean of it stays within m2_threshold; for large max_staleness.")
+        "(log πθ/π_b)² masked so that the batch's mean of it stays within m2_threshold; for large max_staleness. "
+        "none: every rollout trained as if this step's policy had sampled it (the ablation baseline: biased "
+        "for stale or quantised rollouts).")
     m2_threshold: float = Field(0.04, gt=0, le=10, description="m2po only: bound τ on the batch's mean of "
                                 "(log πθ/π_b)² over the tokens trained on (the paper's and AReaL's 0.04); tokens "
                                 "with the largest squares are masked until it holds (step metric "
