@@ -433,7 +433,7 @@ def _run_config() -> Any:
     return CoordinatorConfig
 
 
-def _run_field(key: str) -> FieldInfo:
+def run_field(key: str) -> FieldInfo:
     """The run-config field a dotted key names ('learner.lr'), through the sections' models."""
     model = _run_config()
     *sections, name = key.split(".")
@@ -445,7 +445,7 @@ def _run_field(key: str) -> FieldInfo:
 def _run_option(flag: str, *decls: str, **options: Any) -> Any:
     """The `coordinator` option ``--flag`` for the run-config key it sets (COORDINATOR_KEYS): its value validated as
     that key's field validates it (type, bounds, choices; echo_swarm.flags), resolved only when a value is given."""
-    return typer.Option(*decls, parser=field_parser(lambda: _run_field(COORDINATOR_KEYS[flag])), **options)
+    return typer.Option(*decls, parser=field_parser(lambda: run_field(COORDINATOR_KEYS[flag])), **options)
 
 
 class _CoordinatorCommand(TyperCommand):
@@ -462,7 +462,7 @@ class _CoordinatorCommand(TyperCommand):
                 if not isinstance(param, TyperOption) or param.name not in COORDINATOR_KEYS:
                     continue
                 key = COORDINATOR_KEYS[param.name]
-                field = _run_field(key)
+                field = run_field(key)
                 param.help = (field.description or "").replace("[", "\\[") + f" (config key {key})"
                 if not param.is_flag:
                     param.metavar = field_metavar(field)

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from coordinator.config import CoordinatorConfig
-from echo_swarm.cli import COORDINATOR_KEYS, app
+from echo_swarm import reference
+from echo_swarm.cli import COORDINATOR_KEYS, app, run_field
 from swarm_client.settings import FLAG_FIELDS, JoinConfig
 from tests.terminal import run_on_terminal
 from tests.unit.test_cli_conventions import _options
@@ -33,12 +34,7 @@ def _join_field(flag: str) -> tuple[str, FieldInfo]:
 
 
 def _run_field(flag: str) -> tuple[str, FieldInfo]:
-    key = COORDINATOR_KEYS[flag]
-    model: Any = CoordinatorConfig
-    *sections, name = key.split(".")
-    for section in sections:
-        model = model.model_fields[section].annotation
-    return key, model.model_fields[name]
+    return COORDINATOR_KEYS[flag], run_field(COORDINATOR_KEYS[flag])
 
 
 FIELD = {"join": _join_field, "coordinator": _run_field}
@@ -173,3 +169,9 @@ def test_an_unknown_flag_is_an_error() -> None:
         cli = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
         with pytest.raises(typer.TyperException, match="No such option"):
             cli.make_context(command, ["--max-cpu-percnt", "5"])
+
+
+def test_docs_run_dir_md_lists_every_coordinator_flag_as_the_models_have_it() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "run-dir.md").read_text()
+    assert reference.block("coordinator-flags") in doc, ("docs/run-dir.md's flags table differs from the run config: "
+                                                         "run python -m echo_swarm.reference docs/run-dir.md")
