@@ -4,10 +4,11 @@ keys they set, so the config keys, the flags, their --help and the docs cannot d
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from echo_swarm.cli import COORDINATOR_KEYS, app, run_field
-from echo_swarm.flags import field_metavar
+from echo_swarm.flags import field_metavar, value_type
 from shared.exit_codes import codes_table
 from swarm_client.settings import FLAG_FIELDS, JoinConfig
 
@@ -28,20 +29,30 @@ def _flags(command: Any) -> dict[str, str]:
     return out
 
 
+def _values(field: Any) -> str:
+    """What a setting takes, as --help shows it (its type, bounds and choices; echo_swarm.flags)."""
+    kind = value_type(field)
+    if kind is bool:
+        return "true / false"
+    if typing.get_origin(kind) is list:
+        return "a list of `<str>`"
+    return "`" + field_metavar(field).replace("|", "\\|") + "`"
+
+
 def join_options_markdown() -> str:
     import typer
 
     join = typer.main.get_command(app).commands["join"]  # type: ignore[attr-defined]
     flags = _flags(join)
     keys = {field: flag for flag, field in FLAG_FIELDS.items()}
-    rows = ["| config key | flag | default | meaning |", "|---|---|---|---|"]
+    rows = ["| config key | flag | values | default | meaning |", "|---|---|---|---|---|"]
     for name, field in JoinConfig.model_fields.items():
         key = f"`{name}`" + (f" or `{keys[name]}`" if name in keys else "")
         default = field.default if not callable(field.default_factory) else field.default_factory()  # type: ignore[call-arg]
         shown = ("—" if field.is_required() else "unset" if default is None
                  else f'`"{default}"`' if isinstance(default, str) else f"`{default}`")
         text = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| {key} | {flags.get(name, '—')} | {shown} | {text} |")
+        rows.append(f"| {key} | {flags.get(name, '—')} | {_values(field)} | {shown} | {text} |")
     return "\n".join(rows)
 
 
