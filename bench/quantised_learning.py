@@ -71,6 +71,7 @@ def mismatch(run_dir: Path) -> float | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (learner.seed = 0..N-1)")
+    ap.add_argument("--seed-from", type=int, default=0, help="the first seed (add seeds to an earlier run's)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--configs", default=",".join(DEFAULT), help=f"comma-separated names of: {', '.join(CONFIGS)}")
@@ -88,7 +89,7 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     result: dict[str, Any] = {"runs": runs}
     started = time.time()
-    for seed in range(args.seeds):
+    for seed in range(args.seed_from, args.seed_from + args.seeds):
         for name in names:
             out = args.out / f"{name.replace('/', '-')}-seed{seed}"
             shutil.rmtree(out, ignore_errors=True)
