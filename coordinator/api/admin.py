@@ -82,30 +82,30 @@ def authenticate_admin(signin: SignIn, run_dir: Path, raw: bytes, path: str) -> 
 
 
 def status(ops: Operations, caller: str, body: AdminEmpty) -> AdminStatus:
-    now = ops.clock()
-    rows = readmodels.client_states(ops.store, now, ops.config.jobs.lease_timeout_s)
-    jobs = readmodels.jobs(ops.store, now, limit=0)
-    evals = ops.store.evals.all()
-    last = ops.store.steps.last()
-    state = ops.state
+    now = ops.view.clock()
+    rows = readmodels.client_states(ops.view.store, now, ops.view.config.jobs.lease_timeout_s)
+    jobs = readmodels.jobs(ops.view.store, now, limit=0)
+    evals = ops.view.store.evals.all()
+    last = ops.view.store.steps.last()
+    state = ops.view.state
     return {
-        "run_id": ops.run_id, "version": state.version, "max_steps": ops.config.learner.max_steps,
-        "finished": state.finished, "sync_mode": ops.config.sync_mode,
-        "max_staleness": ops.config.sync_policy.bound, "task": ops.view.files.task.name,
+        "run_id": ops.view.files.run_id, "version": state.version, "max_steps": ops.view.config.learner.max_steps,
+        "finished": state.finished, "sync_mode": ops.view.config.sync_mode,
+        "max_staleness": ops.view.config.sync_policy.bound, "task": ops.view.files.task.name,
         "uptime_s": now - state.started_at, "issuing_paused": state.issuing_paused,
-        "registration": ops.guard.registration_mode(), "run_dir": str(ops.run_dir),
+        "registration": ops.view.guard.registration_mode(), "run_dir": str(ops.run_dir),
         "learner": ops.view.learner_status(),
         "jobs": readmodels.jobs_summary(jobs),
         "clients": readmodels.client_summary(rows),
-        "totals": ops.store.totals() | {"tokens": readmodels.result_totals(ops.store)["tokens"]},
-        "rejections_by_reason": readmodels.rejection_counts(ops.store),
+        "totals": ops.view.store.totals() | {"tokens": readmodels.result_totals(ops.view.store)["tokens"]},
+        "rejections_by_reason": readmodels.rejection_counts(ops.view.store),
         "heldout_accuracy": evals[-1].accuracy if evals else None,
         "last_step": {"step": last.step, "mean_reward": last.mean_reward, "at": last.at} if last is not None else None,
     }
 
 
 def clients(ops: Operations, caller: str, body: AdminList) -> AdminClients:
-    rows = readmodels.clients(ops.store, ops.clock(), ops.config.jobs.lease_timeout_s, body.limit,
+    rows = readmodels.clients(ops.view.store, ops.view.clock(), ops.view.config.jobs.lease_timeout_s, body.limit,
                               reporting=True)
     return {"clients": rows}
 
@@ -115,17 +115,18 @@ def ban(ops: Operations, caller: str, body: AdminBan) -> BanReply:
 
 
 def versions(ops: Operations, caller: str, body: AdminList) -> AdminVersions:
-    return {"current": ops.state.version,
-            "versions": readmodels.versions(ops.store, ops.snapshots.signed_manifest, body.limit)}
+    return {"current": ops.view.state.version,
+            "versions": readmodels.versions(ops.view.store, ops.view.snapshots.signed_manifest, body.limit)}
 
 
 def jobs(ops: Operations, caller: str, body: AdminList) -> AdminJobs:
-    return {**readmodels.jobs(ops.store, ops.clock(), body.limit), "lease_timeout_s": ops.config.jobs.lease_timeout_s}
+    return {**readmodels.jobs(ops.view.store, ops.view.clock(), body.limit),
+            "lease_timeout_s": ops.view.config.jobs.lease_timeout_s}
 
 
 def audit(ops: Operations, caller: str, body: AdminAudit) -> AdminAuditReply:
     client_id = ops_actions.find_client(ops, body.client) if body.client else None
-    return {"entries": readmodels.audit(ops.store, limit=body.limit, client_id=client_id, job_id=body.job_id,
+    return {"entries": readmodels.audit(ops.view.store, limit=body.limit, client_id=client_id, job_id=body.job_id,
                                         outcome=body.outcome)}
 
 

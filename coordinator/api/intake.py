@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from coordinator.api.guard import Guard
-from coordinator.api.issuer import Issuer
+from coordinator.api.phase import Phase
 from coordinator.api.rollouts import Outcome, rollout_of
-from coordinator.api.runstate import ApiState
-from coordinator.api.signin import SignIn
-from coordinator.api.verdicts import Verdicts, Verifying
-from coordinator.config import CoordinatorConfig
+from coordinator.api.verdicts import Verdicts
 from coordinator.core.duplicates import check_copy, surprisal
 from coordinator.core.leases import LeaseCheck, LeaseView, check_lease, kept_versions
 from coordinator.core.trust import class_backend, is_invalidating, recompute_class
@@ -40,7 +36,6 @@ from coordinator.core.verify import (
 )
 from coordinator.errors import VersionGone
 from coordinator.run.records import AcceptedResult
-from coordinator.run.runfiles import RunFiles
 from coordinator.run.workqueue import (
     Bell,
     Engine,
@@ -52,7 +47,6 @@ from coordinator.run.workqueue import (
 from coordinator.store.job_rows import JobRow
 from coordinator.tasks.episodes import EnvTask
 from coordinator.tasks.rewards import RewardFailed
-from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import wire
 from shared.endpoints import RESULTS
 from shared.errors import ProtocolError, Reason
@@ -63,28 +57,17 @@ from shared.sampler import Segment
 logger = logging.getLogger(__name__)
 
 
-class Intake:
-    """The result intake of one API process; ``recomputes`` and ``margins`` are its figures for /metrics."""
+@dataclass(eq=False)
+class Intake(Phase):
+    """The result intake of one API process, over the phases' collaborators (coordinator.api.phase) and the
+    verifiers' queue; ``recomputes`` and ``margins`` are its figures for /metrics."""
 
-    def __init__(self, config: CoordinatorConfig, files: RunFiles, state: ApiState, *, signin: SignIn, guard: Guard,
-                 issuer: Issuer, bell: Bell, verifier: RemoteVerifier, codec: TextCodec, prompt_tokens: PromptTokens,
-                 verdicts: Verdicts, verifying: Verifying, clock: Callable[[], float]) -> None:
-        self.config = config
-        self.task = files.task
-        self.store = files.store
-        self.state = state
-        self.signin = signin
-        self.guard = guard
-        self.issuer = issuer
-        self.bell = bell
-        self.verifier = verifier
-        self.codec = codec
-        self.prompt_tokens = prompt_tokens
-        self.verdicts = verdicts  # results in verification, by sender, job and body hash: a resend joins one
-        self.verifying = verifying
-        self.clock = clock
-        self.recomputes = 0  # recomputes asked of the verifiers for results
-        self.margins = MarginTally()  # passing results' worst keyed margin ÷ tolerance, per class
+    bell: Bell
+    verifier: RemoteVerifier
+    verdicts: Verdicts  # results in verification, by sender, job and body hash: a resend joins one
+    recomputes: int = field(default=0, init=False)  # recomputes asked of the verifiers for results
+    # passing results' worst keyed margin ÷ tolerance, per class
+    margins: MarginTally = field(default_factory=MarginTally, init=False)
 
     async def submit(self, raw: bytes) -> SubmitResponse:
         req = self.signin.authenticate(raw, RESULTS.path)
@@ -101,13 +84,13 @@ class Intake:
                                     f"this result says backend {sub.backend!r}, but this identity registered as "
                                     f"{bclass}; results are verified as the registered class. Send results from "
                                     f"the backend it registered with (or use a new identity for another backend)")
-            earlier = self.store.results.get(sub.job_id)
+            earlier = self.files.store.results.get(sub.job_id)
         except ProtocolError as exc:
             self._refused(req.client_id, job_id, version, content_sha, exc)
             raise
         if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
             # the same client resending the same result (its first reply was lost): answer as before
-            client = self.store.clients.get(req.client_id)
+            client = self.files.store.clients.get(req.client_id)
             return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
                                   credit=float(earlier["n_tokens"]),
                                   total_credit=float(client["credit"]) if client is not None else 0.0)
@@ -128,9 +111,9 @@ class Intake:
         try:
             return await self._verify(client_id, sub, size, content_sha, own=True)
         except RewardFailed as exc:
-            self.store.results.record_rejection(client_id, sub.job_id, exc.reason.value, exc.message, content_sha,
+            self.files.store.results.record_rejection(client_id, sub.job_id, exc.reason.value, exc.message, content_sha,
                                                 self.clock(), sub.version)
-            self.store.jobs.release(sub.job_id, sub.lease_id, client_id)
+            self.files.store.jobs.release(sub.job_id, sub.lease_id, client_id)
             logger.warning("co-located result for %s refused: %s", sub.job_id, exc.message)
             return SubmitResponse(accepted=False, job_id=sub.job_id, mean_reward=0.0, credit=0.0, total_credit=0.0)
 
@@ -165,7 +148,7 @@ class Intake:
                  exc: ProtocolError) -> None:
         if exc.reason is Reason.UNAVAILABLE:
             return  # the coordinator's own shortfall: nothing is recorded against the client
-        self.store.results.record_rejection(client_id, job_id, exc.reason.value, exc.message, content_sha,
+        self.files.store.results.record_rejection(client_id, job_id, exc.reason.value, exc.message, content_sha,
                                             self.clock(), version)
         if is_invalidating(exc.reason):
             self.guard.record_invalid(client_id, self.clock())
@@ -178,7 +161,7 @@ class Intake:
         with self.verifying.held(sub.job_id):  # never reissued meanwhile (coordinator.api.leasing)
             row = self._job_within_terms(client_id, sub, size)
             tokens_sha = self._refuse_copy(sub)  # before any forward pass is spent on a copy (core.duplicates)
-            rollout = rollout_of(sub, row, self.task, self.codec, self.prompt_tokens, self.config.sampling.max_tokens)
+            rollout = rollout_of(sub, row, self.files.task, self.prompt_tokens, self.config.sampling.max_tokens)
             # recomputed as the lease said (core.trust.recompute_class): a llama.cpp client's result by llama.cpp on
             # the very GGUF file its lease named; the co-located loop's own (torch) rollouts and torch clients' from
             # the safetensors. The lease is this client's (verify_submission), so its precision is the one granted
@@ -192,7 +175,7 @@ class Intake:
                                 lease, own)
 
     def _job_within_terms(self, client_id: str, sub: ResultSubmission, size: int) -> JobRow:
-        row = self.store.jobs.get(sub.job_id)
+        row = self.files.store.jobs.get(sub.job_id)
         if row is None:
             raise ProtocolError(Reason.UNKNOWN_JOB, f"there is no job {sub.job_id}")
         cap = self.config.result_cap(len(row.prompt_ids) * row.group_size)
@@ -205,11 +188,12 @@ class Intake:
         return row
 
     def _terms(self, row: JobRow) -> JobTerms:
+        codec = self.prompt_tokens.codec
         return JobTerms(version=-1 if row.view.version is None else row.view.version,
                         prompt_hash=prompt_hash([self.prompt_tokens(i) for i in row.prompt_ids]), seed=row.seed,
                         group_size=row.group_size, n_prompts=len(row.prompt_ids),
-                        max_tokens=self.config.sampling.max_tokens, stop_token_ids=frozenset(self.codec.stop_ids),
-                        vocab_size=self.codec.vocab_size, episodes=isinstance(self.task, EnvTask))
+                        max_tokens=self.config.sampling.max_tokens, stop_token_ids=frozenset(codec.stop_ids),
+                        vocab_size=codec.vocab_size, episodes=isinstance(self.files.task, EnvTask))
 
     def _refuse_copy(self, sub: ResultSubmission) -> str:
         """The content hash of the result's tokens (an episode's: its actions and observations, turn by turn);
@@ -220,7 +204,7 @@ class Intake:
         logprobs = [list(c.logprobs) if c.turns is None else [x for turn in c.turns for x in turn.logprobs]
                     for c in sub.completions]
         sha = tokens_sha256(tokens)
-        check_copy(self.store.results.with_tokens(sha, sub.job_id), sub.job_id, surprisal(logprobs))
+        check_copy(self.files.store.results.with_tokens(sha, sub.job_id), sub.job_id, surprisal(logprobs))
         return sha
 
     def _check_tokens(self, reported: list[list[float]], checked: TokenStats, rclass: str, pinned: str) -> float:
@@ -244,7 +228,7 @@ class Intake:
     def _lease_kept(self, client_id: str, sub: ResultSubmission) -> LeaseView:
         """The result arrived within its lease (verify_submission); if the lease ran out while the learner kept the
         verification waiting, that delay was the coordinator's, and the job was not reissued meanwhile."""
-        fresh = self.store.jobs.get(sub.job_id)
+        fresh = self.files.store.jobs.get(sub.job_id)
         if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) not in (
                 LeaseCheck.OK, LeaseCheck.EXPIRED):
             raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} changed while it was verified")
@@ -258,7 +242,7 @@ class Intake:
             logprob_mean_abs_diff=mean_abs, reward_means=outcome.reward_means, loss_mask=outcome.loss_mask,
             source=rclass).encode()
         credit = float(outcome.n_tokens)
-        if not self.store.results.accept(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
+        if not self.files.store.results.accept(job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id,
                                          version=sub.version, content_sha256=content_sha, payload=payload,
                                          rewards=outcome.rewards, n_tokens=outcome.n_tokens, credit=credit,
                                          now=self.clock(), completions_sha256=tokens_sha):
@@ -268,7 +252,7 @@ class Intake:
             self.guard.check_reporting(client_id, self.clock())  # …of its tokens, not of which results it returns
         self.issuer.observe(client_id, lease, self.clock())
         self.bell.ring()  # the learner may have a batch now
-        client = self.store.clients.get(client_id)
+        client = self.files.store.clients.get(client_id)
         rewards = outcome.rewards
         return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=sum(rewards) / len(rewards),
                               credit=credit, total_credit=float(client["credit"]) if client else credit)

@@ -15,22 +15,16 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from coordinator.api.guard import Guard
-from coordinator.api.issuer import Issuer
-from coordinator.api.runstate import ApiState
-from coordinator.api.signin import SignIn
-from coordinator.api.verdicts import Verifying
-from coordinator.config import CoordinatorConfig
+from coordinator.api.phase import Phase
 from coordinator.core.jobs import plan_job, plan_key
 from coordinator.core.leases import deadline_for, lease_live
 from coordinator.core.trust import lease_precision
 from coordinator.run.names import LEARNER
 from coordinator.run.records import LearnerProgress
-from coordinator.run.runfiles import RunFiles
 from coordinator.store.job_rows import JobRow
 from coordinator.tasks.episodes import EnvTask
-from coordinator.tasks.text import PromptTokens, TextCodec
 from shared import PROTOCOL_VERSION, wire
 from shared.endpoints import LEASE, RELEASE
 from shared.hashing import prompt_hash
@@ -48,26 +42,13 @@ from shared.records import sign_job
 logger = logging.getLogger(__name__)
 
 
-class Leasing:
-    """Leases and releases. ``catch_up`` makes the learner's newest committed version current before a job is
-    bound (the watch, coordinator.api.service); ``verifying`` names the jobs never reissued meanwhile."""
+@dataclass(eq=False)
+class Leasing(Phase):
+    """Leases and releases, over the phases' collaborators (coordinator.api.phase). ``catch_up`` makes the
+    learner's newest committed version current before a job is bound (the watch, coordinator.api.service)."""
 
-    def __init__(self, config: CoordinatorConfig, files: RunFiles, state: ApiState, *, signin: SignIn, guard: Guard,
-                 issuer: Issuer, codec: TextCodec, prompt_tokens: PromptTokens, verifying: Verifying,
-                 catch_up: Callable[[], None], clock: Callable[[], float]) -> None:
-        self.config = config
-        self.files = files
-        self.store = files.store
-        self.state = state
-        self.signin = signin
-        self.guard = guard
-        self.issuer = issuer
-        self.codec = codec
-        self.prompt_tokens = prompt_tokens
-        self.verifying = verifying
-        self.catch_up = catch_up
-        self.clock = clock
-        self._jobs_event = asyncio.Event()
+    catch_up: Callable[[], None]
+    _jobs_event: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def notify_jobs(self) -> None:
         """Wake every long-polling lease request: a new version's jobs exist, or a lease was released."""
@@ -110,7 +91,7 @@ class Leasing:
     def release(self, raw: bytes) -> ReleaseResponse:
         req = self.signin.authenticate(raw, RELEASE.path)
         body = wire.decode(req.body, ReleaseRequest)
-        released = self.store.jobs.release(body.job_id, body.lease_id, req.client_id)
+        released = self.files.store.jobs.release(body.job_id, body.lease_id, req.client_id)
         if released:
             logger.info("client %s released job %s", req.client_id[:8], body.job_id)
             self.notify_jobs()
@@ -120,18 +101,18 @@ class Leasing:
         """The next job of the run's plan (core.jobs.plan_job); the co-located learner plans its own this way."""
         key, n, per_job = self._plan_key(), len(self.files.task.train), self.config.jobs.prompts_per_job
         # the next number is drawn under the store's job-stream lock: API processes sharing one database
-        return self.store.jobs.create_next(lambda seq: plan_job(key, seq, n, per_job), self.config.learner.group_size,
-                                           self.clock())
+        return self.files.store.jobs.create_next(lambda seq: plan_job(key, seq, n, per_job),
+                                                 self.config.learner.group_size, self.clock())
 
     def _plan_key(self) -> int | str:
         """core.jobs.plan_key: the run seed, with the run's secret (created once, kept in the store) unless
         jobs.secret_plans is off."""
         secret: str | None = None
         if self.config.jobs.secret_plans:
-            secret = self.store.get_meta("plan_secret")
+            secret = self.files.store.get_meta("plan_secret")
             if secret is None:
                 secret = secrets.token_hex(16)
-                self.store.set_meta("plan_secret", secret)
+                self.files.store.set_meta("plan_secret", secret)
         return plan_key(self.config.learner.seed, secret)
 
     def _no_job(self) -> LeaseResponse | None:
@@ -141,7 +122,7 @@ class Leasing:
             return LeaseResponse(job=None, retry_after_s=retry, current_version=state.version, finished=state.finished,
                                  paused=state.issuing_paused and not state.finished)
         if self.config.sync_mode == "sequential-pull" and LearnerProgress.model_validate(
-                self.store.role_status.get(LEARNER) or {}).target > state.version:
+                self.files.store.role_status.get(LEARNER) or {}).target > state.version:
             # a step is training past the current version (or being published): a job bound to the current
             # version now would be stale (bound 0) before it returns — wasted client work
             return self._retry()
@@ -163,22 +144,23 @@ class Leasing:
         if self.guard.leases_held(client_id, self.clock()) >= self.config.limits.max_leases_per_client:
             return self._retry()
         now = self.clock()
-        active = {j.view.job_id: j for j in self.store.jobs.active()}
+        active = {j.view.job_id: j for j in self.files.store.jobs.active()}
         views = [j.view for j in active.values()]
-        queued = len(self.store.results.pending())
+        queued = len(self.files.store.results.pending())
         reissuable = [v.job_id for v in views if not lease_live(v, now)]
-        withheld = self.store.results.refused_jobs(client_id, reissuable) | self.verifying.jobs()
+        withheld = self.files.store.results.refused_jobs(client_id, reissuable) | self.verifying.jobs()
         decision = self.issuer.decide(client_id, views, queued, now, self.state.version, held_version,
                                       frozenset(withheld))
         if decision is None:
             return self._retry()
         row = active[decision.job_id] if decision.job_id is not None else self.new_job()
         version = decision.version
-        if self.store.versions.manifest_sha(version) is None or self.files.snapshots.signed_manifest(version) is None:
+        if (self.files.store.versions.manifest_sha(version) is None
+                or self.files.snapshots.signed_manifest(version) is None):
             version = self.state.version
         lease_id = secrets.token_hex(8)
         deadline = deadline_for(now, self.config.jobs.lease_timeout_s)
-        if not self.store.jobs.lease(row.view.job_id, lease_id, client_id, deadline, version, now, precision):
+        if not self.files.store.jobs.lease(row.view.job_id, lease_id, client_id, deadline, version, now, precision):
             return self._retry()
         if row.issue_count > 0:
             logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
@@ -192,7 +174,7 @@ class Leasing:
         prompts = [JobPrompt(prompt_id=i, token_ids=self.prompt_tokens(i), text=task.train[i].prompt)
                    for i in row.prompt_ids]
         n = len(prompts) * row.group_size
-        manifest_sha = self.store.versions.manifest_sha(version)
+        manifest_sha = self.files.store.versions.manifest_sha(version)
         assert manifest_sha is not None
         return Job(
             protocol=PROTOCOL_VERSION, run_id=self.files.run_id, job_id=row.view.job_id, lease_id=lease_id,
@@ -200,7 +182,7 @@ class Leasing:
             prompt_hash=prompt_hash([p.token_ids for p in prompts]), group_size=row.group_size,
             sampling=SamplingParams(temperature=self.config.sampling.temperature,
                                     max_tokens=self.config.sampling.max_tokens,
-                                    stop_token_ids=self.codec.stop_ids),
+                                    stop_token_ids=self.prompt_tokens.codec.stop_ids),
             seed=row.seed, issued_at=now, deadline=deadline, max_result_bytes=self.config.result_cap(n),
             environment=task.spec(row.prompt_ids) if isinstance(task, EnvTask) else None,
             precision=precision,  # type: ignore[arg-type]  # core.trust.lease_precision: a Precision or None

@@ -127,7 +127,8 @@ class StoreCollector(Collector):
                                     sum_value=float(sum(k * n for k, n in stale.items())))
         self.step_times.update(view)
         yield self.step_times.family()
-        yield GaugeMetricFamily("echo_swarm_policy_version", "Current published policy version.", value=view.state.version)
+        yield GaugeMetricFamily("echo_swarm_policy_version", "Current published policy version.",
+                                value=view.state.version)
         yield GaugeMetricFamily("echo_swarm_issuing_paused", "1 while the operator has paused issuing jobs.",
                                 value=float(view.state.issuing_paused))
         yield GaugeMetricFamily("echo_swarm_run_finished", "1 once the run reached learner.max_steps.",

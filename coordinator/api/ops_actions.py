@@ -12,6 +12,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,29 +39,20 @@ from shared.errors import ProtocolError, Reason
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
 class Operations:
     """What the operator's actions act on: the run's reads (``view``: its store, snapshots, trust guard and the
     API's state), the run directory (admin.log, admin_keys, exports), the wake-up of waiting lease requests
     (coordinator.api.leasing.Leasing.notify_jobs) and the API's I/O thread for file copies."""
 
-    def __init__(self, view: RunView, run_dir: Path, notify_jobs: Callable[[], None],
-                 run_io: Callable[..., Awaitable[Any]]) -> None:
-        self.view = view
-        self.store = view.store
-        self.snapshots = view.snapshots
-        self.state = view.state
-        self.guard = view.guard
-        self.config = view.config
-        self.clock = view.clock
-        self.run_id = view.files.run_id
-        self.public_key = view.files.public_key
-        self.run_dir = run_dir
-        self.notify_jobs = notify_jobs
-        self.run_io = run_io
+    view: RunView
+    run_dir: Path
+    notify_jobs: Callable[[], None]
+    run_io: Callable[..., Awaitable[Any]]
 
 
 def record(ops: Operations, operator: str, action: str, **details: Any) -> None:
-    entry = {"at": ops.clock(), "operator": operator, "action": action} | details
+    entry = {"at": ops.view.clock(), "operator": operator, "action": action} | details
     logger.warning("operator %s: %s %s", operator[:8], action, json.dumps(details))
     with open(ops.run_dir / "admin.log", "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -68,7 +60,7 @@ def record(ops: Operations, operator: str, action: str, **details: Any) -> None:
 
 def find_client(ops: Operations, ref: str) -> str:
     try:
-        return resolve_client(ref, readmodels.client_ids(ops.store))
+        return resolve_client(ref, readmodels.client_ids(ops.view.store))
     except ClientLookupError as exc:
         raise ProtocolError(Reason.NOT_FOUND, str(exc)) from None
 
@@ -77,13 +69,13 @@ def set_banned(ops: Operations, operator: str, ref: str, banned: bool, note: str
     """Ban: every later request of the client is refused (403 ``banned``) and its live leases are released
     at once so that other clients pick the work up. Unban restores it. Credit and history are kept."""
     client_id = find_client(ops, ref)
-    ops.store.clients.set_banned(client_id, banned)
+    ops.view.store.clients.set_banned(client_id, banned)
     released: list[str] = []
     if banned:
-        now = ops.clock()
-        for j in ops.store.jobs.active():
+        now = ops.view.clock()
+        for j in ops.view.store.jobs.active():
             if j.view.lease_client == client_id and lease_live(j.view, now) and j.view.lease_id is not None \
-                    and ops.store.jobs.release(j.view.job_id, j.view.lease_id, client_id):
+                    and ops.view.store.jobs.release(j.view.job_id, j.view.lease_id, client_id):
                 released.append(j.view.job_id)
         if released:
             ops.notify_jobs()
@@ -94,9 +86,9 @@ def set_banned(ops: Operations, operator: str, ref: str, banned: bool, note: str
 def set_issuing(ops: Operations, operator: str, paused: bool) -> IssuingReply:
     """Pause: lease requests get 'no job, retry later' (live leases may still be returned and are credited);
     the setting survives a restart. Resume wakes every waiting lease request."""
-    changed = ops.state.issuing_paused != paused
-    ops.state.issuing_paused = paused
-    ops.store.set_meta("issuing_paused", "1" if paused else "0")
+    changed = ops.view.state.issuing_paused != paused
+    ops.view.state.issuing_paused = paused
+    ops.view.store.set_meta("issuing_paused", "1" if paused else "0")
     if not paused:
         ops.notify_jobs()
     if changed:
@@ -109,23 +101,23 @@ def issue_invite(ops: Operations, operator: str, note: str) -> InviteReply:
     the config's ``registration.invite_sha256``); the token itself is returned once and kept nowhere."""
     token = secrets.token_urlsafe(24)
     digest = hashlib.sha256(token.encode()).hexdigest()
-    issued = json.loads(ops.store.get_meta(INVITES) or "[]")
-    ops.store.set_meta(INVITES, json.dumps([*issued, digest]))
+    issued = json.loads(ops.view.store.get_meta(INVITES) or "[]")
+    ops.view.store.set_meta(INVITES, json.dumps([*issued, digest]))
     record(ops, operator, "invite", sha256=digest, note=note)
-    return {"token": token, "sha256": digest, "mode": ops.guard.registration_mode()}
+    return {"token": token, "sha256": digest, "mode": ops.view.guard.registration_mode()}
 
 
 def set_registration(ops: Operations, operator: str, mode: str) -> RegistrationReply:
     """The run's registration setting: 'invite' (registering needs a valid invite token) or 'open'. Kept in the
     store: it survives a restart and holds for every API process, over the config's ``registration.mode``."""
-    changed = ops.guard.registration_mode() != mode
-    if mode == "invite" and not ops.guard.invite_hashes():
+    changed = ops.view.guard.registration_mode() != mode
+    if mode == "invite" and not ops.view.guard.invite_hashes():
         raise ProtocolError(Reason.ADMIN_REFUSED, "no invite token exists yet, so nobody new could join: issue one "
                                                   "first with `echo-swarm admin invite`")
-    ops.store.set_meta(REGISTRATION_MODE, mode)
+    ops.view.store.set_meta(REGISTRATION_MODE, mode)
     if changed:
         record(ops, operator, "registration", mode=mode)
-    return {"mode": mode, "changed": changed, "invites": len(ops.guard.invite_hashes())}
+    return {"mode": mode, "changed": changed, "invites": len(ops.view.guard.invite_hashes())}
 
 
 async def export_checkpoint(ops: Operations, operator: str) -> CheckpointReply:
@@ -137,8 +129,8 @@ async def export_checkpoint(ops: Operations, operator: str) -> CheckpointReply:
     ``snapshots.keep_last``, so the current one stays while it is read — if it vanished all the same, the
     export fails with a message and leaves nothing behind. The folder appears under its final name only when
     complete."""
-    version = ops.state.version
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(ops.clock()))
+    version = ops.view.state.version
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(ops.view.clock()))
     root = ops.run_dir / "exports"
     dest = root / f"v{version:06d}-{stamp}"
     k = 1
@@ -148,19 +140,19 @@ async def export_checkpoint(ops: Operations, operator: str) -> CheckpointReply:
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    database = ops.store.backup_to(tmp / "coordinator.sqlite")
+    database = ops.view.store.backup_to(tmp / "coordinator.sqlite")
     checkpoints = CheckpointStore(ops.run_dir / "checkpoints")
     newest = checkpoints.latest(version)
-    base = ops.snapshots.base_dir if ops.config.learner.lora_rank > 0 else None
+    base = ops.view.snapshots.base_dir if ops.view.config.learner.lora_rank > 0 else None
     try:
-        await ops.run_io(_copy_files, ops.snapshots.folder(version), base,
+        await ops.run_io(_copy_files, ops.view.snapshots.folder(version), base,
                            None if newest is None else checkpoints.folder(newest), tmp)
     except FileNotFoundError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ProtocolError(Reason.NOT_FOUND, f"version {version} or its checkpoint was pruned while it was "
                                               f"copied ({exc.filename}); run the export again") from None
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    manifest = {"version": version, "run_id": ops.run_id, "created_at": ops.clock(), "files": files,
+    manifest = {"version": version, "run_id": ops.view.files.run_id, "created_at": ops.view.clock(), "files": files,
                 "checkpoint_version": newest, "database": database}
     (tmp / "checkpoint.json").write_text(json.dumps(manifest, indent=2))
     tmp.rename(dest)
@@ -180,8 +172,8 @@ def _copy_files(model_dir: Path, base: Path | None, checkpoint: Path | None, des
 def list_keys(ops: Operations, caller: str) -> KeysReply:
     return {
         "admin_keys": [k.as_dict() | {"you": k.key_id == caller} for k in load_admin_keys(ops.run_dir)],
-        "coordinator_public_key": ops.public_key.hex(),
-        "coordinator_key_id": crypto.client_id_for(ops.public_key),
+        "coordinator_public_key": ops.view.files.public_key.hex(),
+        "coordinator_key_id": crypto.client_id_for(ops.view.files.public_key),
         "keys_file": str(ops.run_dir / "admin_keys"),
     }
 

@@ -135,10 +135,11 @@ class EpisodeRollout:
                        n_tokens=sum(len(r) for r in self.replayed.reported))
 
 
-def rollout_of(sub: ResultSubmission, row: JobRow, task: Task, codec: TextCodec, prompt_tokens: PromptTokens,
-               max_tokens: int) -> Rollout:
+def rollout_of(sub: ResultSubmission, row: JobRow, task: Task, prompt_tokens: PromptTokens, max_tokens: int
+               ) -> Rollout:
     """The result's rollouts under the strategy its task calls for (an episode task's results are replayed now)."""
     per_completion = [i for i in row.prompt_ids for _ in range(row.group_size)]
+    codec = prompt_tokens.codec
     prompts = [prompt_tokens(i) for i in per_completion]
     if isinstance(task, EnvTask):
         replayed = task.replay(sub.completions, [task.train[i].seed for i in per_completion],

@@ -12,16 +12,18 @@ the status page, the metrics and the admin API are handed instead of the whole A
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.api.egress import SnapshotEgress
 from coordinator.api.guard import Guard
 from coordinator.api.replies import CoordinatorStatus
 from coordinator.config import CoordinatorConfig
 from coordinator.core.leases import lease_live
+from coordinator.publish.snapshots import SnapshotStore
 from coordinator.run.names import LEARNER
 from coordinator.run.runfiles import RunFiles
 from coordinator.store.records import as_json
+from coordinator.store.store import Store
 from shared import PROTOCOL_VERSION
 from shared.messages import Info
 
@@ -36,19 +38,21 @@ class ApiState:
     issuing_paused: bool = False
 
 
+@dataclass(eq=False)
 class RunView:
     """The run's public and operator reads, over the run files the API opened and its :class:`ApiState`."""
 
-    def __init__(self, config: CoordinatorConfig, files: RunFiles, state: ApiState, guard: Guard,
-                 egress: SnapshotEgress, clock: Callable[[], float]) -> None:
-        self.config = config
-        self.files = files
-        self.store = files.store
-        self.snapshots = files.snapshots
-        self.state = state
-        self.guard = guard
-        self.egress = egress
-        self.clock = clock
+    config: CoordinatorConfig
+    files: RunFiles
+    state: ApiState
+    guard: Guard
+    egress: SnapshotEgress
+    clock: Callable[[], float]
+    store: Store = field(init=False)
+    snapshots: SnapshotStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.store, self.snapshots = self.files.store, self.files.snapshots
 
     def learner_status(self) -> dict[str, object]:
         """The learner's last report (coordinator.roles.learner), or {} before its first: served as it is, the

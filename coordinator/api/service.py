@@ -136,12 +136,11 @@ class Coordinator:
         verifier.requester = self.api_name
         self.view = RunView(self.config, files, self.state, self.guard, self.egress, self.clock)
         self.signin = SignIn(self.config, self.store, self.guard, self.issuer, self.run_id, self.clock)
-        self.leasing = Leasing(self.config, files, self.state, signin=self.signin, guard=self.guard,
-                               issuer=self.issuer, codec=self.codec, prompt_tokens=prompt_tokens,
-                               verifying=self.verifying, catch_up=self._catch_up, clock=self.clock)
-        self.intake = Intake(self.config, files, self.state, signin=self.signin, guard=self.guard, issuer=self.issuer,
-                             bell=self.bell, verifier=verifier, codec=self.codec, prompt_tokens=prompt_tokens,
-                             verdicts=self.verdicts, verifying=self.verifying, clock=self.clock)
+        # what every phase works with (coordinator.api.phase.Phase), in its fields' order
+        phase = (self.config, files, self.state, self.signin, self.guard, self.issuer, prompt_tokens, self.verifying,
+                 self.clock)
+        self.leasing = Leasing(*phase, catch_up=self._catch_up)
+        self.intake = Intake(*phase, bell=self.bell, verifier=verifier, verdicts=self.verdicts)
 
     async def _watch(self) -> None:
         """Follow the store: a version the learner committed becomes current here (clients are woken for it)."""
@@ -202,7 +201,7 @@ class Coordinator:
     # -- what the one-process layout's learner is handed (coordinator.launch.one_process), before the start ---------
     async def accept_local(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
                            ) -> SubmitResponse:
-        """The co-located loop's own rollouts, through the intake (:meth:`coordinator.api.intake.Intake.accept_local`)."""
+        """The co-located loop's own rollouts, through the intake (coordinator.api.intake.Intake.accept_local)."""
         return await self.intake.accept_local(client_id, sub, size, content_sha)
 
     def new_job(self) -> JobRow:

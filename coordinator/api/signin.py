@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from coordinator.api.guard import Guard
 from coordinator.api.issuer import Issuer
@@ -25,18 +26,17 @@ from shared.messages import RegisterRequest, RegisterResponse, SignedRequest
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class SignIn:
     """Opens signed requests (the volunteers' and, through :mod:`coordinator.api.admin`, the operators') and
     registers new identities."""
 
-    def __init__(self, config: CoordinatorConfig, store: Store, guard: Guard, issuer: Issuer, run_id: str,
-                 clock: Callable[[], float]) -> None:
-        self.config = config
-        self.store = store
-        self.guard = guard
-        self.issuer = issuer
-        self.run_id = run_id
-        self.clock = clock
+    config: CoordinatorConfig
+    store: Store
+    guard: Guard
+    issuer: Issuer
+    run_id: str
+    clock: Callable[[], float]
 
     def open_envelope(self, raw: bytes, path: str) -> SignedRequest:
         req = wire.decode(raw, SignedRequest, max_bytes=MAX_REQUEST_BYTES)
