@@ -296,7 +296,7 @@ def decision_cost(waiting: int, *, staleness: int = 2, jobs_per_step: int = 2, d
                   seed: int = 0) -> dict[str, Any]:
     """CPU seconds per lease decision of the coordinator's issuer with ``waiting`` clients long-polling.
 
-    What one long-polling request does when it re-checks (coordinator.api.service's lease loop): ``decide`` for
+    What one long-polling request does when it re-checks (coordinator.api.leasing's lease loop): ``decide`` for
     itself and, on a new version, ``next_in_line``. The waiting clients' paces are spread log-uniformly over
     1–1,000 s; half the queue's B·(S+1) slots are held by live leases, so every decision runs the whole rule set
     (admission, the speed-aware rules, reissue) rather than stopping at a full queue."""
