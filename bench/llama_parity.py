@@ -1,6 +1,6 @@
 """Parity of honest llama.cpp clients with the verifier: per-token and per-result |Δ logprob| between what a
 llama.cpp client reports (each GGUF precision the coordinator offers) and the verifier's recompute of the same
-tokens. The logprob check's per-class tolerances (coordinator/config.py LLAMA_TOLERANCES,
+tokens. The logprob check's per-class tolerances (coordinator/config/verification.py LLAMA_TOLERANCES,
 coordinator.core.verify.check_logprobs: a result's mean |Δ| ≤ mean_tol, every token's |Δ| ≤ max_tol) come from here.
 
     PYTHONPATH=. python bench/llama_parity.py [--model-dir DIR ...] [--precisions f32,f16,q8_0] [--results 3000]

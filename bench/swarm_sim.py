@@ -84,10 +84,13 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
              fastest_job_s: float = 1.0, spread: float = 100.0, lifetime_s: float = 3000.0, lease_timeout_s: float = 300.0,
              steps: int = 300, seed: int = 0, max_sim_s: float = 20_000.0, speed_aware: bool = True,
              declared: float = 0.8, declared_noise: float = 0.3, mix: str = "spread", vanish: float = 0.0,
-             stay_s: float = 3600.0) -> dict[str, Any]:
+             stay_s: float = 3600.0, sybils: int = 0, sybil_every_s: float = 0.0) -> dict[str, Any]:
     """One run. ``mix``: "spread" (job times log-uniform over ``spread``×, clients leave for good) or "realistic"
     (:data:`KINDS`, and churn: each client that leaves is replaced by a newcomer of a random kind, so the swarm
-    keeps its size). ``vanish``: the share of clients that take one job and are never heard of again."""
+    keeps its size). ``vanish``: the share of clients that take one job and are never heard of again.
+    ``sybils``: that many fresh identities at any time that each declare 10⁷ tokens/s (a pace of 10⁻⁷ s), take
+    one job and vanish, each replaced by the next ``sybil_every_s`` after it holds its lease (issue 37's
+    claimed-speed attack; 2 s is the default registration budget of one address, 30 a minute)."""
     import time
 
     rng = random.Random(seed)
@@ -107,6 +110,14 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
             issuer.declare(c.cid, c.declared)
         return c
 
+    def new_sybil(now: float) -> SimClient:
+        c = SimClient(f"s{len(sybil_ids)}", fastest_job_s, now, "sybil", now)  # leaves at once: never returns
+        sybil_ids.append(c.cid)
+        c.declared = 1e-7
+        issuer.declare(c.cid, c.declared)
+        return c
+
+    sybil_ids: list[str] = []
     clients = [new_client(i, 0.0) for i in range(n_clients)]
     got_work: set[str] = set()
     decisions, decide_cpu, returned = 0, 0.0, 0
@@ -169,6 +180,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
             push(due, "overdue", job_id)
         c.held = decision.version
         got_work.add(c.cid)
+        if c.kind == "sybil":  # the next fresh identity asks at once
+            push(st.now + sybil_every_s, "poll", new_sybil(st.now + sybil_every_s))
         if c.leaves_at < st.now + c.job_s:
             c.gone = True  # leaves mid-job and never returns: its lease expires and the job is reissued
             return True
@@ -215,6 +228,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
     for c in clients:
         push(0.0, "poll", c)
         push(c.leaves_at, "leave", c)
+    for _ in range(sybils):
+        push(0.0, "poll", new_sybil(0.0))
     while events and st.steps < steps and st.now < max_sim_s:
         st.now, _, kind, data = heapq.heappop(events)
         if kind == "poll":
@@ -265,7 +280,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         "identities": len(clients), "got_work_share": len(got_work) / len(clients),
         "stayed": len(stayed), "stayed_got_work_share": (sum(c.cid in got_work for c in stayed) / len(stayed)
                                                          if stayed else None),
-        "returned": returned, "set_aside_share": st.too_stale / returned if returned else 0.0,
+        "returned": returned, "returned_per_s": returned / st.now if st.now else 0.0,
+        "sybil_leases": sum(1 for cid in sybil_ids if cid in got_work), "set_aside_share": st.too_stale / returned if returned else 0.0,
         "staleness_mean": (sum(k * v for k, v in st.staleness.items()) / trained) if trained else 0.0,
         "decisions": decisions, "issuer_cpu_per_decision_us": decide_cpu / max(1, decisions) * 1e6,
         "learner_busy_fraction": st.busy_s / st.now if st.now else 0.0,
@@ -280,7 +296,7 @@ def decision_cost(waiting: int, *, staleness: int = 2, jobs_per_step: int = 2, d
                   seed: int = 0) -> dict[str, Any]:
     """CPU seconds per lease decision of the coordinator's issuer with ``waiting`` clients long-polling.
 
-    What one long-polling request does when it re-checks (coordinator.api.service's lease loop): ``decide`` for
+    What one long-polling request does when it re-checks (coordinator.api.leasing's lease loop): ``decide`` for
     itself and, on a new version, ``next_in_line``. The waiting clients' paces are spread log-uniformly over
     1–1,000 s; half the queue's B·(S+1) slots are held by live leases, so every decision runs the whole rule set
     (admission, the speed-aware rules, reissue) rather than stopping at a full queue."""
@@ -323,6 +339,10 @@ def main() -> int:
                     help="spread: job times log-uniform over 100x, clients leave for good; realistic: GPU, Apple, "
                          "laptop-CPU and old-CPU volunteers (job times 1-1,000x), churn")
     ap.add_argument("--vanish", type=float, default=0.0, help="share of clients that take one job and never return")
+    ap.add_argument("--sybils", type=int, default=0, help="fresh identities at any time that declare 10^7 tokens/s, "
+                    "take one job each and vanish")
+    ap.add_argument("--sybil-every-s", type=float, default=0.0, help="seconds before a vanished sybil's successor "
+                    "asks (2: one address's default registration budget, 30 a minute)")
     ap.add_argument("--lifetime-s", type=float, default=3000.0, help="mean time a client stays (exponential)")
     ap.add_argument("--lease-timeout-s", type=float, default=300.0)
     ap.add_argument("--max-sim-s", type=float, default=20_000.0, help="stop the run at this simulated time")
@@ -345,7 +365,7 @@ def main() -> int:
             for n in args.clients:
                 t0 = time.monotonic()
                 row = simulate(n, s, steps=args.steps, speed_aware=aware, fastest_job_s=args.fastest_job_s,
-                               mix=args.mix, vanish=args.vanish, lifetime_s=args.lifetime_s,
+                               mix=args.mix, vanish=args.vanish, lifetime_s=args.lifetime_s, sybils=args.sybils, sybil_every_s=args.sybil_every_s,
                                lease_timeout_s=args.lease_timeout_s, max_sim_s=args.max_sim_s)
                 row["wall_s"] = time.monotonic() - t0
                 rows.append(row)

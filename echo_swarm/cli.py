@@ -8,16 +8,19 @@ once; what this module imports at its top loads only the standard library, typer
 
 from __future__ import annotations
 
+import typing
 from functools import reduce
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from pydantic.fields import FieldInfo
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from echo_swarm.admin_cli import admin_app
 from echo_swarm.argv import hoist_group_options
 from echo_swarm.demo_tasks import DEMO_TASKS
+from echo_swarm.flags import field_metavar, field_parser, value_type
 from shared.exit_codes import ExitCode, codes_text
 from shared.safe_text import configure_logging
 from swarm_client.config import ClientConfigError, build, client_paths, resolve_home
@@ -85,10 +88,23 @@ def _h(name: str) -> str:
     the flags and the options table in docs/client.md."""
     field = JoinConfig.model_fields[name]
     text = (field.description or "").replace("None = ", "unset: ").replace("None: ", "unset: ")
-    default = field.default
-    if default is not None and not isinstance(default, bool) and default != [] and "default" not in text.lower():
-        text = _with_default(text, default)
-    return text
+    default = field.get_default(call_default_factory=True)
+    if field.is_required() or default in (None, "", []) or isinstance(default, bool) \
+            or "default" in text.lower():
+        return text  # a required or unset one says itself what happens
+    return _with_default(text, default)
+
+
+def _setting(flag: str, *decls: str, **options: Any) -> Any:
+    """The `join` option ``--flag``, made from the JoinConfig field it sets (FLAG_FIELDS where the names differ):
+    its help and, for a value, its type, bounds and choices (echo_swarm.flags), so that each is written once."""
+    name = FLAG_FIELDS.get(flag, flag)
+    field = JoinConfig.model_fields[name]
+    kind = value_type(field)
+    if kind is bool or typing.get_origin(kind) is list:  # a switch, or a repeated option checked with the model
+        return typer.Option(*decls, help=_h(name), **options)
+    return typer.Option(*decls, help=_h(name), parser=field_parser(lambda: field), metavar=field_metavar(field),
+                        **options)
 
 
 def _with_default(help_text: str, default: object) -> str:
@@ -129,51 +145,46 @@ def join(
     url: Annotated[Optional[str], typer.Argument(help=_h("url"), show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="Client config file (TOML). Default: "
                                                    "client.toml in your user config dir, or $ECHO_SWARM_CONFIG.")] = None,
-    home: Annotated[Optional[Path], typer.Option(help=_h("home"))] = None,
-    backend: Annotated[Optional[str], typer.Option(help=_h("backend"))] = None,
-    device: Annotated[Optional[str], typer.Option(help=_h("device"))] = None,
-    precision: Annotated[Optional[str], typer.Option(help=_h("precision"))] = None,
-    torch_dtype: Annotated[Optional[str], typer.Option(help=_h("torch_dtype"))] = None,
-    threads: Annotated[Optional[int], typer.Option(min=1, help=_h("threads"))] = None,
-    gpu_layers: Annotated[Optional[int], typer.Option(min=0, help=_h("gpu_layers"))] = None,
-    max_memory_gb: Annotated[Optional[float], typer.Option(help=_h("max_memory_gb"))] = None,
-    min_free_disk_gb: Annotated[Optional[float], typer.Option(help=_h("min_free_disk_gb"))] = None,
-    cache_max_gb: Annotated[Optional[float], typer.Option(help=_h("cache_max_gb"))] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help=_h("cache_dir"))] = None,
-    idle_only: Annotated[Optional[bool], typer.Option("--idle-only/--always", help=_h("idle_only"),
-                                                      show_default=False)] = None,
-    idle_min_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help=_h("idle_min_percent"))] = None,
-    idle_input_minutes: Annotated[Optional[float], typer.Option(help=_h("idle_input_minutes"))] = None,
-    window: Annotated[Optional[list[str]], typer.Option(help=_h("windows"))] = None,
-    pause_on_battery: Annotated[Optional[bool], typer.Option("--pause-on-battery/--run-on-battery",
-                                                             help=_h("pause_on_battery"), show_default=False)] = None,
-    max_mbps: Annotated[Optional[float], typer.Option(help=_h("max_mbps"))] = None,
-    max_gb_per_month: Annotated[Optional[float], typer.Option(help=_h("max_gb_per_month"))] = None,
-    benchmark: Annotated[Optional[bool], typer.Option("--benchmark/--no-benchmark", help=_h("benchmark"),
-                                                      show_default=False)] = None,
-    panel: Annotated[Optional[bool], typer.Option("--panel/--no-panel", help=_h("panel"), show_default=False)] = None,
-    control_page: Annotated[Optional[bool], typer.Option("--control-page/--no-control-page", help=_h("control_page"),
+    home: Annotated[Optional[Path], _setting("home")] = None,
+    backend: Annotated[Optional[str], _setting("backend")] = None,
+    device: Annotated[Optional[str], _setting("device")] = None,
+    precision: Annotated[Optional[str], _setting("precision")] = None,
+    torch_dtype: Annotated[Optional[str], _setting("torch_dtype")] = None,
+    threads: Annotated[Optional[int], _setting("threads")] = None,
+    gpu_layers: Annotated[Optional[int], _setting("gpu_layers")] = None,
+    max_memory_gb: Annotated[Optional[float], _setting("max_memory_gb")] = None,
+    min_free_disk_gb: Annotated[Optional[float], _setting("min_free_disk_gb")] = None,
+    cache_max_gb: Annotated[Optional[float], _setting("cache_max_gb")] = None,
+    cache_dir: Annotated[Optional[Path], _setting("cache_dir")] = None,
+    idle_only: Annotated[Optional[bool], _setting("idle_only", "--idle-only/--always", show_default=False)] = None,
+    idle_min_percent: Annotated[Optional[float], _setting("idle_min_percent")] = None,
+    idle_input_minutes: Annotated[Optional[float], _setting("idle_input_minutes")] = None,
+    window: Annotated[Optional[list[str]], _setting("window")] = None,
+    pause_on_battery: Annotated[Optional[bool], _setting("pause_on_battery", "--pause-on-battery/--run-on-battery",
                                                          show_default=False)] = None,
-    control_port: Annotated[Optional[int], typer.Option(help=_h("control_port"))] = None,
-    log_level: Annotated[Optional[str], typer.Option(help=_h("log_level"))] = None,
-    log_dir: Annotated[Optional[Path], typer.Option(help=_h("log_dir"))] = None,
-    name: Annotated[Optional[str], typer.Option(help=_h("name"))] = None,
-    max_jobs: Annotated[Optional[int], typer.Option(help=_h("max_jobs"))] = None,
-    exit_when_finished: Annotated[Optional[bool], typer.Option("--exit-when-finished", help=_h("exit_when_finished"))
-                                  ] = None,
-    max_cpu_percent: Annotated[Optional[float], typer.Option(min=1, max=100, help=_h("max_cpu_percent"))] = None,
-    retries: Annotated[Optional[int], typer.Option(min=1, max=100, help=_h("retries"))] = None,
-    give_up_after: Annotated[Optional[float], typer.Option(help=_h("give_up_after_s"))] = None,
-    wait_for_coordinator: Annotated[Optional[float], typer.Option(min=0, max=86_400, help=_h("wait_for_coordinator_s"))
-                                    ] = None,
-    coordinator_key: Annotated[Optional[str], typer.Option(help=_h("coordinator_key"))] = None,
-    invite: Annotated[Optional[str], typer.Option(help=_h("invite"), show_default=False)] = None,
-    p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", help=_h("p2p"), show_default=False)] = None,
-    serve: Annotated[Optional[bool], typer.Option("--serve/--no-serve", help=_h("p2p_serve"), show_default=False)] = None,
-    max_upload_gb: Annotated[Optional[float], typer.Option(help=_h("p2p_max_upload_gb"))] = None,
-    p2p_jobs: Annotated[Optional[bool], typer.Option("--p2p-jobs/--no-p2p-jobs", help=_h("p2p_jobs"),
+    max_mbps: Annotated[Optional[float], _setting("max_mbps")] = None,
+    max_gb_per_month: Annotated[Optional[float], _setting("max_gb_per_month")] = None,
+    benchmark: Annotated[Optional[bool], _setting("benchmark", "--benchmark/--no-benchmark", show_default=False)] = None,
+    panel: Annotated[Optional[bool], _setting("panel", "--panel/--no-panel", show_default=False)] = None,
+    control_page: Annotated[Optional[bool], _setting("control_page", "--control-page/--no-control-page",
                                                      show_default=False)] = None,
-    p2p_coordinator: Annotated[Optional[list[str]], typer.Option(help=_h("p2p_coordinator"), show_default=False)] = None,
+    control_port: Annotated[Optional[int], _setting("control_port")] = None,
+    log_level: Annotated[Optional[str], _setting("log_level")] = None,
+    log_dir: Annotated[Optional[Path], _setting("log_dir")] = None,
+    name: Annotated[Optional[str], _setting("name")] = None,
+    max_jobs: Annotated[Optional[int], _setting("max_jobs")] = None,
+    exit_when_finished: Annotated[Optional[bool], _setting("exit_when_finished", "--exit-when-finished")] = None,
+    max_cpu_percent: Annotated[Optional[float], _setting("max_cpu_percent")] = None,
+    retries: Annotated[Optional[int], _setting("retries")] = None,
+    give_up_after: Annotated[Optional[float], _setting("give_up_after")] = None,
+    wait_for_coordinator: Annotated[Optional[float], _setting("wait_for_coordinator")] = None,
+    coordinator_key: Annotated[Optional[str], _setting("coordinator_key")] = None,
+    invite: Annotated[Optional[str], _setting("invite", show_default=False)] = None,
+    p2p: Annotated[Optional[bool], _setting("p2p", "--p2p/--no-p2p", show_default=False)] = None,
+    serve: Annotated[Optional[bool], _setting("serve", "--serve/--no-serve", show_default=False)] = None,
+    max_upload_gb: Annotated[Optional[float], _setting("max_upload_gb")] = None,
+    p2p_jobs: Annotated[Optional[bool], _setting("p2p_jobs", "--p2p-jobs/--no-p2p-jobs", show_default=False)] = None,
+    p2p_coordinator: Annotated[Optional[list[str]], _setting("p2p_coordinator", show_default=False)] = None,
 ) -> None:
     flags = _join_flags(locals())  # first, so that it holds the parameters only
     from swarm_client.runner import run  # lazy: the runner loads aiohttp, numpy and cryptography (~0.6 s)
@@ -403,7 +414,7 @@ def _needs_coordinator_extra(command: str) -> None:
         raise typer.Exit(ExitCode.USAGE)
 
 
-# `coordinator`'s flags, each the run-config key it sets (coordinator/config.py): flags override the config file
+# `coordinator`'s flags, each the run-config key it sets (coordinator/config/): flags override the config file
 COORDINATOR_KEYS = {
     "run_dir": "run_dir", "model": "model.path", "sync_mode": "sync_mode", "max_staleness": "max_staleness",
     "host": "server.host", "port": "server.port", "max_steps": "learner.max_steps", "lr": "learner.lr",
@@ -414,27 +425,53 @@ COORDINATOR_KEYS = {
 }
 
 
-class _CoordinatorCommand(TyperCommand):
-    """`coordinator --help` shows each flag's default: the run config's own (a flag's Python default is None, so
-    that an unset flag leaves the config file's key alone). Read when help is shown, since loading
-    coordinator.config costs ~0.2 s that no other use of the command line should pay."""
+def _run_config() -> Any:
+    """The run config's model, CoordinatorConfig."""
+    # lazy: the run config's models (~0.2 s to import), which no command but `coordinator` needs
+    from coordinator.config import CoordinatorConfig
 
-    _defaults_shown = False
+    return CoordinatorConfig
+
+
+def run_field(key: str) -> FieldInfo:
+    """The run-config field a dotted key names ('learner.lr'), through the sections' models."""
+    model = _run_config()
+    *sections, name = key.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation
+    return model.model_fields[name]  # type: ignore[no-any-return]
+
+
+def _run_option(flag: str, *decls: str, **options: Any) -> Any:
+    """The `coordinator` option ``--flag`` for the run-config key it sets (COORDINATOR_KEYS): its value validated as
+    that key's field validates it (type, bounds, choices; echo_swarm.flags), resolved only when a value is given."""
+    return typer.Option(*decls, parser=field_parser(lambda: run_field(COORDINATOR_KEYS[flag])), **options)
+
+
+class _CoordinatorCommand(TyperCommand):
+    """`coordinator --help` shows each flag's help, value type, bounds and default from the run-config field it sets
+    (a flag's Python default is None, so that an unset flag leaves the config file's key alone). Read when help is
+    shown, since loading coordinator.config costs ~0.2 s that no other use of the command line should pay."""
+
+    _from_fields = False
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
-        if not self._defaults_shown:
-            from coordinator.config import load_config  # lazy: pydantic models of the whole run config
-
-            built_in = load_config(None)
+        if not self._from_fields:
+            built_in = _run_config()()  # every key at its built-in default
             for param in self.params:
                 if not isinstance(param, TyperOption) or param.name not in COORDINATOR_KEYS:
                     continue
-                value = reduce(getattr, COORDINATOR_KEYS[param.name].split("."), built_in)
+                key = COORDINATOR_KEYS[param.name]
+                field = run_field(key)
+                param.help = (field.description or "").replace("[", "\\[") + f" (config key {key})"
+                if not param.is_flag:
+                    param.metavar = field_metavar(field)
+                value = reduce(getattr, key.split("."), built_in)
                 if isinstance(value, bool):
                     value = param.opts[0] if value else param.secondary_opts[0]
                 if value is not None:
-                    param.help = _with_default(param.help or "", value)
-            self._defaults_shown = True
+                    param.help = _with_default(param.help, value)
+            self._from_fields = True
         super().format_help(ctx, formatter)
 
 
@@ -442,46 +479,30 @@ class _CoordinatorCommand(TyperCommand):
 def coordinator(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML run config (see docs/run-dir.md). "
                                                                          "Flags below override its keys.")] = None,
-    run_dir: Annotated[Optional[Path], typer.Option(help="Run directory: database, keys, snapshots, checkpoints.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Local Hugging Face model folder, or 'tiny'.")] = None,
-    sync_mode: Annotated[Optional[str], typer.Option(help="sequential-pull (every rollout from the current policy), "
-                                                          "async-push-pull (clients never wait; rollouts up to "
-                                                          "--max-staleness versions old, importance-corrected), or "
-                                                          "colocated (the learner generates its own rollouts).")] = None,
-    max_staleness: Annotated[Optional[int], typer.Option(help="S for async-push-pull, in policy versions.")] = None,
-    correction: Annotated[Optional[str], typer.Option(help="learner.correction: the off-policy correction of stale "
-                                                           "rollouts, behaviour-clip, decoupled or m2po (for a "
-                                                           "large --max-staleness; docs/run-dir.md).")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Listen address (0.0.0.0 to accept remote volunteers).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Listen port (0: any free port).")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="Learner steps (policy versions) to train.")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Learner learning rate.")] = None,
-    lease_timeout: Annotated[Optional[float], typer.Option(help="Seconds before an unreturned job is reissued.")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads for the learner.")] = None,
-    layout: Annotated[Optional[str], typer.Option(help="processes (each role its own process, restarted if it "
-                                                       "dies) or one-process.")] = None,
-    verifiers: Annotated[Optional[int], typer.Option(help="Verifier processes to start (layout processes).")] = None,
-    learner_ranks: Annotated[Optional[int], typer.Option(help="learner.world_size: FSDP ranks of the learner (one per "
-                                                              "GPU; gloo processes on CPU).")] = None,
-    verifier_placement: Annotated[Optional[str], typer.Option(help="verification.placement: replicas (each verifier "
-                                                                   "one process with a whole replica) or fsdp "
-                                                                   "(each verifier a group of --verifier-ranks "
-                                                                   "FSDP ranks).")] = None,
-    verifier_ranks: Annotated[Optional[int], typer.Option(help="verification.world_size: ranks of each verifier "
-                                                               "with --verifier-placement fsdp.")] = None,
+    run_dir: Annotated[Optional[Path], _run_option("run_dir")] = None,
+    model: Annotated[Optional[str], _run_option("model")] = None,
+    sync_mode: Annotated[Optional[str], _run_option("sync_mode")] = None,
+    max_staleness: Annotated[Optional[int], _run_option("max_staleness")] = None,
+    correction: Annotated[Optional[str], _run_option("correction")] = None,
+    host: Annotated[Optional[str], _run_option("host")] = None,
+    port: Annotated[Optional[int], _run_option("port")] = None,
+    max_steps: Annotated[Optional[int], _run_option("max_steps")] = None,
+    lr: Annotated[Optional[float], _run_option("lr")] = None,
+    lease_timeout: Annotated[Optional[float], _run_option("lease_timeout")] = None,
+    threads: Annotated[Optional[int], _run_option("threads")] = None,
+    layout: Annotated[Optional[str], _run_option("layout")] = None,
+    verifiers: Annotated[Optional[int], _run_option("verifiers")] = None,
+    learner_ranks: Annotated[Optional[int], _run_option("learner_ranks")] = None,
+    verifier_placement: Annotated[Optional[str], _run_option("verifier_placement")] = None,
+    verifier_ranks: Annotated[Optional[int], _run_option("verifier_ranks")] = None,
     role: Annotated[str, typer.Option(help="Run only this role of the run: api, learner, verifier or p2p (e.g. another "
                                            "verifier on another GPU: --role verifier --index 1 with "
                                            "verification.device set); 'all' runs every role.")] = "all",
     index: Annotated[int, typer.Option(help="With --role verifier: which verifier this is (0 runs the held-out "
                                             "evaluations). With --role api: which API process this is (several "
                                             "share one PostgreSQL store.url, each on its own port).")] = 0,
-    store_url: Annotated[Optional[str], typer.Option(help="store.url: a postgresql://USER@HOST:PORT/DB "
-                                                                 "database the roles share across hosts (unset: "
-                                                                 "the run directory's SQLite file).")] = None,
-    p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", help="Run a libp2p peer: publish versions in a DHT "
-                                                "and seed snapshot files to volunteers, who then serve each other "
-                                                "(p2p.enabled; needs the p2p extra).",
-                                                show_default=False)] = None,
+    store_url: Annotated[Optional[str], _run_option("store_url")] = None,
+    p2p: Annotated[Optional[bool], typer.Option("--p2p/--no-p2p", show_default=False)] = None,
 ) -> None:
     """Serve a training run: the learner, job leasing, result verification and snapshot downloads.
 

@@ -62,6 +62,7 @@ class DemoConfig:
     learner_precision: str = "float32"  # learner.precision: "bf16" trains bf16 weights and moments (bench/bf16_learning.py)
     gguf: str | None = None  # snapshots.gguf for llama.cpp clients (None: the default, f16; bench/quantised_learning.py)
     correction: str | None = None  # learner.correction (None: the default, behaviour-clip)
+    model: str = "tiny"  # model.path: the built-in tiny model, or a model folder (bench/quantised_learning.py's wider one)
     final_eval_wait_s: float = 600.0  # longest wait, once trained, for the final version's held-out evaluation
 
     def client_backend(self, k: int) -> str:
@@ -135,7 +136,7 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
            f'gguf = "{cfg.gguf}"\n' if cfg.gguf is not None else "") + "\n"
         # a local demonstration: its clients are the project's own, and one seed should draw the same jobs run
         # after run (bench/sync_modes.py compares modes seed by seed)
-        f'[jobs]\nsecret_plans = false\n\n[model]\npath = "tiny"\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
+        f'[jobs]\nsecret_plans = false\n\n[model]\npath = {json.dumps(cfg.model)}\n\n[server]\nhost = "127.0.0.1"\nport = {cfg.port}\n\n'
         f"[learner]\nmax_steps = {cfg.steps}\neval_every = {cfg.eval_every}\nthreads = {cfg.learner_threads}\n"
         f"lr = {task.lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
         + (f'precision = "{cfg.learner_precision}"\n' if cfg.learner_precision != "float32" else "")

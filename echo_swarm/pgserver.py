@@ -118,12 +118,6 @@ class LocalPostgres:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
-    def drop_database(self, name: str) -> None:
-        import psycopg
-
-        with psycopg.connect(self.url(), autocommit=True, connect_timeout=10) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
     def create_schema(self, name: str, database: str = "postgres") -> str:
         """A new empty schema in ``database``; a URL whose connections use it (search_path)."""
         import psycopg

@@ -1,12 +1,14 @@
-"""Reference tables generated from the code, for docs/client.md and README.md (tests keep them in step): the
-`join` options from JoinConfig and the command's own flags, so the config keys, the flags, their --help and the
-docs cannot disagree."""
+"""Reference tables generated from the code, for docs/client.md, docs/run-dir.md and README.md (tests keep them in
+step): the `join` options from JoinConfig and the command's own flags, and the `coordinator` flags from the run-config
+keys they set, so the config keys, the flags, their --help and the docs cannot disagree."""
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
-from echo_swarm.cli import app
+from echo_swarm.cli import COORDINATOR_KEYS, app, run_field
+from echo_swarm.flags import field_metavar, value_type
 from shared.exit_codes import codes_table
 from swarm_client.settings import FLAG_FIELDS, JoinConfig
 
@@ -27,20 +29,47 @@ def _flags(command: Any) -> dict[str, str]:
     return out
 
 
+def _values(field: Any) -> str:
+    """What a setting takes, as --help shows it (its type, bounds and choices; echo_swarm.flags)."""
+    kind = value_type(field)
+    if kind is bool:
+        return "true / false"
+    if typing.get_origin(kind) is list:
+        return "a list of `<str>`"
+    return "`" + field_metavar(field).replace("|", "\\|") + "`"
+
+
 def join_options_markdown() -> str:
     import typer
 
     join = typer.main.get_command(app).commands["join"]  # type: ignore[attr-defined]
     flags = _flags(join)
     keys = {field: flag for flag, field in FLAG_FIELDS.items()}
-    rows = ["| config key | flag | default | meaning |", "|---|---|---|---|"]
+    rows = ["| config key | flag | values | default | meaning |", "|---|---|---|---|---|"]
     for name, field in JoinConfig.model_fields.items():
         key = f"`{name}`" + (f" or `{keys[name]}`" if name in keys else "")
         default = field.default if not callable(field.default_factory) else field.default_factory()  # type: ignore[call-arg]
         shown = ("—" if field.is_required() else "unset" if default is None
                  else f'`"{default}"`' if isinstance(default, str) else f"`{default}`")
         text = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| {key} | {flags.get(name, '—')} | {shown} | {text} |")
+        rows.append(f"| {key} | {flags.get(name, '—')} | {_values(field)} | {shown} | {text} |")
+    return "\n".join(rows)
+
+
+def coordinator_flags_markdown() -> str:
+    """`coordinator`'s flags, the run-config key each sets and the values it takes (the key's type, bounds and
+    choices, as --help shows them)."""
+    import typer
+
+    command = typer.main.get_command(app).commands["coordinator"]  # type: ignore[attr-defined]
+    rows = ["| flag | key | value |", "|---|---|---|"]
+    for param in command.params:
+        if param.name not in COORDINATOR_KEYS:
+            continue
+        key = COORDINATOR_KEYS[param.name]
+        flag = " / ".join(f"`{o}`" for o in (*param.opts, *param.secondary_opts))
+        value = "a switch" if param.is_flag else f"`{field_metavar(run_field(key))}`"
+        rows.append(f"| {flag} | `{key}` | {value.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)
 
 
@@ -48,7 +77,8 @@ def exit_codes_markdown() -> str:
     return codes_table()
 
 
-TABLES = {"join-options": join_options_markdown, "exit-codes": exit_codes_markdown}
+TABLES = {"join-options": join_options_markdown, "coordinator-flags": coordinator_flags_markdown,
+          "exit-codes": exit_codes_markdown}
 
 
 def block(name: str) -> str:

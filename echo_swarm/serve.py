@@ -14,6 +14,7 @@ import typer
 
 from coordinator.config import ConfigError, load_config
 from coordinator.launch.main import run
+from coordinator.tasks.factory import check_task
 from shared.exit_codes import ExitCode
 
 
@@ -22,6 +23,7 @@ def serve(config: Path | None, overrides: dict[str, Any], role: str, index: int)
     and ExitCode.USAGE, before anything starts."""
     try:
         cfg = load_config(config, overrides)
+        check_task(cfg.task)  # what the task's library says of its settings, before anything starts
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         return ExitCode.USAGE

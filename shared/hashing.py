@@ -42,10 +42,6 @@ def file_digests(path: Path, piece_size: int = PIECE_SIZE) -> tuple[str, list[by
     return whole.hexdigest(), pieces
 
 
-def piece_count(size: int, piece_size: int) -> int:
-    return -(-size // piece_size)
-
-
 def prompt_hash(token_id_lists: Sequence[Sequence[int]]) -> str:
     """Binds a job to its exact prompt tokens: sha256 of their canonical msgpack encoding."""
     return sha256_bytes(wire.pack([list(map(int, ids)) for ids in token_id_lists]))

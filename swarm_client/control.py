@@ -114,10 +114,6 @@ def snooze(home: Path, seconds: float, now: float | None = None) -> float:
     return until
 
 
-def is_paused(home: Path) -> bool:
-    return read_controls(home).paused
-
-
 def write_status(home: Path, status: dict[str, Any]) -> None:
     _write_json(Path(home) / STATUS, status)
 

@@ -99,7 +99,7 @@ from swarm_client.resources import (
     check_memory,
     disk_full_message,
 )
-from swarm_client.schedule import IdleProbe, parse_window, work_gate
+from swarm_client.schedule import INPUT_CHECK_S, IdleProbe, InputWatch, parse_window, work_gate
 from swarm_client.settings import JoinConfig
 from swarm_client.snapshots import DownloadStalled, SnapshotCache, Transfer, wanted_files
 from swarm_client.webcontrol import ControlPage, PageSource
@@ -153,27 +153,52 @@ class ClientStats:
 
 class Pacer:
     """Throttles decoding to a duty cycle: after each step that took t seconds, idle t·(100/p − 1). Counts the
-    steps of the job in hand (its progress, for the panel and the control page)."""
+    steps of the job in hand (its progress, for the panel and the control page). With ``watch`` (``--idle-only``)
+    it also holds the job while someone uses the machine (swarm_client.schedule.InputWatch), telling
+    ``on_hold(True)`` then ``on_hold(False)`` (called on the generating thread)."""
 
-    def __init__(self, percent: float, stop: threading.Event) -> None:
+    def __init__(self, percent: float, stop: threading.Event, watch: InputWatch | None = None,
+                 on_hold: Callable[[bool], None] | None = None) -> None:
         self.factor = 100.0 / percent - 1.0
         self.stop = stop
+        self.watch = watch
+        self.on_hold = on_hold
         self.last = time.monotonic()
+        self.looked = self.last
         self.steps = 0
 
     def reset(self) -> None:
-        self.last = time.monotonic()
+        self.last = self.looked = time.monotonic()
         self.steps = 0
 
     def __call__(self) -> bool:
         self.steps += 1
-        if self.factor > 0:
-            busy = time.monotonic() - self.last
-            self.stop.wait(busy * self.factor)
+        now = time.monotonic()
+        until = now + (now - self.last) * self.factor if self.factor > 0 else now
+        while True:  # the duty cycle's rest, in slices short enough to notice someone using the machine
+            if self.watch is not None and time.monotonic() - self.looked >= INPUT_CHECK_S:
+                self._hold_while_in_use(self.watch)
+            left = until - time.monotonic()
+            if left <= 0 or self.stop.wait(min(left, INPUT_CHECK_S)):
+                break
         self.last = time.monotonic()
         return self.stop.is_set()
 
+    def _hold_while_in_use(self, watch: InputWatch) -> None:
+        self.looked = time.monotonic()
+        if not watch.touched():
+            return
+        if self.on_hold is not None:
+            self.on_hold(True)
+        while not self.stop.wait(INPUT_CHECK_S) and not watch.left_alone():
+            pass
+        self.looked = time.monotonic()
+        if self.on_hold is not None:
+            self.on_hold(False)
 
+
+#: The state of a client holding its job in progress because someone uses the machine (--idle-only).
+IN_USE_STATE = "paused: someone is using this machine"
 GATE_POLL_S = 1.0  # how often a paused / waiting client re-reads its control file and the clock
 PULL_WAIT_S = 30.0  # longest an idle client waits for an announced version to arrive before asking again
 FINISHED_POLL_S = 15.0  # a client whose run has finished asks whether a new run has started after this long,
@@ -264,7 +289,7 @@ class Runner:
                 self.stats.p2p |= {"calls": self.calls.sent, "call_fallbacks": self.calls.fallbacks}
         self.stats.bandwidth = self.meter.describe() + (
             f" · limit {self.throttle.rate / MB:g} MB/s" if self.throttle.rate else "")
-        if self.pacer is not None and self.stats.state == "generating":
+        if self.pacer is not None and self.stats.state in ("generating", IN_USE_STATE):
             self.stats.job_steps = self.pacer.steps
         self.meter.flush()
         try:
@@ -409,7 +434,7 @@ class Runner:
 
     def _page_state(self) -> dict[str, object]:
         """What the control page shows: the live counters, plus the caps in force."""
-        if self.pacer is not None and self.stats.state == "generating":
+        if self.pacer is not None and self.stats.state in ("generating", IN_USE_STATE):
             self.stats.job_steps = self.pacer.steps
         return asdict(self.stats) | {
             "software": self.display.software, "machine": self.display.hardware, "backend": self.device,
@@ -561,6 +586,17 @@ class Runner:
         c = read_controls(self.cfg.home)
         return c.paused or c.finish or c.snoozed(time.time())
 
+    def _holding_from(self, loop: asyncio.AbstractEventLoop) -> Callable[[bool], None]:
+        """The pacer's ``on_hold`` (called on the generating thread): the state, said and shown on the loop."""
+        def on_hold(holding: bool) -> None:
+            def show() -> None:
+                self._say(f"{IN_USE_STATE}: the job in hand waits until nobody has touched keyboard or mouse for "
+                          f"{self.cfg.idle_input_minutes:g} min" if holding else "nobody is using this machine "
+                          "again: the job goes on")
+                self._set_state(IN_USE_STATE if holding else "generating")
+            loop.call_soon_threadsafe(show)
+        return on_hold
+
     async def _gate(self) -> str | None:
         """Why no new work may start now (paused, snoozed, on battery, over the data cap, outside the time
         windows, machine busy), or None. Also applies a bandwidth cap set at run time."""
@@ -680,7 +716,8 @@ class Runner:
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
 
         kind = backend_kind(backend)
-        pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop)
+        watch = InputWatch(input_idle_s, self.cfg.idle_input_minutes * 60) if self.cfg.idle_only else None
+        pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop, watch, self._holding_from(asyncio.get_running_loop()))
         held = -1
         gated: str | None = None
         coordinator_paused = False

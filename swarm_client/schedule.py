@@ -159,3 +159,29 @@ class IdleProbe:
         self._last = self._read()
         wait(seconds)
         return self.idle()
+
+
+#: How often a job in progress asks whether someone touched the keyboard or mouse (``--idle-only``), and how
+#: recent an input must be to count as "touched since the last look": twice the interval, so none is missed.
+INPUT_CHECK_S = 1.0
+INPUT_RECENT_S = 2 * INPUT_CHECK_S
+
+
+class InputWatch:
+    """``--idle-only`` during a job: someone using the machine holds the job in progress (decoding stops within
+    :data:`INPUT_RECENT_S`), and it goes on once nobody has touched keyboard or mouse for ``min_input_idle_s`` —
+    the same test as for starting a job. Only where the platform reports input: where it does not (a server), a
+    job runs to its end, since the CPU load a job causes itself says nothing about a user."""
+
+    def __init__(self, input_idle: Callable[[], float | None], min_input_idle_s: float) -> None:
+        self.input_idle = input_idle
+        self.min_input_idle_s = min_input_idle_s
+
+    def touched(self) -> bool:
+        seconds = self.input_idle()
+        return seconds is not None and seconds < INPUT_RECENT_S
+
+    def left_alone(self) -> bool:
+        seconds = self.input_idle()
+        return seconds is None or seconds >= self.min_input_idle_s
+

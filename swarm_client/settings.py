@@ -48,7 +48,7 @@ class JoinConfig(BaseModel):
     exit_when_finished: bool = Field(False, description="Exit once the coordinator's run has finished, instead of "
                                      "waiting for the operator's next run at the same URL.")
     max_cpu_percent: float = Field(100.0, gt=0, le=100, description="Use at most this share of time for generation "
-                                   "(1-100): the client idles between decoding steps.")
+                                   "(percent, above 0): the client idles between decoding steps.")
     retries: int = Field(5, ge=1, le=100, description="Attempts of the first contact (before joining) when the "
                          "coordinator does not answer, with backoff from 0.5 s; a wrong URL fails within seconds. "
                          "Once joined, outages are waited out (see give_up_after_s).")

@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 
 from coordinator.api import ops_actions
 from coordinator.api.admin_keys import ADMIN_KEYS_FILE, AdminKey, ensure_admin_key, load_admin_keys
+from coordinator.api.ops_actions import Operations
 from coordinator.api.replies import (
     AdminAuditReply,
     AdminClients,
@@ -36,7 +38,7 @@ from coordinator.api.replies import (
     KeysReply,
     RegistrationReply,
 )
-from coordinator.api.service import Coordinator
+from coordinator.api.signin import SignIn
 from coordinator.store import readmodels
 from shared import crypto, wire
 from shared.admin import (
@@ -55,104 +57,109 @@ from shared.messages import SignedRequest
 
 logger = logging.getLogger(__name__)
 
-ADMIN_COORDINATOR = web.AppKey("admin_coordinator", Coordinator)
+#: What the admin endpoints act on, and how their envelopes are opened: set once the API role started
+#: (coordinator.api.app.api_role).
+ADMIN_OPERATIONS = web.AppKey("admin_operations", Operations)
+ADMIN_SIGNIN = web.AppKey("admin_signin", SignIn)
 MAX_ADMIN_BODY = 64 * 1024
 
 
-def authenticate_admin(coord: Coordinator, raw: bytes, path: str) -> tuple[SignedRequest, AdminKey]:
+def authenticate_admin(signin: SignIn, run_dir: Path, raw: bytes, path: str) -> tuple[SignedRequest, AdminKey]:
     """Envelope → listed operator key → signature → timestamp → nonce. Nothing is written before the
     signature verifies (the nonce is remembered only for a valid operator request)."""
     if not raw:
         raise ProtocolError(Reason.NOT_ADMIN, "admin requests must be signed by an operator key; use "
                                               "`echo-swarm admin --run-dir <run dir> ...` (see --help)")
-    req = coord.open_envelope(raw, path)
-    key = next((k for k in load_admin_keys(coord.run_dir) if k.key_id == req.client_id), None)
+    req = signin.open_envelope(raw, path)
+    key = next((k for k in load_admin_keys(run_dir) if k.key_id == req.client_id), None)
     if key is None:
         raise ProtocolError(Reason.NOT_ADMIN, f"key {req.client_id[:12]}… is not an operator key of this "
-                                              f"coordinator: it is not listed in {coord.run_dir / ADMIN_KEYS_FILE}. "
+                                              f"coordinator: it is not listed in {run_dir / ADMIN_KEYS_FILE}. "
                                               f"An operator can add it with `echo-swarm admin keys add`")
     crypto.verify_request(req, key.public_key)
-    coord.check_fresh(req)
+    signin.check_fresh(req)
     return req, key
 
 
-def status(coord: Coordinator, caller: str, body: AdminEmpty) -> AdminStatus:
-    now = coord.clock()
-    rows = readmodels.client_states(coord.store, now, coord.config.jobs.lease_timeout_s)
-    jobs = readmodels.jobs(coord.store, now, limit=0)
-    evals = coord.store.evals.all()
-    last = coord.store.steps.last()
+def status(ops: Operations, caller: str, body: AdminEmpty) -> AdminStatus:
+    now = ops.view.clock()
+    rows = readmodels.client_states(ops.view.store, now, ops.view.config.jobs.lease_timeout_s)
+    jobs = readmodels.jobs(ops.view.store, now, limit=0)
+    evals = ops.view.store.evals.all()
+    last = ops.view.store.steps.last()
+    state = ops.view.state
     return {
-        "run_id": coord.run_id, "version": coord.version, "max_steps": coord.config.learner.max_steps,
-        "finished": coord.finished, "sync_mode": coord.config.sync_mode,
-        "max_staleness": coord.config.sync_policy.bound, "task": coord.task.name, "uptime_s": now - coord.started_at,
-        "issuing_paused": coord.issuing_paused, "registration": coord.guard.registration_mode(),
-        "run_dir": str(coord.run_dir),
-        "learner": coord.learner_status(),
+        "run_id": ops.view.files.run_id, "version": state.version, "max_steps": ops.view.config.learner.max_steps,
+        "finished": state.finished, "sync_mode": ops.view.config.sync_mode,
+        "max_staleness": ops.view.config.sync_policy.bound, "task": ops.view.files.task.name,
+        "uptime_s": now - state.started_at, "issuing_paused": state.issuing_paused,
+        "registration": ops.view.guard.registration_mode(), "run_dir": str(ops.run_dir),
+        "learner": ops.view.learner_status(),
         "jobs": readmodels.jobs_summary(jobs),
         "clients": readmodels.client_summary(rows),
-        "totals": coord.store.totals() | {"tokens": readmodels.result_totals(coord.store)["tokens"]},
-        "rejections_by_reason": readmodels.rejection_counts(coord.store),
+        "totals": ops.view.store.totals() | {"tokens": readmodels.result_totals(ops.view.store)["tokens"]},
+        "rejections_by_reason": readmodels.rejection_counts(ops.view.store),
         "heldout_accuracy": evals[-1].accuracy if evals else None,
         "last_step": {"step": last.step, "mean_reward": last.mean_reward, "at": last.at} if last is not None else None,
     }
 
 
-def clients(coord: Coordinator, caller: str, body: AdminList) -> AdminClients:
-    rows = readmodels.clients(coord.store, coord.clock(), coord.config.jobs.lease_timeout_s, body.limit,
+def clients(ops: Operations, caller: str, body: AdminList) -> AdminClients:
+    rows = readmodels.clients(ops.view.store, ops.view.clock(), ops.view.config.jobs.lease_timeout_s, body.limit,
                               reporting=True)
     return {"clients": rows}
 
 
-def ban(coord: Coordinator, caller: str, body: AdminBan) -> BanReply:
-    return ops_actions.set_banned(coord, caller, body.client, body.banned, body.note)
+def ban(ops: Operations, caller: str, body: AdminBan) -> BanReply:
+    return ops_actions.set_banned(ops, caller, body.client, body.banned, body.note)
 
 
-def versions(coord: Coordinator, caller: str, body: AdminList) -> AdminVersions:
-    return {"current": coord.version,
-            "versions": readmodels.versions(coord.store, coord.snapshots.signed_manifest, body.limit)}
+def versions(ops: Operations, caller: str, body: AdminList) -> AdminVersions:
+    return {"current": ops.view.state.version,
+            "versions": readmodels.versions(ops.view.store, ops.view.snapshots.signed_manifest, body.limit)}
 
 
-def jobs(coord: Coordinator, caller: str, body: AdminList) -> AdminJobs:
-    return {**readmodels.jobs(coord.store, coord.clock(), body.limit), "lease_timeout_s": coord.config.jobs.lease_timeout_s}
+def jobs(ops: Operations, caller: str, body: AdminList) -> AdminJobs:
+    return {**readmodels.jobs(ops.view.store, ops.view.clock(), body.limit),
+            "lease_timeout_s": ops.view.config.jobs.lease_timeout_s}
 
 
-def audit(coord: Coordinator, caller: str, body: AdminAudit) -> AdminAuditReply:
-    client_id = ops_actions.find_client(coord, body.client) if body.client else None
-    return {"entries": readmodels.audit(coord.store, limit=body.limit, client_id=client_id, job_id=body.job_id,
+def audit(ops: Operations, caller: str, body: AdminAudit) -> AdminAuditReply:
+    client_id = ops_actions.find_client(ops, body.client) if body.client else None
+    return {"entries": readmodels.audit(ops.view.store, limit=body.limit, client_id=client_id, job_id=body.job_id,
                                         outcome=body.outcome)}
 
 
-async def checkpoint(coord: Coordinator, caller: str, body: AdminEmpty) -> CheckpointReply:
-    return await ops_actions.export_checkpoint(coord, caller)
+async def checkpoint(ops: Operations, caller: str, body: AdminEmpty) -> CheckpointReply:
+    return await ops_actions.export_checkpoint(ops, caller)
 
 
-def issuing(coord: Coordinator, caller: str, body: AdminIssuing) -> IssuingReply:
-    return ops_actions.set_issuing(coord, caller, body.paused)
+def issuing(ops: Operations, caller: str, body: AdminIssuing) -> IssuingReply:
+    return ops_actions.set_issuing(ops, caller, body.paused)
 
 
-def invite(coord: Coordinator, caller: str, body: AdminInvite) -> InviteReply:
-    return ops_actions.issue_invite(coord, caller, body.note)
+def invite(ops: Operations, caller: str, body: AdminInvite) -> InviteReply:
+    return ops_actions.issue_invite(ops, caller, body.note)
 
 
-def registration(coord: Coordinator, caller: str, body: AdminRegistration) -> RegistrationReply:
-    return ops_actions.set_registration(coord, caller, body.mode)
+def registration(ops: Operations, caller: str, body: AdminRegistration) -> RegistrationReply:
+    return ops_actions.set_registration(ops, caller, body.mode)
 
 
-def keys(coord: Coordinator, caller: str, body: AdminEmpty) -> KeysReply:
-    return ops_actions.list_keys(coord, caller)
+def keys(ops: Operations, caller: str, body: AdminEmpty) -> KeysReply:
+    return ops_actions.list_keys(ops, caller)
 
 
-def keys_add(coord: Coordinator, caller: str, body: AdminKeyAdd) -> KeyAdded:
-    return ops_actions.add_key(coord, caller, body.public_key, body.comment)
+def keys_add(ops: Operations, caller: str, body: AdminKeyAdd) -> KeyAdded:
+    return ops_actions.add_key(ops, caller, body.public_key, body.comment)
 
 
-def keys_remove(coord: Coordinator, caller: str, body: AdminKeyRemove) -> KeyRemoved:
-    return ops_actions.remove_key(coord, caller, body.key_id)
+def keys_remove(ops: Operations, caller: str, body: AdminKeyRemove) -> KeyRemoved:
+    return ops_actions.remove_key(ops, caller, body.key_id)
 
 
 # an action's reply is one of coordinator.api.replies' shapes; the handler only encodes it
-Action = Callable[[Coordinator, str, Any], "Mapping[str, object] | Awaitable[Mapping[str, object]]"]
+Action = Callable[[Operations, str, Any], "Mapping[str, object] | Awaitable[Mapping[str, object]]"]
 ENDPOINTS: dict[str, tuple[type[BaseModel], Action]] = {
     "status": (AdminEmpty, status),
     "clients": (AdminList, clients),
@@ -174,10 +181,10 @@ def _handler(path: str, model: type[BaseModel], action: Action) -> Callable[[web
     async def handle(request: web.Request) -> web.Response:
         if request.content_length is not None and request.content_length > MAX_ADMIN_BODY:
             raise ProtocolError(Reason.BODY_TOO_LARGE, f"admin requests are at most {MAX_ADMIN_BODY} bytes")
-        coord = request.app[ADMIN_COORDINATOR]
-        req, key = authenticate_admin(coord, await request.read(), path)
+        ops = request.app[ADMIN_OPERATIONS]
+        req, key = authenticate_admin(request.app[ADMIN_SIGNIN], ops.run_dir, await request.read(), path)
         body = wire.decode(req.body, model)
-        result = action(coord, key.key_id, body)
+        result = action(ops, key.key_id, body)
         if inspect.isawaitable(result):
             result = await result
         return web.json_response(result, dumps=lambda o: json.dumps(o, default=str))
@@ -185,16 +192,21 @@ def _handler(path: str, model: type[BaseModel], action: Action) -> Callable[[web
     return handle
 
 
-async def _ensure_key(app: web.Application) -> None:
-    coord = app[ADMIN_COORDINATOR]
-    coord.run_dir.mkdir(parents=True, exist_ok=True)
-    ensure_admin_key(coord.run_dir)
+def install(app: web.Application, run_dir: Path) -> None:
+    """Register ``POST /v1/admin/*`` and create the first operator key on startup if the run has none. What the
+    endpoints act on is handed over once the API role started (:func:`serve`)."""
 
+    async def ensure_key(app: web.Application) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_admin_key(run_dir)
 
-def install(app: web.Application, coord: Coordinator) -> None:
-    """Register ``POST /v1/admin/*`` and create the first operator key on startup if the run has none."""
-    app[ADMIN_COORDINATOR] = coord
-    app.on_startup.append(_ensure_key)
+    app.on_startup.append(ensure_key)
     for name, (model, action) in ENDPOINTS.items():
         path = f"/v1/admin/{name}"
         app.router.add_post(path, _handler(path, model, action))
+
+
+def serve(app: web.Application, ops: Operations, signin: SignIn) -> None:
+    """Hand the admin endpoints what they act on (during the app's startup, before it serves)."""
+    app[ADMIN_OPERATIONS] = ops
+    app[ADMIN_SIGNIN] = signin

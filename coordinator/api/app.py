@@ -1,4 +1,5 @@
-"""HTTP surface of the coordinator (aiohttp). Handlers parse, call the Coordinator, and encode; every
+"""HTTP surface of the coordinator (aiohttp), and the API role's composition: handlers parse, call the role's
+phases (coordinator.api.service.Coordinator builds them: sign-in, leasing, intake, the run's reads), and encode; every
 domain error becomes an HTTP status plus a msgpack ``{error, message}`` body in one middleware.
 
 Availability (issue 13): the outer middleware tells the connection guard (coordinator.api.netguard) what each
@@ -17,11 +18,13 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from aiohttp import web
 
 from coordinator.api import admin, metrics, netguard, status_page
 from coordinator.api.egress import EGRESS_COUNTER, EGRESS_FLUSH_S, stored_report
+from coordinator.api.ops_actions import Operations
 from coordinator.api.public_reads import PUBLIC_READS, PublicReads
 from coordinator.api.service import Coordinator
 from coordinator.api.status_page import select_status
@@ -259,23 +262,24 @@ async def _body(request: web.Request) -> bytes:
 
 
 async def info(request: web.Request) -> web.Response:
-    return _packed(wire.encode(request.app[COORDINATOR].info()))
+    return _packed(wire.encode(request.app[COORDINATOR].view.info()))
 
 
 async def register(request: web.Request) -> web.Response:
-    return _packed(wire.encode(request.app[COORDINATOR].register(await _body(request), request.get(ADDRESS, ""))))
+    signin = request.app[COORDINATOR].signin
+    return _packed(wire.encode(signin.register(await _body(request), request.get(ADDRESS, ""))))
 
 
 async def lease(request: web.Request) -> web.Response:
-    return _packed(wire.encode(await request.app[COORDINATOR].lease(await _body(request))))
+    return _packed(wire.encode(await request.app[COORDINATOR].leasing.lease(await _body(request))))
 
 
 async def release(request: web.Request) -> web.Response:
-    return _packed(wire.encode(request.app[COORDINATOR].release(await _body(request))))
+    return _packed(wire.encode(request.app[COORDINATOR].leasing.release(await _body(request))))
 
 
 async def results(request: web.Request) -> web.Response:
-    return _packed(wire.encode(await request.app[COORDINATOR].submit(await _body(request))))
+    return _packed(wire.encode(await request.app[COORDINATOR].intake.submit(await _body(request))))
 
 
 #: The handler of each signed call (shared.endpoints; the calls the coordinator's libp2p peer relays here too, §6b).
@@ -322,7 +326,7 @@ async def status(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     view = "page" if request.query.get("view") == "page" else "full"
     data = public.cache.get(f"status-{view}", coord.version, coord.store.changes,
-                            lambda: json.dumps(select_status(coord, view), default=str).encode())
+                            lambda: json.dumps(select_status(coord.view, view), default=str).encode())
     return web.Response(body=data, content_type="application/json", headers={"Cache-Control": "no-store"})
 
 
@@ -350,6 +354,7 @@ async def api_role(app: web.Application) -> AsyncIterator[None]:
     background: list[asyncio.Task[None]] = []
     try:
         await coord.start()
+        _hand_over(app, coord)
         coord.store.nonces.prune(coord.clock())  # opens (creates) the API's nonce database before serving
         background.append(asyncio.create_task(_prune_nonces(coord), name="nonce-pruner"))
         background.append(asyncio.create_task(_keep_counters(coord), name="counters"))
@@ -363,6 +368,14 @@ async def api_role(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(Exception):  # the last seconds' bytes; a store already closed loses only them
             coord.egress.flush(lambda n: coord.store.add_to_counter(EGRESS_COUNTER, n))
         await coord.stop()
+
+
+def _hand_over(app: web.Application, coord: Coordinator) -> None:
+    """Hand the admin API, the status pages and the metrics the parts of the started API role they use (during
+    the app's startup: it is not frozen yet)."""
+    admin.serve(app, Operations(coord.view, coord.run_dir, coord.leasing.notify_jobs, coord.run_io), coord.signin)
+    app[status_page.STATUS_VIEW] = coord.view
+    app[metrics.METRICS].follow(coord.view, coord.intake)
 
 
 async def _api_alone(app: web.Application) -> AsyncIterator[None]:
@@ -404,7 +417,7 @@ def create_app(config: CoordinatorConfig, coordinator: Coordinator | None = None
     for read, reader in READ_HANDLERS.items():
         app.router.add_get(read.path, reader)
     # issue 6: /metrics, /v1/admin/*, /
-    metrics.install(app, app[COORDINATOR], app[CONN_GUARD])
-    admin.install(app, app[COORDINATOR])
-    status_page.install(app, app[COORDINATOR])
+    metrics.install(app, app[CONN_GUARD])
+    admin.install(app, Path(config.run_dir))
+    status_page.install(app)
     return app

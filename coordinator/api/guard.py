@@ -160,13 +160,13 @@ class Guard:
                            " and quarantined" if state.quarantines > before.quarantines else "", why)
         return why
 
-    def quarantined_until(self, client_id: str) -> float:
+    def _quarantined_until(self, client_id: str) -> float:
         """The end of the identity's quarantine, whichever class the evidence was recorded under (0: none)."""
         return self.store.trust.quarantined_until(client_id)
 
     def check_quarantine(self, client_id: str, now: float) -> None:
         """Per identity first: a quarantined identity gets nothing, whatever backend it claims."""
-        until = self.quarantined_until(client_id)
+        until = self._quarantined_until(client_id)
         if quarantined(TrustState(quarantined_until=until), now):
             raise ProtocolError(
                 Reason.QUARANTINED,

@@ -33,9 +33,11 @@ class Issuer:
         self.pace: dict[str, float] = {}  # seconds from lease to result, per client (core.pacing)
         self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
         self._waiting: dict[str, int] = {}  # long-polling clients → requests waiting
-        # the paces of the waiting clients whose pace is known, sorted; each waiting client's pace as listed there
+        # the ranks (core.pacing.rank) of the waiting clients whose pace is known, sorted; each one's as listed there
         self._waiting_paces: SortedList = SortedList()
-        self._listed: dict[str, float | None] = {}
+        self._listed: dict[str, pacing.Rank | None] = {}
+        self._measured: SortedList = SortedList()  # the measured paces (the fastest is the declared paces' floor)
+        self._measured_ids: set[str] = set()
         self._woken: set[str] = set()  # clients a new version woke to pull it (next_in_line), for that version
         self._woken_version = -1
         self.version_interval: float | None = None  # recent seconds between policy versions
@@ -53,22 +55,44 @@ class Issuer:
             self._set_pace(cid, None)
             self._pace_observed.discard(cid)
 
+    def rank(self, client_id: str) -> pacing.Rank | None:
+        """Where ``client_id`` stands in rule 1's order (core.pacing.rank: a declared pace is believed no faster
+        than the fastest measured one, and a measured client goes first among equals)."""
+        return pacing.rank(self.pace.get(client_id), client_id in self._pace_observed, self._floor())
+
+    def _floor(self) -> float:
+        """The fastest pace any result has shown: no declaration ranks a client ahead of it."""
+        return self._measured[0] if self._measured else 0.0
+
     def _set_pace(self, client_id: str, pace_s: float | None) -> None:
         """Change a client's pace, and where it waits, its place among the waiting clients' paces."""
         waiting = client_id in self._waiting
         if waiting:
             self._unlist(client_id)
+        floor = self._floor()
+        old = self.pace.get(client_id)
+        if old is not None and client_id in self._measured_ids:
+            self._measured.remove(old)
+            self._measured_ids.discard(client_id)
         if pace_s is None:
             self.pace.pop(client_id, None)
         else:
             self.pace[client_id] = pace_s
+            if client_id in self._pace_observed:
+                self._measured.add(pace_s)
+                self._measured_ids.add(client_id)
         if waiting:
             self._list(client_id)
+        if self._floor() != floor:  # the declared paces below the floor move with it: a pass over the waiting
+            # newcomers (clients not yet measured: few, and only when the fastest measured pace changes)
+            for cid in [c for c in self._listed if c not in self._pace_observed and c != client_id]:
+                self._unlist(cid)
+                self._list(cid)
 
     def _list(self, client_id: str) -> None:
-        pace = self._listed[client_id] = self.pace.get(client_id)
-        if pace is not None:
-            self._waiting_paces.add(pace)
+        key = self._listed[client_id] = self.rank(client_id)
+        if key is not None:
+            self._waiting_paces.add(key)
 
     def _unlist(self, client_id: str) -> None:
         pace = self._listed.pop(client_id, None)  # the pace it was listed with, whatever ``pace`` says by now
@@ -82,8 +106,8 @@ class Issuer:
         leased_at = view.lease_deadline - self.lease_timeout_s
         # the first observation replaces a declared (untrusted, optimistic) self-benchmark outright
         previous = self.pace.get(client_id) if client_id in self._pace_observed else None
+        self._pace_observed.add(client_id)  # before the pace is set: it is listed in the observed tier
         self._set_pace(client_id, pacing.update_pace(previous, now - leased_at))
-        self._pace_observed.add(client_id)
 
     def new_version(self, now: float) -> None:
         """A version became current at ``now`` (monotonic seconds): how fast versions come."""
@@ -131,21 +155,21 @@ class Issuer:
         woken_others = [c for c in self._woken if c != client_id]  # at most B
         if len(woken_others) >= b:
             return False  # the B woken so far (ties, unknown paces) are ahead of it
-        mine = self.pace.get(client_id)
+        mine = self.rank(client_id)
         ahead = self._faster_waiting(mine) + pacing.faster_count(
-            mine, (self.pace.get(c) for c in woken_others if c not in self._waiting))
+            mine, (self.rank(c) for c in woken_others if c not in self._waiting))
         if ahead >= b:
             return False  # B faster ones waiting or woken are ahead of it
         self._woken.add(client_id)
         return True
 
-    def _faster_waiting(self, pace_s: float | None) -> int:
-        """How many waiting clients are expected to finish strictly sooner than ``pace_s`` (unknown = slowest;
-        core.pacing.faster_count over the waiting set, by binary search). The asking client, if it waits, is never
-        counted: its own pace is not strictly faster than itself, and an unknown one is not counted at all."""
-        if pace_s is None:
+    def _faster_waiting(self, key: pacing.Rank | None) -> int:
+        """How many waiting clients rank strictly ahead of ``key`` (unknown = last; core.pacing.faster_count over
+        the waiting set, by binary search). The asking client, if it waits, is never counted: its own rank is not
+        strictly ahead of itself, and an unknown one is not counted at all."""
+        if key is None:
             return len(self._waiting_paces)
-        return int(self._waiting_paces.bisect_left(pace_s))
+        return int(self._waiting_paces.bisect_left(key))
 
     def with_due(self, view: LeaseView) -> LeaseView:
         """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known."""
@@ -160,10 +184,9 @@ class Issuer:
                          pacing.expected_back(leased_at, pace))
 
     def speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
-        mine = self.pace.get(client_id)
         exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self.pace
                         and v.lease_client != client_id)
-        return pacing.ClientSpeed(pace_s=mine, faster_waiting=self._faster_waiting(mine),
+        return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self._faster_waiting(self.rank(client_id)),
                                   exploring=exploring, step_s=self.version_interval)
 
     def decide(self, client_id: str, views: list[LeaseView], queued: int, now: float, version: int,

@@ -21,9 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from coordinator.api.intake import Intake
 from coordinator.api.netguard import ConnectionGuard
 from coordinator.api.public_reads import PUBLIC_READS, ReplyCache
-from coordinator.api.service import Coordinator
+from coordinator.api.runstate import RunView
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import CLIENT_STATES
 from coordinator.store import readmodels
@@ -44,8 +45,8 @@ class _StepTimes:
         self.count = 0
         self.total = 0.0
 
-    def update(self, coord: Coordinator) -> None:
-        for step, s in coord.store.steps.durations_after(self.last_step):
+    def update(self, view: RunView) -> None:
+        for step, s in view.store.steps.durations_after(self.last_step):
             self.count += 1
             self.total += s
             for k, edge in enumerate(STEP_BUCKETS):
@@ -61,23 +62,28 @@ class _StepTimes:
 
 
 class StoreCollector(Collector):
-    """Figures derived from the coordinator's database and in-memory state at scrape time."""
+    """Figures derived from the coordinator's database and in-memory state at scrape time: the run's (``view``)
+    and this API process's result intake's."""
 
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
+    def __init__(self, view: RunView, intake: Intake) -> None:
+        self.view = view
+        self.intake = intake
         self.step_times = _StepTimes()
 
     def collect(self) -> Iterator[Metric]:
-        coord = self.coord
-        if not hasattr(coord, "store"):  # not started yet
-            return
-        now = coord.clock()
-        jobs = readmodels.jobs(coord.store, now, limit=0)
+        yield from self._jobs_and_results()
+        yield from self._run()
+        yield from self._intake()
+
+    def _jobs_and_results(self) -> Iterator[Metric]:
+        view = self.view
+        now = view.clock()
+        jobs = readmodels.jobs(view.store, now, limit=0)
         yield CounterMetricFamily("echo_swarm_jobs_leased", "Leases issued (first issues and reissues).",
                                   value=jobs["leases_issued"])
         yield CounterMetricFamily("echo_swarm_jobs_reissued", "Jobs leased more than once (a lease expired or was "
                                   "released).", value=jobs["reissued"])
-        totals = readmodels.result_totals(coord.store)
+        totals = readmodels.result_totals(view.store)
         yield CounterMetricFamily("echo_swarm_results_accepted", "Results verified and accepted.",
                                   value=totals["accepted"])
         yield CounterMetricFamily("echo_swarm_tokens_accepted", "Generated tokens in accepted results.",
@@ -86,7 +92,7 @@ class StoreCollector(Collector):
                                   "staleness bound (credited, never trained on).", value=totals["too_stale"])
         rejected = CounterMetricFamily("echo_swarm_results_rejected", "Results refused, by reason code "
                                        "(shared.errors.Reason).", labels=["reason"])
-        for reason, n in sorted(readmodels.rejection_counts(coord.store).items()):
+        for reason, n in sorted(readmodels.rejection_counts(view.store).items()):
             rejected.add_metric([reason], n)
         yield rejected
         state = GaugeMetricFamily("echo_swarm_jobs", "Jobs not yet done, by state (expired: lease deadline passed, "
@@ -96,15 +102,19 @@ class StoreCollector(Collector):
         yield state
         yield GaugeMetricFamily("echo_swarm_results_buffered", "Accepted results waiting for a learner step.",
                                 value=jobs["buffered_results"])
-        by_state = readmodels.client_summary(readmodels.client_states(coord.store, now,
-                                                                      coord.config.jobs.lease_timeout_s))["by_state"]
+        by_state = readmodels.client_summary(readmodels.client_states(view.store, now,
+                                                                      view.config.jobs.lease_timeout_s))["by_state"]
         clients = GaugeMetricFamily("echo_swarm_clients", "Registered clients by state (working: holds a live "
                                     "lease; active: seen recently; idle; banned).", labels=["state"])
         for s in CLIENT_STATES:
             clients.add_metric([s], by_state.get(s, 0))
         yield clients
-        stale = readmodels.trained_staleness(coord.store)
-        bound = coord.config.sync_policy.bound
+
+    def _run(self) -> Iterator[Metric]:
+        view = self.view
+        now = view.clock()
+        stale = readmodels.trained_staleness(view.store)
+        bound = view.config.sync_policy.bound
         edges = list(range(0, max(bound, max(stale, default=0)) + 1))
         cum, acc = [], 0
         for e in edges:
@@ -115,30 +125,34 @@ class StoreCollector(Collector):
                                     "policy versions between generation and the step that used them.",
                                     buckets=cum + [("+Inf", float(total))],
                                     sum_value=float(sum(k * n for k, n in stale.items())))
-        self.step_times.update(coord)
+        self.step_times.update(view)
         yield self.step_times.family()
-        yield GaugeMetricFamily("echo_swarm_policy_version", "Current published policy version.", value=coord.version)
+        yield GaugeMetricFamily("echo_swarm_policy_version", "Current published policy version.",
+                                value=view.state.version)
         yield GaugeMetricFamily("echo_swarm_issuing_paused", "1 while the operator has paused issuing jobs.",
-                                value=float(getattr(coord, "issuing_paused", False)))
+                                value=float(view.state.issuing_paused))
         yield GaugeMetricFamily("echo_swarm_run_finished", "1 once the run reached learner.max_steps.",
-                                value=float(coord.finished))
-        live = sum(1 for j in coord.store.jobs.active() if lease_live(j.view, now))
+                                value=float(view.state.finished))
+        live = sum(1 for j in view.store.jobs.active() if lease_live(j.view, now))
         yield GaugeMetricFamily("echo_swarm_live_leases", "Leases currently held by clients.", value=live)
-        evals = coord.store.evals.all()
+        evals = view.store.evals.all()
         if evals:
             yield GaugeMetricFamily("echo_swarm_heldout_accuracy", "Held-out greedy accuracy at the last evaluation.",
                                     value=evals[-1].accuracy)
-        last = coord.store.steps.last()
+        last = view.store.steps.last()
         if last is not None:
             yield GaugeMetricFamily("echo_swarm_mean_reward", "Mean rollout reward of the last learner step.",
                                     value=last.mean_reward)
+
+    def _intake(self) -> Iterator[Metric]:
+        intake = self.intake
         yield CounterMetricFamily("echo_swarm_result_recomputes", "Recomputes this API process asked of the "
                                   "verifiers for results (since it started): one per result, however often "
-                                  "it is resent.", value=coord.recomputes)
+                                  "it is resent.", value=intake.recomputes)
         yield CounterMetricFamily("echo_swarm_result_resends_joined", "Resends of a result that joined its "
                                   "verification in flight (same client, job and body) instead of starting another "
-                                  "(since this process started).", value=coord.verdicts.joined)
-        tally = coord.margins  # this API process's results
+                                  "(since this process started).", value=intake.verdicts.joined)
+        tally = intake.margins  # this API process's results
         if tally.buckets:
             margins = HistogramMetricFamily(
                 "echo_swarm_choice_margin_ratio", "Worst keyed-sampler margin of each result that passed the choice "
@@ -190,18 +204,23 @@ class ServingCollector(Collector):
 
 
 class Metrics:
-    """The registry of one app plus the in-process counters that the request path feeds."""
+    """The registry of one app plus the in-process counters that the request path feeds. The run's figures join
+    once the API role started (:meth:`follow`); until then a scrape has only the listener's."""
 
-    def __init__(self, coord: Coordinator, guard: ConnectionGuard | None = None, cache: ReplyCache | None = None
-                 ) -> None:
+    def __init__(self, guard: ConnectionGuard | None = None, cache: ReplyCache | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StoreCollector(coord))
         self.registry.register(ServingCollector(guard, cache))
+        self.view: RunView | None = None
         self.snapshot_bytes = Counter("echo_swarm_snapshot_bytes_served", "Bytes of snapshot files and signed "
                                       "manifests sent to clients (since this process started).", ["kind"],
                                       registry=self.registry)
         self.requests = Counter("echo_swarm_http_requests", "HTTP requests answered, by route and status "
                                 "(since this process started).", ["route", "status"], registry=self.registry)
+
+    def follow(self, view: RunView, intake: Intake) -> None:
+        """Export the run's figures and this process's intake's from now on."""
+        self.view = view
+        self.registry.register(StoreCollector(view, intake))
 
 
 METRICS = web.AppKey("metrics", Metrics)
@@ -222,19 +241,15 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
 async def metrics_handler(request: web.Request) -> web.Response:
     public = request.app[PUBLIC_READS]
     public.check(request)
-    registry = request.app[METRICS].registry
-    coord = request.app[METRICS_COORDINATOR]
-    changes = coord.store.changes if hasattr(coord, "store") else 0
-    data = public.cache.get("metrics", coord.version, changes, lambda: generate_latest(registry))
+    metrics = request.app[METRICS]
+    view = metrics.view
+    version, changes = (0, 0) if view is None else (view.state.version, view.store.changes)
+    data = public.cache.get("metrics", version, changes, lambda: generate_latest(metrics.registry))
     return web.Response(body=data, headers={"Content-Type": PROM_CONTENT_TYPE})
 
 
-METRICS_COORDINATOR = web.AppKey("metrics_coordinator", Coordinator)
-
-
-def install(app: web.Application, coord: Coordinator, guard: ConnectionGuard | None = None) -> None:
+def install(app: web.Application, guard: ConnectionGuard | None = None) -> None:
     """Add ``GET /metrics`` and the response hook that counts requests and snapshot bytes."""
-    app[METRICS] = Metrics(coord, guard, app[PUBLIC_READS].cache)
-    app[METRICS_COORDINATOR] = coord
+    app[METRICS] = Metrics(guard, app[PUBLIC_READS].cache)
     app.on_response_prepare.append(_on_prepare)
     app.router.add_get("/metrics", metrics_handler)

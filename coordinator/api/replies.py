@@ -41,7 +41,7 @@ class TrustView(TypedDict):
 
 
 class RunHead(TypedDict):
-    """What every status reply opens with: the run, its version and its settings (Coordinator.status)."""
+    """What every status reply opens with: the run, its version and its settings (RunView.status)."""
 
     run_id: str
     version: int
@@ -54,9 +54,9 @@ class RunHead(TypedDict):
 
 
 class CoordinatorStatus(RunHead):
-    """``Coordinator.status``: every key /v1/status always had. ``learner`` and ``roles`` are the roles' own
-    reports as they wrote them (coordinator.store.role_status); ``steps``, ``evals`` and ``clients`` the store's
-    rows (coordinator.store.records), encoded."""
+    """``RunView.status`` (coordinator.api.runstate): every key /v1/status always had. ``learner`` and ``roles``
+    are the roles' own reports as they wrote them (coordinator.store.role_status); ``steps``, ``evals`` and
+    ``clients`` the store's rows (coordinator.store.records), encoded."""
 
     learner: dict[str, object]
     roles: dict[str, dict[str, object]]

@@ -7,7 +7,7 @@ volunteer. Here a submission is keyed by who sent it, for which job, and the sha
 in verification, a submission with the same key waits for that verification and gets its verdict — the same
 acceptance, or the same refusal (recorded once, by the verification itself). Each verification runs as a task of
 its own, so a client that hangs up does not cancel it: its verdict is recorded and waits in the store for the next
-resend (a resend after the acceptance is answered from the store, coordinator.api.service.Coordinator.submit).
+resend (a resend after the acceptance is answered from the store, coordinator.api.intake.Intake.submit).
 
 Per API process: a resend that reaches another API process of the same store is verified there (and then refused
 or answered from the store, as before this existed).
@@ -16,7 +16,8 @@ or answered from the store, as before this existed).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, KeysView
 
 from shared.messages import SubmitResponse
 
@@ -60,3 +61,26 @@ class Verdicts:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Verifying:
+    """Jobs whose result is being verified (job id → submissions in verification): never reissued meanwhile
+    (coordinator.api.leasing), so a lease that runs out while the coordinator is busy verifying does not cost the
+    honest holder."""
+
+    def __init__(self) -> None:
+        self._count: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def held(self, job_id: str) -> Iterator[None]:
+        """While a submission for ``job_id`` is in verification."""
+        self._count[job_id] = self._count.get(job_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._count.pop(job_id) - 1
+            if left > 0:
+                self._count[job_id] = left
+
+    def jobs(self) -> KeysView[str]:
+        return self._count.keys()

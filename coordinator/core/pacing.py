@@ -30,7 +30,10 @@ this host finish in time?") with the staleness bound as the deadline:
    and nothing changes.
 
 Paces are estimated per client as an exponentially weighted mean of observed lease-to-result seconds, seeded
-by the client's declared self-benchmark (untrusted, corrected by the first observed job).
+by the client's declared self-benchmark (untrusted, corrected by the first observed job). A declaration is a claim:
+rule 1 orders clients by :func:`rank`, which believes a declared pace no faster than the fastest measured one, so
+a fresh identity declaring 10⁷ tokens/s is not served ahead of the swarm's fastest measured client (issue 37;
+what such a flood still costs: docs/benchmarks.md, bench/swarm_sim.py ``--sybils``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 PACE_WEIGHT = 0.3  # weight of the newest observation in the pace average
 OVERDUE_FACTOR = 3.0  # a lease is overdue after this many times its holder's expected pace (plus a step)
@@ -64,6 +68,17 @@ class ClientSpeed:
     faster_waiting: int = 0
     exploring: int = 0
     step_s: float | None = None
+
+
+#: A client's place in rule 1's order: (pace, 0) measured, (max(pace, floor), 1) declared only; None (unknown) last.
+Rank = tuple[float, int]
+_Key = TypeVar("_Key", float, Rank)
+
+
+def rank(pace_s: float | None, proven: bool, floor: float = 0.0) -> Rank | None:
+    """Rule 1's sort key: by pace, a declared one never faster than ``floor`` (the fastest pace results have
+    shown), a measured one first among equals; unknown last."""
+    return None if pace_s is None else (pace_s, 0) if proven else (max(pace_s, floor), 1)
 
 
 def update_pace(previous: float | None, observed_s: float) -> float:
@@ -99,8 +114,9 @@ def declared_pace(tokens_per_s: float | None, tokens_per_job: int) -> float | No
     return tokens_per_job / tokens_per_s
 
 
-def faster_count(me: float | None, others: Iterable[float | None]) -> int:
-    """How many of ``others`` are expected to finish strictly sooner than ``me`` (unknown = slowest)."""
+def faster_count(me: _Key | None, others: Iterable[_Key | None]) -> int:
+    """How many of ``others`` are expected to finish strictly sooner than ``me`` (unknown = slowest): paces, or
+    :func:`rank` keys (all of one kind)."""
     if me is None:
         return sum(1 for p in others if p is not None)
     return sum(1 for p in others if p is not None and p < me)

@@ -1,6 +1,6 @@
 """The GRPO learner: recomputes behaviour logprobs for verification and takes clipped policy-gradient steps.
 
-Loss per token, token-mean over the batch. Two off-policy corrections (``learner.correction``):
+Loss per token, token-mean over the batch. The off-policy corrections (``learner.correction``):
 
 - ``behaviour-clip`` (default), PPO anchored at the behaviour policy:
       w · −dualclip(min(r·A, clip(r, 1−ε, 1+ε)·A)),   r = πθ/π_b
@@ -22,15 +22,21 @@ Loss per token, token-mean over the batch. Two off-policy corrections (``learner
   ones that carry most of the signal; M2PO keeps every token and drops only the outliers that would make the
   importance-weighted gradient's variance explode, so it stays stable with rollouts many versions old (the paper:
   256). The mask is chosen once per batch (:func:`second_moment_keep`), over every rank's tokens.
+- ``none``, the ablation baseline: w · −A · πθ/sg(πθ), every rollout trained as if this step's policy had
+  sampled it (what a trainer that ignores who sampled does; biased for stale and quantised rollouts).
 
 π_b is the coordinator's own recompute (coordinator.engine.verifier, from the published snapshot of the version that
 generated the rollout; trusted, unlike the client's report) — for a llama.cpp client's rollout, llama.cpp's on the
 GGUF file it ran (coordinator.engine.llama_verifier): the quantised policy it actually sampled from, so the
 quantisation's gap to πθ is an importance ratio the correction clips, like staleness; π_prox the learner's policy at the start of this
 step (no gradient); w = ``staleness_decay`` ** staleness; A the group-normalised advantage. For a fresh
-rollout π_b = π_prox = πθ when the gradient is taken, both corrections are plain GRPO, and co-located or
-sequential-pull training is unaffected by the choice. The learner's model is touched only by the learner's
-thread; verification, publication and evaluation read published snapshots or copies handed over after a step.
+rollout of the learner's own class (torch float32, :data:`OWN_CLASS`) π_b = π_prox = πθ when the gradient is taken,
+every correction is plain GRPO, and co-located or sequential-pull training is unaffected by the choice. A fresh
+quantised rollout (a llama.cpp or bf16 client's) has π_b ≠ πθ however fresh: ``behaviour-clip`` clips πθ/π_b
+around the quantised policy; ``decoupled`` is then exactly the truncated importance sampling of Yao et al. (2025)
+and FlashRL for a quantised sampler — PPO around π_prox, weighted by min(c, π_prox/π_b). The learner's model is
+touched only by the learner's thread; verification, publication and evaluation read published snapshots or copies
+handed over after a step.
 """
 
 from __future__ import annotations
@@ -116,6 +122,9 @@ def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any,
     import torch
 
     log_is = ((prox - behaviour) * mask).detach()
+    if correction == "none":
+        ratio = torch.exp((logp - logp.detach()) * mask)  # 1, with the gradient of log πθ
+        return -ratio * adv * weight * mask, ratio, log_is
     if correction == "m2po":
         if keep is None:
             raise ValueError("the m2po correction needs the batch's second-moment mask (second_moment_keep)")
@@ -137,6 +146,16 @@ def token_objective(logp: Any, prox: Any, behaviour: Any, adv: Any, weight: Any,
     clipped_obj = torch.clamp(ratio, 1 - eps, 1 + eps) * adv
     per_token = -torch.minimum(unclipped, clipped_obj) * is_weight * weight * mask
     return per_token, ratio, log_is
+
+
+#: The sampling class whose fresh rollouts are this step's policy's own (π_b = πθ): a torch float32 client's.
+OWN_CLASS = "torch"
+
+
+def on_policy(sample: Sample) -> bool:
+    """Whether π_b is πθ at the start of the step: a fresh rollout of the learner's own class. Any other — stale,
+    or sampled in another precision however fresh — needs π_prox, this step's policy, beside π_b."""
+    return sample.staleness == 0 and sample.source == OWN_CLASS
 
 
 class LearnerDescription(TypedDict):
@@ -289,7 +308,7 @@ class Learner:
             logp, mask, behaviour = self._token_tensors(chunk, real)
             # π_prox is this step's starting policy: the weights ``logp`` was just computed with (the
             # optimiser steps only after every micro-batch), so its values need no second forward pass
-            prox = logp.detach() if any(c.staleness > 0 for c in chunk) else behaviour
+            prox = logp.detach() if any(not on_policy(c) for c in chunk) else behaviour
             adv = torch.tensor([c.advantage for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             weight = torch.tensor([c.weight for c in chunk], dtype=logp.dtype, device=logp.device)[:, None]
             keep = None

@@ -15,14 +15,58 @@ it is imported only by a run that names this task type.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import ReasoningGymTaskConfig, reasoning_gym_datasets
-from coordinator.errors import TaskError
+from coordinator.config import ReasoningGymTaskConfig
+from coordinator.errors import MissingDependency, TaskError
 from coordinator.tasks.base import TaskItem, chat_formatter
 from coordinator.tasks.rewards import RewardFailed, RewardSet, RewardTerm, ScoredBatch, final_answer
+
+#: How to get the reasoning-gym task type's optional extra.
+REASONING_GYM_INSTALL = "pip install 'echo-swarm[reasoning-gym]' (or pip install reasoning-gym)"
+#: A reasoning-gym dataset's settings that the task sets itself, from task.seed and task.size.
+REASONING_GYM_RESERVED = ("seed", "size")
+
+
+def reasoning_gym_datasets() -> Mapping[str, tuple[type, type]]:
+    """reasoning-gym's datasets (name → dataset class, config class); MissingDependency without the extra. The
+    library is imported here, not at the top: it takes seconds, and only a run of this task type needs it."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a generator must never reach a hub
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise MissingDependency(f"the reasoning-gym task needs reasoning-gym: {REASONING_GYM_INSTALL}") from None
+    return DATASETS  # type: ignore[no-any-return]
+
+
+def check_reasoning_gym_dataset(name: str, config: Mapping[str, Any]) -> None:
+    """Raise ValueError, saying how to fix it, unless ``name`` is a reasoning-gym dataset and ``config`` a valid
+    configuration of it (checked by the dataset's own config class and its ``validate``)."""
+    try:
+        registry = reasoning_gym_datasets()
+    except MissingDependency as exc:
+        raise ValueError(str(exc)) from None
+    if name not in registry:
+        raise ValueError(f"task.dataset {name!r} is not a reasoning-gym dataset; known datasets: "
+                         f"{', '.join(sorted(registry))}")
+    _, config_cls = registry[name]
+    names = [f.name for f in dataclasses.fields(config_cls) if f.name not in REASONING_GYM_RESERVED]
+    reserved = sorted(set(config) & set(REASONING_GYM_RESERVED))
+    if reserved:
+        raise ValueError(f"task.config may not set {reserved}: use task.seed and task.size")
+    unknown = sorted(set(config) - set(names))
+    if unknown:
+        raise ValueError(f"task.config has {unknown}, which {name} does not take; its settings are: {', '.join(names)}")
+    try:
+        made = config_cls(**config, seed=0, size=1)
+        if hasattr(made, "validate"):
+            made.validate()
+    except (AssertionError, TypeError, ValueError) as exc:
+        raise ValueError(f"task.config is not a valid {name} configuration: {exc or type(exc).__name__}") from None
 
 
 def _fill(template: str, entry: dict[str, Any]) -> str:
@@ -42,12 +86,16 @@ class ReasoningGymTask:
     def __init__(self, config: ReasoningGymTaskConfig, tokenizer_dir: Path | None = None) -> None:
         self.config = config
         reasoning_gym_datasets()  # a missing extra stops the run here, with what to install
+        try:
+            check_reasoning_gym_dataset(config.dataset, config.config)
+        except ValueError as exc:
+            raise TaskError(str(exc)) from None
         import reasoning_gym
 
         try:
             self.dataset = reasoning_gym.create_dataset(config.dataset, seed=config.seed,
                                                         size=config.size + 4 * config.heldout_size, **config.config)
-        except Exception as exc:  # a generator's own checks (the config was validated against its class already)
+        except Exception as exc:  # a generator's own checks (the config was checked against its class just above)
             raise TaskError(f"reasoning-gym cannot make {config.dataset!r} with this task.config: "
                             f"{type(exc).__name__}: {exc}") from None
         entries = [self._entry(i) for i in range(config.size)]

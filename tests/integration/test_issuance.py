@@ -143,7 +143,7 @@ def test_a_lease_that_runs_out_during_verification_is_honoured(tmp_path: Path, t
         job = lease(holder, live.coordinator.public_key)
         result = honest_result(live, job)
         service = live.coordinator
-        recompute = service._recompute_stats_at
+        recompute = service.intake.recompute_stats
         during: list[LeaseResponse] = []
 
         async def slow_recompute(*args: Any) -> TokenStats:  # while the result is being verified
@@ -151,7 +151,7 @@ def test_a_lease_that_runs_out_during_verification_is_honoured(tmp_path: Path, t
             during.append(await asyncio.to_thread(ask, other))  # served by the event loop meanwhile
             return await recompute(*args)
 
-        service._recompute_stats_at = slow_recompute  # type: ignore[method-assign,assignment]
+        service.intake.recompute_stats = slow_recompute  # type: ignore[method-assign,assignment]
         status, raw = holder.post("/v1/results", result)
         assert status == 200, raw
         assert during and during[0].job is not None

@@ -211,7 +211,7 @@ def test_a_failing_reward_refuses_the_result_and_changes_nothing(setup: Any, mon
     message = refused(client, "/v1/results", client.envelope("/v1/results", result), 422, "reward_failed")
     assert "my_rewards:f raised KeyError" in message
     assert state(live.run_dir) == before
-    audit = live.coordinator.audit(job_id=job.job_id)
+    audit = live.coordinator.store.audit.lines(job_id=job.job_id)
     assert [(a.outcome, a.reason) for a in audit] == [("rejected", "reward_failed")]
     assert live.coordinator.guard.standings() == [] or all(
         s.consecutive_invalid == 0 for s in live.coordinator.guard.standings())

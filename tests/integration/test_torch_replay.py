@@ -198,7 +198,7 @@ def test_the_verifier_role_replays_a_bf16_result_by_engine_name(live_coordinator
     assert live.loop is not None
 
     def ask(engine: str) -> Any:
-        call = live.coordinator._recompute_stats_at(flat, comps, 0, segments, engine)  # type: ignore[arg-type]
+        call = live.coordinator.intake.recompute_stats(flat, comps, 0, segments, engine)  # type: ignore[arg-type]
         return asyncio.run_coroutine_threadsafe(call, live.loop).result(300)  # type: ignore[arg-type]
 
     replayed = ask("torch-bf16")

@@ -1,6 +1,8 @@
 """The rules that import-linter cannot state: few function-level imports of project modules, each with its
-reason written beside it, a CLI whose --help loads no heavy library (issue 22), and no class with more than
-MAX_PUBLIC_METHODS public methods (a class that grows past it is split, as the Store is per aggregate)."""
+reason written beside it, a CLI whose --help loads no heavy library (issue 22), no class with more than
+MAX_PUBLIC_METHODS public methods or MAX_CLASS_LINES lines and no function over MAX_FUNCTION_LINES lines (a class
+that grows past it is split, as the Store is per aggregate and the API per phase: issue 33), and an API whose
+modules are handed the collaborators they use, not the whole role."""
 
 from __future__ import annotations
 
@@ -13,7 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("coordinator", "shared", "swarm_client", "echo_swarm")
 MAX_LAZY = 15
 HEAVY = ("torch", "transformers", "hivemind", "llama_cpp")
-MAX_PUBLIC_METHODS = 25
+MAX_PUBLIC_METHODS = 15
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 60
+#: What still exceeds those limits (issue 33 splits them later); nothing in coordinator/api may be listed here, and
+#: nothing may join the list.
+TOO_BIG_YET = frozenset({
+    "coordinator/store/db.py:Db", "echo_swarm/admin_client.py:AdminClient",
+    "coordinator/engine/learner.py:Learner", "coordinator/engine/verifier.py:Verifier",
+    "coordinator/roles/learner.py:LearnerRole", "swarm_client/runner.py:Runner", "swarm_client/snapshots.py:SnapshotCache",
+    "coordinator/engine/head.py:_make_function", "coordinator/engine/learner.py:Learner.__init__",
+    "coordinator/engine/learner.py:Learner.train_step", "shared/policy.py:replay_stats",
+    "swarm_client/runner.py:Runner._run", "swarm_client/runner.py:Runner._work",
+    "swarm_client/snapshots.py:SnapshotCache._fetch_blob",
+})
 
 
 def _lazy_imports() -> list[tuple[str, int, bool]]:
@@ -75,25 +90,72 @@ def test_help_imports_no_heavy_library() -> None:
         assert not loaded & set(HEAVY), f"`echo-swarm {' '.join(argv)}` imported {sorted(loaded & set(HEAVY))}"
 
 
+def _definitions() -> dict[str, tuple[ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef, str]]:
+    """``file:Qual.name`` → (definition, package-relative file) of every class and function in the packages."""
+    found: dict[str, tuple[ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef, str]] = {}
+
+    def visit(node: ast.AST, prefix: str, file: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}"
+                found[f"{file}:{name}"] = (child, file)
+                visit(child, f"{name}.", file)
+            else:
+                visit(child, prefix, file)
+
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            visit(ast.parse(path.read_text(encoding="utf-8")), "", path.relative_to(ROOT).as_posix())
+    return found
+
+
 def _public_methods() -> dict[str, int]:
     """``file:Class`` → how many public methods (a ``def`` or ``async def`` in the class body whose name does not
     start with an underscore; properties and static methods included) of every class in the packages."""
-    counts = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.ClassDef):
-                    counts[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = sum(
-                        1 for item in node.body
-                        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and not item.name.startswith("_"))
-    return counts
+    return {name: sum(1 for item in node.body
+                      if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and not item.name.startswith("_"))
+            for name, (node, _) in _definitions().items() if isinstance(node, ast.ClassDef)}
 
 
-def test_no_class_has_more_than_25_public_methods() -> None:
+def _lines(kind: type | tuple[type, ...]) -> dict[str, int]:
+    """``file:Qual.name`` → lines (decorators excluded) of every definition of ``kind``."""
+    return {name: (node.end_lineno or node.lineno) - node.lineno + 1
+            for name, (node, _) in _definitions().items() if isinstance(node, kind)}
+
+
+def test_no_class_has_more_than_15_public_methods() -> None:
     counts = _public_methods()
     assert counts["coordinator/store/store.py:Store"] > 0  # the walk sees the classes
-    big = {name: n for name, n in counts.items() if n > MAX_PUBLIC_METHODS}
+    big = {name: n for name, n in counts.items() if n > MAX_PUBLIC_METHODS and name not in TOO_BIG_YET}
     assert not big, f"classes with more than {MAX_PUBLIC_METHODS} public methods (split them): {big}"
+
+
+def test_no_class_over_300_lines_and_no_function_over_60() -> None:
+    classes = _lines(ast.ClassDef)
+    functions = _lines((ast.FunctionDef, ast.AsyncFunctionDef))
+    assert classes["swarm_client/runner.py:Runner"] > MAX_CLASS_LINES  # the walk measures (a listed exception)
+    assert functions["coordinator/api/service.py:Coordinator.start"] > 10  # methods are measured by their qualname
+    big = {name: n for name, n in classes.items() if n > MAX_CLASS_LINES and name not in TOO_BIG_YET}
+    big |= {name: n for name, n in functions.items() if n > MAX_FUNCTION_LINES and name not in TOO_BIG_YET}
+    assert not big, (f"classes over {MAX_CLASS_LINES} lines or functions over {MAX_FUNCTION_LINES} (split them: "
+                     f"one concern each, as coordinator/api/ is one module per phase): {big}")
+
+
+def test_the_api_is_held_to_the_limits_without_exception() -> None:
+    assert not {name for name in TOO_BIG_YET if name.startswith("coordinator/api/")}
+
+
+def test_only_the_composition_takes_the_api_role() -> None:
+    """coordinator/api/ is no star around one object: its modules are handed the collaborators they use (the
+    run's reads, the operator's actions, the intake's figures); only the composition (app.py) and the role's own
+    module (service.py) name the role, ``Coordinator``."""
+    named = set()
+    for path in sorted((ROOT / "coordinator" / "api").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.Name) and node.id == "Coordinator" for node in ast.walk(tree)):
+            named.add(path.name)
+    assert "app.py" in named  # the walk sees the name where it is used
+    assert named <= {"app.py", "service.py"}, f"api modules that take the whole API role: {named - {'app.py'}}"
 
 
 MAX_OPEN_DICTS = 30

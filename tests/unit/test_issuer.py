@@ -17,9 +17,9 @@ from coordinator.core.scheduling import SyncPolicy
 
 def reference_next_in_line(issuer: Issuer, woken: set[str], cid: str) -> bool:
     """next_in_line as a pass over the waiting and woken clients (the issuer's rule before the index)."""
-    ahead = (issuer.pace.get(c) for c in set(issuer.waiting_clients()) | woken if c != cid)
+    ahead = (issuer.rank(c) for c in set(issuer.waiting_clients()) | woken if c != cid)
     return not (len(woken - {cid}) >= issuer.policy.jobs_per_step
-                or pacing.faster_count(issuer.pace.get(cid), ahead) >= issuer.policy.jobs_per_step)
+                or pacing.faster_count(issuer.rank(cid), ahead) >= issuer.policy.jobs_per_step)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -57,9 +57,9 @@ def test_the_waiting_index_counts_what_a_pass_over_the_waiting_clients_counts(se
         waiting = {c for c, n in waits.items() if n > 0}
         assert set(issuer.waiting_clients()) == waiting
         for asker in clients[:6]:
-            others = (issuer.pace.get(c) for c in waiting if c != asker)
+            others = (issuer.rank(c) for c in waiting if c != asker)
             speed = issuer.speed_of(asker, [], 0.0)
-            assert speed.faster_waiting == pacing.faster_count(issuer.pace.get(asker), others)
+            assert speed.faster_waiting == pacing.faster_count(issuer.rank(asker), others)
     for cid, n in waits.items():  # every wait ended: the index is empty again
         for _ in range(n):
             issuer.end_wait(cid)
@@ -78,3 +78,28 @@ def test_ending_a_wait_that_was_never_begun_changes_nothing() -> None:
     issuer.end_wait("a")
     issuer.end_wait("a")  # once more than begun: nothing left to remove
     assert issuer.speed_of("b", [], 0.0).faster_waiting == 0
+
+
+def _measured(issuer: Issuer, cid: str, pace: float) -> None:
+    issuer.observe(cid, LeaseView("j", JobState.LEASED, 0, 0.0, "l", cid, 100.0), pace)
+
+
+def test_a_declared_speed_is_believed_no_faster_than_the_fastest_measured_one() -> None:
+    """A fresh identity declaring 10⁷ tokens/s (a pace of 10⁻⁷ s) ranks as the fastest measured client does, behind
+    it; a declared pace slower than that floor keeps its place among the measured ones."""
+    issuer = Issuer(SyncPolicy("async-push-pull", 2, 2), lease_timeout_s=100.0)
+    _measured(issuer, "gpu", 2.0)
+    _measured(issuer, "laptop", 9.0)
+    issuer.declare("sybil", 1e-7)
+    issuer.declare("apple", 5.0)
+    assert issuer.rank("sybil") == (2.0, 1) and issuer.rank("apple") == (5.0, 1)
+    for cid in ("gpu", "laptop", "sybil", "apple"):
+        issuer.begin_wait(cid)
+    assert issuer.speed_of("sybil", [], 0.0).faster_waiting == 1  # only the measured 2 s client
+    assert issuer.speed_of("apple", [], 0.0).faster_waiting == 2  # the gpu, and the sybil at the floor
+    assert issuer.speed_of("laptop", [], 0.0).faster_waiting == 3
+    _measured(issuer, "gpu2", 1.0)  # a faster measurement lowers the floor: waiting declarations move with it
+    assert issuer.rank("sybil") == (1.0, 1)
+    assert issuer.speed_of("apple", [], 0.0).faster_waiting == 2  # (gpu2 is not waiting)
+    issuer.begin_wait("gpu2")
+    assert issuer.speed_of("sybil", [], 0.0).faster_waiting == 1

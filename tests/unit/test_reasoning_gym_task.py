@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.config import ConfigError, ReasoningGymTaskConfig, load_config
 from coordinator.errors import MissingDependency, TaskError
-from coordinator.tasks.factory import make_task
+from coordinator.tasks.factory import check_task, make_task
 from coordinator.tasks.reasoning_gym import ReasoningGymTask
 from coordinator.tasks.text import TextCodec
 from tests.unit.test_prompts import CHATML, hf_ids, tokenizer_folder
@@ -28,7 +28,7 @@ def rg(**kw: Any) -> ReasoningGymTaskConfig:
 
 def config_error(task: dict[str, Any]) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(None, {"task": {"type": "reasoning-gym"} | task})
+        check_task(load_config(None, {"task": {"type": "reasoning-gym"} | task}).task)  # as `coordinator` does
     return str(info.value)
 
 
@@ -125,3 +125,29 @@ def test_the_task_loads_no_torch() -> None:
             "t.score(t.train[:1], ['1']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_validating_a_config_imports_no_task_library() -> None:
+    """Every role process validates the run config; reasoning-gym's registry (seconds to import) is loaded by
+    coordinator.tasks when the task is checked or built, not by that validation (issue 33)."""
+    import subprocess
+
+    code = ("import sys; from coordinator.config import CoordinatorConfig; "
+            "c = CoordinatorConfig.model_validate({'task': {'type': 'reasoning-gym', 'dataset': 'no_such_dataset'}}); "
+            "print(c.task.dataset, 'reasoning_gym' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["no_such_dataset", "False"], out.stderr[-2000:]
+
+
+def test_the_coordinator_refuses_an_unknown_dataset_before_anything_starts(tmp_path: Path) -> None:
+    import subprocess
+
+    from shared.exit_codes import ExitCode
+
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text('[task]\ntype = "reasoning-gym"\ndataset = "basic_arithmetics"\n')
+    res = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(run_toml), "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == ExitCode.USAGE, res.stderr[-2000:]
+    assert "'basic_arithmetics' is not a reasoning-gym dataset" in res.stderr and "basic_arithmetic," in res.stderr
+    assert not (tmp_path / "run").exists()  # nothing written

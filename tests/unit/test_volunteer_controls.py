@@ -207,3 +207,17 @@ def test_client_status_says_each_control_once(tmp_path: Path, state: str, runnin
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert res.stdout.splitlines()[0] == f"client {'c0ffee' * 5}00: {first_line}", res.stdout
 
+
+
+def test_a_job_in_hand_is_held_at_recent_input_and_goes_on_after_the_idle_minutes() -> None:
+    from swarm_client.schedule import INPUT_RECENT_S, InputWatch
+
+    seconds: list[float | None] = [0.5]
+    watch = InputWatch(lambda: seconds[0], min_input_idle_s=180.0)
+    assert watch.touched() and not watch.left_alone()
+    seconds[0] = INPUT_RECENT_S + 0.1  # no input since the last look: not held, but not yet left alone either
+    assert not watch.touched() and not watch.left_alone()
+    seconds[0] = 180.0
+    assert watch.left_alone()
+    seconds[0] = None  # the platform stopped answering: never held on a guess, never kept holding
+    assert not watch.touched() and watch.left_alone()
