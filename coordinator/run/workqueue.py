@@ -123,10 +123,6 @@ class RemoteVerifier:
             raise VersionGone(f"policy version {version} is no longer kept for verification")
         return answer.stats.token_stats()
 
-    async def recompute(self, prompts: list[list[int]], completions: list[list[int]], version: int
-                        ) -> list[list[float]]:
-        return (await self.recompute_stats(prompts, completions, version)).logprobs
-
     async def ask(self, kind: WorkKind[Req, Ans], version: int, request: Req) -> Ans:
         """Queue ``request`` (a verifier decodes it by ``kind``) and wait for its answer."""
         if kind.answer is None:
