@@ -150,7 +150,7 @@ class CoordinatorClient:
         started = time.monotonic()
         while True:
             try:
-                status, raw = await self._send(method, path, body_fn() if body_fn else None)
+                status, raw = await self._send(method, path, body_fn)
                 if status == 200 or (status < 500 and status != 429):
                     self._reachable()
                 if status == 200:
@@ -201,13 +201,18 @@ class CoordinatorClient:
             if self.on_outage is not None:
                 self.on_outage(None)
 
-    async def _send(self, method: str, path: str, data: bytes | None) -> tuple[int, bytes]:
-        """One attempt: the HTTP status and reply bytes, over libp2p when ``calls`` is set and can, else HTTP."""
+    async def _send(self, method: str, path: str, body_fn: Callable[[], bytes] | None) -> tuple[int, bytes]:
+        """One attempt: the HTTP status and reply bytes, over libp2p when ``calls`` is set and can, else HTTP.
+        The HTTP fallback carries a body signed afresh: a libp2p call can fail after the relay handed it to the API
+        (the coordinator's p2p role killed mid-call), and the same envelope again would be refused as replayed —
+        a refusal that stops the client, for a call the coordinator may well have answered."""
+        data = body_fn() if body_fn else None
         if data is not None and self.calls is not None:
             sent = await self.calls.send(path, data)
             if sent is not None:
                 self._count(len(data) + len(sent[1]))
                 return sent
+            data = body_fn() if body_fn else None
         async with self._session.request(method, self.base_url + path, data=data,
                                          headers={"Content-Type": "application/msgpack"}) as resp:
             raw = await resp.read()

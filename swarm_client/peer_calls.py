@@ -2,8 +2,9 @@
 and results go to the coordinator's libp2p peer, which relays them to its API, instead of to its HTTP address.
 
 Best effort, like p2p snapshots: when a call cannot go over libp2p (the coordinator runs no peer or no call relay,
-the peer is unreachable, a timeout, a broken stream) the same attempt goes over HTTP at once, the client says so
-once, and libp2p is tried again after ``RETRY_AFTER_S``. A refusal the coordinator sends back (a status and an
+the peer is unreachable, a timeout, a broken stream) the call goes over HTTP at once, signed afresh (it may have
+reached the API before it failed: swarm_client.api), the client says so once, and libp2p is tried again after
+``RETRY_AFTER_S``. A refusal the coordinator sends back (a status and an
 ErrorBody) is an answer, not a failure: it reaches the caller exactly as over HTTP.
 """
 
