@@ -2,9 +2,9 @@
 
 - a client killed with SIGKILL mid-job: its job is reissued once its lease deadline has passed, never before,
   ahead of any fresher job, and completed by another client;
-- the coordinator killed with SIGKILL while results stream in, then restarted: every acknowledged result is
-  still there exactly once, each ingested by exactly one learner step, and the learner resumes at the version
-  it had published."""
+- the coordinator killed with SIGKILL while results stream in, then restarted: every result the client was told
+  was accepted (its own journal) is in the store, exactly once, each ingested by exactly one learner step, and
+  the learner resumes at the version it had published."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from swarm_client.identity import load_identity
+from tests.faults.acking_client import journal, read_acks, start_acking_client
 from tests.integration.helpers import (
     Proc,
     db_rows,
@@ -81,16 +82,20 @@ def test_killed_client_job_is_reissued_at_its_deadline_ahead_of_fresh_work(tmp_p
 
 
 def test_coordinator_killed_and_restarted_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Counted from the client's side: every result the client was told was accepted (its journal,
+    tests/faults/acking_client.py), before the kill and after, is in the store at the end."""
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, learner={"max_steps": 8})
     coord, url = start_coordinator(cfg, tmp_path / "coord1.log")
     port = int(url.rsplit(":", 1)[1])
-    client = start_client(url, tmp_path / "c", tmp_path / "c.log", "--exit-when-finished")
+    home = tmp_path / "c"
+    client = start_acking_client(url, home)
     coord2: Proc | None = None
     try:
         wait_until(lambda: (s := get_status(url)) and s["version"] >= 3 and s["totals"]["accepted"] >= 7, 180,
                    "a few versions and accepted results")
         coord.kill9()
+        told = read_acks(journal(home))  # what the client was told before the kill (more may be on their way)
         accepted = set(db_rows(run_dir, "SELECT job_id, client_id, content_sha256 FROM results"))
         (version,), = db_rows(run_dir, "SELECT MAX(version) FROM versions")
         assert accepted and version >= 3
@@ -106,7 +111,12 @@ def test_coordinator_killed_and_restarted_loses_nothing(tmp_path: Path, tiny_mod
         stop_all(*(p for p in (client, coord2, coord) if p is not None))
     assert final["version"] == 8
     after = set(db_rows(run_dir, "SELECT job_id, client_id, content_sha256 FROM results"))
-    assert accepted <= after  # every result acknowledged before the kill is still there
+    assert accepted <= after  # every result stored before the kill is still there
+    kept = {(job, lease) for job, lease in db_rows(run_dir, "SELECT job_id, lease_id FROM results WHERE client_id=?",
+                                                      (load_identity(home).client_id,))}
+    acks = read_acks(journal(home))
+    assert told and acks[:len(told)] == told and len(acks) > len(told)  # told some before the kill, more after
+    assert {(a["job"], a["lease"]) for a in acks} <= kept  # every result the client was told was accepted is kept
     ingested = db_rows(run_dir, "SELECT ingested_step, COUNT(*) FROM results GROUP BY ingested_step ORDER BY 1")
     assert ingested == [(step, 2) for step in range(1, 9)]  # each exactly once
     assert "resumed at version" in (tmp_path / "coord2.log").read_text()
