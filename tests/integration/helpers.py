@@ -121,7 +121,11 @@ def write_config(path: Path, run_dir: Path, model_dir: Path, port: int = 0, top:
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
-    def toml(v: Any) -> str:
+    def toml(v: Any) -> str:  # lists and tables inline, e.g. task.rewards = [{function = "f.py:f"}]
+        if isinstance(v, list):
+            return "[" + ", ".join(toml(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {toml(x)}" for k, x in v.items()) + "}"
         return json.dumps(v) if isinstance(v, str) else repr(v).lower() if isinstance(v, bool) else str(v)
 
     lines = [f'run_dir = "{run_dir}"'] + [f"{k} = {toml(v)}" for k, v in (top or {}).items()]
