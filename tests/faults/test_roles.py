@@ -5,13 +5,14 @@ The run is real: `echo-swarm coordinator` in its process layout (the API, the le
 each a process of the supervisor) on either store, and two volunteers running the production join loop — one over
 HTTP, one sending its signed calls, results included, over libp2p through the p2p role (`join --p2p --p2p-jobs`) —
 each keeping a journal of the results it was told were accepted (tests/faults/acking_client.py). While they submit,
-each role is killed with SIGKILL in turn, at a moment it holds work: the learner mid-step, the verifier holding a
-claimed recompute, the p2p role once it has relayed results, the API while both clients talk to it. After each kill
+each role is killed with SIGKILL in turn, at a moment it holds work (hold points, coordinator.holds): the learner
+with a step trained and its version half written, the verifier holding a claimed recompute, the p2p role once it has relayed results, the API while both clients talk to it. After each kill
 the supervisor restarts the role, and the run goes on: both clients get more results accepted.
 
 What must hold: every result a client was told was accepted (its job, its lease, its client) is in the store, and is
-trained once, in the step after the version it was generated with, or still waits for that step; every step trained
-its whole batch; the API process never loads torch.
+trained once, in the step after the version it was generated with, or still waits for that step, or — where more
+results of its version came back than that step takes — is set aside as too stale (credited, never trained); every
+step trained its whole batch; the API process never loads torch.
 """
 
 from __future__ import annotations
