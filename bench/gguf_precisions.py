@@ -15,7 +15,8 @@ Decode: groups of 4 rollouts × ``--tokens`` tokens, the client's keyed sampler 
 llama.cpp's own ``generate`` loop and sampler on the same llama context — the same evaluations on both sides (the
 group's first rollout prefills the prompt in one batch, the others reuse its cache), so the difference is the
 loop's own work. ``--reps`` pairs run in alternating order (client first, then raw first) and the figures are
-medians: tokens/s, the paired ratio client ÷ raw, CPU time per token (the process's, every thread), the time per
+medians: tokens/s, the paired ratio client ÷ raw (over all pairs, and over the quiet ones: under 0.15 cores of
+other load on both sides), CPU time per token (the process's, every thread), the time per
 token spent outside llama.cpp's eval (the keyed choice, log-softmax and copies; llama.cpp's sampler on the raw
 side), and the other processes' load meanwhile, in cores (from /proc/stat). llama.cpp's threads wait on each other
 at every step, so a core taken by another process slows its eval many times over: the ratio is only meaningful
@@ -46,6 +47,7 @@ PARAMS_7B = 7.62e9
 PROBE_FLAG = "--probe"
 PROMPT = list(range(3, 35))
 GROUP = 4  # rollouts per prompt, as a job's group: the first evaluates the prompt from scratch, the others reuse it
+QUIET_LOAD = 0.15  # cores: a pair of decode groups during which other processes used less counts as quiet
 
 
 def machine_busy_s() -> float:
@@ -127,6 +129,9 @@ def decode_side_by_side(backend: Any, tokens: int, reps: int) -> tuple[dict[str,
                                              for c, r in zip(runs["client"], runs["raw"], strict=True)],
                            "other_load": statistics.median(r["other_load"] for side in runs.values() for r in side)}
     out["ratio"] = statistics.median(out["paired_ratios"])
+    out["quiet_ratios"] = [q for q, c, r in zip(out["paired_ratios"], runs["client"], runs["raw"], strict=True)
+                           if max(c["other_load"], r["other_load"]) < QUIET_LOAD]
+    out["quiet_ratio"] = statistics.median(out["quiet_ratios"]) if out["quiet_ratios"] else None
     for side in runs:
         out[f"{side}_tokens_per_s"] = 1e3 / per_token(side, "wall_s")
         out[f"{side}_cpu_ms_per_token"] = per_token(side, "cpu_s")
@@ -259,14 +264,18 @@ def main() -> None:
               f"({r['tokens_per_s'] / r['raw_tokens_per_s']:.2f}) | {r['llama_verify_s']:.2f} / "
               f"{r['torch_verify_s']:.2f} | {r['est_7b_bytes'] / 2**30:.1f} GiB |")
     print(f"\nDecode side by side ({GROUP} rollouts x {args.tokens} tokens per group, {args.reps} pairs in alternating "
-          f"order, {args.threads} threads; medians; other load = the other processes' CPU, in cores):\n")
-    print("| precision | client tokens/s | raw llama.cpp tokens/s | client / raw (paired, min-max) | CPU ms/token "
-          "client / raw | ms/token beyond llama.cpp's eval: client / raw | other load |")
-    print("|---|---|---|---|---|---|---|")
+          f"order, {args.threads} threads; medians; other load = the other processes' CPU, in cores; a quiet pair: "
+          f"under {QUIET_LOAD} on both sides):\n")
+    print("| precision | client tokens/s | raw llama.cpp tokens/s | client / raw (paired, min-max) | the same, quiet "
+          "pairs only | CPU ms/token client / raw | ms/token beyond llama.cpp's eval: client / raw | other load |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         d = r["decode"]
+        quiet = (f"{d['quiet_ratio']:.3f} ({len(d['quiet_ratios'])} of {d['reps']})" if d["quiet_ratios"]
+                 else f"none of {d['reps']}")
         print(f"| {r['precision']} | {d['client_tokens_per_s']:.1f} | {d['raw_tokens_per_s']:.1f} | {d['ratio']:.3f} "
-              f"({min(d['paired_ratios']):.3f}-{max(d['paired_ratios']):.3f}) | {d['client_cpu_ms_per_token']:.2f} / "
+              f"({min(d['paired_ratios']):.3f}-{max(d['paired_ratios']):.3f}) | {quiet} | "
+              f"{d['client_cpu_ms_per_token']:.2f} / "
               f"{d['raw_cpu_ms_per_token']:.2f} | {d['client_beyond_eval_ms_per_token']:.2f} / "
               f"{d['raw_beyond_eval_ms_per_token']:.2f} | {d['other_load']:.2f} |")
     if args.json:
