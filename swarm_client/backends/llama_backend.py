@@ -58,7 +58,7 @@ def token_logprobs(logits: np.ndarray, tokens: list[int], temperature: float,
 
 #: Logits kept between two log-softmax passes. Cache-sized: 6 rows of a 152 k vocabulary stay in the CPU's last-level
 #: cache from their copy to their log-softmax, where 110 rows (64 MiB, as before) went to memory and back, and a
-#: batch's temporaries were fresh pages each time (0.37 → 0.15 ms a token, one core; a small vocabulary still gets
+#: batch's temporaries were fresh pages each time (0.46 → 0.17 ms a token, one core; a small vocabulary still gets
 #: hundreds of rows, so its per-call overhead stays amortised).
 LOGIT_BUFFER_BYTES = 4 * 2**20
 
