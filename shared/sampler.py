@@ -175,25 +175,35 @@ def _mix32_into(x: np.ndarray, t: np.ndarray) -> None:
     np.bitwise_xor(x, t, out=x)
 
 
+_ONE_BITS = np.uint32(0x3F800000)  # float32 1.0: OR-ed with a 23-bit m, the bits of 1 + m·2⁻²³
+_ONE_LESS_HALF_STEP = np.float32(1.0 - 2.0**-24)
+
+
 def _keyed_scores_into(logits: np.ndarray, temperature: float, a: Ints, b: Ints,
                        bufs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
     """float32 ``logits / T + G`` for float32 logits [..., V] and uint32 (a, b) broadcastable to them, computed in
-    the scratch ``bufs`` (:class:`_Scratch`); returns the scores buffer, valid until the next call."""
+    the scratch ``bufs`` (:class:`_Scratch`); returns the scores buffer, valid until the next call.
+
+    The same bits as the specification's steps in two passes over the vocabulary fewer (a llama.cpp client runs
+    this once per token): u = (m + ½)·2⁻²³ is made as (1 + m·2⁻²³) − (1 − 2⁻²⁴) from the float32 whose mantissa
+    is m — both operands and the difference exact in float32, as the conversion, the ½ and the scaling were; and
+    ``logits/T − log(−log u)`` is ``logits/T + G`` exactly (negation is exact), ``logits/1`` is ``logits``."""
     x, t, g, s = bufs
     np.bitwise_xor(token_words_np(logits.shape[-1]), a, out=x)
     _mix32_into(x, t)
     np.bitwise_xor(x, b, out=x)
     _mix32_into(x, t)
     np.right_shift(x, _U9, out=x)
-    g[...] = x  # below 2²³: exact in float32
-    g += _HALF
-    g *= _SCALE23
+    np.bitwise_or(x, _ONE_BITS, out=x)
+    np.subtract(x.view(np.float32), _ONE_LESS_HALF_STEP, out=g)
     np.log(g, out=g)
     np.negative(g, out=g)
-    np.log(g, out=g)
-    np.negative(g, out=g)
-    np.divide(logits, np.float32(temperature), out=s, casting="same_kind")
-    s += g
+    np.log(g, out=g)  # −G
+    if temperature == 1.0 and logits.dtype == np.float32:
+        np.subtract(logits, g, out=s)
+    else:
+        np.divide(logits, np.float32(temperature), out=s, casting="same_kind")
+        s -= g
     return s
 
 

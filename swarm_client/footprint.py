@@ -14,7 +14,7 @@ Each backend's real peak, measured by bench/client_memory.py (figures in docs/be
   intermediate activations and the attention scores — with ``TRANSIENT_SLACK`` for the allocator.
 - **llama.cpp** (``LlamaBackend``): the runtime + the GGUF file (memory-mapped and read whole) + the KV cache
   of its context window (``n_ctx`` tokens, f16) + llama.cpp's compute buffers (proportional to the batch of
-  ``n_batch`` tokens it evaluates at once) + the logits buffer of ``LlamaBackend._logit_rows``.
+  ``n_batch`` tokens it evaluates at once) + the logits buffers of ``LlamaBackend._logit_rows``.
 
 The facts come from the model itself where the client has it (``config.json``, the safetensors headers, the GGUF
 header); before a first download only the manifest's file sizes are known, and the fallbacks below are used.
@@ -43,7 +43,7 @@ BF16_BYTES = 2  # ... or in bfloat16 (`join --torch-dtype bfloat16`): every figu
 LLAMA_KV_DTYPE_BYTES = 2  # llama.cpp's default KV cache type: f16
 LLAMA_N_CTX = 2048  # LlamaBackend's context window (n_ctx) and the tokens its KV cache holds
 LLAMA_N_BATCH = 512  # tokens llama.cpp evaluates at once (LlamaBackend: n_batch = min(512, n_ctx))
-LLAMA_LOGIT_BUFFER_BYTES = 64 * MIB  # LlamaBackend.LOGIT_BUFFER_BYTES
+LLAMA_LOGIT_BUFFER_BYTES = 2 * 4 * MIB  # LlamaBackend.LOGIT_BUFFER_BYTES: its logit rows and their scratch
 MLP_TRANSIENTS = 3  # gate, up and activation outputs of one MLP, alive together in the prefill pass
 HIDDEN_TRANSIENTS = 6  # residual, normed input, q/k/v and attention output, hidden-sized, in the prefill pass
 # the torch allocator's rounding and short-lived copies on top of the computed KV and prefill transients

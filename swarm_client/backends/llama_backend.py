@@ -38,13 +38,16 @@ def log_softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def token_logprobs(logits: np.ndarray, tokens: list[int], temperature: float) -> list[float]:
+def token_logprobs(logits: np.ndarray, tokens: list[int], temperature: float,
+                   work: np.ndarray | None = None) -> list[float]:
     """log_softmax(logits / T)[i, tokens[i]] for each row i: ``logit/T − max − log Σ exp(logits/T − max)``, the
     exponentials in float32 summed in float64, the picked logit in float64 (within 1e-6 nats of a float64
     log-softmax, 3.5× faster at a 152 k vocabulary: the whole-row float64 pass was a client's largest per-token
-    cost after decoding, bench/choice_cost.py)."""
+    cost after decoding, bench/choice_cost.py). Each row's result depends on that row alone, whatever the rows
+    batched with it. ``work``: a float32 array of at least the logits' shape to compute in (no fresh pages)."""
     n = len(tokens)
-    z = np.multiply(logits[:n], np.float32(1.0 / temperature), dtype=np.float32)
+    out = None if work is None else work[:n]
+    z = np.multiply(logits[:n], np.float32(1.0 / temperature), out=out, dtype=np.float32)
     top = z.max(axis=-1, keepdims=True)
     z -= top
     np.exp(z, out=z)
@@ -53,7 +56,11 @@ def token_logprobs(logits: np.ndarray, tokens: list[int], temperature: float) ->
     return [float(x) for x in picked - lse]
 
 
-LOGIT_BUFFER_BYTES = 64 * 2**20
+#: Logits kept between two log-softmax passes. Cache-sized: 6 rows of a 152 k vocabulary stay in the CPU's last-level
+#: cache from their copy to their log-softmax, where 110 rows (64 MiB, as before) went to memory and back, and a
+#: batch's temporaries were fresh pages each time (0.46 → 0.17 ms a token, one core; a small vocabulary still gets
+#: hundreds of rows, so its per-call overhead stays amortised).
+LOGIT_BUFFER_BYTES = 4 * 2**20
 
 
 class LlamaBackend:
@@ -81,6 +88,7 @@ class LlamaBackend:
         self._adapter_id: tuple[int, int, int] | None = None
         self.folder: Path | None = None
         self._rows: np.ndarray | None = None  # per-step logits of the rollout being sampled (see sample)
+        self._work: np.ndarray | None = None  # the log-softmax's scratch, the shape of _rows
 
     @property
     def backend_class(self) -> str:
@@ -129,8 +137,9 @@ class LlamaBackend:
         the verifier.
 
         Per token, the logits are copied once into a preallocated row (one memmove); the keyed choice runs on that
-        row, and the log-softmax runs vectorised over many steps at once (converting and normalising each step's
-        logits on its own cost a quarter of a small model's decoding time: bench/client_overhead.py).
+        row, and the log-softmax runs vectorised over the steps the row buffer holds (converting and normalising
+        each step's logits on its own cost a quarter of a small model's decoding time: bench/client_overhead.py),
+        in preallocated scratch: nothing per token is allocated beyond a few scalars.
 
         ``fresh``: the prompt is evaluated from scratch (a group's first rollout), else its cache is reused
         (shared.llama_files.prefill: the schedule the verifier replays)."""
@@ -138,7 +147,7 @@ class LlamaBackend:
         if len(prompt) + max_tokens > self.n_ctx:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceed the context "
                              f"window n_ctx={self.n_ctx}")
-        rows = self._logit_rows(max_tokens)
+        rows, work = self._logit_rows(max_tokens)
         row_bytes = rows.shape[1] * rows.itemsize
         base, memmove, logits_ith, ctx = rows.ctypes.data, ctypes.memmove, self._lib.llama_get_logits_ith, llm.ctx
         tokens: list[int] = []
@@ -152,7 +161,7 @@ class LlamaBackend:
             filled += 1
             tokens.append(tok)
             if filled == len(rows):
-                logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
+                logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature, work))
                 filled = 0
             if tok in stop_ids:
                 finish = "stop"
@@ -161,17 +170,18 @@ class LlamaBackend:
                 break
             llm.eval([tok])
         if filled:
-            logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature))
+            logprobs.extend(token_logprobs(rows[:filled], tokens[-filled:], temperature, work))
         return Sampled(tokens, logprobs, finish)
 
-    def _logit_rows(self, max_tokens: int) -> np.ndarray:
-        """A reusable float32 buffer for up to ``max_tokens`` steps of logits, capped at 64 MiB (a 150k-token
-        vocabulary gets ~110 rows, flushed whenever full)."""
+    def _logit_rows(self, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """A reusable float32 buffer for up to ``max_tokens`` steps of logits, capped at LOGIT_BUFFER_BYTES (a
+        152 k-token vocabulary gets 6 rows, flushed whenever full), and the log-softmax's scratch of its shape."""
         n_vocab = self.llm.n_vocab()
         want = max(1, min(max_tokens, LOGIT_BUFFER_BYTES // (4 * n_vocab)))
-        if self._rows is None or self._rows.shape[1] != n_vocab or self._rows.shape[0] < want:
+        if self._rows is None or self._work is None or self._rows.shape[1] != n_vocab or self._rows.shape[0] < want:
             self._rows = np.empty((want, n_vocab), dtype=np.float32)
-        return self._rows
+            self._work = np.empty((want, n_vocab), dtype=np.float32)
+        return self._rows, self._work
 
     def _last_logits(self) -> np.ndarray:
         out = np.empty((1, self.llm.n_vocab()), dtype=np.float32)

@@ -144,3 +144,20 @@ def test_another_precisions_tokens_and_torch_greedy_are_refused(wide_model: Path
                                                 max_tokens=MAX_TOKENS, stop_ids=[256], seed=None, pad_id=256)]
     differing = [key for key in keys if greedy != honest[key]]
     assert differing and all(refused(flat, greedy, key) for key in differing)
+
+
+def test_the_clients_samples_do_not_depend_on_where_its_logit_buffer_is_flushed(
+        wide_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LlamaBackend.sample log-softmaxes its buffered logit rows whenever the buffer is full (every 6 tokens at a
+    152 k vocabulary; this model's completions fit in one buffer): a buffer of 3 rows must give the very tokens and
+    logprobs, bit for bit, of one that holds a whole completion."""
+    from swarm_client.backends import llama_backend
+
+    folder = _gguf(wide_model, tmp_path, "q8_0")
+    whole = _results(_client(folder), range(1, 4), 0.7)
+    client = _client(folder)
+    monkeypatch.setattr(llama_backend, "LOGIT_BUFFER_BYTES", 3 * 4 * client.llm.n_vocab())  # type: ignore[attr-defined]
+    flushed = _results(client, range(1, 4), 0.7)
+    assert client._rows is not None and len(client._rows) == 3  # type: ignore[attr-defined]
+    assert max(len(c) for _p, comps, _l, _k in flushed for c in comps) > 3  # the buffer was flushed mid-completion
+    assert flushed == whole

@@ -215,6 +215,24 @@ def test_token_logprobs_agree_with_a_float64_log_softmax(temperature: float) -> 
     assert np.abs(np.array(token_logprobs(logits, tokens, temperature)) - exact).max() < 1e-5
 
 
+def test_a_rows_logprob_is_the_same_bits_whatever_rows_it_is_batched_with() -> None:
+    """LlamaBackend.sample flushes its logit rows whenever its cache-sized buffer is full, so a step's logprob is
+    computed beside a varying number of others, in a reused scratch: the reported value must not depend on that."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((13, 151_936)) * rng.uniform(0.5, 8, (13, 1))).astype(np.float32)
+    tokens = [int(t) for t in rng.integers(0, 151_936, 13)]
+    work = np.empty_like(logits)
+    for temperature in (1.0, 0.7):
+        whole = token_logprobs(logits, tokens, temperature)
+        for size in (1, 5, 6):
+            pieces: list[float] = []
+            for start in range(0, 13, size):
+                pieces += token_logprobs(logits[start:start + size], tokens[start:start + size], temperature, work)
+            assert pieces == whole, (temperature, size)
+
+
 def test_every_place_that_names_the_gguf_precisions_names_the_same_ones() -> None:
     """The precisions are spelled where a type needs them spelled (config keys, the wire's Literal, the client's
     flag); one list, checked here, so that a precision added to the exporter is offered, leased and chosen alike."""
