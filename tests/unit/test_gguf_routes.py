@@ -1,5 +1,6 @@
 """llama.cpp's converter is vendored unchanged (coordinator/publish/vendor_llama_cpp/SOURCE.md): every file matches
-the hash it was copied with, so an edit of upstream code cannot slip in; and the routes the exporter picks."""
+the hash it was copied with, so an edit of upstream code cannot slip in; the routes the exporter picks; and what
+start-up refuses before any role runs."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
+from coordinator.config import load_config
+from coordinator.launch.preflight import PreflightError, check_gguf_family
 from coordinator.publish.gguf_export import route
 from coordinator.publish.hf_convert import VENDOR, pre_tokenizer_name
+from shared.exit_codes import ExitCode
 
 
 def test_every_vendored_file_is_upstreams_byte_for_byte() -> None:
@@ -54,3 +60,24 @@ def test_the_project_writes_qwen2_itself_and_the_converter_the_rest(tiny_model_d
     (scaled / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"],
                                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
     assert route(scaled) == "converter"
+
+
+def test_a_lora_run_of_a_family_without_llama_cpp_adapters_is_refused_at_start_up(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    qwen3 = {**config, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    (folder / "config.json").write_text(json.dumps(qwen3))
+    (folder / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+
+    def run(**keys: object) -> object:
+        return load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": str(folder), **keys})
+
+    check_gguf_family(run(), folder)  # full weights: the converter writes it
+    with pytest.raises(PreflightError) as err:
+        check_gguf_family(run(**{"learner.lora_rank": 4}), folder)
+    assert err.value.code == ExitCode.MODEL_INVALID
+    assert "LoRA adapters are written for Qwen2ForCausalLM, LlamaForCausalLM only" in err.value.message
+    check_gguf_family(run(**{"learner.lora_rank": 4, "snapshots.gguf": "off"}), folder)  # torch clients only
+    check_gguf_family(run(**{"learner.lora_rank": 4}), tiny_model_dir)  # Qwen2: adapters written
