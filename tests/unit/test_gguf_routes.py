@@ -81,3 +81,12 @@ def test_a_lora_run_of_a_family_without_llama_cpp_adapters_is_refused_at_start_u
     assert "LoRA adapters are written for Qwen2ForCausalLM, LlamaForCausalLM only" in err.value.message
     check_gguf_family(run(**{"learner.lora_rank": 4, "snapshots.gguf": "off"}), folder)  # torch clients only
     check_gguf_family(run(**{"learner.lora_rank": 4}), tiny_model_dir)  # Qwen2: adapters written
+    scaled = tmp_path / "llama31"  # Llama 3.1's rope scaling: the converter's base, no adapters for it
+    scaled.mkdir()
+    llama31 = {**config, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    (scaled / "config.json").write_text(json.dumps(llama31))
+    (scaled / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+    check_gguf_family(run(), scaled)
+    with pytest.raises(PreflightError, match="LoRA adapters"):
+        check_gguf_family(run(**{"learner.lora_rank": 4}), scaled)
