@@ -1,6 +1,7 @@
 """Reference tables generated from the code, for docs/client.md, docs/run-dir.md and README.md (tests keep them in
-step): the `join` options from JoinConfig and the command's own flags, and the `coordinator` flags from the run-config
-keys they set, so the config keys, the flags, their --help and the docs cannot disagree."""
+step): the `join` options from JoinConfig and the command's own flags, the `coordinator` flags from the run-config
+keys they set, so the config keys, the flags, their --help and the docs cannot disagree, and the model families GGUF
+is published for."""
 
 from __future__ import annotations
 
@@ -77,8 +78,21 @@ def exit_codes_markdown() -> str:
     return codes_table()
 
 
+def model_families_markdown() -> str:
+    """The families a run can publish as GGUF for llama.cpp clients (coordinator.publish.gguf_export.FAMILIES)."""
+    from coordinator.publish.gguf_export import ARCHITECTURES, CONVERTED, FAMILIES
+
+    rows = ["| Hugging Face architecture | families | GGUF written by | llama.cpp LoRA adapters |", "|---|---|---|---|"]
+    for arch, families in FAMILIES.items():
+        by = {(True, False): "the project's writer", (False, True): "llama.cpp's converter",
+              (True, True): "the project's writer; llama.cpp's converter with rope scaling or another pre-tokenizer"}
+        lora = "yes" if arch in ARCHITECTURES else "no (train all weights)"
+        rows.append(f"| `{arch}` | {families} | {by[(arch in ARCHITECTURES, arch in CONVERTED)]} | {lora} |")
+    return "\n".join(rows)
+
+
 TABLES = {"join-options": join_options_markdown, "coordinator-flags": coordinator_flags_markdown,
-          "exit-codes": exit_codes_markdown}
+          "exit-codes": exit_codes_markdown, "model-families": model_families_markdown}
 
 
 def block(name: str) -> str:

@@ -169,11 +169,33 @@ def check_disk(run_dir: Path, need_bytes: int) -> None:
                              f"'q4_K_M' or 'off')")
 
 
+def check_gguf_family(config: CoordinatorConfig, folder: Path | None) -> None:
+    """A run that publishes GGUF (snapshots.gguf not 'off') needs a model family the exporter writes
+    (coordinator.publish.gguf_export.route), and a LoRA run one whose base the project's own writer writes (its
+    adapters are written against that file's layout: Qwen2, and Llama without rope scaling): otherwise the first
+    publication would fail after the roles started. None (the tiny model) is a Qwen2."""
+    from coordinator.publish.gguf_export import ARCHITECTURES, GGUFExportError, route
+
+    if folder is None or not config.snapshots.offered():
+        return
+    try:
+        by = route(folder)
+    except GGUFExportError as exc:
+        raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: {exc}") from None
+    if config.learner.lora_rank > 0 and by != "writer":
+        raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: llama.cpp LoRA adapters are written "
+                             f"for {', '.join(ARCHITECTURES)} only (without rope scaling, with a qwen2, llama-bpe or "
+                             f"gpt-2 pre-tokenizer): train all weights (learner.lora_rank = 0) or set snapshots.gguf "
+                             f"= 'off' (torch clients)")
+
+
 def check(config: CoordinatorConfig, role: str) -> None:
     """Every check that applies to ``role`` ('all' runs them all); raises the first PreflightError."""
     if role in ("all", "api"):
         check_port(config.server.host, config.server.port)
     folder = check_model(config.model.path) if role in ("all", "learner", "verifier") else None
+    if role in ("all", "learner"):
+        check_gguf_family(config, folder)
     check_run_dir(config.run_dir)
     if role in ("all", "learner"):
         check_disk(config.run_dir, version_bytes(config, folder))

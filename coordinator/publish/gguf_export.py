@@ -1,20 +1,25 @@
-"""Writing policy snapshots as GGUF, the file format llama.cpp loads, with the ``gguf`` package's writer.
+"""Writing policy snapshots as GGUF, the file format llama.cpp loads.
 
-Supported: Hugging Face Qwen2 and Llama causal LMs with a byte-level BPE tokenizer (``tokenizer.json``),
-written whole (:func:`write_model_gguf`) or as a LoRA adapter on top of a base GGUF (:func:`write_lora_gguf`).
-llama.cpp's own ``convert_hf_to_gguf.py`` is not on PyPI and refuses tokenizers whose pre-tokenizer it does
-not recognise, so the coordinator writes the file itself (see ../shared/notes/llama-cpp.md for the keys).
+Two routes, chosen per model by :func:`route`:
+- Qwen2 and Llama models whose file this module writes exactly (no rope scaling, a pre-tokenizer regex it names)
+  are written here with the ``gguf`` package's writer, streamed from the learner's state a block of rows at a time,
+  whole (:func:`write_model_gguf`) or as a LoRA adapter on top of a base GGUF (:func:`write_lora_gguf`). These files
+  are what every earlier version of the project published, byte for byte.
+- Every other supported family (:data:`FAMILIES`: Llama 3.1's rope scaling, SmolLM2, Qwen3, Gemma 3, Mistral,
+  Phi-3/4, OLMo 2) is written by llama.cpp's own converter, vendored from the llama.cpp clients run
+  (coordinator.publish.hf_convert), from the version's folder. A model of neither is refused at start-up
+  (coordinator.launch.preflight) in one line naming what is supported.
 
-Two details llama.cpp silently depends on:
+Two details llama.cpp silently depends on (this module's route):
 - Llama's HF q/k projections are stored permuted for the "rotate half" rope; llama.cpp's Llama rope pairs
   adjacent dimensions, so q and k (and a LoRA's B matrices on them) are permuted back. Qwen2 uses the NEOX
   rope in llama.cpp and needs no permutation.
 - ``tokenizer.ggml.bos_token_id`` must be written: without it llama.cpp assumes token 11 is BOS.
 
-Precisions: f32 and f16 are written here (f16: matrices in f16, norms and biases in f32, as llama.cpp's converter
-does). The quantised ones — q8_0, q6_K, q5_K_M, q4_K_M, q4_0 — are made from that f16 file by llama.cpp's own
-quantiser (coordinator.publish.quantise), exactly as a volunteer's llama.cpp would make them: no quantisation code
-of ours, and the file a client runs is the file the verifier recomputes with (coordinator.engine.llama_verifier).
+Precisions: f32 and f16 are written by either route (f16: matrices in f16, norms and biases in f32, as llama.cpp's
+converter does). The quantised ones — q8_0, q6_K, q5_K_M, q4_K_M, q4_0 — are made from that f16 file by llama.cpp's
+own quantiser (coordinator.publish.quantise), exactly as a volunteer's llama.cpp would make them: no quantisation
+code of ours, and the file a client runs is the file the verifier recomputes with (coordinator.engine.llama_verifier).
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from coordinator.publish.hf_convert import convert, pre_tokenizer_name
 from coordinator.publish.quantise import QUANTISED, quantise
 from shared.llama_files import gguf_name
 
@@ -40,7 +46,23 @@ logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 Precision = Literal["f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"]
 PRECISIONS: tuple[str, ...] = ("f32", "f16", *QUANTISED)
+#: The architectures this module writes itself (and writes LoRA adapters for), with their GGUF architecture.
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+#: Every architecture a version can be published as GGUF for, with the families it serves; each was measured end to
+#: end (bench/families.py, docs/benchmarks.md "Model families"). All but Qwen2 go to llama.cpp's converter
+#: (coordinator.publish.hf_convert) whenever this module's writer does not apply (:func:`route`).
+FAMILIES = {
+    "Qwen2ForCausalLM": "Qwen2, Qwen2.5",
+    "LlamaForCausalLM": "Llama 2, Llama 3.x, SmolLM2",
+    "Qwen3ForCausalLM": "Qwen3",
+    "Gemma3ForCausalLM": "Gemma 3",
+    "MistralForCausalLM": "Mistral",
+    "Phi3ForCausalLM": "Phi-3, Phi-4",
+    "Olmo2ForCausalLM": "OLMo 2",
+}
+CONVERTED = frozenset(FAMILIES) - {"Qwen2ForCausalLM"}
+#: The pre-tokenizers this module's own writer names (anything else goes to the converter).
+_WRITER_PRE = ("default", "llama-bpe", "qwen2", "gpt-2")
 
 # HF module name (inside model.layers.N.) → GGUF tensor name (inside blk.N.)
 _LAYER_NAMES = {
@@ -61,7 +83,13 @@ class GGUFExportError(ValueError):
     """The model cannot be written as GGUF; the message says what is unsupported."""
 
 
+def supported() -> str:
+    """The supported families in words, for a refusal: "Qwen2ForCausalLM (Qwen2, Qwen2.5), LlamaForCausalLM (...), ..."."""
+    return ", ".join(f"{arch} ({families})" for arch, families in FAMILIES.items())
+
+
 def gguf_arch(config: Mapping[str, Any]) -> str:
+    """The GGUF architecture of a model this module writes itself (its own route, and every LoRA adapter)."""
     archs = config.get("architectures") or []
     for a in archs:
         if a in ARCHITECTURES:
@@ -71,6 +99,28 @@ def gguf_arch(config: Mapping[str, Any]) -> str:
         return str(model_type)
     raise GGUFExportError(f"GGUF export supports {', '.join(ARCHITECTURES)}; this model is {archs or model_type}. "
                           f"Set snapshots.gguf = 'off' to publish safetensors only (torch clients).")
+
+
+def _rope_scaled(config: Mapping[str, Any]) -> bool:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None)
+
+
+def route(folder: Path) -> str:
+    """"writer" when this module writes the folder's model exactly (Qwen2 or Llama, no rope scaling, a tokenizer
+    whose pre-tokenizer it names), "converter" when llama.cpp's converter does (:data:`CONVERTED`); otherwise
+    GGUFExportError, one line naming what is supported."""
+    config = json.loads((folder / "config.json").read_text())
+    archs = list(config.get("architectures") or [config.get("model_type")])
+    tok_path = folder / "tokenizer.json"
+    tok = json.loads(tok_path.read_text()) if tok_path.exists() else {}
+    if (any(a in ARCHITECTURES for a in archs) and not _rope_scaled(config)
+            and (tok.get("model") or {}).get("type") == "BPE" and pre_tokenizer_name(tok) in _WRITER_PRE):
+        return "writer"
+    if any(a in CONVERTED for a in archs):
+        return "converter"
+    raise GGUFExportError(f"GGUF export supports {supported()}; this model is {', '.join(map(str, archs))}. "
+                          f"Set snapshots.gguf = 'off' to publish safetensors only (torch clients)")
 
 
 def gguf_tensor_name(hf_name: str) -> str | None:
@@ -126,20 +176,11 @@ def _add_hparams(writer: Any, arch: str, config: Mapping[str, Any]) -> None:
 
 
 def _pre_tokenizer_name(tok: Mapping[str, Any]) -> str:
-    """llama.cpp's name for the tokenizer's pre-tokenization regex. A vocabulary without merges tokenises one
-    byte per token whatever the splitting, so any name is exact for it; otherwise the regex must be known."""
-    merges = (tok.get("model") or {}).get("merges") or []
-    if not merges:
-        return "default"
-    text = json.dumps(tok.get("pre_tokenizer"))
-    if r"\\p{N}{1,3}" in text and "(?i:'s" in text:
-        return "llama-bpe"
-    if r"\\p{N}" in text and "(?i:'s" in text:
-        return "qwen2"
-    pre = tok.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"
-    raise GGUFExportError("the tokenizer's pre-tokenizer regex is not one llama.cpp knows (qwen2, llama-bpe, gpt-2)")
+    """llama.cpp's name for the tokenizer's pre-tokenization regex (coordinator.publish.hf_convert)."""
+    name = pre_tokenizer_name(tok)
+    if name not in _WRITER_PRE:
+        raise GGUFExportError("the tokenizer's pre-tokenizer regex is not one llama.cpp knows (qwen2, llama-bpe, gpt-2)")
+    return str(name)
 
 
 def _add_tokenizer(writer: Any, folder: Path, config: Mapping[str, Any]) -> None:
@@ -267,15 +308,27 @@ def write_model_gguf(out: Path, folder: Path, state: Mapping[str, Any], precisio
     first, then quantised into ``out`` by llama.cpp's quantiser (``threads`` of it; the f16 file is deleted)."""
     if precision not in PRECISIONS:
         raise GGUFExportError(f"unknown GGUF precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    write_plain = _plain_writer(folder, state, name)
     if precision in QUANTISED:
         f16 = out.with_name(out.name + ".f16.tmp")
         try:
-            _write_plain_gguf(f16, folder, state, "f16", name)
+            write_plain(f16, "f16")
             quantise(f16, out, precision, threads=threads)
         finally:
             f16.unlink(missing_ok=True)
         return
-    _write_plain_gguf(out, folder, state, precision, name)
+    write_plain(out, precision)
+
+
+def _plain_writer(folder: Path, state: Mapping[str, Any], name: str) -> Callable[[Path, str], None]:
+    """Writes the model as f32 or f16 GGUF by its :func:`route`: from ``state`` by this module, or from the
+    folder's own safetensors by llama.cpp's converter (the publisher has written them before the GGUF)."""
+    if route(folder) == "converter":
+        if not any(folder.glob("*.safetensors")):
+            raise GGUFExportError(f"{folder} has no *.safetensors: llama.cpp's converter reads the version's weights "
+                                  f"from its folder")
+        return lambda out, precision: convert(folder, out, precision)
+    return lambda out, precision: _write_plain_gguf(out, folder, state, precision, name)
 
 
 def write_model_ggufs(folder: Path, state: Mapping[str, Any], offered: Sequence[str], *,
@@ -288,14 +341,15 @@ def write_model_ggufs(folder: Path, state: Mapping[str, Any], offered: Sequence[
     if len(offered) == 1:
         write_model_gguf(names[offered[0]], folder, state, offered[0], threads=threads)
         return
+    write_plain = _plain_writer(folder, state, "echo-swarm policy")
     if "f32" in names:
-        _write_plain_gguf(names["f32"], folder, state, "f32", "echo-swarm policy")
+        write_plain(names["f32"], "f32")
     quantised = [p for p in offered if p in QUANTISED]
     if "f16" not in names and not quantised:
         return
     f16 = names.get("f16", folder / "model.f16.gguf.tmp")
     try:
-        _write_plain_gguf(f16, folder, state, "f16", "echo-swarm policy")
+        write_plain(f16, "f16")
         for p in quantised:
             quantise(f16, names[p], p, threads=threads)
     finally:
@@ -381,7 +435,9 @@ def export_folder(folder: Path, out: Path, precision: str = "f16") -> None:
     """Export a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) to one GGUF file."""
     from safetensors.numpy import load_file
 
-    gguf_arch(json.loads((Path(folder) / "config.json").read_text()))  # refuse unsupported models first
+    if route(Path(folder)) == "converter":  # refuses unsupported models first
+        write_model_gguf(out, Path(folder), {}, precision)
+        return
     state: dict[str, np.ndarray] = {}
     shards = sorted(Path(folder).glob("*.safetensors"))
     if not shards:

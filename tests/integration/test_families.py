@@ -1,0 +1,100 @@
+"""GGUF beyond Qwen2 (issue 35): a version of another family goes through the exporter the learner calls — llama.cpp's
+own converter, then its quantiser — and real llama.cpp loads each file and computes torch's logits within the
+precision; llama.cpp tokenises as transformers does; an architecture no route writes is refused at start-up in one
+line naming what is supported. Figures per family: bench/families.py, docs/benchmarks.md "Model families"."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.engine.family_models import BY_NAME, build_family_model
+from coordinator.publish.gguf_export import route, write_model_ggufs
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["Hello world, it's 2026.", "  two  spaces\tand\nlines", "12345 digits", "naïve 日本語 🦙"]
+# measured on these random models (bench/families.py, logits' std 0.8): f16 max |Δ| 0.006, q8_0 0.13
+TOL = {"f16": 0.05, "q8_0": 0.5}
+
+
+def _logits(path: Path, ids: list[int]) -> np.ndarray:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2,
+                          verbose=False)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3"])
+def test_a_version_of_another_family_is_published_as_gguf_llama_cpp_runs_like_torch(tmp_path: Path,
+                                                                                     name: str) -> None:
+    import llama_cpp
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from shared.policy import load_tokenizer
+
+    family = BY_NAME[name]
+    folder = build_family_model(family, tmp_path / name)
+    load_tokenizer(folder).save_pretrained(str(folder))  # the tokenizer files as the learner publishes them
+    assert route(folder) == "converter"
+    write_model_ggufs(folder, {}, ("f16", "q8_0"))  # as the learner publishes a version: model.gguf + model.q8_0
+    assert sorted(p.name for p in folder.glob("*.gguf")) == ["model.gguf", "model.q8_0.gguf"]
+    assert not list(folder.glob("*.tmp"))
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    ids = [tok.bos_token_id] if family.bos else []
+    for text in TEXTS:
+        ids += tok.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        want = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    for file, precision in (("model.gguf", "f16"), ("model.q8_0.gguf", "q8_0")):
+        got = _logits(folder / file, ids)
+        worst = float(np.abs(got - want).max())
+        assert worst < TOL[precision], f"{name} {precision}: max |Δ logit| {worst:.3g}"
+        assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+    llm = llama_cpp.Llama(model_path=str(folder / "model.gguf"), n_ctx=64, vocab_only=True, verbose=False)
+    try:
+        for text in TEXTS:
+            assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text,
+                                                                                        add_special_tokens=False)
+    finally:
+        llm.close()
+
+
+def test_an_architecture_no_route_writes_is_refused_at_start_up_in_one_line(tmp_path: Path) -> None:
+    """GPT-2 is a causal LM torch trains, but neither the exporter nor the families list writes it: the coordinator
+    exits 11 (model invalid) before any role starts, with one line naming the supported families and the way out."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from coordinator.engine.tiny_model import build_tokenizer
+    from shared.exit_codes import ExitCode
+
+    folder = tmp_path / "gpt2"
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2)).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    res = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--model", str(folder), "--run-dir",
+                          str(tmp_path / "run"), "--port", "0"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert (res.returncode, res.stdout) == (ExitCode.MODEL_INVALID, ""), res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: model folder {folder}: GGUF export supports Qwen2ForCausalLM (Qwen2, Qwen2.5), "
+                                 f"LlamaForCausalLM (Llama 2, Llama 3.x, SmolLM2), Qwen3ForCausalLM (Qwen3), "
+                                 f"Gemma3ForCausalLM (Gemma 3), MistralForCausalLM (Mistral), Phi3ForCausalLM "
+                                 f"(Phi-3, Phi-4), Olmo2ForCausalLM (OLMo 2); this model is GPT2LMHeadModel. Set "
+                                 f"snapshots.gguf = 'off'"), res.stderr
+    assert not (tmp_path / "run").exists()

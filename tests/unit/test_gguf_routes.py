@@ -1,0 +1,92 @@
+"""llama.cpp's converter is vendored unchanged (coordinator/publish/vendor_llama_cpp/SOURCE.md): every file matches
+the hash it was copied with, so an edit of upstream code cannot slip in; the routes the exporter picks; and what
+start-up refuses before any role runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import load_config
+from coordinator.launch.preflight import PreflightError, check_gguf_family
+from coordinator.publish.gguf_export import route
+from coordinator.publish.hf_convert import VENDOR, pre_tokenizer_name
+from shared.exit_codes import ExitCode
+
+
+def test_every_vendored_file_is_upstreams_byte_for_byte() -> None:
+    listed = {}
+    for line in (VENDOR / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        listed[name.removeprefix("./")] = digest
+    present = {p.relative_to(VENDOR).as_posix() for p in VENDOR.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts and p.name not in ("SHA256SUMS", "SOURCE.md")}
+    assert present == set(listed), present ^ set(listed)
+    changed = [n for n, d in listed.items() if hashlib.sha256((VENDOR / n).read_bytes()).hexdigest() != d]
+    assert changed == []
+    assert "MIT License" in (VENDOR / "LICENSE").read_text()
+
+
+def test_pre_tokenizer_names_come_from_the_regex_the_tokenizer_states() -> None:
+    def tok(pre: object, merges: bool = True) -> dict[str, object]:
+        return {"model": {"type": "BPE", "merges": ["a b"] if merges else []}, "pre_tokenizer": pre}
+
+    split = {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t)|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"}}
+    assert pre_tokenizer_name(tok({"type": "Sequence", "pretokenizers": [split]})) == "llama-bpe"
+    split["pattern"] = {"Regex": r"(?i:'s|'t)|\p{N}| ?[^\s\p{L}\p{N}]+"}
+    assert pre_tokenizer_name(tok(split)) == "qwen2"
+    assert pre_tokenizer_name(tok({"type": "ByteLevel", "use_regex": True})) == "gpt-2"
+    smol = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                                  {"type": "ByteLevel", "use_regex": True}]}
+    assert pre_tokenizer_name(tok(smol)) == "smollm"
+    assert pre_tokenizer_name(tok({"type": "Whitespace"})) is None  # upstream's fingerprint decides
+    assert pre_tokenizer_name(tok(None, merges=False)) == "default"  # one byte per token whatever the split
+
+
+def test_the_project_writes_qwen2_itself_and_the_converter_the_rest(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert route(tiny_model_dir) == "writer"  # the files every earlier version published, byte for byte
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    for arch, want in (("LlamaForCausalLM", "writer"), ("Qwen3ForCausalLM", "converter"),
+                       ("Olmo2ForCausalLM", "converter")):
+        folder = tmp_path / arch
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
+        (folder / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+        assert route(folder) == want, arch
+    scaled = tmp_path / "LlamaForCausalLM"  # Llama 3.1's rope scaling needs the rope_freqs tensor upstream writes
+    (scaled / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"],
+                                                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    assert route(scaled) == "converter"
+
+
+def test_a_lora_run_of_a_family_without_llama_cpp_adapters_is_refused_at_start_up(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    qwen3 = {**config, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    (folder / "config.json").write_text(json.dumps(qwen3))
+    (folder / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+
+    def run(**keys: object) -> object:
+        return load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": str(folder), **keys})
+
+    check_gguf_family(run(), folder)  # full weights: the converter writes it
+    with pytest.raises(PreflightError) as err:
+        check_gguf_family(run(**{"learner.lora_rank": 4}), folder)
+    assert err.value.code == ExitCode.MODEL_INVALID
+    assert "LoRA adapters are written for Qwen2ForCausalLM, LlamaForCausalLM only" in err.value.message
+    check_gguf_family(run(**{"learner.lora_rank": 4, "snapshots.gguf": "off"}), folder)  # torch clients only
+    check_gguf_family(run(**{"learner.lora_rank": 4}), tiny_model_dir)  # Qwen2: adapters written
+    scaled = tmp_path / "llama31"  # Llama 3.1's rope scaling: the converter's base, no adapters for it
+    scaled.mkdir()
+    llama31 = {**config, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    (scaled / "config.json").write_text(json.dumps(llama31))
+    (scaled / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+    check_gguf_family(run(), scaled)
+    with pytest.raises(PreflightError, match="LoRA adapters"):
+        check_gguf_family(run(**{"learner.lora_rank": 4}), scaled)
