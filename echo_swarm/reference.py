@@ -80,6 +80,7 @@ def exit_codes_markdown() -> str:
 
 def model_families_markdown() -> str:
     """The families a run can publish as GGUF for llama.cpp clients (coordinator.publish.gguf_export.FAMILIES)."""
+    # generated documentation only: the client's install lacks the coordinator's extras
     from coordinator.publish.gguf_export import ARCHITECTURES, CONVERTED, FAMILIES
 
     rows = ["| Hugging Face architecture | families | GGUF written by | llama.cpp LoRA adapters |", "|---|---|---|---|"]

@@ -86,6 +86,7 @@ CORPUS = [
 def _bpe_tokenizer(family: Family, vocab_size: int) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    # tiny_model loads torch and transformers: only a family model being built needs them
     from coordinator.engine.tiny_model import byte_level_alphabet
 
     tok = Tokenizer(models.BPE())

@@ -174,6 +174,7 @@ def check_gguf_family(config: CoordinatorConfig, folder: Path | None) -> None:
     (coordinator.publish.gguf_export.route), and a LoRA run one whose base the project's own writer writes (its
     adapters are written against that file's layout: Qwen2, and Llama without rope scaling): otherwise the first
     publication would fail after the roles started. None (the tiny model) is a Qwen2."""
+    # the exporter is read only when a run publishes GGUF: a torch-only run's start-up does not load it
     from coordinator.publish.gguf_export import ARCHITECTURES, GGUFExportError, route
 
     if folder is None or not config.snapshots.offered():

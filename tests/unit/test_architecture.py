@@ -31,11 +31,20 @@ TOO_BIG_YET = frozenset({
 })
 
 
+#: upstream code kept byte for byte (llama.cpp's converter and its gguf-py, checked against SHA256SUMS): not ours to
+#: reshape, so the limits below measure our code only
+VENDORED = "vendor_llama_cpp"
+
+
+def _our_files(package: str) -> list[Path]:
+    return [p for p in sorted((ROOT / package).rglob("*.py")) if VENDORED not in p.parts]
+
+
 def _lazy_imports() -> list[tuple[str, int, bool]]:
     """(file, line, commented) of each import of a project module inside a function, outside tests/ and bench/."""
     found = []
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in _our_files(package):
             source = path.read_text(encoding="utf-8")
             lines = source.splitlines()
             for fn in ast.walk(ast.parse(source)):
@@ -104,7 +113,7 @@ def _definitions() -> dict[str, tuple[ast.ClassDef | ast.FunctionDef | ast.Async
                 visit(child, prefix, file)
 
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in _our_files(package):
             visit(ast.parse(path.read_text(encoding="utf-8")), "", path.relative_to(ROOT).as_posix())
     return found
 
@@ -158,18 +167,20 @@ def test_only_the_composition_takes_the_api_role() -> None:
     assert named <= {"app.py", "service.py"}, f"api modules that take the whole API role: {named - {'app.py'}}"
 
 
-MAX_OPEN_DICTS = 30
+#: 33 since issue 35: a family's config overrides (any Hugging Face config key), tokenizer.json's pre-tokenizer JSON and
+#: the attributes of the converter subclass built with type() are open shapes by nature
+MAX_OPEN_DICTS = 33
 OPEN_DICT = "dict[str, " + "Any]"  # split so that this file's own text is no occurrence of it
 
 
 def _open_dicts() -> list[str]:
     """``file:line`` of each line of coordinator/ that names the open dict type (as ``grep -rn`` counts them)."""
     return [f"{path.relative_to(ROOT).as_posix()}:{n}"
-            for path in sorted((ROOT / "coordinator").rglob("*.py"))
+            for path in _our_files("coordinator")
             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if OPEN_DICT in line]
 
 
-def test_coordinator_has_at_most_30_open_dicts() -> None:
+def test_coordinator_has_at_most_33_open_dicts() -> None:
     """Issue 22: records that cross a function, module or role boundary are typed (coordinator.store.records,
     coordinator.run.records, coordinator.api.replies), so that mypy checks every read; the open dict stays only
     where the shape really is open (user configs, dataset rows, client profiles, the learner's metrics)."""
