@@ -8,6 +8,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
+from coordinator.publish.gguf_export import ARCHITECTURES, CONVERTED, FAMILIES
 from echo_swarm.cli import COORDINATOR_KEYS, app, run_field
 from echo_swarm.flags import field_metavar, value_type
 from shared.exit_codes import codes_table
@@ -80,13 +81,10 @@ def exit_codes_markdown() -> str:
 
 def model_families_markdown() -> str:
     """The families a run can publish as GGUF for llama.cpp clients (coordinator.publish.gguf_export.FAMILIES)."""
-    # generated documentation only: the client's install lacks the coordinator's extras
-    from coordinator.publish.gguf_export import ARCHITECTURES, CONVERTED, FAMILIES
-
     rows = ["| Hugging Face architecture | families | GGUF written by | llama.cpp LoRA adapters |", "|---|---|---|---|"]
+    by = {(True, False): "the project's writer", (False, True): "llama.cpp's converter",
+          (True, True): "the project's writer; llama.cpp's converter with rope scaling or another pre-tokenizer"}
     for arch, families in FAMILIES.items():
-        by = {(True, False): "the project's writer", (False, True): "llama.cpp's converter",
-              (True, True): "the project's writer; llama.cpp's converter with rope scaling or another pre-tokenizer"}
         lora = "yes" if arch in ARCHITECTURES else "no (train all weights)"
         rows.append(f"| `{arch}` | {families} | {by[(arch in ARCHITECTURES, arch in CONVERTED)]} | {lora} |")
     return "\n".join(rows)
