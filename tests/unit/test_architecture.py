@@ -23,7 +23,7 @@ MAX_FUNCTION_LINES = 60
 TOO_BIG_YET = frozenset({
     "echo_swarm/admin_client.py:AdminClient",
     "coordinator/engine/learner.py:Learner", "coordinator/engine/verifier.py:Verifier",
-    "coordinator/roles/learner.py:LearnerRole", "swarm_client/runner.py:Runner",
+    "swarm_client/runner.py:Runner",
     "coordinator/engine/head.py:_make_function", "coordinator/engine/learner.py:Learner.__init__",
     "coordinator/engine/learner.py:Learner.train_step", "shared/policy.py:replay_stats",
     "swarm_client/runner.py:Runner._run", "swarm_client/runner.py:Runner._work",
