@@ -447,7 +447,7 @@ def main() -> None:
     rows: list[ClassRow] = []
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"f32": base}
-        for cls in args.classes.split(","):
+        for cls in filter(None, args.classes.split(",")):  # "" with --add: only pool earlier runs
             backend_name, _, precision = cls.partition("-")
             if backend_name == "torch":  # bf16w: bf16 snapshot weights, computed in float32; bf16: computed in bf16
                 folder = base if precision != "bf16w" else folders.get("bf16w") or bf16_copy(base, Path(tmp) / "bf16")
