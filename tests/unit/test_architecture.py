@@ -25,7 +25,6 @@ TOO_BIG_YET = frozenset({
     "coordinator/engine/learner.py:Learner", "coordinator/engine/verifier.py:Verifier",
     "swarm_client/runner.py:Runner",
     "coordinator/engine/head.py:_make_function", "coordinator/engine/learner.py:Learner.__init__",
-    "shared/policy.py:replay_stats",
     "swarm_client/runner.py:Runner._run", "swarm_client/runner.py:Runner._work",
 })
 
