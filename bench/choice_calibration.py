@@ -33,8 +33,11 @@ per-result mean and per-token |Δ logprob| between the client's report and the r
 Attacks (judged against the torch verifier at each class's tolerance): greedy decoding; forced-correct answers;
 best-of-16 by reward (honest keyed samples of 16 other keys, the group with the highest reward); top-k steering
 (at every position, the token among the policy's 4 likeliest that continues the correct answer, else the keyed
-choice); junk (random non-stop tokens). A result identical to the honest keyed sample is honest work: counted
-apart ("same as honest"), never as a miss.
+choice); junk (random non-stop tokens); and class shopping, judged by each other class's own recompute only (a
+torch client's honest keyed sample sent as that class's: its tokens differ from the class's keyed sample where
+torch's logits and the class's flip a near-tie, and pass where every such flip lies within the class's tolerance).
+A result identical to the honest keyed sample is honest work: counted apart ("same as honest"), never as a miss —
+for a class judged by its own recompute, the sample whose every token is that recompute's keyed choice (margins 0).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ from sampling_calibration import Prompts, Setup, _job, job_shape, load_setup  # 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "## Keyed sampling: calibration"
+SHARD_STRIDE = 10**6  # results per shard's key range (a shard's temperatures draw from it one after the other)
+ATTACK_FIRST = 10**6 // 2  # the attacks' range within a shard, past any honest results a shard judges
+SHOPPING = "torch sample as this class"  # class shopping: a torch client's honest keyed sample sent under a claim
 BITS_EVERY = 10  # free choice is measured on every 10th honest result (a second pass over the full scores)
 
 
@@ -306,14 +312,17 @@ def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tol
                          for c in grp) for grp in groups]
             picked += groups[int(np.argmax(score))]
         cands["best-of-16 by reward"] = picked
+        cands[SHOPPING] = honest_comps  # judged by the other classes' own recomputes only (see the docstring)
         for kind, comps in cands.items():
-            same = comps == honest_comps
-            ((margin_rows, _),) = judge.margins([(flat, comps, key)])
-            judged = [(cls, tol, margin_rows) for cls, tol in tolerances.items()]
+            judged = []
+            if kind != SHOPPING:
+                ((margin_rows, _),) = judge.margins([(flat, comps, key)])
+                judged = [(cls, tol, margin_rows, comps == honest_comps) for cls, tol in tolerances.items()]
             for cls, (own_judge, tol) in (own or {}).items():
                 ((own_rows, _),) = own_judge.margins([(flat, comps, key)])
-                judged.append((cls, tol, own_rows))
-            for cls, tol, margin_rows in judged:
+                # the class's own keyed sample is the one whose every token is its recompute's keyed choice
+                judged.append((cls, tol, own_rows, all(m <= 0.0 for r in own_rows for m in r)))
+            for cls, tol, margin_rows, same in judged:
                 row = rows.setdefault((kind, cls), AttackRow(kind, cls))
                 row.results += 1
                 if same:
@@ -337,6 +346,28 @@ def bf16_copy(folder: Path, out: Path) -> Path:
         state = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(shard)).items()}
         save_file(state, str(shard), metadata={"format": "pt"})
     return out
+
+
+def pooled(rows: list[ClassRow], atk: list[AttackRow]) -> tuple[list[ClassRow], list[AttackRow]]:
+    """One row per class, temperature and verifier (and per attack kind and class) from the rows of several shards:
+    counts add up, the margins pool (so the tail fit sees them all), the largest stay the largest. Rows that judged
+    nothing (a run with ``--results 0``) drop out."""
+    by: dict[tuple[str, float, str, float], ClassRow] = {}
+    for r in (r for r in rows if r.results):
+        key = (r.name, r.temperature, r.verifier, r.tolerance)
+        if key not in by:
+            by[key] = ClassRow(r.name, r.temperature, r.tolerance, verifier=r.verifier)
+        p = by[key]
+        p.results, p.tokens, p.refused = p.results + r.results, p.tokens + r.tokens, p.refused + r.refused
+        p.positive += r.positive
+        p.worst, p.lp_mean, p.lp_max = max(p.worst, r.worst), max(p.lp_mean, r.lp_mean), max(p.lp_max, r.lp_max)
+        p.bits, p.bits_tokens, p.seconds = p.bits + r.bits, p.bits_tokens + r.bits_tokens, p.seconds + r.seconds
+    kinds: dict[tuple[str, str], AttackRow] = {}
+    for a in atk:
+        q = kinds.setdefault((a.kind, a.tolerance_class), AttackRow(a.kind, a.tolerance_class))
+        q.results, q.same_as_honest, q.refused = (q.results + a.results, q.same_as_honest + a.same_as_honest,
+                                                   q.refused + a.refused)
+    return list(by.values()), list(kinds.values())
 
 
 def _row_json(r: ClassRow) -> dict[str, Any]:
@@ -377,8 +408,12 @@ def main() -> None:
     ap.add_argument("--attack-tolerances", default="", help="more tolerances to judge the attacks at, as "
                     "LABEL=VALUE in logit units, comma-separated (candidates for a class's default)")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--add", type=Path, action="append", default=[], help="add the class rows and attacks of an "
-                    "earlier run's --json to the table (another run's classes)")
+    ap.add_argument("--shard", type=int, default=0, help="which share of a calibration spread over several runs "
+                    "this is: shard i draws its keys and prompts from its own range (i × 10⁶ onwards), so runs with "
+                    "different shards judge different results and --add pools them into one row per class")
+    ap.add_argument("--add", type=Path, action="append", default=[], help="pool the class rows and attacks of an "
+                    "earlier run's --json into the table: the same class, temperature and verifier become one row "
+                    "(give each run its own --shard)")
     ap.add_argument("--write-docs", action="store_true", help=f"replace the table under '{SECTION}' in {DOCS}")
     args = ap.parse_args()
 
@@ -412,7 +447,7 @@ def main() -> None:
     rows: list[ClassRow] = []
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"f32": base}
-        for cls in args.classes.split(","):
+        for cls in filter(None, args.classes.split(",")):  # "" with --add: only pool earlier runs
             backend_name, _, precision = cls.partition("-")
             if backend_name == "torch":  # bf16w: bf16 snapshot weights, computed in float32; bf16: computed in bf16
                 folder = base if precision != "bf16w" else folders.get("bf16w") or bf16_copy(base, Path(tmp) / "bf16")
@@ -441,8 +476,8 @@ def main() -> None:
                 if own:
                     judge = (ReplayJudge(folder, temperature, setup.pad) if backend_name == "torch"
                              else LlamaJudge(Path(tmp) / precision, temperature))
-                honest(setup, judge, row, backend, args.results, shape, first=k * args.results,
-                       tol=row.tolerance)
+                honest(setup, judge, row, backend, args.results, shape,
+                       first=args.shard * SHARD_STRIDE + k * args.results, tol=row.tolerance)
                 rows.append(row)
                 print(f"[{time.monotonic() - t0:6.0f}s] {cls} T={temperature:g}: {row.results} results, "
                       f"{row.refused} refused, worst {row.worst:.3g}", flush=True)
@@ -456,13 +491,14 @@ def main() -> None:
         for spec in filter(None, args.attack_tolerances.split(",")):  # label=logit units, e.g. "q8_0 at 3=3.0"
             label, _, value = spec.partition("=")
             tols[label.strip()] = float(value)
-        atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=10 ** 6,
+        atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=ATTACK_FIRST + args.shard * SHARD_STRIDE,
                       own=own_judges) if args.attacks else []
         print(f"[{time.monotonic() - t0:6.0f}s] attacks done", flush=True)
     for path in args.add:
         earlier = json.loads(path.read_text())
         rows += [ClassRow(**{k: v for k, v in d.items() if k != "tail_rate"}) for d in earlier["classes"]]
         atk += [AttackRow(**d) for d in earlier["attacks"]]
+    rows, atk = pooled(rows, atk)
     text = table(rows, atk)
     print(text)
     if args.json:

@@ -158,6 +158,7 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
         "jobs": {"prompts_per_job": args.prompts_per_job, "lease_timeout_s": 600.0, "long_poll_s": 10.0},
         "sampling": {"max_tokens": args.max_tokens},
         "snapshots": {"keep_last": keep, "gguf": args.gguf, "dtype": args.dtype,
+                      **({"gguf_also": args.gguf_also.split(",")} if args.gguf_also else {}),
                       **({"lag_tolerance": args.lag_tolerance} if args.lag_tolerance is not None else {})},
     }
     if args.reward == "even":
@@ -325,11 +326,19 @@ REBUILT = re.compile(r"rebuilt (\S+) \((\d+) bytes\) from a (\d+)-byte patch in 
 REFUSED = re.compile(r"patch for (\S+) refused")  # a rebuilt file whose sha256 is not the published one, among others
 
 
+def weight_files(manifests: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
+    """The whole-weight files the versions were published as: model.safetensors, model.gguf and each further
+    precision's model.<precision>.gguf (``--gguf-also``)."""
+    names = {p for m in manifests.values() for p, f in m.items()
+             if f["form"] != "delta" and p.startswith("model.") and p.endswith((".safetensors", ".gguf"))}
+    return sorted(names, key=lambda p: (not p.endswith(".safetensors"), p != "model.gguf", p))
+
+
 def delta_figures(manifests: dict[int, dict[str, dict[str, Any]]], client_log: Path) -> dict[str, Any]:
     """Per weight file: the full file and its patch per version (median, max; versions that had one), and what the
     client applied (from its log)."""
     out: dict[str, Any] = {}
-    for name in ("model.safetensors", "model.gguf"):
+    for name in weight_files(manifests):
         full = [m[name]["size"] for m in manifests.values() if name in m]
         patches = [m[name + ".delta"]["size"] for m in manifests.values() if name + ".delta" in m]
         if full:
@@ -530,9 +539,7 @@ def delta_table(results: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         d = r.get("deltas", {})
-        for name in ("model.safetensors", "model.gguf"):
-            if name not in d:
-                continue
+        for name in (k for k in d if k.startswith("model.")):
             f = d[name]
             applied = [a["apply_s"] for a in d.get("client_applied", []) if a["file"] == name]
             patch = (f"{f['delta_median'] / 1e6:.2f} MB ({f['delta_max'] / 1e6:.2f} MB)"
@@ -620,6 +627,8 @@ def main() -> None:
     ap.add_argument("--lr", default="1e-5", help="learner.lr; several, comma-separated, run every mode at each "
                     "(one after the other, each run directory deleted before the next)")
     ap.add_argument("--gguf", default="f16", help="snapshots.gguf (off, f32, f16, q8_0)")
+    ap.add_argument("--gguf-also", default="", help="snapshots.gguf_also: further precisions published every version "
+                    "(e.g. q8_0,q4_K_M: llama.cpp's quantiser), each with its own patch in the delta table")
     ap.add_argument("--lag-tolerance", type=float, default=None, help="snapshots.lag_tolerance (default: the "
                     "config's; 0 publishes every rounding)")
     ap.add_argument("--keep-run", action="store_true", help="keep each mode's run directory (deleted by default)")

@@ -470,13 +470,7 @@ def replay_stats(
     if segments is not None and len(segments) != len(completions):
         raise ValueError(f"{len(segments)} segment lists for {len(completions)} completions")
     keyed = segments is not None
-    draws = segments if segments is not None else [[(0, b, 0, len(c))] for b, c in enumerate(completions)]
-    generations: dict[int, list[tuple[int, int, int, int]]] = {}  # key → (rollout, completion, offset, count)
-    for b, row in enumerate(draws):
-        for key, rollout, offset, count in row:
-            count = min(count, len(completions[b]) - offset)  # a draw past the completion's end has no token
-            if count > 0 and offset >= 0:
-                generations.setdefault(key, []).append((rollout, b, offset, count))
+    generations = _generations(completions, segments)
     device = next(model.parameters()).device
     c_ids, c_mask = _right_pad(completions, pad_id, device)
     vocab = int(model.config.vocab_size)
@@ -508,6 +502,20 @@ def replay_stats(
     mask = c_mask.to(torch.float32)
     logp, entropy, variance, top, margins = out
     return CompletionStats(logp, entropy, variance, top, mask, margins * mask if keyed else None)
+
+
+def _generations(completions: Sequence[Sequence[int]], segments: Sequence[Sequence[Segment]] | None
+                 ) -> dict[int, list[tuple[int, int, int, int]]]:
+    """The client's generations behind ``completions``: key → (rollout, completion, offset, count) per row it
+    continued; without segments, one generation of every completion from its start."""
+    draws = segments if segments is not None else [[(0, b, 0, len(c))] for b, c in enumerate(completions)]
+    generations: dict[int, list[tuple[int, int, int, int]]] = {}
+    for b, row in enumerate(draws):
+        for key, rollout, offset, count in row:
+            count = min(count, len(completions[b]) - offset)  # a draw past the completion's end has no token
+            if count > 0 and offset >= 0:
+                generations.setdefault(key, []).append((rollout, b, offset, count))
+    return generations
 
 
 def _step_stats(logits: torch.Tensor, temperature: float, ids: torch.Tensor, draw: KeyedRows | None

@@ -101,7 +101,8 @@ from swarm_client.resources import (
 )
 from swarm_client.schedule import INPUT_CHECK_S, IdleProbe, InputWatch, parse_window, work_gate
 from swarm_client.settings import JoinConfig
-from swarm_client.snapshots import DownloadStalled, SnapshotCache, Transfer, wanted_files
+from swarm_client.blob_fetch import DownloadStalled, Transfer
+from swarm_client.snapshots import SnapshotCache, wanted_files
 from swarm_client.webcontrol import ControlPage, PageSource
 
 logger = logging.getLogger(__name__)

@@ -56,6 +56,7 @@ from coordinator.engine.bf16_adamw import StochasticBf16AdamW
 from coordinator.engine.evaluation import greedy_accuracy, pad_id
 from coordinator.engine.fsdp import single_rank
 from coordinator.engine.head import contiguous_input, streamed_logprobs
+from coordinator.engine.step_tally import StepTally
 from coordinator.engine.tied import TiedEmbeddingGradient
 from coordinator.memory import release_free_heap
 from coordinator.publish.checkpoints import CheckpointState, ShardedCheckpoint
@@ -293,17 +294,13 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples)
         eps, cap = self.cfg.clip_eps, self.cfg.is_cap
-        loss_sum = ratio_sum = clipped = is_sum = is_truncated = prox_kl = 0.0
-        # per sampling class: Σ k3 estimate of KL(π_b ‖ πθ) over its tokens, and their count (policy_mismatch_kl)
-        by_source: dict[str, list[float]] = {}
-        ratio_max = is_max = 0.0
+        tally = StepTally(eps, cap)
         world = self.ranks.world_size if self.ranks is not None else 1
         chunks = self._micro_batches(samples)
         m2po = self.cfg.correction == "m2po"
         # M2PO's mask is chosen over the whole batch: with more than one micro-batch (or rank) it needs every
         # token's ratio before the first backward pass, so a pass without gradients comes first
         keeps = self._second_moment_keeps(chunks) if m2po and (len(chunks) > 1 or self.ranks is not None) else None
-        masked = squares = 0.0
         for n, (chunk, real) in enumerate(chunks):
             logp, mask, behaviour = self._token_tensors(chunk, real)
             # π_prox is this step's starting policy: the weights ``logp`` was just computed with (the
@@ -320,32 +317,8 @@ class Learner:
             loss = per_token.sum() / max(1, total_tokens)
             (loss * world).backward()  # FSDP averages gradients over the ranks; the loss is already the batch's
             with torch.no_grad():
-                loss_sum += float(loss)
-                ratio_sum += float((ratio * mask).sum())
-                ratio_max = max(ratio_max, float((ratio * mask).max()))
-                clipped += float((((ratio < 1 - eps) | (ratio > 1 + eps)).to(mask.dtype) * mask).sum())
-                raw_is = torch.exp(log_is)
-                is_sum += float((raw_is * mask).sum())
-                is_max = max(is_max, float((raw_is * mask).max()))
-                is_truncated += float(((raw_is > cap).to(mask.dtype) * mask).sum())
-                # k3 estimate of KL(π_b ‖ π_prox) from tokens sampled by π_b: r − log r − 1, r = π_prox/π_b
-                prox_kl += float(((raw_is - log_is - 1) * mask).sum())
-                squares += float((((logp.detach() - behaviour) * mask) ** 2).sum())
-                if keep is not None:
-                    masked += float((mask * (1 - keep)).sum())
-                # the same between π_b and the policy being trained, per class: a quantised client's π_b is the
-                # quantised model's, and this is how far it lies from πθ (0 for a fresh torch rollout of a
-                # float32 snapshot)
-                d = (logp.detach() - behaviour) * mask
-                k3 = (torch.exp(d) - d - 1) * mask
-                for c, kl_sum, n in zip(chunk, k3.sum(-1).tolist(), mask.sum(-1).tolist(), strict=False):
-                    acc = by_source.setdefault(c.source, [0.0, 0.0])
-                    acc[0] += kl_sum
-                    acc[1] += n
-        if self.ranks is not None:  # each rank saw its share of the batch
-            loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl, squares, masked = fsdp.all_reduce(
-                self.ranks, [loss_sum, ratio_sum, clipped, is_sum, is_truncated, prox_kl, squares, masked], "sum")
-            ratio_max, is_max = fsdp.all_reduce(self.ranks, [ratio_max, is_max], "max")
+                tally.add(chunk, loss, ratio, log_is, logp, behaviour, mask, keep)
+        tally.reduce(self.ranks)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         gate_s, publish_gate_s = self._await_gates()
@@ -356,30 +329,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         release_free_heap()  # the step's small blocks: not left resident under the publication that follows
         self.model_version += 1
-        mismatch = [
-            (b - o) for smp in samples for b, o in zip(smp.behaviour_logprobs, smp.old_logprobs, strict=True)
-        ]
-        # k3 estimator of KL(behaviour || learner) from log r = old - behaviour: r - log r - 1
-        kl = sum(math.exp(-d) + d - 1 for d in mismatch) / max(1, len(mismatch))
         return {
-            "loss": loss_sum,
+            **tally.metrics(samples, total_tokens),
             "grad_norm": grad_norm,
-            "ratio_mean": ratio_sum / max(1, total_tokens),
-            "ratio_max": ratio_max,
-            "clipped_fraction": clipped / max(1, total_tokens),
-            "is_ratio_mean": is_sum / max(1, total_tokens),
-            "is_ratio_max": is_max,
-            "is_truncated_fraction": is_truncated / max(1, total_tokens),
-            "behaviour_prox_kl": prox_kl / max(1, total_tokens),
-            # mean of (log πθ/π_b)² over the batch at the start of the step (M2PO's second moment, whatever the
-            # correction), and the share of tokens the m2po correction masked to bring it within m2_threshold
-            "second_moment": squares / max(1, total_tokens),
-            "m2po_masked_fraction": masked / max(1, total_tokens),
-            "staleness_mean": sum(smp.staleness for smp in samples) / max(1, len(samples)),
-            "staleness_max": float(max((smp.staleness for smp in samples), default=0)),
-            "mismatch_kl": kl,
-            # this rank's samples (each FSDP rank reports its own share; one device: the batch)
-            "policy_mismatch_kl": {k: v[0] / max(1.0, v[1]) for k, v in sorted(by_source.items()) if v[1] > 0},
             "tokens": float(total_tokens),
             "samples": float(len(samples)),
             "train_s": time.monotonic() - t0,

@@ -238,7 +238,7 @@ class Db:
         return self.execute(sql, (name,)).fetchone() is not None
 
     # -- transactions -------------------------------------------------------------------------------------
-    def begin(self, exclusive: bool = False) -> None:
+    def _begin(self, exclusive: bool = False) -> None:
         t0 = time.monotonic()
         if self._lite is not None:
             self._lite.execute("BEGIN EXCLUSIVE" if exclusive else "BEGIN IMMEDIATE")
@@ -247,7 +247,7 @@ class Db:
             self._pg_execute("BEGIN", ())
         self._in_tx = True
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         t0 = time.monotonic()
         try:
             if self._lite is not None:
@@ -265,7 +265,7 @@ class Db:
             logger.warning("slow database: %s in %.0f ms (%s, %s connection)", what, took * 1000,
                            Path(self._file).name, "light" if self._light else "main")
 
-    def rollback(self) -> None:
+    def _rollback(self) -> None:
         self._in_tx = False
         if self._lite is not None:
             self._lite.execute("ROLLBACK")
@@ -276,13 +276,13 @@ class Db:
     @contextmanager
     def transaction(self, exclusive: bool = False) -> Iterator[None]:
         """BEGIN … COMMIT, rolled back on any exception (which then propagates)."""
-        self.begin(exclusive)
+        self._begin(exclusive)
         try:
             yield
         except BaseException:
-            self.rollback()
+            self._rollback()
             raise
-        self.commit()
+        self._commit()
 
     def lock(self, name: str) -> None:
         """Inside a transaction: hold the lock called ``name`` until it ends (one writer of the job stream at a

@@ -161,7 +161,9 @@ class Adversary:
             resp = await api.post("/v1/lease", LeaseRequest(backend=self.claim, held_version=-1,  # type: ignore[arg-type]
                                                             precision=self.precision), LeaseResponse)  # type: ignore[arg-type]
             if resp.job is not None:
-                return open_job(resp.job, self.info.coordinator_public_key)
+                job = open_job(resp.job, self.info.coordinator_public_key)
+                self.notes.setdefault("leased_precisions", []).append(job.precision)  # the file it is judged on
+                return job
             empty.append(resp)
             await asyncio.sleep(min(resp.retry_after_s, 1.0))
         raise TimeoutError(f"no job was offered in {timeout:.0f} s: {len(empty)} replies with job=null"
@@ -756,10 +758,10 @@ class Adversary:
              "llama_best_of_16", "llama_topk_steer", "llama_junk", "llama_torch_sample")
 
 
-async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0, until: Path | None = None
-                     ) -> dict[str, Any]:
+async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0, until: Path | None = None,
+                     precision: str | None = None) -> dict[str, Any]:
     adv = Adversary(url, home)
-    adv.seconds, adv.until = seconds, until
+    adv.seconds, adv.until, adv.precision = seconds, until, precision
     return await run_kind(adv, kind)
 
 
@@ -778,16 +780,22 @@ async def run_kind(adv: Adversary, kind: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=Adversary.KINDS)
+    parser.add_argument("kind", nargs="+", choices=Adversary.KINDS, help="one kind, or several run one after the "
+                        "other in this process (each with identities of its own)")
     parser.add_argument("--url", required=True)
     parser.add_argument("--home", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seconds", type=float, default=30.0, help="how long a timed kind runs at most (idle_sybil)")
     parser.add_argument("--until", type=Path, help="a timed kind stops once this file exists")
+    parser.add_argument("--precision", help="the GGUF precision its leases ask for (a run's snapshots.gguf_also); "
+                        "default: the run's default file")
     args = parser.parse_args()
-    report = asyncio.run(main_async(args.kind, args.url, args.home, args.seconds, args.until))
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"adversary {args.kind}: {len(report['attempts'])} attempts, error={report['error']}")
+    homes = [args.home] if len(args.kind) == 1 else [args.home / kind for kind in args.kind]
+    reports = [asyncio.run(main_async(kind, args.url, home, args.seconds, args.until, args.precision))
+               for kind, home in zip(args.kind, homes, strict=True)]
+    args.out.write_text(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    for report in reports:
+        print(f"adversary {report['kind']}: {len(report['attempts'])} attempts, error={report['error']}")
 
 
 if __name__ == "__main__":

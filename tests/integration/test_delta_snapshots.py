@@ -123,7 +123,7 @@ def test_a_client_holding_the_previous_version_downloads_only_the_patch(tmp_path
     full, delta = _entries(store, 1)["model.safetensors"], _entries(store, 1)["model.safetensors.delta"]
     _same_as_published(store, 1, folders[1])
     assert downloaded[1] == delta.size < full.size / 2  # config.json is the same file: cached already
-    assert cache.patched == 1 and cache.patches_refused == 0
+    assert cache.patches.patched == 1 and cache.patches.patches_refused == 0
     assert not list((tmp_path / "home" / "blobs").glob("*.rebuild"))
 
 
@@ -133,7 +133,7 @@ def test_a_client_that_missed_versions_takes_the_chain_when_it_is_smaller(tmp_pa
     cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 3])
     deltas = [_entries(store, v)["model.safetensors.delta"].size for v in (1, 2, 3)]
     _same_as_published(store, 3, folders[1])
-    assert downloaded[1] == sum(deltas) and cache.patched == 3
+    assert downloaded[1] == sum(deltas) and cache.patches.patched == 3
 
 
 def test_a_chain_larger_than_the_full_file_is_not_taken(tmp_path: Path) -> None:
@@ -144,14 +144,14 @@ def test_a_chain_larger_than_the_full_file_is_not_taken(tmp_path: Path) -> None:
     assert sum(deltas) > full  # the premise
     cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 5])
     _same_as_published(store, 5, folders[1])
-    assert downloaded[1] == full and cache.patched == 0
+    assert downloaded[1] == full and cache.patches.patched == 0
 
 
 def test_an_anchor_is_fetched_whole_even_by_a_client_holding_the_previous_version(tmp_path: Path) -> None:
     store = _store(tmp_path, anchor_every=2)
     _publish(store, range(3))
     cache, folders, downloaded = _fetch(store, tmp_path / "home", [1, 2])
-    assert downloaded[1] == _entries(store, 2)["model.safetensors"].size and cache.patched == 0
+    assert downloaded[1] == _entries(store, 2)["model.safetensors"].size and cache.patches.patched == 0
     _same_as_published(store, 2, folders[1])
 
 
@@ -168,7 +168,7 @@ def test_a_patch_pruned_while_the_client_walks_its_chain_falls_back_to_the_full_
 
     cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 3], between=prune_v1_patch)
     _same_as_published(store, 3, folders[1])
-    assert cache.patched == 0 and cache.patches_refused == 0  # not a bad patch: an absent one
+    assert cache.patches.patched == 0 and cache.patches.patches_refused == 0  # not a bad patch: an absent one
     assert downloaded[1] == _entries(store, 3)["model.safetensors"].size
 
 
@@ -185,7 +185,7 @@ def test_a_corrupted_patch_is_refused_and_the_full_file_fetched(tmp_path: Path) 
 
     cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 1], between=corrupt)
     _same_as_published(store, 1, folders[1])
-    assert cache.patched == 0 and cache.patches_refused == 1
+    assert cache.patches.patched == 0 and cache.patches.patches_refused == 1
     assert downloaded[1] == _entries(store, 1)["model.safetensors"].size + 3 * patch.stat().st_size  # 3 tries
     assert not list((tmp_path / "home" / "blobs").glob("*.rebuild"))
 
@@ -210,7 +210,7 @@ def test_a_signed_patch_built_on_another_base_is_refused_and_the_full_file_fetch
 
     cache, folders, downloaded = _fetch(store, tmp_path / "home", [1, 2])
     _same_as_published(store, 2, folders[1])
-    assert cache.patched == 0 and cache.patches_refused == 1
+    assert cache.patches.patched == 0 and cache.patches.patches_refused == 1
     assert downloaded[1] == bad.stat().st_size + e2["model.safetensors"].size
     blobs = tmp_path / "home" / "blobs"
     assert not list(blobs.glob("*.rebuild"))
@@ -239,8 +239,8 @@ def test_a_chain_through_a_pruned_version_falls_back_to_the_full_file(tmp_path: 
 
     cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 3], between=prune)
     _same_as_published(store, 3, folders[1])
-    assert downloaded[1] == _entries(store, 3)["model.safetensors"].size and cache.patched == 0
-    assert cache.patches_refused == 0  # no patch was tried: the chain was never complete
+    assert downloaded[1] == _entries(store, 3)["model.safetensors"].size and cache.patches.patched == 0
+    assert cache.patches.patches_refused == 0  # no patch was tried: the chain was never complete
 
 
 def test_with_p2p_a_patch_is_asked_of_peers_piece_by_piece_and_the_rebuilt_file_announced(tmp_path: Path) -> None:

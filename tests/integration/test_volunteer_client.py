@@ -162,7 +162,7 @@ def test_the_download_rate_cap_holds_within_ten_percent(live_coordinator: LiveCo
             cache = SnapshotCache(tmp_path / "cache", client, live_coordinator.coordinator.public_key,
                                   throttle=throttle, count=meter.add)
             t0 = time.monotonic()
-            await cache._fetch_blob(sha, size, "model.safetensors")
+            await cache.fetcher.fetch(sha, size, "model.safetensors")
             return time.monotonic() - t0
         finally:
             await client.close()

@@ -107,7 +107,7 @@ class RecordingCache:
         if version in self.hold:
             await self.hold[version].wait()
         if version in self.fail:
-            from swarm_client.snapshots import DownloadStalled
+            from swarm_client.blob_fetch import DownloadStalled
 
             raise DownloadStalled(f"version {version}: the link stalled")
         folder = self.root / f"v{version:06d}"
