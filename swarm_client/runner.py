@@ -149,6 +149,10 @@ class ClientStats:
     job_expected_steps: int = 0  # the most it can take (max_tokens × rollouts decoded one by one)
     job_started_at: float = 0.0  # unix time
     history: list[dict[str, object]] = field(default_factory=list)  # the latest results, newest last
+    # why the client stopped, when an error stopped it (a ban, a key change…): kept in status.json after the exit so
+    # `client status` and the control page still say it when the panel is gone or a service stopped unseen
+    stop_reason: str = ""
+    exit_code: int | None = None  # set once the client has stopped
 
 
 class Pacer:
@@ -208,6 +212,7 @@ HISTORY = 20  # results kept in the status for the control page
 #: The state of a client whose run has finished (the panel, `client status`, the control page).
 FINISHED_STATE = "run finished — waiting for the operator's next run"
 UNREACHABLE_STATE = "coordinator unreachable — retrying"
+PAGE_LINGER_S = 3.0  # how long a client stopped by an error waits for an open control page to read the reason
 NEW_RUN = -1  # _work's outcome when the coordinator now serves another run: join it
 
 
@@ -258,7 +263,9 @@ class Runner:
         logger.info("%s", text, extra={logs.SHOWN: True})
 
     def _error(self, text: str) -> None:
-        """An error line: on stderr (and in the log file)."""
+        """An error line: on stderr (and in the log file). Every caller then stops the client, so the line is also
+        the reason it stopped (status.json: `client status`, the control page)."""
+        self.stats.stop_reason = text
         self.display.error(text)
         logger.error("%s", text, extra={logs.SHOWN: True})
 
@@ -311,11 +318,14 @@ class Runner:
         self.stats.url = self.cfg.url
         log_file = logs.setup(self.paths.logs, self.cfg.log_level, self.display.error)
         logger.info("echo-swarm join %s (log %s)", self.cfg.url, log_file)
+        code: int = ExitCode.FAILED
         try:
-            return await self._run()
+            code = await self._run()
+            return code
         finally:
             if self.stats.client_id:  # joined: what it downloaded counts toward the month's budget
-                self.meter.flush()
+                self.stats.exit_code = int(code)
+                self._write_status()
             logs.teardown()
 
     async def _run(self) -> int:
@@ -391,11 +401,11 @@ class Runner:
                     await self.prefetch
             if self.peer is not None:
                 await self.peer.stop()
-            if self.page is not None:
-                await self.page.stop()
             if self.stats.client_id:
                 self.stats.state = "stopped"
                 self._write_status()
+            if self.page is not None:  # an open page gets one more look, so it can show why the client stopped
+                await self.page.stop(linger_s=PAGE_LINGER_S if self.stats.stop_reason else 0.0)
             self.display.stop()
             await api.close()
 
