@@ -306,6 +306,9 @@ def status(
                f"{info.get('tokens_per_s', 0):,.1f} tokens/s\n"
                f"  accepted {info.get('accepted', 0)}, rejected {info.get('rejected', 0)}, "
                f"credit {info.get('credit', 0):,.1f}" + (f"\n  data {info['bandwidth']}" if info.get("bandwidth") else ""))
+    for notice in info.get("notices") or []:  # the coordinator's notices in force, as the client last saw them
+        if isinstance(notice, dict):
+            typer.echo(f"  {escape(str(notice.get('line', '')))}")
     if not info["running"]:  # how the last run ended: a service client stopped by a ban has only this to say it
         typer.echo(_stop_text(info))
 

@@ -84,6 +84,7 @@ from swarm_client.footprint import (
 )
 from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
+from swarm_client.notices import NoticeWatch
 from swarm_client.panel import Display
 from swarm_client.paths import ClientPaths, migrate_cache
 from swarm_client.peer_calls import PeerCalls
@@ -153,6 +154,7 @@ class ClientStats:
     # `client status` and the control page still say it when the panel is gone or a service stopped unseen
     stop_reason: str = ""
     exit_code: int | None = None  # set once the client has stopped
+    notices: list[dict[str, object]] = field(default_factory=list)  # the coordinator's notices in force (notices.py)
 
 
 class Pacer:
@@ -254,6 +256,7 @@ class Runner:
         self.next_info: Info | None = None  # the new run _work found (NEW_RUN)
         self.pacer: Pacer | None = None
         self.page: ControlPage | None = None  # the local control page (swarm_client/webcontrol.py)
+        self.notices = NoticeWatch(cfg.home, self.display.software, self._say)
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100, input_idle=input_idle_s,
                                     min_input_idle_s=cfg.idle_input_minutes * 60) if cfg.idle_only else None
 
@@ -704,6 +707,14 @@ class Runner:
                   f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
         return EXIT_OK
 
+    async def _poll_notices(self, api: CoordinatorClient, info: Info, run_id: str, *, now: bool = False) -> None:
+        """The coordinator's notices (swarm_client/notices.py): when due, new ones shown; the panel, status.json and
+        the control page follow what is in force."""
+        if await self.notices.poll(api, info.coordinator_public_key, run_id, now=now):
+            self.stats.notices = self.notices.shown
+            self.display.update()
+            self._write_status()
+
     def _pin(self, info: Info) -> None:
         if info.protocol != PROTOCOL_VERSION:
             raise ProtocolError(Reason.PROTOCOL_VERSION, f"coordinator speaks protocol {info.protocol}, "
@@ -725,6 +736,7 @@ class Runner:
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
 
+        await self._poll_notices(api, info, reg.run_id, now=True)
         kind = backend_kind(backend)
         watch = InputWatch(input_idle_s, self.cfg.idle_input_minutes * 60) if self.cfg.idle_only else None
         pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop, watch, self._holding_from(asyncio.get_running_loop()))
@@ -732,6 +744,7 @@ class Runner:
         gated: str | None = None
         coordinator_paused = False
         while not self.stop.is_set():
+            await self._poll_notices(api, info, reg.run_id)
             gate = await self._gate()
             if self.controls.finish:
                 self._say("finishing (`echo-swarm client finish`): no new job; the last result is submitted, then "

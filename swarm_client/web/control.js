@@ -28,6 +28,15 @@ function draw(s) {
   // why the client stopped (a ban, a changed key): stays on the page after the client is gone
   $("alert").hidden = !s.stop_reason;
   $("stop-reason").textContent = s.stop_reason || "";
+  // the coordinator's notices in force, newest first; text only (never markup)
+  const notices = (s.notices || []).slice().reverse();
+  $("notices").hidden = !notices.length;
+  $("notice-list").replaceChildren(...notices.map((n) => {
+    const li = document.createElement("li");
+    li.textContent = `${clock(n.at)}: ${String(n.line || "").replace(/^notice from the coordinator:? ?/, "")}`;
+    li.dataset.id = String(n.notice_id);
+    return li;
+  }));
   const held = !!c.paused || !!c.snoozed_until, over = !!c.finishing || s.state === "stopped";
   $("pause").disabled = held || over;
   $("resume").disabled = !held || over;

@@ -60,6 +60,8 @@ class Shown:
     def __str__(self) -> str:
         return "\n".join(self.lines)
 
+    __repr__ = __str__  # an assertion's message shows the screen
+
     def row(self, start: str) -> int:
         return next(i for i, line in enumerate(self.lines) if line.startswith(start))
 
