@@ -74,6 +74,7 @@ def set_banned(ops: Operations, operator: str, ref: str, banned: bool, note: str
     at once so that other clients pick the work up. Unban restores it. Credit and history are kept."""
     client_id = find_client(ops, ref)
     ops.view.store.clients.set_banned(client_id, banned)
+    notices.set_ban_note(ops.view.store, client_id, note if banned else "")
     released: list[str] = []
     if banned:
         now = ops.view.clock()

@@ -18,8 +18,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from coordinator.store.store import Store
 from shared.messages import MAX_NOTICES, Notice, NoticeBoard, SignedNotices
 from shared.records import sign_notices
+from shared.safe_text import escape
 
 NOTICES_KEY = "notices"  # the meta row: {"next_id": int, "notices": [Notice as JSON, oldest first]}
+BAN_NOTE_KEY = "ban_note/{client_id}"  # the meta row of a banned client's note ("" once unbanned)
 
 
 def _read(store: Store) -> tuple[int, list[Notice]]:
@@ -61,6 +63,19 @@ def withdraw(store: Store, notice_id: int) -> bool:
         return False
     _write(store, next_id, kept)
     return True
+
+
+def set_ban_note(store: Store, client_id: str, note: str) -> None:
+    """The operator's note of a ban, told to the banned client with every refusal (cleared by an unban)."""
+    store.set_meta(BAN_NOTE_KEY.format(client_id=client_id), note)
+
+
+def ban_message(store: Store, client_id: str) -> str:
+    """The ``banned`` refusal's message: with the operator's note, escaped to one printable line (it reaches the
+    volunteer's terminal)."""
+    note = store.get_meta(BAN_NOTE_KEY.format(client_id=client_id))
+    return "this client has been banned by the coordinator's operator" + (
+        f"; the operator's note: {escape(note)}" if note else "")
 
 
 def signed_board(store: Store, key: Ed25519PrivateKey, run_id: str, now: float) -> SignedNotices:

@@ -27,6 +27,8 @@ from tests.integration.test_status_page import wait_for
 
 pytestmark = pytest.mark.slow
 
+NOTE = "sent garbage <b>twice</b>\nerror: forged"  # an operator's ban note, as an operator might mistype it
+NOTE_SHOWN = "sent garbage <b>twice</b>\\nerror: forged"  # escaped to one line
 COLUMNS, ROWS = 100, 80  # tall enough that nothing scrolls off the top
 
 
@@ -151,13 +153,14 @@ def test_a_banned_service_client_says_why_in_client_status_and_on_the_open_contr
                 await wait_for(page, "window.echoControl && window.echoControl.polls >= 1", 60, "the first poll")
                 assert await page.evaluate("document.getElementById('alert').hidden") is True
                 AdminClient.open(live_coordinator.url, key_path=live_coordinator.run_dir / ADMIN_KEY_FILE).ban(
-                    client_id, "sent garbage")
+                    client_id, NOTE)
                 await asyncio.to_thread(wait_until, lambda: client.proc.poll() is not None, 240,
                                         "the banned client to exit")
                 await wait_for(page, "window.echoControl.errors >= 1", 30, "the page to find the client gone")
                 await page.screenshot(ARTIFACTS / "control-page-stopped.png")
                 return dict(await page.evaluate("""({hidden: document.getElementById('alert').hidden,
                     reason: document.getElementById('stop-reason').textContent,
+                    markup: document.querySelectorAll('#alert b').length,
                     pill: document.getElementById('state').textContent})"""))
 
         seen = asyncio.run(drive())
@@ -169,9 +172,12 @@ def test_a_banned_service_client_says_why_in_client_status_and_on_the_open_contr
     assert seen["hidden"] is False, seen
     assert f"the coordinator has banned this client ({client_id})" in seen["reason"], seen
     assert "retrying will not help" in seen["reason"], seen
+    # the operator's note comes with the ban, as one line of text: never markup, never a line of its own
+    assert f"the operator's note: {NOTE_SHOWN}" in seen["reason"] and seen["markup"] == 0, seen
     assert seen["pill"].startswith("client stopped"), seen
 
     said = _client_status(home)
     assert f"client {client_id}: not running" in said, said
     assert "last stop: exit 3 (refused by the coordinator" in said, said
     assert f"error: the coordinator has banned this client ({client_id})" in said, said
+    assert f"the operator's note: {NOTE_SHOWN}" in said and "\nerror: forged" not in said, said
