@@ -6,7 +6,6 @@ one line, exit 2, and nothing is written."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -15,15 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from coordinator.api.admin_keys import ADMIN_KEY_FILE
 from coordinator.run.notices import NOTICES_KEY
 from shared.exit_codes import ExitCode
 from swarm_client.control import read_status
-from swarm_client.webcontrol import PAGE_FILE, TOKEN_FILE
-from tests.integration.browser import Chromium, open_page
+from swarm_client.webcontrol import PAGE_FILE
+from tests.integration.browser import Page, on_control_page
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import ARTIFACTS, REPO, Proc, db_rows, wait_until
 from tests.integration.test_status_page import wait_for
@@ -117,6 +115,8 @@ def test_a_notice_is_read_on_the_terminal_in_client_status_and_as_a_desktop_noti
                                   until=lambda _: len(_status(home).get("notices", [])) == 2,
                                   then=lambda proc: proc.send_signal(signal.SIGINT))
     shown = Shown(shown_bytes.raw)
+    (tmp_path / "screen.txt").write_text(str(shown))  # what the volunteer saw, for a failure's reader
+    (tmp_path / "screen.raw").write_bytes(shown_bytes.raw)
     assert shown_bytes.returncode == 0, shown
     news = shown.row("notice from the coordinator about runs:")
     assert f"notice from the coordinator about runs: {NEWS}" in shown.words, shown  # as written, never markup
@@ -131,10 +131,13 @@ def test_a_notice_is_read_on_the_terminal_in_client_status_and_as_a_desktop_noti
 
     said = _echo_swarm("client", "status", "--home", str(home)).stdout
     assert f"notice from the coordinator about runs: {NEWS}" in said and "needs echo-swarm 999.0" in said, said
+    # one notification each (notify-send runs detached: they may land in either order, and after the client exits)
+    wait_until(lambda: record.exists() and len(record.read_text().splitlines()) >= 2, 60, "two notifications")
     notified = [json.loads(line) for line in record.read_text().splitlines()]
-    assert len(notified) == 2, notified
-    assert notified[0][-2:] == ["echo-swarm", f"notice from the coordinator about runs: {NEWS}"], notified
-    assert notified[1][-1].startswith("notice from the coordinator: Please update"), notified
+    assert len(notified) == 2 and all(n[:2] == ["--app-name=echo-swarm", "echo-swarm"] for n in notified), notified
+    texts = sorted(n[-1] for n in notified)
+    assert texts[0] == f"notice from the coordinator about runs: {NEWS}", texts
+    assert texts[1].startswith("notice from the coordinator: Please update: this run needs a newer client"), texts
 
     # a restart shows them in the panel and the status, but neither prints nor notifies them again
     again = run_on_terminal(argv, columns=COLUMNS, rows=ROWS, timeout_s=300, env=terminal_env(**env),
@@ -152,29 +155,19 @@ def test_a_notice_is_on_the_control_page(tmp_path: Path, live_coordinator: LiveC
     home = tmp_path / "client"
     client = Proc([sys.executable, "-m", "echo_swarm", "join", live.url, "--home", str(home), "--threads", "1",
                    "--backend", "torch", "--no-benchmark", "--no-panel"], tmp_path / "client.log")
-    browser: Chromium | None = None
+
+    async def look(page: Page) -> dict[str, Any]:
+        await wait_for(page, "document.querySelectorAll('#notice-list li').length === 2", 60, "the notices on the page")
+        await page.screenshot(ARTIFACTS / "control-page-notices.png")
+        return dict(await page.evaluate("""({hidden: document.getElementById('notices').hidden,
+            items: [...document.querySelectorAll('#notice-list li')].map(li => li.textContent),
+            markup: document.querySelectorAll('#notices b').length})"""))
+
     try:
         wait_until(lambda: (home / PAGE_FILE).exists() and len(_status(home).get("notices", [])) == 2, 240,
                    "the client's page and its notices")
-        base = json.loads((home / PAGE_FILE).read_text())["url"].rstrip("/")
-        token = (home / TOKEN_FILE).read_text().strip()
-        browser = Chromium(tmp_path / "chromium-profile", tmp_path / "chromium.log")
-
-        async def drive() -> dict[str, Any]:
-            async with aiohttp.ClientSession() as session:
-                page = await open_page(session, browser)
-                await page.send("Page.navigate", url=f"{base}/?token={token}")
-                await wait_for(page, "document.querySelectorAll('#notice-list li').length === 2", 60,
-                               "the notices on the page")
-                await page.screenshot(ARTIFACTS / "control-page-notices.png")
-                return dict(await page.evaluate("""({hidden: document.getElementById('notices').hidden,
-                    items: [...document.querySelectorAll('#notice-list li')].map(li => li.textContent),
-                    markup: document.querySelectorAll('#notices b').length})"""))
-
-        seen = asyncio.run(drive())
+        seen = on_control_page(tmp_path, home, look)
     finally:
-        if browser is not None:
-            browser.stop()
         code = client.stop()
     assert code == 0, client.output()[-3000:]
     assert seen["hidden"] is False and seen["markup"] == 0, seen

@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from swarm_client.control import read_status
-from swarm_client.webcontrol import PAGE_FILE, TOKEN_FILE
-from tests.integration.browser import Chromium, open_page
+from swarm_client.webcontrol import PAGE_FILE
+from tests.integration.browser import Page, on_control_page
 from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import ARTIFACTS, REPO, start_client, wait_until
 from tests.integration.test_status_page import wait_for
@@ -137,36 +136,24 @@ def test_a_banned_service_client_says_why_in_client_status_and_on_the_open_contr
     home = tmp_path / "client"
     client = start_client(live_coordinator.url, home, tmp_path / "client.log", "--no-panel", "--no-benchmark",
                           "--backend", "torch")
-    browser: Chromium | None = None
+
+    async def ban_and_look(page: Page) -> dict[str, Any]:
+        assert await page.evaluate("document.getElementById('alert').hidden") is True
+        AdminClient.open(live_coordinator.url, key_path=live_coordinator.run_dir / ADMIN_KEY_FILE).ban(client_id, NOTE)
+        await asyncio.to_thread(wait_until, lambda: client.proc.poll() is not None, 240, "the banned client to exit")
+        await wait_for(page, "window.echoControl.errors >= 1", 30, "the page to find the client gone")
+        await page.screenshot(ARTIFACTS / "control-page-stopped.png")
+        return dict(await page.evaluate("""({hidden: document.getElementById('alert').hidden,
+            reason: document.getElementById('stop-reason').textContent,
+            markup: document.querySelectorAll('#alert b').length,
+            pill: document.getElementById('state').textContent})"""))
+
     try:
         wait_until(lambda: (home / PAGE_FILE).exists() and bool(_status(home).get("client_id")), 240,
                    "the client's control page")
         client_id = _status(home)["client_id"]
-        base = json.loads((home / PAGE_FILE).read_text())["url"].rstrip("/")
-        token = (home / TOKEN_FILE).read_text().strip()
-        browser = Chromium(tmp_path / "chromium-profile", tmp_path / "chromium.log")
-
-        async def drive() -> dict[str, Any]:
-            async with aiohttp.ClientSession() as session:
-                page = await open_page(session, browser)
-                await page.send("Page.navigate", url=f"{base}/?token={token}")
-                await wait_for(page, "window.echoControl && window.echoControl.polls >= 1", 60, "the first poll")
-                assert await page.evaluate("document.getElementById('alert').hidden") is True
-                AdminClient.open(live_coordinator.url, key_path=live_coordinator.run_dir / ADMIN_KEY_FILE).ban(
-                    client_id, NOTE)
-                await asyncio.to_thread(wait_until, lambda: client.proc.poll() is not None, 240,
-                                        "the banned client to exit")
-                await wait_for(page, "window.echoControl.errors >= 1", 30, "the page to find the client gone")
-                await page.screenshot(ARTIFACTS / "control-page-stopped.png")
-                return dict(await page.evaluate("""({hidden: document.getElementById('alert').hidden,
-                    reason: document.getElementById('stop-reason').textContent,
-                    markup: document.querySelectorAll('#alert b').length,
-                    pill: document.getElementById('state').textContent})"""))
-
-        seen = asyncio.run(drive())
+        seen = on_control_page(tmp_path, home, ban_and_look)
     finally:
-        if browser is not None:
-            browser.stop()
         code = client.stop()
     assert code == 3, client.output()[-3000:]
     assert seen["hidden"] is False, seen
