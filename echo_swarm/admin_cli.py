@@ -385,6 +385,55 @@ def registration(ctx: typer.Context, mode: Annotated[str, typer.Argument(help="'
          (f"; {r['invites']} invite token(s) valid" if r["mode"] == "invite" else ""))
 
 
+@admin_app.command()
+def notice(
+    ctx: typer.Context,
+    text: Annotated[Optional[str], typer.Argument(help="What to tell every volunteer: one line of at most 500 "
+                                                      "printable characters.", show_default=False)] = None,
+    run: Annotated[bool, typer.Option("--run", help="A notice about runs (this one finished, the next starts "
+                                                    "…) rather than a general one.")] = False,
+    min_version: Annotated[Optional[str], typer.Option("--min-version", help="This run needs this echo-swarm "
+                                                       "release or newer (e.g. 0.5): older clients say 'please "
+                                                       "update'.", show_default=False)] = None,
+    withdraw: Annotated[Optional[int], typer.Option("--withdraw", min=1, help="Withdraw the notice with this id "
+                                                    "(`echo-swarm admin notices` lists them) instead.",
+                                                    show_default=False)] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Publish a notice to every volunteer: their clients show it on the panel, the control page, `client status`
+    and as a desktop notification (within 5 minutes; at once when they join). Kept in the run's store, signed
+    with the run's key, at most the 16 newest."""
+    if withdraw is not None:
+        if text is not None or run or min_version is not None:
+            _fail("--withdraw takes no text, --run or --min-version", ExitCode.USAGE)
+        r = _run(ctx, "withdraw_notice", withdraw)
+        return _dump(r) if as_json else _say(f"withdrew notice {r['notice_id']}; {r['notices']} in force")
+    if text is None:
+        _fail("give the notice's text (or --withdraw ID)", ExitCode.USAGE)
+    if run and min_version is not None:
+        _fail("a notice is about runs (--run) or asks for a release (--min-version), not both", ExitCode.USAGE)
+    kind = "update" if min_version is not None else "run" if run else "operator"
+    r = _run(ctx, "notice", text, kind, min_version)
+    if as_json:
+        return _dump(r)
+    _say(f"published notice {r['notice_id']} ({kind}); {r['notices']} in force")
+
+
+@admin_app.command()
+def notices(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """The notices in force, oldest first (withdraw one with `echo-swarm admin notice --withdraw ID`)."""
+    r = _run(ctx, "notices")
+    if as_json:
+        return _dump(r)
+    t = Table(title=_text(f"notices ({len(r)})"))
+    for col in ("id", "published", "kind", "text"):
+        t.add_column(col)
+    for n in r:
+        kind = n["kind"] + (f" ≥ {n['min_client_version']}" if n.get("min_client_version") else "")
+        _row(t, n["notice_id"], _ago(n["at"]), kind, n["text"])
+    console.print(t)
+
+
 @keys_app.command("list")
 def keys_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Operator keys allowed to use the admin API, and the coordinator's own public key (the one volunteers

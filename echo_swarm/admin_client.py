@@ -29,10 +29,11 @@ from shared.admin import (
     AdminKeyAdd,
     AdminKeyRemove,
     AdminList,
+    AdminNotice,
     AdminRegistration,
 )
 from shared.errors import EchoSwarmError, ProtocolError
-from shared.messages import ErrorBody, Message
+from shared.messages import MAX_NOTICE_CHARS, ErrorBody, Message, Notice
 
 DEFAULT_KEY_NAME = "admin.key"
 
@@ -61,6 +62,8 @@ _RULES = {
     "outcome": "an outcome is lowercase letters and '_', e.g. accepted or rejected",
     "note": "a note is one line of at most 256 characters",
     "comment": "a comment is one line of at most 128 characters",
+    "text": f"a notice is one line of 1 to {MAX_NOTICE_CHARS} printable characters",
+    "min_client_version": "a release number such as 0.4 or 1.2.3, as `echo-swarm --version` prints it",
 }
 
 
@@ -189,6 +192,18 @@ class AdminClient:
 
     def registration(self, mode: str) -> dict[str, Any]:
         return self.call("registration", _body(AdminRegistration, mode=mode))
+
+    def notice(self, text: str, kind: str = "operator", min_client_version: str | None = None) -> dict[str, Any]:
+        """Publish a notice; checked as the wire's Notice first, so a notice no client would accept is never sent."""
+        fields = {"text": text, "kind": kind, "min_client_version": min_client_version}
+        _body(Notice, notice_id=1, at=0.0, **fields)
+        return self.call("notice", _body(AdminNotice, **fields))
+
+    def withdraw_notice(self, notice_id: int) -> dict[str, Any]:
+        return self.call("notice", _body(AdminNotice, withdraw=notice_id))
+
+    def notices(self) -> list[dict[str, Any]]:
+        return self.call("notices", AdminEmpty())["notices"]
 
     def keys(self) -> dict[str, Any]:
         return self.call("keys", AdminEmpty())

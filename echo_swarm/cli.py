@@ -21,8 +21,8 @@ from echo_swarm.admin_cli import admin_app
 from echo_swarm.argv import hoist_group_options
 from echo_swarm.demo_tasks import DEMO_TASKS
 from echo_swarm.flags import field_metavar, field_parser, value_type
-from shared.exit_codes import ExitCode, codes_text
-from shared.safe_text import configure_logging
+from shared.exit_codes import MEANING, ExitCode, codes_text
+from shared.safe_text import configure_logging, escape
 from swarm_client.config import ClientConfigError, build, client_paths, resolve_home
 from swarm_client.control import describe, parse_duration, pid_alive, set_paused, update_controls
 from swarm_client.control import snooze as set_snooze
@@ -306,6 +306,24 @@ def status(
                f"{info.get('tokens_per_s', 0):,.1f} tokens/s\n"
                f"  accepted {info.get('accepted', 0)}, rejected {info.get('rejected', 0)}, "
                f"credit {info.get('credit', 0):,.1f}" + (f"\n  data {info['bandwidth']}" if info.get("bandwidth") else ""))
+    for notice in info.get("notices") or []:  # the coordinator's notices in force, as the client last saw them
+        if isinstance(notice, dict):
+            typer.echo(f"  {escape(str(notice.get('line', '')))}")
+    if not info["running"]:  # how the last run ended: a service client stopped by a ban has only this to say it
+        typer.echo(_stop_text(info))
+
+
+def _stop_text(info: dict[str, Any]) -> str:
+    """``last stop: exit 3 (refused by the coordinator …)`` and the reason the client gave, indented."""
+    code = info.get("exit_code")
+    try:
+        meaning = MEANING[ExitCode(code)].removeprefix("join: ") if isinstance(code, int) else ""
+    except ValueError:
+        meaning = ""
+    head = f"  last stop: exit {code}" + (f" ({meaning})" if meaning else "") if code is not None else \
+        "  last stop: unknown (the client did not record how it ended: killed, or an older version)"
+    reason = str(info.get("stop_reason") or "")
+    return head + "".join(f"\n    {escape(line)}" for line in reason.split("\n") if line.strip())
 
 
 @client_app.command("open")

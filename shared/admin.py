@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from shared.messages import JobId, Message, PublicKey
+from shared.messages import MAX_NOTICE_CHARS, JobId, Message, PublicKey, ReleaseNumber
 
 ClientRef = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{6,32}$")]
 Limit = Annotated[int, Field(ge=1, le=10_000)]
@@ -47,6 +47,15 @@ class AdminInvite(Message):
 
 class AdminRegistration(Message):
     mode: Literal["open", "invite"]  # the run's registration setting (overrides the config's registration.mode)
+
+
+class AdminNotice(Message):
+    """Publish a notice to every volunteer (``text``), or withdraw one (``withdraw``: its id; text ignored)."""
+
+    text: Annotated[str, StringConstraints(max_length=MAX_NOTICE_CHARS)] = ""
+    kind: Literal["operator", "run", "update"] = "operator"
+    min_client_version: ReleaseNumber | None = None
+    withdraw: Annotated[int, Field(ge=1, lt=2**53)] | None = None
 
 
 class AdminKeyAdd(Message):

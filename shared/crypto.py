@@ -26,6 +26,7 @@ from shared.messages import SignedRequest
 REQUEST_DOMAIN = b"echo-swarm/request/v1"
 JOB_DOMAIN = b"echo-swarm/job/v1"
 MANIFEST_DOMAIN = b"echo-swarm/manifest/v1"
+NOTICES_DOMAIN = b"echo-swarm/notices/v1"  # the run's notice board (GET /v1/notices, docs/protocol.md §4)
 LATEST_DOMAIN = b"echo-swarm/dht-latest/v1"  # the DHT record of a run's newest version (docs/protocol.md §6a)
 
 

@@ -25,6 +25,7 @@ from shared.messages import (
     ReleaseResponse,
     ResultSubmission,
     SignedManifest,
+    SignedNotices,
     SubmitResponse,
 )
 
@@ -70,7 +71,8 @@ INFO = Read("/v1/info", Info)
 SNAPSHOT = Read("/v1/snapshots/{version}", SignedManifest)
 BLOB = Read("/v1/blobs/{sha256}")
 P2P_INFO = Read("/v1/p2p", P2PInfo)
+NOTICES = Read("/v1/notices", SignedNotices)
 STATUS = Read("/v1/status")
 HEALTHZ = Read("/healthz")
 #: The public reads of the volunteer protocol (the status page's own reads are coordinator.api.status_page's).
-READS = (INFO, SNAPSHOT, BLOB, P2P_INFO, STATUS, HEALTHZ)
+READS = (INFO, NOTICES, SNAPSHOT, BLOB, P2P_INFO, STATUS, HEALTHZ)

@@ -319,6 +319,44 @@ class Info(Message):
     server_time: Timestamp
 
 
+# ---- notices (GET /v1/notices; docs/protocol.md §4) --------------------------------------------------------
+MAX_NOTICES = 16  # the newest notices a board carries; older ones drop off
+MAX_NOTICE_CHARS = 500
+NoticeText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NOTICE_CHARS), AfterValidator(check_printable)]
+#: A release number as `echo-swarm --version` prints it (1 to 4 dot-separated numbers): what a notice may ask for.
+ReleaseNumber = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,6}(\.[0-9]{1,6}){0,3}$")]
+
+
+class Notice(Message):
+    """One message of the coordinator's operator to every volunteer: ``operator`` (anything), ``run`` (the run
+    finished, the next one starts …) or ``update`` (this run needs ``min_client_version`` or newer)."""
+
+    notice_id: Annotated[int, Field(ge=1, lt=2**53)]  # grows with every notice the run publishes
+    at: Timestamp
+    kind: Literal["operator", "run", "update"]
+    text: NoticeText
+    min_client_version: ReleaseNumber | None = None
+
+    @model_validator(mode="after")
+    def _update_names_its_version(self) -> Notice:
+        if (self.kind == "update") != (self.min_client_version is not None):
+            raise ValueError("an 'update' notice, and only one, names min_client_version")
+        return self
+
+
+class NoticeBoard(Message):
+    """The run's notices in force, newest last, as of ``issued_at``."""
+
+    run_id: ShortText
+    issued_at: Timestamp
+    notices: Annotated[list[Notice], Field(max_length=MAX_NOTICES)]
+
+
+class SignedNotices(Message):
+    board: Annotated[bytes, Field(max_length=64 * 1024)]  # msgpack of NoticeBoard
+    signature: Signature
+
+
 # ---- peer-to-peer snapshots (protocol 4; docs/protocol.md §6a) ---------------------------------------------
 PeerIdText = Annotated[str, StringConstraints(pattern=r"^[1-9A-HJ-NP-Za-km-z]{16,128}$")]  # base58 libp2p peer id
 Multiaddr = Annotated[str, StringConstraints(pattern=r"^(/[A-Za-z0-9._-]+){1,16}$", max_length=256)]

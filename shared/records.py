@@ -11,7 +11,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shared import PROTOCOL_VERSION, crypto, wire
 from shared.hashing import PIECE_SIZE, file_digests, sha256_bytes
 from shared.llama_files import gguf_precision, name_precision
-from shared.messages import Job, LatestRecord, Manifest, ManifestFile, Precision, SignedJob, SignedManifest
+from shared.messages import (
+    Job,
+    LatestRecord,
+    Manifest,
+    ManifestFile,
+    NoticeBoard,
+    Precision,
+    SignedJob,
+    SignedManifest,
+    SignedNotices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +84,21 @@ def open_manifest(signed: SignedManifest, coordinator_key: bytes) -> tuple[Manif
     """Verify the signature, then decode. Returns (manifest, manifest_sha256)."""
     crypto.verify(coordinator_key, crypto.MANIFEST_DOMAIN, signed.manifest, signed.signature)
     return wire.decode(signed.manifest, Manifest), sha256_bytes(signed.manifest)
+
+
+def sign_notices(key: Ed25519PrivateKey, board: NoticeBoard) -> SignedNotices:
+    payload = wire.encode(board)
+    return SignedNotices(board=payload, signature=crypto.sign(key, crypto.NOTICES_DOMAIN, payload))
+
+
+def open_notices(signed: SignedNotices, coordinator_key: bytes, run_id: str) -> NoticeBoard:
+    """Verify the signature with the pinned key, then decode; a board of another run is refused (ValueError): a
+    board signed for one run cannot be replayed to the volunteers of the next under the same key."""
+    crypto.verify(coordinator_key, crypto.NOTICES_DOMAIN, signed.board, signed.signature)
+    board = wire.decode(signed.board, NoticeBoard)
+    if board.run_id != run_id:
+        raise ValueError(f"a notice board of run {board.run_id!r}, not {run_id!r}")
+    return board
 
 
 def sign_job(key: Ed25519PrivateKey, job: Job) -> SignedJob:

@@ -32,6 +32,7 @@ class StatsView(Protocol):
     bandwidth: str
     job_steps: int
     job_expected_steps: int
+    notices: list[dict[str, Any]]
 
 
 def software_version() -> str:
@@ -136,6 +137,10 @@ class Display:
         grid.add_row("credit", f"{s.credit:,.1f}")
         if s.bandwidth:
             grid.add_row("data", Text(escape(s.bandwidth)))
+        if s.notices:  # the newest of the coordinator's notices (each was also printed above the panel when new)
+            newest = str(s.notices[-1].get("line", "")).removeprefix("notice from the coordinator")
+            more = f"  (+{len(s.notices) - 1} more: `echo-swarm client status`)" if len(s.notices) > 1 else ""
+            grid.add_row("notice", Text(escape(newest.lstrip(": ")) + more, style="bold yellow"))
         if self.hardware:
             grid.add_row("machine", Text(escape(self.hardware)))
         if self.page_url:

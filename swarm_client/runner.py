@@ -84,6 +84,7 @@ from swarm_client.footprint import (
 )
 from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
+from swarm_client.notices import NoticeWatch
 from swarm_client.panel import Display
 from swarm_client.paths import ClientPaths, migrate_cache
 from swarm_client.peer_calls import PeerCalls
@@ -150,6 +151,11 @@ class ClientStats:
     job_expected_steps: int = 0  # the most it can take (max_tokens × rollouts decoded one by one)
     job_started_at: float = 0.0  # unix time
     history: list[dict[str, object]] = field(default_factory=list)  # the latest results, newest last
+    # why the client stopped, when an error stopped it (a ban, a key change…): kept in status.json after the exit so
+    # `client status` and the control page still say it when the panel is gone or a service stopped unseen
+    stop_reason: str = ""
+    exit_code: int | None = None  # set once the client has stopped
+    notices: list[dict[str, object]] = field(default_factory=list)  # the coordinator's notices in force (notices.py)
 
 
 class Pacer:
@@ -209,6 +215,7 @@ HISTORY = 20  # results kept in the status for the control page
 #: The state of a client whose run has finished (the panel, `client status`, the control page).
 FINISHED_STATE = "run finished — waiting for the operator's next run"
 UNREACHABLE_STATE = "coordinator unreachable — retrying"
+PAGE_LINGER_S = 3.0  # how long a client stopped by an error waits for an open control page to read the reason
 NEW_RUN = -1  # _work's outcome when the coordinator now serves another run: join it
 
 
@@ -250,6 +257,7 @@ class Runner:
         self.next_info: Info | None = None  # the new run _work found (NEW_RUN)
         self.pacer: Pacer | None = None
         self.page: ControlPage | None = None  # the local control page (swarm_client/webcontrol.py)
+        self.notices = NoticeWatch(cfg.home, self.display.software, self._say)
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100, input_idle=input_idle_s,
                                     min_input_idle_s=cfg.idle_input_minutes * 60) if cfg.idle_only else None
 
@@ -259,7 +267,9 @@ class Runner:
         logger.info("%s", text, extra={logs.SHOWN: True})
 
     def _error(self, text: str) -> None:
-        """An error line: on stderr (and in the log file)."""
+        """An error line: on stderr (and in the log file). Every caller then stops the client, so the line is also
+        the reason it stopped (status.json: `client status`, the control page)."""
+        self.stats.stop_reason = text
         self.display.error(text)
         logger.error("%s", text, extra={logs.SHOWN: True})
 
@@ -312,11 +322,14 @@ class Runner:
         self.stats.url = self.cfg.url
         log_file = logs.setup(self.paths.logs, self.cfg.log_level, self.display.error)
         logger.info("echo-swarm join %s (log %s)", self.cfg.url, log_file)
+        code: int = ExitCode.FAILED
         try:
-            return await self._run()
+            code = await self._run()
+            return code
         finally:
             if self.stats.client_id:  # joined: what it downloaded counts toward the month's budget
-                self.meter.flush()
+                self.stats.exit_code = int(code)
+                self._write_status()
             logs.teardown()
 
     async def _run(self) -> int:
@@ -392,11 +405,11 @@ class Runner:
                     await self.prefetch
             if self.peer is not None:
                 await self.peer.stop()
-            if self.page is not None:
-                await self.page.stop()
             if self.stats.client_id:
                 self.stats.state = "stopped"
                 self._write_status()
+            if self.page is not None:  # an open page gets one more look, so it can show why the client stopped
+                await self.page.stop(linger_s=PAGE_LINGER_S if self.stats.stop_reason else 0.0)
             self.display.stop()
             await api.close()
 
@@ -695,6 +708,14 @@ class Runner:
                   f"{self.stats.rejected - self.rejected_before} refused this session; credit {self.stats.credit:,.0f}")
         return EXIT_OK
 
+    async def _poll_notices(self, api: CoordinatorClient, info: Info, run_id: str, *, now: bool = False) -> None:
+        """The coordinator's notices (swarm_client/notices.py): when due, new ones shown; the panel, status.json and
+        the control page follow what is in force."""
+        if await self.notices.poll(api, info.coordinator_public_key, run_id, now=now):
+            self.stats.notices = self.notices.shown
+            self.display.update()
+            self._write_status()
+
     def _pin(self, info: Info) -> None:
         if info.protocol != PROTOCOL_VERSION:
             raise ProtocolError(Reason.PROTOCOL_VERSION, f"coordinator speaks protocol {info.protocol}, "
@@ -716,6 +737,7 @@ class Runner:
         self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                   f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
 
+        await self._poll_notices(api, info, reg.run_id, now=True)
         kind = backend_kind(backend)
         watch = InputWatch(input_idle_s, self.cfg.idle_input_minutes * 60) if self.cfg.idle_only else None
         pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop, watch, self._holding_from(asyncio.get_running_loop()))
@@ -723,6 +745,7 @@ class Runner:
         gated: str | None = None
         coordinator_paused = False
         while not self.stop.is_set():
+            await self._poll_notices(api, info, reg.run_id)
             gate = await self._gate()
             if self.controls.finish:
                 self._say("finishing (`echo-swarm client finish`): no new job; the last result is submitted, then "

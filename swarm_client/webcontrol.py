@@ -19,11 +19,14 @@ commands and a restart all agree; the client notices each within one poll (about
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import math
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,7 @@ COOKIE = "echo_swarm_control"
 HOST = "127.0.0.1"
 WEB_DIR = Path(__file__).with_name("web")
 MAX_SNOOZE_MIN = 7 * 24 * 60
+OPEN_PAGE_S = 5.0  # a page that polled within this long is open (it polls every second)
 HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
            "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff",
            "Cache-Control": "no-store"}
@@ -97,6 +101,8 @@ class ControlPage:
         self.token = load_or_create_token(source.home)
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self._looked = asyncio.Event()  # set by each state request: a page is open and polling
+        self._last_look = -1e9  # monotonic time of the last state request
 
     async def start(self, port: int = 0) -> str:
         """Listen on 127.0.0.1:``port`` (0: the remembered port if it is free, else any); returns the URL to open."""
@@ -136,7 +142,14 @@ class ControlPage:
         os.replace(tmp, path)
         return f"http://{HOST}:{self.port}/"
 
-    async def stop(self) -> None:
+    async def stop(self, linger_s: float = 0.0) -> None:
+        """Stop serving. ``linger_s``: a client stopped by an error first waits (at most that long) for an open
+        page's next poll, so the page shows why it stopped before it can reach the client no more; a page polled
+        within the last few seconds is open, otherwise nobody is looking and nothing waits."""
+        if linger_s > 0 and self._runner is not None and time.monotonic() - self._last_look < OPEN_PAGE_S:
+            self._looked.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._looked.wait(), linger_s)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -184,7 +197,13 @@ class ControlPage:
         return web.FileResponse(WEB_DIR / name)
 
     async def _state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.source.state() | {"controls": controls_view(self.source.home)})
+        response = web.json_response(self.source.state() | {"controls": controls_view(self.source.home)},
+                                     headers=HEADERS)
+        await response.prepare(request)  # sent before a lingering stop() may go on and close the connection
+        await response.write_eof()
+        self._last_look = time.monotonic()
+        self._looked.set()
+        return response
 
     async def _act(self, request: web.Request) -> web.Response:
         if request.content_type != "application/json":

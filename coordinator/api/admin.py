@@ -36,9 +36,12 @@ from coordinator.api.replies import (
     KeyAdded,
     KeyRemoved,
     KeysReply,
+    NoticeReply,
+    NoticesReply,
     RegistrationReply,
 )
 from coordinator.api.signin import SignIn
+from coordinator.run import notices
 from coordinator.store import readmodels
 from shared import crypto, wire
 from shared.admin import (
@@ -50,6 +53,7 @@ from shared.admin import (
     AdminKeyAdd,
     AdminKeyRemove,
     AdminList,
+    AdminNotice,
     AdminRegistration,
 )
 from shared.errors import ProtocolError, Reason
@@ -146,6 +150,14 @@ def registration(ops: Operations, caller: str, body: AdminRegistration) -> Regis
     return ops_actions.set_registration(ops, caller, body.mode)
 
 
+def notice(ops: Operations, caller: str, body: AdminNotice) -> NoticeReply:
+    return ops_actions.post_notice(ops, caller, body.text, body.kind, body.min_client_version, body.withdraw)
+
+
+def notices_list(ops: Operations, caller: str, body: AdminEmpty) -> NoticesReply:
+    return {"notices": [n.model_dump() for n in notices.current(ops.view.store)]}
+
+
 def keys(ops: Operations, caller: str, body: AdminEmpty) -> KeysReply:
     return ops_actions.list_keys(ops, caller)
 
@@ -171,6 +183,8 @@ ENDPOINTS: dict[str, tuple[type[BaseModel], Action]] = {
     "issuing": (AdminIssuing, issuing),
     "invite": (AdminInvite, invite),
     "registration": (AdminRegistration, registration),
+    "notice": (AdminNotice, notice),
+    "notices": (AdminEmpty, notices_list),
     "keys": (AdminEmpty, keys),
     "keys/add": (AdminKeyAdd, keys_add),
     "keys/remove": (AdminKeyRemove, keys_remove),

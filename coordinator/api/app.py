@@ -40,6 +40,7 @@ from shared.endpoints import (
     HEALTHZ,
     INFO,
     LEASE,
+    NOTICES,
     P2P_INFO,
     READS,
     REGISTER,
@@ -265,6 +266,10 @@ async def info(request: web.Request) -> web.Response:
     return _packed(wire.encode(request.app[COORDINATOR].view.info()))
 
 
+async def notices(request: web.Request) -> web.Response:
+    return _packed(wire.encode(request.app[COORDINATOR].view.notices()))
+
+
 async def register(request: web.Request) -> web.Response:
     signin = request.app[COORDINATOR].signin
     return _packed(wire.encode(signin.register(await _body(request), request.get(ADDRESS, ""))))
@@ -341,7 +346,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 #: The handler of each public read (shared.endpoints.READS).
 READ_HANDLERS: dict[Read, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
-    INFO: info, SNAPSHOT: snapshot_manifest, BLOB: blob, P2P_INFO: p2p_info, STATUS: status, HEALTHZ: healthz}
+    INFO: info, NOTICES: notices, SNAPSHOT: snapshot_manifest, BLOB: blob, P2P_INFO: p2p_info, STATUS: status, HEALTHZ: healthz}
 assert set(READ_HANDLERS) == set(READS), "every read of shared.endpoints needs its handler here"
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from coordinator.api.admin_keys import AdminKey, load_admin_keys, write_admin_keys
 from coordinator.api.guard import INVITES, REGISTRATION_MODE
 from coordinator.api.replies import (
@@ -26,12 +28,14 @@ from coordinator.api.replies import (
     KeyAdded,
     KeyRemoved,
     KeysReply,
+    NoticeReply,
     RegistrationReply,
 )
 from coordinator.api.runstate import RunView
 from coordinator.core.leases import lease_live
 from coordinator.core.ops import ADMIN_KEYS, ClientLookupError, resolve_client
 from coordinator.publish.checkpoints import CheckpointStore
+from coordinator.run import notices
 from coordinator.store import readmodels
 from shared import crypto
 from shared.errors import ProtocolError, Reason
@@ -70,6 +74,7 @@ def set_banned(ops: Operations, operator: str, ref: str, banned: bool, note: str
     at once so that other clients pick the work up. Unban restores it. Credit and history are kept."""
     client_id = find_client(ops, ref)
     ops.view.store.clients.set_banned(client_id, banned)
+    notices.set_ban_note(ops.view.store, client_id, note if banned else "")
     released: list[str] = []
     if banned:
         now = ops.view.clock()
@@ -118,6 +123,27 @@ def set_registration(ops: Operations, operator: str, mode: str) -> RegistrationR
     if changed:
         record(ops, operator, "registration", mode=mode)
     return {"mode": mode, "changed": changed, "invites": len(ops.view.guard.invite_hashes())}
+
+
+def post_notice(ops: Operations, operator: str, text: str, kind: str, min_client_version: str | None,
+                withdraw: int | None) -> NoticeReply:
+    """Publish a notice to every volunteer, or withdraw one (coordinator.run.notices); a notice that does not fit
+    the wire (an empty text, an 'update' without a version) is refused with nothing written."""
+    store = ops.view.store
+    if withdraw is not None:
+        if not notices.withdraw(store, withdraw):
+            raise ProtocolError(Reason.NOT_FOUND, f"no notice {withdraw} is in force: `echo-swarm admin notices` "
+                                                  f"lists them")
+        record(ops, operator, "notice withdrawn", notice_id=withdraw)
+        return {"notice_id": withdraw, "published": False, "notices": len(notices.current(store))}
+    try:
+        notice = notices.publish(store, ops.view.clock(), text, kind, min_client_version)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise ProtocolError(Reason.SCHEMA, f"the notice does not fit: {problem['msg']}") from None
+    record(ops, operator, "notice", notice_id=notice.notice_id, kind=kind, text=text,
+           min_client_version=min_client_version)
+    return {"notice_id": notice.notice_id, "published": True, "notices": len(notices.current(store))}
 
 
 async def export_checkpoint(ops: Operations, operator: str) -> CheckpointReply:

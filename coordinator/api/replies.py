@@ -163,6 +163,16 @@ class InviteReply(TypedDict):
     mode: str
 
 
+class NoticeReply(TypedDict):
+    notice_id: int
+    published: bool  # False: withdrawn
+    notices: int  # notices in force now
+
+
+class NoticesReply(TypedDict):
+    notices: list[dict[str, object]]  # shared.messages.Notice's fields, oldest first
+
+
 class RegistrationReply(TypedDict):
     mode: str
     changed: bool

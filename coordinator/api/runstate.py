@@ -20,12 +20,13 @@ from coordinator.api.replies import CoordinatorStatus
 from coordinator.config import CoordinatorConfig
 from coordinator.core.leases import lease_live
 from coordinator.publish.snapshots import SnapshotStore
+from coordinator.run import notices
 from coordinator.run.names import LEARNER
 from coordinator.run.runfiles import RunFiles
 from coordinator.store.records import as_json
 from coordinator.store.store import Store
 from shared import PROTOCOL_VERSION
-from shared.messages import Info
+from shared.messages import Info, SignedNotices
 
 
 @dataclass
@@ -64,6 +65,10 @@ class RunView:
         return Info(protocol=PROTOCOL_VERSION, run_id=self.files.run_id, coordinator_public_key=self.files.public_key,
                     current_version=state.version, sync_mode=self.config.sync_mode, task=self.files.task.name,
                     finished=state.finished, server_time=self.clock())
+
+    def notices(self) -> SignedNotices:
+        """The operator's notices, signed with the run's key (coordinator.run.notices)."""
+        return notices.signed_board(self.store, self.files.key, self.files.run_id, self.clock())
 
     def status(self) -> CoordinatorStatus:
         """Every key ``/v1/status`` always had (coordinator.api.status_page adds the page's views)."""

@@ -17,6 +17,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core import pacing
 from coordinator.core.auth import check_timestamp, nonce_expiry
 from coordinator.limits import MAX_REQUEST_BYTES
+from coordinator.run import notices
 from coordinator.store.store import Store
 from shared import PROTOCOL_VERSION, crypto, wire
 from shared.endpoints import REGISTER
@@ -65,7 +66,7 @@ class SignIn:
         crypto.verify_request(req, bytes(client["public_key"]))
         self.guard.check_identity(req.client_id, self.clock())  # charged from here on, whatever refuses it next
         if client["banned"]:
-            raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+            raise ProtocolError(Reason.BANNED, notices.ban_message(self.store, req.client_id))
         self.check_fresh(req)
         return req
 
@@ -76,7 +77,7 @@ class SignIn:
         self.guard.check_identity(req.client_id, self.clock())  # charged from here on, whatever refuses it next
         existing = self.store.clients.get(req.client_id)
         if existing is not None and existing["banned"]:
-            raise ProtocolError(Reason.BANNED, "this client has been banned by the coordinator's operator")
+            raise ProtocolError(Reason.BANNED, notices.ban_message(self.store, req.client_id))
         self.guard.check_registration(peer, body.invite, self.clock(), is_new=existing is None)
         # the class is the coordinator's to establish: one of a fixed set, pinned at the first registration
         bclass = self.guard.class_for_registration(req.client_id, body.profile.backend, body.profile.device,

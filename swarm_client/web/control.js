@@ -25,6 +25,18 @@ function draw(s) {
   st.dataset.paused = String(!!c.paused);
   // only the buttons that would change something: Resume while paused or snoozed, Pause otherwise; none once
   // the client is finishing or stopped
+  // why the client stopped (a ban, a changed key): stays on the page after the client is gone
+  $("alert").hidden = !s.stop_reason;
+  $("stop-reason").textContent = s.stop_reason || "";
+  // the coordinator's notices in force, newest first; text only (never markup)
+  const notices = (s.notices || []).slice().reverse();
+  $("notices").hidden = !notices.length;
+  $("notice-list").replaceChildren(...notices.map((n) => {
+    const li = document.createElement("li");
+    li.textContent = `${clock(n.at)}: ${String(n.line || "").replace(/^notice from the coordinator:? ?/, "")}`;
+    li.dataset.id = String(n.notice_id);
+    return li;
+  }));
   const held = !!c.paused || !!c.snoozed_until, over = !!c.finishing || s.state === "stopped";
   $("pause").disabled = held || over;
   $("resume").disabled = !held || over;
@@ -67,7 +79,9 @@ async function poll() {
   } catch (err) {
     window.echoControl.errors += 1;
     const st = $("state");
-    st.textContent = "client not running — retrying";
+    const last = window.echoControl.last;
+    st.textContent = last && last.state === "stopped" ? "client stopped — start it again with `echo-swarm join`"
+      : "client not running — retrying";
     st.className = "pill off";
   } finally {
     setTimeout(poll, POLL_MS);

@@ -10,11 +10,13 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
+T = TypeVar("T")
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -114,3 +116,36 @@ async def open_page(session: aiohttp.ClientSession, browser: Chromium) -> Page:
     await p.send("Page.enable")
     await p.send("Runtime.enable")
     return p
+
+
+async def open_control_page(session: aiohttp.ClientSession, browser: Chromium, home: Path,
+                            timeout_s: float = 60.0) -> tuple[Page, str]:
+    """A client's local control page in ``browser``, opened as `echo-swarm client open` does (its URL and token
+    from the client ``home``), once the page has polled the client; returns the tab and the page's base URL."""
+    from swarm_client.webcontrol import PAGE_FILE, TOKEN_FILE
+
+    base = json.loads((home / PAGE_FILE).read_text())["url"].rstrip("/")
+    token = (home / TOKEN_FILE).read_text().strip()
+    page = await open_page(session, browser)
+    await page.send("Page.navigate", url=f"{base}/?token={token}")
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await page.evaluate("window.echoControl && window.echoControl.polls >= 1"):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"the control page at {base} did not poll the client within {timeout_s:.0f} s")
+        await asyncio.sleep(0.25)
+    return page, base
+
+
+def on_control_page(folder: Path, home: Path, action: Callable[[Page], Awaitable[T]]) -> T:
+    """Start a Chromium (profile and log in ``folder``), open the control page of the client in ``home``, run
+    ``action`` on the tab and return what it returns; the browser is stopped whatever happens."""
+    browser = Chromium(folder / "chromium-profile", folder / "chromium.log")
+    try:
+        async def drive() -> T:
+            async with aiohttp.ClientSession() as session:
+                page, _ = await open_control_page(session, browser, home)
+                return await action(page)
+
+        return asyncio.run(drive())
+    finally:
+        browser.stop()

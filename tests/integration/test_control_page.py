@@ -21,7 +21,7 @@ import pytest
 
 from swarm_client.control import read_controls, read_status
 from swarm_client.webcontrol import PAGE_FILE, TOKEN_FILE
-from tests.integration.browser import Chromium, Page, open_page
+from tests.integration.browser import Chromium, Page, open_control_page
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import ARTIFACTS, REPO, db_rows, start_client, wait_until
 from tests.integration.test_status_page import wait_for
@@ -106,9 +106,7 @@ def test_the_control_page_pauses_and_resumes_the_running_client(tmp_path: Path,
 
         async def drive() -> dict[str, Any]:
             async with aiohttp.ClientSession() as session:
-                page = await open_page(session, browser)
-                await page.send("Page.navigate", url=f"{base}/?token={token}")
-                await wait_for(page, "window.echoControl && window.echoControl.polls >= 1", 60, "the first poll")
+                page, _ = await open_control_page(session, browser, home)
                 assert await page.evaluate("location.search") == ""  # the token left the address bar
                 shown = await page.evaluate("document.getElementById('results').textContent")
 
