@@ -44,6 +44,8 @@ class Family:
     config: dict[str, Any] = field(default_factory=dict)
     tokenizer_class: str = "PreTrainedTokenizerFast"
     bos: bool = False  # the family's tokenizer adds <bos> at the start
+    #: every linear module of a layer, by the family's names (LoRA targets that touch every kind of projection)
+    linear: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -64,7 +66,7 @@ FAMILIES: tuple[Family, ...] = (
            tokenizer_class="LlamaTokenizerFast", bos=True),
     Family("phi3", "Phi-3 / Phi-4", "Phi3ForCausalLM", "dbrx",
            {"tie_word_embeddings": False, "rope_theta": 250000.0, "num_key_value_heads": 4},
-           tokenizer_class="GPT2Tokenizer"),
+           tokenizer_class="GPT2Tokenizer", linear=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     Family("smollm2", "SmolLM2", "LlamaForCausalLM", "smollm",
            {"tie_word_embeddings": True, "rope_theta": 100000.0}),
     Family("olmo2", "OLMo 2", "Olmo2ForCausalLM", "dbrx",

@@ -533,8 +533,6 @@ class Learner:
     def _lora_snapshot_files(self, dtype: str) -> SnapshotFiles:
         """A LoRA version (coordinator.engine.lora has the layout): its own files are the adapter, copied here (a few
         MB at most); the frozen base (HF files and base.gguf) is a run-level shared file set, written once."""
-        import json
-
         import torch
 
         if self.ranks is not None:  # the adapter gathered every version, the frozen base once per process
@@ -551,12 +549,11 @@ class Learner:
             snap = lora.adapter_snapshot(self.model)
         publish = self.publish_dtype(dtype)
         static = self._snapshot_static_files(publish)
-        hf_config = json.loads(static["config.json"])
         gguf = self.gguf[0] if self.gguf else "off"  # a LoRA run offers one precision (config)
         shared = lora.base_writers(self.model, static, getattr(torch, publish), gguf, self._lora_base)
 
         def write(folder: Path) -> None:
-            lora.write_adapter(folder, snap, hf_config, gguf)
+            lora.write_adapter(folder, snap, static, gguf)
 
         return SnapshotFiles(write, shared)
 

@@ -171,23 +171,17 @@ def check_disk(run_dir: Path, need_bytes: int) -> None:
 
 def check_gguf_family(config: CoordinatorConfig, folder: Path | None) -> None:
     """A run that publishes GGUF (snapshots.gguf not 'off') needs a model family the exporter writes
-    (coordinator.publish.gguf_export.route), and a LoRA run one whose base the project's own writer writes (its
-    adapters are written against that file's layout: Qwen2, and Llama without rope scaling): otherwise the first
-    publication would fail after the roles started. None (the tiny model) is a Qwen2."""
+    (coordinator.publish.gguf_export.route): otherwise the first publication would fail after the roles started.
+    A LoRA run's adapters are written by the same route as its base. None (the tiny model) is a Qwen2."""
     # the exporter is read only when a run publishes GGUF: a torch-only run's start-up does not load it
-    from coordinator.publish.gguf_export import ARCHITECTURES, GGUFExportError, route
+    from coordinator.publish.gguf_export import GGUFExportError, route
 
     if folder is None or not config.snapshots.offered():
         return
     try:
-        by = route(folder)
+        route(folder)
     except GGUFExportError as exc:
         raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: {exc}") from None
-    if config.learner.lora_rank > 0 and by != "writer":
-        raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: llama.cpp LoRA adapters are written "
-                             f"for {', '.join(ARCHITECTURES)} only (without rope scaling, with a qwen2, llama-bpe or "
-                             f"gpt-2 pre-tokenizer): train all weights (learner.lora_rank = 0) or set snapshots.gguf "
-                             f"= 'off' (torch clients)")
 
 
 def check(config: CoordinatorConfig, role: str) -> None:

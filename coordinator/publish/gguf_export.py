@@ -7,7 +7,8 @@ Two routes, chosen per model by :func:`route`:
   are what every earlier version of the project published, byte for byte.
 - Every other supported family (:data:`FAMILIES`: Llama 3.1's rope scaling, SmolLM2, Qwen3, Gemma 3, Mistral,
   Phi-3/4, OLMo 2) is written by llama.cpp's own converter, vendored from the llama.cpp clients run
-  (coordinator.publish.hf_convert), from the version's folder. A model of neither is refused at start-up
+  (coordinator.publish.hf_convert), from the version's folder; its LoRA adapters by llama.cpp's own adapter
+  converter from the version's peft files (:func:`write_adapter_gguf`). A model of neither is refused at start-up
   (coordinator.launch.preflight) in one line naming what is supported.
 
 Two details llama.cpp silently depends on (this module's route):
@@ -31,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from coordinator.publish.hf_convert import convert, pre_tokenizer_name
+from coordinator.publish.hf_convert import convert, convert_lora, pre_tokenizer_name
 from coordinator.publish.quantise import QUANTISED, quantise
 from shared.llama_files import gguf_name
 
@@ -46,7 +47,7 @@ logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 Precision = Literal["f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"]
 PRECISIONS: tuple[str, ...] = ("f32", "f16", *QUANTISED)
-#: The architectures this module writes itself (and writes LoRA adapters for), with their GGUF architecture.
+#: The architectures this module writes itself (and their LoRA adapters), with their GGUF architecture.
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 #: Every architecture a version can be published as GGUF for, with the families it serves; each was measured end to
 #: end (bench/families.py, docs/benchmarks.md "Model families"). All but Qwen2 go to llama.cpp's converter
@@ -414,6 +415,19 @@ def write_lora_gguf(out: Path, config: Path | Mapping[str, Any], lora: Mapping[s
         writer.add_tensor(f"{gname}.lora_a", np.ascontiguousarray(_as_numpy(a), dtype=dtype), raw_dtype=raw)
         writer.add_tensor(f"{gname}.lora_b", np.ascontiguousarray(b_arr, dtype=dtype), raw_dtype=raw)
     _finish(writer)
+
+
+def write_adapter_gguf(out: Path, base: Path, adapter: Path, lora: Mapping[str, tuple[Any, Any]], alpha: float,
+                       precision: str = "f32") -> None:
+    """Write a version's LoRA adapter as GGUF by the route of its base (:func:`route` of ``base``, the folder with
+    the base's config.json and tokenizer files), so the adapter's tensors are named and laid out as in the base GGUF
+    llama.cpp applies it to: this module's :func:`write_lora_gguf` from ``lora`` and ``alpha`` for a base this module
+    writes, llama.cpp's own adapter converter (coordinator.publish.hf_convert.convert_lora) from the peft files in
+    ``adapter`` for a base llama.cpp's converter writes."""
+    if route(base) == "converter":
+        convert_lora(base, adapter, out, precision)
+        return
+    write_lora_gguf(out, base, lora, alpha, precision)
 
 
 def _as_numpy(value: Any) -> np.ndarray:

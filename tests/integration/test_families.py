@@ -1,7 +1,9 @@
 """GGUF beyond Qwen2 (issue 35): a version of another family goes through the exporter the learner calls — llama.cpp's
 own converter, then its quantiser — and real llama.cpp loads each file and computes torch's logits within the
-precision; llama.cpp tokenises as transformers does; an architecture no route writes is refused at start-up in one
-line naming what is supported. Figures per family: bench/families.py, docs/benchmarks.md "Model families"."""
+precision; llama.cpp tokenises as transformers does; a LoRA version's adapter.gguf (llama.cpp's own adapter converter)
+applied by llama.cpp to base.gguf computes what a GGUF of the merged weights computes; an architecture no route writes
+is refused at start-up in one line naming what is supported. Figures per family: bench/families.py,
+docs/benchmarks.md "Model families"."""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ TEXTS = ["Hello world, it's 2026.", "  two  spaces\tand\nlines", "12345 digits",
 TOL = {"f16": 0.05, "q8_0": 0.5}
 
 
-def _logits(path: Path, ids: list[int]) -> np.ndarray:
+def _logits(path: Path, ids: list[int], lora: Path | None = None) -> np.ndarray:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2,
-                          verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), lora_path=None if lora is None else str(lora), n_ctx=128,
+                          n_batch=128, logits_all=True, n_threads=2, verbose=False)
     try:
         llm.eval(ids)
         return np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -71,6 +73,68 @@ def test_a_version_of_another_family_is_published_as_gguf_llama_cpp_runs_like_to
                                                                                         add_special_tokens=False)
     finally:
         llm.close()
+
+
+# measured (bench/families.py, rank 4 on every linear module, the adapter moving the logits by ~1.6): llama.cpp's
+# base.gguf + adapter.gguf vs a GGUF of the merged weights, f16, max |Δ| 0.003-0.006
+LORA_TOL = 0.05
+
+
+@pytest.mark.parametrize("name", ["llama3", "phi3", "gemma3"])
+def test_a_lora_version_of_another_family_is_applied_by_llama_cpp_as_the_merged_weights(tmp_path: Path,
+                                                                                        name: str) -> None:
+    """A LoRA run of a converted family publishes base.gguf once and adapter.gguf per version, both through
+    llama.cpp's own converters (Llama 3's q/k row permutation, Phi-3's fused qkv and gate/up, Gemma 3's layout);
+    llama.cpp applying the adapter to the base matches llama.cpp on the merged weights (base + alpha/r · B·A, as
+    torch clients and the verifier merge)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import PreTrainedTokenizerFast
+
+    from coordinator.config import LearnerConfig, ModelConfig
+    from coordinator.engine.learner import Learner
+    from coordinator.publish.gguf_export import export_folder
+    from coordinator.publish.snapshots import SnapshotStore
+    from shared import crypto
+    from shared.adapters import read_adapter
+
+    family = BY_NAME[name]
+    folder = build_family_model(family, tmp_path / name)
+    learner = Learner(folder, ModelConfig(device="cpu"), LearnerConfig(lora_rank=4, threads=2,
+                                                                       lora_targets=list(family.linear)),
+                      temperature=1.0, gguf="f16")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # stand-in for training: peft starts B at 0
+        for pname, p in learner.model.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    store = SnapshotStore(tmp_path / "snapshots", crypto.generate_key(), "run")
+    store.publish(1, learner.snapshot_files(), 1.0)
+    version, base = store.folder(1), store.base_dir
+    assert {"base.gguf", "model.safetensors"} <= {p.name for p in base.iterdir()}
+    assert "adapter.gguf" in {p.name for p in version.iterdir()}
+
+    merged = tmp_path / "merged"  # the published base + the published adapter, merged as torch does
+    merged.mkdir()
+    for p in base.iterdir():
+        if p.suffix == ".json" and not p.name.startswith("."):
+            (merged / p.name).write_bytes(p.read_bytes())
+    state = load_file(str(base / "model.safetensors"))
+    adapter = read_adapter(version)
+    assert len(adapter.factors) == len(family.linear) * int(learner.model.config.num_hidden_layers)
+    for wname in adapter.factors:
+        state[wname] = (state[wname].float() + adapter.delta(wname)).to(state[wname].dtype)
+    save_file(state, str(merged / "model.safetensors"), metadata={"format": "pt"})
+    export_folder(merged, tmp_path / "merged.gguf", "f16")
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    ids = ([tok.bos_token_id] if family.bos else []) + [i for t in TEXTS for i in tok.encode(
+        t, add_special_tokens=False)]
+    applied = _logits(base / "base.gguf", ids, lora=version / "adapter.gguf")
+    want = _logits(tmp_path / "merged.gguf", ids)
+    worst = float(np.abs(applied - want).max())
+    assert worst < LORA_TOL, f"{name}: llama.cpp base + adapter vs merged, max |Δ logit| {worst:.3g}"
+    assert float(np.abs(_logits(base / "base.gguf", ids) - want).max()) > 10 * LORA_TOL  # the adapter matters
 
 
 def test_an_architecture_no_route_writes_is_refused_at_start_up_in_one_line(tmp_path: Path) -> None:
