@@ -107,10 +107,41 @@ def _rope_scaled(config: Mapping[str, Any]) -> bool:
     return scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None)
 
 
+#: Gemma 3's layer pattern as llama.cpp runs it: the converter writes no per-layer attention types and llama.cpp
+#: assumes every sixth layer global (full_attention), the five before it local (sliding_attention); with
+#: ``sliding_window_pattern`` = 1 the converter writes no window and every layer is global.
+GEMMA3_PERIOD = 6
+
+
+def _gemma3_layers(config: Mapping[str, Any]) -> list[str]:
+    """The layer types a Gemma 3 config states (``layer_types``), or as transformers derives them from
+    ``sliding_window_pattern`` (default 6: layer i global when (i + 1) is a multiple of it)."""
+    n = int(config.get("num_hidden_layers") or 0)
+    if config.get("layer_types"):
+        return [str(t) for t in config["layer_types"]]
+    period = int(config.get("sliding_window_pattern") or GEMMA3_PERIOD)
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+
+
+def _check_gemma3_layers(config: Mapping[str, Any]) -> None:
+    """Refuse a Gemma 3 whose layer types llama.cpp would not run as stated (its GGUF would load, and compute
+    another model: a 2-layer local/global test model was off by 2.3 logits), naming the patterns it runs."""
+    layers = _gemma3_layers(config)
+    everywhere_full = config.get("sliding_window_pattern") == 1
+    for i, kind in enumerate(layers):
+        want = "full_attention" if everywhere_full or i % GEMMA3_PERIOD == GEMMA3_PERIOD - 1 else "sliding_attention"
+        if kind != want:
+            raise GGUFExportError(
+                f"Gemma 3's GGUF runs in llama.cpp with five sliding_attention layers then one full_attention layer, "
+                f"repeated (or every layer full_attention with sliding_window_pattern = 1); this model's layer {i} "
+                f"of {len(layers)} is {kind}. Set snapshots.gguf = 'off' to publish safetensors only (torch "
+                f"clients)")
+
+
 def route(folder: Path) -> str:
     """"writer" when this module writes the folder's model exactly (Qwen2 or Llama, no rope scaling, a tokenizer
-    whose pre-tokenizer it names), "converter" when llama.cpp's converter does (:data:`CONVERTED`); otherwise
-    GGUFExportError, one line naming what is supported."""
+    whose pre-tokenizer it names), "converter" when llama.cpp's converter does (:data:`CONVERTED`, and for Gemma 3
+    a layer pattern llama.cpp runs); otherwise GGUFExportError, one line naming what is supported."""
     config = json.loads((folder / "config.json").read_text())
     archs = list(config.get("architectures") or [config.get("model_type")])
     tok_path = folder / "tokenizer.json"
@@ -119,6 +150,8 @@ def route(folder: Path) -> str:
             and (tok.get("model") or {}).get("type") == "BPE" and pre_tokenizer_name(tok) in _WRITER_PRE):
         return "writer"
     if any(a in CONVERTED for a in archs):
+        if "Gemma3ForCausalLM" in archs:
+            _check_gemma3_layers(config)
         return "converter"
     raise GGUFExportError(f"GGUF export supports {supported()}; this model is {', '.join(map(str, archs))}. "
                           f"Set snapshots.gguf = 'off' to publish safetensors only (torch clients)")

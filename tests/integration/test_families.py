@@ -162,3 +162,25 @@ def test_an_architecture_no_route_writes_is_refused_at_start_up_in_one_line(tmp_
                                  f"(Phi-3, Phi-4), Olmo2ForCausalLM (OLMo 2); this model is GPT2LMHeadModel. Set "
                                  f"snapshots.gguf = 'off'"), res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_gemma3_whose_layer_pattern_llama_cpp_does_not_run_is_refused_at_start_up(tmp_path: Path) -> None:
+    """A real Gemma 3 folder with two layers, local then global: llama.cpp's converter would write it without
+    complaint and llama.cpp would run both layers as local (its assumed pattern is five local, one global), so the
+    coordinator exits 11 before any role starts, in one line naming the pattern llama.cpp runs."""
+    import dataclasses
+
+    from shared.exit_codes import ExitCode
+
+    family = dataclasses.replace(BY_NAME["gemma3"], config={**BY_NAME["gemma3"].config, "num_hidden_layers": 2,
+                                                            "layer_types": ["sliding_attention", "full_attention"]})
+    folder = build_family_model(family, tmp_path / "gemma3")
+    res = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--model", str(folder), "--run-dir",
+                          str(tmp_path / "run"), "--port", "0"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert (res.returncode, res.stdout) == (ExitCode.MODEL_INVALID, ""), res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: model folder {folder}: Gemma 3's GGUF runs in llama.cpp with five "
+                                 f"sliding_attention layers then one full_attention layer, repeated"), res.stderr
+    assert "this model's layer 1 of 2 is full_attention" in res.stderr
+    assert not (tmp_path / "run").exists()

@@ -90,3 +90,39 @@ def test_a_lora_run_of_a_converted_family_starts_and_an_unsupported_one_is_refus
     assert err.value.code == ExitCode.MODEL_INVALID
     assert "GGUF export supports Qwen2ForCausalLM" in err.value.message
     check_gguf_family(run(gpt2, **{"learner.lora_rank": 4, "snapshots.gguf": "off"}), gpt2)  # torch clients only
+
+
+def test_a_gemma3_layer_pattern_llama_cpp_does_not_run_is_refused_at_start_up(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """llama.cpp runs Gemma 3 as five local layers then one global, repeated (the converter writes no per-layer
+    types), or all global with sliding_window_pattern = 1; any other pattern is refused before a role starts."""
+    local, full = "sliding_attention", "full_attention"
+
+    def gemma3(name: str, **keys: object) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"],
+                                                        "model_type": "gemma3_text", "sliding_window": 16, **keys}))
+        (folder / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+        return folder
+
+    def run(folder: Path) -> object:
+        return load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": str(folder)})
+
+    runs = [gemma3("real", num_hidden_layers=8, layer_types=[local] * 5 + [full] + [local] * 2),
+            gemma3("derived", num_hidden_layers=12),  # no layer_types: transformers' default pattern of 6
+            gemma3("global", num_hidden_layers=2, sliding_window_pattern=1, layer_types=[full, full])]
+    for folder in runs:
+        assert route(folder) == "converter"
+        check_gguf_family(run(folder), folder)
+    refused = [(gemma3("alternating", num_hidden_layers=2, layer_types=[local, full]), "layer 1 of 2 is full_attention"),
+               (gemma3("pattern2", num_hidden_layers=4, sliding_window_pattern=2), "layer 1 of 4 is full_attention"),
+               (gemma3("late", num_hidden_layers=7, layer_types=[local] * 7), "layer 5 of 7 is sliding_attention")]
+    for folder, where in refused:
+        with pytest.raises(PreflightError) as err:
+            check_gguf_family(run(folder), folder)
+        assert err.value.code == ExitCode.MODEL_INVALID
+        assert "\n" not in err.value.message
+        assert ("Gemma 3's GGUF runs in llama.cpp with five sliding_attention layers then one full_attention layer, "
+                f"repeated (or every layer full_attention with sliding_window_pattern = 1); this model's {where}. "
+                "Set snapshots.gguf = 'off'") in err.value.message, err.value.message
