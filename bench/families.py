@@ -132,7 +132,7 @@ def lora_parity(family: Family, folder: Path, ids: list[int], threads: int, work
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * LORA_B_STD)
     snap = lora.adapter_snapshot(peft_model)
-    static = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".json"}
+    static = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix in (".json", ".model")}
     merged = work / f"{family.name}-merged"
     merged.mkdir()
     for name, data in static.items():

@@ -204,6 +204,7 @@ class Learner:
         if adapter_dir is not None:
             model_dir = lora.base_folder_for(adapter_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        self._model_dir = Path(model_dir)
         dtype = "bfloat16" if cfg.precision == "bf16" else model_cfg.dtype
         if adapter_dir is not None and not self.lora:  # LoRA switched off mid-run: train the merged policy
             self.model = lora.load_version_model(model_dir, adapter_dir, self.device, dtype)
@@ -569,6 +570,9 @@ class Learner:
                     self.model.generation_config.save_pretrained(tmp)
                 self.tokenizer.save_pretrained(tmp)
                 files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+            spm = self._model_dir / "tokenizer.model"  # transformers 5 saves no SentencePiece model; llama.cpp's
+            if spm.is_file() and spm.name not in files:  # Gemma converter reads its vocabulary from it
+                files[spm.name] = spm.read_bytes()
             config = json.loads(files["config.json"])
             for key in ("torch_dtype", "dtype"):
                 if key in config:

@@ -36,7 +36,7 @@ def _logits(path: Path, ids: list[int], lora: Path | None = None) -> np.ndarray:
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "phi3"])
 def test_a_version_of_another_family_is_published_as_gguf_llama_cpp_runs_like_torch(tmp_path: Path,
                                                                                      name: str) -> None:
     import llama_cpp
@@ -80,7 +80,7 @@ def test_a_version_of_another_family_is_published_as_gguf_llama_cpp_runs_like_to
 LORA_TOL = 0.05
 
 
-@pytest.mark.parametrize("name", ["llama3", "phi3", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3", "phi3", "gemma2", "gemma3"])
 def test_a_lora_version_of_another_family_is_applied_by_llama_cpp_as_the_merged_weights(tmp_path: Path,
                                                                                         name: str) -> None:
     """A LoRA run of a converted family publishes base.gguf once and adapter.gguf per version, both through
@@ -117,7 +117,7 @@ def test_a_lora_version_of_another_family_is_applied_by_llama_cpp_as_the_merged_
     merged = tmp_path / "merged"  # the published base + the published adapter, merged as torch does
     merged.mkdir()
     for p in base.iterdir():
-        if p.suffix == ".json" and not p.name.startswith("."):
+        if p.suffix in (".json", ".model") and not p.name.startswith("."):
             (merged / p.name).write_bytes(p.read_bytes())
     state = load_file(str(base / "model.safetensors"))
     adapter = read_adapter(version)
@@ -135,6 +135,40 @@ def test_a_lora_version_of_another_family_is_applied_by_llama_cpp_as_the_merged_
     worst = float(np.abs(applied - want).max())
     assert worst < LORA_TOL, f"{name}: llama.cpp base + adapter vs merged, max |Δ logit| {worst:.3g}"
     assert float(np.abs(_logits(base / "base.gguf", ids) - want).max()) > 10 * LORA_TOL  # the adapter matters
+
+
+def test_a_sentencepiece_model_tokenises_and_detokenises_alike_in_sentencepiece_transformers_and_llama_cpp(
+        tmp_path: Path) -> None:
+    """Gemma 2's tokenizer is a real SentencePiece model (trained here by the sentencepiece trainer): transformers
+    builds its tokenizer from tokenizer.model, llama.cpp's converter writes the vocabulary from the same file, and
+    all three give the same ids and the same text back on texts none of which was in the training corpus."""
+    import ctypes
+
+    import llama_cpp
+    import sentencepiece as spm
+
+    from coordinator.engine.family_models import SENTENCEPIECE_MODEL, build_family_tokenizer
+    from coordinator.publish.gguf_export import export_folder
+
+    family = BY_NAME["gemma2"]
+    folder = build_family_model(family, tmp_path / "gemma2")
+    sp = spm.SentencePieceProcessor(model_proto=(folder / SENTENCEPIECE_MODEL).read_bytes())
+    tok = build_family_tokenizer(family)
+    export_folder(folder, tmp_path / "gemma2.gguf", "f16")
+    texts = [*TEXTS, "tab\tand\r\nCRLF", "   leading and trailing   ", "x = [1, 2, 3]  # list", "Ελληνικά", ""]
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "gemma2.gguf"), n_ctx=64, vocab_only=True, verbose=False)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        for text in texts:
+            ids = sp.encode(text)
+            assert tok.encode(text, add_special_tokens=False) == ids, text
+            assert (llm.tokenize(text.encode(), add_bos=False, special=False) if text else []) == ids, text
+            arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
+            buf = ctypes.create_string_buffer(64 + 16 * len(ids))
+            n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, len(buf), False, False)
+            assert buf.raw[:max(0, n)].decode() == tok.decode(ids) == sp.decode(ids) == text, text
+    finally:
+        llm.close()
 
 
 def test_an_architecture_no_route_writes_is_refused_at_start_up_in_one_line(tmp_path: Path) -> None:
@@ -158,8 +192,9 @@ def test_an_architecture_no_route_writes_is_refused_at_start_up_in_one_line(tmp_
     assert res.stderr.count("\n") == 1, res.stderr
     assert res.stderr.startswith(f"error: model folder {folder}: GGUF export supports Qwen2ForCausalLM (Qwen2, Qwen2.5), "
                                  f"LlamaForCausalLM (Llama 2, Llama 3.x, SmolLM2), Qwen3ForCausalLM (Qwen3), "
-                                 f"Gemma3ForCausalLM (Gemma 3), MistralForCausalLM (Mistral), Phi3ForCausalLM "
-                                 f"(Phi-3, Phi-4), Olmo2ForCausalLM (OLMo 2); this model is GPT2LMHeadModel. Set "
+                                 f"Gemma2ForCausalLM (Gemma 2), Gemma3ForCausalLM (Gemma 3), MistralForCausalLM "
+                                 f"(Mistral), Phi3ForCausalLM (Phi-3, Phi-4), Olmo2ForCausalLM (OLMo 2); this model "
+                                 f"is GPT2LMHeadModel. Set "
                                  f"snapshots.gguf = 'off'"), res.stderr
     assert not (tmp_path / "run").exists()
 

@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.config import load_config
 from coordinator.launch.preflight import PreflightError, check_gguf_family
-from coordinator.publish.gguf_export import route
+from coordinator.publish.gguf_export import GGUFExportError, route
 from coordinator.publish.hf_convert import VENDOR, pre_tokenizer_name
 from shared.exit_codes import ExitCode
 
@@ -92,10 +92,11 @@ def test_a_lora_run_of_a_converted_family_starts_and_an_unsupported_one_is_refus
     check_gguf_family(run(gpt2, **{"learner.lora_rank": 4, "snapshots.gguf": "off"}), gpt2)  # torch clients only
 
 
-def test_a_gemma3_layer_pattern_llama_cpp_does_not_run_is_refused_at_start_up(tiny_model_dir: Path,
+def test_a_gemma_layer_pattern_llama_cpp_does_not_run_is_refused_at_start_up(tiny_model_dir: Path,
                                                                               tmp_path: Path) -> None:
     """llama.cpp runs Gemma 3 as five local layers then one global, repeated (the converter writes no per-layer
-    types), or all global with sliding_window_pattern = 1; any other pattern is refused before a role starts."""
+    types), or all global with sliding_window_pattern = 1, and Gemma 2 as local and global alternating; any other
+    pattern is refused before a role starts."""
     local, full = "sliding_attention", "full_attention"
 
     def gemma3(name: str, **keys: object) -> Path:
@@ -115,6 +116,16 @@ def test_a_gemma3_layer_pattern_llama_cpp_does_not_run_is_refused_at_start_up(ti
     for folder in runs:
         assert route(folder) == "converter"
         check_gguf_family(run(folder), folder)
+    gemma2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "sliding_window": 16}
+    (tmp_path / "gemma2").mkdir()
+    (tmp_path / "gemma2" / "config.json").write_text(json.dumps({**gemma2, "num_hidden_layers": 4}))  # alternating
+    assert route(tmp_path / "gemma2") == "converter"
+    (tmp_path / "gemma2" / "config.json").write_text(json.dumps({**gemma2, "num_hidden_layers": 4,
+                                                                 "layer_types": [local, local, local, full]}))
+    with pytest.raises(GGUFExportError, match="^Gemma 2's GGUF runs in llama.cpp with one sliding_attention layer "
+                                              "then one full_attention layer, repeated; this model's layer 1 of 4 is "
+                                              "sliding_attention. Set snapshots.gguf = 'off'"):
+        route(tmp_path / "gemma2")
     refused = [(gemma3("alternating", num_hidden_layers=2, layer_types=[local, full]), "layer 1 of 2 is full_attention"),
                (gemma3("pattern2", num_hidden_layers=4, sliding_window_pattern=2), "layer 1 of 4 is full_attention"),
                (gemma3("late", num_hidden_layers=7, layer_types=[local] * 7), "layer 5 of 7 is sliding_attention")]
