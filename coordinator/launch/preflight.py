@@ -184,6 +184,26 @@ def check_gguf_family(config: CoordinatorConfig, folder: Path | None) -> None:
         raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: {exc}") from None
 
 
+def check_lora_targets(config: CoordinatorConfig, folder: Path | None) -> None:
+    """A LoRA run's learner.lora_targets must each name linear modules of the model (peft's rule: the module's name,
+    or the end of its dotted path). Families name their projections their own way (Phi-3: qkv_proj, gate_up_proj),
+    and peft refuses a run none of them matches only once the learner has loaded the model, and ignores a target
+    that matches nothing when another does. Read from the safetensors headers only. None (the tiny model): a Qwen2."""
+    if folder is None or config.learner.lora_rank == 0:
+        return
+    modules: set[str] = set()
+    for path in sorted(folder.glob("*.safetensors")):
+        with SafetensorsFile(path) as fh:
+            modules.update(name.removesuffix(".weight") for name, entry in fh.entries.items()
+                           if name.endswith(".weight") and len(entry.get("shape", ())) == 2)
+    missing = [t for t in config.learner.lora_targets if not any(m == t or m.endswith(f".{t}") for m in modules)]
+    if missing:
+        names = sorted({m.rpartition(".")[2] for m in modules})
+        raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: learner.lora_targets {', '.join(missing)} "
+                             f"name no linear module of this model; its matrices are {', '.join(names)}: set "
+                             f"learner.lora_targets to those to adapt (e.g. the attention projections)")
+
+
 def check(config: CoordinatorConfig, role: str) -> None:
     """Every check that applies to ``role`` ('all' runs them all); raises the first PreflightError."""
     if role in ("all", "api"):
@@ -191,6 +211,7 @@ def check(config: CoordinatorConfig, role: str) -> None:
     folder = check_model(config.model.path) if role in ("all", "learner", "verifier") else None
     if role in ("all", "learner"):
         check_gguf_family(config, folder)
+        check_lora_targets(config, folder)
     check_run_dir(config.run_dir)
     if role in ("all", "learner"):
         check_disk(config.run_dir, version_bytes(config, folder))

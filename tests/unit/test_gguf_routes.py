@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load_config
-from coordinator.launch.preflight import PreflightError, check_gguf_family
+from coordinator.launch.preflight import PreflightError, check_gguf_family, check_lora_targets
 from coordinator.publish.gguf_export import GGUFExportError, route
 from coordinator.publish.hf_convert import VENDOR, pre_tokenizer_name
 from shared.exit_codes import ExitCode
@@ -137,3 +137,35 @@ def test_a_gemma_layer_pattern_llama_cpp_does_not_run_is_refused_at_start_up(tin
         assert ("Gemma 3's GGUF runs in llama.cpp with five sliding_attention layers then one full_attention layer, "
                 f"repeated (or every layer full_attention with sliding_window_pattern = 1); this model's {where}. "
                 "Set snapshots.gguf = 'off'") in err.value.message, err.value.message
+
+
+def test_lora_targets_that_name_no_linear_module_of_the_model_are_refused_at_start_up(tmp_path: Path) -> None:
+    """Phi-3 fuses q, k and v into qkv_proj: a LoRA run with the default targets (q_proj, v_proj) would adapt
+    nothing, and peft would say so only after the learner loaded the model. Start-up reads the weight names and
+    refuses, naming the model's matrices."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "phi3"
+    folder.mkdir()
+    weights = {f"model.layers.0.{m}.weight": np.zeros((4, 4), np.float32)
+               for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    save_file({**weights, "model.embed_tokens.weight": np.zeros((8, 4), np.float32),
+               "model.layers.0.input_layernorm.weight": np.zeros(4, np.float32)}, str(folder / "model.safetensors"))
+
+    def run(**keys: object) -> object:
+        return load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": str(folder), **keys})
+
+    check_lora_targets(run(), folder)  # full weights: no targets
+    check_lora_targets(run(**{"learner.lora_rank": 4, "learner.lora_targets": ["qkv_proj", "self_attn.o_proj"]}),
+                       folder)
+    with pytest.raises(PreflightError) as err:
+        check_lora_targets(run(**{"learner.lora_rank": 4}), folder)
+    assert err.value.code == ExitCode.MODEL_INVALID
+    assert err.value.message == (f"model folder {folder}: learner.lora_targets q_proj, v_proj name no linear module of "
+                                 f"this model; its matrices are down_proj, embed_tokens, gate_up_proj, o_proj, "
+                                 f"qkv_proj: set learner.lora_targets to those to adapt (e.g. the attention "
+                                 f"projections)")
+    with pytest.raises(PreflightError, match="lora_targets input_layernorm name no linear module"):
+        check_lora_targets(run(**{"learner.lora_rank": 4, "learner.lora_targets": ["qkv_proj", "input_layernorm"]}),
+                           folder)
