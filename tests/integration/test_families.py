@@ -16,6 +16,7 @@ import pytest
 
 from coordinator.engine.family_models import BY_NAME, build_family_model
 from coordinator.publish.gguf_export import route, write_model_ggufs
+from shared.exit_codes import ExitCode
 
 pytestmark = pytest.mark.slow
 
@@ -171,6 +172,18 @@ def test_a_sentencepiece_model_tokenises_and_detokenises_alike_in_sentencepiece_
         llm.close()
 
 
+def _refused_at_start_up(folder: Path, tmp_path: Path) -> str:
+    """The coordinator started on ``folder``: exit 11 (model invalid) before any role starts, nothing on stdout, no
+    run directory, one line on stderr (returned)."""
+    res = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--model", str(folder), "--run-dir",
+                          str(tmp_path / "run"), "--port", "0"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert (res.returncode, res.stdout) == (ExitCode.MODEL_INVALID, ""), res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "run").exists()
+    return res.stderr
+
+
 def test_an_architecture_no_route_writes_is_refused_at_start_up_in_one_line(tmp_path: Path) -> None:
     """GPT-2 is a causal LM torch trains, but neither the exporter nor the families list writes it: the coordinator
     exits 11 (model invalid) before any role starts, with one line naming the supported families and the way out."""
@@ -178,25 +191,18 @@ def test_an_architecture_no_route_writes_is_refused_at_start_up_in_one_line(tmp_
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from coordinator.engine.tiny_model import build_tokenizer
-    from shared.exit_codes import ExitCode
 
     folder = tmp_path / "gpt2"
     tok = build_tokenizer()
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2)).save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
-    res = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--model", str(folder), "--run-dir",
-                          str(tmp_path / "run"), "--port", "0"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
-    assert (res.returncode, res.stdout) == (ExitCode.MODEL_INVALID, ""), res.stderr
-    assert res.stderr.count("\n") == 1, res.stderr
-    assert res.stderr.startswith(f"error: model folder {folder}: GGUF export supports Qwen2ForCausalLM (Qwen2, Qwen2.5), "
-                                 f"LlamaForCausalLM (Llama 2, Llama 3.x, SmolLM2), Qwen3ForCausalLM (Qwen3), "
-                                 f"Gemma2ForCausalLM (Gemma 2), Gemma3ForCausalLM (Gemma 3), MistralForCausalLM "
-                                 f"(Mistral), Phi3ForCausalLM (Phi-3, Phi-4), Olmo2ForCausalLM (OLMo 2); this model "
-                                 f"is GPT2LMHeadModel. Set "
-                                 f"snapshots.gguf = 'off'"), res.stderr
-    assert not (tmp_path / "run").exists()
+    stderr = _refused_at_start_up(folder, tmp_path)
+    assert stderr.startswith(f"error: model folder {folder}: GGUF export supports Qwen2ForCausalLM (Qwen2, Qwen2.5), "
+                             f"LlamaForCausalLM (Llama 2, Llama 3.x, SmolLM2), Qwen3ForCausalLM (Qwen3), "
+                             f"Gemma2ForCausalLM (Gemma 2), Gemma3ForCausalLM (Gemma 3), MistralForCausalLM "
+                             f"(Mistral), Phi3ForCausalLM (Phi-3, Phi-4), Olmo2ForCausalLM (OLMo 2); this model "
+                             f"is GPT2LMHeadModel. Set snapshots.gguf = 'off'"), stderr
 
 
 def test_a_gemma3_whose_layer_pattern_llama_cpp_does_not_run_is_refused_at_start_up(tmp_path: Path) -> None:
@@ -205,17 +211,11 @@ def test_a_gemma3_whose_layer_pattern_llama_cpp_does_not_run_is_refused_at_start
     coordinator exits 11 before any role starts, in one line naming the pattern llama.cpp runs."""
     import dataclasses
 
-    from shared.exit_codes import ExitCode
 
     family = dataclasses.replace(BY_NAME["gemma3"], config={**BY_NAME["gemma3"].config, "num_hidden_layers": 2,
                                                             "layer_types": ["sliding_attention", "full_attention"]})
     folder = build_family_model(family, tmp_path / "gemma3")
-    res = subprocess.run([sys.executable, "-m", "echo_swarm", "coordinator", "--model", str(folder), "--run-dir",
-                          str(tmp_path / "run"), "--port", "0"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
-    assert (res.returncode, res.stdout) == (ExitCode.MODEL_INVALID, ""), res.stderr
-    assert res.stderr.count("\n") == 1, res.stderr
-    assert res.stderr.startswith(f"error: model folder {folder}: Gemma 3's GGUF runs in llama.cpp with five "
-                                 f"sliding_attention layers then one full_attention layer, repeated"), res.stderr
-    assert "this model's layer 1 of 2 is full_attention" in res.stderr
-    assert not (tmp_path / "run").exists()
+    stderr = _refused_at_start_up(folder, tmp_path)
+    assert stderr.startswith(f"error: model folder {folder}: Gemma 3's GGUF runs in llama.cpp with five "
+                             f"sliding_attention layers then one full_attention layer, repeated"), stderr
+    assert "this model's layer 1 of 2 is full_attention" in stderr
