@@ -1,5 +1,6 @@
 """GGUF export beyond Qwen2, one row per model family: the file loads in llama.cpp, its logits match torch's per
-precision, and llama.cpp tokenises and detokenises a fixed text set exactly as transformers does.
+precision, llama.cpp tokenises and detokenises a fixed text set exactly as transformers does, and a LoRA adapter
+llama.cpp applies to the base file computes what a GGUF of the merged weights computes.
 
     PYTHONPATH=. python bench/families.py [--families llama3,qwen3] [--precisions f16,q8_0,q4_K_M] [--threads 2]
         [--json out.json]
@@ -56,11 +57,11 @@ def _torch_logits(folder: Path, ids: list[int]) -> np.ndarray:
         return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
 
 
-def _llama_logits(path: Path, ids: list[int], threads: int) -> np.ndarray:
+def _llama_logits(path: Path, ids: list[int], threads: int, lora: Path | None = None) -> np.ndarray:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), lora_path=None if lora is None else str(lora), n_ctx=256,
+                          n_batch=256, logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
     try:
         llm.eval(ids)
         return np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -102,6 +103,65 @@ def _round_trips(path: Path, tok: Any) -> tuple[int, int, list[str]]:
     return same_ids, same_text, diffs
 
 
+#: The adapter of the LoRA parity column: rank 4 on every linear module of the family, B drawn at this scale (peft
+#: starts B at 0, so the adapter would change nothing), which moves the logits by ~1.5 (the "adapter's effect").
+LORA_RANK, LORA_ALPHA, LORA_B_STD = 4, 8.0, 0.05
+LORA_PRECISIONS = ("f32", "f16")
+
+
+def lora_parity(family: Family, folder: Path, ids: list[int], threads: int, work: Path) -> dict[str, Any]:
+    """A LoRA version of the family as the learner writes it (coordinator.engine.lora.write_adapter: peft files,
+    then adapter.gguf by the base's route) applied by llama.cpp to the base GGUF, against llama.cpp on a GGUF of the
+    merged weights (base + scale · B·A, shared.adapters, as torch clients and the verifier merge), per precision:
+    max and mean |Δ| of the logits, and the adapter's own effect (base alone vs merged) for scale."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from coordinator.config import LearnerConfig
+    from coordinator.engine import lora
+    from coordinator.publish.gguf_export import export_folder
+    from shared.adapters import read_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    peft_model = lora.wrap(model, LearnerConfig(lora_rank=LORA_RANK, lora_alpha=LORA_ALPHA,
+                                                lora_targets=list(family.linear)))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * LORA_B_STD)
+    snap = lora.adapter_snapshot(peft_model)
+    static = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix in (".json", ".model")}
+    merged = work / f"{family.name}-merged"
+    merged.mkdir()
+    for name, data in static.items():
+        (merged / name).write_bytes(data)
+    out: dict[str, Any] = {}
+    for p in LORA_PRECISIONS:
+        version = work / f"{family.name}-lora-{p}"
+        version.mkdir()
+        t0 = time.perf_counter()
+        lora.write_adapter(version, snap, static, p)
+        out["adapter_s"] = round(time.perf_counter() - t0, 2)
+        if p == LORA_PRECISIONS[0]:
+            adapter = read_adapter(version)
+            state = {k: v for shard in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(shard)).items()}
+            for name in adapter.factors:
+                state[name] = (state[name].float() + adapter.delta(name)).to(state[name].dtype)
+            save_file(state, str(merged / "model.safetensors"), metadata={"format": "pt"})
+        base_gguf, merged_gguf = work / f"{family.name}.base.{p}.gguf", work / f"{family.name}.merged.{p}.gguf"
+        export_folder(folder, base_gguf, p)
+        export_folder(merged, merged_gguf, p)
+        applied = _llama_logits(base_gguf, ids, threads, lora=version / lora.ADAPTER_GGUF)
+        want = _llama_logits(merged_gguf, ids, threads)
+        d = np.abs(applied - want)
+        out[p] = {"max": float(d.max()), "mean": float(d.mean())}
+        if p == LORA_PRECISIONS[0]:
+            out["effect"] = float(np.abs(_llama_logits(base_gguf, ids, threads) - want).max())
+    return out
+
+
 def measure(family: Family, precisions: list[str], threads: int, work: Path) -> dict[str, Any]:
     from transformers import PreTrainedTokenizerFast
 
@@ -132,6 +192,7 @@ def measure(family: Family, precisions: list[str], threads: int, work: Path) -> 
     row["tokenise_same"] = f"{same_ids}/{len(TEXTS)}"
     row["detokenise_same"] = f"{same_text}/{len(TEXTS)}"
     row["diffs"] = diffs
+    row["lora"] = lora_parity(family, folder, ids, threads, work)
     return row
 
 
@@ -173,12 +234,16 @@ def speed(shape: str, threads: int, work: Path) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], precisions: list[str]) -> str:
     head = ["family", "HF architecture", "route", "export f16 s", "loads",
-            *[f"{p} max / mean abs Δ" for p in precisions], "tokenise = / detok. =", "logit std"]
+            *[f"{p} max / mean abs Δ" for p in precisions], "tokenise = / detok. =", "logit std",
+            *[f"LoRA {p}: adapter vs merged max / mean abs Δ" for p in LORA_PRECISIONS], "adapter's effect",
+            "adapter.gguf s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["family"], r["architecture"], r["route"], f"{r['export_s']:.2f}", "yes",
                  *[f"{r[p]['max']:.3g} / {r[p]['mean']:.2g}" for p in precisions],
-                 f"{r['tokenise_same']} / {r['detokenise_same']}", f"{r['logit_std']:.3g}"]
+                 f"{r['tokenise_same']} / {r['detokenise_same']}", f"{r['logit_std']:.3g}",
+                 *[f"{r['lora'][p]['max']:.2g} / {r['lora'][p]['mean']:.2g}" for p in LORA_PRECISIONS],
+                 f"{r['lora']['effect']:.3g}", f"{r['lora']['adapter_s']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -79,14 +79,16 @@ def exit_codes_markdown() -> str:
     return codes_table()
 
 
+_ROUTE_LABELS = {(True, False): "the project's writer", (False, True): "llama.cpp's converters",
+                 (True, True): "the project's writer; llama.cpp's converters with rope scaling or another "
+                               "pre-tokenizer"}
+
+
 def model_families_markdown() -> str:
     """The families a run can publish as GGUF for llama.cpp clients (coordinator.publish.gguf_export.FAMILIES)."""
-    rows = ["| Hugging Face architecture | families | GGUF written by | llama.cpp LoRA adapters |", "|---|---|---|---|"]
-    by = {(True, False): "the project's writer", (False, True): "llama.cpp's converter",
-          (True, True): "the project's writer; llama.cpp's converter with rope scaling or another pre-tokenizer"}
+    rows = ["| Hugging Face architecture | families | GGUF and llama.cpp LoRA adapters written by |", "|---|---|---|"]
     for arch, families in FAMILIES.items():
-        lora = "yes" if arch in ARCHITECTURES else "no (train all weights)"
-        rows.append(f"| `{arch}` | {families} | {by[(arch in ARCHITECTURES, arch in CONVERTED)]} | {lora} |")
+        rows.append(f"| `{arch}` | {families} | {_ROUTE_LABELS[(arch in ARCHITECTURES, arch in CONVERTED)]} |")
     return "\n".join(rows)
 
 

@@ -9,8 +9,9 @@ tied and untied heads. Width 256 and an intermediate size of 512 so every matrix
 k-quants (q4_K_M, q6_K) apply to all of them.
 
 Tokenizers: byte-level BPE trained on a small fixed corpus, split by the family's pre-tokenizer regex (the regex
-llama.cpp implements under the name in :attr:`Family.pre`), or for the SentencePiece-style families a Llama-2-style
-``tokenizer.json`` (a "▁"-normalised BPE with byte fallback). Because the regex is ours, the GGUF's pre-tokenizer
+llama.cpp implements under the name in :attr:`Family.pre`), for Mistral a Llama-2-style ``tokenizer.json`` (a
+"▁"-normalised BPE with byte fallback), and for Gemma 2 a real SentencePiece ``tokenizer.model`` trained on the same
+corpus by the ``sentencepiece`` trainer (what llama.cpp's Gemma 2 converter reads). Because the regex is ours, the GGUF's pre-tokenizer
 name is known without fingerprinting the tokenizer (coordinator.publish.hf_convert).
 """
 
@@ -40,10 +41,14 @@ class Family:
     name: str
     label: str
     architecture: str
-    pre: str  # llama.cpp's pre-tokenizer name ("llama-bpe", "qwen2", "smollm", "dbrx"), or "spm"
+    # llama.cpp's pre-tokenizer name ("llama-bpe", "qwen2", "smollm", "dbrx"); "spm": a Llama-2-style
+    # tokenizer.json; "sentencepiece": a real SentencePiece tokenizer.model (Gemma's)
+    pre: str
     config: dict[str, Any] = field(default_factory=dict)
     tokenizer_class: str = "PreTrainedTokenizerFast"
     bos: bool = False  # the family's tokenizer adds <bos> at the start
+    #: every linear module of a layer, by the family's names (LoRA targets that touch every kind of projection)
+    linear: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -59,12 +64,18 @@ FAMILIES: tuple[Family, ...] = (
            # six layers: Gemma 3's pattern of five sliding-window layers, then one global (llama.cpp assumes it)
            {"tie_word_embeddings": True, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
             "num_hidden_layers": 6, "hidden_activation": "gelu_pytorch_tanh"}, bos=True),
+    Family("gemma2", "Gemma 2", "Gemma2ForCausalLM", "sentencepiece",
+           # local and global layers alternating (Gemma 2's pattern, llama.cpp's too); soft-capping scaled to these
+           # small logits so that both tanh caps bend them (Gemma 2's own 50 and 30 would leave them linear)
+           {"tie_word_embeddings": True, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
+            "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+           tokenizer_class="GemmaTokenizer", bos=True),
     Family("mistral", "Mistral", "MistralForCausalLM", "spm",
            {"tie_word_embeddings": False, "rope_theta": 1000000.0, "sliding_window": None},
            tokenizer_class="LlamaTokenizerFast", bos=True),
     Family("phi3", "Phi-3 / Phi-4", "Phi3ForCausalLM", "dbrx",
            {"tie_word_embeddings": False, "rope_theta": 250000.0, "num_key_value_heads": 4},
-           tokenizer_class="GPT2Tokenizer"),
+           tokenizer_class="GPT2Tokenizer", linear=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     Family("smollm2", "SmolLM2", "LlamaForCausalLM", "smollm",
            {"tie_word_embeddings": True, "rope_theta": 100000.0}),
     Family("olmo2", "OLMo 2", "Olmo2ForCausalLM", "dbrx",
@@ -132,9 +143,48 @@ def _spm_tokenizer(vocab_size: int) -> Any:
     return tok
 
 
+SENTENCEPIECE_MODEL = "tokenizer.model"
+
+
+def sentencepiece_model(vocab_size: int = 640) -> bytes:
+    """A Gemma-style SentencePiece model trained here on :data:`CORPUS` by the ``sentencepiece`` trainer: BPE with
+    byte fallback, digits split, no dummy prefix, whitespace kept as is, Gemma's special tokens and ids (<pad> 0,
+    <eos> 1, <bos> 2, <unk> 3). One thread, so the same bytes every time."""
+    import io
+
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 4), model_writer=out, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, split_digits=True, add_dummy_prefix=False, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, normalization_rule_name="identity", character_coverage=1.0,
+        hard_vocab_limit=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+        bos_piece="<bos>", unk_piece="<unk>", num_threads=1, minloglevel=2)
+    return out.getvalue()
+
+
+def _sentencepiece_tokenizer(family: Family, vocab_size: int) -> Any:
+    """transformers' tokenizer of the SentencePiece model, as transformers builds it from a folder holding only
+    tokenizer.model (its SentencePiece converter), the way a Gemma checkpoint's tokenizer is loaded."""
+    import json
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="echo-swarm-spm-") as tmp:
+        (Path(tmp) / SENTENCEPIECE_MODEL).write_bytes(sentencepiece_model(vocab_size))
+        (Path(tmp) / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": family.tokenizer_class,
+                                                                     "add_bos_token": family.bos}))
+        return AutoTokenizer.from_pretrained(tmp)
+
+
 def build_family_tokenizer(family: Family, vocab_size: int = 640) -> Any:
     """The family's tokenizer as a transformers fast tokenizer (saved with the model by :func:`build_family_model`)."""
     from transformers import PreTrainedTokenizerFast
+
+    if family.pre == "sentencepiece":
+        return _sentencepiece_tokenizer(family, vocab_size)
 
     if family.pre == "spm":
         tok = _spm_tokenizer(vocab_size)
@@ -171,6 +221,8 @@ def build_family_model(family: Family, folder: Path, *, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     tok.save_pretrained(str(folder))
+    if family.pre == "sentencepiece":  # the model file itself, as a Gemma checkpoint ships it
+        (folder / SENTENCEPIECE_MODEL).write_bytes(sentencepiece_model())
     tcfg_path = folder / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text())
     tcfg["tokenizer_class"] = family.tokenizer_class

@@ -205,6 +205,7 @@ class Learner:
         if adapter_dir is not None:
             model_dir = lora.base_folder_for(adapter_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        self._model_dir = Path(model_dir)
         dtype = "bfloat16" if cfg.precision == "bf16" else model_cfg.dtype
         if adapter_dir is not None and not self.lora:  # LoRA switched off mid-run: train the merged policy
             self.model = lora.load_version_model(model_dir, adapter_dir, self.device, dtype)
@@ -485,8 +486,6 @@ class Learner:
     def _lora_snapshot_files(self, dtype: str) -> SnapshotFiles:
         """A LoRA version (coordinator.engine.lora has the layout): its own files are the adapter, copied here (a few
         MB at most); the frozen base (HF files and base.gguf) is a run-level shared file set, written once."""
-        import json
-
         import torch
 
         if self.ranks is not None:  # the adapter gathered every version, the frozen base once per process
@@ -503,12 +502,11 @@ class Learner:
             snap = lora.adapter_snapshot(self.model)
         publish = self.publish_dtype(dtype)
         static = self._snapshot_static_files(publish)
-        hf_config = json.loads(static["config.json"])
         gguf = self.gguf[0] if self.gguf else "off"  # a LoRA run offers one precision (config)
         shared = lora.base_writers(self.model, static, getattr(torch, publish), gguf, self._lora_base)
 
         def write(folder: Path) -> None:
-            lora.write_adapter(folder, snap, hf_config, gguf)
+            lora.write_adapter(folder, snap, static, gguf)
 
         return SnapshotFiles(write, shared)
 
@@ -524,6 +522,9 @@ class Learner:
                     self.model.generation_config.save_pretrained(tmp)
                 self.tokenizer.save_pretrained(tmp)
                 files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+            spm = self._model_dir / "tokenizer.model"  # transformers 5 saves no SentencePiece model; llama.cpp's
+            if spm.is_file() and spm.name not in files:  # Gemma converter reads its vocabulary from it
+                files[spm.name] = spm.read_bytes()
             config = json.loads(files["config.json"])
             for key in ("torch_dtype", "dtype"):
                 if key in config:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from coordinator.config import LearnerConfig
-from coordinator.publish.gguf_export import write_lora_gguf, write_model_gguf
+from coordinator.publish.gguf_export import route, write_adapter_gguf, write_model_gguf
 from coordinator.publish.snapshots import BASE_DIR
 from shared.adapters import (
     ADAPTER_CONFIG,
@@ -158,15 +158,24 @@ def adapter_snapshot(peft_model: Any, state_dict: Mapping[str, Any] | None = Non
     return AdapterSnapshot(tensors, _adapter_config_bytes(peft_model), alpha)
 
 
-def write_adapter(folder: Path, snap: AdapterSnapshot, hf_config: Mapping[str, Any], gguf: str) -> None:
-    """Write one version's own files: the peft adapter and, unless ``gguf`` is "off", its GGUF form."""
+def write_adapter(folder: Path, snap: AdapterSnapshot, static_files: Mapping[str, bytes], gguf: str) -> None:
+    """Write one version's own files: the peft adapter and, unless ``gguf`` is "off", its GGUF form, by the route
+    of the base (coordinator.publish.gguf_export.write_adapter_gguf), which reads the base's config and tokenizer
+    from ``static_files`` (name → bytes, as :func:`base_writers` takes them)."""
     from safetensors.torch import save_file
 
     save_file(snap.tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_bytes(snap.config_json)
     if gguf != "off":
-        write_lora_gguf(folder / ADAPTER_GGUF, hf_config, snap.pairs(), snap.alpha,
-                        "f32" if gguf == "f32" else "f16")
+        with tempfile.TemporaryDirectory(prefix="echo-swarm-base-") as tmp:
+            _write_static(Path(tmp), static_files)
+            write_adapter_gguf(folder / ADAPTER_GGUF, Path(tmp), folder, snap.pairs(), snap.alpha,
+                               "f32" if gguf == "f32" else "f16")
+
+
+def _write_static(folder: Path, static_files: Mapping[str, bytes]) -> None:
+    for name, data in static_files.items():
+        (folder / name).write_bytes(data)
 
 
 Writer = Callable[[Path], None]
@@ -202,8 +211,9 @@ def base_writers(peft_model: Any, static_files: Mapping[str, bytes], dtype: Any,
 
     def write_gguf(path: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="echo-swarm-base-") as tmp:  # the GGUF writer reads these files
-            for name, data in static_files.items():
-                (Path(tmp) / name).write_bytes(data)
+            _write_static(Path(tmp), static_files)
+            if route(Path(tmp)) == "converter":  # llama.cpp's converter reads the weights from the folder
+                write_weights(Path(tmp) / BASE_WEIGHTS)
             write_model_gguf(path, Path(tmp), state(), gguf)
 
     writers: dict[str, Writer] = {name: bytes_writer(data) for name, data in static_files.items()}

@@ -171,23 +171,37 @@ def check_disk(run_dir: Path, need_bytes: int) -> None:
 
 def check_gguf_family(config: CoordinatorConfig, folder: Path | None) -> None:
     """A run that publishes GGUF (snapshots.gguf not 'off') needs a model family the exporter writes
-    (coordinator.publish.gguf_export.route), and a LoRA run one whose base the project's own writer writes (its
-    adapters are written against that file's layout: Qwen2, and Llama without rope scaling): otherwise the first
-    publication would fail after the roles started. None (the tiny model) is a Qwen2."""
+    (coordinator.publish.gguf_export.route): otherwise the first publication would fail after the roles started.
+    A LoRA run's adapters are written by the same route as its base. None (the tiny model) is a Qwen2."""
     # the exporter is read only when a run publishes GGUF: a torch-only run's start-up does not load it
-    from coordinator.publish.gguf_export import ARCHITECTURES, GGUFExportError, route
+    from coordinator.publish.gguf_export import GGUFExportError, route
 
     if folder is None or not config.snapshots.offered():
         return
     try:
-        by = route(folder)
+        route(folder)
     except GGUFExportError as exc:
         raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: {exc}") from None
-    if config.learner.lora_rank > 0 and by != "writer":
-        raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: llama.cpp LoRA adapters are written "
-                             f"for {', '.join(ARCHITECTURES)} only (without rope scaling, with a qwen2, llama-bpe or "
-                             f"gpt-2 pre-tokenizer): train all weights (learner.lora_rank = 0) or set snapshots.gguf "
-                             f"= 'off' (torch clients)")
+
+
+def check_lora_targets(config: CoordinatorConfig, folder: Path | None) -> None:
+    """A LoRA run's learner.lora_targets must each name linear modules of the model (peft's rule: the module's name,
+    or the end of its dotted path). Families name their projections their own way (Phi-3: qkv_proj, gate_up_proj),
+    and peft refuses a run none of them matches only once the learner has loaded the model, and ignores a target
+    that matches nothing when another does. Read from the safetensors headers only. None (the tiny model): a Qwen2."""
+    if folder is None or config.learner.lora_rank == 0:
+        return
+    modules: set[str] = set()
+    for path in sorted(folder.glob("*.safetensors")):
+        with SafetensorsFile(path) as fh:
+            modules.update(name.removesuffix(".weight") for name, entry in fh.entries.items()
+                           if name.endswith(".weight") and len(entry.get("shape", ())) == 2)
+    missing = [t for t in config.learner.lora_targets if not any(m == t or m.endswith(f".{t}") for m in modules)]
+    if missing:
+        names = sorted({m.rpartition(".")[2] for m in modules})
+        raise PreflightError(ExitCode.MODEL_INVALID, f"model folder {folder}: learner.lora_targets {', '.join(missing)} "
+                             f"name no linear module of this model; its matrices are {', '.join(names)}: set "
+                             f"learner.lora_targets to those to adapt (e.g. the attention projections)")
 
 
 def check(config: CoordinatorConfig, role: str) -> None:
@@ -197,6 +211,7 @@ def check(config: CoordinatorConfig, role: str) -> None:
     folder = check_model(config.model.path) if role in ("all", "learner", "verifier") else None
     if role in ("all", "learner"):
         check_gguf_family(config, folder)
+        check_lora_targets(config, folder)
     check_run_dir(config.run_dir)
     if role in ("all", "learner"):
         check_disk(config.run_dir, version_bytes(config, folder))

@@ -5,9 +5,10 @@ Two routes, chosen per model by :func:`route`:
   are written here with the ``gguf`` package's writer, streamed from the learner's state a block of rows at a time,
   whole (:func:`write_model_gguf`) or as a LoRA adapter on top of a base GGUF (:func:`write_lora_gguf`). These files
   are what every earlier version of the project published, byte for byte.
-- Every other supported family (:data:`FAMILIES`: Llama 3.1's rope scaling, SmolLM2, Qwen3, Gemma 3, Mistral,
+- Every other supported family (:data:`FAMILIES`: Llama 3.1's rope scaling, SmolLM2, Qwen3, Gemma 2 and 3, Mistral,
   Phi-3/4, OLMo 2) is written by llama.cpp's own converter, vendored from the llama.cpp clients run
-  (coordinator.publish.hf_convert), from the version's folder. A model of neither is refused at start-up
+  (coordinator.publish.hf_convert), from the version's folder; its LoRA adapters by llama.cpp's own adapter
+  converter from the version's peft files (:func:`write_adapter_gguf`). A model of neither is refused at start-up
   (coordinator.launch.preflight) in one line naming what is supported.
 
 Two details llama.cpp silently depends on (this module's route):
@@ -31,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from coordinator.publish.hf_convert import convert, pre_tokenizer_name
+from coordinator.publish.hf_convert import convert, convert_lora, pre_tokenizer_name
 from coordinator.publish.quantise import QUANTISED, quantise
 from shared.llama_files import gguf_name
 
@@ -46,7 +47,7 @@ logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 Precision = Literal["f32", "f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"]
 PRECISIONS: tuple[str, ...] = ("f32", "f16", *QUANTISED)
-#: The architectures this module writes itself (and writes LoRA adapters for), with their GGUF architecture.
+#: The architectures this module writes itself (and their LoRA adapters), with their GGUF architecture.
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 #: Every architecture a version can be published as GGUF for, with the families it serves; each was measured end to
 #: end (bench/families.py, docs/benchmarks.md "Model families"). All but Qwen2 go to llama.cpp's converter
@@ -55,6 +56,7 @@ FAMILIES = {
     "Qwen2ForCausalLM": "Qwen2, Qwen2.5",
     "LlamaForCausalLM": "Llama 2, Llama 3.x, SmolLM2",
     "Qwen3ForCausalLM": "Qwen3",
+    "Gemma2ForCausalLM": "Gemma 2",
     "Gemma3ForCausalLM": "Gemma 3",
     "MistralForCausalLM": "Mistral",
     "Phi3ForCausalLM": "Phi-3, Phi-4",
@@ -106,10 +108,44 @@ def _rope_scaled(config: Mapping[str, Any]) -> bool:
     return scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None)
 
 
+#: Gemma's layer patterns as llama.cpp runs them: the converter writes no per-layer attention types and llama.cpp
+#: assumes layer i global (full_attention) when i % period == period - 1, local (sliding_attention) otherwise —
+#: Gemma 2 alternates (period 2), Gemma 3 has five local then one global (6). A Gemma 3 with
+#: ``sliding_window_pattern`` = 1 is written without a window: every layer global.
+GEMMA_PERIODS = {"Gemma2ForCausalLM": ("Gemma 2", 2), "Gemma3ForCausalLM": ("Gemma 3", 6)}
+
+
+def _gemma_layers(config: Mapping[str, Any], period: int) -> list[str]:
+    """The layer types a Gemma config states (``layer_types``), or as transformers derives them from
+    ``sliding_window_pattern`` (default: the family's period; layer i global when (i + 1) is a multiple of it)."""
+    n = int(config.get("num_hidden_layers") or 0)
+    if config.get("layer_types"):
+        return [str(t) for t in config["layer_types"]]
+    period = int(config.get("sliding_window_pattern") or period)
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+
+
+def _check_gemma_layers(arch: str, config: Mapping[str, Any]) -> None:
+    """Refuse a Gemma whose layer types llama.cpp would not run as stated (its GGUF would load, and compute
+    another model: a 2-layer local/global Gemma 3 was off by 2.3 logits), naming the pattern it runs."""
+    family, period = GEMMA_PERIODS[arch]
+    layers = _gemma_layers(config, period)
+    everywhere_full = arch == "Gemma3ForCausalLM" and config.get("sliding_window_pattern") == 1
+    locals_ = {2: "one sliding_attention layer", 6: "five sliding_attention layers"}[period]
+    for i, kind in enumerate(layers):
+        want = "full_attention" if everywhere_full or i % period == period - 1 else "sliding_attention"
+        if kind != want:
+            also = " (or every layer full_attention with sliding_window_pattern = 1)" if period == 6 else ""
+            raise GGUFExportError(
+                f"{family}'s GGUF runs in llama.cpp with {locals_} then one full_attention layer, repeated{also}; "
+                f"this model's layer {i} of {len(layers)} is {kind}. Set snapshots.gguf = 'off' to publish "
+                f"safetensors only (torch clients)")
+
+
 def route(folder: Path) -> str:
     """"writer" when this module writes the folder's model exactly (Qwen2 or Llama, no rope scaling, a tokenizer
-    whose pre-tokenizer it names), "converter" when llama.cpp's converter does (:data:`CONVERTED`); otherwise
-    GGUFExportError, one line naming what is supported."""
+    whose pre-tokenizer it names), "converter" when llama.cpp's converter does (:data:`CONVERTED`, and for Gemma 2
+    and 3 a layer pattern llama.cpp runs); otherwise GGUFExportError, one line naming what is supported."""
     config = json.loads((folder / "config.json").read_text())
     archs = list(config.get("architectures") or [config.get("model_type")])
     tok_path = folder / "tokenizer.json"
@@ -118,6 +154,8 @@ def route(folder: Path) -> str:
             and (tok.get("model") or {}).get("type") == "BPE" and pre_tokenizer_name(tok) in _WRITER_PRE):
         return "writer"
     if any(a in CONVERTED for a in archs):
+        for arch in set(archs) & set(GEMMA_PERIODS):
+            _check_gemma_layers(arch, config)
         return "converter"
     raise GGUFExportError(f"GGUF export supports {supported()}; this model is {', '.join(map(str, archs))}. "
                           f"Set snapshots.gguf = 'off' to publish safetensors only (torch clients)")
@@ -414,6 +452,19 @@ def write_lora_gguf(out: Path, config: Path | Mapping[str, Any], lora: Mapping[s
         writer.add_tensor(f"{gname}.lora_a", np.ascontiguousarray(_as_numpy(a), dtype=dtype), raw_dtype=raw)
         writer.add_tensor(f"{gname}.lora_b", np.ascontiguousarray(b_arr, dtype=dtype), raw_dtype=raw)
     _finish(writer)
+
+
+def write_adapter_gguf(out: Path, base: Path, adapter: Path, lora: Mapping[str, tuple[Any, Any]], alpha: float,
+                       precision: str = "f32") -> None:
+    """Write a version's LoRA adapter as GGUF by the route of its base (:func:`route` of ``base``, the folder with
+    the base's config.json and tokenizer files), so the adapter's tensors are named and laid out as in the base GGUF
+    llama.cpp applies it to: this module's :func:`write_lora_gguf` from ``lora`` and ``alpha`` for a base this module
+    writes, llama.cpp's own adapter converter (coordinator.publish.hf_convert.convert_lora) from the peft files in
+    ``adapter`` for a base llama.cpp's converter writes."""
+    if route(base) == "converter":
+        convert_lora(base, adapter, out, precision)
+        return
+    write_lora_gguf(out, base, lora, alpha, precision)
 
 
 def _as_numpy(value: Any) -> np.ndarray:

@@ -93,6 +93,32 @@ def convert(folder: Path, out: Path, precision: str = "f16", *, timeout_s: float
         tmp.unlink(missing_ok=True)
 
 
+def convert_lora(base: Path, adapter: Path, out: Path, precision: str = "f16", *, timeout_s: float = 600.0) -> None:
+    """Write ``out``, the llama.cpp LoRA adapter GGUF of the peft adapter in ``adapter`` (adapter_config.json and
+    adapter_model.safetensors, as coordinator.engine.lora writes every version) for the base model whose
+    config.json is in ``base``, at ``precision`` (f32 or f16), with llama.cpp's own ``convert_lora_to_gguf.py`` run
+    unchanged in a child process. It maps each adapted weight through the same converter class as the base's GGUF
+    (names, Llama's q/k row permutation, Phi-3's fused projections), so the adapter's tensors fit that file. Written
+    beside ``out`` first and renamed."""
+    if precision not in OUTTYPES:
+        raise ConverterError(f"llama.cpp LoRA adapters are written as {', '.join(OUTTYPES)} here, not {precision!r}")
+    tmp = out.with_name(out.name + ".convert.tmp")
+    # the script puts its own directory (conversion/) and gguf-py first on the path itself; the base folder needs
+    # only config.json (the adapter converter writes no vocabulary and reads no base weights)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "HF_HUB_OFFLINE": "1"}
+    try:
+        proc = subprocess.run([sys.executable, str(VENDOR / "convert_lora_to_gguf.py"), "--base", str(base),
+                               "--outfile", str(tmp), "--outtype", precision, str(adapter)],
+                              capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            raise ConverterError(f"llama.cpp's LoRA converter failed on {adapter}: "
+                                 f"{lines[-1] if lines else proc.returncode}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _run(folder: Path, out: Path, precision: str) -> None:
     """The child process: upstream's converter class for the folder's architecture, with the pre-tokenizer named
     from the tokenizer's regex. Upstream's ``gguf`` goes first on the path: nothing here has imported the PyPI one."""

@@ -66,7 +66,7 @@ def test_the_readme_families_table_is_the_exporters() -> None:
     readme = (REPO / "README.md").read_text()
     assert reference.block("model-families") in readme, ("README.md's model families differ from coordinator/publish/"
                                                          "gguf_export.py: run python -m echo_swarm.reference README.md")
-    assert "| `Qwen3ForCausalLM` | Qwen3 | llama.cpp's converter |" in reference.model_families_markdown()
+    assert "| `Qwen3ForCausalLM` | Qwen3 | llama.cpp's converters |" in reference.model_families_markdown()
 
 
 def test_docs_client_md_lists_every_join_option_as_the_code_has_it() -> None:
