@@ -66,6 +66,7 @@ from swarm_client.api import (
 from swarm_client.backends import Backend, backend_forms, backend_kind, make_backend
 from swarm_client.bandwidth import GB, MB, USAGE_FILE, MonthlyMeter, Throttle
 from swarm_client.benchmark import run_benchmark
+from swarm_client.blob_fetch import DownloadStalled, Transfer
 from swarm_client.control import Controls, read_controls, update_controls, write_status
 from swarm_client.episodes import play_job
 from swarm_client.footprint import (
@@ -102,7 +103,6 @@ from swarm_client.resources import (
 )
 from swarm_client.schedule import INPUT_CHECK_S, IdleProbe, InputWatch, parse_window, work_gate
 from swarm_client.settings import JoinConfig
-from swarm_client.blob_fetch import DownloadStalled, Transfer
 from swarm_client.snapshots import SnapshotCache, wanted_files
 from swarm_client.webcontrol import ControlPage, PageSource
 

@@ -26,8 +26,8 @@ from shared import crypto, wire
 from shared.errors import IntegrityError
 from shared.records import build_manifest, sign_manifest
 from swarm_client.api import CoordinatorClient, RetryPolicy
-from swarm_client.identity import load_identity
 from swarm_client.blob_fetch import DownloadStalled, Transfer
+from swarm_client.identity import load_identity
 from swarm_client.snapshots import SnapshotCache
 
 SIZE = 3 * 1024 * 1024
