@@ -13,6 +13,12 @@ has them, so a job admitted behind ``Q`` queued jobs is trained ``⌊Q/B⌋`` st
   operation — stale work is prevented, not dropped and re-queued (which would bias training toward fast
   clients and easy prompts). A result that is older than S anyway (a slow client) is credited if it
   verifies but not trained on.
+
+A job released, expired or abandoned is reissued **with its key at its version** while a result bound to that
+version would still be trained (issue 37): a job's sample is fixed by its key and version, so whoever takes it next
+produces the very tokens the first holder saw, and abandoning a job whose reward one did not like cannot remove that
+sample from training — it only delays it. Once its version is past the bound it is reissued at the version the
+rules above bind (its result could no longer be trained at the old one).
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ def expected_staleness_at_admission(queued: int, policy: SyncPolicy) -> int:
     return queued // policy.jobs_per_step
 
 
+def trainable_at(version: int, current: int, queued: int, policy: SyncPolicy) -> bool:
+    """Would a job admitted now behind ``queued`` and generated with ``version`` still be trained (within S)?"""
+    return version <= current and current - version + expected_staleness_at_admission(queued, policy) <= policy.bound
+
+
 def bind_version(current: int, held: int, queued: int, policy: SyncPolicy) -> int:
     """The policy version a newly leased job must be generated with.
 
@@ -56,9 +67,7 @@ def bind_version(current: int, held: int, queued: int, policy: SyncPolicy) -> in
     """
     if policy.mode != "async-push-pull" or held < 0 or held > current:
         return current
-    if current - held + expected_staleness_at_admission(queued, policy) <= policy.bound:
-        return held
-    return current
+    return held if trainable_at(held, current, queued, policy) else current
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,12 @@ def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current:
     queued = sum(1 for j in active if occupies_slot(j, now, current, policy)) + pending
     if not admits(queued, policy):
         return None
-    version = bind_version(current, held, queued, policy)
+    reissue = choose_job([j for j in active if j.job_id not in withheld], now)
+    if reissue is not None and reissue.version is not None and trainable_at(reissue.version, current, queued, policy):
+        pinned = reissue.version  # its key at its version: the sample its last holder saw, whoever computes it
+    else:
+        pinned = None
+    version = bind_version(current, held, queued, policy) if pinned is None else pinned
     if speed is not None:
         free = policy.jobs_per_step * (policy.bound + 1) - queued
 
@@ -117,10 +131,13 @@ def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current:
                                  versions_left=left, ahead=ahead)
 
         if not fits(version):
-            if version == current or not fits(current):
-                return None
-            version = current  # too slow to keep its older version: it must refresh
-    reissue = choose_job([j for j in active if j.job_id not in withheld], now)
+            if pinned is not None:  # too slow to return it in time at its version: it stays for a faster client,
+                reissue, pinned = None, None  # and this one is offered a new job, bound as the rules bind it
+                version = bind_version(current, held, queued, policy)
+            if not fits(version):
+                if version == current or not fits(current):
+                    return None
+                version = current  # too slow to keep its older version: it must refresh
     return LeaseDecision(reissue.job_id if reissue is not None else None, version)
 
 

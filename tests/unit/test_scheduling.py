@@ -11,11 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.core.leases import JobState, LeaseView
+from coordinator.core.pacing import ClientSpeed
 from coordinator.core.scheduling import (
+    LeaseDecision,
     Pending,
     SyncPolicy,
     admits,
     bind_version,
+    decide_lease,
     expected_staleness_at_admission,
     select_batch,
     staleness_weight,
@@ -392,3 +396,42 @@ def test_simulated_slow_client_result_is_set_aside() -> None:
     assert swarm.too_stale == {"j0": 3}
     assert "j0" not in swarm.trained
     assert swarm.pending == []
+
+
+# ---- decide_lease: a released, expired or abandoned job keeps its key and version (issue 37) --------------------
+def _open(job_id: str, version: int | None, created_at: float = 0.0) -> LeaseView:
+    """A job released or expired after a lease bound it to ``version`` (None: never leased)."""
+    return LeaseView(job_id, JobState.OPEN, version, created_at)
+
+
+def _live(job_id: str, version: int) -> LeaseView:
+    return LeaseView(job_id, JobState.LEASED, version, 0.0, f"l-{job_id}", "x", 1e9)
+
+
+def test_a_released_job_is_reissued_at_its_version_while_its_result_would_be_trained() -> None:
+    """Async S = 2: the job released at version 5 goes out again at 5 (the same tokens from whoever takes it) while
+    a result at 5 admitted now would still be trained, whatever version the asking client holds; once it would not
+    (current − 5 + the queue's steps > S), at the version the rules bind."""
+    policy = asyn(b=2, s=2)
+    assert decide_lease([_open("j0", 5)], 0, 0.0, 6, 6, policy) == LeaseDecision("j0", 5)
+    assert decide_lease([_open("j0", 5)], 0, 0.0, 7, -1, policy) == LeaseDecision("j0", 5)  # 7 − 5 + 0 = 2
+    queued = [_open("j0", 5), _live("j1", 7), _live("j2", 7)]  # 7 − 5 + 2 // 2 = 3 > 2
+    assert decide_lease(queued, 0, 0.0, 7, 7, policy) == LeaseDecision("j0", 7)
+    assert decide_lease([_open("j0", 5)], 0, 0.0, 8, 6, policy) == LeaseDecision("j0", 6)  # past S: the held one
+    assert decide_lease([_open("j0", None)], 0, 0.0, 8, 6, policy) == LeaseDecision("j0", 6)  # never leased
+
+
+def test_sequential_pull_reissues_a_released_job_within_the_step_at_the_current_version() -> None:
+    policy = seq(b=2)
+    assert decide_lease([_open("j0", 5), _live("j1", 5)], 0, 0.0, 5, 4, policy) == LeaseDecision("j0", 5)
+    assert decide_lease([_open("j0", 4)], 0, 0.0, 5, 4, policy) == LeaseDecision("j0", 5)  # the step is over
+
+
+def test_a_client_too_slow_for_a_released_jobs_version_gets_new_work_and_leaves_the_job() -> None:
+    """The released job is kept for a client that can return it in time at its version; a slow one is bound as the
+    rules bind it, to a new job."""
+    policy = asyn(b=2, s=2)
+    slow = ClientSpeed(pace_s=2.0, step_s=1.0)  # fits (2 − lag + ½) steps: lag 0 only
+    jobs = [_open("j0", 5), _live("j1", 6), _live("j2", 6)]
+    assert decide_lease(jobs, 0, 0.0, 6, 6, policy, slow) == LeaseDecision(None, 6)
+    assert decide_lease(jobs, 0, 0.0, 6, 6, policy, ClientSpeed(pace_s=0.5, step_s=1.0)) == LeaseDecision("j0", 5)
