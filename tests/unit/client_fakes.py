@@ -11,19 +11,20 @@ from typing import Any
 
 import pytest
 
-from shared import PROTOCOL_VERSION, crypto
-from shared.endpoints import SignedCall
+from shared import PROTOCOL_VERSION, crypto, wire
+from shared.endpoints import NOTICES, SignedCall
 from shared.messages import (
     Info,
     Job,
     LeaseRequest,
     LeaseResponse,
+    NoticeBoard,
     RegisterResponse,
     ReleaseResponse,
     SubmitResponse,
 )
 from shared.policy import Sampled
-from shared.records import sign_job
+from shared.records import sign_job, sign_notices
 from swarm_client import runner as runner_mod
 from swarm_client.identity import Identity, load_identity
 from swarm_client.runner import JoinConfig, Runner
@@ -59,6 +60,13 @@ class ScriptedCoordinator:
         return Info(protocol=PROTOCOL_VERSION, run_id="run-1", coordinator_public_key=crypto.public_bytes(COORDINATOR_KEY),
                     current_version=0, sync_mode="async-push-pull", task="arithmetic", finished=False,
                     server_time=1000.0)
+
+    async def get_raw(self, path: str) -> bytes:
+        """The runner's reads: the run's notices (none), signed as the coordinator signs them."""
+        if path == NOTICES.path:
+            return wire.encode(sign_notices(COORDINATOR_KEY, NoticeBoard(run_id="run-1", issued_at=1000.0,
+                                                                         notices=[])))
+        raise AssertionError(f"unexpected read {path}")
 
     async def call(self, endpoint: SignedCall[Any, Any], message: Any) -> Any:
         """The runner's signed calls (shared.endpoints): answered by path, as :meth:`post` does."""
