@@ -50,6 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,9 +247,11 @@ def honest(setup: Setup, judge: Any, row: ClassRow, backend: Any, n: int, shape:
 
 
 def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tolerances: dict[str, float],
-            first: int, own: dict[str, tuple[Any, float]] | None = None) -> list[AttackRow]:
+            first: int, own: dict[str, tuple[Any, float]] | None = None,
+            done: Callable[[list[AttackRow]], None] | None = None) -> list[AttackRow]:
     """Attack results judged by the torch recompute at each of ``tolerances``, and by each of ``own``'s judges
-    (label → (judge, tolerance): a llama.cpp class's own-precision recompute) at its own tolerance."""
+    (label → (judge, tolerance): a llama.cpp class's own-precision recompute) at its own tolerance. ``done`` sees
+    the rows after every attack result (a run stopped early keeps what it judged)."""
     import torch
 
     from coordinator.core.verify import check_choices, choice_stats
@@ -332,6 +335,8 @@ def attacks(setup: Setup, judge: Judge, n: int, shape: tuple[int, int, int], tol
                     check_choices(choice_stats(margin_rows), tol)
                 except ProtocolError:
                     row.refused += 1
+        if done is not None:
+            done(list(rows.values()))
     return list(rows.values())
 
 
@@ -491,8 +496,13 @@ def main() -> None:
         for spec in filter(None, args.attack_tolerances.split(",")):  # label=logit units, e.g. "q8_0 at 3=3.0"
             label, _, value = spec.partition("=")
             tols[label.strip()] = float(value)
+        def save(atk: list[AttackRow]) -> None:  # what is judged so far, so a run cut short keeps its figures
+            if args.json:
+                args.json.write_text(json.dumps({"classes": [_row_json(r) for r in rows],
+                                                 "attacks": [a.__dict__ for a in atk]}))
+
         atk = attacks(setup, Judge(setup), args.attacks, shape, tols, first=ATTACK_FIRST + args.shard * SHARD_STRIDE,
-                      own=own_judges) if args.attacks else []
+                      own=own_judges, done=save) if args.attacks else []
         print(f"[{time.monotonic() - t0:6.0f}s] attacks done", flush=True)
     for path in args.add:
         earlier = json.loads(path.read_text())
