@@ -39,6 +39,29 @@ def _slice_width(rows: int, vocab: int, hidden: int) -> int:
     return max(MIN_SLICE, min(vocab, LOGIT_ELEMENTS // max(1, rows), LOGIT_ELEMENTS // max(1, hidden)))
 
 
+def _picked_and_lse(hidden: Any, ids: Any, weight: Any, bias: Any, temperature: float, width: int
+                    ) -> tuple[Any, Any]:
+    """The forward pass's two float32 rows: each row's tempered logit of its token, and the log-sum-exp of its
+    tempered logits, a vocabulary slice of ``width`` at a time with a running maximum (never the whole row)."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    run_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=hidden.device)
+    run_sum = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+    picked = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+    for v0 in range(0, vocab, width):
+        v1 = min(vocab, v0 + width)
+        z = F.linear(hidden, weight[v0:v1], bias[v0:v1] if bias is not None else None).float()
+        z.div_(temperature)
+        inside = torch.nonzero((ids >= v0) & (ids < v1)).squeeze(1)
+        picked[inside] = z[inside, ids[inside] - v0]
+        new_max = torch.maximum(run_max, z.max(-1).values)
+        run_sum.mul_(torch.exp(run_max - new_max)).add_(z.sub_(new_max[:, None]).exp_().sum(-1))
+        run_max = new_max
+    return picked, run_max + torch.log(run_sum)
+
+
 def _make_function() -> Any:
     import torch
     import torch.nn.functional as F
@@ -53,21 +76,8 @@ def _make_function() -> Any:
                     temperature: float) -> torch.Tensor:
             weight = head.weight.detach()
             bias = head.bias.detach() if head.bias is not None else None
-            rows, vocab = hidden.shape[0], weight.shape[0]
-            width = _slice_width(rows, vocab, weight.shape[1])
-            run_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=hidden.device)
-            run_sum = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
-            picked = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
-            for v0 in range(0, vocab, width):
-                v1 = min(vocab, v0 + width)
-                z = F.linear(hidden, weight[v0:v1], bias[v0:v1] if bias is not None else None).float()
-                z.div_(temperature)
-                inside = torch.nonzero((ids >= v0) & (ids < v1)).squeeze(1)
-                picked[inside] = z[inside, ids[inside] - v0]
-                new_max = torch.maximum(run_max, z.max(-1).values)
-                run_sum.mul_(torch.exp(run_max - new_max)).add_(z.sub_(new_max[:, None]).exp_().sum(-1))
-                run_max = new_max
-            lse = run_max + torch.log(run_sum)
+            width = _slice_width(hidden.shape[0], weight.shape[0], weight.shape[1])
+            picked, lse = _picked_and_lse(hidden, ids, weight, bias, temperature, width)
             ctx.save_for_backward(hidden, ids, lse)
             ctx.head, ctx.temperature, ctx.width = head, temperature, width
             return picked - lse

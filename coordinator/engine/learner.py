@@ -180,6 +180,27 @@ class Sample:
     source: str = "torch"  # the class that sampled it ("torch", "llama-q4_K_M", ...): π_b's precision, for metrics
 
 
+def _load_policy(model_dir: Path, adapter_dir: Path | None, lora_on: bool, device: str, dtype: str) -> Any:
+    """The policy to train: the model folder's, or a LoRA version's base (its adapter is loaded once wrapped), or
+    — LoRA switched off mid-run — that base with the adapter merged."""
+    if adapter_dir is not None and not lora_on:
+        return lora.load_version_model(model_dir, adapter_dir, device, dtype)
+    if adapter_dir is not None:
+        return lora.load_base_model(model_dir, device, dtype)
+    return load_model(model_dir, device, dtype)
+
+
+def _optimizer(trainable: list[Any], cfg: LearnerConfig, *, fused: bool) -> Any:
+    """bf16 weights and moments, stochastically rounded (LearnerConfig.precision), or AdamW — ``fused`` on one CPU or
+    CUDA device: one kernel per tensor with no temporaries (the for-loop form allocates two of each parameter's
+    size, 1 GB at a 0.5 B model's embedding) and ~10x faster on a CPU."""
+    import torch
+
+    if cfg.precision == "bf16":
+        return StochasticBf16AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed)
+    return torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+
+
 class Learner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cfg: LearnerConfig, temperature: float,
                  gguf: str | Sequence[str] = "off", ranks: Ranks | None = None) -> None:
@@ -207,12 +228,7 @@ class Learner:
         self.tokenizer = load_tokenizer(model_dir)
         self._model_dir = Path(model_dir)
         dtype = "bfloat16" if cfg.precision == "bf16" else model_cfg.dtype
-        if adapter_dir is not None and not self.lora:  # LoRA switched off mid-run: train the merged policy
-            self.model = lora.load_version_model(model_dir, adapter_dir, self.device, dtype)
-        elif adapter_dir is not None:
-            self.model = lora.load_base_model(model_dir, self.device, dtype)
-        else:
-            self.model = load_model(model_dir, self.device, dtype)
+        self.model = _load_policy(Path(model_dir), adapter_dir, self.lora, self.device, dtype)
         # each GRPO group's prompt runs once per micro-batch, its KV cache copied to the group's completions (a
         # group repeats its prompt group_size times). Not where the cache is not a plain one: activation
         # checkpointing turns it off, peft's wrapper hides its name, FSDP ranks must all run the same passes
@@ -228,32 +244,15 @@ class Learner:
                 fsdp.from_leader(ranks, [p for p in self.model.parameters() if p.requires_grad])
             fsdp.shard(self.model, ranks, cfg.mixed_precision)
         self.model.train()
-        # a tied embedding's gradients summed in place in one tensor, not in more [vocab, hidden] ones (engine.tied)
-        output = self.model.get_output_embeddings()
-        self._tied = (TiedEmbeddingGradient(self.model.get_input_embeddings(), output) if ranks is None
-                      and not self.lora and output is not None
-                      and output.weight is self.model.get_input_embeddings().weight else None)
-        # the training pass applies the output layer a vocabulary slice at a time (engine.head), never holding the
-        # [tokens × vocabulary] logits; not through peft's wrapper or FSDP's shards, nor for a head that is not plain
-        self.stream_head = ranks is None and not self.lora and plain_head(self.model)
-        if output is not None and ranks is None:
-            contiguous_input(output)  # no per-sequence copies of the output weight in autograd's products (engine.head)
+        self._plan_output_layer()
         self.pad_id = pad_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer)
         if not self.stop_ids:
             raise ValueError(f"the tokenizer in {model_dir} defines no end-of-sequence token; set eos_token in its "
                              f"tokenizer_config.json so completions can stop")
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer: Any
-        if cfg.precision == "bf16":  # bf16 weights and moments, stochastically rounded (LearnerConfig.precision)
-            self.optimizer = StochasticBf16AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed)
-        else:
-            # fused on one CPU or CUDA device: one kernel per tensor with no temporaries (the for-loop form allocates
-            # two of each parameter's size, 1 GB at a 0.5 B model's embedding) and ~10x faster on a CPU
-            fused = ranks is None and torch.device(self.device).type in ("cpu", "cuda")
-            self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                               fused=fused or None)
+        self.optimizer: Any = _optimizer([p for p in self.model.parameters() if p.requires_grad], cfg,
+                                         fused=ranks is None and torch.device(self.device).type in ("cpu", "cuda"))
         self.model_version = 0
         # set while a checkpoint is being written from the live tensors: the next optimizer step waits for it
         self._checkpoint_gate: threading.Event | None = None
@@ -261,6 +260,20 @@ class Learner:
         self._publish_gate: threading.Event | None = None
         self._static_files: dict[str, bytes] | None = None  # config and tokenizer files of every snapshot
         self._lora_base: dict[str, Tensor] | None = None  # FSDP + LoRA: the frozen base, gathered once (rank 0)
+
+    def _plan_output_layer(self) -> None:
+        """How the training pass meets the output layer. A tied embedding's gradients are summed in place in one
+        tensor, not in more [vocab, hidden] ones (engine.tied); the layer is applied a vocabulary slice at a time
+        (engine.head), never holding the [tokens × vocabulary] logits — neither through peft's wrapper or FSDP's
+        shards, nor for a head that is not plain; and it is handed a contiguous input, so autograd's products make
+        no per-sequence copies of its weight."""
+        output = self.model.get_output_embeddings()
+        alone = self.ranks is None and not self.lora
+        self._tied = (TiedEmbeddingGradient(self.model.get_input_embeddings(), output) if alone
+                      and output is not None and output.weight is self.model.get_input_embeddings().weight else None)
+        self.stream_head = alone and plain_head(self.model)
+        if output is not None and self.ranks is None:
+            contiguous_input(output)
 
     # -- prompts ------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -282,7 +282,8 @@ class Verifier:
         completions = [c for req in batch for c in req.completions]
         segments = [seg for req in batch for seg in (req.segments or [[] for _ in req.completions])]
         if self._ranks is None:
-            rows, ents, vars_, tops, margins = self._rows(model, prompts, completions, segments)
+            rows, ents, vars_, tops, margins = token_rows(model, prompts, completions, segments,
+                                                          self.temperature, self.pad_id)
         else:
             rows, ents, vars_, tops, margins = self._in_group("recompute", self._recompute_rows, batch[0].version,
                                                               prompts, completions, segments)
@@ -298,33 +299,6 @@ class Verifier:
         self.stats.batches += 1
         return out
 
-    def _rows(self, model: Any, prompts: list[list[int]], completions: list[list[int]],
-              segments: list[list[Segment]], passes: int = 0) -> tuple[list[list[float]], ...]:
-        """Per-token (logprobs, entropy, surprisal variance, top logprob, keyed-sampler margin) of each completion,
-        MICRO_BATCH at a time; at least ``passes`` forward passes (those past the completions run on the first one,
-        discarded). ``segments``: each completion's keyed draws (none: margins of 0)."""
-        import torch
-
-        cols: tuple[list[list[float]], ...] = ([], [], [], [], [])
-        with torch.no_grad():
-            for s in range(0, max(len(completions), passes * MICRO_BATCH), MICRO_BATCH):
-                chunk, chunk_prompts = completions[s : s + MICRO_BATCH], prompts[s : s + MICRO_BATCH]
-                chunk_segments = segments[s : s + MICRO_BATCH]
-                spare = not chunk  # this rank's share is used up: a pass for the collectives only
-                if spare:
-                    chunk, chunk_prompts = completions[:1] or [[self.pad_id]], prompts[:1] or [[self.pad_id]]
-                    chunk_segments = [[]]
-                keyed = any(chunk_segments)
-                # each GRPO group's prompt once (not on ranks: every rank must run the same passes)
-                stats = completion_stats(model, chunk_prompts, chunk, temperature=self.temperature,
-                                         pad_id=self.pad_id, share_prompts=self._ranks is None,
-                                         segments=chunk_segments if keyed else None)
-                margins = stats.margins if stats.margins is not None else torch.zeros_like(stats.logprobs)
-                if not spare:
-                    for dst, t in zip(cols, (*stats[:4], margins), strict=True):
-                        dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))
-        return cols
-
     def _recompute_rows(self, version: int, prompts: list[list[int]], completions: list[list[int]],
                         segments: list[list[Segment]]) -> tuple[list[list[float]], ...]:
         """Every rank: its share of the batch (every N-th completion), gathered back to rank 0 in order."""
@@ -333,7 +307,8 @@ class Verifier:
         fsdp.lead(ranks, "_recompute_rows", version, prompts, completions, segments)
         n, r = ranks.world_size, ranks.rank
         passes = math.ceil(math.ceil(len(completions) / n) / MICRO_BATCH)  # of the largest share
-        mine = self._rows(self._models[version], prompts[r::n], completions[r::n], segments[r::n], passes)
+        mine = token_rows(self._models[version], prompts[r::n], completions[r::n], segments[r::n],
+                          self.temperature, self.pad_id, ranked=True, passes=passes)
         shares = fsdp.gather(ranks, mine)
         if shares is None:
             return ([], [], [], [], [])
@@ -421,6 +396,34 @@ class Verifier:
             return self._load_first(folder, self.device, self.dtype)
 
         return read_model(folder, self.device, self.dtype)
+
+
+def token_rows(model: Any, prompts: list[list[int]], completions: list[list[int]], segments: list[list[Segment]],
+               temperature: float, pad_id: int, *, ranked: bool = False, passes: int = 0
+               ) -> tuple[list[list[float]], ...]:
+    """Per-token (logprobs, entropy, surprisal variance, top logprob, keyed-sampler margin) of each completion,
+    MICRO_BATCH at a time; at least ``passes`` forward passes (those past the completions run on the first one,
+    discarded). ``segments``: each completion's keyed draws (none: margins of 0). ``ranked``: on FSDP ranks,
+    where every rank must run the same passes, so each GRPO group's prompt is not shared."""
+    import torch
+
+    cols: tuple[list[list[float]], ...] = ([], [], [], [], [])
+    with torch.no_grad():
+        for s in range(0, max(len(completions), passes * MICRO_BATCH), MICRO_BATCH):
+            chunk, chunk_prompts = completions[s : s + MICRO_BATCH], prompts[s : s + MICRO_BATCH]
+            chunk_segments = segments[s : s + MICRO_BATCH]
+            spare = not chunk  # this rank's share is used up: a pass for the collectives only
+            if spare:
+                chunk, chunk_prompts = completions[:1] or [[pad_id]], prompts[:1] or [[pad_id]]
+                chunk_segments = [[]]
+            keyed = any(chunk_segments)
+            stats = completion_stats(model, chunk_prompts, chunk, temperature=temperature, pad_id=pad_id,
+                                     share_prompts=not ranked, segments=chunk_segments if keyed else None)
+            margins = stats.margins if stats.margins is not None else torch.zeros_like(stats.logprobs)
+            if not spare:
+                for dst, t in zip(cols, (*stats[:4], margins), strict=True):
+                    dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))
+    return cols
 
 
 def _load_into(model: Any, state: dict[str, Tensor], folder: Path) -> None:
