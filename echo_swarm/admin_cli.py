@@ -163,7 +163,8 @@ def status(ctx: typer.Context, as_json: JsonFlag = False) -> None:
 _CLIENT_COLUMNS: tuple[tuple[str, bool, int, int], ...] = (
     ("client", False, 8, 0), ("name", False, 16, 1), ("state", False, 12, 0), ("valid", True, 24, 5),
     ("backend", False, 8, 3), ("device", False, 24, 6), ("platform", False, 18, 7), ("accepted", True, 12, 1),
-    ("rejected", True, 12, 2), ("unreturned", True, 12, 4), ("reward z", True, 8, 4), ("credit", True, 14, 1),
+    ("rejected", True, 12, 2), ("unreturned", True, 12, 4), ("reward z", True, 8, 4), ("dropped z", True, 9, 4),
+    ("credit", True, 14, 1),
     ("last seen", True, 10, 2),
 )
 _GAP = 2  # spaces between two columns (a table without a box)
@@ -207,13 +208,13 @@ def clients(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 100
     colour = {"working": "green", "active": "cyan", "idle": "dim", "banned": "red"}
     cells: dict[str, list[Text]] = {name: [] for name, *_ in _CLIENT_COLUMNS
                                     if (has_trust or name != "valid")
-                                    and (has_reporting or name not in ("unreturned", "reward z"))}
+                                    and (has_reporting or name not in ("unreturned", "reward z", "dropped z"))}
     for r in rows:
-        unreturned, reward_z = _reporting(r.get("reporting"))
+        unreturned, reward_z, dropped_z = _reporting(r.get("reporting"))
         row = {"client": r["client_id"][:8], "name": r["name"], "state": _text(r["state"], colour.get(r["state"], "")),
                "valid": _trust(r.get("trust")), "backend": r["backend"], "device": r["device"],
                "platform": r["platform"], "accepted": r["accepted"], "rejected": r["rejected"],
-               "unreturned": unreturned, "reward z": reward_z, "credit": f"{r['credit']:,.0f}",
+               "unreturned": unreturned, "reward z": reward_z, "dropped z": dropped_z, "credit": f"{r['credit']:,.0f}",
                "last seen": _ago(r["last_seen"])}
         for name, col in cells.items():
             col.append(row[name] if isinstance(row[name], Text) else _text(row[name]))
@@ -233,11 +234,13 @@ def clients(ctx: typer.Context, as_json: JsonFlag = False, limit: LimitOpt = 100
 
 
 def _reporting(rep: Optional[dict[str, Any]]) -> list[Text]:
+    """The unreturned share and the two comparisons' z (core.reporting), '-' where nothing was compared."""
     if not rep:
-        return [_text("-"), _text("-")]
+        return [_text("-"), _text("-"), _text("-")]
     share = _text(f"{rep['unreturned']}/{rep['leased']}" if rep["leased"] else "-")
     z = _text(f"{rep['reward_z']:+.1f}" if rep["results_compared"] else "-")
-    return [share, z]
+    dropped = _text(f"{rep['dropped_z']:+.1f}" if rep.get("dropped_compared") else "-")
+    return [share, z, dropped]
 
 
 def _trust(t: Optional[dict[str, Any]]) -> Text:

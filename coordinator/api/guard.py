@@ -23,7 +23,9 @@ from coordinator.core.reporting import (
     SELECTIVE_REPORTING,
     Reporting,
     ReportingPolicy,
+    Sample,
     VersionGroup,
+    dropped_bias,
     reward_bias,
     selective,
     worth_comparing,
@@ -57,7 +59,8 @@ class Guard:
         t = config.trust
         self.policy = TrustPolicy(t.quarantine_after, t.quarantine_s)
         self.reporting_policy = ReportingPolicy(t.reporting_min_leases, t.reporting_max_unreturned,
-                                                t.reporting_min_results, t.reporting_reward_z, t.reporting_cooldown_s)
+                                                t.reporting_min_results, t.reporting_reward_z, t.reporting_dropped_z,
+                                                t.reporting_cooldown_s)
         lim = config.limits
         self.per_identity = Limiter(Rate(lim.per_identity_rps, lim.per_identity_burst))
         self.per_address = Limiter(Rate(lim.per_address_rps, lim.per_address_burst))
@@ -136,10 +139,11 @@ class Guard:
     # -- selective reporting (coordinator.core.reporting): what the keyed sampler cannot see ----------------
     def reporting(self, client_id: str) -> Reporting:
         """The identity's leases, how many ended without its result, and how its returned rewards compare with
-        the other volunteers' at the same versions."""
+        the other volunteers' at the same versions and with what the jobs it dropped scored."""
         leased, unreturned = self.store.trust.lease_counts(client_id)
         groups = [VersionGroup(*g) for g in self.store.trust.reward_groups(client_id)]
-        return Reporting(leased, unreturned, reward_bias(groups, client_id))
+        returned, dropped = (Sample(*s) for s in self.store.trust.reward_samples(client_id))
+        return Reporting(leased, unreturned, reward_bias(groups, client_id), dropped_bias(returned, dropped))
 
     def check_reporting(self, client_id: str, now: float) -> str | None:
         """After an accepted result: lower the identity's trust if it looks like it keeps or abandons results by

@@ -34,6 +34,10 @@ class TrustConfig(StrictModel):
                                       "at the same versions that, with the unreturned share past its threshold, "
                                       "flag the identity (selective reporting): its trust resets, and every "
                                       "quarantine_after-th flag quarantines it.")
+    reporting_dropped_z: float = Field(6.0, gt=0, description="Standard errors by which the rewards an identity "
+                                       "returned may exceed those of the jobs it dropped (as the next client "
+                                       "computed them: the same key, the same tokens) before, with the unreturned "
+                                       "share past its threshold, it is flagged the same way.")
     reporting_cooldown_s: float = Field(600.0, ge=0, description="Seconds between two such lowerings of one "
                                         "identity's trust (the same evidence is counted once per period).")
 

@@ -102,7 +102,7 @@ class Jobs:
         step) makes it power-safe; a power loss before that forgets the lease, and the job is
         issued again."""
         with self._light.transaction():
-            before = self._light.execute("SELECT state, lease_client FROM jobs WHERE job_id=?",
+            before = self._light.execute("SELECT state, lease_client, version FROM jobs WHERE job_id=?",
                                          (job_id,)).fetchone()
             cur = self._light.execute(
                 f"UPDATE jobs SET state='{LEASED}', lease_id=?, lease_client=?, lease_deadline=?, version=?, "
@@ -114,19 +114,28 @@ class Jobs:
                 return False
             self._light.execute("UPDATE clients SET leased=leased+1 WHERE client_id=?", (client_id,))
             if before is not None and before["state"] == LEASED and before["lease_client"]:
-                self._count_unreturned(self._light, str(before["lease_client"]), job_id)  # it ran out
+                self._count_unreturned(self._light, str(before["lease_client"]), job_id,  # it ran out
+                                       before["version"])
             return True
 
     @staticmethod
-    def _count_unreturned(db: Db, client_id: str, job_id: str) -> None:
-        """A lease of ``client_id`` on ``job_id`` ended without its result: counted unless the client did send
-        one that was checked and refused for no fault of its own (core.trust.RETURNS_RESULT: a reward that
-        failed). Any other refusal — a copy of an earlier result, a late or broken one — returned nothing that
-        is trained, and counting it as a return would let a client hide the leases it abandons."""
+    def _count_unreturned(db: Db, client_id: str, job_id: str, version: int | None) -> None:
+        """A lease of ``client_id`` on ``job_id`` at ``version`` ended without its result: counted, and the job
+        noted as dropped by it (the selective-reporting rule later reads what the job scored when another client
+        returned it at that version: the sample this one saw), unless the client did send one that was checked
+        and refused for no fault of its own (core.trust.RETURNS_RESULT: a reward that failed). Any other refusal —
+        a copy of an earlier result, a late or broken one — returned nothing that is trained, and counting it as a
+        return would let a client hide the leases it abandons."""
         marks = ",".join("?" * len(RETURNS_RESULT))
-        db.execute("UPDATE clients SET unreturned=unreturned+1 WHERE client_id=? AND NOT EXISTS (SELECT 1 FROM "
-                   f"rejections WHERE rejections.client_id=? AND rejections.job_id=? AND reason IN ({marks}))",
-                   (client_id, client_id, job_id, *sorted(r.value for r in RETURNS_RESULT)))
+        returned = (f"EXISTS (SELECT 1 FROM rejections WHERE rejections.client_id=? AND rejections.job_id=? AND "
+                    f"reason IN ({marks}))")
+        args = (client_id, job_id, *sorted(r.value for r in RETURNS_RESULT))
+        if db.execute(f"SELECT 1 WHERE {returned}", args).fetchone() is not None:
+            return
+        db.execute("UPDATE clients SET unreturned=unreturned+1 WHERE client_id=?", (client_id,))
+        if version is not None:
+            db.execute("INSERT INTO dropped(job_id, client_id, version) VALUES(?,?,?) ON CONFLICT DO NOTHING",
+                       (job_id, client_id, version))
 
     def release(self, job_id: str, lease_id: str, client_id: str) -> bool:
         with self._light.transaction():  # as lease: a forgotten release only means the lease runs out
@@ -135,7 +144,8 @@ class Jobs:
                 f"AND state='{LEASED}'", (job_id, lease_id, client_id))
             if cur.rowcount != 1:
                 return False
-            self._count_unreturned(self._light, client_id, job_id)
+            (version,) = self._light.execute("SELECT version FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            self._count_unreturned(self._light, client_id, job_id, version)
             return True
 
     def live_leases(self, now: float) -> int:

@@ -24,7 +24,15 @@ from coordinator.core.ops import (
     job_status,
     throughput_series,
 )
-from coordinator.core.reporting import RewardBias, VersionGroup, reward_bias, reward_biases
+from coordinator.core.reporting import (
+    DroppedBias,
+    RewardBias,
+    Sample,
+    VersionGroup,
+    dropped_bias,
+    reward_bias,
+    reward_biases,
+)
 from coordinator.store.db import Row
 from coordinator.store.store import Store
 
@@ -41,6 +49,9 @@ class Reporting(TypedDict):
     results_compared: int
     reward_excess: float
     reward_z: float
+    dropped_compared: int
+    dropped_excess: float
+    dropped_z: float
 
 
 class TrustClass(TypedDict):
@@ -212,7 +223,7 @@ def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_00
         if row["client_id"] in trust:
             extra["trust"] = trust[row["client_id"]]
         if reporting:
-            extra["reporting"] = figures.get(row["client_id"], _reporting(r, None))
+            extra["reporting"] = figures.get(row["client_id"], _reporting(r, None, DroppedBias()))
         out.append(extra | {
             "name": profile.get("name", ""), "backend": profile.get("backend", "?"),
             "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
@@ -303,21 +314,32 @@ def _audit_log(store: Store, limit: int, client_id: str | None, job_id: str | No
 
 def reporting_by_client(store: Store) -> dict[str, Reporting]:
     """What the keyed sampler cannot see, per client (coordinator.core.reporting): leases granted, how many ended
-    without a result from it and that share, and its returned rewards against the other volunteers' at the same
-    versions (results compared, mean excess per result, z). One pass over the results' per-version totals."""
+    without a result from it and that share, its returned rewards against the other volunteers' at the same
+    versions (results compared, mean excess per result, z), and against what the jobs it dropped scored in others'
+    hands (dropped jobs seen, excess, z). One pass over the results' per-version totals, one over the drops."""
     groups = [VersionGroup(str(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4])) for r in store.conn.execute(
         "SELECT client_id, version, COUNT(*), SUM(mean_reward), SUM(mean_reward*mean_reward) FROM results "
         "GROUP BY client_id, version").fetchall()]
     bias = reward_biases(groups)
+    returned: dict[str, Sample] = {}
+    for g in groups:
+        r = returned.get(g.client_id, Sample())
+        returned[g.client_id] = Sample(r.n + g.n, r.total + g.total, r.squares + g.squares)
+    dropped = {str(r[0]): Sample(int(r[1]), float(r[2]), float(r[3])) for r in store.conn.execute(
+        "SELECT d.client_id, COUNT(*), SUM(r.mean_reward), SUM(r.mean_reward*r.mean_reward) FROM dropped d JOIN "
+        "results r ON r.job_id=d.job_id AND r.version=d.version AND r.client_id<>d.client_id GROUP BY d.client_id"
+    ).fetchall()}
     rows = store.conn.execute("SELECT client_id, leased, unreturned FROM clients").fetchall()
-    return {str(r["client_id"]): _reporting(r, bias.get(str(r["client_id"]))) for r in rows}
+    return {c: _reporting(r, bias.get(c), dropped_bias(returned.get(c, Sample()), dropped.get(c, Sample())))
+            for r in rows for c in (str(r["client_id"]),)}
 
 
-def _reporting(row: Row, bias: RewardBias | None) -> Reporting:
+def _reporting(row: Row, bias: RewardBias | None, dropped: DroppedBias) -> Reporting:
     leased, unreturned = int(row["leased"]), int(row["unreturned"])
     return {"leased": leased, "unreturned": unreturned, "unreturned_share": unreturned / leased if leased else 0.0,
             "results_compared": bias.results if bias else 0, "reward_excess": bias.excess if bias else 0.0,
-            "reward_z": bias.z if bias else 0.0}
+            "reward_z": bias.z if bias else 0.0, "dropped_compared": dropped.dropped,
+            "dropped_excess": dropped.excess, "dropped_z": dropped.z}
 
 
 def trust_by_client(store: Store, now: float) -> dict[str, TrustSummary]:
@@ -470,5 +492,6 @@ def volunteer(store: Store, client_id: str, now: float, lease_timeout_s: float) 
                      for r in by_version],
         "refusals": {str(r["reason"]): int(r["n"]) for r in refusals},
         "reporting": _reporting(row, reward_bias([VersionGroup(*g) for g in store.trust.reward_groups(client_id)],
-                                                 client_id)),
+                                                 client_id),
+                                dropped_bias(*(Sample(*x) for x in store.trust.reward_samples(client_id)))),
     }

@@ -94,6 +94,9 @@ CREATE TABLE IF NOT EXISTS results(
 CREATE INDEX IF NOT EXISTS results_pending ON results(ingested_step, stale_at);
 CREATE INDEX IF NOT EXISTS results_by_client ON results(client_id, received_at);
 CREATE INDEX IF NOT EXISTS results_by_version ON results(version, client_id);
+CREATE TABLE IF NOT EXISTS dropped(
+  job_id TEXT NOT NULL, client_id TEXT NOT NULL, version INTEGER NOT NULL, PRIMARY KEY(job_id, client_id, version));
+CREATE INDEX IF NOT EXISTS dropped_by_client ON dropped(client_id);
 CREATE TABLE IF NOT EXISTS rejections(
   id INTEGER PRIMARY KEY, client_id TEXT NOT NULL, job_id TEXT, reason TEXT NOT NULL, message TEXT NOT NULL,
   content_sha256 TEXT, at REAL NOT NULL);
@@ -122,7 +125,9 @@ CREATE TABLE IF NOT EXISTS trust(
 #: (:meth:`Store._retire_replication`); clients.leased / clients.unreturned count leases for the selective-reporting
 #: rule (coordinator.core.reporting); results.completions_sha256 finds copies (coordinator.core.duplicates).
 #: 7: jobs.lease_precision, the precision a lease named (LeaseRequest.precision): what its result is recomputed in.
-SCHEMA_VERSION = 7
+#: 8: dropped, the leases that ended without their holder's result, by job, client and version (the
+#: selective-reporting rule compares what a client returned with what the jobs it dropped scored in others' hands).
+SCHEMA_VERSION = 8
 #: Replay protection: on SQLite in its own database file beside the main one, on PostgreSQL a table of the
 #: main database (see Store._nonce_db).
 NONCE_SCHEMA = "CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from coordinator.api.guard import Guard
 from coordinator.config import CoordinatorConfig
 from coordinator.core.jobs import JobPlan
+from coordinator.core.reporting import Sample, dropped_bias
 from coordinator.store.records import as_json
 from coordinator.store.store import Store
 from shared.errors import ProtocolError, Reason
@@ -158,6 +160,50 @@ def test_selective_reporting_lowers_trust_once_per_cooldown(store_target: str | 
     assert guard.check_reporting(A, T0 + 200) is None and guard.trust(A).consecutive_invalid == 0
     rep = guard.reporting(B)
     assert (rep.leased, rep.unreturned, rep.bias.results) == (22, 12, 10) and rep.bias.excess == pytest.approx(0.5)
+
+
+def test_selective_reporting_in_a_small_run_is_seen_in_what_the_dropped_jobs_scored(store_target: str | Path
+                                                                                    ) -> None:
+    """One job per version and two clients: no version ever has 3 other results, so the comparison with the other
+    volunteers at the same versions never applies. B keeps only the jobs that score at least 0.5 and releases the
+    rest; A takes each released job next, at the same version (reissued with its key there: the very sample B saw)
+    and returns it. The store's drops let the rule compare B's returned rewards with its dropped jobs' as A
+    returned them: B is flagged for that, A (which dropped nothing) is not; B dropping the same share at random
+    is not flagged."""
+    guard, store = make(store_target, trust={"reporting_min_leases": 20, "reporting_min_results": 10})
+    rng = random.Random(5)
+    for v in range(60):
+        rewards = [float(rng.random() < 0.4) for _ in range(4)]
+        selective_b = v < 40  # the first 40 versions B drops by reward; the last 20 it would drop at random
+        drop = sum(rewards) / 4 < 0.5 if selective_b else rng.random() < 0.5
+        seq = store.jobs.next_seq()
+        store.jobs.create(JobPlan(f"j{seq}", seq, (0, 1), 7), 2, T0)
+        holder, lease_id = B, f"L{seq}"
+        assert store.jobs.lease(f"j{seq}", lease_id, B, T0 + 60, v, T0)
+        if drop:
+            assert store.jobs.release(f"j{seq}", lease_id, B)
+            holder, lease_id = A, f"L{seq}b"
+            assert store.jobs.lease(f"j{seq}", lease_id, A, T0 + 60, v, T0)
+        assert store.results.accept(job_id=f"j{seq}", lease_id=lease_id, client_id=holder, version=v,
+                                    content_sha256=f"{seq:064x}", payload=b"x", rewards=rewards, n_tokens=8,
+                                    credit=8.0, now=T0)
+        if v == 39:
+            rep = guard.reporting(B)
+            assert rep.bias.results == 0  # never 3 other results at a version: the first comparison is silent
+            assert min(rep.dropped.returned, rep.dropped.dropped) >= 10 and rep.dropped.z > 6, rep.dropped
+            why = guard.check_reporting(B, T0 + 1)
+            assert why is not None and "jobs dropped" in why, why
+            assert guard.check_reporting(A, T0 + 1) is None
+            (row,) = store.audit.lines(client_id=B, outcome="flagged")
+            assert row.reason == "selective_reporting"
+    # the same drops at random (B's last 20 versions, on their own): nothing to see
+    returned = [r for r in store.conn.execute("SELECT client_id, version, mean_reward FROM results WHERE "
+                                              "version >= 40").fetchall()]
+    kept = [float(r[2]) for r in returned if r[0] == B]
+    lost = [float(r[2]) for r in returned if r[0] == A]
+    at_random = dropped_bias(Sample(len(kept), sum(kept), sum(x * x for x in kept)),
+                             Sample(len(lost), sum(lost), sum(x * x for x in lost)))
+    assert abs(at_random.z) < 3, at_random
 
 
 def test_audit_records_rejections_with_version_and_hash_and_filters(store_target: str | Path) -> None:

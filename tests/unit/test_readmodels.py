@@ -92,6 +92,15 @@ def test_the_operators_and_the_volunteers_views_show_reporting(store: Store) -> 
     me = readmodels.volunteer(store, ALICE, T0 + 10, 30.0)
     assert me is not None and me["reporting"] == rows[ALICE]
     assert "reporting" not in readmodels.clients(store, T0 + 10, 30.0)[0]  # the public listings skip the query
+    assert (rows[ALICE]["dropped_compared"], rows[ALICE]["dropped_z"]) == (0, 0.0)  # its drop: nobody returned it
+    # bob returns the job alice dropped, at the version she held it: what she dropped is now seen
+    assert store.jobs.lease(plan.job_id, "L9b", bob, T0 + 60, 0, T0)
+    assert store.results.accept(job_id=plan.job_id, lease_id="L9b", client_id=bob, version=0, content_sha256="4" * 64,
+                                payload=b"", rewards=[0.0, 0.0], n_tokens=4, credit=4.0, now=T0 + 7)
+    rows = {r["client_id"]: r["reporting"] for r in readmodels.clients(store, T0 + 10, 30.0, reporting=True)}
+    assert rows[ALICE]["dropped_compared"] == 1 and rows[ALICE]["dropped_excess"] == pytest.approx(0.5)
+    assert rows[bob]["dropped_compared"] == 0
+    assert readmodels.volunteer(store, ALICE, T0 + 10, 30.0)["reporting"] == rows[ALICE]  # type: ignore[index]
 
 
 def test_aggregates_read_alike_on_both_engines(store: Store) -> None:

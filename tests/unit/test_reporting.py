@@ -2,20 +2,27 @@
 
 A client that abandons the leases whose rewards it dislikes returns only honest, keyed-sampler-exact results, so
 no per-result check can refuse it; the rule compares its unreturned share and its returned rewards with the other
-volunteers' at the same versions. Simulated swarms here: honest clients (some abandoning at random, as laptops do)
-are never flagged; one that abandons its low-reward results is, once per cooldown."""
+volunteers' at the same versions, and with the rewards of the jobs it dropped (reissued with their keys at their
+versions: the very samples it saw, returned by whoever took them next). Simulated swarms here: honest clients (some
+abandoning at random, as laptops do) are never flagged; one that abandons its low-reward results is, once per
+cooldown — in small runs too (2 jobs per version), through the second comparison."""
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 
 import pytest
 
 from coordinator.core.reporting import (
+    DroppedBias,
     Reporting,
     ReportingPolicy,
     RewardBias,
+    Sample,
     VersionGroup,
+    dropped_bias,
     reward_bias,
     reward_biases,
     selective,
@@ -110,3 +117,92 @@ def test_reward_bias_is_leave_one_out_per_version_and_skips_thin_versions() -> N
     assert reward_bias(flat, "x", var_floor=1e-3).z == pytest.approx(3.0 / (3 * 1e-3 + 9 * 1e-3 / 10) ** 0.5)
     assert reward_bias(groups, "nobody") == RewardBias()
     assert set(reward_biases(groups)) == {"x", "a"} and reward_biases([]) == {}
+
+
+# ---- the second comparison: what a client returned against what it dropped -------------------------------------
+def small_swarm(rng: random.Random, *, jobs_per_version: int, versions: int, abandon: float, attacker: bool
+                ) -> tuple[dict[str, int], dict[str, float]]:
+    """A small run as the issuer plays it: ``jobs_per_version`` jobs per version, two identities taking them in
+    turn at random; a dropped job goes back to the queue with its sample (its key at its version) and the next
+    taker returns that very reward. The policy trains: a job's reward is the mean of 8 Bernoulli(p) draws with p
+    rising 0.15 → 0.55 over the run. Identity "h" drops at random at rate ``abandon``; so does "x", or —
+    ``attacker`` — it drops every result not above the median of all it computed so far. The rule is asked, as the
+    intake asks it, after every accepted result, with the default policy (ReportingPolicy()). Returns how many
+    times each identity was flagged, and the largest z each reached once both samples held ``min_results``."""
+    policy = ReportingPolicy()
+    names = ("h", "x")
+    leases, unreturned = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    kept: dict[str, Sample] = dict.fromkeys(names, Sample())
+    lost: dict[str, Sample] = dict.fromkeys(names, Sample())
+    flags, top = dict.fromkeys(names, 0), dict.fromkeys(names, -math.inf)
+    computed: list[float] = []
+
+    def add(s: Sample, x: float) -> Sample:
+        return Sample(s.n + 1, s.total + x, s.squares + x * x)
+
+    for v in range(versions):
+        p = 0.15 + 0.4 * v / versions
+        queue = [(sum(rng.random() < p for _ in range(8)) / 8, set[str]()) for _ in range(jobs_per_version)]
+        while queue:
+            c = rng.choice(names)
+            reward, dropped_by = queue.pop(0)
+            leases[c] += 1
+            if c == "x" and attacker:
+                drop = bool(computed) and reward <= statistics.median(computed)
+                computed.append(reward)
+            else:
+                drop = rng.random() < abandon
+            if drop:
+                unreturned[c] += 1
+                dropped_by.add(c)
+                queue.append((reward, dropped_by))
+                continue
+            kept[c] = add(kept[c], reward)
+            for d in dropped_by - {c}:
+                lost[d] = add(lost[d], reward)
+            rep = Reporting(leases[c], unreturned[c], dropped=dropped_bias(kept[c], lost[c]))
+            flags[c] += selective(rep, policy, T0, None) is not None
+            if worth_comparing(rep.leased, rep.unreturned, policy) and min(kept[c].n, lost[c].n) >= 20:
+                top[c] = max(top[c], rep.dropped.z)
+    return flags, top
+
+
+SHAPES = [(2, 150, 0.3), (2, 300, 0.6), (4, 150, 0.4), (8, 100, 0.5)]  # jobs per version, versions, abandon rate
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{j}-jobs-{v}-versions-{a}" for j, v, a in SHAPES])
+def test_in_small_runs_honest_clients_are_never_flagged_and_one_returning_above_its_median_is(
+        shape: tuple[int, int, float]) -> None:
+    """60 simulated swarms per shape (240 in all), both identities honest and abandoning at random: neither is
+    flagged at any of the hundreds of times the rule is asked. 60 more per shape with "x" returning only results
+    above its running median: its z passes the threshold (6) in every one, the honest identity beside it never."""
+    jobs, versions, abandon = shape
+    for seed in range(60):
+        flags, _ = small_swarm(random.Random(seed), jobs_per_version=jobs, versions=versions, abandon=abandon,
+                               attacker=False)
+        assert flags == {"h": 0, "x": 0}, (shape, seed)
+    for seed in range(60):
+        flags, top = small_swarm(random.Random(1000 + seed), jobs_per_version=jobs, versions=versions, abandon=0.1,
+                                 attacker=True)
+        assert flags["h"] == 0 and flags["x"] > 0 and top["x"] > ReportingPolicy().max_dropped_z, (shape, seed, top)
+
+
+def test_dropped_bias_is_welch_between_the_returned_and_the_dropped() -> None:
+    returned = Sample(4, 3.0, 4 * 0.75 ** 2 + 0.04 * 3)  # mean 0.75, variance 0.04
+    dropped = Sample(5, 1.25, 5 * 0.25 ** 2 + 0.09 * 4)  # mean 0.25, variance 0.09
+    bias = dropped_bias(returned, dropped)
+    assert (bias.returned, bias.dropped) == (4, 5) and bias.excess == pytest.approx(0.5)
+    assert bias.z == pytest.approx(0.5 / (0.04 / 4 + 0.09 / 5) ** 0.5)
+    # alike within each sample: the variance floor keeps z finite
+    assert dropped_bias(Sample(3, 3.0, 3.0), Sample(3, 0.0, 0.0)).z == pytest.approx(1.0 / (2e-3 / 3) ** 0.5)
+    assert dropped_bias(Sample(3, 1.0, 1.0), Sample()) == DroppedBias(3, 0)  # nothing dropped: nothing compared
+
+
+def test_either_comparison_flags_and_each_needs_its_minimum_sample() -> None:
+    strong = DroppedBias(returned=30, dropped=25, excess=0.3, z=9.0)
+    assert selective(Reporting(100, 50, dropped=strong), POLICY, T0, None) is not None
+    assert "jobs dropped" in (selective(Reporting(100, 50, dropped=strong), POLICY, T0, None) or "")
+    assert selective(Reporting(100, 20, dropped=strong), POLICY, T0, None) is None  # share 0.2: not past 0.25
+    assert selective(Reporting(100, 50, dropped=DroppedBias(30, 19, 0.3, 9.0)), POLICY, T0, None) is None
+    assert selective(Reporting(100, 50, dropped=DroppedBias(30, 25, 0.3, 6.0)), POLICY, T0, None) is None  # not > 6
+    assert selective(Reporting(100, 50, dropped=strong), POLICY, T0 + 10, T0) is None  # within the cooldown

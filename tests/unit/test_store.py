@@ -320,6 +320,29 @@ def test_leases_ending_without_a_result_are_counted_per_client(store: Store) -> 
     assert lease(store, "nope", "Lx", ALICE) is False  # a lease that was not granted counts nothing
     assert store.trust.lease_counts(ALICE) == (4, 2) and store.trust.lease_counts("c" * 32) == (0, 0)
     assert {c.client_id: (c.leased, c.unreturned) for c in store.clients.all()}[ALICE] == (4, 2)
+    # each counted lease is noted as a drop, at the version it was bound to (j3's refused-and-released one is not)
+    dropped = store.conn.execute("SELECT job_id, client_id, version FROM dropped ORDER BY job_id").fetchall()
+    assert [tuple(r) for r in dropped] == [("j1", ALICE, 0), ("j2", ALICE, 0)]
+
+
+def test_what_a_client_dropped_is_read_from_the_next_holders_result_at_that_version(store: Store) -> None:
+    """The selective-reporting rule's second comparison: the rewards a client returned, and those of the jobs it
+    dropped as another client returned them at the version it had held them (the same key there). A job dropped
+    at one version and returned at another is a new sample, and not counted; dropping a job twice at the same
+    version notes it once."""
+    published(store, 5)
+    registered(store, ALICE, BOB)
+    assert lease(store, "j0", "L0", ALICE, version=1) and accept(store, "j0", "L0", ALICE, version=1)  # 0.75
+    for job in ("j1", "j2"):
+        assert lease(store, job, f"L{job}", ALICE, version=1) and store.jobs.release(job, f"L{job}", ALICE)
+    assert lease(store, "j1", "Lj1b", ALICE, version=1) and store.jobs.release("j1", "Lj1b", ALICE)  # again
+    assert lease(store, "j1", "Lj1c", BOB, version=1)
+    assert accept(store, "j1", "Lj1c", BOB, version=1, rewards=[0.0, 0.0, 0.0, 1.0])  # what ALICE saw: 0.25
+    assert lease(store, "j2", "Lj2b", BOB, version=2)
+    assert accept(store, "j2", "Lj2b", BOB, version=2, rewards=[0.0] * 4)  # another version: another sample
+    assert store.trust.reward_samples(ALICE) == ((1, 0.75, 0.5625), (1, 0.25, 0.0625))
+    assert store.trust.lease_counts(ALICE) == (4, 3)
+    assert store.trust.reward_samples(BOB) == ((2, 0.25, 0.0625), (0, 0.0, 0.0))
 
 
 def test_a_refusal_the_client_can_cause_does_not_return_its_lease(store: Store) -> None:
@@ -621,6 +644,7 @@ def _as_schema_5(store: Store) -> None:
     conn.execute("DROP INDEX results_by_completions")
     conn.execute("ALTER TABLE results DROP COLUMN completions_sha256")
     conn.execute("ALTER TABLE jobs DROP COLUMN lease_precision")  # schema 7
+    conn.execute("DROP TABLE dropped")  # schema 8
     if conn.postgres:
         conn.execute("ALTER TABLE work DROP CONSTRAINT work_kind_check")
         conn.execute("ALTER TABLE work ADD CONSTRAINT work_kind_check CHECK(kind IN ('recompute','replay','evaluate'))")
@@ -650,8 +674,9 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
 
     new = Store(db_path)
     try:
-        assert new.schema_version() == SCHEMA_VERSION == 7
-        assert not new.conn.has_table("replicas")
+        assert new.schema_version() == SCHEMA_VERSION == 8
+        assert not new.conn.has_table("replicas") and new.conn.has_table("dropped")
+        assert new.trust.reward_samples(ALICE) == ((1, 0.75, 0.5625), (0, 0.0, 0.0))
         assert "lease_precision" in new.conn.columns("jobs") and new.jobs.get("j0").precision is None  # type: ignore[union-attr]
         assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.trust.lease_counts(ALICE) == (0, 0)
         assert "completions_sha256" in new.conn.columns("results")
