@@ -68,6 +68,7 @@ class Adversary:
         self.backend: TorchBackend | None = None
         self.notes: dict[str, Any] = {}  # observations beyond the attempts (e.g. whether a linked job was recognised)
         self.seconds = 30.0  # how long a timed kind (idle_sybil) runs at most
+        self.leases = 100  # how many distinct jobs a counting kind (above_median) computes
         # the backend its identities register as and its results claim: "llama" for the llama_* kinds, which make
         # the same cheats through a llama.cpp identity (verified by llama.cpp on the job's own GGUF file)
         self.claim: str = "torch"
@@ -720,6 +721,47 @@ class Adversary:
             await self.send(api, "/v1/register", self.envelope(ident, "/v1/register", body), what)
         await self.lease_as(api, "llama", "lease after re-registering")
 
+    async def above_median(self) -> None:
+        """Selective reporting by abandoning (issue 37): one identity leases ``leases`` distinct jobs, computes
+        each one's honest keyed result with the real backend, scores it with the task's public reward, and returns
+        it only when that reward is above the median of everything it computed before; the rest it releases. A job
+        offered again after it released it (reissued with its key at its version: the same tokens, the same
+        reward) is released at once, uncomputed, after a pause that lets another client take it. notes["computed"]
+        holds every job it computed: id, version, reward, returned or not."""
+        import statistics
+
+        from coordinator.tasks.text import TextCodec
+        from shared.hashing import tokens_sha256
+
+        api = await self.identity("a")
+        assert self.info is not None
+        cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
+        computed: list[dict[str, Any]] = []
+        released: set[str] = set()
+        self.backend = self.backend or TorchBackend(device="cpu", threads=1)
+        while len(computed) < self.leases:
+            job = await self.lease(api)
+            if job.job_id in released:
+                await self.release(api, job)
+                self.notes["offered_again"] = self.notes.get("offered_again", 0) + 1
+                await asyncio.sleep(0.5)
+                continue
+            sub = await self.honest(api, job)
+            task, items = self.task_items(job)
+            codec = TextCodec.from_folder(await cache.ensure(job.run_id, job.version, job.manifest_sha256))
+            rewards = [float(task.reward(items[i // job.group_size], codec.decode(list(c.token_ids))))
+                       for i, c in enumerate(sub.completions)]
+            reward = sum(rewards) / len(rewards)
+            keep = not computed or reward > statistics.median(r["reward"] for r in computed)
+            computed.append({"job_id": job.job_id, "version": job.version, "reward": reward, "returned": keep,
+                             "tokens_sha256": tokens_sha256([c.token_ids for c in sub.completions])})
+            if keep:
+                await self.submit(api, sub, f"honest result scoring {reward:.3f}, above the running median")
+            else:
+                released.add(job.job_id)
+                await self.release(api, job)
+        self.notes["computed"] = computed
+
     async def tolerance_escape(self) -> None:
         """A torch identity whose logprobs are off by 1.5 nats on one token — beyond torch's 1.0, within the
         4.0 llama.cpp gets under snapshots.gguf = q8_0 — sent once claiming llama, once as torch."""
@@ -755,13 +797,13 @@ class Adversary:
              "forced_correct", "best_of_16", "topk_steer", "greedy", "junk",
              "unknown_device", "sybil_confirms", "accomplice_junk", "accomplice_sits", "quarantine_backend_claim",
              "quarantine_reregister", "tolerance_escape", "idle_sybil", "llama_greedy", "llama_forced_correct",
-             "llama_best_of_16", "llama_topk_steer", "llama_junk", "llama_torch_sample")
+             "llama_best_of_16", "llama_topk_steer", "llama_junk", "llama_torch_sample", "above_median")
 
 
 async def main_async(kind: str, url: str, home: Path, seconds: float = 30.0, until: Path | None = None,
-                     precision: str | None = None) -> dict[str, Any]:
+                     precision: str | None = None, leases: int = 100) -> dict[str, Any]:
     adv = Adversary(url, home)
-    adv.seconds, adv.until, adv.precision = seconds, until, precision
+    adv.seconds, adv.until, adv.precision, adv.leases = seconds, until, precision, leases
     return await run_kind(adv, kind)
 
 
@@ -787,11 +829,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seconds", type=float, default=30.0, help="how long a timed kind runs at most (idle_sybil)")
     parser.add_argument("--until", type=Path, help="a timed kind stops once this file exists")
+    parser.add_argument("--leases", type=int, default=100, help="distinct jobs a counting kind (above_median) "
+                        "computes")
     parser.add_argument("--precision", help="the GGUF precision its leases ask for (a run's snapshots.gguf_also); "
                         "default: the run's default file")
     args = parser.parse_args()
     homes = [args.home] if len(args.kind) == 1 else [args.home / kind for kind in args.kind]
-    reports = [asyncio.run(main_async(kind, args.url, home, args.seconds, args.until, args.precision))
+    reports = [asyncio.run(main_async(kind, args.url, home, args.seconds, args.until, args.precision, args.leases))
                for kind, home in zip(args.kind, homes, strict=True)]
     args.out.write_text(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
     for report in reports:
