@@ -89,12 +89,15 @@ test: lint browser postgres
 # folders, run directories and PostgreSQL servers cannot meet, its own log, JUnit reports and screenshots in
 # test-artifacts/twice/1 and 2, no shared .pytest_cache); then each copy's serial phase alone, one after the other,
 # as `make test` runs it. Fails if any phase of either copy failed; a copy's temporary folder is kept when it failed.
+# Each temporary folder is made traversable (755, as /tmp is): run as root, the PostgreSQL tests' initdb runs as
+# another user and must reach its data folder inside it.
 TWICE := test-artifacts/twice
 TWIN = TMPDIR=$$(cat $(TWICE)/$(1)/tmpdir) ECHO_SWARM_TEST_ARTIFACTS=$(CURDIR)/$(TWICE)/$(1)
 test-twice: lint browser postgres
 	@rm -rf $(TWICE) && mkdir -p $(TWICE)/1 $(TWICE)/2
 	@status=0; \
-	for k in 1 2; do mktemp -d "$${TMPDIR:-/tmp}/echo-swarm-twice-$$k.XXXXXX" > $(TWICE)/$$k/tmpdir || exit 1; done; \
+	for k in 1 2; do mktemp -d "$${TMPDIR:-/tmp}/echo-swarm-twice-$$k.XXXXXX" > $(TWICE)/$$k/tmpdir || exit 1; \
+	  chmod 755 "$$(cat $(TWICE)/$$k/tmpdir)"; done; \
 	echo "the suite twice at once: logs and JUnit reports in $(TWICE)/1 and $(TWICE)/2"; \
 	$(call TWIN,1) $(call PARALLEL_PHASE,$(TWICE)/1,-p no:cacheprovider) > $(TWICE)/1/parallel.log 2>&1 & one=$$!; \
 	$(call TWIN,2) $(call PARALLEL_PHASE,$(TWICE)/2,-p no:cacheprovider) > $(TWICE)/2/parallel.log 2>&1 & two=$$!; \
