@@ -114,12 +114,15 @@ class Swarm:
             self.holds[point].unlink(missing_ok=True)
         return True
 
-    def goes_on(self, what: str) -> None:
-        """Every client gets another result accepted (from now), and every client is still running."""
+    def goes_on(self, what: str, *, each: bool = True) -> None:
+        """Every client gets another result accepted (from now), and every client is still running. ``each=False``:
+        some client does — where the run may reach the verifier's hold (every later result waits there) within a
+        few steps, the issuer's choice of who gets those few jobs (a measured client first: the p2p client, slower
+        to ask through its relay, got none in two runs of three) is no fault's to show."""
         before = self.acked()
-        wait_until(lambda: self.running() and self.let_go() and all(
+        wait_until(lambda: self.running() and self.let_go() and (all if each else any)(
             n > b for n, b in zip(self.acked(), before, strict=True)), HANG_S,
-                   f"each client to get a result accepted after {what}")
+                   f"{'each client' if each else 'a client'} to get a result accepted after {what}")
 
     def kill_held(self, role: str, point: str) -> int:
         """SIGKILL the role's process where it holds at ``point`` (its pid in the marker), and wait for the
@@ -167,7 +170,7 @@ def test_every_acknowledged_result_survives_kill_9_of_each_role(tmp_path: Path, 
         assert "libtorch" in _maps(_live_pid(url, "learner"))  # (the check below can fail: the learner's maps show it)
         swarm.kill_held("learner", f"publish-v{LEARNER_HELD}")
         assert "libtorch" not in _maps(api_pid)  # while the learner trained, the API had no torch loaded
-        swarm.goes_on("the learner's restart")
+        swarm.goes_on("the learner's restart", each=False)  # the verifier holds at version 4: 2 steps away
         wait_until(lambda: _version(url) > LEARNER_HELD, HANG_S, "the restarted learner to publish its version",
                    STATUS_POLL_S)
 
