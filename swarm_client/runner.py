@@ -362,26 +362,7 @@ class Runner:
                     self._warn(f"the coordinator at {cfg.url} did not come up within {cfg.wait_for_coordinator_s:g}s; "
                                f"trying with retries")
                 info = await api.info()
-            # a coordinator answered: from here on the client writes its state (identity, data used, status)
-            api.count = self.meter.add
-            identity = load_identity(cfg.home)
-            api.identity = identity
-            self.stats.client_id = identity.client_id
-            self.hardware = detect(cfg.home)
-            self.display.hardware = self.hardware.summary()
-            self.display.start()
-            if identity.created:
-                self._say(f"created a new identity {identity.client_id} in {cfg.home}")
-            self._say(f"this machine: {self.hardware.summary()}")
-            moved = migrate_cache(cfg.home, self.paths.cache)
-            if moved is not None:
-                self._say(f"moved the snapshot cache from {moved} to {self.paths.cache} (the platform's cache folder)")
-            self.controls = read_controls(cfg.home)
-            if self.controls.finish:  # a finish meant for a client that has since stopped
-                update_controls(cfg.home, finish=False)
-            if self.controls.paused:
-                self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
-            await self._start_page()
+            identity = await self._settle_in(api)
             return await self._serve(api, identity, backend, info)
         except ClientStopping:  # Ctrl-C while the coordinator was away: a normal stop
             self._say(f"stopped while the coordinator at {cfg.url} was unreachable: {self.stats.accepted - self.accepted_before} "
@@ -408,22 +389,54 @@ class Runner:
             self._error(f"error: {disk_full_message(exc.filename or cfg.home)}")
             return EXIT_RESOURCES
         finally:
-            if self._submitting is not None:  # a finished job's result is still on its way: deliver it if it can
-                with contextlib.suppress(EchoSwarmError, OSError, TimeoutError):
-                    await asyncio.wait_for(self._settle(), timeout=60)
-            if self.prefetch is not None and not self.prefetch.done():
-                self.prefetch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self.prefetch
-            if self.peer is not None:
-                await self.peer.stop()
-            if self.stats.client_id:
-                self.stats.state = "stopped"
-                self._write_status()
-            if self.page is not None:  # an open page gets one more look, so it can show why the client stopped
-                await self.page.stop(linger_s=PAGE_LINGER_S if self.stats.stop_reason else 0.0)
-            self.display.stop()
-            await api.close()
+            await self._wind_down(api)
+
+    async def _settle_in(self, api: CoordinatorClient) -> Identity:
+        """A coordinator answered: from here on the client writes its state (identity, data used, status). Load or
+        create the identity, detect the machine, start the panel, move an old cache, read the controls a previous
+        run left, open the control page."""
+        cfg = self.cfg
+        api.count = self.meter.add
+        identity = load_identity(cfg.home)
+        api.identity = identity
+        self.stats.client_id = identity.client_id
+        self.hardware = detect(cfg.home)
+        self.display.hardware = self.hardware.summary()
+        self.display.start()
+        if identity.created:
+            self._say(f"created a new identity {identity.client_id} in {cfg.home}")
+        self._say(f"this machine: {self.hardware.summary()}")
+        moved = migrate_cache(cfg.home, self.paths.cache)
+        if moved is not None:
+            self._say(f"moved the snapshot cache from {moved} to {self.paths.cache} (the platform's cache folder)")
+        self.controls = read_controls(cfg.home)
+        if self.controls.finish:  # a finish meant for a client that has since stopped
+            update_controls(cfg.home, finish=False)
+        if self.controls.paused:
+            self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
+        await self._start_page()
+        return identity
+
+    async def _wind_down(self, api: CoordinatorClient) -> None:
+        """However the client stops: deliver a result still on its way if it can (60 s at most), stop the prefetch
+        and the peer, write the last status, give an open control page one more look (so it can show why the
+        client stopped), stop the panel, close the connection."""
+        if self._submitting is not None:
+            with contextlib.suppress(EchoSwarmError, OSError, TimeoutError):
+                await asyncio.wait_for(self._settle(), timeout=60)
+        if self.prefetch is not None and not self.prefetch.done():
+            self.prefetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.prefetch
+        if self.peer is not None:
+            await self.peer.stop()
+        if self.stats.client_id:
+            self.stats.state = "stopped"
+            self._write_status()
+        if self.page is not None:
+            await self.page.stop(linger_s=PAGE_LINGER_S if self.stats.stop_reason else 0.0)
+        self.display.stop()
+        await api.close()
 
     def _make_backend(self) -> Backend | None:
         """The generation backend, with its libraries' logging routed into ours (swarm_client/logs.py)."""

@@ -23,7 +23,6 @@ MAX_FUNCTION_LINES = 60
 TOO_BIG_YET = frozenset({
     "coordinator/engine/learner.py:Learner",
     "swarm_client/runner.py:Runner",
-    "swarm_client/runner.py:Runner._run",
 })
 
 
