@@ -96,17 +96,21 @@ def _options(
     ctx.obj = _Target(url, run_dir, key, timeout)
 
 
-def _run(ctx: typer.Context, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Open a client for the target the group's options name, make one call, return its reply. Each failure is one
-    line on stderr: a wrong command line (no coordinator named, an unreadable key, a bad argument) exits 2 and
-    sends nothing; a refusal or an unreachable coordinator exits 1."""
+def _run(ctx: typer.Context, fn: str, *args: Any, **kwargs: Any) -> Any:
+    """Open a client for the target the group's options name, make one call (``fn``: a method of the client, or of
+    one of its parts, e.g. "keys.rotate"), return its reply. Each failure is one line on stderr: a wrong command
+    line (no coordinator named, an unreadable key, a bad argument) exits 2 and sends nothing; a refusal or an
+    unreachable coordinator exits 1."""
     # lazy: admin_client signs with cryptography (~0.3 s), which `echo-swarm --help` and `join` never load
     from echo_swarm.admin_client import AdminClient, AdminError, AdminUsageError
 
     target: _Target = ctx.obj
     try:
         client = AdminClient.open(target.url, target.run_dir, target.key, target.timeout)
-        return getattr(client, fn)(*args, **kwargs)
+        call: Any = client
+        for part in fn.split("."):
+            call = getattr(call, part)
+        return call(*args, **kwargs)
     except AdminUsageError as exc:
         _fail(str(exc), ExitCode.USAGE)
     except AdminError as exc:
@@ -409,14 +413,14 @@ def notice(
     if withdraw is not None:
         if text is not None or run or min_version is not None:
             _fail("--withdraw takes no text, --run or --min-version", ExitCode.USAGE)
-        r = _run(ctx, "withdraw_notice", withdraw)
+        r = _run(ctx, "notices.withdraw", withdraw)
         return _dump(r) if as_json else _say(f"withdrew notice {r['notice_id']}; {r['notices']} in force")
     if text is None:
         _fail("give the notice's text (or --withdraw ID)", ExitCode.USAGE)
     if run and min_version is not None:
         _fail("a notice is about runs (--run) or asks for a release (--min-version), not both", ExitCode.USAGE)
     kind = "update" if min_version is not None else "run" if run else "operator"
-    r = _run(ctx, "notice", text, kind, min_version)
+    r = _run(ctx, "notices.publish", text, kind, min_version)
     if as_json:
         return _dump(r)
     _say(f"published notice {r['notice_id']} ({kind}); {r['notices']} in force")
@@ -425,7 +429,7 @@ def notice(
 @admin_app.command()
 def notices(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """The notices in force, oldest first (withdraw one with `echo-swarm admin notice --withdraw ID`)."""
-    r = _run(ctx, "notices")
+    r = _run(ctx, "notices.list")
     if as_json:
         return _dump(r)
     t = Table(title=_text(f"notices ({len(r)})"))
@@ -441,7 +445,7 @@ def notices(ctx: typer.Context, as_json: JsonFlag = False) -> None:
 def keys_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Operator keys allowed to use the admin API, and the coordinator's own public key (the one volunteers
     pin; publish it so they can pass --coordinator-key)."""
-    r = _run(ctx, "keys")
+    r = _run(ctx, "keys.list")
     if as_json:
         return _dump(r)
     t = Table(title=_text(f"operator keys ({r['keys_file']})"),
@@ -469,7 +473,7 @@ def keys_add(
     if len(raw) != 32:
         _fail(f"{public_key!r} is not a public key: give its 64 hex digits, as `echo-swarm admin keys generate` "
               f"printed them", ExitCode.USAGE)
-    r = _run(ctx, "add_key", raw, comment)
+    r = _run(ctx, "keys.add", raw, comment)
     if as_json:
         return _dump(r)
     _say(f"added operator key {r['key_id']}" if r["added"] else f"key {r['key_id']} was already listed")
@@ -483,7 +487,7 @@ def keys_remove(
     as_json: JsonFlag = False,
 ) -> None:
     """Revoke an operator key (the last one cannot be removed)."""
-    r = _run(ctx, "remove_key", key_id)
+    r = _run(ctx, "keys.remove", key_id)
     if as_json:
         return _dump(r)
     _say(f"removed operator key {r['key_id']}; {r['remaining']} remain")
@@ -493,7 +497,7 @@ def keys_remove(
 def keys_rotate(ctx: typer.Context, as_json: JsonFlag = False) -> None:
     """Replace the key you are using with a new one: the new key is listed, the old one revoked, and the
     key file (--key, or <run dir>/admin.key) rewritten."""
-    r = _run(ctx, "rotate_key")
+    r = _run(ctx, "keys.rotate")
     if as_json:
         return _dump(r)
     _say(f"rotated: {r['old_key_id'][:12]} → {r['new_key_id'][:12]} (saved to {r['key_file']})")

@@ -12,7 +12,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -118,6 +118,12 @@ class AdminClient:
     timeout_s: float = 60.0
     retries: int = 3
     key_path: Path | None = None  # where the key came from: `keys rotate` rewrites it
+    notices: Notices = field(init=False, repr=False)  # the operator's notices to every volunteer
+    keys: OperatorKeys = field(init=False, repr=False)  # the run's operator keys
+
+    def __post_init__(self) -> None:
+        self.notices = Notices(self)
+        self.keys = OperatorKeys(self)
 
     @classmethod
     def open(cls, url: str | None = None, run_dir: Path | None = None, key_path: Path | None = None,
@@ -193,45 +199,6 @@ class AdminClient:
     def registration(self, mode: str) -> dict[str, Any]:
         return self.call("registration", _body(AdminRegistration, mode=mode))
 
-    def notice(self, text: str, kind: str = "operator", min_client_version: str | None = None) -> dict[str, Any]:
-        """Publish a notice; checked as the wire's Notice first, so a notice no client would accept is never sent."""
-        fields = {"text": text, "kind": kind, "min_client_version": min_client_version}
-        _body(Notice, notice_id=1, at=0.0, **fields)
-        return self.call("notice", _body(AdminNotice, **fields))
-
-    def withdraw_notice(self, notice_id: int) -> dict[str, Any]:
-        return self.call("notice", _body(AdminNotice, withdraw=notice_id))
-
-    def notices(self) -> list[dict[str, Any]]:
-        return self.call("notices", AdminEmpty())["notices"]
-
-    def keys(self) -> dict[str, Any]:
-        return self.call("keys", AdminEmpty())
-
-    def add_key(self, public_key: bytes, comment: str = "") -> dict[str, Any]:
-        return self.call("keys/add", _body(AdminKeyAdd, public_key=public_key, comment=comment))
-
-    def remove_key(self, key_id: str) -> dict[str, Any]:
-        return self.call("keys/remove", _body(AdminKeyRemove, key_id=key_id.lower()))
-
-    def rotate_key(self, key_path: Path | None = None) -> dict[str, Any]:
-        """Replace this operator key: the new key is saved beside the old one (``.new``), listed, then used to
-        remove the old key — which proves it works — and finally moved over the old key file (``key_path``, by
-        default the file the key was opened from)."""
-        key_path = key_path or self.key_path
-        if key_path is None:
-            raise AdminUsageError("no key file to rewrite: pass --key PATH (the key you are rotating)")
-        new = crypto.generate_key()
-        staged = key_path.with_name(key_path.name + ".new")
-        crypto.save_private_key(new, staged)
-        old_id = self.key_id
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")
-        added = self.add_key(crypto.public_bytes(new), f"rotated {stamp}")
-        self.key = new
-        self.remove_key(old_id)
-        os.replace(staged, key_path)
-        return {"old_key_id": old_id, "new_key_id": added["key_id"], "key_file": str(key_path)}
-
 
 def generate_key_file(path: Path) -> dict[str, str]:
     """A new operator key for another person or machine; its public key goes to `admin keys add`."""
@@ -249,3 +216,57 @@ def _refusal(status: int, raw: bytes) -> AdminError:
     except ProtocolError:
         return AdminError(f"the coordinator answered HTTP {status} with an unreadable body", "", status)
     return AdminError(f"refused ({status} {err.error}): {err.message}", err.error, status)
+
+
+class Notices:
+    """The run's notices to every volunteer (GET /v1/notices serves them signed), through an admin client."""
+
+    def __init__(self, client: AdminClient) -> None:
+        self.client = client
+
+    def publish(self, text: str, kind: str = "operator", min_client_version: str | None = None) -> dict[str, Any]:
+        """Publish a notice; checked as the wire's Notice first, so a notice no client would accept is never sent."""
+        fields = {"text": text, "kind": kind, "min_client_version": min_client_version}
+        _body(Notice, notice_id=1, at=0.0, **fields)
+        return self.client.call("notice", _body(AdminNotice, **fields))
+
+    def withdraw(self, notice_id: int) -> dict[str, Any]:
+        return self.client.call("notice", _body(AdminNotice, withdraw=notice_id))
+
+    def list(self) -> list[dict[str, Any]]:
+        return self.client.call("notices", AdminEmpty())["notices"]
+
+
+class OperatorKeys:
+    """The operator keys the run accepts (its admin_keys), through an admin client signing with one of them."""
+
+    def __init__(self, client: AdminClient) -> None:
+        self.client = client
+
+    def list(self) -> dict[str, Any]:
+        return self.client.call("keys", AdminEmpty())
+
+    def add(self, public_key: bytes, comment: str = "") -> dict[str, Any]:
+        return self.client.call("keys/add", _body(AdminKeyAdd, public_key=public_key, comment=comment))
+
+    def remove(self, key_id: str) -> dict[str, Any]:
+        return self.client.call("keys/remove", _body(AdminKeyRemove, key_id=key_id.lower()))
+
+    def rotate(self, key_path: Path | None = None) -> dict[str, Any]:
+        """Replace the client's operator key: the new key is saved beside the old one (``.new``), listed, then used
+        to remove the old key — which proves it works — and finally moved over the old key file (``key_path``, by
+        default the file the key was opened from)."""
+        client = self.client
+        key_path = key_path or client.key_path
+        if key_path is None:
+            raise AdminUsageError("no key file to rewrite: pass --key PATH (the key you are rotating)")
+        new = crypto.generate_key()
+        staged = key_path.with_name(key_path.name + ".new")
+        crypto.save_private_key(new, staged)
+        old_id = client.key_id
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")
+        added = self.add(crypto.public_bytes(new), f"rotated {stamp}")
+        client.key = new
+        self.remove(old_id)
+        os.replace(staged, key_path)
+        return {"old_key_id": old_id, "new_key_id": added["key_id"], "key_file": str(key_path)}

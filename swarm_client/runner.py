@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import errno
 import logging
 import os
@@ -50,6 +51,7 @@ from shared.messages import (
     LeaseResponse,
     Manifest,
     RegisterRequest,
+    RegisterResponse,
     ReleaseRequest,
     ResultSubmission,
 )
@@ -219,6 +221,14 @@ PAGE_LINGER_S = 3.0  # how long a client stopped by an error waits for an open c
 NEW_RUN = -1  # _work's outcome when the coordinator now serves another run: join it
 
 
+class _Next(enum.Enum):
+    """What a step of _work's turn says when it returns no exit code: go on to the turn's next step, or start the
+    next turn."""
+
+    LEASE = "lease"
+    AGAIN = "again"
+
+
 class Runner:
     def __init__(self, cfg: JoinConfig) -> None:
         self.cfg = cfg
@@ -256,6 +266,8 @@ class Runner:
         self._state_before_outage: str | None = None
         self.next_info: Info | None = None  # the new run _work found (NEW_RUN)
         self.pacer: Pacer | None = None
+        self._gated: str | None = None  # the gate holding the client, as last said (None: none)
+        self._coordinator_paused = False  # the coordinator's pause, as last said
         self.page: ControlPage | None = None  # the local control page (swarm_client/webcontrol.py)
         self.notices = NoticeWatch(cfg.home, self.display.software, self._say)
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100, input_idle=input_idle_s,
@@ -350,26 +362,7 @@ class Runner:
                     self._warn(f"the coordinator at {cfg.url} did not come up within {cfg.wait_for_coordinator_s:g}s; "
                                f"trying with retries")
                 info = await api.info()
-            # a coordinator answered: from here on the client writes its state (identity, data used, status)
-            api.count = self.meter.add
-            identity = load_identity(cfg.home)
-            api.identity = identity
-            self.stats.client_id = identity.client_id
-            self.hardware = detect(cfg.home)
-            self.display.hardware = self.hardware.summary()
-            self.display.start()
-            if identity.created:
-                self._say(f"created a new identity {identity.client_id} in {cfg.home}")
-            self._say(f"this machine: {self.hardware.summary()}")
-            moved = migrate_cache(cfg.home, self.paths.cache)
-            if moved is not None:
-                self._say(f"moved the snapshot cache from {moved} to {self.paths.cache} (the platform's cache folder)")
-            self.controls = read_controls(cfg.home)
-            if self.controls.finish:  # a finish meant for a client that has since stopped
-                update_controls(cfg.home, finish=False)
-            if self.controls.paused:
-                self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
-            await self._start_page()
+            identity = await self._settle_in(api)
             return await self._serve(api, identity, backend, info)
         except ClientStopping:  # Ctrl-C while the coordinator was away: a normal stop
             self._say(f"stopped while the coordinator at {cfg.url} was unreachable: {self.stats.accepted - self.accepted_before} "
@@ -396,22 +389,54 @@ class Runner:
             self._error(f"error: {disk_full_message(exc.filename or cfg.home)}")
             return EXIT_RESOURCES
         finally:
-            if self._submitting is not None:  # a finished job's result is still on its way: deliver it if it can
-                with contextlib.suppress(EchoSwarmError, OSError, TimeoutError):
-                    await asyncio.wait_for(self._settle(), timeout=60)
-            if self.prefetch is not None and not self.prefetch.done():
-                self.prefetch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self.prefetch
-            if self.peer is not None:
-                await self.peer.stop()
-            if self.stats.client_id:
-                self.stats.state = "stopped"
-                self._write_status()
-            if self.page is not None:  # an open page gets one more look, so it can show why the client stopped
-                await self.page.stop(linger_s=PAGE_LINGER_S if self.stats.stop_reason else 0.0)
-            self.display.stop()
-            await api.close()
+            await self._wind_down(api)
+
+    async def _settle_in(self, api: CoordinatorClient) -> Identity:
+        """A coordinator answered: from here on the client writes its state (identity, data used, status). Load or
+        create the identity, detect the machine, start the panel, move an old cache, read the controls a previous
+        run left, open the control page."""
+        cfg = self.cfg
+        api.count = self.meter.add
+        identity = load_identity(cfg.home)
+        api.identity = identity
+        self.stats.client_id = identity.client_id
+        self.hardware = detect(cfg.home)
+        self.display.hardware = self.hardware.summary()
+        self.display.start()
+        if identity.created:
+            self._say(f"created a new identity {identity.client_id} in {cfg.home}")
+        self._say(f"this machine: {self.hardware.summary()}")
+        moved = migrate_cache(cfg.home, self.paths.cache)
+        if moved is not None:
+            self._say(f"moved the snapshot cache from {moved} to {self.paths.cache} (the platform's cache folder)")
+        self.controls = read_controls(cfg.home)
+        if self.controls.finish:  # a finish meant for a client that has since stopped
+            update_controls(cfg.home, finish=False)
+        if self.controls.paused:
+            self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
+        await self._start_page()
+        return identity
+
+    async def _wind_down(self, api: CoordinatorClient) -> None:
+        """However the client stops: deliver a result still on its way if it can (60 s at most), stop the prefetch
+        and the peer, write the last status, give an open control page one more look (so it can show why the
+        client stopped), stop the panel, close the connection."""
+        if self._submitting is not None:
+            with contextlib.suppress(EchoSwarmError, OSError, TimeoutError):
+                await asyncio.wait_for(self._settle(), timeout=60)
+        if self.prefetch is not None and not self.prefetch.done():
+            self.prefetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.prefetch
+        if self.peer is not None:
+            await self.peer.stop()
+        if self.stats.client_id:
+            self.stats.state = "stopped"
+            self._write_status()
+        if self.page is not None:
+            await self.page.stop(linger_s=PAGE_LINGER_S if self.stats.stop_reason else 0.0)
+        self.display.stop()
+        await api.close()
 
     def _make_backend(self) -> Backend | None:
         """The generation backend, with its libraries' logging routed into ours (swarm_client/logs.py)."""
@@ -728,85 +753,42 @@ class Runner:
                     cache: SnapshotCache) -> int:
         """Register with ``info``'s run and loop lease → fetch → generate → submit. EXIT_OK when stopped (Ctrl-C,
         `client finish`, --max-jobs, a finished run with --exit-when-finished); NEW_RUN (with ``next_info``) when
-        the coordinator now serves another run."""
-        prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
-        reg = await api.call(REGISTER, RegisterRequest(public_key=identity.public_key, profile=prof,
-                                                       invite=self.cfg.invite))
-        self.stats.run_id = reg.run_id
-        await self._load_totals(api, reg.client_id)
-        self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
-                  f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
-
-        await self._poll_notices(api, info, reg.run_id, now=True)
+        the coordinator now serves another run. Each turn is a table of contents: the gates, the lease, a job's
+        fetch and load, its generation and submission — each step its own method, answering _Next.LEASE (go on),
+        _Next.AGAIN (start the next turn) or the exit code to return."""
+        reg = await self._register(api, identity, backend, info)
         kind = backend_kind(backend)
         watch = InputWatch(input_idle_s, self.cfg.idle_input_minutes * 60) if self.cfg.idle_only else None
-        pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop, watch, self._holding_from(asyncio.get_running_loop()))
+        pacer = self.pacer = Pacer(self.cfg.max_cpu_percent, self.stop, watch,
+                                   self._holding_from(asyncio.get_running_loop()))
+        self._gated, self._coordinator_paused = None, False
         held = -1
-        gated: str | None = None
-        coordinator_paused = False
         while not self.stop.is_set():
             await self._poll_notices(api, info, reg.run_id)
-            gate = await self._gate()
-            if self.controls.finish:
-                self._say("finishing (`echo-swarm client finish`): no new job; the last result is submitted, then "
-                          "the client exits")
-                break
-            if gate != gated:
-                self._say(f"not fetching new work: {gate}" if gate else "fetching work again")
-                gated = gate
-            if gate is not None:
-                self.stats.gated_polls += 1
-                self._set_state(gate)
-                self._write_status()
-                await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
+            turn = await self._pass_gates()
+            if isinstance(turn, int):
+                return turn
+            if turn is _Next.AGAIN:
                 continue
-            self._set_state("waiting")
             # "held": the newest version this client can generate with without waiting — the one it last used,
             # or a newer one already prefetched. Async push-pull binds the job to it while it is within the
             # staleness bound, so prefetching (when the coordinator asks for it) keeps rollouts as fresh as the
             # swarm allows
             held = max(held, self.ready_version)
-            if (pause := setback_delay(self._setbacks)) > 0:
-                self._warn(f"{self._setbacks} results in a row refused for reasons on the coordinator's side; "
-                           f"waiting {pause:g}s before the next job")
-                self._set_state("backing off")
-                await asyncio.to_thread(self.stop.wait, pause)
-                if self.stop.is_set():
-                    break
-            precision = await self._lease_precision(cache, max(held, info.current_version))
-            try:
-                resp = await api.call(LEASE, LeaseRequest(backend=kind, held_version=held,
-                                                          precision=precision))  # type: ignore[arg-type]
-            except ProtocolError as exc:
-                if exc.reason == Reason.PRECISION_NOT_OFFERED and self.cfg.precision == "auto" \
-                        and self._precision_chosen:
-                    self._warn(f"{exc.message}; choosing again from the newest version")  # the operator changed it
-                    self._precision_chosen = False
-                    await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
-                    continue
-                if exc.reason != Reason.UNKNOWN_CLIENT:
-                    raise
-                # the coordinator no longer knows this client: another run at this URL, or a store started afresh
-                self.next_info = await api.info()
-                return NEW_RUN
+            if await self._back_off():
+                break
+            resp = await self._ask_for_job(api, kind, held, cache, info)
+            if isinstance(resp, int):
+                return resp
+            if resp is _Next.AGAIN:
+                continue
+            assert isinstance(resp, LeaseResponse)
             pull = self._consider_prefetch(resp, held, cache, reg.run_id)
-            if resp.paused != coordinator_paused:
-                coordinator_paused = resp.paused
-                self._say("the coordinator's operator has paused issuing work; waiting for it to resume"
-                          if resp.paused else "the coordinator issues work again")
+            self._note_pause(resp.paused)
             if resp.job is None:
-                if resp.finished and self.cfg.exit_when_finished:
-                    self._say(f"the run has finished at version {resp.current_version}")
-                    break
-                if resp.finished:
-                    self.next_info = await self._await_next_run(api, reg.run_id, resp.current_version)
-                    if self.next_info is None:
-                        break
-                    return NEW_RUN
-                if not resp.paused and pull and await self._pulled(resp.current_version):
-                    continue  # woken to pull a new version while idle: pulled it, so ask again with it in hand
-                self._set_state("coordinator paused" if resp.paused else "waiting")
-                await self._wait_unless_paused(resp.retry_after_s)
+                turn = await self._without_job(api, resp, reg.run_id, pull)
+                if isinstance(turn, int):
+                    return turn
                 continue
             job = open_job(resp.job, info.coordinator_public_key)
             if job.client_id != identity.client_id:
@@ -815,60 +797,171 @@ class Runner:
             if self._held_back():  # paused (or finishing) while this lease request was in flight: hand the job back
                 await self._release(api, job.job_id, job.lease_id)
                 continue
-            self.stats.last_job = job.job_id
-            self._batch = Batch.of_job(job)
-            # the file the coordinator will recompute this job's result on
-            cache.precision = self._file_precision = job.precision
-            self._set_state("fetching")
-            try:
-                folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
-                self._check_fits(folder, self._batch, job.version)
-            except (IntegrityError, DownloadStalled, ProtocolError) as exc:
-                self._say(f"could not get a verified snapshot of version {job.version} ({exc}); releasing the job")
-                await self._release(api, job.job_id, job.lease_id)
+            folder = await self._fetch_and_load(api, backend, cache, job)
+            if isinstance(folder, int):
+                return folder
+            if not isinstance(folder, Path):
                 continue
-            except (ResourceRefusal, OSError):
-                await self._release(api, job.job_id, job.lease_id)
-                raise
-            try:
-                await asyncio.to_thread(backend.load, folder)
-            except FileNotFoundError as exc:  # e.g. a llama client and a coordinator that publishes no GGUF
-                self._error(f"error: {exc}")
-                await self._release(api, job.job_id, job.lease_id)
-                return EXIT_REFUSED
             held = self.stats.version = job.version
-            rollouts = job.group_size * len(job.prompts)
-            self.stats.job_steps, self.stats.job_started_at = 0, time.time()
-            self.stats.job_expected_steps = job.sampling.max_tokens * (rollouts if kind == "llama" else 1)
-            self._set_state("generating")
-            t0 = time.monotonic()
-            pacer.reset()
-            try:
-                completions = await asyncio.to_thread(self._generate, backend, job, folder, pacer)
-            except ProtocolError as exc:  # a multi-turn job this client cannot play (environment_mismatch)
-                self._error(f"error: {exc.message}; releasing the job")
-                await self._release(api, job.job_id, job.lease_id)
-                return EXIT_REFUSED
-            elapsed = time.monotonic() - t0
-            self.stats.job_steps = pacer.steps
-            if self.stop.is_set():
-                await self._release(api, job.job_id, job.lease_id)
-                break
-            n_tok = sum(len(c.token_ids) + sum(len(t.token_ids) for t in c.turns or ()) for c in completions)
-            sub = ResultSubmission(
-                job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
-                seed=job.seed, group_size=job.group_size, backend=kind, generation_s=elapsed,
-                completions=completions)
-            # Submit in the background and go on to the next lease: the coordinator's verification (a forward
-            # pass over every completion) overlaps this client's next generation instead of idling it. At most
-            # one submission is in flight, so a refusal is seen one job later at worst.
-            await self._settle()
-            self._submitting = asyncio.create_task(self._submit(api, job, sub, n_tok, elapsed))
-            if self.cfg.max_jobs and self.stats.accepted - self.accepted_before + 1 >= self.cfg.max_jobs:
-                await self._settle()  # the last job needed: know whether it counted before leasing another
-                if self.stats.accepted - self.accepted_before >= self.cfg.max_jobs:
-                    break
+            turn = await self._generate_and_submit(api, backend, job, folder, kind, pacer)
+            if isinstance(turn, int):
+                return turn
         return EXIT_OK
+
+    async def _register(self, api: CoordinatorClient, identity: Identity, backend: Backend, info: Info
+                        ) -> RegisterResponse:
+        """Register (or register again) with ``info``'s run, load this identity's totals there, say so, and read the
+        run's notices."""
+        prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
+        reg = await api.call(REGISTER, RegisterRequest(public_key=identity.public_key, profile=prof,
+                                                       invite=self.cfg.invite))
+        self.stats.run_id = reg.run_id
+        await self._load_totals(api, reg.client_id)
+        self._say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
+                  f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
+        await self._poll_notices(api, info, reg.run_id, now=True)
+        return reg
+
+    async def _pass_gates(self) -> _Next | int:
+        """The volunteer's own gates (a schedule, idle-only, battery, a pause) and `client finish`: LEASE when none
+        holds the client, AGAIN after waiting a gate's poll interval, EXIT_OK when finishing."""
+        gate = await self._gate()
+        if self.controls.finish:
+            self._say("finishing (`echo-swarm client finish`): no new job; the last result is submitted, then "
+                      "the client exits")
+            return EXIT_OK
+        if gate != self._gated:
+            self._say(f"not fetching new work: {gate}" if gate else "fetching work again")
+            self._gated = gate
+        if gate is not None:
+            self.stats.gated_polls += 1
+            self._set_state(gate)
+            self._write_status()
+            await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
+            return _Next.AGAIN
+        self._set_state("waiting")
+        return _Next.LEASE
+
+    async def _back_off(self) -> bool:
+        """After a streak of refusals on the coordinator's side, wait before the next job (setback_delay); True if
+        the client was stopped meanwhile."""
+        if (pause := setback_delay(self._setbacks)) <= 0:
+            return False
+        self._warn(f"{self._setbacks} results in a row refused for reasons on the coordinator's side; "
+                   f"waiting {pause:g}s before the next job")
+        self._set_state("backing off")
+        await asyncio.to_thread(self.stop.wait, pause)
+        return self.stop.is_set()
+
+    async def _ask_for_job(self, api: CoordinatorClient, kind: str, held: int, cache: SnapshotCache, info: Info
+                           ) -> LeaseResponse | _Next | int:
+        """One lease request at the precision this client runs. AGAIN when the operator stopped offering the
+        precision chosen (it chooses again), NEW_RUN (with ``next_info``) when the coordinator no longer knows this
+        client (another run at this URL, or a store started afresh)."""
+        precision = await self._lease_precision(cache, max(held, info.current_version))
+        try:
+            resp: LeaseResponse = await api.call(LEASE, LeaseRequest(
+                backend=kind, held_version=held, precision=precision))  # type: ignore[arg-type]
+            return resp
+        except ProtocolError as exc:
+            if exc.reason == Reason.PRECISION_NOT_OFFERED and self.cfg.precision == "auto" \
+                    and self._precision_chosen:
+                self._warn(f"{exc.message}; choosing again from the newest version")  # the operator changed it
+                self._precision_chosen = False
+                await asyncio.to_thread(self.stop.wait, GATE_POLL_S)
+                return _Next.AGAIN
+            if exc.reason != Reason.UNKNOWN_CLIENT:
+                raise
+            self.next_info = await api.info()
+            return NEW_RUN
+
+    def _note_pause(self, paused: bool) -> None:
+        """Say when the coordinator's operator pauses issuing work, and when it issues again (once each)."""
+        if paused != self._coordinator_paused:
+            self._coordinator_paused = paused
+            self._say("the coordinator's operator has paused issuing work; waiting for it to resume"
+                      if paused else "the coordinator issues work again")
+
+    async def _without_job(self, api: CoordinatorClient, resp: LeaseResponse, run_id: str, pull: bool
+                           ) -> _Next | int:
+        """No job this time: the run finished (EXIT_OK, or NEW_RUN when the operator's next run starts), a version
+        to pull while idle (AGAIN at once, with it in hand), or the coordinator's pause or empty queue (AGAIN after
+        its retry_after)."""
+        if resp.finished and self.cfg.exit_when_finished:
+            self._say(f"the run has finished at version {resp.current_version}")
+            return EXIT_OK
+        if resp.finished:
+            self.next_info = await self._await_next_run(api, run_id, resp.current_version)
+            return EXIT_OK if self.next_info is None else NEW_RUN
+        if not resp.paused and pull and await self._pulled(resp.current_version):
+            return _Next.AGAIN  # woken to pull a new version while idle: pulled it, so ask again with it in hand
+        self._set_state("coordinator paused" if resp.paused else "waiting")
+        await self._wait_unless_paused(resp.retry_after_s)
+        return _Next.AGAIN
+
+    async def _fetch_and_load(self, api: CoordinatorClient, backend: Backend, cache: SnapshotCache, job: Job
+                              ) -> Path | _Next | int:
+        """The job's snapshot, verified, in the precision the job names, loaded into the backend: its folder. A
+        snapshot that cannot be had releases the job (AGAIN); one the backend cannot run releases it and stops
+        the client (EXIT_REFUSED); a resource refusal or a disk error releases it and propagates."""
+        self.stats.last_job = job.job_id
+        self._batch = Batch.of_job(job)
+        # the file the coordinator will recompute this job's result on
+        cache.precision = self._file_precision = job.precision
+        self._set_state("fetching")
+        try:
+            folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+            self._check_fits(folder, self._batch, job.version)
+        except (IntegrityError, DownloadStalled, ProtocolError) as exc:
+            self._say(f"could not get a verified snapshot of version {job.version} ({exc}); releasing the job")
+            await self._release(api, job.job_id, job.lease_id)
+            return _Next.AGAIN
+        except (ResourceRefusal, OSError):
+            await self._release(api, job.job_id, job.lease_id)
+            raise
+        try:
+            await asyncio.to_thread(backend.load, folder)
+        except FileNotFoundError as exc:  # e.g. a llama client and a coordinator that publishes no GGUF
+            self._error(f"error: {exc}")
+            await self._release(api, job.job_id, job.lease_id)
+            return EXIT_REFUSED
+        return folder
+
+    async def _generate_and_submit(self, api: CoordinatorClient, backend: Backend, job: Job, folder: Path,
+                                   kind: str, pacer: Pacer) -> _Next | int:
+        """Generate the job's rollouts (paced), then submit the result in the background and go on to the next
+        lease: the coordinator's verification overlaps this client's next generation instead of idling it. At most
+        one submission is in flight, so a refusal is seen one job later at worst. EXIT_OK when stopped meanwhile
+        (the job released) or --max-jobs is reached; EXIT_REFUSED for a multi-turn job this client cannot play."""
+        rollouts = job.group_size * len(job.prompts)
+        self.stats.job_steps, self.stats.job_started_at = 0, time.time()
+        self.stats.job_expected_steps = job.sampling.max_tokens * (rollouts if kind == "llama" else 1)
+        self._set_state("generating")
+        t0 = time.monotonic()
+        pacer.reset()
+        try:
+            completions = await asyncio.to_thread(self._generate, backend, job, folder, pacer)
+        except ProtocolError as exc:  # a multi-turn job this client cannot play (environment_mismatch)
+            self._error(f"error: {exc.message}; releasing the job")
+            await self._release(api, job.job_id, job.lease_id)
+            return EXIT_REFUSED
+        elapsed = time.monotonic() - t0
+        self.stats.job_steps = pacer.steps
+        if self.stop.is_set():
+            await self._release(api, job.job_id, job.lease_id)
+            return EXIT_OK
+        n_tok = sum(len(c.token_ids) + sum(len(t.token_ids) for t in c.turns or ()) for c in completions)
+        sub = ResultSubmission(
+            job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
+            seed=job.seed, group_size=job.group_size, backend=kind, generation_s=elapsed,  # type: ignore[arg-type]
+            completions=completions)
+        await self._settle()
+        self._submitting = asyncio.create_task(self._submit(api, job, sub, n_tok, elapsed))
+        if self.cfg.max_jobs and self.stats.accepted - self.accepted_before + 1 >= self.cfg.max_jobs:
+            await self._settle()  # the last job needed: know whether it counted before leasing another
+            if self.stats.accepted - self.accepted_before >= self.cfg.max_jobs:
+                return EXIT_OK
+        return _Next.LEASE
 
     async def _await_next_run(self, api: CoordinatorClient, run_id: str, version: int) -> Info | None:
         """The run has finished: stop generating (no lease is asked for) and look, FINISHED_POLL_S apart and then

@@ -14,8 +14,8 @@ says which results the learner trained) the test checks:
 - the trained results of the adversary's jobs have the mean reward of everything it computed, within 2 standard
   errors (the honest expectation: jobs are drawn at random, and every one of them, returned or dropped, is trained);
 - such a job, returned by the honest client at the adversary's version, holds the adversary's very tokens (same key,
-  same version) — at least 9 in 10 of them: two processes' logits may differ at a near-tie within torch's 0.02 logit,
-  and the keyed choice with them;
+  same version) — at least 4 in 5 of them (2 of 55 differed in one run; a fresh draw would match none): two
+  processes' logits may differ at a near-tie within torch's 0.02 logit, and the keyed choice with them;
 - while what the adversary chose to return scores more than 2 standard errors above that expectation — the attack
   is real, and without the reissue rule the trained mean would carry its tilt;
 - and the second line: the selective-reporting rule flags the adversary (audit outcome ``flagged``) from what its
@@ -129,7 +129,7 @@ def test_abandoned_jobs_are_trained_anyway(mode: str, tmp_path: Path, tiny_model
     assert statistics.fmean(returned) > expectation + 2 * se, (returned, expectation, se)
     # a dropped job reissued with its key at its version is the sample the adversary saw: the very tokens, but where
     # the two processes' logits differ at a near-tie within the class's tolerance (torch: 0.02 logit)
-    assert same >= 0.9 * len(again), (same, len(again))
+    assert same >= 0.8 * len(again), (same, len(again))
     # and what was trained of its jobs is the honest expectation, not its selection
     assert len(by_others) >= len(dropped) // 2, (len(by_others), len(dropped))
     assert abs(trained_mean - expectation) <= 2 * se, (trained_mean, expectation, se)
