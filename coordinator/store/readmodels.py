@@ -325,10 +325,7 @@ def reporting_by_client(store: Store) -> dict[str, Reporting]:
     for g in groups:
         r = returned.get(g.client_id, Sample())
         returned[g.client_id] = Sample(r.n + g.n, r.total + g.total, r.squares + g.squares)
-    dropped = {str(r[0]): Sample(int(r[1]), float(r[2]), float(r[3])) for r in store.conn.execute(
-        "SELECT d.client_id, COUNT(*), SUM(r.mean_reward), SUM(r.mean_reward*r.mean_reward) FROM dropped d JOIN "
-        "results r ON r.job_id=d.job_id AND r.version=d.version AND r.client_id<>d.client_id GROUP BY d.client_id"
-    ).fetchall()}
+    dropped = {c: Sample(*x) for c, x in store.trust.dropped_rewards().items()}
     rows = store.conn.execute("SELECT client_id, leased, unreturned FROM clients").fetchall()
     return {c: _reporting(r, bias.get(c), dropped_bias(returned.get(c, Sample()), dropped.get(c, Sample())))
             for r in rows for c in (str(r["client_id"]),)}

@@ -54,16 +54,23 @@ class TrustRows:
 
     def reward_samples(self, client_id: str) -> tuple[tuple[int, float, float], tuple[int, float, float]]:
         """(results, sum and sum of squares of their mean rewards) of what ``client_id`` returned, and of the jobs
-        it dropped as another client returned them at the version it had held them (the same key there: the
-        same tokens, the same reward): the selective-reporting rule's second comparison (core.reporting.Sample)."""
+        it dropped (:meth:`dropped_rewards`): the selective-reporting rule's second comparison
+        (core.reporting.Sample)."""
         mine = self._conn.execute("SELECT COUNT(*) AS n, SUM(mean_reward) AS s, SUM(mean_reward*mean_reward) AS q "
                                   "FROM results WHERE client_id=?", (client_id,)).fetchone()
-        dropped = self._conn.execute(
-            "SELECT COUNT(*) AS n, SUM(r.mean_reward) AS s, SUM(r.mean_reward*r.mean_reward) AS q FROM dropped d "
-            "JOIN results r ON r.job_id=d.job_id AND r.version=d.version WHERE d.client_id=? AND r.client_id<>?",
-            (client_id, client_id)).fetchone()
-        return tuple((int(row["n"]), float(row["s"] or 0.0), float(row["q"] or 0.0))  # type: ignore[return-value]
-                     for row in (mine, dropped))
+        returned = (int(mine["n"]), float(mine["s"] or 0.0), float(mine["q"] or 0.0))
+        return returned, self.dropped_rewards(client_id).get(client_id, (0, 0.0, 0.0))
+
+    def dropped_rewards(self, client_id: str | None = None) -> dict[str, tuple[int, float, float]]:
+        """Per client (one, or every one): (jobs, sum and sum of squares of their mean rewards) of the jobs it
+        dropped, as another client returned them at the version it had held them — the same key there: the same
+        tokens, the same reward it saw."""
+        where, args = ("WHERE d.client_id=? ", (client_id,)) if client_id is not None else ("", ())
+        rows = self._conn.execute(
+            "SELECT d.client_id, COUNT(*) AS n, SUM(r.mean_reward) AS s, SUM(r.mean_reward*r.mean_reward) AS q "
+            "FROM dropped d JOIN results r ON r.job_id=d.job_id AND r.version=d.version AND r.client_id<>d.client_id "
+            f"{where}GROUP BY d.client_id", args).fetchall()
+        return {str(r["client_id"]): (int(r["n"]), float(r["s"]), float(r["q"])) for r in rows}
 
     def lease_counts(self, client_id: str) -> tuple[int, int]:
         """(leases granted, leases that ended without a result) of one identity."""
