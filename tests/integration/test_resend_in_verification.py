@@ -86,7 +86,10 @@ def test_a_resend_joins_the_verification_in_flight(tmp_path: Path, tiny_model_di
         for t in waiters:
             t.start()
         # every copy after each result's first has joined its verification: 3 honest resends, 1 forged
-        wait_until(lambda: joined(url) == 4, 60, "the resends to join the verifications in flight", interval=0.3)
+        # and each result's first copy has asked its recompute: the forged one's verification is a task of its own,
+        # which may run only after its resend has joined (and after a scrape between the two), so wait for both
+        wait_until(lambda: joined(url) == 4 and recomputes(url) == 2, 60,
+                   "the resends to join the verifications in flight, each result's recompute asked", interval=0.3)
         assert recomputes(url) == 2  # asked while the verifier is held: one per result, none per copy
         marker.unlink()  # the verifier goes on
         for t in waiters:
