@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.engine.tiny_model import TinyRecipe, ensure_tiny_model
+from coordinator.engine.tiny_model import TinyRecipe, ensure_tiny_model, is_shipped
 from coordinator.store.db import is_postgres_url
 from coordinator.store.readmodels import rejection_counts
 from coordinator.store.store import Store
@@ -73,6 +73,8 @@ class DemoConfig:
 
 def build_model_with_progress(cache_dir: Path | None = None) -> Path:
     recipe = TinyRecipe()
+    if is_shipped(recipe):  # copied from the package in a moment: nothing to show
+        return ensure_tiny_model(cache_dir, recipe)
     with Progress(TextColumn("[bold]building tiny model[/] (cached after the first run)"), BarColumn(),
                   TextColumn("step {task.completed}/{task.total}  warm-start accuracy {task.fields[acc]:.2f}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:

@@ -7,6 +7,19 @@ result is an ordinary Hugging Face folder (config.json, model.safetensors, token
 tokenizer_config.json): exactly the code path a real local model folder takes. It is cached under a key
 derived from the recipe, built in a temporary folder and renamed into place, so concurrent or interrupted
 builds never leave a half-written model behind.
+
+**The default recipe's weights ship with the package** (``tiny_weights/``, 4 MB, checked against
+:data:`SHIPPED_SHA256` when copied into the cache). Training them is deterministic on one machine but not across
+machines: the warm start stops at the first check that reaches ``target_accuracy``, and the kernels' summation
+order — thread count, vector width — moves that step, so builds on two machines (or under different thread
+settings) started the demo from different policies (held-out 0.297 on one, 0.350 on another). Every machine now
+starts from the same bytes, so README's figures are the shipped model's. Other recipes (the benches' wider
+variants) are still trained at first use; ``python -m coordinator.engine.tiny_model --rebuild`` retrains the default
+one into ``tiny_weights/`` and prints the hash to pin. The shipped weights are seed 1238's build on this project's
+2-core x86 machines (torch 2.13.0, transformers 5.25): held-out 0.387, inside the recipe's intended 20–50 %; seed
+1234's build there started at 0.191, and three tests whose premises are properties of the model (a bf16 batched
+pass that differs from the replay, an M2PO step that masks some tokens but not all, the short demo's +0.10) failed
+on it while passing on machines that built another model.
 """
 
 from __future__ import annotations
@@ -32,6 +45,10 @@ from coordinator.tasks.builtin import ArithmeticTask
 logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
+SHIPPED = Path(__file__).with_name("tiny_weights")  # the default recipe's model, as built once
+SHIPPED_SHA256 = "5038b947f32377728473583e554865f6ed64efe9d10c996cdba0bafa83e83bd0"  # its model.safetensors
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -42,7 +59,7 @@ class TinyRecipe:
     num_heads: int = 4
     num_kv_heads: int = 2
     max_positions: int = 64
-    seed: int = 1234
+    seed: int = 1238  # the shipped weights' (1234 built a policy at 0.191 held-out here, below the intended band)
     lr: float = 1e-3
     batch_size: int = 64
     max_sft_steps: int = 1500
@@ -53,7 +70,7 @@ class TinyRecipe:
     max_operand: int = 99
     split_seed: int = 0
     heldout_size: int = 512
-    recipe_version: int = 1
+    recipe_version: int = 2  # 2: the default recipe's weights ship with the package (SHIPPED)
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -159,15 +176,27 @@ def _warm_start(model: Any, tokenizer: Any, recipe: TinyRecipe, progress: Callab
     return acc
 
 
+def is_shipped(recipe: TinyRecipe) -> bool:
+    """Whether ``recipe``'s model comes with the package (copied, not trained)."""
+    return recipe == TinyRecipe() and (SHIPPED / "model.safetensors").exists()
+
+
+class ShippedModelDamaged(RuntimeError):
+    """The packaged tiny model's weights are not the bytes this version pinned (a damaged install)."""
+
+
 def ensure_tiny_model(
     cache_dir: Path | None = None,
     recipe: TinyRecipe | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Path:
-    """Return the folder of the built tiny model, building it first if the cache lacks it (~1 minute)."""
+    """Return the folder of the tiny model, placing it in the cache first if it lacks it: the shipped weights for
+    the default recipe (a copy, checked against SHIPPED_SHA256), a build for any other (~1 minute)."""
     recipe = recipe or TinyRecipe()
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    final = cache_dir / "models" / f"tiny-qwen2-arith-{recipe.key()}"
+    # the shipped model's folder names its bytes too: new shipped weights never meet an older copy in a cache
+    suffix = f"-{SHIPPED_SHA256[:8]}" if is_shipped(recipe) else ""
+    final = cache_dir / "models" / f"tiny-qwen2-arith-{recipe.key()}{suffix}"
     if _built(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -185,27 +214,61 @@ def _built(final: Path) -> bool:
 
 
 def _build(final: Path, recipe: TinyRecipe, progress: Callable[[int, int, float], None] | None) -> Path:
-    import torch
-
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
-        t0 = time.monotonic()
-        tokenizer = build_tokenizer()
-        model = _new_model(recipe, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id)
-        with torch.random.fork_rng():
-            acc = _warm_start(model, tokenizer, recipe, progress or (lambda *_: None))
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "echo_swarm_recipe.json").write_text(
-            json.dumps({"recipe": asdict(recipe), "warm_start_accuracy": acc,
-                        "build_s": round(time.monotonic() - t0, 1)}, indent=2)
-        )
+        if is_shipped(recipe):
+            _copy_shipped(tmp, recipe)
+        else:
+            _train(tmp, recipe, progress)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished the same build first; theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
-        logger.info("built tiny model at %s (warm-start accuracy %.3f)", final, acc)
+        logger.info("placed the tiny model at %s", final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _copy_shipped(dest: Path, recipe: TinyRecipe) -> None:
+    """The packaged weights into ``dest``, refused unless they are the pinned bytes."""
+    digest = hashlib.sha256((SHIPPED / "model.safetensors").read_bytes()).hexdigest()
+    if digest != SHIPPED_SHA256:
+        raise ShippedModelDamaged(f"the tiny model shipped in {SHIPPED} is damaged (model.safetensors sha256 "
+                                  f"{digest[:16]}…, this version pins {SHIPPED_SHA256[:16]}…): reinstall echo-swarm")
+    for name in SHIPPED_FILES:
+        shutil.copyfile(SHIPPED / name, dest / name)
+    (dest / "echo_swarm_recipe.json").write_text(json.dumps(
+        {"recipe": asdict(recipe), "shipped": True, "model_sha256": SHIPPED_SHA256}, indent=2))
+
+
+def _train(dest: Path, recipe: TinyRecipe, progress: Callable[[int, int, float], None] | None) -> float:
+    """Build ``recipe``'s model from scratch into ``dest``: the warm start (~1 minute for the default size)."""
+    import torch
+
+    t0 = time.monotonic()
+    tokenizer = build_tokenizer()
+    model = _new_model(recipe, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng():
+        acc = _warm_start(model, tokenizer, recipe, progress or (lambda *_: None))
+    model.save_pretrained(str(dest), safe_serialization=True)
+    tokenizer.save_pretrained(str(dest))
+    (dest / "echo_swarm_recipe.json").write_text(
+        json.dumps({"recipe": asdict(recipe), "warm_start_accuracy": acc,
+                    "build_s": round(time.monotonic() - t0, 1)}, indent=2)
+    )
+    return acc
+
+
+if __name__ == "__main__":  # python -m coordinator.engine.tiny_model --rebuild: retrain the shipped weights
+    import sys
+
+    if sys.argv[1:] != ["--rebuild"]:
+        sys.exit("usage: python -m coordinator.engine.tiny_model --rebuild  (retrains tiny_weights/ from the default "
+                 "recipe; then pin the printed SHIPPED_SHA256)")
+    with tempfile.TemporaryDirectory() as out:
+        _train(Path(out), TinyRecipe(), lambda s, n, a: print(f"step {s}/{n} accuracy {a:.3f}", flush=True))
+        for name in SHIPPED_FILES:
+            shutil.copyfile(Path(out) / name, SHIPPED / name)
+    print("SHIPPED_SHA256 =", hashlib.sha256((SHIPPED / "model.safetensors").read_bytes()).hexdigest())

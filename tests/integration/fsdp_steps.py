@@ -40,6 +40,32 @@ def batches(tokenizer: Any) -> tuple[list[Any], list[Any]]:
     return out[0], out[1]
 
 
+OFFSETS = (0.0, 0.02, 0.6, 1.2)  # behaviour logprobs this far from the model's own, in turn
+
+
+def near_policy(model_dir: Path, samples: list[Any]) -> list[Any]:
+    """``samples`` with behaviour logprobs the model's own plus OFFSETS in turn: the m2po step then keeps the near
+    tokens and masks the far ones whatever the model (batches()'s fixed -1.0 to -1.5 lay more than m2_threshold from
+    every token of some builds of the tiny model, and the step masked all of them). The model's own logprobs are
+    read by plain transformers, alike in every process."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out, k = [], 0
+    for s in samples:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0].float(), -1)
+        n, old = len(s.prompt_ids), []
+        for j, token in enumerate(s.completion_ids):
+            old.append(float(logp[n - 1 + j, token]) + OFFSETS[k % len(OFFSETS)])
+            k += 1
+        out.append(dataclasses.replace(s, old_logprobs=old, behaviour_logprobs=old))
+    return out
+
+
 def write(learner: Any, folder: Path) -> None:
     """The snapshot files of the learner's current version, as the publisher writes them."""
     folder.mkdir(parents=True)
@@ -97,7 +123,7 @@ def main(out: Path, model_dir: Path, world: str) -> None:
             write(resumed, out / "full-2-resumed")
         # the m2po correction: its mask chosen over both ranks' tokens (gathered on rank 0) as over the one device's
         m2po = learner(learner_cfg.model_copy(update={"correction": "m2po"}))
-        m = m2po.train_step(first)
+        m = m2po.train_step(near_policy(model_dir, first))
         metrics["m2po"] = [[m["loss"], m["m2po_masked_fraction"]]]
         write(m2po, out / "m2po-1")
         lora_cfg = learner_cfg.model_copy(update={"lora_rank": 4, "lr": 1e-2})

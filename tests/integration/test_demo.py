@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from coordinator.engine.tiny_model import SHIPPED_SHA256
 from tests.integration.helpers import REPO, SHORT_DEMO_STEPS
 
 pytestmark = pytest.mark.slow
@@ -39,6 +42,11 @@ def test_demo_improves_heldout_accuracy_with_every_client_contributing(tmp_path:
     assert (out / "reward_curve.png").stat().st_size > 10_000
     assert "held-out accuracy" in proc.stdout
     assert summary["store"] == store
+    # the shipped model (the same bytes on every machine), and so README's starting figure, to the digit it prints
+    assert hashlib.sha256((tiny_model_dir / "model.safetensors").read_bytes()).hexdigest() == SHIPPED_SHA256
+    readme = re.search(r"\| held-out greedy accuracy \(512 prompts never trained on\) \| ([0-9.]+) → ([0-9.]+) \|",
+                       (REPO / "README.md").read_text())
+    assert readme is not None and f"{summary['eval_before']:.3f}" == readme[1], (summary["eval_before"], readme)
 
 
 def test_cli_help_explains_every_command() -> None:

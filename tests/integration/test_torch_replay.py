@@ -74,6 +74,15 @@ def _results(client: Any, folder: Path, keys: range) -> list[tuple[list[list[int
     return out
 
 
+def _rows_alone(model: Any) -> bool:
+    """Whether this CPU's bf16 kernels give a sequence the same logits alone as beside another in a batch."""
+    import torch
+
+    one, two = torch.tensor([[40, 41, 42, 43, 44]]), torch.tensor([[40, 41, 42, 43, 44], [50, 51, 52, 53, 54]])
+    with torch.no_grad():
+        return bool(torch.equal(model(one).logits[0], model(two).logits[0]))
+
+
 def test_an_honest_bf16_client_is_its_own_replay(client: Any, replay: TorchReplay, tiny_model_dir: Path) -> None:
     import torch
 
@@ -85,7 +94,7 @@ def test_an_honest_bf16_client_is_its_own_replay(client: Any, replay: TorchRepla
     worst = {"replay": 0.0, "f32 pass": 0.0, "bf16 pass": 0.0}
     worst_lp = {"replay": 0.0, "f32 pass": 0.0, "bf16 pass": 0.0}
     tokens = 0
-    for prompts, comps, lps, key in _results(client, tiny_model_dir, range(1, 9)):
+    for prompts, comps, lps, key in _results(client, tiny_model_dir, range(1, 33)):
         segments = plain_segments(key, [len(c) for c in comps])
         stats = replay.recompute_stats(0, prompts, comps, segments)
         assert stats.margins is not None
@@ -111,8 +120,12 @@ def test_an_honest_bf16_client_is_its_own_replay(client: Any, replay: TorchRepla
     # the float32 pass sees bf16 rounding: honest bf16 results would need more than torch's tolerance (measured up
     # to 0.53 logit, docs/benchmarks.md "torch clients computing in bf16") ...
     assert worst["f32 pass"] > CHOICE_TOL_TORCH / TEMPERATURE, worst
-    # ... and one bf16 teacher-forced pass is not the client's arithmetic: the schedule matters, hence the replay
-    assert worst["bf16 pass"] > 0.0 or worst_lp["bf16 pass"] > 0.0, (worst, worst_lp)
+    # ... and one bf16 teacher-forced pass is not the client's arithmetic where the kernels block rows together
+    # (AVX2, AVX-512): the schedule matters, hence the replay. On a CPU whose bf16 kernels compute each row alone
+    # (AMX tiles: a row's logits the same alone and in a batch) the batched pass happens to match too (measured on
+    # such a machine, 2026-12-04: margin 0); the replay is kept because the client's machine need not be one
+    if not _rows_alone(bf16):
+        assert worst["bf16 pass"] > 0.0 or worst_lp["bf16 pass"] > 0.0, (worst, worst_lp)
 
 
 def test_a_forged_token_is_refused_at_the_class_tolerance(client: Any, replay: TorchReplay,
