@@ -87,6 +87,7 @@ from swarm_client.footprint import (
 )
 from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
+from swarm_client.lifetime import Lifetime
 from swarm_client.notices import NoticeWatch
 from swarm_client.panel import Display
 from swarm_client.paths import ClientPaths, migrate_cache
@@ -270,6 +271,7 @@ class Runner:
         self._coordinator_paused = False  # the coordinator's pause, as last said
         self.page: ControlPage | None = None  # the local control page (swarm_client/webcontrol.py)
         self.notices = NoticeWatch(cfg.home, self.display.software, self._say)
+        self.lifetime = Lifetime(cfg.home)  # credit and results per run, across runs and restarts
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100, input_idle=input_idle_s,
                                     min_input_idle_s=cfg.idle_input_minutes * 60) if cfg.idle_only else None
 
@@ -477,7 +479,7 @@ class Runner:
             self.stats.job_steps = self.pacer.steps
         return asdict(self.stats) | {
             "software": self.display.software, "machine": self.display.hardware, "backend": self.device,
-            "data_bytes": self.meter.used(), "data_cap_bytes": self.meter.cap_bytes,
+            "data_bytes": self.meter.used(), "data_cap_bytes": self.meter.cap_bytes, "lifetime": self.lifetime.view(),
             "max_mbps": None if not self.throttle.rate else self.throttle.rate / MB,
             "config_max_mbps": self.cfg.max_mbps}
 
@@ -684,7 +686,9 @@ class Runner:
                       f"{backend.device})")
 
     async def _load_totals(self, api: CoordinatorClient, client_id: str) -> None:
-        """Show the credit already earned (from the coordinator's public status), best effort."""
+        """Show the credit already earned (from the coordinator's public status), best effort; the lifetime ledger
+        notes the run either way."""
+        mine = None
         try:
             async with api.session.get(api.base_url + STATUS.path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 data = await r.json() if r.status == 200 else {}
@@ -695,6 +699,11 @@ class Runner:
                 self.stats.credit = float(mine.get("credit", 0.0))
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError) as exc:
             logger.info("could not read earlier credit: %s", exc)
+        if mine:
+            self.lifetime.joined(self.cfg.url, self.stats.run_id, client_id, accepted=self.stats.accepted,
+                                 rejected=self.stats.rejected, credit=self.stats.credit)
+        else:
+            self.lifetime.joined(self.cfg.url, self.stats.run_id, client_id)
 
     async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend,
                      info: Info | None = None) -> int:
@@ -812,7 +821,8 @@ class Runner:
                         ) -> RegisterResponse:
         """Register (or register again) with ``info``'s run, load this identity's totals there, say so, and read the
         run's notices."""
-        prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
+        prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s,
+                       self.cfg.team)
         reg = await api.call(REGISTER, RegisterRequest(public_key=identity.public_key, profile=prof,
                                                        invite=self.cfg.invite))
         self.stats.run_id = reg.run_id
@@ -1015,6 +1025,8 @@ class Runner:
             self.stats.accepted += 1
             self.stats.credit = res.total_credit
             self.stats.tokens += n_tok
+            self.lifetime.result(self.cfg.url, self.stats.run_id, job.client_id, accepted=True,
+                                 total_credit=res.total_credit)
             entry |= {"outcome": "accepted", "credit": res.credit}
             if self.on_result is not None:
                 self.on_result(time.monotonic(), job, n_tok)
@@ -1022,6 +1034,7 @@ class Runner:
             if refusal_code(exc) in STOP_CODES:
                 raise
             self.stats.rejected += 1
+            self.lifetime.result(self.cfg.url, self.stats.run_id, job.client_id, accepted=False)
             self._setbacks = self._setbacks + 1 if exc.reason in SETBACKS else 0
             code = refusal_code(exc)
             self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1

@@ -44,6 +44,8 @@ class JoinConfig(BaseModel):
                                                         "its own bf16 replay of them.")
     threads: int | None = Field(None, ge=1, description="CPU threads for generation; unset: the backend's choice.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
+    team: str = Field("", max_length=64, description="Team to count for on the status page's team leaderboard: every "
+                      "volunteer naming the same team is added up there.")
     max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted results (this session).")
     exit_when_finished: bool = Field(False, description="Exit once the coordinator's run has finished, instead of "
                                      "waiting for the operator's next run at the same URL.")
@@ -150,7 +152,7 @@ class JoinConfig(BaseModel):
                              f"{parts.scheme}://{parts.netloc}")
         return v.rstrip("/")
 
-    @field_validator("name")
+    @field_validator("name", "team")
     @classmethod
     def _printable_name(cls, v: str) -> str:
         return check_printable(v)  # the coordinator refuses control characters in a profile; say so up front
