@@ -32,6 +32,7 @@ from coordinator.roles.handover import HandOver
 from coordinator.roles.local_client import LocalClient, LocalIntake
 from coordinator.roles.resume import restore, start_folder
 from coordinator.roles.upkeep import Upkeep
+from coordinator.run import notices
 from coordinator.run.names import LEARNER
 from coordinator.run.records import LearnerReport
 from coordinator.run.workqueue import POLL_S, Bell
@@ -306,6 +307,8 @@ class LearnerRole:
         max_steps = self.config.learner.max_steps
         self.version = new_version
         self.finished = new_version >= max_steps
+        if self.finished:  # every volunteer is told, once (docs/protocol.md §4, GET /v1/notices)
+            notices.announce_finished(self.store, self.clock(), new_version)
         self.busy_s += metrics["train_s"]
         self._report()
         self.bell.ring()
