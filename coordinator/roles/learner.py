@@ -115,6 +115,8 @@ class LearnerRole:
         if not any(e.version == self.version for e in self.store.evals.all()):
             self.upkeep.evaluate(self.version)
         self.finished = self.version >= self.config.learner.max_steps
+        if self.finished:  # restarted at or past the last step (a lowered --max-steps): told once all the same
+            notices.announce_finished(self.store, self.clock(), self.version)
         self._report()
         self.bell.ring()
 
