@@ -160,6 +160,8 @@ def join(
     idle_min_percent: Annotated[Optional[float], _setting("idle_min_percent")] = None,
     idle_input_minutes: Annotated[Optional[float], _setting("idle_input_minutes")] = None,
     window: Annotated[Optional[list[str]], _setting("window")] = None,
+    attach: Annotated[Optional[list[str]], _setting("attach")] = None,
+    share: Annotated[Optional[float], _setting("share")] = None,
     pause_on_battery: Annotated[Optional[bool], _setting("pause_on_battery", "--pause-on-battery/--run-on-battery",
                                                          show_default=False)] = None,
     max_mbps: Annotated[Optional[float], _setting("max_mbps")] = None,
@@ -307,6 +309,12 @@ def status(
                f"{info.get('tokens_per_s', 0):,.1f} tokens/s\n"
                f"  accepted {info.get('accepted', 0)}, rejected {info.get('rejected', 0)}, "
                f"credit {info.get('credit', 0):,.1f}" + (f"\n  data {info['bandwidth']}" if info.get("bandwidth") else ""))
+    for run in info.get("runs") or []:  # with --attach: every run of this client, by share
+        if isinstance(run, dict):
+            typer.echo(f"  run at {escape(str(run.get('url', '?')))}: share {run.get('share', 1):g} "
+                       f"({100 * float(run.get('work_fraction', 0) or 0):.0f} % of the work so far), "
+                       f"{escape(str(run.get('state', '?')))}, accepted {run.get('accepted', 0)}, credit "
+                       f"{float(run.get('credit', 0) or 0):,.1f}")
     typer.echo(_lifetime_text(info.get("lifetime") or {}))
     for notice in info.get("notices") or []:  # the coordinator's notices in force, as the client last saw them
         if isinstance(notice, dict):

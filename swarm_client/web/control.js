@@ -111,6 +111,18 @@ function draw(s) {
   if (document.activeElement !== input) input.value = s.max_mbps === null || s.max_mbps === undefined ? "" : String(s.max_mbps);
   input.dataset.current = String(s.max_mbps);
   drawLifetime(s.lifetime || {});
+  const runs = s.runs || [];
+  $("shares").hidden = !runs.length;
+  $("share-runs").tBodies[0].replaceChildren(...runs.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.url = r.url;
+    tr.dataset.accepted = String(r.accepted);
+    cell(tr, r.url); cell(tr, r.state);
+    cell(tr, `${r.share} (${Math.round(100 * (r.share_fraction || 0))} %)`, "num");
+    cell(tr, `${Math.round(100 * (r.work_fraction || 0))} %`, "num");
+    cell(tr, r.accepted, "num"); cell(tr, Math.round(r.credit).toLocaleString(), "num");
+    return tr;
+  }));
   const rows = (s.history || []).slice().reverse();
   $("history").tBodies[0].replaceChildren(...rows.map((h) => {
     const tr = document.createElement("tr");
