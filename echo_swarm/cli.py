@@ -160,6 +160,8 @@ def join(
     idle_min_percent: Annotated[Optional[float], _setting("idle_min_percent")] = None,
     idle_input_minutes: Annotated[Optional[float], _setting("idle_input_minutes")] = None,
     window: Annotated[Optional[list[str]], _setting("window")] = None,
+    attach: Annotated[Optional[list[str]], _setting("attach")] = None,
+    share: Annotated[Optional[float], _setting("share")] = None,
     pause_on_battery: Annotated[Optional[bool], _setting("pause_on_battery", "--pause-on-battery/--run-on-battery",
                                                          show_default=False)] = None,
     max_mbps: Annotated[Optional[float], _setting("max_mbps")] = None,
@@ -172,6 +174,7 @@ def join(
     log_level: Annotated[Optional[str], _setting("log_level")] = None,
     log_dir: Annotated[Optional[Path], _setting("log_dir")] = None,
     name: Annotated[Optional[str], _setting("name")] = None,
+    team: Annotated[Optional[str], _setting("team")] = None,
     max_jobs: Annotated[Optional[int], _setting("max_jobs")] = None,
     exit_when_finished: Annotated[Optional[bool], _setting("exit_when_finished", "--exit-when-finished")] = None,
     max_cpu_percent: Annotated[Optional[float], _setting("max_cpu_percent")] = None,
@@ -306,11 +309,37 @@ def status(
                f"{info.get('tokens_per_s', 0):,.1f} tokens/s\n"
                f"  accepted {info.get('accepted', 0)}, rejected {info.get('rejected', 0)}, "
                f"credit {info.get('credit', 0):,.1f}" + (f"\n  data {info['bandwidth']}" if info.get("bandwidth") else ""))
+    for run in info.get("runs") or []:  # with --attach: every run of this client, by share
+        if isinstance(run, dict):
+            typer.echo(f"  run at {escape(str(run.get('url', '?')))}: share {run.get('share', 1):g} "
+                       f"({100 * float(run.get('work_fraction', 0) or 0):.0f} % of the work so far), "
+                       f"{escape(str(run.get('state', '?')))}, accepted {run.get('accepted', 0)}, credit "
+                       f"{float(run.get('credit', 0) or 0):,.1f}")
+    typer.echo(_lifetime_text(info.get("lifetime") or {}))
     for notice in info.get("notices") or []:  # the coordinator's notices in force, as the client last saw them
         if isinstance(notice, dict):
             typer.echo(f"  {escape(str(notice.get('line', '')))}")
     if not info["running"]:  # how the last run ended: a service client stopped by a ban has only this to say it
         typer.echo(_stop_text(info))
+
+
+def _lifetime_text(life: dict[str, Any]) -> str:
+    """``lifetime: 12,345 credit, 67 results accepted over 3 runs since 2026-11-02`` and the latest runs, one a
+    line (swarm_client/lifetime.py)."""
+    import datetime as dt
+
+    total = life.get("total") or {}
+    if not total.get("runs"):
+        return "  lifetime: no run yet"
+    since = f" since {dt.datetime.fromtimestamp(total['since']):%Y-%m-%d}" if total.get("since") else ""
+    runs = total["runs"]
+    lines = [f"  lifetime: {total.get('credit', 0):,.0f} credit, {total.get('accepted', 0):,} results accepted over "
+             f"{runs} run{'s' if runs != 1 else ''}{since}"]
+    for run in life.get("runs") or []:
+        lines.append(f"    run {escape(str(run.get('run_id', '?')))} at {escape(str(run.get('url', '?')))}: "
+                     f"{run.get('accepted', 0):,} accepted, {run.get('rejected', 0):,} refused, credit "
+                     f"{run.get('credit', 0):,.0f} (last {dt.datetime.fromtimestamp(run.get('last_at', 0)):%Y-%m-%d %H:%M})")
+    return "\n".join(lines)
 
 
 def _stop_text(info: dict[str, Any]) -> str:

@@ -89,6 +89,7 @@ class ClientProfile(Message):
     """What a volunteer's machine reports about itself (informational; never trusted for security)."""
 
     name: DisplayName = ""
+    team: DisplayName = ""  # optional: the team the volunteer counts for on the status page (`join --team`)
     backend: Literal["torch", "llama"]
     device: ShortText  # "cpu", "cuda:NVIDIA GeForce RTX 3060", "mps"
     platform: ShortText

@@ -7,6 +7,8 @@ half a file and nothing breaks if the client is not running or crashes:
   before every lease (at least once a second while it waits), so each takes effect within one poll. A pause
   persists across restarts until `resume`; a finish is cleared by the client that obeyed it.
 - ``status.json``, written by the running client: its pid, state, counters and credit.
+- ``lifetime.json``, written by the running client (swarm_client/lifetime.py): credit and results per run, kept
+  across runs and restarts; read here for `client status`.
 
 Paused (or snoozed) means: no new job is fetched. A job already being generated is finished and submitted (a job
 takes seconds to a few minutes, and abandoning it would waste the work); a job that arrives on a lease request
@@ -22,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from swarm_client.lifetime import Lifetime
 
 CONTROL = "control.json"
 STATUS = "status.json"
@@ -143,7 +147,10 @@ def controls_view(home: Path, now: float | None = None) -> dict[str, Any]:
 
 
 def describe(home: Path, now: float | None = None) -> dict[str, Any]:
-    """What `echo-swarm client status` shows: the running client's last status and the controls."""
+    """What `echo-swarm client status` shows: the running client's last status, the controls, and its lifetime
+    statistics (swarm_client/lifetime.py: the totals and the five runs it worked for last)."""
     status = read_status(home) or {}
     running = status.get("state") not in (None, "stopped") and pid_alive(status.get("pid"))
-    return {"home": str(home), "running": running, **controls_view(home, now), **status}
+    life = Lifetime(home, readonly=True)
+    return {"home": str(home), "running": running, **controls_view(home, now), **status,
+            "lifetime": {"total": life.totals(), "runs": life.recent(5)}}

@@ -106,7 +106,7 @@ def describe_device(device: str) -> str:
 
 
 def profile(backend: str, device: str, name: str = "", hardware: Hardware | None = None,
-            benchmark_tokens_per_s: float | None = None) -> ClientProfile:
+            benchmark_tokens_per_s: float | None = None, team: str = "") -> ClientProfile:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -120,7 +120,7 @@ def profile(backend: str, device: str, name: str = "", hardware: Hardware | None
         gpu = "Apple silicon"
     bench = None if benchmark_tokens_per_s is None else round(min(max(benchmark_tokens_per_s, 0.0), 1e7), 2)
     return ClientProfile(
-        name=name[:64], backend="llama" if backend == "llama" else "torch", device=describe_device(device),
+        name=name[:64], team=team[:64], backend="llama" if backend == "llama" else "torch", device=describe_device(device),
         platform=f"{platform.system()} {platform.machine()}"[:128], cpu_count=os.cpu_count() or 0,
         memory_gb=round(total_memory_gb(), 2), software=software, gpu=gpu, gpu_memory_gb=gpu_mem,
         disk_free_gb=None if hardware is None else min(hardware.disk_free_gb, 1e9),

@@ -87,6 +87,7 @@ from swarm_client.footprint import (
 )
 from swarm_client.hardware import Hardware, detect, free_disk_gb, profile, total_memory_gb
 from swarm_client.identity import CoordinatorKeyChanged, Identity, load_identity, pin_coordinator
+from swarm_client.lifetime import Lifetime
 from swarm_client.notices import NoticeWatch
 from swarm_client.panel import Display
 from swarm_client.paths import ClientPaths, migrate_cache
@@ -105,6 +106,7 @@ from swarm_client.resources import (
 )
 from swarm_client.schedule import INPUT_CHECK_S, IdleProbe, InputWatch, parse_window, work_gate
 from swarm_client.settings import JoinConfig
+from swarm_client.shares import Shares, Turn
 from swarm_client.snapshots import SnapshotCache, wanted_files
 from swarm_client.webcontrol import ControlPage, PageSource
 
@@ -158,6 +160,9 @@ class ClientStats:
     stop_reason: str = ""
     exit_code: int | None = None  # set once the client has stopped
     notices: list[dict[str, object]] = field(default_factory=list)  # the coordinator's notices in force (notices.py)
+    # with --attach: every run of this client — its coordinator, share, share of the generation time so far, state,
+    # results and credit (swarm_client/multirun.py)
+    runs: list[dict[str, object]] = field(default_factory=list)
 
 
 class Pacer:
@@ -230,8 +235,15 @@ class _Next(enum.Enum):
 
 
 class Runner:
-    def __init__(self, cfg: JoinConfig) -> None:
+    def __init__(self, cfg: JoinConfig, shares: Shares | None = None, control_home: Path | None = None) -> None:
+        """``shares``: the machine's generation slot when this is one of several runs (swarm_client/multirun.py);
+        ``control_home``: where the pause / snooze / finish controls are read (the client's home: one set of
+        controls for all its runs; default ``cfg.home``)."""
         self.cfg = cfg
+        self.shares = shares
+        self.control_home = control_home or cfg.home
+        self.attached: list[Runner] = []  # the other runs of this process, on URL's runner (swarm_client/multirun.py)
+        self.parent: Runner | None = None  # on an attached run's runner: URL's, whose status lists every run
         self.stop = threading.Event()
         self.stats = ClientStats()
         self.display = Display(self.stats, live=cfg.panel, url=cfg.url)
@@ -270,25 +282,32 @@ class Runner:
         self._coordinator_paused = False  # the coordinator's pause, as last said
         self.page: ControlPage | None = None  # the local control page (swarm_client/webcontrol.py)
         self.notices = NoticeWatch(cfg.home, self.display.software, self._say)
+        self.lifetime = Lifetime(cfg.home)  # credit and results per run, across runs and restarts
         self.idle_probe = IdleProbe(cfg.idle_min_percent / 100, input_idle=input_idle_s,
                                     min_input_idle_s=cfg.idle_input_minutes * 60) if cfg.idle_only else None
 
     # -- output -------------------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
+        text = self._tagged(text)
         self.display.say(text)
         logger.info("%s", text, extra={logs.SHOWN: True})
 
     def _error(self, text: str) -> None:
         """An error line: on stderr (and in the log file). Every caller then stops the client, so the line is also
         the reason it stopped (status.json: `client status`, the control page)."""
-        self.stats.stop_reason = text
+        text = self.stats.stop_reason = self._tagged(text)
         self.display.error(text)
         logger.error("%s", text, extra={logs.SHOWN: True})
 
     def _warn(self, text: str) -> None:
         """A warning or a retry line: on stderr, beside the panel (and in the log file)."""
+        text = self._tagged(text)
         self.display.error(text)
         logger.warning("%s", text, extra={logs.SHOWN: True})
+
+    def _tagged(self, text: str) -> str:
+        """With several runs in one process, each line says which coordinator it is about."""
+        return f"[{self.cfg.url}] {text}" if self.shares is not None else text
 
     def _on_outage(self, what: str | None) -> None:
         """The coordinator was lost (``what`` failed) or answers again (None): one line each, not per attempt."""
@@ -315,10 +334,21 @@ class Runner:
         if self.pacer is not None and self.stats.state in ("generating", IN_USE_STATE):
             self.stats.job_steps = self.pacer.steps
         self.meter.flush()
+        if self.attached:
+            self.stats.runs = self.runs()
         try:
             write_status(self.cfg.home, asdict(self.stats))
         except OSError as exc:  # e.g. disk full: the status file is a convenience, never a reason to stop
             logger.warning("could not write %s: %s", self.cfg.home / "status.json", exc)
+        if self.parent is not None:
+            self.parent._write_status()
+
+    def runs(self) -> list[dict[str, object]]:
+        """Every run of this process with its share (swarm_client/shares.py) and standing."""
+        shares = {v["run"]: v for v in self.shares.view()} if self.shares is not None else {}
+        return [shares.get(r.cfg.url, {}) | {"url": r.cfg.url, "run_id": r.stats.run_id, "state": r.stats.state,
+                                            "accepted": r.stats.accepted, "rejected": r.stats.rejected,
+                                            "credit": r.stats.credit} for r in (self, *self.attached)]
 
     def _set_state(self, state: str) -> None:
         if state != self.stats.state:
@@ -328,21 +358,29 @@ class Runner:
 
     # -- main loop ----------------------------------------------------------------------------------------
     async def run(self) -> int:
+        """The whole process: signals, the log, then :meth:`work`."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
-        self.stats.url = self.cfg.url
         log_file = logs.setup(self.paths.logs, self.cfg.log_level, self.display.error)
         logger.info("echo-swarm join %s (log %s)", self.cfg.url, log_file)
+        try:
+            return await self.work()
+        finally:
+            logs.teardown()
+
+    async def work(self) -> int:
+        """Join and work until stopped; the exit code (also written to status.json)."""
+        self.stats.url = self.cfg.url
         code: int = ExitCode.FAILED
         try:
             code = await self._run()
             return code
         finally:
+            self._no_job()
             if self.stats.client_id:  # joined: what it downloaded counts toward the month's budget
                 self.stats.exit_code = int(code)
                 self._write_status()
-            logs.teardown()
 
     async def _run(self) -> int:
         cfg = self.cfg
@@ -409,9 +447,9 @@ class Runner:
         moved = migrate_cache(cfg.home, self.paths.cache)
         if moved is not None:
             self._say(f"moved the snapshot cache from {moved} to {self.paths.cache} (the platform's cache folder)")
-        self.controls = read_controls(cfg.home)
+        self.controls = read_controls(self.control_home)
         if self.controls.finish:  # a finish meant for a client that has since stopped
-            update_controls(cfg.home, finish=False)
+            update_controls(self.control_home, finish=False)
         if self.controls.paused:
             self._say("paused (by `echo-swarm client pause`): no work is fetched until `echo-swarm client resume`")
         await self._start_page()
@@ -477,13 +515,14 @@ class Runner:
             self.stats.job_steps = self.pacer.steps
         return asdict(self.stats) | {
             "software": self.display.software, "machine": self.display.hardware, "backend": self.device,
-            "data_bytes": self.meter.used(), "data_cap_bytes": self.meter.cap_bytes,
+            "data_bytes": self.meter.used(), "data_cap_bytes": self.meter.cap_bytes, "lifetime": self.lifetime.view(),
+            "runs": self.runs() if self.attached else [],
             "max_mbps": None if not self.throttle.rate else self.throttle.rate / MB,
             "config_max_mbps": self.cfg.max_mbps}
 
     def _apply_controls(self) -> Controls:
         """Read control.json and apply what takes effect at once (the bandwidth cap, also mid-download)."""
-        controls = self.controls = read_controls(self.cfg.home)
+        controls = self.controls = read_controls(self.control_home)
         rate = controls.max_mbps if controls.max_mbps is not None else self.cfg.max_mbps
         self.throttle.set_rate(None if rate is None else rate * MB)
         return controls
@@ -622,7 +661,7 @@ class Runner:
 
     def _held_back(self) -> bool:
         """Paused, snoozed or finishing: a job that arrives now is handed back at once."""
-        c = read_controls(self.cfg.home)
+        c = read_controls(self.control_home)
         return c.paused or c.finish or c.snoozed(time.time())
 
     def _holding_from(self, loop: asyncio.AbstractEventLoop) -> Callable[[bool], None]:
@@ -684,7 +723,9 @@ class Runner:
                       f"{backend.device})")
 
     async def _load_totals(self, api: CoordinatorClient, client_id: str) -> None:
-        """Show the credit already earned (from the coordinator's public status), best effort."""
+        """Show the credit already earned (from the coordinator's public status), best effort; the lifetime ledger
+        notes the run either way."""
+        mine = None
         try:
             async with api.session.get(api.base_url + STATUS.path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 data = await r.json() if r.status == 200 else {}
@@ -695,6 +736,11 @@ class Runner:
                 self.stats.credit = float(mine.get("credit", 0.0))
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError) as exc:
             logger.info("could not read earlier credit: %s", exc)
+        if mine:
+            self.lifetime.joined(self.cfg.url, self.stats.run_id, client_id, accepted=self.stats.accepted,
+                                 rejected=self.stats.rejected, credit=self.stats.credit)
+        else:
+            self.lifetime.joined(self.cfg.url, self.stats.run_id, client_id)
 
     async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend,
                      info: Info | None = None) -> int:
@@ -725,8 +771,8 @@ class Runner:
             cache.coordinator_key = info.coordinator_public_key
             self._say(f"a new run ({info.run_id}) has started at {self.cfg.url}: joining it")
         await self._settle()
-        if read_controls(self.cfg.home).finish:
-            update_controls(self.cfg.home, finish=False)  # obeyed: the next start works normally
+        if read_controls(self.control_home).finish:
+            update_controls(self.control_home, finish=False)  # obeyed: the next start works normally
         self.stats.state = "stopped"
         self.display.stop()
         self._say(f"stopped: {self.stats.accepted - self.accepted_before} results accepted, "
@@ -786,6 +832,7 @@ class Runner:
             pull = self._consider_prefetch(resp, held, cache, reg.run_id)
             self._note_pause(resp.paused)
             if resp.job is None:
+                self._no_job()
                 turn = await self._without_job(api, resp, reg.run_id, pull)
                 if isinstance(turn, int):
                     return turn
@@ -795,12 +842,14 @@ class Runner:
                 raise ProtocolError(Reason.NOT_LEASE_HOLDER, "coordinator sent a job leased to another client")
             self.stats.leases += 1
             if self._held_back():  # paused (or finishing) while this lease request was in flight: hand the job back
+                self._no_job()
                 await self._release(api, job.job_id, job.lease_id)
                 continue
             folder = await self._fetch_and_load(api, backend, cache, job)
             if isinstance(folder, int):
                 return folder
             if not isinstance(folder, Path):
+                self._no_job()
                 continue
             held = self.stats.version = job.version
             turn = await self._generate_and_submit(api, backend, job, folder, kind, pacer)
@@ -808,11 +857,24 @@ class Runner:
                 return turn
         return EXIT_OK
 
+    def _no_job(self) -> None:
+        """No job in hand for now: with other runs on this machine, they need not wait for this one."""
+        if self.shares is not None:
+            self.shares.no_job(self.cfg.url)
+
+    def _machine(self) -> contextlib.AbstractAsyncContextManager[Turn]:
+        """The machine for one job's generation: this run's turn when it shares the machine with other runs
+        (swarm_client/shares.py), at once otherwise."""
+        if self.shares is None:
+            return contextlib.nullcontext(Turn())
+        return self.shares.turn(self.cfg.url)
+
     async def _register(self, api: CoordinatorClient, identity: Identity, backend: Backend, info: Info
                         ) -> RegisterResponse:
         """Register (or register again) with ``info``'s run, load this identity's totals there, say so, and read the
         run's notices."""
-        prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s)
+        prof = profile(backend.name, backend.device, self.cfg.name, self.hardware, self.stats.benchmark_tokens_per_s,
+                       self.cfg.team)
         reg = await api.call(REGISTER, RegisterRequest(public_key=identity.public_key, profile=prof,
                                                        invite=self.cfg.invite))
         self.stats.run_id = reg.run_id
@@ -936,21 +998,23 @@ class Runner:
         rollouts = job.group_size * len(job.prompts)
         self.stats.job_steps, self.stats.job_started_at = 0, time.time()
         self.stats.job_expected_steps = job.sampling.max_tokens * (rollouts if kind == "llama" else 1)
-        self._set_state("generating")
-        t0 = time.monotonic()
-        pacer.reset()
-        try:
-            completions = await asyncio.to_thread(self._generate, backend, job, folder, pacer)
-        except ProtocolError as exc:  # a multi-turn job this client cannot play (environment_mismatch)
-            self._error(f"error: {exc.message}; releasing the job")
-            await self._release(api, job.job_id, job.lease_id)
-            return EXIT_REFUSED
-        elapsed = time.monotonic() - t0
+        async with self._machine() as turn:  # with other runs on this machine: this run's turn (shares.py)
+            self._set_state("generating")
+            t0 = time.monotonic()
+            pacer.reset()
+            try:
+                completions = await asyncio.to_thread(self._generate, backend, job, folder, pacer)
+            except ProtocolError as exc:  # a multi-turn job this client cannot play (environment_mismatch)
+                self._error(f"error: {exc.message}; releasing the job")
+                await self._release(api, job.job_id, job.lease_id)
+                return EXIT_REFUSED
+            elapsed = time.monotonic() - t0
+            n_tok = turn.tokens = sum(len(c.token_ids) + sum(len(t.token_ids) for t in c.turns or ())
+                                      for c in completions)
         self.stats.job_steps = pacer.steps
         if self.stop.is_set():
             await self._release(api, job.job_id, job.lease_id)
             return EXIT_OK
-        n_tok = sum(len(c.token_ids) + sum(len(t.token_ids) for t in c.turns or ()) for c in completions)
         sub = ResultSubmission(
             job_id=job.job_id, lease_id=job.lease_id, version=job.version, prompt_hash=job.prompt_hash,
             seed=job.seed, group_size=job.group_size, backend=kind, generation_s=elapsed,  # type: ignore[arg-type]
@@ -980,7 +1044,7 @@ class Runner:
             polls += 1
             end = time.monotonic() + delay
             while (left := end - time.monotonic()) > 0 and not self.stop.is_set():
-                if read_controls(self.cfg.home).finish:
+                if read_controls(self.control_home).finish:
                     return None
                 await asyncio.to_thread(self.stop.wait, min(left, GATE_POLL_S))
             if self.stop.is_set():
@@ -1015,6 +1079,8 @@ class Runner:
             self.stats.accepted += 1
             self.stats.credit = res.total_credit
             self.stats.tokens += n_tok
+            self.lifetime.result(self.cfg.url, self.stats.run_id, job.client_id, accepted=True,
+                                 total_credit=res.total_credit)
             entry |= {"outcome": "accepted", "credit": res.credit}
             if self.on_result is not None:
                 self.on_result(time.monotonic(), job, n_tok)
@@ -1022,6 +1088,7 @@ class Runner:
             if refusal_code(exc) in STOP_CODES:
                 raise
             self.stats.rejected += 1
+            self.lifetime.result(self.cfg.url, self.stats.run_id, job.client_id, accepted=False)
             self._setbacks = self._setbacks + 1 if exc.reason in SETBACKS else 0
             code = refusal_code(exc)
             self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1
@@ -1084,4 +1151,8 @@ class Runner:
 
 def run(cfg: JoinConfig) -> int:
     safe_text.configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")  # escaped, one line each
+    if cfg.attach:  # several runs on one machine (swarm_client/multirun.py)
+        from swarm_client.multirun import run_all
+
+        return asyncio.run(run_all(cfg))
     return asyncio.run(Runner(cfg).run())

@@ -19,6 +19,36 @@ from swarm_client.schedule import parse_window
 FLAG_FIELDS = {"window": "windows", "wait_for_coordinator": "wait_for_coordinator_s", "serve": "p2p_serve",
                "max_upload_gb": "p2p_max_upload_gb", "give_up_after": "give_up_after_s"}
 
+def http_url(v: str) -> str:
+    """A coordinator URL, normalised (no trailing slash), or a ValueError that says how to write it."""
+    from urllib.parse import urlsplit
+
+    v = v.strip()
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        guess = v.split("://", 1)[-1]
+        raise ValueError(f"coordinator URL {v!r} needs http:// or https:// and a host: write e.g. "
+                         f"http://{guess or 'HOST:8470'}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"coordinator URL {v!r} has a query or fragment; give the scheme, host and port, e.g. "
+                         f"{parts.scheme}://{parts.netloc}")
+    return v.rstrip("/")
+
+
+def attached_run(entry: str) -> tuple[str, float]:
+    """``URL`` or ``URL=SHARE`` (a share above 0, default 1) → (URL, share); a ValueError that says the form."""
+    url, sep, share = entry.rpartition("=")
+    if not sep:
+        return http_url(entry), 1.0
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1e6:
+        raise ValueError(f"attach {entry!r}: the share after '=' must be a number above 0, e.g. {url}=2")
+    return http_url(url), value
+
+
 class JoinConfig(BaseModel):
     """Settings of one `echo-swarm join` process."""
 
@@ -44,6 +74,8 @@ class JoinConfig(BaseModel):
                                                         "its own bf16 replay of them.")
     threads: int | None = Field(None, ge=1, description="CPU threads for generation; unset: the backend's choice.")
     name: str = Field("", max_length=64, description="Display name on the leaderboard.")
+    team: str = Field("", max_length=64, description="Team to count for on the status page's team leaderboard: every "
+                      "volunteer naming the same team is added up there.")
     max_jobs: int | None = Field(None, ge=1, description="Exit after this many accepted results (this session).")
     exit_when_finished: bool = Field(False, description="Exit once the coordinator's run has finished, instead of "
                                      "waiting for the operator's next run at the same URL.")
@@ -134,23 +166,34 @@ class JoinConfig(BaseModel):
     p2p_jobs: bool = Field(False, description="With p2p: send register, lease, release and results to the "
                            "coordinator's libp2p peer (HTTP is the fallback; docs/protocol.md §6b).")
 
+    attach: list[str] = Field(default_factory=list, max_length=16, description="Another coordinator to work for "
+                              "beside URL, as URL or URL=SHARE (repeatable; share default 1): one machine, several "
+                              "runs, generation handed between them by share (BOINC's resource share). Each has its "
+                              "own identity and pinned key under HOME/attached/.")
+    share: float = Field(1.0, gt=0, le=1e6, description="URL's resource share beside the --attach runs: a run with "
+                         "share 3 gets 3× the generation time of one with share 1 while both have work.")
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        from urllib.parse import urlsplit
+        return http_url(v)
 
-        v = v.strip()
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            guess = v.split("://", 1)[-1]
-            raise ValueError(f"coordinator URL {v!r} needs http:// or https:// and a host: write e.g. "
-                             f"http://{guess or 'HOST:8470'}")
-        if parts.query or parts.fragment:
-            raise ValueError(f"coordinator URL {v!r} has a query or fragment; give the scheme, host and port, e.g. "
-                             f"{parts.scheme}://{parts.netloc}")
-        return v.rstrip("/")
+    @field_validator("attach")
+    @classmethod
+    def _attached(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            attached_run(entry)  # ValueError says the expected form
+        return v
 
-    @field_validator("name")
+    @model_validator(mode="after")
+    def _each_coordinator_once(self) -> JoinConfig:
+        urls = [self.url, *(attached_run(e)[0] for e in self.attach)]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"each coordinator once: {', '.join(urls)} names one twice (attach another URL, or drop "
+                             f"the repeat)")
+        return self
+
+    @field_validator("name", "team")
     @classmethod
     def _printable_name(cls, v: str) -> str:
         return check_printable(v)  # the coordinator refuses control characters in a profile; say so up front

@@ -64,6 +64,10 @@ class Patches:
             logger.warning("patch for %s refused (%s); fetching the full file instead", file.path, exc)
         except FileNotServed as exc:  # an older version of the chain was pruned while this client walked it
             logger.info("%s; fetching the full file %s instead", exc, file.path)
+        except FileNotFoundError as exc:  # the base file left this cache meanwhile (its version pruned, e.g. by a
+            # prefetch of another version finishing): an absent base, no fault of the patch's
+            logger.info("the base of a patch for %s left the cache meanwhile (%s); fetching the full file instead",
+                        file.path, exc.filename)
 
     async def _chain(self, manifest: Manifest, file: ManifestFile) -> list[tuple[ManifestFile, ManifestFile, int]]:
         """(patch, file it rebuilds, version), newest first, back to a file this cache holds, if those patches

@@ -16,6 +16,7 @@ from coordinator.store.readmodels import (
     JobsSummary,
     JobsView,
     LeaderEntry,
+    TeamEntry,
     VersionListing,
 )
 
@@ -77,6 +78,7 @@ class PageViews(TypedDict):
     throughput: list[dict[str, float]]
     clients_summary: ClientSummary
     leaderboard: list[LeaderEntry]
+    teams: list[TeamEntry]  # the team leaderboard (readmodels.teams)
     recent_versions: list[VersionListing]
     snapshot_egress: EgressView
 

@@ -53,6 +53,7 @@ def page_views(view: RunView) -> PageViews:
         "throughput": readmodels.throughput(view.store, view.state.started_at, now, THROUGHPUT_BINS),
         "clients_summary": readmodels.client_summary(readmodels.client_states(view.store, now, timeout)),
         "leaderboard": readmodels.top_clients(view.store, now, timeout),
+        "teams": readmodels.teams(view.store),
         "recent_versions": readmodels.versions(view.store, view.snapshots.signed_manifest, limit=10),
         # coordinator egress vs bytes peers served (p2p, issue 14), counted across restarts (the store's counter)
         "snapshot_egress": view.egress.view(view.store.counter(EGRESS_COUNTER)),

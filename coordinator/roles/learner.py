@@ -32,6 +32,7 @@ from coordinator.roles.handover import HandOver
 from coordinator.roles.local_client import LocalClient, LocalIntake
 from coordinator.roles.resume import restore, start_folder
 from coordinator.roles.upkeep import Upkeep
+from coordinator.run import notices
 from coordinator.run.names import LEARNER
 from coordinator.run.records import LearnerReport
 from coordinator.run.workqueue import POLL_S, Bell
@@ -114,6 +115,8 @@ class LearnerRole:
         if not any(e.version == self.version for e in self.store.evals.all()):
             self.upkeep.evaluate(self.version)
         self.finished = self.version >= self.config.learner.max_steps
+        if self.finished:  # restarted at or past the last step (a lowered --max-steps): told once all the same
+            notices.announce_finished(self.store, self.clock(), self.version)
         self._report()
         self.bell.ring()
 
@@ -306,6 +309,8 @@ class LearnerRole:
         max_steps = self.config.learner.max_steps
         self.version = new_version
         self.finished = new_version >= max_steps
+        if self.finished:  # every volunteer is told, once (docs/protocol.md §4, GET /v1/notices)
+            notices.announce_finished(self.store, self.clock(), new_version)
         self.busy_s += metrics["train_s"]
         self._report()
         self.bell.ring()

@@ -65,6 +65,21 @@ def withdraw(store: Store, notice_id: int) -> bool:
     return True
 
 
+FINISHED_KEY = "notices/run_finished"  # the meta row: the version the run-finished notice was published for
+
+
+def announce_finished(store: Store, now: float, version: int) -> Notice | None:
+    """The run reached its last step: tell every volunteer, once (a ``run`` notice; a learner that restarts after
+    it publishes none again). None when it was already told."""
+    if store.get_meta(FINISHED_KEY) is not None:
+        return None
+    notice = publish(store, now, f"this run has finished: it trained {version} policy versions. Thank you! Your "
+                                 f"client waits for the operator's next run at this address and joins it by "
+                                 f"itself (or stop it with `echo-swarm client finish`).", "run")
+    store.set_meta(FINISHED_KEY, str(version))
+    return notice
+
+
 def set_ban_note(store: Store, client_id: str, note: str) -> None:
     """The operator's note of a ban, told to the banned client with every refusal (cleared by an unban)."""
     store.set_meta(BAN_NOTE_KEY.format(client_id=client_id), note)

@@ -95,11 +95,20 @@ class LeaderEntry(TypedDict):
     rank: int
     client_id: str
     name: str
+    team: str
     backend: str
     platform: str
     accepted: int
     credit: float
     state: str
+
+
+class TeamEntry(TypedDict):
+    rank: int
+    team: str
+    members: int  # volunteers naming the team, banned ones left out
+    accepted: int
+    credit: float
 
 
 class JobListing(TypedDict):
@@ -225,7 +234,7 @@ def clients(store: Store, now: float, lease_timeout_s: float, limit: int = 10_00
         if reporting:
             extra["reporting"] = figures.get(row["client_id"], _reporting(r, None, DroppedBias()))
         out.append(extra | {
-            "name": profile.get("name", ""), "backend": profile.get("backend", "?"),
+            "name": profile.get("name", ""), "team": profile.get("team", ""), "backend": profile.get("backend", "?"),
             "device": profile.get("device", "?"), "platform": profile.get("platform", "?"),
             "cpu_count": profile.get("cpu_count"), "memory_gb": profile.get("memory_gb"),
             "software": profile.get("software", ""), "banned": bool(row["banned"]),
@@ -253,7 +262,7 @@ def client_summary(rows: list[ClientStateRow]) -> ClientSummary:
 def leaderboard(rows: list[dict[str, Any]], top: int = 20) -> list[LeaderEntry]:
     """The top ``top`` of :func:`clients`' rows by credit, banned ones left out."""
     ranked = sorted((c for c in rows if not c["banned"]), key=lambda c: (-c["credit"], c["registered_at"]))[:top]
-    return [{"rank": k + 1, "client_id": c["client_id"], "name": c["name"] or c["client_id"][:8],
+    return [{"rank": k + 1, "client_id": c["client_id"], "name": c["name"] or c["client_id"][:8], "team": c["team"],
              "backend": c["backend"], "platform": c["platform"], "accepted": c["accepted"], "credit": c["credit"],
              "state": c["state"]} for k, c in enumerate(ranked)]
 
@@ -404,6 +413,19 @@ def client_states(store: Store, now: float, lease_timeout_s: float) -> list[Clie
 def top_clients(store: Store, now: float, lease_timeout_s: float, top: int = 20) -> list[LeaderEntry]:
     """The credit leaderboard: the top ``top`` clients that are not banned."""
     return leaderboard(clients(store, now, lease_timeout_s, limit=top, exclude_banned=True), top)
+
+
+def teams(store: Store, top: int = 20) -> list[TeamEntry]:
+    """The team leaderboard: volunteers who named a team (`join --team`, their profile's ``team``), grouped by the
+    exact name, banned ones left out, the best credit first. A team is a name, not an account: anyone may name any
+    team, as in BOINC before team founders; what it counts is still only verified, accepted work."""
+    db = store.conn
+    team = db.json_text("profile", "team")
+    rows = db.execute(f"SELECT {team} AS team, COUNT(*) AS members, COALESCE(SUM(accepted), 0) AS accepted, "
+                      f"COALESCE(SUM(credit), 0) AS credit FROM clients WHERE banned = 0 AND "
+                      f"COALESCE({team}, '') != '' GROUP BY 1 ORDER BY 4 DESC, 1 LIMIT ?", (top,)).fetchall()
+    return [{"rank": k + 1, "team": str(r["team"]), "members": int(r["members"]), "accepted": int(r["accepted"]),
+             "credit": float(r["credit"])} for k, r in enumerate(rows)]
 
 
 def trained_staleness(store: Store) -> dict[int, int]:

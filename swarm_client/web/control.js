@@ -15,6 +15,59 @@ function cell(tr, text, cls) {
   tr.appendChild(td);
 }
 
+const SVG = "http://www.w3.org/2000/svg";
+function svgEl(name, attrs) {
+  const el = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, String(v));
+  return el;
+}
+function day(t) { return new Date(t * 1000).toLocaleDateString(); }
+
+// lifetime credit over time: a step line from the ledger's points, axes labelled with the first and last day and
+// the total (swarm_client/lifetime.py)
+function drawPlot(points) {
+  const svg = $("credit-plot");
+  svg.dataset.points = String(points.length);
+  const W = 900, H = 180, L = 60, R = 10, T = 10, B = 24;
+  const kids = [svgEl("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }),
+    svgEl("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" })];
+  if (points.length) {
+    const t0 = points[0][0], t1 = Math.max(points[points.length - 1][0], t0 + 1);
+    const top = Math.max(...points.map((p) => p[1]), 1);
+    // within two days the ends are times (within an hour, to the second), beyond that days
+    const span = t1 - t0;
+    const when = span < 2 * 86400 ? (t) => new Date(t * 1000).toLocaleString([], {
+      month: "short", day: "numeric", hour: "2-digit", minute: "2-digit",
+      ...(span < 3600 ? { second: "2-digit" } : {}) }) : day;
+    const x = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R), y = (c) => H - B - (c / top) * (H - B - T);
+    let d = `M ${x(points[0][0]).toFixed(1)} ${y(0).toFixed(1)}`;
+    for (const [t, c] of points) d += ` H ${x(t).toFixed(1)} V ${y(c).toFixed(1)}`;
+    kids.push(svgEl("path", { d, class: "credit" }));
+    const label = (text, attrs) => { const el = svgEl("text", attrs); el.textContent = text; return el; };
+    kids.push(label(Math.round(top).toLocaleString(), { x: L - 4, y: T + 8, "text-anchor": "end" }),
+      label("0", { x: L - 4, y: H - B, "text-anchor": "end" }),
+      label(when(t0), { x: L, y: H - 6, "text-anchor": "start" }),
+      label(when(t1), { x: W - R, y: H - 6, "text-anchor": "end" }));
+  }
+  svg.replaceChildren(...kids);
+}
+
+function drawLifetime(life) {
+  const total = life.total || {};
+  $("lifetime-total").textContent = total.runs
+    ? `${Math.round(total.credit).toLocaleString()} credit, ${total.accepted} results accepted over ${total.runs} ` +
+      `run${total.runs === 1 ? "" : "s"} since ${day(total.since)}`
+    : "Nothing yet: the first accepted result starts the record.";
+  drawPlot(life.points || []);
+  $("runs").tBodies[0].replaceChildren(...(life.runs || []).map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.run = r.run_id;
+    cell(tr, r.run_id); cell(tr, r.url); cell(tr, day(r.first_at)); cell(tr, clock(r.last_at));
+    cell(tr, r.accepted, "num"); cell(tr, r.rejected, "num"); cell(tr, Math.round(r.credit).toLocaleString(), "num");
+    return tr;
+  }));
+}
+
 function draw(s) {
   const c = s.controls || {};
   const st = $("state");
@@ -57,6 +110,19 @@ function draw(s) {
   const input = $("bandwidth");
   if (document.activeElement !== input) input.value = s.max_mbps === null || s.max_mbps === undefined ? "" : String(s.max_mbps);
   input.dataset.current = String(s.max_mbps);
+  drawLifetime(s.lifetime || {});
+  const runs = s.runs || [];
+  $("shares").hidden = !runs.length;
+  $("share-runs").tBodies[0].replaceChildren(...runs.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.url = r.url;
+    tr.dataset.accepted = String(r.accepted);
+    cell(tr, r.url); cell(tr, r.state);
+    cell(tr, `${r.share} (${Math.round(100 * (r.share_fraction || 0))} %)`, "num");
+    cell(tr, `${Math.round(100 * (r.work_fraction || 0))} %`, "num");
+    cell(tr, r.accepted, "num"); cell(tr, Math.round(r.credit).toLocaleString(), "num");
+    return tr;
+  }));
   const rows = (s.history || []).slice().reverse();
   $("history").tBodies[0].replaceChildren(...rows.map((h) => {
     const tr = document.createElement("tr");

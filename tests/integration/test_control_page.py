@@ -137,9 +137,15 @@ def test_the_control_page_pauses_and_resumes_the_running_client(tmp_path: Path,
                 assert await page.evaluate(buttons) == [False, True]
                 await wait_for(page, "document.querySelectorAll('#history tbody tr').length >= 1", 60,
                                "the history table")
+                # the lifetime card: this run in the runs table and the credit series plotted (swarm_client/lifetime.py)
+                await wait_for(page, "Number(document.getElementById('credit-plot').dataset.points) >= 2", 60,
+                               "two points of the lifetime credit plot")
                 await page.screenshot(ARTIFACTS / "control-page.png")
                 state = await page.evaluate("""({rows: document.querySelectorAll('#history tbody tr').length,
-                    credit: document.getElementById('credit').textContent, errors: window.echoControl.errors})""")
+                    credit: document.getElementById('credit').textContent, errors: window.echoControl.errors,
+                    runs: [...document.querySelectorAll('#runs tbody tr')].map((r) => r.dataset.run),
+                    plotted: document.querySelectorAll('#credit-plot path.credit').length,
+                    lifetime: document.getElementById('lifetime-total').textContent})""")
 
                 # Snooze 30 min: no new work, the page and the status say until when; Resume ends it early
                 await _click(page, "snooze-30")
@@ -175,6 +181,8 @@ def test_the_control_page_pauses_and_resumes_the_running_client(tmp_path: Path,
 
         seen = asyncio.run(drive())
         assert seen["rows"] >= 1 and seen["errors"] == 0 and "accepted" in seen["shown"]
+        assert seen["runs"] == [_status(home)["run_id"]] and seen["plotted"] == 1
+        assert "results accepted over 1 run since" in seen["lifetime"]
         assert not read_controls(home).finish  # obeyed and cleared: the next start works normally
         assert _status(home)["state"] == "stopped" and _status(home)["accepted"] >= seen["accepted_at_finish"]
     finally:

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from aiohttp import web
 
 from coordinator.api.app import COORDINATOR, INTERNAL_ERRORS, blob, errors_middleware, snapshot_manifest
@@ -170,6 +171,28 @@ def test_a_patch_pruned_while_the_client_walks_its_chain_falls_back_to_the_full_
     _same_as_published(store, 3, folders[1])
     assert cache.patches.patched == 0 and cache.patches.patches_refused == 0  # not a bad patch: an absent one
     assert downloaded[1] == _entries(store, 3)["model.safetensors"].size
+
+
+def test_a_base_pruned_from_the_cache_during_the_rebuild_falls_back_to_the_full_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's own cache prunes an old version (a prefetch of another version finished) after the chain was
+    walked and before the patch is applied: its base file is gone. The full file is fetched instead (this once
+    ended the client with FileNotFoundError, seen with two runs on one machine: tests/integration/test_shares.py)."""
+    from swarm_client import snapshot_patches
+
+    real = snapshot_patches.apply_patch
+
+    def base_gone(base: Path, *args: object, **kwargs: object) -> str:
+        base.unlink()
+        return real(base, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(snapshot_patches, "apply_patch", base_gone)
+    store = _store(tmp_path)
+    _publish(store, range(2))
+    cache, folders, downloaded = _fetch(store, tmp_path / "home", [0, 1])
+    _same_as_published(store, 1, folders[1])
+    assert cache.patches.patched == 0 and cache.patches.patches_refused == 0  # not a bad patch: an absent base
+    assert downloaded[1] >= _entries(store, 1)["model.safetensors"].size
 
 
 def test_a_corrupted_patch_is_refused_and_the_full_file_fetched(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from shared.exit_codes import ExitCode
 from swarm_client.control import read_status
 from swarm_client.webcontrol import PAGE_FILE
 from tests.integration.browser import Page, on_control_page
-from tests.integration.conftest import LiveCoordinator
+from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import ARTIFACTS, REPO, Proc, db_rows, wait_until
 from tests.integration.test_status_page import wait_for
 from tests.integration.test_stop_reasons import COLUMNS, ROWS, Shown
@@ -31,6 +32,14 @@ pytestmark = pytest.mark.slow
 
 # what an operator might write: markup-like text must reach the volunteer as written, never as markup
 NEWS = "The next run starts Monday 09:00 UTC [bold]thanks[/bold] <b>all</b>"
+
+
+@pytest.fixture()
+def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
+    """A run that does not finish while these tests look (the learner announces a finished run with a notice of
+    its own: coordinator.run.notices.announce_finished): the board holds the operator's notices only."""
+    with running_coordinator(tmp_path, tiny_model_dir, learner={"max_steps": 100_000}) as live:
+        yield live
 
 
 def _echo_swarm(*args: str) -> subprocess.CompletedProcess[str]:

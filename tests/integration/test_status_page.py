@@ -60,6 +60,10 @@ async def watch_page(url: str, browser: Chromium, shot: Path) -> dict[str, Any]:
         later = await page.evaluate(f"""({{
             points: {POINTS}, credit: {CREDIT}, same: window.__sameDocument,
             rows: document.querySelectorAll('#leaderboard tbody tr').length,
+            teams: [...document.querySelectorAll('#teams tbody tr')].map((r) => [r.dataset.team,
+                                                                                Number(r.dataset.credit)]),
+            teamsEmpty: getComputedStyle(document.getElementById('teams-empty')).display,
+            teamCells: [...document.querySelectorAll('#leaderboard tbody tr')].map((r) => r.cells[2].textContent),
             paths: document.querySelectorAll('#reward-chart svg path').length,
             evalDots: document.querySelectorAll('#reward-chart circle').length,
             throughput: Number(document.getElementById('throughput-chart').dataset.points),
@@ -120,7 +124,8 @@ def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_d
         assert "/static/status.js" in html and "cdn" not in html.lower()
         metrics_before = scrape(url)
         for k in range(2):
-            procs.append(start_client(url, tmp_path / f"client{k}", tmp_path / f"client{k}.log", "--name", f"vol-{k}"))
+            procs.append(start_client(url, tmp_path / f"client{k}", tmp_path / f"client{k}.log", "--name", f"vol-{k}",
+                                      "--team", "Team Ω"))  # both count for one team
         browser = Chromium(tmp_path / "chromium-profile", tmp_path / "chromium.log")
         shot = ARTIFACTS / "status-page.png"
         seen = asyncio.run(watch_page(url, browser, shot))
@@ -130,6 +135,9 @@ def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_d
         assert later["rows"] == 2 and later["paths"] >= 1 and later["evalDots"] >= 1
         assert later["throughput"] >= 1 and ("torch" in later["backends"] or "llama" in later["backends"]) and later["versions"] >= 2
         assert later["errors"] == 0
+        # the team leaderboard: one team of both volunteers, its credit theirs added up (the page's own figures)
+        assert [name for name, _ in later["teams"]] == ["Team Ω"] and later["teamsEmpty"] == "none"
+        assert later["teamCells"] == ["Team Ω", "Team Ω"]
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and seen["screenshot_bytes"] > 20_000
 
         charts = seen["charts"]
@@ -162,11 +170,17 @@ def test_status_page_updates_live_in_a_real_browser(tmp_path: Path, tiny_model_d
                       for q in ("/v1/status", "/v1/status?view=page"))
         old_keys = {"run_id", "version", "max_steps", "finished", "sync_mode", "max_staleness", "task", "uptime_s",
                     "learner", "jobs", "totals", "reward_curve", "steps", "evals", "clients"}
-        new_keys = {"server_time", "issuing_paused", "throughput", "clients_summary", "leaderboard", "recent_versions"}
+        new_keys = {"server_time", "issuing_paused", "throughput", "clients_summary", "leaderboard", "teams",
+                    "recent_versions"}
         assert old_keys | new_keys <= set(full) and "in_flight" in full["jobs"]  # backward compatible
         assert new_keys <= set(page) and "clients" not in page and "steps" not in page
         assert [r["credit"] for r in page["leaderboard"]] == sorted((r["credit"] for r in page["leaderboard"]),
                                                                     reverse=True)
+        # the team's figures are its members' added up (one reply: both read by the API process that writes results)
+        (team,) = page["teams"]
+        board = page["leaderboard"]
+        assert (team["rank"], team["team"], team["members"]) == (1, "Team Ω", 2) and {r["team"] for r in board} == {"Team Ω"}
+        assert (team["accepted"], team["credit"]) == (sum(r["accepted"] for r in board), sum(r["credit"] for r in board))
 
         metrics_after = scrape(url)
         key = ("echo_swarm_jobs_leased_total", ())

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.run.notices import NOTICES_KEY
 from shared.exit_codes import ExitCode
 from swarm_client.api import CoordinatorClient, RetryPolicy
 from swarm_client.bandwidth import MonthlyMeter, Throttle
@@ -255,6 +256,10 @@ def test_a_client_outlasts_a_two_minute_outage_waits_out_a_finished_run_and_join
         wait_until(lambda: log.read_text().count("still finished") > polls, 120, "the client to look again")
         assert _leases(run_a) == leases, "a client whose run has finished leased a job"
         assert "the run has finished" in client.output()
+        # the learner told every volunteer in a signed notice, once (coordinator.run.notices.announce_finished)
+        board = json.loads(db_rows(run_a, "SELECT value FROM meta WHERE key = ?", (NOTICES_KEY,))[0][0])
+        assert [n["kind"] for n in board["notices"]] == ["run"]
+        assert "this run has finished: it trained " in board["notices"][0]["text"]
 
         # -- the operator starts the next run at the same URL, with the same key: the client follows ------------
         assert coord.stop() == 0

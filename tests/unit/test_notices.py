@@ -94,3 +94,17 @@ def test_an_update_notice_says_whether_this_client_must_update() -> None:
     assert describe(notice, "0.4.0").endswith("(needs echo-swarm 0.5 or newer; this client is 0.4.0: please update "
                                               "(pip install -U echo-swarm))")
     assert describe(notice, "0.5.1").endswith("this client (0.5.1) is recent enough)")
+
+
+def test_a_finished_run_is_announced_once(tmp_path: Path) -> None:
+    """coordinator.run.notices.announce_finished: a ``run`` notice at the last step; a learner restarted after it
+    (which reaches the same state again) publishes none."""
+    store = Store(tmp_path / "run.sqlite")
+    try:
+        notices.publish(store, 1.0, "hello", "operator")
+        notice = notices.announce_finished(store, 2.0, 200)
+        assert notice is not None and notice.kind == "run" and "trained 200 policy versions" in notice.text
+        assert notices.announce_finished(store, 3.0, 200) is None
+        assert [(n.kind, n.notice_id) for n in notices.current(store)] == [("operator", 1), ("run", 2)]
+    finally:
+        store.close()

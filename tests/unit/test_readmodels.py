@@ -68,6 +68,26 @@ def test_client_views(store: Store) -> None:
     assert readmodels.top_clients(store, T0, 30.0) == []
 
 
+def test_teams_add_up_their_members_and_leave_out_the_banned_and_the_teamless(store: Store) -> None:
+    """readmodels.teams: grouped by the exact name, best credit first; a banned member counts for nobody, a volunteer
+    without a team is on no team's row (and a profile from before the field has none)."""
+    assert readmodels.teams(store) == []  # alice's profile names no team
+    bob, eve, mal = "b" * 32, "e" * 32, "f" * 32
+    for cid, team in ((bob, "red"), (eve, "blue"), (mal, "blue"), (ALICE, "blue")):
+        store.clients.register(cid, cid[:1].encode() * 32, PROFILE | {"name": cid[:3], "team": team}, T0 + 1)
+    store.conn.execute("UPDATE clients SET accepted = 3, credit = 30.0 WHERE client_id = ?", (bob,))
+    store.conn.execute("UPDATE clients SET accepted = 2, credit = 12.5 WHERE client_id = ?", (eve,))
+    store.conn.execute("UPDATE clients SET accepted = 9, credit = 90.0 WHERE client_id = ?", (mal,))
+    store.clients.set_banned(mal, True)
+    assert readmodels.teams(store) == [
+        {"rank": 1, "team": "red", "members": 1, "accepted": 3, "credit": 30.0},
+        {"rank": 2, "team": "blue", "members": 2, "accepted": 3, "credit": 22.5},  # eve and alice (1 result, 10.0)
+    ]
+    assert readmodels.teams(store, top=1)[0]["team"] == "red"
+    assert {r["name"]: r["team"] for r in readmodels.top_clients(store, T0 + 10, 30.0)} == {
+        "bbb": "red", "eee": "blue", "aaa": "blue"}
+
+
 def test_the_operators_and_the_volunteers_views_show_reporting(store: Store) -> None:
     """What the keyed sampler cannot see, per client: leases not returned and the returned rewards against the
     other volunteers' at the same versions (coordinator.core.reporting) — in the admin listing and the

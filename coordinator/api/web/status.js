@@ -114,11 +114,24 @@ function drawLeaderboard(s) {
     link.textContent = r.name;
     who.appendChild(link);
     tr.appendChild(who);
-    cell(tr, r.backend); cell(tr, r.platform);
+    cell(tr, r.team || "–"); cell(tr, r.backend); cell(tr, r.platform);
     cell(tr, r.accepted, "num"); cell(tr, Math.round(r.credit).toLocaleString(), "num");
     return tr;
   }));
   $("leaderboard-empty").style.display = rows.length ? "none" : "";
+}
+
+function drawTeams(s) {
+  const rows = s.teams || [];
+  $("teams").tBodies[0].replaceChildren(...rows.map((t) => {
+    const tr = document.createElement("tr");
+    tr.dataset.team = t.team;
+    tr.dataset.credit = String(t.credit);
+    cell(tr, t.rank); cell(tr, t.team); cell(tr, t.members, "num"); cell(tr, t.accepted, "num");
+    cell(tr, Math.round(t.credit).toLocaleString(), "num");
+    return tr;
+  }));
+  $("teams-empty").style.display = rows.length ? "none" : "";
 }
 
 function drawVersions(s) {
@@ -151,7 +164,7 @@ async function poll() {
     const resp = await fetch("/v1/status?view=page", { cache: "no-store" });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     const s = await resp.json();
-    drawSummary(s); drawReward(s); drawThroughput(s); drawClients(s); drawLeaderboard(s); drawVersions(s);
+    drawSummary(s); drawReward(s); drawThroughput(s); drawClients(s); drawLeaderboard(s); drawTeams(s); drawVersions(s);
     window.echoSwarm.polls += 1;
     window.echoSwarm.last = { version: s.version, points: (s.reward_curve || []).length };
   } catch (err) {
