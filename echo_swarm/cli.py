@@ -190,14 +190,14 @@ def join(
     p2p_coordinator: Annotated[Optional[list[str]], _setting("p2p_coordinator", show_default=False)] = None,
 ) -> None:
     flags = _join_flags(locals())  # first, so that it holds the parameters only
-    from swarm_client.runner import run  # lazy: the runner loads aiohttp, numpy and cryptography (~0.6 s)
+    from swarm_client.multirun import join  # lazy: the runner loads aiohttp, numpy and cryptography (~0.6 s)
 
     try:
         cfg = build(flags, config)
     except ClientConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(ExitCode.USAGE) from None
-    raise typer.Exit(run(cfg))
+    raise typer.Exit(join(cfg))
 
 
 def _join_flags(params: dict[str, object]) -> dict[str, object]:

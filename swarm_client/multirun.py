@@ -22,9 +22,10 @@ import signal
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shared import safe_text
 from shared.exit_codes import ExitCode
 from swarm_client import logs
-from swarm_client.runner import Runner
+from swarm_client.runner import Runner, run
 from swarm_client.settings import JoinConfig, attached_run
 from swarm_client.shares import Shares
 
@@ -53,6 +54,14 @@ def runners(cfg: JoinConfig) -> list[Runner]:
         out.append(runner)
     main.attached = out[1:]
     return out
+
+
+def join(cfg: JoinConfig) -> int:
+    """`echo-swarm join`: one run (swarm_client.runner.run), or several with --attach."""
+    if not cfg.attach:
+        return run(cfg)
+    safe_text.configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")  # escaped, one line each
+    return asyncio.run(run_all(cfg))
 
 
 async def run_all(cfg: JoinConfig) -> int:

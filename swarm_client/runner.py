@@ -1151,8 +1151,4 @@ class Runner:
 
 def run(cfg: JoinConfig) -> int:
     safe_text.configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")  # escaped, one line each
-    if cfg.attach:  # several runs on one machine (swarm_client/multirun.py)
-        from swarm_client.multirun import run_all
-
-        return asyncio.run(run_all(cfg))
     return asyncio.run(Runner(cfg).run())
