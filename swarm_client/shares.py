@@ -11,7 +11,7 @@ again once it has a job.
 **Work is counted in generated tokens**, the unit of the credit the coordinators grant — as BOINC counts a project's
 recent estimated credit, not seconds. Seconds were tried first: a run's jobs took up to 43 % longer per token than
 the other's on the same machine (each run's coordinator verifying beside it, a run's first jobs warming its own
-model), so 3:1 in seconds gave 3.4–4.0:1 in results (tests/integration/test_shares.py). Tokens make 3:1 shares 3:1
+model), so 3:1 in seconds gave 3.2–4.0:1 in results (tests/integration/test_shares.py; tokens: 2.8–3.0). Tokens make 3:1 shares 3:1
 in work for runs of one model size; for runs of different sizes a token of the bigger model costs more time (a
 FLOP-weighted count, as BOINC normalises credit, is open).
 """
