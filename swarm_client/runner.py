@@ -832,7 +832,6 @@ class Runner:
             pull = self._consider_prefetch(resp, held, cache, reg.run_id)
             self._note_pause(resp.paused)
             if resp.job is None:
-                self._no_job()
                 turn = await self._without_job(api, resp, reg.run_id, pull)
                 if isinstance(turn, int):
                     return turn
@@ -949,6 +948,7 @@ class Runner:
         """No job this time: the run finished (EXIT_OK, or NEW_RUN when the operator's next run starts), a version
         to pull while idle (AGAIN at once, with it in hand), or the coordinator's pause or empty queue (AGAIN after
         its retry_after)."""
+        self._no_job()  # other runs on this machine need not wait for this one
         if resp.finished and self.cfg.exit_when_finished:
             self._say(f"the run has finished at version {resp.current_version}")
             return EXIT_OK
