@@ -73,9 +73,8 @@ async def run_all(cfg: JoinConfig) -> int:
         loop.add_signal_handler(sig, main._on_signal)  # the stop event is shared: every run stops
     log_file = logs.setup(main.paths.logs, cfg.log_level, main.display.error)
     logger.info("echo-swarm join %s with %s (log %s)", cfg.url, ", ".join(cfg.attach), log_file)
-    main._say(f"working for {len(group)} coordinators, generation by share: " + ", ".join(
-        f"{r.cfg.url} {share['share']:g}" for r, share in zip(group, main.shares.view() if main.shares else [],
-                                                                strict=True)))
+    main._say(f"working for {len(group)} coordinators, generation by share: "
+              + ", ".join(f"{r['url']} {r['share']:g}" for r in main.runs()))
     try:
         codes = await asyncio.gather(*(r.work() for r in group))
     finally:

@@ -160,8 +160,8 @@ class ClientStats:
     stop_reason: str = ""
     exit_code: int | None = None  # set once the client has stopped
     notices: list[dict[str, object]] = field(default_factory=list)  # the coordinator's notices in force (notices.py)
-    # with --attach: every run of this client — its coordinator, share, share of the generation time so far, state,
-    # results and credit (swarm_client/multirun.py)
+    # with --attach: every run of this client — its coordinator, share, share of the work (and of the generation
+    # time) so far, state, results and credit (swarm_client/multirun.py)
     runs: list[dict[str, object]] = field(default_factory=list)
 
 
@@ -736,11 +736,11 @@ class Runner:
                 self.stats.credit = float(mine.get("credit", 0.0))
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError) as exc:
             logger.info("could not read earlier credit: %s", exc)
-        if mine:
-            self.lifetime.joined(self.cfg.url, self.stats.run_id, client_id, accepted=self.stats.accepted,
-                                 rejected=self.stats.rejected, credit=self.stats.credit)
-        else:
-            self.lifetime.joined(self.cfg.url, self.stats.run_id, client_id)
+        known = bool(mine)  # the coordinator's figures for this identity, where its status lists it
+        self.lifetime.joined(self.cfg.url, self.stats.run_id, client_id,
+                             accepted=self.stats.accepted if known else None,
+                             rejected=self.stats.rejected if known else None,
+                             credit=self.stats.credit if known else None)
 
     async def _serve(self, api: CoordinatorClient, identity: Identity, backend: Backend,
                      info: Info | None = None) -> int:
