@@ -29,7 +29,7 @@ def _logits(path: Path, ids: list[int], lora: Path | None = None) -> np.ndarray:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(path), lora_path=None if lora is None else str(lora), n_ctx=128,
-                          n_batch=128, logits_all=True, n_threads=2, verbose=False)
+                          n_batch=128, logits_all=True, n_threads=1, verbose=False)
     try:
         llm.eval(ids)
         return np.array(llm.scores[: len(ids)], dtype=np.float32)

@@ -59,7 +59,7 @@ def _gguf(model: Path, tmp: Path, precision: str) -> Path:
 def _client(folder: Path) -> object:
     from swarm_client.backends.llama_backend import LlamaBackend
 
-    backend = LlamaBackend(device="cpu", threads=2, n_ctx=256)
+    backend = LlamaBackend(device="cpu", threads=1, n_ctx=256)  # see _recompute
     backend.load(folder)
     return backend
 
@@ -84,7 +84,9 @@ def _results(backend: object, keys: range, temperature: float) -> list[tuple[lis
 def _recompute(folder: Path, temperature: float):  # type: ignore[no-untyped-def]
     from coordinator.engine.llama_verifier import LlamaRecompute
 
-    return LlamaRecompute(lambda _v: folder, temperature=temperature, threads=2)
+    # one thread, like the client: ggml's workers meet at spinning barriers, and on a busy two-core machine (CI's
+    # other worker running three processes) a two-thread llama.cpp ran these tests ~100x slower (400 s, not 4 s)
+    return LlamaRecompute(lambda _v: folder, temperature=temperature, threads=1)
 
 
 @pytest.mark.parametrize("precision", ["f16", "q8_0", "q6_K", "q5_K_M", "q4_K_M", "q4_0"])

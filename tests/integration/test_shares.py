@@ -57,7 +57,7 @@ def test_two_coordinators_get_results_in_the_ratio_of_their_shares(tmp_path: Pat
         client = start_client(urls[0], home, tmp_path / "client.log", "--no-benchmark", "--share", "3",
                               "--attach", f"{urls[1]}=1")
         procs.append(client)
-        wait_until(lambda: sum(_results(r) for r in runs) >= JOBS, 900, f"{JOBS} results over both runs")
+        wait_until(lambda: sum(_results(r) for r in runs) >= JOBS, 480, f"{JOBS} results over both runs")
 
         browser = Chromium(tmp_path / "chromium-profile", tmp_path / "chromium.log")
 
