@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from sortedcontainers import SortedList
 
@@ -181,7 +182,7 @@ class Issuer:
         leased_at = view.lease_deadline - self.lease_timeout_s
         return LeaseView(view.job_id, view.state, view.version, view.created_at, view.lease_id, view.lease_client,
                          view.lease_deadline, pacing.due_at(leased_at, pace, self.version_interval),
-                         pacing.expected_back(leased_at, pace))
+                         pacing.expected_back(leased_at, pace), view.verifying)
 
     def speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
         exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self.pace
@@ -190,8 +191,12 @@ class Issuer:
                                   exploring=exploring, step_s=self.version_interval)
 
     def decide(self, client_id: str, views: list[LeaseView], queued: int, now: float, version: int,
-               held_version: int, withheld: frozenset[str] = frozenset()) -> LeaseDecision | None:
-        """core.scheduling.decide_lease with this client's speed and every lease's due times."""
+               held_version: int, withheld: frozenset[str] = frozenset(),
+               verifying: frozenset[str] = frozenset()) -> LeaseDecision | None:
+        """core.scheduling.decide_lease with this client's speed, every lease's due times, and the jobs whose result
+        is being verified (``verifying``: never reissued, and each keeps its slot in the queue)."""
+        if verifying:
+            views = [replace(v, verifying=True) if v.job_id in verifying else v for v in views]
         speed = None
         if self.speed_aware:
             views = [self.with_due(v) for v in views]

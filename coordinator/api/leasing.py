@@ -148,9 +148,9 @@ class Leasing(Phase):
         views = [j.view for j in active.values()]
         queued = len(self.files.store.results.pending())
         reissuable = [v.job_id for v in views if not lease_live(v, now)]
-        withheld = self.files.store.results.refused_jobs(client_id, reissuable) | self.verifying.jobs()
+        withheld = self.files.store.results.refused_jobs(client_id, reissuable)
         decision = self.issuer.decide(client_id, views, queued, now, self.state.version, held_version,
-                                      frozenset(withheld))
+                                      frozenset(withheld), frozenset(self.verifying.jobs()))
         if decision is None:
             return self._retry()
         row = active[decision.job_id] if decision.job_id is not None else self.new_job()

@@ -31,6 +31,7 @@ class LeaseView:
     lease_deadline: float | None = None
     due_at: float | None = None  # when the holder is overdue (core.pacing.due_at); None: not estimated
     expected_at: float | None = None  # when the holder is expected back (core.pacing.expected_back); None: unknown
+    verifying: bool = False  # its result is here, being verified (coordinator.api.verdicts.Verifying)
 
 
 def lease_live(job: LeaseView, now: float) -> bool:
@@ -39,8 +40,9 @@ def lease_live(job: LeaseView, now: float) -> bool:
 
 
 def leasable(job: LeaseView, now: float) -> bool:
-    """A job may be handed out if it is not done and nobody holds a live lease on it."""
-    return job.state is not JobState.DONE and not lease_live(job, now)
+    """A job may be handed out if it is not done, nobody holds a live lease on it and no result of it is being
+    verified (one that is accepted would make a second holder's work a copy)."""
+    return job.state is not JobState.DONE and not lease_live(job, now) and not job.verifying
 
 
 def choose_job(jobs: list[LeaseView], now: float) -> LeaseView | None:

@@ -83,21 +83,28 @@ def occupies_slot(job: LeaseView, now: float, current: int, policy: SyncPolicy) 
     """A live lease holds a queue slot while its result could still be trained and its holder is not overdue
     (core.pacing.due_at). Once the policy has moved more than S versions past the lease's version its result
     can only be credited, and an overdue holder has probably vanished: either way the slot goes back to the
-    queue, while the lease itself stays valid — an honest late result is still accepted."""
+    queue, while the lease itself stays valid — an honest late result is still accepted.
+
+    A job whose result is being verified holds its slot whatever its lease and due times say: the result is here,
+    and a busy verifier is the coordinator's delay, not a vanished holder. Were the slot freed, sequential pull
+    would plan one job more than the version's batch, and of its B + 1 results one would be set aside untrained."""
+    trainable = job.version is None or current - job.version <= policy.bound
+    if job.verifying:
+        return trainable
     if not lease_live(job, now) or (job.due_at is not None and now >= job.due_at):
         return False
-    return job.version is None or current - job.version <= policy.bound
+    return trainable
 
 
 def supply_before(active: Sequence[LeaseView], pending: int, now: float, current: int, policy: SyncPolicy,
                   back_at: float, step_s: float) -> int:
     """What the learner will have in hand by ``back_at`` without a new job (core.pacing rule 4): the
-    ``pending`` results accepted and not yet trained, plus the leases in flight that hold a slot and whose
-    holders are expected back ``SUPPLY_SLACK_STEPS`` learner steps before then. A lease of unknown pace, one
+    ``pending`` results accepted and not yet trained, the results being verified, plus the leases in flight that
+    hold a slot and whose holders are expected back ``SUPPLY_SLACK_STEPS`` learner steps before then. A lease of unknown pace, one
     expected later, or one already late (its holder may be gone) is not counted."""
     by = back_at - SUPPLY_SLACK_STEPS * step_s
     return pending + sum(1 for j in active if occupies_slot(j, now, current, policy)
-                         and j.expected_at is not None and now <= j.expected_at <= by)
+                         and (j.verifying or j.expected_at is not None and now <= j.expected_at <= by))
 
 
 def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
@@ -108,7 +115,8 @@ def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current:
     other clients waiting (core.pacing; None: every client alike), ``withheld`` jobs not to reissue to this
     client: those it already had a result refused for (a deterministic honest client — same seed, same
     version, same numerics — would only be refused again, so the job waits for another client and this one
-    gets other work), and those whose result is being verified right now. None means "no job for you now"."""
+    gets other work). A job whose result is being verified (``LeaseView.verifying``) is never reissued and keeps its
+    slot. None means "no job for you now"."""
     queued = sum(1 for j in active if occupies_slot(j, now, current, policy)) + pending
     if not admits(queued, policy):
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from coordinator.core.pacing import (
     update_pace,
     within_horizon,
 )
-from coordinator.core.scheduling import SyncPolicy, decide_lease, occupies_slot, supply_before
+from coordinator.core.scheduling import LeaseDecision, SyncPolicy, decide_lease, occupies_slot, supply_before
 
 ASYNC1 = SyncPolicy("async-push-pull", 1, 2)  # B = 2, S = 1: four slots
 SEQ = SyncPolicy("sequential-pull", 1, 2)
@@ -116,6 +117,21 @@ def test_overdue_and_untrainable_leases_give_their_slot_back() -> None:
     overdue = [*full[:3], lease("j3", 5, due=1.0)]
     decision = decide_lease(overdue, 0, 2.0, 5, 5, ASYNC1)
     assert decision is not None and decision.job_id is None  # a new job: the overdue one is still leased
+
+
+def test_a_job_whose_result_is_being_verified_keeps_its_slot_and_is_not_reissued() -> None:
+    """The verifier's delay is not a vanished holder: past its due time and its lease deadline, a job in verification
+    still fills its slot (sequential pull plans no job beyond the version's batch) and counts as supply."""
+    late = lease("j1", 5, deadline=1.0, due=1.0)
+    verifying = replace(late, verifying=True)
+    assert not occupies_slot(late, 2.0, 5, SEQ)
+    assert occupies_slot(verifying, 2.0, 5, SEQ)
+    assert not occupies_slot(replace(verifying, version=4), 2.0, 5, SEQ)  # past the bound: credited only, as ever
+    batch = [lease("j0", 5), late]
+    assert decide_lease(batch, 0, 2.0, 5, 5, SEQ) == LeaseDecision("j1", 5)  # an expired lease is reissued
+    assert decide_lease([batch[0], verifying], 0, 2.0, 5, 5, SEQ) is None  # in verification: neither reissued nor replaced
+    assert supply_before([verifying], 1, 2.0, 5, ASYNC1, back_at=3.0, step_s=1.0) == 2
+    assert supply_before([late], 1, 2.0, 5, ASYNC1, back_at=3.0, step_s=1.0) == 1
 
 
 def test_sequential_uses_fastest_first_but_no_horizon() -> None:
