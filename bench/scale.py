@@ -36,9 +36,16 @@ space: ``lr=1e-6``, ``precision=bf16`` (``learner.precision``), so ``--modes "se
 measures the float32 and the bf16 learner side by side. Peak RSS is also given per parameter for the learner
 (bytes per parameter) and against the replica for each verifier (its bytes in ``model.dtype``, float32).
 
+A verifier held busy (issue 37): ``--hold-verifier SECONDS`` holds the verifier at its first recompute of version 0
+(the ``recompute-v0`` hold point, coordinator.holds) that long, while the client's uploads time out (its request
+timeout is 30 s) and are resent; the mode's result then says how often results were recomputed and resends joined a
+verification in flight (the API's /metrics), how many results were refused (the store), and the client's own count
+of results it was told were accepted beside the store's.
+
     python bench/scale.py --model tiny --steps 4 --modes sequential,sequential@one-process
     nice -n 5 python bench/scale.py --model qwen0.5b --steps 5 --modes sequential,async \\
         --out bench-out/scale --plot docs/img/scale_breakdown.png
+    python bench/scale.py --model qwen0.5b --steps 3 --modes sequential --client-backend llama --hold-verifier 130
 """
 
 from __future__ import annotations
@@ -179,10 +186,10 @@ def write_config(path: Path, run_dir: Path, model: Path, mode: str, steps: int, 
 class Child:
     """A child process with its output in a log file; remembers its PID's peak RSS while it lives."""
 
-    def __init__(self, argv: list[str], log: Path, ready: str | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path, ready: str | None = None, env: dict[str, str] | None = None) -> None:
         self.log = open(log, "w")  # noqa: SIM115 — closed in stop()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
         self.ready_line: str | None = None
         self._ready = threading.Event()
         self._text = ready
@@ -352,6 +359,63 @@ def delta_figures(manifests: dict[int, dict[str, dict[str, Any]]], client_log: P
     return out
 
 
+class VerifierHold:
+    """Holds the verifier at ``recompute-v0`` for ``seconds`` once, then lets every later hold go at once (each
+    recompute of version 0 reaches the hold point and would wait again)."""
+
+    def __init__(self, marker: Path, seconds: float) -> None:
+        self.marker, self.seconds = marker, seconds
+        self.held_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.marker.exists():
+            if self._stop.wait(0.1):
+                return
+        since = time.monotonic()
+        self._stop.wait(self.seconds)
+        self.held_s = time.monotonic() - since
+        while True:
+            self.marker.unlink(missing_ok=True)
+            if self._stop.wait(0.05):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.marker.unlink(missing_ok=True)
+
+
+def intake_counters(url: str) -> dict[str, float]:
+    """The API's own counts (/metrics): recomputes asked for results, resends that joined one in flight."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    wanted = {"echo_swarm_result_recomputes_total": "recomputes", "echo_swarm_result_resends_joined_total": "joined"}
+    return {wanted[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
+
+
+def busy_verifier_figures(run_dir: Path, client_home: Path, counters: dict[str, float], held_s: float
+                          ) -> dict[str, Any]:
+    """What the busy verifier cost: counters from /metrics, refusals and accepted results from the store, and the
+    client's own tally of "accepted" replies (its lifetime ledger, swarm_client/lifetime.py)."""
+    conn = sqlite3.connect(f"file:{run_dir / 'coordinator.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        stored = int(conn.execute("SELECT COUNT(*) FROM results").fetchone()[0])
+        refused = [tuple(r) for r in conn.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason")]
+    finally:
+        conn.close()
+    from swarm_client.lifetime import Lifetime
+
+    told = Lifetime(client_home, readonly=True).totals()
+    return {"held_s": round(held_s, 1), "recomputes": counters.get("recomputes"), "resends_joined":
+            counters.get("joined"), "refused": refused, "accepted_in_store": stored,
+            "client_told_accepted": told["accepted"], "client_told_refused": told["rejected"]}
+
+
 def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     safe = mode.replace("@", "-").replace(" ", "-").replace("=", "")
     run_dir = work / f"run-{safe}"
@@ -360,8 +424,12 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
     logs = Path(args.out)
     logs.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
+    marker = work / f"{safe}-verifier-held"
+    hold = VerifierHold(marker, args.hold_verifier) if args.hold_verifier > 0 else None
+    counters: dict[str, float] = {}
     coord = Child([sys.executable, "-m", "echo_swarm", "coordinator", "--config", str(cfg)],
-                  logs / f"{safe}-coordinator.log", ready="listening on ")
+                  logs / f"{safe}-coordinator.log", ready="listening on ",
+                  env={"ECHO_SWARM_HOLD": f"recompute-v0={marker}"} if hold is not None else None)
     role_kib: dict[str, int] = {}
     client: Child | None = None
     stop_probe = threading.Event()
@@ -400,7 +468,11 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
         if final is None:
             raise SystemExit(f"mode {mode} did not finish within {args.timeout}s")
         steady_disk = dir_bytes(run_dir)
+        if hold is not None:
+            counters = intake_counters(url)
     finally:
+        if hold is not None:
+            hold.stop()
         stop_probe.set()
         for child in (client, coord):
             if child is not None:
@@ -413,6 +485,9 @@ def run_mode(mode: str, model: Path, work: Path, args: argparse.Namespace) -> di
     result["deltas"] = delta_figures(manifests, work / f"client-{safe}" / "logs" / "client.log")
     result["rewards"] = [round(float(st.get("mean_reward", float("nan"))), 3) for st in steps]
     result["grad_norms"] = [round(float(st.get("grad_norm", float("nan"))), 4) for st in steps]  # 0: no gradient
+    if hold is not None:
+        result["busy_verifier"] = busy_verifier_figures(run_dir, work / f"client-{safe}", counters, hold.held_s)
+        print(f"{mode}: busy verifier {json.dumps(result['busy_verifier'])}", flush=True)
     if not args.keep_run:
         shutil.rmtree(run_dir, ignore_errors=True)  # at 0.5 B a few GB: one mode's run at a time on disk
     return result
@@ -631,6 +706,8 @@ def main() -> None:
                     "(e.g. q8_0,q4_K_M: llama.cpp's quantiser), each with its own patch in the delta table")
     ap.add_argument("--lag-tolerance", type=float, default=None, help="snapshots.lag_tolerance (default: the "
                     "config's; 0 publishes every rounding)")
+    ap.add_argument("--hold-verifier", type=float, default=0.0, help="hold the verifier this many seconds at its "
+                    "first recompute of version 0 (0: not held) and report what the resends cost")
     ap.add_argument("--keep-run", action="store_true", help="keep each mode's run directory (deleted by default)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per mode")
     ap.add_argument("--out", default="bench-out/scale", help="logs and result.json")

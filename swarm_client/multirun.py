@@ -1,9 +1,11 @@
 """`join URL --attach URL2=SHARE …`: one client process working for several coordinators (BOINC's attach).
 
 Each run is a :class:`swarm_client.runner.Runner` of its own — its own identity, pinned key, registration, leases
-and backend — on one event loop, and they meet in three places only:
+and backend — on one event loop, and they meet in these places only:
 
-- **the machine** (swarm_client/shares.py): generation takes turns by resource share;
+- **the machine** (swarm_client/shares.py): generation takes turns by resource share, and only the run on the
+  machine holds its model in memory;
+- **the snapshot cache folder** (swarm_client/snapshots.py): a file two runs share is stored and fetched once;
 - **the volunteer's controls and budgets**: pause, snooze and finish are read from the client's home for every run,
   the monthly data budget and the download cap are one meter and one throttle, and the lifetime ledger is one file;
 - **stopping**: one stop event; Ctrl-C stops every run (each releases its lease), a second quits at once.

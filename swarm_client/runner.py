@@ -490,6 +490,8 @@ class Runner:
         else:
             logs.quiet_transformers()
         self.backend = backend
+        if self.shares is not None:  # another run's turn frees this run's model (shares.py)
+            self.shares.holds_model(self.cfg.url, backend.unload)
         self.device = str(backend.device)
         self._forms = backend_forms(backend)
         return backend
@@ -716,8 +718,9 @@ class Runner:
             self._say(f"self-benchmark skipped: no verified snapshot of version {info.current_version} ({exc})")
             return
         self._check_fits(folder, DEFAULT_BATCH, info.current_version)  # DEFAULT_BATCH: the benchmark's workload
-        await asyncio.to_thread(backend.load, folder)
-        self.stats.benchmark_tokens_per_s = await asyncio.to_thread(run_benchmark, backend)
+        async with self._machine():  # another run generating meanwhile would halve the figure
+            await asyncio.to_thread(backend.load, folder)
+            self.stats.benchmark_tokens_per_s = await asyncio.to_thread(run_benchmark, backend)
         if self.stats.benchmark_tokens_per_s is not None:
             self._say(f"self-benchmark: {self.stats.benchmark_tokens_per_s:,.1f} tokens/s ({backend.name} on "
                       f"{backend.device})")
@@ -981,13 +984,22 @@ class Runner:
         except (ResourceRefusal, OSError):
             await self._release(api, job.job_id, job.lease_id)
             raise
+        if self.shares is None:  # with other runs on this machine, the model is loaded in this run's turn
+            refused = await self._load(api, backend, job, folder)
+            if refused is not None:
+                return refused
+        return folder
+
+    async def _load(self, api: CoordinatorClient, backend: Backend, job: Job, folder: Path) -> int | None:
+        """Load ``folder`` for ``job`` (a no-op when it is what the backend holds); EXIT_REFUSED, the job released,
+        when the backend cannot run it."""
         try:
             await asyncio.to_thread(backend.load, folder)
         except FileNotFoundError as exc:  # e.g. a llama client and a coordinator that publishes no GGUF
             self._error(f"error: {exc}")
             await self._release(api, job.job_id, job.lease_id)
             return EXIT_REFUSED
-        return folder
+        return None
 
     async def _generate_and_submit(self, api: CoordinatorClient, backend: Backend, job: Job, folder: Path,
                                    kind: str, pacer: Pacer) -> _Next | int:
@@ -999,6 +1011,8 @@ class Runner:
         self.stats.job_steps, self.stats.job_started_at = 0, time.time()
         self.stats.job_expected_steps = job.sampling.max_tokens * (rollouts if kind == "llama" else 1)
         async with self._machine() as turn:  # with other runs on this machine: this run's turn (shares.py)
+            if self.shares is not None and await self._load(api, backend, job, folder) is not None:
+                return EXIT_REFUSED  # its model was freed while another run had the machine
             self._set_state("generating")
             t0 = time.monotonic()
             pacer.reset()

@@ -14,17 +14,25 @@ the other's on the same machine (each run's coordinator verifying beside it, a r
 model), so 3:1 in seconds gave 3.2–4.0:1 in results (tests/integration/test_shares.py; tokens: 2.8–3.0). Tokens make 3:1 shares 3:1
 in work for runs of one model size; for runs of different sizes a token of the bigger model costs more time (a
 FLOP-weighted count, as BOINC normalises credit, is open).
+
+**Only the run on the machine holds its model in memory** (BOINC's default: a suspended task leaves memory). When a
+run's turn begins, every other run's model is unloaded (:meth:`Shares.holds_model`), and a run loads its own inside its
+turn: two runs of a 7 B model would otherwise keep two copies in RAM for one generation at a time. A run's backend
+is touched only inside its turns (the runner loads, benchmarks and generates there), so unloading it from another
+run's turn never races with it. Switching costs a load from the local cache each time the machine changes runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+logger = logging.getLogger(__name__)
 GRACE_S = 5.0  # how long the machine waits for a run that is behind its share and fetching its next job
 
 
@@ -54,6 +62,12 @@ class Shares:
         self._busy: str | None = None  # the run generating now
         self._waiting: list[str] = []  # runs with a job in hand, waiting for the machine, in arrival order
         self._changed = asyncio.Condition()
+        self._unload: dict[str, Callable[[], None]] = {}  # each run's way to free its model (holds_model)
+        self._loaded: set[str] = set()  # runs whose model may be in memory: those that had a turn since unloaded
+
+    def holds_model(self, name: str, unload: Callable[[], None]) -> None:
+        """``name``'s model is freed by ``unload`` (its backend's) whenever another run's turn begins."""
+        self._unload[name] = unload
 
     def _next(self) -> tuple[str | None, float | None]:
         """(the waiting run to go now, or None; how long to wait before looking again, None: until told).
@@ -115,6 +129,12 @@ class Shares:
             self._busy = name
         start, turn = self.clock(), Turn()
         try:
+            for other in sorted(self._loaded - {name}):  # idle outside their turns: nothing else touches them
+                await asyncio.to_thread(self._unload[other])
+                self._loaded.discard(other)
+                logger.info("unloaded %s's model: %s has the machine", other, name)
+            if name in self._unload:
+                self._loaded.add(name)
             yield turn
         finally:
             run.used += turn.tokens

@@ -9,6 +9,12 @@ folders (any run) are also removed until the blobs fit, never the one in use. Be
 the ``precheck`` hook sees the signed manifest and how many bytes are missing, so the client can refuse a
 model too big for the machine's memory or disk (swarm_client/resources.py) instead of failing half-way.
 
+One cache folder, several runs: the runs of a `join --attach` client (swarm_client/multirun.py) each have a cache
+object over the same folder, so that a file two runs' versions share (the same base model) is stored once. They share
+the locks, the count of downloads in progress and the folders in use (:class:`_Room`, one per folder and event loop):
+without that, two runs fetching the same file wrote one partial file at once, and one run's pruning took blobs
+another run had just downloaded and not yet linked.
+
 Deltas (shared.deltas, docs/protocol.md §6): a whole-weight file the manifest also lists a patch for is rebuilt
 from the version this client holds when that downloads fewer bytes (swarm_client/snapshot_patches.py); the bytes
 themselves move through swarm_client/blob_fetch.py (resumed, rate-capped, hashed as they arrive).
@@ -20,7 +26,9 @@ import asyncio
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +44,25 @@ from swarm_client.snapshot_patches import Patches
 
 if TYPE_CHECKING:
     from swarm_client.peer_fetch import ClientPeer
+
+
+@dataclass
+class _Room:
+    """What every cache object over one folder shares within one event loop (the module's docstring)."""
+
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    busy: int = 0  # ensure() calls in progress: unlinked blobs may belong to one of them
+    # per cache object (gone with it): the folder its backend generates from
+    in_use: weakref.WeakKeyDictionary[SnapshotCache, Path] = field(default_factory=weakref.WeakKeyDictionary)
+
+
+_ROOMS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, _Room]] = weakref.WeakKeyDictionary()
+
+
+def _room(root: Path) -> _Room:
+    """The shared state of the cache folder ``root`` in the running event loop (asyncio locks belong to one)."""
+    rooms = _ROOMS.setdefault(asyncio.get_running_loop(), {})
+    return rooms.setdefault(root.resolve(), _Room())
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +87,6 @@ class SnapshotCache:
         self.models.mkdir(parents=True, exist_ok=True)
         self.client = client
         self.coordinator_key = coordinator_key
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._in_use: Path | None = None  # the folder the backend generates from: never pruned
-        self._busy = 0  # ensure() calls in progress: unlinked blobs may belong to one of them
         self.max_bytes = max_bytes
         self.precheck = precheck
         self.fetcher = BlobFetcher(self.blobs, client, max_attempts=max_attempts, idle_timeout_s=idle_timeout_s,
@@ -71,19 +95,21 @@ class SnapshotCache:
         self.patches = Patches(self.fetcher, self.manifest, self._lock)
 
     def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
+        """A file's (its sha256) or a folder's lock, shared with every cache object over this folder."""
+        return _room(self.root).locks.setdefault(name, asyncio.Lock())
 
     async def ensure(self, run_id: str, version: int, manifest_sha256: str | None) -> Path:
         """Return a verified local model folder for ``version``. ``manifest_sha256`` (from a signed job) pins the
         exact manifest; ``None`` (a prefetch) accepts any manifest the coordinator signed for that version."""
         folder = self.models / run_id / f"v{version:06d}"
+        room = _room(self.root)
         if manifest_sha256 is not None:
-            self._in_use = folder
-        self._busy += 1
+            room.in_use[self] = folder  # the folder the backend generates from: never pruned
+        room.busy += 1
         try:
             return await self._ensure(run_id, version, manifest_sha256, folder)
         finally:
-            self._busy -= 1
+            room.busy -= 1
 
     async def _ensure(self, run_id: str, version: int, manifest_sha256: str | None, folder: Path) -> Path:
         async with self._lock(str(folder)):
@@ -160,17 +186,18 @@ class SnapshotCache:
 
     def _prune(self, run_id: str, keep: Path, keep_last: int = 2) -> None:
         """Keep the newest few model folders; drop blobs no remaining folder links to."""
+        room = _room(self.root)
+        in_use = {keep, *room.in_use.values()}  # every run's folder in use, not only this one's
         run_root = self.models / run_id
         folders = sorted(p for p in run_root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
         for old in folders[:-keep_last]:
-            if old not in (keep, self._in_use):
+            if old not in in_use:
                 shutil.rmtree(old, ignore_errors=True)
-        if self._busy > 1:  # another download may still be collecting blobs it has not linked yet
+        if room.busy > 1:  # another download (of any run) may still be collecting blobs it has not linked yet
             return
         _drop_orphans(self.blobs)
         if self.max_bytes is not None:
-            removed = prune_to_cap(self.models, self.blobs, self.max_bytes,
-                                   keep={p for p in (keep, self._in_use) if p is not None})
+            removed = prune_to_cap(self.models, self.blobs, self.max_bytes, keep=in_use)
             if removed:
                 logger.info("snapshot cache over %d bytes: removed %s", self.max_bytes,
                             ", ".join(p.name for p in removed))

@@ -26,6 +26,10 @@ class Backend(Protocol):
 
     def load(self, folder: Path) -> None: ...
 
+    def unload(self) -> None:
+        """Release the model's memory; the next :meth:`load` reads it again (another run takes the machine)."""
+        ...
+
     def generate(self, job: Job, should_stop: Callable[[], bool]) -> list[Sampled]: ...
 
 

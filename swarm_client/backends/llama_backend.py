@@ -104,6 +104,13 @@ class LlamaBackend:
         self._set_adapter(adapter)
         self.folder = folder
 
+    def unload(self) -> None:
+        self._set_adapter(None)
+        if self.llm is not None:
+            self.llm.close()  # the model and its context, now (llama_cpp.Llama.close)
+        self.llm = self._base_id = self.folder = None
+        self._adapter_id = None
+
     def _load_base(self, path: Path) -> None:
         ident = file_id(path)
         if self.llm is not None and ident == self._base_id:

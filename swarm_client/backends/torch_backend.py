@@ -11,6 +11,7 @@ per version, and never holds a second copy of the model.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -101,6 +102,10 @@ class TorchBackend:
         self.model.eval()
         self.folder = folder
         logger.debug("loaded %s (%s%s)", folder, json.loads(config_text).get("model_type"), ", LoRA" if lora else "")
+
+    def unload(self) -> None:
+        self.model = self._weights_id = self._config_text = self.folder = None
+        gc.collect()  # the weights go now, not at the next collection
 
     def generate(self, job: Job, should_stop: Callable[[], bool]) -> list[Sampled]:
         if self.model is None:

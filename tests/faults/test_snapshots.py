@@ -147,3 +147,34 @@ def test_cache_cap_prunes_least_recently_used_and_precheck_runs_before_download(
     assert missing == total > 0  # nothing of this version was cached
     assert not old.exists() and not (blobs / ("f" * 64)).exists()  # over the cap: the LRU folder went
     assert (folder / ".complete").exists()  # the folder just fetched stays even though it exceeds the cap
+
+
+def test_two_runs_fetching_the_same_file_into_one_cache_at_once(live_coordinator: LiveCoordinator,
+                                                                 tmp_path: Path) -> None:
+    """A `join --attach` client's runs each have a cache object over one folder (swarm_client/multirun.py), and two
+    coordinators of one base model serve the same files: both fetching them at once wrote one partial file together
+    (the second rename failed, FileNotFoundError, and the client died). Now one downloads, the other waits for it,
+    and every byte crosses the link once."""
+    _, sha = _manifest(live_coordinator)
+    home = tmp_path / "home"
+    load_identity(home)
+
+    async def go() -> tuple[list[Path], list[int]]:
+        clients = [CoordinatorClient(live_coordinator.url, load_identity(home), retry=RetryPolicy(attempts=2,
+                                                                                                   base_s=0.01))
+                   for _ in range(2)]
+        try:
+            caches = [SnapshotCache(home / "cache", c, live_coordinator.coordinator.public_key) for c in clients]
+            folders = await asyncio.gather(*(c.ensure(live_coordinator.coordinator.run_id, 0, sha) for c in caches))
+            return list(folders), [c.bytes_downloaded for c in caches]
+        finally:
+            for c in clients:
+                await c.close()
+
+    folders, downloaded = asyncio.run(go())
+    served = live_coordinator.run_dir / "snapshots" / "v000000"
+    assert folders[0] == folders[1]
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (folders[0] / name).read_bytes() == (served / name).read_bytes()
+    assert sum(downloaded) == sum(p.stat().st_size for p in served.iterdir() if p.name != "manifest.msgpack")
+    assert not list((home / "cache" / "blobs").glob("*.partial"))

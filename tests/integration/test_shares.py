@@ -91,6 +91,10 @@ def test_two_coordinators_get_results_in_the_ratio_of_their_shares(tmp_path: Pat
         assert f"run at {urls[0]}: share 3 (" in shown.stdout and f"run at {urls[1]}: share 1 (" in shown.stdout
         log = (tmp_path / "client.log").read_text()
         assert f"[{urls[1]}] joined run " in log and f"[{urls[0]}] joined run " in log
+        # one model in memory at a time: each switch of the machine frees the other run's (shares.py)
+        diagnostics = (home / "logs" / "client.log").read_text()
+        assert f"unloaded {urls[1]}'s model: {urls[0]} has the machine" in diagnostics
+        assert f"unloaded {urls[0]}'s model: {urls[1]} has the machine" in diagnostics
 
     finally:
         if browser is not None:
