@@ -51,7 +51,10 @@ def hold(point: str) -> None:
     marker = hold_markers().get(point)
     if marker is None:
         return
-    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
+    # one temporary name per thread: two requests held at once in one role (its event loop's worker threads) each
+    # write their own — with one name per process, the second rename found the first's file gone (FileNotFoundError,
+    # which a verifier answers as "version gone")
+    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(f"{os.getpid()}\n")
     os.replace(tmp, marker)  # whoever waits on the marker reads a whole pid
     released = threading.Event()

@@ -45,6 +45,8 @@ from swarm_client.snapshot_patches import Patches
 if TYPE_CHECKING:
     from swarm_client.peer_fetch import ClientPeer
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Room:
@@ -63,8 +65,6 @@ def _room(root: Path) -> _Room:
     """The shared state of the cache folder ``root`` in the running event loop (asyncio locks belong to one)."""
     rooms = _ROOMS.setdefault(asyncio.get_running_loop(), {})
     return rooms.setdefault(root.resolve(), _Room())
-
-logger = logging.getLogger(__name__)
 
 
 class SnapshotCache:
