@@ -1025,6 +1025,8 @@ class Runner:
             elapsed = time.monotonic() - t0
             n_tok = turn.tokens = sum(len(c.token_ids) + sum(len(t.token_ids) for t in c.turns or ())
                                       for c in completions)
+            params = backend.parameters()
+            turn.per_token = 2.0 * params if params else 1.0  # the turn's work in FLOPs (shares.py)
         self.stats.job_steps = pacer.steps
         if self.stop.is_set():
             await self._release(api, job.job_id, job.lease_id)

@@ -8,12 +8,13 @@ minus the work it had. A run with no job in hand does not compete, so a coordina
 (its learner stepping, its run finished) leaves the machine to the others instead of holding it; it comes first
 again once it has a job.
 
-**Work is counted in generated tokens**, the unit of the credit the coordinators grant — as BOINC counts a project's
-recent estimated credit, not seconds. Seconds were tried first: a run's jobs took up to 43 % longer per token than
-the other's on the same machine (each run's coordinator verifying beside it, a run's first jobs warming its own
-model), so 3:1 in seconds gave 3.2–4.0:1 in results (tests/integration/test_shares.py; tokens: 2.8–3.0). Tokens make 3:1 shares 3:1
-in work for runs of one model size; for runs of different sizes a token of the bigger model costs more time (a
-FLOP-weighted count, as BOINC normalises credit, is open).
+**Work is counted in floating-point operations**: each generated token costs two per model parameter (a forward
+pass's multiply-adds), as BOINC counts a project's recent estimated credit in FLOPs, not seconds. Seconds were tried
+first: a run's jobs took up to 43 % longer per token than the other's on the same machine (each run's coordinator
+verifying beside it, a run's first jobs warming its own model), so 3:1 in seconds gave 3.2–4.0:1 in results
+(tests/integration/test_shares.py; tokens: 2.8–3.0). For runs of one model size that is a count of tokens, the unit of
+the credit the coordinators grant; a run of a model four times the size gets a quarter of the tokens for the same
+share, as its tokens cost four times the machine's work. A turn whose model size is unknown counts one per token.
 
 **Only the run on the machine holds its model in memory** (BOINC's default: a suspended task leaves memory). When a
 run's turn begins, every other run's model is unloaded (:meth:`Shares.holds_model`), and a run loads its own inside its
@@ -40,7 +41,7 @@ GRACE_S = 5.0  # how long the machine waits for a run that is behind its share a
 class RunShare:
     name: str
     share: float
-    used: float = 0.0  # work this run had: generated tokens
+    used: float = 0.0  # work this run had: floating-point operations (Turn.per_token × tokens)
     used_s: float = 0.0  # and generation seconds
     turns: int = 0
     fetching_since: float | None = None  # getting its next job (after a turn, until it has one or has none)
@@ -108,7 +109,7 @@ class Shares:
     @asynccontextmanager
     async def turn(self, name: str) -> AsyncIterator[Turn]:
         """Wait for ``name``'s turn on the machine and hold it for the body (a job's generation), which reports the
-        work it did (``Turn.tokens``): that counts against its share."""
+        work it did (``Turn.tokens`` at ``Turn.per_token``): that counts against its share."""
         run = self.runs[name]
         async with self._changed:
             self._waiting.append(name)
@@ -137,7 +138,7 @@ class Shares:
                 self._loaded.add(name)
             yield turn
         finally:
-            run.used += turn.tokens
+            run.used += turn.tokens * turn.per_token
             run.used_s += self.clock() - start
             run.turns += 1
             run.fetching_since = self.clock()  # presumably back in a moment with its next job
@@ -146,7 +147,7 @@ class Shares:
                 self._changed.notify_all()
 
     def view(self) -> list[dict[str, object]]:
-        """Each run's share, the share of the work (tokens) and of the generation time it had so far, and its turns
+        """Each run's share, the share of the work (FLOPs) and of the generation time it had so far, and its turns
         (for status.json, `client status` and the control page)."""
         total = sum(r.used for r in self.runs.values()) or 1.0
         total_s = sum(r.used_s for r in self.runs.values()) or 1.0
@@ -158,6 +159,7 @@ class Shares:
 
 @dataclass
 class Turn:
-    """One turn on the machine: the body says how much work it did."""
+    """One turn on the machine: the body says how much work it did — tokens, and what each cost."""
 
     tokens: int = 0
+    per_token: float = 1.0  # floating-point operations per generated token: 2 × the model's parameters

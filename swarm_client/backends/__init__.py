@@ -26,6 +26,10 @@ class Backend(Protocol):
 
     def load(self, folder: Path) -> None: ...
 
+    def parameters(self) -> int | None:
+        """The loaded model's parameter count (None: none loaded): a generated token costs twice this in FLOPs."""
+        ...
+
     def unload(self) -> None:
         """Release the model's memory; the next :meth:`load` reads it again (another run takes the machine)."""
         ...

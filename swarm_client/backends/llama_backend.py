@@ -104,6 +104,9 @@ class LlamaBackend:
         self._set_adapter(adapter)
         self.folder = folder
 
+    def parameters(self) -> int | None:
+        return None if self.llm is None else int(self._lib.llama_model_n_params(self.llm.model))
+
     def unload(self) -> None:
         self._set_adapter(None)
         if self.llm is not None:

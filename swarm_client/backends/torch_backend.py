@@ -103,6 +103,9 @@ class TorchBackend:
         self.folder = folder
         logger.debug("loaded %s (%s%s)", folder, json.loads(config_text).get("model_type"), ", LoRA" if lora else "")
 
+    def parameters(self) -> int | None:
+        return None if self.model is None else sum(p.numel() for p in self.model.parameters())
+
     def unload(self) -> None:
         self.model = self._weights_id = self._config_text = self.folder = None
         gc.collect()  # the weights go now, not at the next collection

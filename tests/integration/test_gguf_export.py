@@ -60,6 +60,16 @@ def _torch_greedy_and_logprobs(folder: Path, prompt: list[int], n: int) -> tuple
     return tokens, lp[0, : len(tokens)].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
 
 
+def _torch_parameters(folder: Path) -> int:
+    from swarm_client.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend(device="cpu", threads=1)
+    backend.load(folder)
+    count = backend.parameters()
+    assert count is not None
+    return count
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize(("precision", "kv_f32"), [("f32", True), ("f32", False), ("f16", False), ("q8_0", False)])
 def test_export_matches_torch(tmp_path: Path, arch: str, precision: str, kv_f32: bool) -> None:
@@ -76,6 +86,8 @@ def test_export_matches_torch(tmp_path: Path, arch: str, precision: str, kv_f32:
     backend = LlamaBackend(device="cpu", threads=1, n_ctx=256, kv_f32=kv_f32)  # one: see llama_verifier
     backend.load(gguf_dir)
     assert backend.backend_class == f"llama-{precision}"
+    # what a turn on a shared machine costs per token (swarm_client/shares.py): the model's parameters, as torch counts
+    assert backend.parameters() == _torch_parameters(folder)
 
     # greedy decoding in llama.cpp (temperature → 0 is argmax) reproduces torch's tokens ...
     backend.llm.reset()

@@ -72,3 +72,29 @@ def test_an_unloaded_backend_loads_the_same_folder_again(tiny_model_dir: Path) -
         backend.generate(None, lambda: False)  # type: ignore[arg-type]
     backend.load(tiny_model_dir)  # not skipped as "already loaded"
     assert backend.model is not None
+
+
+def test_work_is_counted_in_flops_so_a_bigger_model_gets_fewer_tokens_for_the_same_share() -> None:
+    """Two runs with equal shares, one of a model four times the other's size: the machine's work (FLOPs: 2 × the
+    parameters per token) comes out equal, so the bigger model's run gets a quarter of the tokens."""
+    params = {"small": 1_000_000, "big": 4_000_000}
+
+    async def main() -> dict[str, int]:
+        shares = Shares({"small": 1.0, "big": 1.0}, grace_s=0.0)
+        tokens = dict.fromkeys(params, 0)
+        turns = 0
+
+        async def run(name: str) -> None:
+            nonlocal turns
+            while turns < 50:
+                async with shares.turn(name) as turn:
+                    turns += 1
+                    turn.tokens, turn.per_token = 100, 2.0 * params[name]
+                    tokens[name] += 100
+                    await asyncio.sleep(0)
+
+        await asyncio.gather(run("small"), run("big"))
+        return tokens
+
+    tokens = asyncio.run(main())
+    assert tokens["small"] / tokens["big"] == pytest.approx(4.0, rel=0.15), tokens
