@@ -137,6 +137,12 @@ class NullBackend:
         self.loaded.append(folder)
         self.folder = folder
 
+    def parameters(self) -> int | None:
+        return None if self.folder is None else 1_000
+
+    def unload(self) -> None:
+        self.folder = None
+
     def generate(self, job: Job, should_stop: Any) -> list[Sampled]:
         return [Sampled([4, 2], [-0.5, -0.25], "stop") for _ in range(job.group_size * len(job.prompts))]
 
