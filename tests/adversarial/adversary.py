@@ -590,7 +590,33 @@ class Adversary:
         job = await self.lease(api)
         assert self.backend is not None
         sub = await self.honest(api, job, self.backend)  # computed by torch, claims llama
-        await self.cheat(api, job, sub, "a torch sample sent as llama.cpp's")
+        entry = await self.cheat(api, job, sub, "a torch sample sent as llama.cpp's")
+        entry["within_tolerance"] = await self.within_llama_tolerance(api, job, sub)
+
+    async def within_llama_tolerance(self, api: CoordinatorClient, job: Job, sub: ResultSubmission) -> bool:
+        """Would the keyed check pass ``sub`` under llama.cpp's recompute of the job's GGUF file at the llama.cpp
+        classes' tolerance (docs/security.md §4: a torch sample passes where the two implementations agree to 0.1
+        logit)? Computed here with the verifier's own code on this client's verified copy of the file."""
+        from coordinator.config import CHOICE_TOL_LLAMA
+        from coordinator.core.verify import check_choices, choice_stats
+        from coordinator.engine.llama_verifier import LlamaRecompute
+        from shared.sampler import plain_segments
+
+        assert self.info is not None
+        cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
+        cache.precision = job.precision
+        folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+        comps = [list(c.token_ids) for c in sub.completions]
+        prompts = [p.token_ids for p in job.prompts for _ in range(job.group_size)]
+        recompute = LlamaRecompute(lambda _v: folder, temperature=job.sampling.temperature, threads=1)
+        stats = recompute.recompute_stats(job.version, prompts, comps, plain_segments(job.seed, [len(c) for c in comps]),
+                                          job.group_size, job.precision)
+        assert stats.margins is not None
+        try:
+            check_choices(choice_stats(stats.margins), CHOICE_TOL_LLAMA)
+        except ProtocolError:
+            return False
+        return True
 
     async def lease_hoarder(self) -> None:
         """Lease as many jobs as it can without returning any, to starve everyone else: once it holds a first job,

@@ -75,6 +75,9 @@ def _llama_cheat(attempts: Attempts) -> None:
     assert len(attempts) == 1, attempts
     if attempts[0].get("same_as_honest"):
         assert _codes(attempts) == [(200, None)], attempts
+    elif attempts[0].get("within_tolerance"):  # a torch sample whose every difference from the file's keyed choice
+        # lies within 0.1 logit (docs/security.md §4): the keyed check passes it; the logprob check may not
+        assert _codes(attempts) in ([(200, None)], [(422, "logprob_mismatch")]), attempts
     else:
         assert _codes(attempts) in ([(422, "choice_mismatch")], [(422, "logprob_mismatch")]), attempts
 
