@@ -97,3 +97,8 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def recomputes(url: str) -> float:
+    """Recomputes the API at ``url`` asked of its verifiers for results (one per result, however often resent)."""
+    return scrape(url).get(("echo_swarm_result_recomputes_total", ()), 0.0)

@@ -27,17 +27,13 @@ from tests.integration.helpers import (
     wait_until,
     write_config,
 )
-from tests.integration.ops_helpers import honest_result_at, lease, register_at, scrape
+from tests.integration.ops_helpers import honest_result_at, lease, recomputes, register_at, scrape
 
 GAVE_UP_S = 1.0  # the clients' request timeout here: far shorter than the verifier is held
 
 
 def joined(url: str) -> float:
     return scrape(url).get(("echo_swarm_result_resends_joined_total", ()), -1.0)
-
-
-def recomputes(url: str) -> float:
-    return scrape(url)[("echo_swarm_result_recomputes_total", ())]
 
 
 def forged(sub: ResultSubmission) -> ResultSubmission:

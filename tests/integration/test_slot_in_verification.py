@@ -28,15 +28,11 @@ from tests.integration.helpers import (
     wait_until,
     write_config,
 )
-from tests.integration.ops_helpers import honest_result_at, lease, register_at, scrape, try_lease
+from tests.integration.ops_helpers import honest_result_at, lease, recomputes, register_at, try_lease
 
 # far shorter than the verifier is held, and long enough for this test to compute both results under CI's load
 # (twice at once on two cores: 11 s)
 LEASE_S = 30.0
-
-
-def recomputes(url: str) -> float:
-    return scrape(url).get(("echo_swarm_result_recomputes_total", ()), 0.0)
 
 
 def test_results_in_verification_keep_their_slots_past_their_leases(tmp_path: Path, tiny_model_dir: Path) -> None:
