@@ -174,12 +174,17 @@ class Adversary:
     async def release(self, api: CoordinatorClient, job: Job) -> None:
         await api.post("/v1/release", ReleaseRequest(job_id=job.job_id, lease_id=job.lease_id), ReleaseResponse)
 
-    async def honest(self, api: CoordinatorClient, job: Job, backend: TorchBackend | None = None) -> ResultSubmission:
-        """What an honest client would send for this job (the real cache, backend and seeded sampler)."""
+    async def job_folder(self, api: CoordinatorClient, job: Job) -> Path:
+        """The job's verified snapshot in this client's cache, in the precision its lease names (a llama.cpp client
+        runs that GGUF file)."""
         assert self.info is not None
         cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
-        cache.precision = job.precision  # a llama.cpp client runs the GGUF file its lease names
-        folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+        cache.precision = job.precision
+        return await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+
+    async def honest(self, api: CoordinatorClient, job: Job, backend: TorchBackend | None = None) -> ResultSubmission:
+        """What an honest client would send for this job (the real cache, backend and seeded sampler)."""
+        folder = await self.job_folder(api, job)
         if self.claim == "llama" and backend is None:  # what an honest llama.cpp client sends: its own GGUF's sample
             from swarm_client.backends.llama_backend import LlamaBackend
 
@@ -602,10 +607,7 @@ class Adversary:
         from coordinator.engine.llama_verifier import LlamaRecompute
         from shared.sampler import plain_segments
 
-        assert self.info is not None
-        cache = SnapshotCache(self.home / "cache", api, self.info.coordinator_public_key)
-        cache.precision = job.precision
-        folder = await cache.ensure(job.run_id, job.version, job.manifest_sha256)
+        folder = await self.job_folder(api, job)
         comps = [list(c.token_ids) for c in sub.completions]
         prompts = [p.token_ids for p in job.prompts for _ in range(job.group_size)]
         recompute = LlamaRecompute(lambda _v: folder, temperature=job.sampling.temperature, threads=1)
