@@ -62,9 +62,10 @@ _ROOMS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, _Room]] 
 
 
 def _room(root: Path) -> _Room:
-    """The shared state of the cache folder ``root`` in the running event loop (asyncio locks belong to one)."""
+    """The shared state of the cache folder ``root`` (resolved) in the running event loop (asyncio locks belong to
+    one)."""
     rooms = _ROOMS.setdefault(asyncio.get_running_loop(), {})
-    return rooms.setdefault(root.resolve(), _Room())
+    return rooms.setdefault(root, _Room())
 
 
 class SnapshotCache:
@@ -81,6 +82,7 @@ class SnapshotCache:
         self.forms = forms  # the file forms this client's backend needs (None: all); see ManifestFile.form
         # the GGUF precision this client runs (its lease names it): of a run's several, only that file is fetched
         self.precision: str | None = None
+        self._shared_as = self.root.resolve()  # what every cache object over this folder shares (_room)
         self.blobs = self.root / "blobs"
         self.models = self.root / "snapshots"
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -96,13 +98,13 @@ class SnapshotCache:
 
     def _lock(self, name: str) -> asyncio.Lock:
         """A file's (its sha256) or a folder's lock, shared with every cache object over this folder."""
-        return _room(self.root).locks.setdefault(name, asyncio.Lock())
+        return _room(self._shared_as).locks.setdefault(name, asyncio.Lock())
 
     async def ensure(self, run_id: str, version: int, manifest_sha256: str | None) -> Path:
         """Return a verified local model folder for ``version``. ``manifest_sha256`` (from a signed job) pins the
         exact manifest; ``None`` (a prefetch) accepts any manifest the coordinator signed for that version."""
         folder = self.models / run_id / f"v{version:06d}"
-        room = _room(self.root)
+        room = _room(self._shared_as)
         if manifest_sha256 is not None:
             room.in_use[self] = folder  # the folder the backend generates from: never pruned
         room.busy += 1
@@ -186,7 +188,7 @@ class SnapshotCache:
 
     def _prune(self, run_id: str, keep: Path, keep_last: int = 2) -> None:
         """Keep the newest few model folders; drop blobs no remaining folder links to."""
-        room = _room(self.root)
+        room = _room(self._shared_as)
         in_use = {keep, *room.in_use.values()}  # every run's folder in use, not only this one's
         run_root = self.models / run_id
         folders = sorted(p for p in run_root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
