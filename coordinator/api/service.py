@@ -33,6 +33,7 @@ from coordinator.api.runstate import ApiState, RunView
 from coordinator.api.signin import SignIn
 from coordinator.api.verdicts import Verdicts, Verifying
 from coordinator.config import CoordinatorConfig
+from coordinator.run.follower import SnapshotFollower
 from coordinator.run.names import API
 from coordinator.run.relay import relay_token
 from coordinator.run.runfiles import RunFiles, wait_for_first_version
@@ -112,6 +113,7 @@ class Coordinator:
         self.run_id = files.run_id
         self.task = files.task
         self.snapshots = files.snapshots
+        self.follower = SnapshotFollower(self.snapshots, self.store.versions)
         self.state.issuing_paused = self.store.get_meta("issuing_paused") == "1"
         self._synced = self.store.commits
         self.guard = Guard(self.config, self.store)
@@ -120,7 +122,7 @@ class Coordinator:
         if dropped:
             logger.info("dropped %d verification requests of the previous API run (their clients resend)", dropped)
         self.state.version = await wait_for_first_version(self.store, self.bell, API)
-        self.snapshots.observe(v.version for v in self.store.versions.all())
+        self.follower.refresh()
         self._assemble(files)
         self.state.finished = self.state.version >= self.config.learner.max_steps
         self.issuer.new_version(time.monotonic())
@@ -159,7 +161,7 @@ class Coordinator:
             self._on_new_version(current)
 
     def _on_new_version(self, current: int) -> None:
-        self.snapshots.observe(v.version for v in self.store.versions.all())
+        self.follower.refresh()
         self.state.version = current
         self.issuer.new_version(time.monotonic())
         self.state.finished = current >= self.config.learner.max_steps  # before waking: no work past the last step

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from coordinator.config import CoordinatorConfig
 from coordinator.publish.snapshots import SnapshotStore
 from coordinator.roles.p2p_relay import CallRelay
+from coordinator.run.follower import SnapshotFollower
 from coordinator.run.names import P2P
 from coordinator.run.records import P2PReport
 from coordinator.run.relay import relay_token
@@ -146,12 +147,12 @@ class CoordinatorPeer:
 
 class RoleContext:
     """The run as the p2p role process sees it: the version is the store's newest, and its snapshot is indexed
-    (``SnapshotStore.observe``) before the peer announces it."""
+    (``SnapshotFollower``) before the peer announces it."""
 
     def __init__(self, config: CoordinatorConfig, store: Store, key: Ed25519PrivateKey, run_id: str,
                  snapshots: SnapshotStore) -> None:
         self.config, self.store, self.key, self.run_id, self.snapshots = config, store, key, run_id, snapshots
-        self._seen = -1
+        self.follower = SnapshotFollower(snapshots, store.versions)
 
     @property
     def public_key(self) -> bytes:
@@ -159,11 +160,8 @@ class RoleContext:
 
     @property
     def version(self) -> int:
-        current = self.store.versions.current()
-        if current is not None and current != self._seen:
-            self.snapshots.observe(v.version for v in self.store.versions.all())
-            self._seen = current
-        return max(self._seen, 0)
+        current = self.follower.current()
+        return 0 if current is None else current
 
 
 async def run_role(config: CoordinatorConfig, stop: asyncio.Event) -> int:

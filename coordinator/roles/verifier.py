@@ -34,6 +34,7 @@ from coordinator.engine.verifier import Verifier
 from coordinator.errors import VersionGone
 from coordinator.holds import hold_async
 from coordinator.publish.snapshots import SnapshotStore
+from coordinator.run.follower import SnapshotFollower
 from coordinator.run.names import verifier_name
 from coordinator.run.records import VerifierReport
 from coordinator.run.runfiles import wait_for_first_version
@@ -77,6 +78,7 @@ class VerifierWorker:
         self.store = store
         self.bell = bell
         self.snapshots = snapshots
+        self.follower = SnapshotFollower(snapshots, store.versions)
         self.task = task
         self.name = verifier_name(index)
         self.kinds: tuple[WorkKind[Any, Any], ...] = (RECOMPUTE,) + ((EVALUATE,) if index == 0 else ())
@@ -91,7 +93,7 @@ class VerifierWorker:
         import_backends()  # on this thread, before the verifier's and evaluator's threads load models
 
         current = await wait_for_first_version(self.store, self.bell, self.name)
-        self.snapshots.observe(v.version for v in self.store.versions.all())
+        self.follower.refresh()
         lora = self.config.learner.lora_rank > 0
         folder = self.snapshots.base_dir if lora else self.snapshots.folder(current)
         codec = TextCodec.from_folder(folder if (folder / "tokenizer.json").exists()
@@ -171,7 +173,7 @@ class VerifierWorker:
             next_report = time.monotonic() + REPORT_EVERY_S
             if self._inflight:
                 self.store.work.renew(self.name, list(self._inflight), time.time() + self.config.verification.claim_s)
-            self.snapshots.observe(v.version for v in self.store.versions.all())
+            self.follower.refresh()
             self._report()
         self._preload_newest()
         return next_report
@@ -188,8 +190,7 @@ class VerifierWorker:
         if current is None or current <= self._preloaded:
             return
         self._preloaded = current
-        if self.snapshots.signed_manifest(current) is None:
-            self.snapshots.observe(v.version for v in self.store.versions.all())
+        self.follower.ensure(current)
         self._preload = asyncio.create_task(self.verifier.preload(current), name=f"{self.name}-preload")
 
     def _forget(self, task: asyncio.Task[None]) -> None:
@@ -201,8 +202,7 @@ class VerifierWorker:
         item, kind, version = int(row["id"]), work_kind(row["kind"]), int(row["version"])
         try:
             request = kind.request.decode(row["request"])
-            if self.snapshots.signed_manifest(version) is None:  # published since the last look?
-                self.snapshots.observe(v.version for v in self.store.versions.all())
+            self.follower.ensure(version)  # published since the last look?
             if not isinstance(request, RecomputeRequest):  # an EvaluateRequest (coordinator.store.hops.WORK_KINDS)
                 await self._evaluate(item, version)
                 return
