@@ -209,14 +209,28 @@ class VerifierWorker:
             await hold_async(f"recompute-v{version}")  # a fault test's busy verifier (coordinator.holds)
             stats = await self._recompute(request, version)
             self.store.work.finish(item, self.name, RecomputeAnswer(stats=RecomputedStats.of(stats)))
-        except (VersionGone, FileNotFoundError):
+        except VersionGone:
             self.store.work.finish(item, self.name, RecomputeAnswer(gone=True))
+        except FileNotFoundError as exc:
+            if self._pruned(version):  # the learner pruned the version while it was read: the result is too old
+                self.store.work.finish(item, self.name, RecomputeAnswer(gone=True))
+            else:  # a file missing here is this verifier's fault, never a refusal of an honest result
+                self._failed(item, kind.name, exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.exception("%s: %s request %d failed", self.name, kind.name, item)
-            self.store.work.finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
+            self._failed(item, kind.name, exc)
         self.bell.ring()
+
+    def _pruned(self, version: int) -> bool:
+        """Whether ``version`` is no longer kept, as the store and the snapshot folder say now."""
+        self.follower.refresh()
+        return self.snapshots.signed_manifest(version) is None
+
+    def _failed(self, item: int, kind: str, exc: Exception) -> None:
+        """The request failed here: the API answers the client 5xx and the client resends (nothing is refused)."""
+        logger.exception("%s: %s request %d failed", self.name, kind, item)
+        self.store.work.finish(item, self.name, None, error=f"{type(exc).__name__}: {exc}")
 
     async def _recompute(self, request: RecomputeRequest, version: int) -> TokenStats:
         """The stats of ``request``'s result at ``version``, by the engine the API named."""
