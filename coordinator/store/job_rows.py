@@ -139,13 +139,12 @@ class Jobs:
 
     def release(self, job_id: str, lease_id: str, client_id: str) -> bool:
         with self._light.transaction():  # as lease: a forgotten release only means the lease runs out
-            cur = self._light.execute(
+            row = self._light.execute(
                 f"UPDATE jobs SET state='{OPEN}', lease_deadline=NULL WHERE job_id=? AND lease_id=? AND lease_client=? "
-                f"AND state='{LEASED}'", (job_id, lease_id, client_id))
-            if cur.rowcount != 1:
+                f"AND state='{LEASED}' RETURNING version", (job_id, lease_id, client_id)).fetchone()
+            if row is None:
                 return False
-            (version,) = self._light.execute("SELECT version FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-            self._count_unreturned(self._light, client_id, job_id, version)
+            self._count_unreturned(self._light, client_id, job_id, row["version"])
             return True
 
     def live_leases(self, now: float) -> int:
