@@ -11,7 +11,9 @@ back. ``--mix realistic``: GPU, Apple-silicon, laptop-CPU and old-CPU volunteers
 ``--vanish`` a share that takes one job and is never heard of again. 80 % of clients declare a self-benchmark
 that is off by a log-normal factor (σ = 0.3), the rest are unknown until their first result; a learner step
 takes 1 s per batch of B = 2 jobs. Idle clients long-poll: they ask again when a new version is published, a
-lease expires or falls overdue.
+lease expires or falls overdue, or (as the coordinator's long poll re-checks every second) a second after a job went to
+a client of unmeasured pace, whose job a measured waiting client may then be given a replica of (issue 37,
+``coordinator.core.scheduling.choose_replica``): the first of the two results is trained, the other credited.
 
     python bench/swarm_sim.py                          # the sweep: clients × S, speed-aware and plain
     python bench/swarm_sim.py --clients 50 --staleness 2   # one configuration
@@ -33,14 +35,23 @@ import json
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.api.issuer import Issuer  # noqa: E402
-from coordinator.core.leases import JobState, LeaseCheck, LeaseView, check_lease, deadline_for  # noqa: E402
+from coordinator.core.leases import (  # noqa: E402
+    JobState,
+    LeaseCheck,
+    LeaseView,
+    Replica,
+    check_lease,
+    deadline_for,
+    held_by,
+    holds_lease,
+)
 from coordinator.core.pacing import due_at  # noqa: E402
 from coordinator.core.scheduling import Pending, SyncPolicy, admits, occupies_slot, select_batch  # noqa: E402
 
@@ -78,6 +89,9 @@ class SimState:
     too_stale: int = 0
     reissued: int = 0
     refused_late: int = 0
+    replicas: int = 0  # second leases given (coordinator.core.scheduling.choose_replica)
+    duplicates: int = 0  # results of a job whose other holder's result was accepted first: credited, not trained
+    done: dict[str, tuple[LeaseView, str]] = field(default_factory=dict)  # closed jobs: last view, accepted lease
 
 
 def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s: float = 1.0,
@@ -140,8 +154,13 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         return active[0]
 
     def queue_full() -> bool:
+        """No new job can be admitted, and (when speed-aware) no live unproven lease can be replicated: a waiter
+        would be refused."""
         views = [issuer.with_due(j) for j in active_jobs()] if speed_aware else active_jobs()
         queued = sum(1 for j in views if occupies_slot(j, st.now, st.version, policy))
+        if speed_aware and any(j.unproven and j.replica is None and occupies_slot(j, st.now, st.version, policy)
+                               for j in views):
+            return False
         return not admits(queued + len(st.pending) + len(st.training), policy)
 
     def try_lease(c: SimClient) -> bool:
@@ -166,14 +185,22 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         if decision.job_id is None:
             job_id = f"j{st.seq}"
             st.seq += 1
+        elif decision.replica:
+            job_id = decision.job_id
+            st.replicas += 1
         else:
             job_id = decision.job_id
             st.reissued += 1
         lease_id = f"{job_id}:{c.cid}:{st.now}"
         deadline = deadline_for(st.now, lease_timeout_s)
         active.clear()
-        st.jobs[job_id] = LeaseView(job_id, JobState.LEASED, decision.version, st.jobs[job_id].created_at
-                                    if job_id in st.jobs else st.now, lease_id, c.cid, deadline)
+        if decision.replica:  # a second lease on a live job, as the store records it (Jobs.lease_replica)
+            st.jobs[job_id] = replace(st.jobs[job_id], replica=Replica(lease_id, c.cid, deadline, decision.version))
+        else:
+            st.jobs[job_id] = LeaseView(job_id, JobState.LEASED, decision.version, st.jobs[job_id].created_at
+                                        if job_id in st.jobs else st.now, lease_id, c.cid, deadline)
+            if speed_aware and not issuer.proven(c.cid) and waiting:  # the long poll's one-second re-check
+                push(st.now + 1.0, "recheck", None)
         push(deadline, "expiry", job_id)
         due = due_at(st.now, issuer.pace.get(c.cid), issuer.version_interval)
         if speed_aware and due is not None:
@@ -212,7 +239,11 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         # as waiting until it holds a job, so slower ones see it as a faster competitor
         order = list(waiting.values())
         if speed_aware:
-            order.sort(key=lambda w: (issuer.pace.get(w.cid) is None, issuer.pace.get(w.cid) or 0.0))
+            # by rule 1's rank (core.pacing.rank: a declared pace no faster than the fastest measured one), as the
+            # coordinator's decisions order them; equals in the order they began waiting (a stable sort), as the
+            # coordinator's long polls re-check. (Until issue 37's replicas this sorted by raw pace, which served a
+            # fresh identity's claimed 10^7 tokens/s ahead of every honest equal: docs/benchmarks.md.)
+            order.sort(key=lambda w: (issuer.rank(w.cid) is None, issuer.rank(w.cid) or (0.0, 0)))
         else:
             rng.shuffle(order)  # plain issuance: whoever asks first
         for c in order:  # the reply that wakes a client next in line says prefetch: it pulls the new version
@@ -248,18 +279,25 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
             job = st.jobs.get(data)
             if job is not None and job.state is JobState.LEASED and job.lease_deadline is not None and job.lease_deadline <= st.now:
                 wake()
-        elif kind == "overdue":  # the coordinator's long-poll re-checks every second; here: at the moment
+        elif kind in ("overdue", "recheck"):  # the coordinator's long-poll re-checks every second
             wake()
         elif kind == "done":
             c, job_id, lease_id, version = data
             job = st.jobs.get(job_id)
-            if job is not None and check_lease(job, c.cid, lease_id, st.now) is LeaseCheck.OK:
+            mine = None if job is None else held_by(job, c.cid, lease_id)
+            closed = st.done.get(job_id)
+            if job is not None and mine is not None and check_lease(mine, c.cid, lease_id, st.now) is LeaseCheck.OK:
                 returned += 1
-                issuer.observe(c.cid, job, st.now)
+                issuer.observe(c.cid, mine, st.now)
                 del st.jobs[job_id]  # done: never leased again
+                st.done[job_id] = (job, lease_id)
                 active.clear()
                 st.pending.append(Pending(job_id, version, st.now))
                 learner_try()
+            elif (closed is not None and closed[1] != lease_id and holds_lease(closed[0], c.cid, lease_id)
+                  and st.now < (held_by(closed[0], c.cid, lease_id).lease_deadline or 0.0)):
+                st.duplicates += 1  # the other holder's result was first: credited, not trained (api.intake)
+                issuer.observe(c.cid, held_by(closed[0], c.cid, lease_id), st.now)
             else:
                 st.refused_late += 1
             try_lease(c)
@@ -289,6 +327,7 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         "staleness_histogram": {str(k): v for k, v in sorted(st.staleness.items())},
         "staleness_max": max(st.staleness) if st.staleness else 0,
         "trained": trained, "too_stale": st.too_stale, "reissued": st.reissued, "refused_late": st.refused_late,
+        "replicas": st.replicas, "duplicates": st.duplicates,
     }
 
 

@@ -8,19 +8,24 @@ sampling statistics within the class's tolerances (core.verify); its lease still
 The plain and the multi-turn episode results differ only in what their rollouts answer to those checks
 (:mod:`coordinator.api.rollouts`). Every refusal is recorded in the audit log, and counted against the sender where
 it is evidence (core.trust.is_invalidating).
+
+A job with a replica (coordinator.core.leases.Replica: issue 37) has two holders. The first result accepted is
+trained; the other holder's, within its lease, is never refused for coming second: with the trained result's very
+tokens (the job's keyed sample computed again) it is credited at once; otherwise it goes through every check above and
+is credited if it passes — never trained (:meth:`Intake._credit_replica`; docs/protocol.md §5).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coordinator.api.phase import Phase
 from coordinator.api.rollouts import Outcome, rollout_of
 from coordinator.api.verdicts import Verdicts
 from coordinator.core.duplicates import check_copy, surprisal
-from coordinator.core.leases import LeaseCheck, LeaseView, check_lease, kept_versions
+from coordinator.core.leases import JobState, LeaseCheck, LeaseView, check_lease, holds_lease, kept_versions
 from coordinator.core.trust import class_backend, is_invalidating, recompute_class
 from coordinator.core.verify import (
     JobTerms,
@@ -44,6 +49,7 @@ from coordinator.run.workqueue import (
     VerifierUnavailable,
     engine_of,
 )
+from coordinator.store.db import Row
 from coordinator.store.job_rows import JobRow
 from coordinator.tasks.episodes import EnvTask
 from coordinator.tasks.rewards import RewardFailed
@@ -84,19 +90,24 @@ class Intake(Phase):
                                     f"this result says backend {sub.backend!r}, but this identity registered as "
                                     f"{bclass}; results are verified as the registered class. Send results from "
                                     f"the backend it registered with (or use a new identity for another backend)")
-            earlier = self.files.store.results.get(sub.job_id)
+            earlier = self._earlier(req.client_id, sub.job_id)
         except ProtocolError as exc:
             self._refused(req.client_id, job_id, version, content_sha, exc)
             raise
-        if earlier is not None and earlier["client_id"] == req.client_id and earlier["content_sha256"] == content_sha:
+        if earlier is not None and earlier["content_sha256"] == content_sha:
             # the same client resending the same result (its first reply was lost): answer as before
-            client = self.files.store.clients.get(req.client_id)
-            return SubmitResponse(accepted=True, job_id=sub.job_id, mean_reward=float(earlier["mean_reward"]),
-                                  credit=float(earlier["n_tokens"]),
-                                  total_credit=float(client["credit"]) if client is not None else 0.0)
+            return self._credited(req.client_id, sub.job_id, float(earlier["mean_reward"]), float(earlier["n_tokens"]))
         # a resend while the first copy is still being verified joins that verification (coordinator.api.verdicts)
         return await self.verdicts.once((req.client_id, sub.job_id, content_sha), functools.partial(
             self._verdict, req.client_id, sub, len(req.body), content_sha))
+
+    def _earlier(self, client_id: str, job_id: str) -> Row | None:
+        """This client's result of the job that was accepted, or credited as its other holder's (its content hash,
+        mean reward and tokens); None if neither."""
+        first = self.files.store.results.get(job_id)
+        if first is not None and first["client_id"] == client_id:
+            return first
+        return self.files.store.results.credited_replica(job_id, client_id)
 
     async def accept_local(self, client_id: str, sub: ResultSubmission, size: int, content_sha: str
                            ) -> SubmitResponse:
@@ -159,8 +170,12 @@ class Intake(Phase):
         """The sequence of checks (the module's docstring); ``own``: the co-located loop's rollouts, recomputed
         by torch and neither credited nor counted as evidence."""
         with self.verifying.held(sub.job_id):  # never reissued meanwhile (coordinator.api.leasing)
-            row = self._job_within_terms(client_id, sub, size)
+            row, first = self._job_within_terms(client_id, sub, size)
             tokens_sha = self._refuse_copy(sub)  # before any forward pass is spent on a copy (core.duplicates)
+            if first is not None and first["completions_sha256"] == tokens_sha:
+                # the trained result's very tokens: the job's keyed sample computed again, nothing to recompute
+                return self._credit_replica(client_id, sub, row.view, content_sha, tokens_sha,
+                                            float(first["mean_reward"]), int(first["n_tokens"]))
             rollout = rollout_of(sub, row, self.files.task, self.prompt_tokens, self.config.sampling.max_tokens)
             # recomputed as the lease said (core.trust.recompute_class): a llama.cpp client's result by llama.cpp on
             # the very GGUF file its lease named; the co-located loop's own (torch) rollouts and torch clients' from
@@ -170,22 +185,76 @@ class Intake(Phase):
             stats = await self.recompute_stats(rollout.prompts, rollout.completions, sub.version, rollout.segments,
                                                engine_of(rclass), rollout.group, row.precision)
             mean_abs = self._check_tokens(rollout.reported, rollout.checked(stats), rclass, pinned)
-            lease = self._lease_kept(client_id, sub)
-            return self._accept(client_id, sub, content_sha, tokens_sha, rollout.outcome(stats), mean_abs, rclass,
-                                lease, own)
+            outcome = rollout.outcome(stats)
+            # the job's other holder may have been accepted while this one was verified
+            first = first or self._trained_first_now(client_id, sub)
+            if first is None:
+                lease = self._lease_kept(client_id, sub)
+                accepted = self._accept(client_id, sub, content_sha, tokens_sha, outcome, mean_abs, rclass, lease,
+                                        own)
+                if accepted is not None:
+                    return accepted
+                first = self._trained_first_now(client_id, sub)
+                if first is None:
+                    raise ProtocolError(Reason.NOT_LEASE_HOLDER,
+                                        f"the lease on job {sub.job_id} changed while it was verified")
+            if not own:  # every token was checked against the keyed sampler: conclusive evidence
+                self.guard.record_valid(client_id)
+            return self._credit_replica(client_id, sub, row.view, content_sha, tokens_sha,
+                                        sum(outcome.rewards) / len(outcome.rewards), outcome.n_tokens)
 
-    def _job_within_terms(self, client_id: str, sub: ResultSubmission, size: int) -> JobRow:
-        row = self.files.store.jobs.get(sub.job_id)
-        if row is None:
+    def _job_within_terms(self, client_id: str, sub: ResultSubmission, size: int) -> tuple[JobRow, Row | None]:
+        """The job as the sender's lease sees it (its replica's, if it holds that), and the job's accepted result
+        when that came from its other holder (None: the sender's result may close the job)."""
+        found = self.files.store.jobs.get(sub.job_id)
+        if found is None:
             raise ProtocolError(Reason.UNKNOWN_JOB, f"there is no job {sub.job_id}")
+        row = found.held_by(client_id, sub.lease_id)
         cap = self.config.result_cap(len(row.prompt_ids) * row.group_size)
         if size > cap:
             raise ProtocolError(Reason.BODY_TOO_LARGE, f"result is {size} bytes; this job allows at most {cap}")
+        first = self._trained_first(row, client_id, sub.lease_id)
+        # the other holder's result closed the job: this lease is judged as it stands (live, its own version)
+        view = row.view if first is None else replace(row.view, state=JobState.LEASED)
         # the learner keeps the version of every live lease (core.leases.kept_versions), so a lease holder's result
         # is verifiable however far the policy moved; verify_submission checks the lease before the version
-        oldest = min(kept_versions(self.state.version, self.config.snapshots.keep_last, [row.view], self.clock()))
-        verify_submission(sub, row.view, self._terms(row), client_id, self.clock(), oldest)
-        return row
+        oldest = min(kept_versions(self.state.version, self.config.snapshots.keep_last, [view], self.clock()))
+        verify_submission(sub, view, self._terms(row), client_id, self.clock(), oldest)
+        return row, first
+
+    def _trained_first(self, row: JobRow, client_id: str, lease_id: str) -> Row | None:
+        """The accepted result of a done job that the sender also held a lease on (its first lease or its replica),
+        when that result came from the job's other lease; None otherwise."""
+        if row.view.state is not JobState.DONE or not holds_lease(row.view, client_id, lease_id):
+            return None
+        first = self.files.store.results.get(row.view.job_id)
+        return first if first is not None and first["lease_id"] != lease_id else None
+
+    def _trained_first_now(self, client_id: str, sub: ResultSubmission) -> Row | None:
+        """:meth:`_trained_first` as the store says now."""
+        fresh = self.files.store.jobs.get(sub.job_id)
+        return None if fresh is None else self._trained_first(fresh.held_by(client_id, sub.lease_id), client_id,
+                                                              sub.lease_id)
+
+    def _credit_replica(self, client_id: str, sub: ResultSubmission, lease: LeaseView, content_sha: str,
+                        tokens_sha: str, mean_reward: float, n_tokens: int) -> SubmitResponse:
+        """Credit the result of a job's other holder (Results.credit_replica): accepted and credited, never trained.
+        Its lease-to-result time measures its pace as an accepted result's does. A second, different result of the
+        same holder is refused ``job_completed``, as any other result of a done job."""
+        now = self.clock()
+        if not self.files.store.results.credit_replica(
+                job_id=sub.job_id, lease_id=sub.lease_id, client_id=client_id, version=sub.version,
+                content_sha256=content_sha, completions_sha256=tokens_sha, mean_reward=mean_reward,
+                n_tokens=n_tokens, credit=float(n_tokens), now=now):
+            raise ProtocolError(Reason.JOB_COMPLETED, f"job {sub.job_id} already has an accepted result")
+        self.issuer.observe(client_id, lease, now)
+        logger.info("credited %s's result for %s: its other holder's was trained", client_id[:8], sub.job_id)
+        return self._credited(client_id, sub.job_id, mean_reward, float(n_tokens))
+
+    def _credited(self, client_id: str, job_id: str, mean_reward: float, credit: float) -> SubmitResponse:
+        client = self.files.store.clients.get(client_id)
+        return SubmitResponse(accepted=True, job_id=job_id, mean_reward=mean_reward, credit=credit,
+                              total_credit=float(client["credit"]) if client is not None else 0.0)
 
     def _terms(self, row: JobRow) -> JobTerms:
         codec = self.prompt_tokens.codec
@@ -229,13 +298,15 @@ class Intake(Phase):
         """The result arrived within its lease (verify_submission); if the lease ran out while the learner kept the
         verification waiting, that delay was the coordinator's, and the job was not reissued meanwhile."""
         fresh = self.files.store.jobs.get(sub.job_id)
-        if fresh is None or check_lease(fresh.view, client_id, sub.lease_id, self.clock()) not in (
+        view = None if fresh is None else fresh.held_by(client_id, sub.lease_id).view
+        if view is None or check_lease(view, client_id, sub.lease_id, self.clock()) not in (
                 LeaseCheck.OK, LeaseCheck.EXPIRED):
             raise ProtocolError(Reason.LEASE_EXPIRED, f"the lease on job {sub.job_id} changed while it was verified")
-        return fresh.view
+        return view
 
     def _accept(self, client_id: str, sub: ResultSubmission, content_sha: str, tokens_sha: str, outcome: Outcome,
-                mean_abs: float, rclass: str, lease: LeaseView, own: bool) -> SubmitResponse:
+                mean_abs: float, rclass: str, lease: LeaseView, own: bool) -> SubmitResponse | None:
+        """Accept and credit the result, closing the job; None if its lease changed meanwhile."""
         payload = AcceptedResult(
             completions=outcome.completions, behaviour_logprobs=outcome.behaviour,
             recomputed_logprobs=outcome.recomputed, finish_reasons=[c.finish_reason for c in sub.completions],
@@ -246,7 +317,7 @@ class Intake(Phase):
                                          version=sub.version, content_sha256=content_sha, payload=payload,
                                          rewards=outcome.rewards, n_tokens=outcome.n_tokens, credit=credit,
                                          now=self.clock(), completions_sha256=tokens_sha):
-            raise ProtocolError(Reason.NOT_LEASE_HOLDER, f"the lease on job {sub.job_id} changed while it was verified")
+            return None
         if not own:  # every token was checked against the keyed sampler: the result is conclusive evidence
             self.guard.record_valid(client_id)
             self.guard.check_reporting(client_id, self.clock())  # …of its tokens, not of which results it returns

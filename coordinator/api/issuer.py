@@ -36,6 +36,7 @@ class Issuer:
         self._waiting: dict[str, int] = {}  # long-polling clients → requests waiting
         # the ranks (core.pacing.rank) of the waiting clients whose pace is known, sorted; each one's as listed there
         self._waiting_paces: SortedList = SortedList()
+        self._waiting_proven: SortedList = SortedList()  # those of them whose pace is measured (replicas go to them)
         self._listed: dict[str, pacing.Rank | None] = {}
         self._measured: SortedList = SortedList()  # the measured paces (the fastest is the declared paces' floor)
         self._measured_ids: set[str] = set()
@@ -94,11 +95,15 @@ class Issuer:
         key = self._listed[client_id] = self.rank(client_id)
         if key is not None:
             self._waiting_paces.add(key)
+            if key[1] == 0:  # measured (core.pacing.rank)
+                self._waiting_proven.add(key)
 
     def _unlist(self, client_id: str) -> None:
         pace = self._listed.pop(client_id, None)  # the pace it was listed with, whatever ``pace`` says by now
         if pace is not None:
             self._waiting_paces.remove(pace)
+            if pace[1] == 0:
+                self._waiting_proven.remove(pace)
 
     def observe(self, client_id: str, view: LeaseView, now: float) -> None:
         """Lease-to-result seconds of an accepted result update the client's pace."""
@@ -172,33 +177,49 @@ class Issuer:
             return len(self._waiting_paces)
         return int(self._waiting_paces.bisect_left(key))
 
+    def proven(self, client_id: str) -> bool:
+        """Is this client's pace measured by its own results (not a declaration)?"""
+        return client_id in self._pace_observed
+
     def with_due(self, view: LeaseView) -> LeaseView:
-        """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known."""
+        """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known;
+        whether that holder is unproven (core.scheduling.choose_replica); its replica's due time."""
         if view.lease_client is None or view.lease_deadline is None:
             return view
         pace = self.pace.get(view.lease_client)
-        if pace is None and view.due_at is None and view.expected_at is None:
+        unproven = view.lease_client not in self._pace_observed
+        if (pace is None and view.due_at is None and view.expected_at is None and view.replica is None
+                and unproven == view.unproven):
             return view  # nothing to estimate (and a decision reads every active job: no copy)
         leased_at = view.lease_deadline - self.lease_timeout_s
+        replica = view.replica
+        if replica is not None:
+            replica = replace(replica, due_at=pacing.due_at(replica.deadline - self.lease_timeout_s,
+                                                            self.pace.get(replica.client), self.version_interval))
         return LeaseView(view.job_id, view.state, view.version, view.created_at, view.lease_id, view.lease_client,
                          view.lease_deadline, pacing.due_at(leased_at, pace, self.version_interval),
-                         pacing.expected_back(leased_at, pace), view.verifying)
+                         pacing.expected_back(leased_at, pace), view.verifying, replica, unproven)
 
     def speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
         exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self.pace
                         and v.lease_client != client_id)
-        return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self._faster_waiting(self.rank(client_id)),
-                                  exploring=exploring, step_s=self.version_interval)
+        mine = self.rank(client_id)
+        proven = client_id in self._pace_observed
+        return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self._faster_waiting(mine),
+                                  exploring=exploring, step_s=self.version_interval, proven=proven,
+                                  faster_proven_waiting=int(self._waiting_proven.bisect_left(mine))
+                                  if proven and mine is not None else 0)
 
     def decide(self, client_id: str, views: list[LeaseView], queued: int, now: float, version: int,
                held_version: int, withheld: frozenset[str] = frozenset(),
                verifying: frozenset[str] = frozenset()) -> LeaseDecision | None:
-        """core.scheduling.decide_lease with this client's speed, every lease's due times, and the jobs whose result
-        is being verified (``verifying``: never reissued, and each keeps its slot in the queue)."""
+        """core.scheduling.decide_lease with this client's speed, every lease's due times and whether its holder is
+        proven, and the jobs whose result is being verified (``verifying``: never reissued, and each keeps its slot
+        in the queue). A decision with ``replica`` is a second lease on a live job (core.scheduling.choose_replica)."""
         if verifying:
             views = [replace(v, verifying=True) if v.job_id in verifying else v for v in views]
         speed = None
         if self.speed_aware:
             views = [self.with_due(v) for v in views]
             speed = self.speed_of(client_id, views, now)
-        return decide_lease(views, queued, now, version, held_version, self.policy, speed, withheld)
+        return decide_lease(views, queued, now, version, held_version, self.policy, speed, withheld, client_id)

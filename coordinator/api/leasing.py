@@ -4,7 +4,9 @@ A lease request, in order: the sender signed in (coordinator.api.signin), not qu
 its pinned class may be recomputed in; then, until a job or the long poll's end, the admission rules of
 :mod:`coordinator.core.scheduling` through the speed-aware :class:`coordinator.api.issuer.Issuer`: reissue the
 oldest expired or released job, else plan a new one, while the queue (live leases + untrained results) is below
-B·(S+1); the job is bound to a version the learner keeps and signed with the run's key.
+B·(S+1); else, to a measured client, a replica of a job an unproven client holds (core.scheduling.choose_replica:
+the same job, key and version, a second lease); the job is bound to a version the learner keeps and signed with the
+run's key.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from coordinator.api.phase import Phase
 from coordinator.core.jobs import plan_job, plan_key
-from coordinator.core.leases import deadline_for, lease_live
+from coordinator.core.leases import deadline_for
 from coordinator.core.trust import lease_precision
 from coordinator.run.names import LEARNER
 from coordinator.run.records import LearnerProgress
@@ -147,26 +149,41 @@ class Leasing(Phase):
         active = {j.view.job_id: j for j in self.files.store.jobs.active()}
         views = [j.view for j in active.values()]
         queued = len(self.files.store.results.pending())
-        reissuable = [v.job_id for v in views if not lease_live(v, now)]
-        withheld = self.files.store.results.refused_jobs(client_id, reissuable)
+        # the jobs it had a result refused for: none is reissued to it, nor replicated for it
+        withheld = self.files.store.results.refused_jobs(client_id, [v.job_id for v in views])
         decision = self.issuer.decide(client_id, views, queued, now, self.state.version, held_version,
                                       frozenset(withheld), frozenset(self.verifying.jobs()))
         if decision is None:
             return self._retry()
         row = active[decision.job_id] if decision.job_id is not None else self.new_job()
-        version = decision.version
-        if (self.files.store.versions.manifest_sha(version) is None
-                or self.files.snapshots.signed_manifest(version) is None):
-            version = self.state.version
         lease_id = secrets.token_hex(8)
         deadline = deadline_for(now, self.config.jobs.lease_timeout_s)
-        if not self.files.store.jobs.lease(row.view.job_id, lease_id, client_id, deadline, version, now, precision):
+        if decision.replica:  # the job's version, which the learner keeps while its first lease is live
+            version = self.files.store.jobs.lease_replica(row.view.job_id, lease_id, client_id, deadline, now,
+                                                          precision)
+            if version is not None:
+                logger.info("replica of job %s (held by unproven %s) to %s", row.view.job_id,
+                            (row.view.lease_client or "")[:8], client_id[:8])
+        else:
+            version = self._leased(row, client_id, lease_id, deadline, decision.version, now, precision)
+        if version is None:
             return self._retry()
-        if row.issue_count > 0:
-            logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
         job = self._job_message(row, version, lease_id, client_id, now, deadline, precision)
         return LeaseResponse(job=sign_job(self.files.key, job), retry_after_s=self.config.jobs.retry_after_s,
                              current_version=self.state.version, finished=False)
+
+    def _leased(self, row: JobRow, client_id: str, lease_id: str, deadline: float, version: int, now: float,
+                precision: str | None) -> int | None:
+        """Lease a new or reissued job (Jobs.lease) bound to ``version``, or the current one if ``version``'s
+        files are gone; the version, or None if the job changed meanwhile."""
+        if (self.files.store.versions.manifest_sha(version) is None
+                or self.files.snapshots.signed_manifest(version) is None):
+            version = self.state.version
+        if not self.files.store.jobs.lease(row.view.job_id, lease_id, client_id, deadline, version, now, precision):
+            return None
+        if row.issue_count > 0:
+            logger.info("reissued job %s to %s (issue %d)", row.view.job_id, client_id[:8], row.issue_count + 1)
+        return version
 
     def _job_message(self, row: JobRow, version: int, lease_id: str, client_id: str, now: float, deadline: float,
                      precision: str | None = None) -> Job:

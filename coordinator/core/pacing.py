@@ -62,12 +62,17 @@ class ClientSpeed:
     ``step_s``: recent seconds between policy versions (None: no version yet). This, not the optimisation
     time alone, is how fast results age: a starved learner publishes slowly, and slow clients' work stays
     useful for longer.
+    ``proven``: the client's pace comes from its results, not a declaration (only such a client is given a
+    replica, core.scheduling.choose_replica). ``faster_proven_waiting``: the measured clients among
+    ``faster_waiting`` (a replica goes to the fastest measured ones first; a claim never outranks them).
     """
 
     pace_s: float | None = None
     faster_waiting: int = 0
     exploring: int = 0
     step_s: float | None = None
+    proven: bool = False
+    faster_proven_waiting: int = 0
 
 
 #: A client's place in rule 1's order: (pace, 0) measured, (max(pace, floor), 1) declared only; None (unknown) last.

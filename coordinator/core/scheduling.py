@@ -19,6 +19,13 @@ version would still be trained (issue 37): a job's sample is fixed by its key an
 produces the very tokens the first holder saw, and abandoning a job whose reward one did not like cannot remove that
 sample from training — it only delays it. Once its version is past the bound it is reissued at the version the
 rules above bind (its result could no longer be trained at the old one).
+
+**Replicas** (issue 37; :func:`choose_replica`). A client whose pace is measured and who is refused a job by the
+rules above (the queue is full, or the speed-aware rules keep it waiting) may be given a second lease on a job whose
+first holder is unproven — the same job, key and version. Jobs, not leases, fill the queue, so the bound
+Q < B·(S+1) and sequential pull's B jobs per version are untouched; a fresh identity that claims a speed, takes a
+slot and vanishes then delays nothing, since the replica's holder returns the job. With no unproven lease live,
+every decision is what it was without the rule.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from coordinator.core.leases import LeaseView, choose_job, lease_live
-from coordinator.core.pacing import SUPPLY_SLACK_STEPS, ClientSpeed, may_take_slot
+from coordinator.core.leases import LeaseView, choose_job, lease_live, replica_live
+from coordinator.core.pacing import SUPPLY_SLACK_STEPS, ClientSpeed, may_take_slot, within_horizon
 
 SyncMode = Literal["sequential-pull", "async-push-pull", "colocated"]
 
@@ -73,10 +80,12 @@ def bind_version(current: int, held: int, queued: int, policy: SyncPolicy) -> in
 @dataclass(frozen=True)
 class LeaseDecision:
     """Hand out ``job_id`` (an open or expired job), or a newly planned job when ``job_id`` is None, to be
-    generated with policy ``version``."""
+    generated with policy ``version``; with ``replica``, a second lease on ``job_id`` (live, held by an unproven
+    client) at the version its first lease is bound to."""
 
     job_id: str | None
     version: int
+    replica: bool = False
 
 
 def occupies_slot(job: LeaseView, now: float, current: int, policy: SyncPolicy) -> bool:
@@ -87,13 +96,23 @@ def occupies_slot(job: LeaseView, now: float, current: int, policy: SyncPolicy) 
 
     A job whose result is being verified holds its slot whatever its lease and due times say: the result is here,
     and a busy verifier is the coordinator's delay, not a vanished holder. Were the slot freed, sequential pull
-    would plan one job more than the version's batch, and of its B + 1 results one would be set aside untrained."""
+    would plan one job more than the version's batch, and of its B + 1 results one would be set aside untrained.
+
+    A job with a replica holds its slot while either lease does: the replica's holder is expected back before the
+    first lease falls overdue (choose_replica), and freeing the slot at the first lease's due time would likewise
+    plan one job too many."""
     trainable = job.version is None or current - job.version <= policy.bound
     if job.verifying:
         return trainable
-    if not lease_live(job, now) or (job.due_at is not None and now >= job.due_at):
+    first = lease_live(job, now) and (job.due_at is None or now < job.due_at)
+    if not first and not _replica_holds(job, now):
         return False
     return trainable
+
+
+def _replica_holds(job: LeaseView, now: float) -> bool:
+    r = job.replica
+    return r is not None and replica_live(job, now) and (r.due_at is None or now < r.due_at)
 
 
 def supply_before(active: Sequence[LeaseView], pending: int, now: float, current: int, policy: SyncPolicy,
@@ -109,7 +128,47 @@ def supply_before(active: Sequence[LeaseView], pending: int, now: float, current
 
 def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
                  policy: SyncPolicy, speed: ClientSpeed | None = None,
-                 withheld: frozenset[str] = frozenset()) -> LeaseDecision | None:
+                 withheld: frozenset[str] = frozenset(), asker: str | None = None) -> LeaseDecision | None:
+    """:func:`decide_slot`; where it gives the asking client (``asker``) nothing, a replica (:func:`choose_replica`)."""
+    decision = decide_slot(active, pending, now, current, held, policy, speed, withheld)
+    if decision is not None or speed is None:
+        return decision
+    job = choose_replica(active, now, current, policy, speed, asker, withheld)
+    return None if job is None or job.version is None else LeaseDecision(job.job_id, job.version, replica=True)
+
+
+def choose_replica(active: Sequence[LeaseView], now: float, current: int, policy: SyncPolicy, speed: ClientSpeed,
+                   asker: str | None, withheld: frozenset[str] = frozenset()) -> LeaseView | None:
+    """The job a measured client refused a slot gets a replica of, or None: the oldest job whose first lease is
+    live and held by an unproven client (``LeaseView.unproven``: another client than the asker), holds a queue
+    slot (so its result is still trainable and its holder not yet overdue), has no live replica (at most one
+    replica per unproven lease), no result being verified, and that the asker is expected to return before that
+    first lease falls overdue (a slow replica would hold the slot longer than the vanished holder would) and, in
+    async push-pull, while its version is within the bound (rule 2's horizon). Only a client whose pace its results
+    measured gets one — a claim never outranks a measurement — and, as in rule 1, only while fewer measured clients
+    faster than it wait than there are such jobs."""
+    if not speed.proven or speed.pace_s is None:
+        return None
+    pace, step = speed.pace_s, speed.step_s
+
+    def fits(j: LeaseView) -> bool:
+        if j.due_at is not None and now + pace > j.due_at:
+            return False
+        if policy.mode != "async-push-pull" or step is None or j.version is None:
+            return True
+        return within_horizon(pace, step, policy.bound - (current - j.version))
+
+    candidates = [j for j in active if j.unproven and j.lease_client != asker and j.job_id not in withheld
+                  and not j.verifying and lease_live(j, now) and not replica_live(j, now)
+                  and occupies_slot(j, now, current, policy) and fits(j)]
+    if speed.faster_proven_waiting >= len(candidates):
+        return None
+    return min(candidates, key=lambda j: j.created_at)
+
+
+def decide_slot(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
+                policy: SyncPolicy, speed: ClientSpeed | None = None,
+                withheld: frozenset[str] = frozenset()) -> LeaseDecision | None:
     """The whole lease decision: ``active`` are the jobs not yet done (in creation order), ``pending`` the
     accepted results not yet trained on, ``speed`` what is known of the asking client's pace and of the
     other clients waiting (core.pacing; None: every client alike), ``withheld`` jobs not to reissue to this

@@ -5,6 +5,10 @@ client's counters and credit and its audit line (:meth:`Results.accept`); a job 
 result (``results.job_id`` is the primary key). The learner reads what is pending, sets aside what is too stale
 (:meth:`Results.mark_stale`), and marks the rest trained in its step's transaction
 (coordinator.store.training.Steps.commit).
+
+A job with a replica (coordinator.core.leases.Replica) has two holders: the first result accepted closes it as
+above; the other holder's, when it comes and passes its checks, is credited in ``replica_results``
+(:meth:`Results.credit_replica`) — never trained, never refused for having come second.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ class Results:
                 rewards: list[float], n_tokens: int, credit: float, now: float, completions_sha256: str | None
                 ) -> None:
         with self._conn.transaction():
-            cur = self._conn.execute(
-                f"UPDATE jobs SET state='{JobState.DONE}' WHERE job_id=? AND lease_id=? AND lease_client=? "
-                f"AND state='{JobState.LEASED}'",
-                (job_id, lease_id, client_id))
+            cur = self._conn.execute(  # the job's first lease, or its replica (even if the first was released)
+                f"UPDATE jobs SET state='{JobState.DONE}' WHERE job_id=? AND ((lease_id=? AND lease_client=? "
+                f"AND state='{JobState.LEASED}') OR (state!='{JobState.DONE}' AND EXISTS (SELECT 1 FROM replica_leases r "
+                "WHERE r.job_id=jobs.job_id AND r.lease_id=? AND r.client_id=?)))",
+                (job_id, lease_id, client_id, lease_id, client_id))
             if cur.rowcount != 1:
                 raise _Abort
             self._conn.execute(
@@ -73,9 +78,36 @@ class Results:
             self._audit.write(now, client_id, job_id, version, "accepted", "ok", content_sha256)
 
     def get(self, job_id: str) -> Row | None:
-        """The accepted result of ``job_id`` (its client, content hash, mean reward and tokens), or None."""
-        return self._conn.execute("SELECT client_id, content_sha256, mean_reward, n_tokens FROM results WHERE job_id=?",
-                                  (job_id,)).fetchone()
+        """The accepted result of ``job_id`` (its client, lease, content hash, tokens' hash, mean reward and
+        tokens), or None."""
+        return self._conn.execute("SELECT client_id, lease_id, content_sha256, completions_sha256, mean_reward, "
+                                  "n_tokens FROM results WHERE job_id=?", (job_id,)).fetchone()
+
+    def credit_replica(self, *, job_id: str, lease_id: str, client_id: str, version: int, content_sha256: str,
+                       completions_sha256: str | None, mean_reward: float, n_tokens: int, credit: float,
+                       now: float) -> bool:
+        """Durably credit the result of a job's other holder, the job's first result being accepted already: the
+        client's counters and credit move as for an accepted result, the audit line says ``accepted`` for reason
+        ``replica``, and nothing is trained. False if this client's result for the job was credited already."""
+        with self._conn.transaction():
+            cur = self._conn.execute(
+                "INSERT INTO replica_results(job_id, client_id, lease_id, version, received_at, content_sha256, "
+                "completions_sha256, mean_reward, n_tokens, credit) VALUES(?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
+                (job_id, client_id, lease_id, version, now, content_sha256, completions_sha256, mean_reward, n_tokens,
+                 credit))
+            if cur.rowcount != 1:
+                return False
+            self._conn.execute("UPDATE clients SET accepted=accepted+1, credit=credit+?, last_seen=? WHERE client_id=?",
+                               (credit, now, client_id))
+            self._audit.write(now, client_id, job_id, version, "accepted", "replica", content_sha256,
+                              "credited, not trained: the job's result from its other holder was accepted first")
+        return True
+
+    def credited_replica(self, job_id: str, client_id: str) -> Row | None:
+        """This client's credited result of a job whose other holder's was trained (:meth:`credit_replica`): its
+        content hash, mean reward, tokens and credit; or None."""
+        return self._conn.execute("SELECT content_sha256, mean_reward, n_tokens, credit FROM replica_results "
+                                  "WHERE job_id=? AND client_id=?", (job_id, client_id)).fetchone()
 
     def with_tokens(self, completions_sha256: str, other_than: str) -> str | None:
         """The job id of an accepted result, of another job than ``other_than``, whose tokens have this content

@@ -28,8 +28,8 @@ Store, small enough to read):
 - ``store.clients`` (coordinator.store.clients): the volunteers' identities;
 - ``store.nonces`` (coordinator.store.nonces): replay protection, in the nonce database;
 - ``store.versions`` (coordinator.store.versions): the committed policy versions;
-- ``store.jobs`` (coordinator.store.job_rows): the job stream and its leases;
-- ``store.results`` (coordinator.store.results): accepted and refused results;
+- ``store.jobs`` (coordinator.store.job_rows): the job stream and its leases (a job's replica lease included);
+- ``store.results`` (coordinator.store.results): accepted and refused results (a replica's credited one included);
 - ``store.steps``, ``store.evals`` (coordinator.store.training): the learner's steps, held-out evaluations;
 - ``store.work`` (coordinator.store.work_rows): the work queue between role processes;
 - ``store.role_status`` (coordinator.store.role_status): what each role reports;
@@ -111,6 +111,14 @@ CREATE TABLE IF NOT EXISTS steps(
   at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS evals(version INTEGER PRIMARY KEY, accuracy REAL NOT NULL, n INTEGER NOT NULL,
   at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS replica_leases(
+  job_id TEXT PRIMARY KEY REFERENCES jobs(job_id), lease_id TEXT NOT NULL, client_id TEXT NOT NULL,
+  deadline REAL NOT NULL, version INTEGER NOT NULL, precision TEXT);
+CREATE INDEX IF NOT EXISTS replica_leases_by_client ON replica_leases(client_id, deadline);
+CREATE TABLE IF NOT EXISTS replica_results(
+  job_id TEXT NOT NULL REFERENCES jobs(job_id), client_id TEXT NOT NULL, lease_id TEXT NOT NULL,
+  version INTEGER NOT NULL, received_at REAL NOT NULL, content_sha256 TEXT NOT NULL, completions_sha256 TEXT,
+  mean_reward REAL NOT NULL, n_tokens INTEGER NOT NULL, credit REAL NOT NULL, PRIMARY KEY(job_id, client_id));
 """+ WORK_SCHEMA + """;
 CREATE TABLE IF NOT EXISTS trust(
   client_id TEXT NOT NULL, backend_class TEXT NOT NULL, consecutive_valid INTEGER NOT NULL DEFAULT 0,
@@ -127,7 +135,10 @@ CREATE TABLE IF NOT EXISTS trust(
 #: 7: jobs.lease_precision, the precision a lease named (LeaseRequest.precision): what its result is recomputed in.
 #: 8: dropped, the leases that ended without their holder's result, by job, client and version (the
 #: selective-reporting rule compares what a client returned with what the jobs it dropped scored in others' hands).
-SCHEMA_VERSION = 8
+#: 9: replica_leases, a second lease on a job whose first holder's pace is unmeasured, and replica_results, the
+#: results of a job's other holder once its first result was accepted: credited, never trained
+#: (coordinator.core.leases, issue 37). New tables only: a schema-8 database gains them as they are, empty.
+SCHEMA_VERSION = 9
 #: Replay protection: on SQLite in its own database file beside the main one, on PostgreSQL a table of the
 #: main database (see Store._nonce_db).
 NONCE_SCHEMA = "CREATE TABLE IF NOT EXISTS nonces(nonce BLOB PRIMARY KEY, expires REAL NOT NULL)"

@@ -100,7 +100,10 @@ class TrustRows:
                                   (client_id,)).fetchone()
 
     def leases_held(self, client_id: str, now: float) -> int:
-        """Live (unexpired) leases of one client."""
+        """Live (unexpired) leases of one client, its replicas of jobs not yet done included."""
         row = self._conn.execute(f"SELECT COUNT(*) AS n FROM jobs WHERE state='{JobState.LEASED}' AND lease_client=? "
                                  "AND lease_deadline>?", (client_id, now)).fetchone()
-        return int(row["n"])
+        replicas = self._conn.execute(f"SELECT COUNT(*) AS n FROM replica_leases r JOIN jobs ON jobs.job_id=r.job_id "
+                                      f"WHERE r.client_id=? AND r.deadline>? AND jobs.state!='{JobState.DONE}'",
+                                      (client_id, now)).fetchone()
+        return int(row["n"]) + int(replicas["n"])

@@ -674,8 +674,9 @@ def test_schema_5_loses_replicas_holds_and_replays_and_keeps_the_rest(db_path: s
 
     new = Store(db_path)
     try:
-        assert new.schema_version() == SCHEMA_VERSION == 8
+        assert new.schema_version() == SCHEMA_VERSION == 9
         assert not new.conn.has_table("replicas") and new.conn.has_table("dropped")
+        assert new.conn.has_table("replica_leases") and new.conn.has_table("replica_results")  # schema 9
         assert new.trust.reward_samples(ALICE) == ((1, 0.75, 0.5625), (0, 0.0, 0.0))
         assert "lease_precision" in new.conn.columns("jobs") and new.jobs.get("j0").precision is None  # type: ignore[union-attr]
         assert {"leased", "unreturned"} <= new.conn.columns("clients") and new.trust.lease_counts(ALICE) == (0, 0)
