@@ -11,8 +11,8 @@ back. ``--mix realistic``: GPU, Apple-silicon, laptop-CPU and old-CPU volunteers
 ``--vanish`` a share that takes one job and is never heard of again. 80 % of clients declare a self-benchmark
 that is off by a log-normal factor (σ = 0.3), the rest are unknown until their first result; a learner step
 takes 1 s per batch of B = 2 jobs. Idle clients long-poll: they ask again when a new version is published, a
-lease expires or falls overdue, or (as the coordinator's long poll re-checks every second) a second after a job went to
-a client of unmeasured pace, whose job a measured waiting client may then be given a replica of (issue 37,
+lease expires or falls overdue, or (as the coordinator wakes its long polls) when a job went to a client of unmeasured
+pace while a measured one waits: that one may be given a replica of it (issue 37,
 ``coordinator.core.scheduling.choose_replica``): the first of the two results is trained, the other credited.
 
     python bench/swarm_sim.py                          # the sweep: clients × S, speed-aware and plain
@@ -199,8 +199,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         else:
             st.jobs[job_id] = LeaseView(job_id, JobState.LEASED, decision.version, st.jobs[job_id].created_at
                                         if job_id in st.jobs else st.now, lease_id, c.cid, deadline)
-            if speed_aware and not issuer.proven(c.cid) and waiting:  # the long poll's one-second re-check
-                push(st.now + 1.0, "recheck", None)
+            if speed_aware and not issuer.proven(c.cid) and issuer.proven_waiting():
+                push(st.now, "recheck", None)  # the coordinator wakes its long polls (api.leasing)
         push(deadline, "expiry", job_id)
         due = due_at(st.now, issuer.pace.get(c.cid), issuer.version_interval)
         if speed_aware and due is not None:

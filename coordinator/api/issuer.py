@@ -154,16 +154,23 @@ class Issuer:
         counts as slowest)? Only they are woken by a new version to pull it: in a large idle swarm the others
         would download every version for nothing while faster clients take the work, so pulls per version stay
         bounded by B. Clients already woken for this version still count as ahead, so the outcome does not
-        depend on the order in which the waiting requests re-check."""
+        depend on the order in which the waiting requests re-check.
+
+        A measured client counts only measured ones as ahead of it: an unproven client's job goes to a measured one
+        as a replica when needed (core.scheduling.choose_replica), so claims — fresh identities declaring any speed
+        — cannot keep the measured clients from pulling the version they will work on. So at most B measured and
+        B others are woken per version."""
         if self._woken_version != version:
             self._woken_version, self._woken = version, set()
         b = self.policy.jobs_per_step
-        woken_others = [c for c in self._woken if c != client_id]  # at most B
+        proven = client_id in self._pace_observed
+        woken_others = [c for c in self._woken if c != client_id and (not proven or c in self._pace_observed)]
         if len(woken_others) >= b:
             return False  # the B woken so far (ties, unknown paces) are ahead of it
         mine = self.rank(client_id)
-        ahead = self._faster_waiting(mine) + pacing.faster_count(
-            mine, (self.rank(c) for c in woken_others if c not in self._waiting))
+        waiting = int(self._waiting_proven.bisect_left(mine)) if proven and mine is not None else \
+            self._faster_waiting(mine)
+        ahead = waiting + pacing.faster_count(mine, (self.rank(c) for c in woken_others if c not in self._waiting))
         if ahead >= b:
             return False  # B faster ones waiting or woken are ahead of it
         self._woken.add(client_id)
@@ -180,6 +187,10 @@ class Issuer:
     def proven(self, client_id: str) -> bool:
         """Is this client's pace measured by its own results (not a declaration)?"""
         return client_id in self._pace_observed
+
+    def proven_waiting(self) -> bool:
+        """Is a client of measured pace long-polling for work (one a replica could go to)?"""
+        return bool(self._waiting_proven)
 
     def with_due(self, view: LeaseView) -> LeaseView:
         """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known;

@@ -166,6 +166,8 @@ class Leasing(Phase):
                             (row.view.lease_client or "")[:8], client_id[:8])
         else:
             version = self._leased(row, client_id, lease_id, deadline, decision.version, now, precision)
+            if version is not None and not self.issuer.proven(client_id) and self.issuer.proven_waiting():
+                self.notify_jobs()  # a measured waiter may replicate it now, not at its poll's next re-check
         if version is None:
             return self._retry()
         job = self._job_message(row, version, lease_id, client_id, now, deadline, precision)

@@ -16,9 +16,12 @@ from coordinator.core.scheduling import SyncPolicy
 
 
 def reference_next_in_line(issuer: Issuer, woken: set[str], cid: str) -> bool:
-    """next_in_line as a pass over the waiting and woken clients (the issuer's rule before the index)."""
-    ahead = (issuer.rank(c) for c in set(issuer.waiting_clients()) | woken if c != cid)
-    return not (len(woken - {cid}) >= issuer.policy.jobs_per_step
+    """next_in_line as a pass over the waiting and woken clients (the issuer's rule before the index); a measured
+    client counts only measured ones (issue 37: an unproven client's job is replicated to a measured one)."""
+    counted = {c for c in set(issuer.waiting_clients()) | woken if c != cid and (not issuer.proven(cid)
+                                                                                   or issuer.proven(c))}
+    ahead = (issuer.rank(c) for c in counted)
+    return not (len(woken & counted) >= issuer.policy.jobs_per_step
                 or pacing.faster_count(issuer.rank(cid), ahead) >= issuer.policy.jobs_per_step)
 
 
@@ -60,6 +63,9 @@ def test_the_waiting_index_counts_what_a_pass_over_the_waiting_clients_counts(se
             others = (issuer.rank(c) for c in waiting if c != asker)
             speed = issuer.speed_of(asker, [], 0.0)
             assert speed.faster_waiting == pacing.faster_count(issuer.rank(asker), others)
+            proven = (issuer.rank(c) for c in waiting if c != asker and issuer.proven(c))
+            assert speed.faster_proven_waiting == (pacing.faster_count(issuer.rank(asker), proven)
+                                                   if issuer.proven(asker) else 0)
     for cid, n in waits.items():  # every wait ended: the index is empty again
         for _ in range(n):
             issuer.end_wait(cid)
