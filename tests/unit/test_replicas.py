@@ -10,7 +10,15 @@ from dataclasses import replace
 import pytest
 
 from coordinator.api.issuer import Issuer
-from coordinator.core.leases import JobState, LeaseView, Replica, held_by, holds_lease, kept_versions, leasable
+from coordinator.core.leases import (
+    JobState,
+    LeaseView,
+    Replica,
+    held_by,
+    holds_lease,
+    kept_versions,
+    leasable,
+)
 from coordinator.core.pacing import ClientSpeed
 from coordinator.core.scheduling import (
     LeaseDecision,
