@@ -28,15 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import (
-    Proc,
-    db_rows,
-    server_errors,
-    start_client,
-    start_coordinator,
-    wait_until,
-    write_config,
-)
+from tests.integration import helpers
+from tests.integration.helpers import db_rows, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -61,15 +54,15 @@ def _timed(run_dir: Path, n: int, what: str) -> tuple[float, int]:
 @pytest.mark.timeout(1500)
 def test_fresh_identities_claiming_speed_leave_the_honest_rate(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    cfg = write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "sequential-pull"},
+    cfg = helpers.write_config(tmp_path / "run.toml", run_dir, tiny_model_dir, top={"sync_mode": "sequential-pull"},
                        learner={"max_steps": 100_000},
                        jobs={"lease_timeout_s": 120.0, "long_poll_s": 2.0},
                        limits={"registrations_per_address_per_min": 0, "new_identities_per_min": 0})
-    coord, url = start_coordinator(cfg, tmp_path / "coord.log")
-    honest = [start_client(url, tmp_path / f"honest{i}", tmp_path / f"honest{i}.log") for i in range(2)]
+    coord, url = helpers.start_coordinator(cfg, tmp_path / "coord.log")
+    honest = [helpers.start_client(url, tmp_path / f"honest{i}", tmp_path / f"honest{i}.log") for i in range(2)]
     stop, pause = tmp_path / "stop", tmp_path / "pause"
     pause.touch()  # the attacker starts paused: its start-up is in no phase
-    attacker = Proc([sys.executable, "-m", "tests.adversarial.speed_adversary", "--url", url, "--home",
+    attacker = helpers.Proc([sys.executable, "-m", "tests.adversarial.speed_adversary", "--url", url, "--home",
                      str(tmp_path / "adv"), "--out", str(tmp_path / "adv.json"), "--until", str(stop), "--pause",
                      str(pause), "--at-once", str(AT_ONCE)], tmp_path / "adv.log")
     without: list[float] = []
@@ -90,9 +83,9 @@ def test_fresh_identities_claiming_speed_leave_the_honest_rate(tmp_path: Path, t
             if phase % 2 == 0:
                 without.append(_timed(run_dir, PER_PHASE, f"phase {phase} (no attacker)")[0])
                 continue
-            before = sybil_leases()
+            wanted = sybil_leases() + AT_ONCE
             pause.unlink()
-            wait_until(lambda b=before: sybil_leases() >= b + AT_ONCE, 300, "the attacker to hold leases")
+            wait_until(lambda: sybil_leases() >= wanted, 300, "the attacker to hold leases")  # noqa: B023
             at_start = sybil_leases()
             with_attacker.append(_timed(run_dir, PER_PHASE, f"phase {phase} (with the attacker)")[0])
             during += sybil_leases() - at_start
@@ -106,7 +99,7 @@ def test_fresh_identities_claiming_speed_leave_the_honest_rate(tmp_path: Path, t
         assert rc == 0, f"the attacker crashed (rc {rc}):\n{attacker.output()[-3000:]}"
         for p in honest:
             assert p.proc.poll() is None, f"an honest client died:\n{p.output()[-3000:]}"
-        assert server_errors(url) == 0, "a request got a 5xx: see coord.log for the traceback"
+        assert helpers.server_errors(url) == 0, "a request got a 5xx: see coord.log for the traceback"
     finally:
         stop.touch()
         for p in [attacker, *honest, coord]:

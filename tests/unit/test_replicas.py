@@ -99,7 +99,8 @@ def test_async_horizon_applies_to_a_replica() -> None:
 def test_a_replica_keeps_the_jobs_slot_past_the_first_leases_due_time() -> None:
     job = replace(full()[0], due_at=NOW - 1, replica=Replica("R", "me", NOW + 300, 5, due_at=NOW + 4))
     assert occupies_slot(job, NOW, 5, SEQ)  # so no (B + 1)-th job of the version is planned
-    assert not occupies_slot(replace(job, replica=replace(job.replica, due_at=NOW - 0.5)), NOW, 5, SEQ)  # type: ignore[arg-type]
+    gone = Replica("R", "me", NOW + 300, 5, due_at=NOW - 0.5)  # its holder overdue too
+    assert not occupies_slot(replace(job, replica=gone), NOW, 5, SEQ)
     assert not leasable(replace(job, lease_deadline=NOW - 1), NOW)  # not reissued while its replica runs
     assert kept_versions(9, 1, [replace(job, version=2, replica=Replica("R", "me", NOW + 1, 2))], NOW) == {2, 9}
 
