@@ -91,6 +91,7 @@ class RunView:
                 "open": len(jobs) - len(live),
                 "leased": len(live),
                 "buffered": len(self.store.results.pending()),
+                "replicas": self.store.jobs.live_replicas(now),  # second leases running (core.leases.Replica)
                 "in_flight": [
                     {"job_id": j.view.job_id, "client_id": j.view.lease_client, "deadline": j.view.lease_deadline,
                      "version": j.view.version, "issue_count": j.issue_count}
