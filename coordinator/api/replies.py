@@ -34,6 +34,7 @@ class StatusJobs(TypedDict):
     open: int
     leased: int
     buffered: int
+    replicas: int  # replica leases running (coordinator.core.leases.Replica)
     in_flight: list[InFlightJob]
 
 

@@ -64,8 +64,9 @@ class Upkeep:
     def prune(self, current: int, run_dir: Path) -> None:
         """Bound the run directory: keep_last versions (and those under a live lease or waiting for their held-out
         evaluation), the newest checkpoint, keep_exports exports."""
-        keep = kept_versions(current, self.config.snapshots.keep_last, [j.view for j in self.store.jobs.active()],
-                             self.clock(), self.store.work.versions(EVALUATE))
+        now = self.clock()
+        leases = [j.view for j in self.store.jobs.active()] + self.store.jobs.still_held(now)  # (a replicated job's)
+        keep = kept_versions(current, self.config.snapshots.keep_last, leases, now, self.store.work.versions(EVALUATE))
         self.snapshots.prune(keep)
         self.checkpoints.prune(current)
         exports = run_dir / "exports"

@@ -202,6 +202,28 @@ class Jobs:
             self._count_unreturned(self._light, client_id, job_id, row["version"])
             return True
 
+    def still_held(self, now: float) -> list[LeaseView]:
+        """The leases still running on done jobs that had a replica, other than the one whose result closed the job
+        (as leased views, one per lease): that holder may still be computing the job, its result is credited when it
+        comes (docs/protocol.md §5), and it needs the job's version kept meanwhile (core.leases.kept_versions) — an
+        honest newcomer whose job a replica returned first must still be able to fetch it, return it and so be
+        measured. A replica is given after its job's first lease with the same timeout, so a live lease on such a
+        job means a live replica row: the index on its deadline finds them."""
+        rows = self._conn.execute(
+            "SELECT j.job_id, j.created_at, j.version, j.lease_id, j.lease_client, j.lease_deadline, r.lease_id AS "
+            "r_lease, r.client_id AS r_client, r.deadline AS r_deadline, r.version AS r_version, res.lease_id AS "
+            f"closed_by FROM replica_leases r JOIN jobs j ON j.job_id=r.job_id JOIN results res ON res.job_id=r.job_id "
+            f"WHERE r.deadline > ? AND j.state='{DONE}'", (now,)).fetchall()
+        views = []
+        for row in rows:
+            for lease, client, deadline, version in (
+                    (row["lease_id"], row["lease_client"], row["lease_deadline"], row["version"]),
+                    (row["r_lease"], row["r_client"], row["r_deadline"], row["r_version"])):
+                if lease != row["closed_by"] and deadline is not None and float(deadline) > now and version is not None:
+                    views.append(LeaseView(row["job_id"], LEASED, int(version), float(row["created_at"]), lease,
+                                           client, float(deadline)))
+        return views
+
     def live_leases(self, now: float) -> int:
         """Live leases, a job's replica counted as one more."""
         row = self._conn.execute(f"SELECT COUNT(*) AS n FROM jobs WHERE state='{LEASED}' AND lease_deadline > ?",

@@ -115,6 +115,7 @@ CREATE TABLE IF NOT EXISTS replica_leases(
   job_id TEXT PRIMARY KEY REFERENCES jobs(job_id), lease_id TEXT NOT NULL, client_id TEXT NOT NULL,
   deadline REAL NOT NULL, version INTEGER NOT NULL, precision TEXT);
 CREATE INDEX IF NOT EXISTS replica_leases_by_client ON replica_leases(client_id, deadline);
+CREATE INDEX IF NOT EXISTS replica_leases_by_deadline ON replica_leases(deadline);
 CREATE TABLE IF NOT EXISTS replica_results(
   job_id TEXT NOT NULL REFERENCES jobs(job_id), client_id TEXT NOT NULL, lease_id TEXT NOT NULL,
   version INTEGER NOT NULL, received_at REAL NOT NULL, content_sha256 TEXT NOT NULL, completions_sha256 TEXT,

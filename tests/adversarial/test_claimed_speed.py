@@ -33,7 +33,7 @@ from tests.integration.helpers import db_rows, wait_until
 
 pytestmark = pytest.mark.slow
 
-PER_PHASE = 30  # accepted honest results timed in each phase: 15 versions of B = 2
+PER_PHASE = 50  # accepted honest results timed in each phase: 25 versions of B = 2
 AT_ONCE = 4  # attacker identities asking for work at once
 
 

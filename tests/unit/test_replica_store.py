@@ -78,7 +78,12 @@ def test_replica_first_then_the_first_holders_result_is_credited_not_trained(sto
 def test_first_lease_first_then_the_replica_is_refused_nothing(store: Store) -> None:
     assert lease(store, "j0", "L0", ALICE)
     assert store.jobs.lease_replica("j0", "R0", BOB, T0 + 60, T0 + 1) == 0
+    assert store.jobs.still_held(T0 + 2) == []  # not done: its leases are the active job's
     assert accept(store, "j0", "L0", ALICE)
+    # the replica's holder may still be computing it: its lease (and the version it needs) is still held
+    (held,) = store.jobs.still_held(T0 + 9)
+    assert (held.job_id, held.lease_client, held.lease_id, held.version) == ("j0", BOB, "R0", 0)
+    assert store.jobs.still_held(T0 + 61) == []
     assert not accept(store, "j0", "R0", BOB)  # the job is done: the replica's is credited instead, never trained
     assert store.results.credit_replica(job_id="j0", lease_id="R0", client_id=BOB, version=0, content_sha256="b" * 64,
                                         completions_sha256=None, mean_reward=0.5, n_tokens=12, credit=12.0, now=T0 + 9)
