@@ -22,7 +22,6 @@ MAX_FUNCTION_LINES = 60
 #: nothing may join the list.
 TOO_BIG_YET = frozenset({
     "coordinator/engine/learner.py:Learner",
-    "swarm_client/runner.py:Runner",
 })
 
 
@@ -137,7 +136,7 @@ def test_no_class_has_more_than_15_public_methods() -> None:
 def test_no_class_over_300_lines_and_no_function_over_60() -> None:
     classes = _lines(ast.ClassDef)
     functions = _lines((ast.FunctionDef, ast.AsyncFunctionDef))
-    assert classes["swarm_client/runner.py:Runner"] > MAX_CLASS_LINES  # the walk measures (a listed exception)
+    assert classes["coordinator/store/store.py:Store"] > 0  # the walk measures the classes
     assert functions["coordinator/api/service.py:Coordinator.start"] > 10  # methods are measured by their qualname
     big = {name: n for name, n in classes.items() if n > MAX_CLASS_LINES and name not in TOO_BIG_YET}
     big |= {name: n for name, n in functions.items() if n > MAX_FUNCTION_LINES and name not in TOO_BIG_YET}
