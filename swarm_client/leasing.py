@@ -98,7 +98,7 @@ class Leasing:
         self.gates.joined()
         held, self._coordinator_paused = -1, False
         while not self.stop.is_set():
-            await self.poll_notices(api, info, reg.run_id)
+            await self._poll_notices(api, info, reg.run_id)
             turn = await self.gates.admit()
             if isinstance(turn, int):
                 return turn
@@ -161,7 +161,7 @@ class Leasing:
         await self._load_totals(api, reg.client_id)
         self.reporter.say(f"joined run {reg.run_id} at {self.cfg.url} as {reg.client_id[:8]} "
                           f"({backend.name} on {backend.device}, task {info.task}, version {info.current_version})")
-        await self.poll_notices(api, info, reg.run_id, now=True)
+        await self._poll_notices(api, info, reg.run_id, now=True)
         return reg
 
     async def _load_totals(self, api: CoordinatorClient, client_id: str) -> None:
@@ -185,7 +185,7 @@ class Leasing:
                              rejected=stats.rejected if known else None,
                              credit=stats.credit if known else None)
 
-    async def poll_notices(self, api: CoordinatorClient, info: Info, run_id: str, *, now: bool = False) -> None:
+    async def _poll_notices(self, api: CoordinatorClient, info: Info, run_id: str, *, now: bool = False) -> None:
         """The coordinator's notices (swarm_client/notices.py): when due, new ones shown; the panel, status.json and
         the control page follow what is in force."""
         if await self.notices.poll(api, info.coordinator_public_key, run_id, now=now):

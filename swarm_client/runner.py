@@ -143,7 +143,6 @@ class Runner:
         self.household = household or Household.of(cfg)
         self.stop, self.meter, self.throttle = self.household.stop, self.household.meter, self.household.throttle
         self.lifetime = self.household.lifetime
-        self.attached: list[Runner] = []  # the other runs of this process, on URL's runner (swarm_client/multirun.py)
         self.paths = ClientPaths.of(cfg.home, cfg.cache_dir, cfg.log_dir)
         self.reporter = Reporter(cfg, shares, self.meter, self.throttle)
         self.stats, self.display = self.reporter.stats, self.reporter.display
@@ -164,7 +163,6 @@ class Runner:
     def attach(self, others: list[Runner]) -> None:
         """``others`` are this process's other runs (swarm_client/multirun.py): this run's status and control page
         list them, and each one's status change rewrites this run's status."""
-        self.attached = others
         self.reporter.attached = [o.reporter for o in others]
         for other in others:
             other.reporter.parent = self.reporter
@@ -334,7 +332,7 @@ class Runner:
         return self.reporter.current() | {
             "software": self.display.software, "machine": self.display.hardware, "backend": self.device,
             "data_bytes": self.meter.used(), "data_cap_bytes": self.meter.cap_bytes, "lifetime": self.lifetime.view(),
-            "runs": self.runs() if self.attached else [],
+            "runs": self.runs() if self.reporter.attached else [],
             "max_mbps": None if not self.throttle.rate else self.throttle.rate / MB,
             "config_max_mbps": self.cfg.max_mbps}
 
