@@ -10,7 +10,7 @@ from rich.console import Console
 
 from swarm_client.bandwidth import MonthlyMeter
 from swarm_client.panel import Display
-from swarm_client.runner import FINISHED_STATE, UNREACHABLE_STATE, ClientStats
+from swarm_client.reporting import FINISHED_STATE, UNREACHABLE_STATE, ClientStats
 
 
 def stats() -> ClientStats:
