@@ -89,7 +89,7 @@ def client_run(url: str, home: Path, backend_name: str, jobs: int, threads: int,
                                max_jobs=warmup + jobs, benchmark=False, panel=False))
     accepted: list[tuple[float, int]] = []
     example: list[Any] = []
-    runner.on_result = lambda now, job, n_tok: (accepted.append((now, n_tok)), example.append(job))
+    runner.submissions.on_result = lambda now, job, n_tok: (accepted.append((now, n_tok)), example.append(job))
     code = asyncio.run(runner.run())
     if code != 0 or len(accepted) != warmup + jobs:
         raise RuntimeError(f"join loop exited {code} with {len(accepted)} of {warmup + jobs} jobs accepted; see {home}")

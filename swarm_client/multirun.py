@@ -50,11 +50,8 @@ def runners(cfg: JoinConfig) -> list[Runner]:
         sub = cfg.model_copy(update={"url": url, "home": attached_home(cfg.home, url), "attach": [], "panel": False,
                                      "control_page": False, "coordinator_key": None,
                                      "log_dir": cfg.log_dir or main.paths.logs})
-        runner = Runner(sub, shares=shares, control_home=cfg.home)
-        runner.stop, runner.meter, runner.throttle, runner.lifetime = main.stop, main.meter, main.throttle, main.lifetime
-        runner.parent = main
-        out.append(runner)
-    main.attached = out[1:]
+        out.append(Runner(sub, shares=shares, household=main.household))  # URL's controls, budgets, ledger, stop
+    main.attach(out[1:])
     return out
 
 
@@ -75,7 +72,7 @@ async def run_all(cfg: JoinConfig) -> int:
         loop.add_signal_handler(sig, main._on_signal)  # the stop event is shared: every run stops
     log_file = logs.setup(main.paths.logs, cfg.log_level, main.display.error)
     logger.info("echo-swarm join %s with %s (log %s)", cfg.url, ", ".join(cfg.attach), log_file)
-    main._say(f"working for {len(group)} coordinators, generation by share: "
+    main.reporter.say(f"working for {len(group)} coordinators, generation by share: "
               + ", ".join(f"{r['url']} {r['share']:g}" for r in main.runs()))
     try:
         codes = await asyncio.gather(*(r.work() for r in group))

@@ -12,8 +12,9 @@ their newlines, which the client's own multi-line messages need.)
 
 from __future__ import annotations
 
+import io
 import sys
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from shared.safe_text import escape
 
@@ -49,6 +50,20 @@ def status_line(s: StatsView) -> str:
             f"accepted {s.accepted} rejected {s.rejected} | credit {s.credit:,.0f}")
 
 
+def whole_writes(stream: IO[str]) -> IO[str]:
+    """``stream``, or a line-buffered text stream over its descriptor where ``stream`` writes through a raw file.
+
+    Python's unbuffered stdout (``python -u``, PYTHONUNBUFFERED=1, usual in containers) hands each write to one
+    ``write(2)``; when a signal — the volunteer's Ctrl-C — interrupts it while the terminal is slow to read, the
+    kernel returns a partial count and the rest of the text is dropped. The panel's redraw then moves up the full
+    height it believes it drew and erases lines above it: the notice or the error the volunteer should have read.
+    A buffered writer writes the rest."""
+    if not isinstance(getattr(stream, "buffer", None), io.RawIOBase):
+        return stream  # buffered already (the default), or no descriptor at all
+    return open(stream.fileno(), "w", buffering=1, encoding=getattr(stream, "encoding", None) or "utf-8",
+                errors="replace", closefd=False)
+
+
 class Display:
     def __init__(self, stats: StatsView, *, live: bool | None = None, url: str = "", hardware: str = "") -> None:
         self.stats = stats
@@ -68,8 +83,8 @@ class Display:
         from rich.console import Console
         from rich.live import Live
 
-        self._console = Console()
-        self._err_console = Console(stderr=True)
+        self._console = Console(file=whole_writes(sys.stdout))
+        self._err_console = Console(file=whole_writes(sys.stderr), stderr=True)
         self._live = Live(self, console=self._console, refresh_per_second=2, transient=False)
         self._live.start()
 

@@ -7,13 +7,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from coordinator.engine.weights import load_full_state, read_weights
 from coordinator.tasks.base import Task, TaskItem
 from shared.policy import generate, load_model, load_tokenizer, stop_token_ids
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 YIELD_BATCH = 128  # prompts per greedy batch when the evaluator yields between batches (Evaluator.yield_to)
 
@@ -136,15 +134,7 @@ class Evaluator:
 
     def _load_folder(self, folder: Path) -> tuple[Any, Any]:
         if self._model is not None:  # same architecture: load the new weights in place
-            from safetensors.torch import load_file
-
-            shards = sorted(folder.glob("*.safetensors"))
-            if not shards:
-                raise FileNotFoundError(f"no weights in {folder}")
-            state: dict[str, Tensor] = {}
-            for shard in shards:
-                state.update(load_file(str(shard), device=self.device))
-            self._model.load_state_dict(state, strict=False)
+            load_full_state(self._model, read_weights(folder, self.device), folder)
             return self._model, self._tokenizer
         model = load_model(folder, self.device, own_memory=True)
         return model, load_tokenizer(folder)

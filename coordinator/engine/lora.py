@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from coordinator.config import LearnerConfig
+from coordinator.engine.weights import load_full_state, read_weights
 from coordinator.publish.gguf_export import route, write_adapter_gguf, write_model_gguf
 from coordinator.publish.snapshots import BASE_DIR
 from shared.adapters import (
@@ -301,34 +302,19 @@ class VersionLoader:
     def load_state(self, folder: Path, device: str) -> dict[str, Tensor]:
         folder = Path(folder)
         if not is_adapter_folder(folder):
-            return _read_weights(folder, device)
+            return read_weights(folder, device)
         adapter = read_adapter(folder)
-        state = _read_weights(self._base_of(folder), device)
+        state = read_weights(self._base_of(folder), device)
         for name in adapter.factors:
             w = state[name]
             state[name] = (w.float() + adapter.delta(name).to(w.device)).to(w.dtype)
         return state
 
 
-def _read_weights(folder: Path, device: str) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
-    shards = base_weight_files(folder)
-    if not shards:
-        raise FileNotFoundError(f"no weights in {folder}")
-    state: dict[str, Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(shard), device=device))
-    return state
-
-
 def _load_whole(model: Any, folder: Path) -> None:
     """Load a folder's whole weights into ``model`` in place; a tied output layer may be absent (stored once)."""
     device = str(next(model.parameters()).device)
-    missing, unexpected = model.load_state_dict(_read_weights(folder, device), strict=False)
-    if unexpected or any("lm_head" not in m for m in missing):
-        raise ValueError(f"the weights in {folder} do not match the loaded model: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+    load_full_state(model, read_weights(folder, device), folder)
 
 
 class LoraDescription(TypedDict):

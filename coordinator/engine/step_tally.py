@@ -2,7 +2,7 @@
 the step runs, turned into the step's metrics once it is done.
 
 Split from coordinator/engine/learner.py (issue 33): the step's arithmetic — the objective and its backward pass —
-stays in ``Learner.train_step``; this only counts, without gradients, what the step did to each token (ratios
+is coordinator.engine.policy_step's; this only counts, without gradients, what the step did to each token (ratios
 clipped, importance weights truncated, tokens masked, how far each sampling class's π_b lies from πθ).
 """
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from coordinator.core.verify import TokenStats
 from coordinator.engine import fsdp
+from coordinator.engine.weights import load_full_state
 from coordinator.errors import VersionGone
 from shared.adapters import load_weights_in_place, read_model
 from shared.policy import completion_stats
@@ -129,7 +130,7 @@ class Verifier:
         # adapted weights); default: read the folder's tensors into it one by one, or load load_state's dict
         if load_into is None and load_state is not None:
             def load_into(model: Any, folder: Path) -> None:
-                _load_into(model, load_state(folder, self.device), folder)
+                load_full_state(model, load_state(folder, self.device), folder)
         self._load_into = load_into or load_weights_in_place
         self._ranks = ranks
         self.mixed_precision = mixed_precision
@@ -425,13 +426,3 @@ def token_rows(model: Any, prompts: list[list[int]], completions: list[list[int]
                     dst.extend(r[: len(c)] for r, c in zip(t.tolist(), chunk, strict=True))
     return cols
 
-
-def _load_into(model: Any, state: dict[str, Tensor], folder: Path) -> None:
-    """Load a full state dict in place. A tied output layer is stored once (as save_pretrained does), so only
-    tied weights may be missing; anything else missing means the folder is not this model's snapshot."""
-    result = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = set(result.missing_keys) - tied
-    if missing or result.unexpected_keys:
-        raise ValueError(f"the weights in {folder} do not match the verifier's model: missing "
-                         f"{sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}")

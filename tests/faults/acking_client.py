@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
         journal.flush()
         os.fsync(journal.fileno())
 
-    runner.on_result = acknowledged  # called once the coordinator's reply said accepted, before anything else
+    runner.submissions.on_result = acknowledged  # called once the coordinator's reply said accepted, before anything else
     try:
         return asyncio.run(runner.run())
     finally:

@@ -96,7 +96,7 @@ def main(out: Path, model_dir: Path, world: str) -> None:
         # the reference computes the passes the ranks compute: the output layer whole, not a vocabulary slice at a
         # time (engine.head, the same numbers up to float rounding, which AdamW's first step turns into sign flips
         # of near-zero gradients)
-        made.stream_head = False
+        made.passes.stream_head = False
         return made
 
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm_client.control import read_status
-from swarm_client.runner import IN_USE_STATE
+from swarm_client.reporting import IN_USE_STATE
 from swarm_client.webcontrol import PAGE_FILE, TOKEN_FILE
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import Proc, db_rows, wait_until

@@ -31,7 +31,7 @@ from shared.exit_codes import ExitCode
 from swarm_client.api import CoordinatorClient, RetryPolicy
 from swarm_client.bandwidth import MonthlyMeter, Throttle
 from swarm_client.control import read_status
-from swarm_client.runner import FINISHED_STATE, UNREACHABLE_STATE
+from swarm_client.reporting import FINISHED_STATE, UNREACHABLE_STATE
 from swarm_client.snapshots import SnapshotCache
 from tests.integration.conftest import LiveCoordinator
 from tests.integration.helpers import REPO, Proc, db_rows, start_client, wait_until, write_config

@@ -5,6 +5,7 @@ snapshot cache and a backend that generates nothing. No network, no model, no sl
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from shared.policy import Sampled
 from shared.records import sign_job, sign_notices
 from swarm_client import runner as runner_mod
 from swarm_client.identity import Identity, load_identity
-from swarm_client.runner import JoinConfig, Runner
+from swarm_client.runner import Household, JoinConfig, Runner
 
 from .factories import job
 
@@ -147,12 +148,14 @@ class NullBackend:
         return [Sampled([4, 2], [-0.5, -0.25], "stop") for _ in range(job.group_size * len(job.prompts))]
 
 
-def make_client(home: Path, monkeypatch: pytest.MonkeyPatch, **cfg: Any) -> tuple[Runner, Identity]:
-    """A Runner whose snapshot cache is a RecordingCache, and its identity."""
+def make_client(home: Path, monkeypatch: pytest.MonkeyPatch, *, stop: threading.Event | None = None,
+                **cfg: Any) -> tuple[Runner, Identity]:
+    """A Runner whose snapshot cache is a RecordingCache, and its identity (``stop``: its stop event, for a test
+    that records the waits on it)."""
     RecordingCache.instances.clear()
     monkeypatch.setattr(runner_mod, "SnapshotCache", RecordingCache)
     config = JoinConfig(url="http://coordinator.invalid", home=home, benchmark=False, panel=False, **cfg)
-    return Runner(config), load_identity(config.home)
+    return Runner(config, household=Household.of(config, stop)), load_identity(config.home)
 
 
 def serve(runner: Runner, identity: Identity, script: list[Any], *, backend: NullBackend | None = None,
@@ -166,8 +169,8 @@ def serve(runner: Runner, identity: Identity, script: list[Any], *, backend: Nul
         try:
             assert await runner._serve(coordinator, identity, backend or NullBackend()) == runner_mod.EXIT_OK  # type: ignore[arg-type]
         finally:
-            if runner.prefetch is not None and not runner.prefetch.done():
-                runner.prefetch.cancel()
+            if runner.downloads.prefetch is not None and not runner.downloads.prefetch.done():
+                runner.downloads.prefetch.cancel()
 
     RecordingCache.default_fill = fill
     try:

@@ -17,10 +17,13 @@ from shared import PROTOCOL_VERSION, crypto
 from shared.errors import ProtocolError, Reason
 from shared.messages import Info, Job, LeaseResponse, RegisterResponse
 from shared.policy import Sampled
+from swarm_client import gates, leasing
 from swarm_client import runner as runner_mod
 from swarm_client.control import read_controls, snooze, update_controls
 from swarm_client.identity import Identity
-from swarm_client.runner import FINISHED_STATE, Runner
+from swarm_client.reporting import FINISHED_STATE
+from swarm_client.runner import Runner
+from swarm_client.submissions import SETBACK_MAX_S, setback_delay
 
 from .client_fakes import COORDINATOR_KEY, NullBackend, ScriptedCoordinator, make_client, reply, serve
 
@@ -59,8 +62,9 @@ class NewRunCoordinator(ScriptedCoordinator):
 
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner_mod, "FINISHED_POLL_S", 0.0)
-    monkeypatch.setattr(runner_mod, "GATE_POLL_S", 0.01)
+    monkeypatch.setattr(leasing, "FINISHED_POLL_S", 0.0)
+    for module in (leasing, gates):  # the waits of the leasing loop and of the gates
+        monkeypatch.setattr(module, "GATE_POLL_S", 0.01)
 
 
 def _serve(runner: Runner, identity: Identity, coordinator: ScriptedCoordinator,
@@ -69,8 +73,8 @@ def _serve(runner: Runner, identity: Identity, coordinator: ScriptedCoordinator,
         try:
             return await runner._serve(coordinator, identity, backend or NullBackend())  # type: ignore[arg-type]
         finally:
-            if runner.prefetch is not None and not runner.prefetch.done():
-                runner.prefetch.cancel()
+            if runner.downloads.prefetch is not None and not runner.downloads.prefetch.done():
+                runner.downloads.prefetch.cancel()
 
     return asyncio.run(go())
 
@@ -150,14 +154,14 @@ def test_snooze_battery_and_data_budget_hold_back_new_work(tmp_path: Path, monke
     home = tmp_path / "home"
     runner, _ = make_client(home, monkeypatch, max_gb_per_month=1.0)
     until = snooze(home, 1800)
-    assert asyncio.run(runner._gate()) == f"snoozed until {datetime.fromtimestamp(until):%H:%M}"
+    assert asyncio.run(runner.gates.gate()) == f"snoozed until {datetime.fromtimestamp(until):%H:%M}"
     update_controls(home, snooze_until=None)
-    assert asyncio.run(runner._gate()) is None
-    runner._battery = (time.monotonic(), True)  # read a moment ago: on battery
-    assert asyncio.run(runner._gate()) == "on battery"
-    runner._battery = (time.monotonic(), False)
+    assert asyncio.run(runner.gates.gate()) is None
+    runner.gates._battery = (time.monotonic(), True)  # read a moment ago: on battery
+    assert asyncio.run(runner.gates.gate()) == "on battery"
+    runner.gates._battery = (time.monotonic(), False)
     runner.meter.add(10**9)
-    assert asyncio.run(runner._gate()).startswith("monthly data cap reached (1.00 of 1 GB)")
+    assert asyncio.run(runner.gates.gate()).startswith("monthly data cap reached (1.00 of 1 GB)")
 
 
 def test_a_bandwidth_cap_set_at_run_time_applies_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,10 +169,10 @@ def test_a_bandwidth_cap_set_at_run_time_applies_at_once(tmp_path: Path, monkeyp
     runner, _ = make_client(home, monkeypatch, max_mbps=5.0)
     assert runner.throttle.rate == 5e6
     update_controls(home, max_mbps=0.5)
-    runner._apply_controls()
+    runner.gates.apply()
     assert runner.throttle.rate == 5e5
     update_controls(home, max_mbps=None)  # back to the configured cap
-    runner._apply_controls()
+    runner.gates.apply()
     assert runner.throttle.rate == 5e6
 
 
@@ -205,8 +209,8 @@ class RecordingStop:
 
 
 def test_setbacks_in_a_row_back_off_and_an_accepted_result_ends_them() -> None:
-    assert [runner_mod.setback_delay(n) for n in range(7)] == [0.0, 0.0, 0.0, 5.0, 10.0, 20.0, 40.0]
-    assert runner_mod.setback_delay(40) == runner_mod.SETBACK_MAX_S
+    assert [setback_delay(n) for n in range(7)] == [0.0, 0.0, 0.0, 5.0, 10.0, 20.0, 40.0]
+    assert setback_delay(40) == SETBACK_MAX_S
 
 
 @pytest.mark.parametrize(("reason", "backs_off"), [(Reason.VERSION_RETIRED, True), (Reason.CHOICE_MISMATCH, False)])
@@ -215,9 +219,8 @@ def test_a_client_refused_for_the_coordinators_reasons_backs_off(tmp_path: Path,
     """A client whose results keep meeting version_retired (the coordinator pruned the version under it) waits,
     longer each time, instead of computing job after job into the same refusal (one client looped 2,900 times);
     a refusal about its own result is no such streak."""
-    runner, identity = make_client(tmp_path / "home", monkeypatch)
     stop = RecordingStop()
-    runner.stop = stop  # type: ignore[assignment]
+    runner, identity = make_client(tmp_path / "home", monkeypatch, stop=stop)  # type: ignore[arg-type]
     cid = identity.client_id
     jobs = [reply(0, job_version=0, client_id=cid, job_id=f"v0-j{k}") for k in range(6)]
     coordinator = RefusingCoordinator(runner, identity, jobs, reason)

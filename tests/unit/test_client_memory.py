@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from shared.messages import JobPrompt, Manifest, ManifestFile
+from swarm_client.fitting import Fit
 from swarm_client.footprint import (
     GIB,
     Batch,
@@ -192,17 +193,18 @@ def test_the_check_before_a_download_learns_the_dtype_from_the_version_held(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner, _ = make_client(tmp_path / "home", monkeypatch, max_memory_gb=2.5)
     backend = NullBackend()
-    runner.backend = backend  # type: ignore[assignment]
+    # the judge the join loop hands the snapshot cache as its pre-check (Runner._serve), before any version is held
+    fit = Fit(runner.cfg, backend, runner.hardware, runner.device, None, runner.reporter.say)  # type: ignore[arg-type]
     files = [ManifestFile(path="model.safetensors", size=GIB, sha256=SHA), ManifestFile(path="config.json", size=900,
                                                                                          sha256="cd" * 32)]
     next_version: Manifest = manifest(files=files)
     # nothing held yet: 1 GiB of files taken for float32 (the coordinator's default): 1 + 0.3 + 0.4 GiB fits
-    runner._precheck(next_version, 0)
+    fit.precheck(next_version, 0)
     # the version held has 16-bit files: the next one's 1 GiB of files is 2 GiB in float32, plus the file mapped
     write_model(tmp_path / "held", dtype="BF16", itemsize=2)
     backend.folder = tmp_path / "held"
     with pytest.raises(ResourceRefusal, match=r"needs about 3\.[0-9]+ GiB"):
-        runner._precheck(next_version, 0)
+        fit.precheck(next_version, 0)
     write_model(tmp_path / "held32")
     backend.folder = tmp_path / "held32"
-    runner._precheck(next_version, 0)
+    fit.precheck(next_version, 0)

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import io
+import os
+import pty
+import select
+import signal
+import threading
+import time
+import tty
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 from rich.console import Console
 
 from swarm_client.bandwidth import MonthlyMeter
-from swarm_client.panel import Display
-from swarm_client.runner import FINISHED_STATE, UNREACHABLE_STATE, ClientStats
+from swarm_client.panel import Display, whole_writes
+from swarm_client.reporting import FINISHED_STATE, UNREACHABLE_STATE, ClientStats
 
 
 def stats() -> ClientStats:
@@ -58,3 +67,55 @@ def test_panel_names_a_held_state_and_shows_the_data_used_and_the_caps(state: st
     text = out.getvalue()
     row = next(line for line in text.splitlines() if " data " in line)
     assert state in text and "0.25 GB this month (cap 1 GB) · limit 2.5 MB/s" in row, text
+
+
+def _interrupted_write(make: Callable[[int], IO[str]]) -> tuple[int, int]:
+    """Write a long text to a pseudo-terminal nobody reads yet through ``make(slave)``, interrupt the write with a
+    signal once the writer is blocked in write(2) with part of it sent (as Ctrl-C does to a client whose terminal
+    is slow), then read everything: (bytes that arrived, bytes written)."""
+    master, slave = pty.openpty()
+    tty.setraw(slave)  # no \\n → \\r\\n: the byte counts compare as they are
+    text = ("x" * 99 + "\n") * 2000 + "END"
+    writer = threading.get_native_id()
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+
+    def interrupt() -> None:
+        syscall = Path(f"/proc/self/task/{writer}/syscall")
+        # blocked in write(2) (x86-64: 1, arm64: 64) once the terminal's buffer is full
+        while not (select.select([master], [], [], 0)[0] and syscall.read_text().split()[0] in ("1", "64")):
+            time.sleep(0.01)
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+
+    got = bytearray()
+
+    def drain() -> None:
+        interrupted.join()
+        while not got.endswith(b"END") and select.select([master], [], [], 5)[0]:
+            got.extend(os.read(master, 65536))
+
+    interrupted, reader = threading.Thread(target=interrupt), threading.Thread(target=drain)
+    interrupted.start()
+    reader.start()
+    try:
+        stream = make(slave)
+        stream.write(text)
+        stream.flush()
+        reader.join(60)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(slave)
+        os.close(master)
+    return len(got), len(text)
+
+
+def test_a_signal_during_a_redraw_loses_no_byte_of_it_on_an_unbuffered_stdout() -> None:
+    """PYTHONUNBUFFERED=1 makes stdout write through a raw file: a Ctrl-C that interrupts a panel redraw on a slow
+    terminal drops the rest of it, and the next redraw erased the notice lines above the panel (seen in
+    tests/integration/test_notices.py under load). The panel's console writes through whole_writes."""
+    def unbuffered(fd: int) -> IO[str]:
+        return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)  # what python -u makes
+
+    arrived, written = _interrupted_write(unbuffered)
+    assert arrived < written  # the mechanism: the raw stream drops what the interrupted write(2) did not send
+    arrived, written = _interrupted_write(lambda fd: whole_writes(unbuffered(fd)))
+    assert arrived == written

@@ -29,7 +29,7 @@ def test_idle_client_not_asked_to_prefetch_downloads_nothing(client: tuple[Runne
     coordinator, cache = serve(runner, identity, [reply(1), reply(2), reply(3)])
     assert cache.fetches == []
     assert coordinator.held == [-1, -1, -1, -1]  # it never claims a version it did not fetch
-    assert runner.prefetch is None and runner.ready_version == -1
+    assert runner.downloads.prefetch is None and runner.downloads.ready_version == -1
 
 
 def test_woken_idle_client_pulls_the_version_before_asking_again(client: tuple[Runner, Identity]) -> None:
@@ -37,7 +37,7 @@ def test_woken_idle_client_pulls_the_version_before_asking_again(client: tuple[R
     coordinator, cache = serve(runner, identity, [reply(1), reply(2, prefetch=True)])
     assert cache.fetches == [(2, None)]  # a prefetch: any manifest the coordinator signed for version 2
     assert coordinator.held == [-1, -1, 2]  # the next lease request holds the pulled version
-    assert runner.ready_version == 2
+    assert runner.downloads.ready_version == 2
 
 
 def test_job_for_a_newer_version_fetches_only_what_the_job_needs(client: tuple[Runner, Identity]) -> None:
@@ -55,7 +55,7 @@ def test_prefetch_alongside_a_job_runs_in_the_background(client: tuple[Runner, I
     cid = identity.client_id
     coordinator, cache = serve(runner, identity, [reply(3, prefetch=True, job_version=2, client_id=cid)])
     assert sorted(cache.fetches, key=lambda f: f[0]) == [(2, SHA), (3, None)]
-    assert runner.ready_version == 3
+    assert runner.downloads.ready_version == 3
     assert coordinator.held[-1] == 3  # the next lease holds the prefetched version
 
 
@@ -74,17 +74,17 @@ def test_a_prefetch_asked_for_while_another_runs_follows_it(tmp_path: Path) -> N
 
     async def go() -> None:
         cache.hold[3] = asyncio.Event()
-        assert runner._consider_prefetch(reply(3, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
-        first = runner.prefetch
+        assert runner.downloads.consider(reply(3, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
+        first = runner.downloads.prefetch
         assert await cache.entered.get() == 3  # the fetch of version 3 is in progress (held)
-        assert runner._consider_prefetch(reply(4, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
-        assert runner.prefetch is first  # one prefetch at a time: no second download races the first
-        assert not runner._consider_prefetch(reply(5), 1, cache, "run-1")  # type: ignore[arg-type]
+        assert runner.downloads.consider(reply(4, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
+        assert runner.downloads.prefetch is first  # one prefetch at a time: no second download races the first
+        assert not runner.downloads.consider(reply(5), 1, cache, "run-1")  # type: ignore[arg-type]
         cache.hold[3].set()
         assert first is not None
         await first
         assert cache.fetches == [(3, None), (4, None)]  # 4 followed 3; 5 (not asked for) was never fetched
-        assert runner.ready_version == 4
+        assert runner.downloads.ready_version == 4
 
     asyncio.run(go())
 
@@ -95,14 +95,14 @@ def test_a_failed_prefetch_is_retried_by_the_next_reply_that_asks(tmp_path: Path
 
     async def go() -> None:
         cache.fail.add(3)
-        assert runner._consider_prefetch(reply(3, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
-        assert runner.prefetch is not None
-        assert await runner.prefetch is None  # only logged
-        assert runner.ready_version == -1
+        assert runner.downloads.consider(reply(3, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
+        assert runner.downloads.prefetch is not None
+        assert await runner.downloads.prefetch is None  # only logged
+        assert runner.downloads.ready_version == -1
         cache.fail.clear()
-        assert runner._consider_prefetch(reply(3, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
-        await runner.prefetch
-        assert runner.ready_version == 3 and cache.fetches == [(3, None), (3, None)]
+        assert runner.downloads.consider(reply(3, prefetch=True), 1, cache, "run-1")  # type: ignore[arg-type]
+        await runner.downloads.prefetch
+        assert runner.downloads.ready_version == 3 and cache.fetches == [(3, None), (3, None)]
 
     asyncio.run(go())
 
@@ -112,8 +112,8 @@ def test_reply_without_prefetch_starts_nothing(tmp_path: Path) -> None:
     cache = RecordingCache(tmp_path)
 
     async def go() -> None:
-        assert not runner._consider_prefetch(reply(9), -1, cache, "run-1")  # type: ignore[arg-type]
-        assert not runner._consider_prefetch(reply(2, prefetch=True), 2, cache, "run-1")  # type: ignore[arg-type]
-        assert runner.prefetch is None and cache.fetches == []
+        assert not runner.downloads.consider(reply(9), -1, cache, "run-1")  # type: ignore[arg-type]
+        assert not runner.downloads.consider(reply(2, prefetch=True), 2, cache, "run-1")  # type: ignore[arg-type]
+        assert runner.downloads.prefetch is None and cache.fetches == []
 
     asyncio.run(go())

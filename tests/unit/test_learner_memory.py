@@ -44,10 +44,10 @@ def _gradients(learner: Learner) -> dict[str, torch.Tensor]:
 
 def test_the_tied_embeddings_gradient_is_autograds_own_and_the_step_frees_the_gradients(tiny_model_dir: Path) -> None:
     summed = _learner(tiny_model_dir)
-    assert summed._tied is not None and summed.model.config.tie_word_embeddings
+    assert summed.passes.tied is not None and summed.model.config.tie_word_embeddings
     plain = _learner(tiny_model_dir)
-    assert plain._tied is not None
-    plain._tied.remove()  # autograd's own sum of the gradients of every use of the weight
+    assert plain.passes.tied is not None
+    plain.passes.tied.remove()  # autograd's own sum of the gradients of every use of the weight
     ours, reference = _gradients(summed), _gradients(plain)
     assert ours.keys() == reference.keys() and "model.embed_tokens.weight" in ours
     for name, grad in reference.items():
@@ -62,7 +62,7 @@ def test_sampling_and_recomputes_leave_the_lookup_alone(tiny_model_dir: Path) ->
     batch = _batch(learner)
     learner.recompute([s.prompt_ids for s in batch], [s.completion_ids for s in batch])  # under no_grad
     assert all(p.grad is None for p in learner.model.parameters())
-    assert learner._tied is not None
+    assert learner.passes.tied is not None
 
 
 def test_the_step_reports_each_sampling_class_distance_from_the_policy(tiny_model_dir: Path) -> None:

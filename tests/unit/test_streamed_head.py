@@ -110,7 +110,7 @@ def test_bf16_gradients_round_as_the_plain_pass(tiny_model_dir: Path, monkeypatc
 
 def test_the_learner_streams_its_head_where_it_is_plain(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     learner = Learner(tiny_model_dir, ModelConfig(device="cpu"), LearnerConfig(lr=1e-3, threads=1), temperature=1.0)
-    assert learner.stream_head
+    assert learner.passes.stream_head
     calls: list[int] = []
     real = head._slice_width
     monkeypatch.setattr(head, "_slice_width", lambda *a: calls.append(1) or real(*a))
@@ -123,4 +123,4 @@ def test_the_learner_streams_its_head_where_it_is_plain(tiny_model_dir: Path, mo
     assert calls and stats["grad_norm"] > 0
     lora = Learner(tiny_model_dir, ModelConfig(device="cpu"), LearnerConfig(lr=1e-3, threads=1, lora_rank=4),
                    temperature=1.0)
-    assert not lora.stream_head
+    assert not lora.passes.stream_head
