@@ -10,9 +10,9 @@ The plain and the multi-turn episode results differ only in what their rollouts 
 it is evidence (core.trust.is_invalidating).
 
 A job with a replica (coordinator.core.leases.Replica: issue 37) has two holders. The first result accepted is
-trained; the other holder's, within its lease, is never refused for coming second: with the trained result's very
-tokens (the job's keyed sample computed again) it is credited at once; otherwise it goes through every check above and
-is credited if it passes — never trained (:meth:`Intake._credit_replica`; docs/protocol.md §5).
+trained; the other holder's, within its lease, is never refused for coming second: it goes through every check above
+(the same tokens or not: its logprobs are its own) and is credited if it passes — never trained
+(:meth:`Intake._credit_replica`; docs/protocol.md §5).
 """
 
 from __future__ import annotations
@@ -171,11 +171,10 @@ class Intake(Phase):
         by torch and neither credited nor counted as evidence."""
         with self.verifying.held(sub.job_id):  # never reissued meanwhile (coordinator.api.leasing)
             row, first = self._job_within_terms(client_id, sub, size)
+            # a job's other holder is checked in full too, even with the trained result's very tokens: its reported
+            # logprobs are its own (a made-up set beside honest tokens was credited unchecked), and no holder is
+            # credited for a copy of the other's work it could not have produced
             tokens_sha = self._refuse_copy(sub)  # before any forward pass is spent on a copy (core.duplicates)
-            if first is not None and first["completions_sha256"] == tokens_sha:
-                # the trained result's very tokens: the job's keyed sample computed again, nothing to recompute
-                return self._credit_replica(client_id, sub, row.view, content_sha, tokens_sha,
-                                            float(first["mean_reward"]), int(first["n_tokens"]))
             rollout = rollout_of(sub, row, self.files.task, self.prompt_tokens, self.config.sampling.max_tokens)
             # recomputed as the lease said (core.trust.recompute_class): a llama.cpp client's result by llama.cpp on
             # the very GGUF file its lease named; the co-located loop's own (torch) rollouts and torch clients' from

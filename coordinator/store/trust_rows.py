@@ -100,9 +100,15 @@ class TrustRows:
                                   (client_id,)).fetchone()
 
     def leases_held(self, client_id: str, now: float) -> int:
-        """Live (unexpired) leases of one client, its replicas of jobs not yet done included."""
-        row = self._conn.execute(f"SELECT COUNT(*) AS n FROM jobs WHERE state='{JobState.LEASED}' AND lease_client=? "
-                                 "AND lease_deadline>?", (client_id, now)).fetchone()
+        """Live (unexpired) leases of one client that have not returned their result: its first leases — on a job
+        its replica's holder finished too, until this client's own result comes back (else a claimant whose jobs
+        replicas finish could take one lease after another, `limits.max_leases_per_client` notwithstanding) — and
+        its replicas of jobs not yet done."""
+        row = self._conn.execute(
+            f"SELECT COUNT(*) AS n FROM jobs WHERE lease_client=? AND lease_deadline>? AND (state='{JobState.LEASED}' "
+            f"OR (state='{JobState.DONE}' AND NOT EXISTS (SELECT 1 FROM results r WHERE r.job_id=jobs.job_id AND "
+            "r.lease_id=jobs.lease_id) AND NOT EXISTS (SELECT 1 FROM replica_results q WHERE q.job_id=jobs.job_id "
+            "AND q.lease_id=jobs.lease_id)))", (client_id, now)).fetchone()
         replicas = self._conn.execute(f"SELECT COUNT(*) AS n FROM replica_leases r JOIN jobs ON jobs.job_id=r.job_id "
                                       f"WHERE r.client_id=? AND r.deadline>? AND jobs.state!='{JobState.DONE}'",
                                       (client_id, now)).fetchone()

@@ -119,3 +119,23 @@ def test_a_replica_that_ran_out_goes_when_the_job_is_reissued(store: Store) -> N
     assert row is not None and row.view.replica is None and row.view.lease_client == CAROL
     assert store.trust.lease_counts(BOB) == (1, 1) and store.trust.lease_counts(ALICE) == (1, 1)
     assert not accept(store, "j0", "R0", BOB)
+
+
+def test_a_first_lease_a_replica_finished_still_counts_as_held_until_its_own_result(store: Store) -> None:
+    """A claimant whose jobs replicas finish must not take one lease after another: its first lease counts against
+    `limits.max_leases_per_client` until it returns its own result or runs out (test_adversaries' lease hoarder took
+    10 jobs where 2 are allowed before this rule)."""
+    assert lease(store, "j0", "L0", ALICE)  # deadline T0 + 60 (test_store's lease)
+    assert store.jobs.lease_replica("j0", "R0", BOB, T0 + 60, T0 + 1) == 0
+    assert accept(store, "j0", "R0", BOB, content_sha256="b" * 64, completions_sha256="t" * 64)
+    assert store.trust.leases_held(ALICE, T0 + 2) == 1  # the job is done, but ALICE's lease has not come back
+    assert store.trust.leases_held(BOB, T0 + 2) == 0  # BOB's replica returned
+    assert store.results.credit_replica(job_id="j0", lease_id="L0", client_id=ALICE, version=0,
+                                        content_sha256="a" * 64, completions_sha256="t" * 64, mean_reward=0.5,
+                                        n_tokens=12, credit=12.0, now=T0 + 3)
+    assert store.trust.leases_held(ALICE, T0 + 4) == 0  # its result came back (credited)
+    assert lease(store, "j1", "L1", ALICE)
+    assert store.jobs.lease_replica("j1", "R1", BOB, T0 + 60, T0 + 5) == 0
+    assert accept(store, "j1", "R1", BOB, content_sha256="c" * 64, completions_sha256="u" * 64)
+    assert store.trust.leases_held(ALICE, T0 + 6) == 1
+    assert store.trust.leases_held(ALICE, T0 + 10_000) == 0  # until its lease runs out
