@@ -285,7 +285,10 @@ def test_adversaries_are_refused_and_honest_clients_lose_nothing(tmp_path: Path,
           f"{sorted(k for k, r in reports.items() if any(a.get('same_as_honest') for a in r['attempts']))}")
     for kind, report in reports.items():
         for cid in report["identities"]:
-            rows = db_rows(run_dir, "SELECT job_id FROM results WHERE client_id=?", (cid,))
+            # an accepted result is the job's trained one, or the second of a replicated job (credited, not trained:
+            # an honest replica holder may have returned the same keyed sample first)
+            rows = db_rows(run_dir, "SELECT job_id FROM results WHERE client_id=? UNION ALL "
+                                    "SELECT job_id FROM replica_results WHERE client_id=?", (cid, cid))
             assert len(rows) == (1 if cid == replayer or cid in coincided else 0), (kind, rows)
     trained = {r[0] for r in db_rows(run_dir, "SELECT client_id FROM results WHERE ingested_step IS NOT NULL")}
     assert trained <= honest_ids | {replayer} | coincided
