@@ -11,8 +11,10 @@ and backend — on one event loop, and they meet in these places only:
 - **stopping**: one stop event; Ctrl-C stops every run (each releases its lease), a second quits at once.
 
 URL's run keeps the client's home as it is (a client that adds `--attach` later keeps its identity there); an
-attached run's identity, pinned key and status live in ``HOME/attached/<host>_<port>/``. The terminal shows plain
-lines (a live panel per run would fight over the screen); the control page is URL's, and lists every run's share.
+attached run's identity, pinned key and status live in ``HOME/attached/<host>_<port>/``. On a terminal URL's panel
+lists every run (the others draw none: two live panels would erase each other's lines) and every line says which
+coordinator it is about; without one, each run prints plain tagged lines. The control page is URL's, and lists
+every run's share.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def attached_home(home: Path, url: str) -> Path:
 def runners(cfg: JoinConfig) -> list[Runner]:
     """URL's runner first, then one per attached coordinator, sharing the machine and the volunteer's settings."""
     attached = [attached_run(entry) for entry in cfg.attach]
-    shares = Shares({cfg.url: cfg.share, **dict(attached)})
-    main = Runner(cfg.model_copy(update={"attach": [], "panel": False}), shares=shares)
+    shares = Shares({cfg.url: cfg.share, **dict(attached)}, keep_models=cfg.keep_models)
+    main = Runner(cfg.model_copy(update={"attach": []}), shares=shares)
     out = [main]
     for url, _ in attached:
         sub = cfg.model_copy(update={"url": url, "home": attached_home(cfg.home, url), "attach": [], "panel": False,

@@ -4,6 +4,10 @@ The runner only calls :meth:`Display.say` (an event worth a line of its own) and
 (the counters changed). On a terminal the panel redraws twice a second and events scroll above it; without
 a terminal each finished job gives one line, so logs stay greppable.
 
+One process working for several coordinators (`join URL --attach URL2=SHARE`) draws one panel, URL's: it lists
+every run in a table (its share, state, results and credit), and the other runs' displays relay their lines and
+redraws to it (:meth:`Display.relay`) — two live panels on one terminal would erase each other's lines.
+
 Lines carry text the client did not write (a coordinator's refusal message, a job id, a GPU name), so every
 line and every panel value is shown with control characters escaped (shared.safe_text) and never as rich
 markup: a coordinator cannot clear the volunteer's screen, move the cursor or plant a hyperlink. (Event lines keep
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import io
 import sys
+from collections.abc import Callable
 from typing import IO, Any, Protocol
 
 from shared.safe_text import escape
@@ -76,6 +81,18 @@ class Display:
         self._console: Any = None
         self._err_console: Any = None
         self._last_line = ""
+        self._relay: Display | None = None
+        #: with several runs in one process: every run's standing (swarm_client/reporting.py ``Reporter.runs``)
+        self.runs: Callable[[], list[dict[str, Any]]] | None = None
+
+    def relay(self, to: Display) -> None:
+        """An attached run's display: while ``to`` draws a live panel, lines and redraws go through it (a line
+        printed beside the panel would be erased by its next redraw, and the panel already shows this run's
+        counters); otherwise (no terminal, or the panel stopped) this display prints plain lines of its own."""
+        self._relay = to
+
+    def _through(self) -> Display | None:
+        return self._relay if self._relay is not None and self._relay._live is not None else None
 
     def start(self) -> None:
         if not self.live:
@@ -96,6 +113,8 @@ class Display:
     def say(self, text: str) -> None:
         """One event line (or a few: the client's own messages may span lines, so ``\n`` is kept and every other
         control character is escaped in each line)."""
+        if (through := self._through()) is not None:
+            return through.say(text)
         text = "\n".join(escape(line) for line in text.split("\n"))
         if self._console is not None:
             self._console.print(text, markup=False, highlight=False)
@@ -107,6 +126,8 @@ class Display:
         through the live display there: written to the terminal directly, it landed below the panel, and the next
         redraw (which moves up the panel's height and erases) wiped it, so a banned client's reason was never
         seen. Redirected, stderr gets the plain line and the screen is not touched."""
+        if (through := self._through()) is not None:
+            return through.error(text)
         text = "\n".join(escape(line) for line in text.split("\n"))
         if self._live is not None and self._err_console is not None and self._err_console.is_terminal:
             self._live.console.print(text, markup=False, highlight=False, style="red")
@@ -115,6 +136,8 @@ class Display:
 
     def update(self, *, line: bool = False) -> None:
         """Counters changed; ``line``: also worth a log line when there is no panel (a job finished)."""
+        if (through := self._through()) is not None:
+            return through.update()
         if self._live is not None:
             self._live.refresh()
         elif line:
@@ -160,5 +183,28 @@ class Display:
             grid.add_row("machine", Text(escape(self.hardware)))
         if self.page_url:
             grid.add_row("control page", Text(escape(self.page_url.split("?")[0])))
-        return Panel(grid, title=f"echo-swarm {self.software}",
+        body: Any = grid
+        if self.runs is not None:
+            from rich.console import Group
+
+            body = Group(grid, Text(""), runs_table(self.runs()))
+        return Panel(body, title=f"echo-swarm {self.software}",
                      subtitle="Ctrl-C: stop · `echo-swarm client pause` / `finish` / `open`", border_style="blue")
+
+
+def runs_table(runs: list[dict[str, Any]]) -> Any:
+    """Every run of a client working for several coordinators: its share of the machine (and of the work so far,
+    BOINC's resource share), what it is doing, its results and credit — the first run is the one above."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, padding=(0, 1), header_style="bold cyan", show_edge=False)
+    for name, justify in (("coordinator", "left"), ("share", "right"), ("work so far", "right"), ("state", "left"),
+                          ("accepted / rejected", "right"), ("credit", "right")):
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for run in runs:
+        table.add_row(Text(escape(str(run.get("url", "")))), f"{float(run.get('share', 0)):g}",
+                      f"{100 * float(run.get('work_fraction', 0)):.0f} %", Text(escape(str(run.get("state", "")))),
+                      Text.assemble((str(run.get("accepted", 0)), "green"), " / ", (str(run.get("rejected", 0)), "red")),
+                      f"{float(run.get('credit', 0)):,.1f}")
+    return table

@@ -162,10 +162,13 @@ class Runner:
 
     def attach(self, others: list[Runner]) -> None:
         """``others`` are this process's other runs (swarm_client/multirun.py): this run's status and control page
-        list them, and each one's status change rewrites this run's status."""
+        list them, and each one's status change rewrites this run's status; on a terminal this run's panel lists
+        them, and their lines and redraws go through it (swarm_client/panel.py)."""
         self.reporter.attached = [o.reporter for o in others]
+        self.display.runs = self.reporter.runs
         for other in others:
             other.reporter.parent = self.reporter
+            other.display.relay(self.display)
 
     def runs(self) -> list[dict[str, object]]:
         """Every run of this process with its share (swarm_client/shares.py) and standing."""

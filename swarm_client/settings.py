@@ -172,6 +172,10 @@ class JoinConfig(BaseModel):
                               "own identity and pinned key under HOME/attached/.")
     share: float = Field(1.0, gt=0, le=1e6, description="URL's resource share beside the --attach runs: a run with "
                          "share 3 gets 3× the generation time of one with share 1 while both have work.")
+    keep_models: bool = Field(False, description="With --attach: keep every run's model in memory between its "
+                              "turns (BOINC's 'leave tasks in memory while suspended'): no reload each time the "
+                              "machine changes runs, at the cost of the sum of the models' memory. Off: only the "
+                              "run on the machine holds its model.")
 
     @field_validator("url")
     @classmethod

@@ -20,7 +20,9 @@ share, as its tokens cost four times the machine's work. A turn whose model size
 run's turn begins, every other run's model is unloaded (:meth:`Shares.holds_model`), and a run loads its own inside its
 turn: two runs of a 7 B model would otherwise keep two copies in RAM for one generation at a time. A run's backend
 is touched only inside its turns (the runner loads, benchmarks and generates there), so unloading it from another
-run's turn never races with it. Switching costs a load from the local cache each time the machine changes runs.
+run's turn never races with it. Switching costs a load from the local cache each time the machine changes runs;
+`join --keep-models` (BOINC's "leave tasks in memory while suspended") keeps every run's model instead, for a
+volunteer whose memory holds them all.
 """
 
 from __future__ import annotations
@@ -54,12 +56,13 @@ class Shares:
     """The machine's generation slot among the runs of one client process (one asyncio loop)."""
 
     def __init__(self, shares: dict[str, float], clock: Callable[[], float] = time.monotonic,
-                 grace_s: float = GRACE_S) -> None:
+                 grace_s: float = GRACE_S, keep_models: bool = False) -> None:
         if not shares or any(s <= 0 for s in shares.values()):
             raise ValueError(f"every run needs a positive share, got {shares}")
         self.runs = {name: RunShare(name, share) for name, share in shares.items()}
         self.clock = clock
         self.grace_s = grace_s
+        self.keep_models = keep_models  # every run's model stays loaded between its turns (no unloading)
         self._busy: str | None = None  # the run generating now
         self._waiting: list[str] = []  # runs with a job in hand, waiting for the machine, in arrival order
         self._changed = asyncio.Condition()
@@ -67,8 +70,10 @@ class Shares:
         self._loaded: set[str] = set()  # runs whose model may be in memory: those that had a turn since unloaded
 
     def holds_model(self, name: str, unload: Callable[[], None]) -> None:
-        """``name``'s model is freed by ``unload`` (its backend's) whenever another run's turn begins."""
-        self._unload[name] = unload
+        """``name``'s model is freed by ``unload`` (its backend's) whenever another run's turn begins (never with
+        ``keep_models``)."""
+        if not self.keep_models:
+            self._unload[name] = unload
 
     def _next(self) -> tuple[str | None, float | None]:
         """(the waiting run to go now, or None; how long to wait before looking again, None: until told).

@@ -7,7 +7,9 @@ docs/client.md) and `client status` says each run's share; Ctrl-C stops both, ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +103,40 @@ def test_two_coordinators_get_results_in_the_ratio_of_their_shares(tmp_path: Pat
             browser.stop()
         for p in reversed(procs):
             p.stop()
+
+
+def test_one_panel_on_the_terminal_lists_both_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`join A --attach B=1` on a terminal (a real pseudo-terminal, read back on a VT100 screen): one live panel,
+    A's, with a row per run — each coordinator, its share, its results — and every run's lines tagged with its
+    coordinator above it; no plain status line of the attached run beside the panel (it would be erased by the next
+    redraw). Ctrl-C stops both runs, exit 0."""
+    from tests.integration.conftest import running_coordinator
+    from tests.integration.test_stop_reasons import Shown, _join_argv
+    from tests.terminal import run_on_terminal
+
+    home = tmp_path / "client"
+
+    def both_accepted(_: bytes) -> bool:
+        runs = (read_status(home) or {}).get("runs") or []
+        return len(runs) == 2 and all(int(r.get("accepted", 0)) >= 1 for r in runs)
+
+    with contextlib.ExitStack() as stack:
+        a, b = (stack.enter_context(running_coordinator(tmp_path / name, tiny_model_dir)) for name in ("a", "b"))
+        argv = _join_argv(a.url, home, "--share", "3", "--attach", f"{b.url}=1")
+        shown_bytes = run_on_terminal(argv, columns=140, rows=200, timeout_s=400, until=both_accepted,
+                                      then=lambda proc: proc.send_signal(signal.SIGINT))
+    shown = Shown(shown_bytes.raw, columns=140, rows=200)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "terminal-shares.txt").write_text(str(shown).rstrip() + "\n")  # for docs/client.md
+    assert shown_bytes.returncode == 0, shown
+    panel = shown.lines[shown.row("╭"):]  # the final panel, drawn last
+    head = next(i for i, line in enumerate(panel) if "coordinator" in line and "work so far" in line)
+    row_a = next(line for line in panel[head:] if a.url in line)
+    row_b = next(line for line in panel[head:] if b.url in line)
+    for row, share in ((row_a, "3"), (row_b, "1")):
+        cells = row.strip("│ ").split()
+        assert cells[1] == share and cells[-4] != "0" and cells[-3] == "/", row  # share; accepted ≥ 1 / rejected
+    above = shown.lines[:shown.row("╭")]
+    assert any(line.startswith(f"[{b.url}] joined run") for line in above), shown
+    assert any(line.startswith(f"[{a.url}] joined run") for line in above), shown
+    assert not any(line.startswith("[echo-swarm ") for line in shown.lines), shown  # no plain status lines

@@ -50,10 +50,10 @@ def _join_argv(url: str, home: Path, *extra: str) -> list[str]:
 class Shown:
     """A pty's bytes played on a VT100 screen: the lines a person sees at the end, and their colours."""
 
-    def __init__(self, raw: bytes) -> None:
+    def __init__(self, raw: bytes, *, columns: int = COLUMNS, rows: int = ROWS) -> None:
         import pyte
 
-        self.screen = pyte.Screen(COLUMNS, ROWS)
+        self.screen = pyte.Screen(columns, rows)
         pyte.ByteStream(self.screen).feed(raw)
         self.lines = [line.rstrip() for line in self.screen.display]
         self.words = " ".join(" ".join(self.lines).split())

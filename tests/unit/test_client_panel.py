@@ -69,6 +69,56 @@ def test_panel_names_a_held_state_and_shows_the_data_used_and_the_caps(state: st
     assert state in text and "0.25 GB this month (cap 1 GB) · limit 2.5 MB/s" in row, text
 
 
+def _runs() -> list[dict[str, object]]:
+    return [{"url": "http://a.example:8470", "share": 3.0, "work_fraction": 0.74, "state": "generating",
+             "accepted": 31, "rejected": 1, "credit": 5120.0},
+            {"url": "http://b.example:8470", "share": 1.0, "work_fraction": 0.26, "state": "coordinator paused",
+             "accepted": 11, "rejected": 0, "credit": 1800.5}]
+
+
+def test_one_panel_lists_every_run_of_a_client_with_several_coordinators() -> None:
+    """`join A --attach B=1` on a terminal: URL's panel has a row per run — coordinator, share, work so far, state,
+    accepted / rejected, credit (issue 34; the terminal used to show tagged lines only)."""
+    display = Display(stats(), live=False, url="http://a.example:8470")
+    display.runs = _runs
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(display)
+    rows = out.getvalue().splitlines()
+    head = next(line for line in rows if "coordinator" in line and "share" in line)
+    assert "work so far" in head and "accepted / rejected" in head and "credit" in head, rows
+    a = next(line for line in rows if "http://a.example:8470" in line and " 3 " in line)
+    b = next(line for line in rows if "http://b.example:8470" in line)
+    assert "74 %" in a and "generating" in a and "31 / 1" in a and "5,120.0" in a, a
+    assert " 1 " in b and "26 %" in b and "coordinator paused" in b and "11 / 0" in b and "1,800.5" in b, b
+    single = io.StringIO()
+    Console(file=single, width=120, color_system=None).print(Display(stats(), live=False))
+    assert "work so far" not in single.getvalue()  # one run: no table
+
+
+def test_an_attached_runs_lines_go_through_the_panel_while_it_is_drawn(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """An attached run draws no panel of its own: while URL's is live, its lines and redraws go through URL's
+    console (printed beside the panel they would be erased by the next redraw); once that panel has stopped, or
+    where there is none, it prints its own plain lines."""
+    screen, beside = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stdout", screen)  # the panel's console writes here
+    main, attached = Display(stats(), live=True), Display(stats(), live=False)
+    attached.relay(main)
+    attached.say("before the panel")  # URL's panel not drawn yet: a plain line of its own
+    main.start()
+    monkeypatch.setattr("sys.stdout", beside)  # what the attached run would print by itself lands here
+    attached.say("[http://b.example:8470] result j7 accepted")
+    attached.update(line=True)  # a job finished: the panel redraws, no status line of its own
+    assert beside.getvalue() == "", beside.getvalue()  # nothing printed beside the live panel
+    main.stop()
+    attached.say("after the panel")  # its own plain lines again once the panel is gone
+    attached.update(line=True)
+    monkeypatch.undo()
+    shown = screen.getvalue()
+    assert "before the panel" in shown and "[http://b.example:8470] result j7 accepted" in shown, shown
+    assert "after the panel" in beside.getvalue() and "[echo-swarm 01234567]" in beside.getvalue(), beside.getvalue()
+
+
 def _interrupted_write(make: Callable[[int], IO[str]]) -> tuple[int, int]:
     """Write a long text to a pseudo-terminal nobody reads yet through ``make(slave)``, interrupt the write with a
     signal once the writer is blocked in write(2) with part of it sent (as Ctrl-C does to a client whose terminal

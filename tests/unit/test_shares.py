@@ -63,6 +63,27 @@ def test_a_run_turn_frees_the_other_runs_model_and_loads_its_own(tiny_model_dir:
     assert backends["a"].model is not None and backends["b"].model is None
 
 
+def test_keep_models_leaves_every_runs_model_loaded_between_its_turns(tiny_model_dir: Path) -> None:
+    """`join --keep-models`: no run's model is unloaded when another's turn begins, so each loads once."""
+    backends = {"a": TorchBackend(device="cpu", threads=1), "b": TorchBackend(device="cpu", threads=1)}
+    loads = {"a": 0, "b": 0}
+
+    async def main() -> None:
+        shares = Shares({"a": 1.0, "b": 1.0}, grace_s=0.0, keep_models=True)
+        for name, backend in backends.items():
+            shares.holds_model(name, backend.unload)
+        for name in ("a", "b", "a", "b"):
+            async with shares.turn(name) as turn:
+                if backends[name].model is None:
+                    loads[name] += 1
+                    await asyncio.to_thread(backends[name].load, tiny_model_dir)
+                turn.tokens = 10
+
+    asyncio.run(main())
+    assert loads == {"a": 1, "b": 1}
+    assert all(b.model is not None for b in backends.values())
+
+
 def test_an_unloaded_backend_loads_the_same_folder_again(tiny_model_dir: Path) -> None:
     backend = TorchBackend(device="cpu", threads=1)
     backend.load(tiny_model_dir)
