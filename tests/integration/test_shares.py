@@ -121,6 +121,8 @@ def test_one_panel_on_the_terminal_lists_both_runs(tmp_path: Path, tiny_model_di
         return len(runs) == 2 and all(int(r.get("accepted", 0)) >= 1 for r in runs)
 
     with contextlib.ExitStack() as stack:
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
         a, b = (stack.enter_context(running_coordinator(tmp_path / name, tiny_model_dir)) for name in ("a", "b"))
         argv = _join_argv(a.url, home, "--share", "3", "--attach", f"{b.url}=1")
         shown_bytes = run_on_terminal(argv, columns=140, rows=200, timeout_s=400, until=both_accepted,
