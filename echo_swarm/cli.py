@@ -162,6 +162,8 @@ def join(
     window: Annotated[Optional[list[str]], _setting("window")] = None,
     attach: Annotated[Optional[list[str]], _setting("attach")] = None,
     share: Annotated[Optional[float], _setting("share")] = None,
+    keep_models: Annotated[Optional[bool], _setting("keep_models", "--keep-models/--unload-models",
+                                                    show_default=False)] = None,
     pause_on_battery: Annotated[Optional[bool], _setting("pause_on_battery", "--pause-on-battery/--run-on-battery",
                                                          show_default=False)] = None,
     max_mbps: Annotated[Optional[float], _setting("max_mbps")] = None,
