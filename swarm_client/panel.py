@@ -86,13 +86,14 @@ class Display:
         self.runs: Callable[[], list[dict[str, Any]]] | None = None
 
     def relay(self, to: Display) -> None:
-        """An attached run's display: while ``to`` draws a live panel, lines and redraws go through it (a line
+        """An attached run's display: where ``to`` is a live panel, lines and redraws go through it (a line
         printed beside the panel would be erased by its next redraw, and the panel already shows this run's
-        counters); otherwise (no terminal, or the panel stopped) this display prints plain lines of its own."""
+        counters) — before it starts and after it stops as well, so no run prints a plain status line on the
+        panel's terminal; where there is no terminal this display prints plain lines of its own."""
         self._relay = to
 
     def _through(self) -> Display | None:
-        return self._relay if self._relay is not None and self._relay._live is not None else None
+        return self._relay if self._relay is not None and self._relay.live else None
 
     def start(self) -> None:
         if not self.live:

@@ -95,28 +95,33 @@ def test_one_panel_lists_every_run_of_a_client_with_several_coordinators() -> No
     assert "work so far" not in single.getvalue()  # one run: no table
 
 
-def test_an_attached_runs_lines_go_through_the_panel_while_it_is_drawn(monkeypatch: pytest.MonkeyPatch,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """An attached run draws no panel of its own: while URL's is live, its lines and redraws go through URL's
-    console (printed beside the panel they would be erased by the next redraw); once that panel has stopped, or
-    where there is none, it prints its own plain lines."""
+def test_an_attached_runs_lines_go_through_the_panel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attached run draws no panel of its own: where URL's display is a live panel, the attached run's lines and
+    redraws go through it — printed beside the panel they would be erased by the next redraw, and a plain status line
+    after it stops would be a second, untagged way of saying what the panel said; where there is no terminal, it
+    prints its own plain lines."""
     screen, beside = io.StringIO(), io.StringIO()
     monkeypatch.setattr("sys.stdout", screen)  # the panel's console writes here
     main, attached = Display(stats(), live=True), Display(stats(), live=False)
     attached.relay(main)
-    attached.say("before the panel")  # URL's panel not drawn yet: a plain line of its own
     main.start()
     monkeypatch.setattr("sys.stdout", beside)  # what the attached run would print by itself lands here
     attached.say("[http://b.example:8470] result j7 accepted")
     attached.update(line=True)  # a job finished: the panel redraws, no status line of its own
-    assert beside.getvalue() == "", beside.getvalue()  # nothing printed beside the live panel
     main.stop()
-    attached.say("after the panel")  # its own plain lines again once the panel is gone
+    attached.say("[http://b.example:8470] stopped")  # winding down after the panel stopped: still through it
     attached.update(line=True)
-    monkeypatch.undo()
+    assert beside.getvalue() == "", beside.getvalue()  # nothing printed beside the panel, before or after it stopped
     shown = screen.getvalue()
-    assert "before the panel" in shown and "[http://b.example:8470] result j7 accepted" in shown, shown
-    assert "after the panel" in beside.getvalue() and "[echo-swarm 01234567]" in beside.getvalue(), beside.getvalue()
+    assert "result j7 accepted" in shown and "[http://b.example:8470] stopped" in shown, shown
+    assert "[echo-swarm 01234567]" not in shown, shown
+
+    plain, alone = Display(stats(), live=False), Display(stats(), live=False)  # no terminal: plain lines each
+    alone.relay(plain)
+    alone.say("[http://b.example:8470] result j8 accepted")
+    alone.update(line=True)
+    monkeypatch.undo()
+    assert "result j8 accepted" in beside.getvalue() and "[echo-swarm 01234567]" in beside.getvalue()
 
 
 def _interrupted_write(make: Callable[[int], IO[str]]) -> tuple[int, int]:
