@@ -98,7 +98,7 @@ def test_every_flags_help_shows_its_fields_type_and_bounds(command: str) -> None
         else:
             assert shown == {str: "<str>", Path: "<path>"}[kind], (option, key, row)
         checked += 1
-    assert checked == {"join": 41, "coordinator": len(COORDINATOR_KEYS)}[command]  # the issue counted 38 and 17; --team, --attach, --share since
+    assert checked == {"join": 42, "coordinator": len(COORDINATOR_KEYS)}[command]  # the issue counted 38 and 17; --team, --attach, --share, --keep-models since
 
 
 def _probes(field: FieldInfo) -> list[str]:
