@@ -366,6 +366,7 @@ def _summarise(cfg: DemoConfig, status: dict[str, Any], procs: list[_Proc], wall
         "rejections_by_reason": _rejection_reasons(store_url or cfg.out / "run" / "coordinator.sqlite"),
         "store": "sqlite" if store_url is None else "postgresql",
         "reissued_jobs": status["totals"]["reissued_jobs"],
+        "replicas": status["totals"].get("replicas", 0),  # credited second results of replicated jobs (in accepted)
         "reward_curve": status["reward_curve"],
         "eval_before": evals[0]["accuracy"] if evals else None,
         "eval_after": evals[-1]["accuracy"] if evals else None,

@@ -415,12 +415,16 @@ class Store:
 
     # -- across the aggregates ----------------------------------------------------------------------------
     def totals(self) -> dict[str, int]:
-        """Counts for the status page: accepted and rejected results, reissued jobs, results set aside as stale."""
+        """Counts for the status page: accepted and rejected results, reissued jobs, results set aside as stale.
+        ``accepted`` counts every result a client was told was accepted — a replicated job's credited second result
+        (``replicas``) too — so that it equals the sum of the clients' own counts."""
         acc = self.conn.execute("SELECT COUNT(*) AS n FROM results").fetchone()["n"]
+        replicas = self.conn.execute("SELECT COUNT(*) AS n FROM replica_results").fetchone()["n"]
         rej = self.conn.execute("SELECT COUNT(*) AS n FROM rejections").fetchone()["n"]
         reissued = self.conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE issue_count > 1").fetchone()["n"]
         stale = self.conn.execute("SELECT COUNT(*) AS n FROM results WHERE stale_at IS NOT NULL").fetchone()["n"]
-        return {"accepted": int(acc), "rejected": int(rej), "reissued_jobs": int(reissued), "too_stale": int(stale)}
+        return {"accepted": int(acc) + int(replicas), "rejected": int(rej), "reissued_jobs": int(reissued),
+                "too_stale": int(stale), "replicas": int(replicas)}
 
 
 def _carry_nonces(db: Db, rows: list[tuple[Any, Any]]) -> None:

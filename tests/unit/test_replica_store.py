@@ -73,6 +73,10 @@ def test_replica_first_then_the_first_holders_result_is_credited_not_trained(sto
     lines = store.audit.lines(client_id=ALICE)
     assert [(x.outcome, x.reason) for x in lines] == [("accepted", "replica")]
     assert store.results.rejections() == []
+    # the status page's totals count both "accepted" replies, as the clients do (the demo's summary compares them)
+    totals = store.totals()
+    assert (totals["accepted"], totals["replicas"]) == (2, 1)
+    assert totals["accepted"] == sum(counts(store, c)[0] for c in (ALICE, BOB))
 
 
 def test_first_lease_first_then_the_replica_is_refused_nothing(store: Store) -> None:

@@ -611,7 +611,7 @@ def test_data_survives_reopen(db_path: str | Path) -> None:
         assert {r.job_id: r.ingested_step for r in s2.results.summary()} == {"j0": 1, "j1": 1, "j3": None}
         assert s2.results.pending() == []
         assert s2.evals.all() == [EvalRow(version=1, accuracy=0.5, n=64, at=T0)]
-        assert s2.totals() == {"accepted": 3, "rejected": 0, "reissued_jobs": 0, "too_stale": 1}
+        assert s2.totals() == {"accepted": 3, "rejected": 0, "reissued_jobs": 0, "too_stale": 1, "replicas": 0}
     finally:
         s2.close()
 
