@@ -5,6 +5,8 @@ llama.cpp applies to the base file computes what a GGUF of the merged weights co
     PYTHONPATH=. python bench/families.py [--families llama3,qwen3] [--precisions f16,q8_0,q4_K_M] [--threads 2]
         [--json out.json]
     PYTHONPATH=. python bench/families.py --speed 256,0.5b    # per-version export time: writer vs converter
+    PYTHONPATH=. python bench/families.py --margins 1000 [--families ...] [--json out.json]   # keyed margins
+    PYTHONPATH=. python bench/families.py --learner [--families ...] [--json out.json]   # step, FSDP, deltas
 
 Each family is a random-initialised model of the family's config shape with a tokenizer built here
 (coordinator.engine.family_models: width 256, so the k-quants apply to every matrix), exported by
@@ -14,6 +16,11 @@ position of a fixed prompt set evaluated in one llama.cpp batch (``logits_all``,
 against the same tokens through transformers in float32; max and mean |Δ| over every position and vocabulary entry,
 beside the torch logits' standard deviation for scale. Export seconds are the f16 file's wall time (the converter's
 include its child process: Python, torch and transformers start-up).
+
+``--learner``: the learner side per family instead (bench/family_learner.py): one step of the coordinator's Learner on
+one device and on 2 FSDP ranks, versions 0 and 1 published with patches, each patch applied as a client applies it.
+``--margins N``: honest keyed margins per family instead (bench/choice_calibration.py on the family's model: N
+results per class, a torch client judged by the torch recompute, a llama.cpp f16 client by llama.cpp on its file).
 """
 
 from __future__ import annotations
@@ -232,6 +239,94 @@ def speed(shape: str, threads: int, work: Path) -> dict[str, Any]:
     return out
 
 
+def learner_side(family: Family, work: Path) -> dict[str, Any]:
+    """The learner side of the family (bench/family_learner.py): one step of the coordinator's Learner on one device
+    while the same step runs on 2 FSDP ranks (gloo, real processes) beside it; versions 0 and 1 published by the
+    coordinator's SnapshotStore with deltas (bf16 safetensors, f16 GGUF by the family's route), and each patch of
+    version 1 applied to version 0's file as a client applies it."""
+    from bench import family_learner as fl
+    from coordinator.config import SnapshotConfig
+    from coordinator.publish.snapshots import SnapshotStore
+    from shared import crypto
+    from shared.policy import load_tokenizer
+
+    folder = build_family_model(family, work / family.name)
+    load_tokenizer(folder).save_pretrained(str(folder))  # the tokenizer files as the learner publishes them
+    snap = SnapshotConfig()  # the run's defaults, as coordinator.run.runfiles makes the store
+    store = SnapshotStore(work / f"{family.name}-snapshots", crypto.generate_key(), "run",
+                          anchor_every=snap.anchor_every, lag_tolerance=snap.lag_tolerance,
+                          lag_cap=snap.lag_steps * fl.LR)
+    ranks = fl.start_ranks(work / f"{family.name}-ranks", folder)
+    try:
+        one = fl.step_and_publish(folder, store, work / f"{family.name}-single")
+    finally:
+        two = fl.finish(ranks, work / f"{family.name}-ranks")
+    base, after = fl.weights(folder), fl.weights(work / f"{family.name}-single" / fl.FULL)
+    largest, share = fl.moved({k: base[k] for k in after}, after)
+    return {"family": family.label, "step": one, "moved_max": largest, "moved_share": share, "fsdp": two,
+            "fsdp_max": fl.max_diff(after, fl.weights(work / f"{family.name}-ranks" / fl.FULL)),
+            "fsdp_grad_norm_rel": abs(two["grad_norm"] - one["grad_norm"]) / one["grad_norm"],
+            "patches": fl.rebuilt(store, 1)}
+
+
+def learner_table(rows: list[dict[str, Any]]) -> str:
+    files = ("model.safetensors", "model.gguf")
+    head = ["family", "step: loss / grad norm", "weights moved: max abs Δ / share changed",
+            "2 FSDP ranks vs 1: max abs Δ weights / grad norm rel. Δ",
+            *[f"{f} v0→v1: patch / file bytes, rebuilt sha256 = published" for f in files], "step s (1 / 2 ranks)",
+            "publish v0 / v1 s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        p = r["patches"]
+        cells = [r["family"], f"{r['step']['loss']:.2g} / {r['step']['grad_norm']:.3g}",
+                 f"{r['moved_max']:.2g} / {r['moved_share']:.1%}", f"{r['fsdp_max']:.2g} / {r['fsdp_grad_norm_rel']:.1g}",
+                 *[f"{p[f]['patch_bytes']:,} / {p[f]['file_bytes']:,}, {'yes' if p[f]['same'] else 'NO'}"
+                   if f in p else "no patch" for f in files],
+                 f"{r['step']['step_s']:.2f} / {r['fsdp']['step_s']:.2f}",
+                 " / ".join(f"{s:.1f}" for s in r["step"]["publish_s"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+#: The classes of the keyed-margin table: a torch client checked by the verifier's torch recompute, a llama.cpp client
+#: on the f16 GGUF checked by the verifier's llama.cpp recompute on the same file (coordinator.engine.llama_verifier).
+MARGIN_CLASSES = ("torch-f32", "llama-f16")
+
+
+def margins(family: Family, results: int, work: Path, temperature: float = 1.0) -> dict[str, Any]:
+    """Honest keyed margins of the family: bench/choice_calibration.py (the clients' own backends generating
+    default-shaped jobs with the keyed sampler, the verifier's own recompute and ``check_choices`` at the class's
+    default tolerance) on the family model, ``results`` results per class, run as its own process."""
+    import subprocess
+
+    from shared.policy import load_tokenizer
+
+    folder = build_family_model(family, work / family.name)
+    load_tokenizer(folder).save_pretrained(str(folder))  # the tokenizer files as the learner publishes them
+    out = work / f"{family.name}.margins.json"
+    bench = Path(__file__).resolve().parent / "choice_calibration.py"
+    subprocess.run([sys.executable, str(bench), "--model-dir", str(folder), "--classes", ",".join(MARGIN_CLASSES),
+                    "--temperatures", str(temperature), "--results", str(results), "--attacks", "0", "--json",
+                    str(out)], check=True, stdout=sys.stderr)
+    rows = json.loads(out.read_text())["classes"]
+    return {"family": family.label, "classes": [{k: v for k, v in r.items() if k != "positive"}
+                                                | {"positive": len(r["positive"])} for r in rows]}
+
+
+def margin_table(rows: list[dict[str, Any]]) -> str:
+    head = ["family", *[f"{c}: results / tokens / off the argmax / worst margin (tolerance) / refused / largest "
+                        f"token abs Δ logprob / s per result" for c in MARGIN_CLASSES]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["family"]]
+        for c in r["classes"]:
+            cells.append(f"{c['results']:,} / {c['tokens']:,} / {c['positive']} / {c['worst']:.3g} "
+                         f"({c['tolerance']:g}) / {c['refused']} / {c['lp_max']:.1e} / "
+                         f"{c['seconds'] / max(1, c['results']):.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]], precisions: list[str]) -> str:
     head = ["family", "HF architecture", "route", "export f16 s", "loads",
             *[f"{p} max / mean abs Δ" for p in precisions], "tokenise = / detok. =", "logit std",
@@ -255,7 +350,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--speed", help="shapes to time writer vs converter on instead (256, 0.5b)")
+    ap.add_argument("--margins", type=int, help="instead: honest keyed margins over this many results per class")
+    ap.add_argument("--learner", action="store_true", help="instead: a learner step, FSDP on 2 ranks, deltas")
     args = ap.parse_args()
+    if args.learner:
+        steps: list[dict[str, Any]] = []
+        with tempfile.TemporaryDirectory(prefix="families-learner-") as tmp:
+            for name in args.families.split(","):
+                print(f"[{name}] a learner step on 1 and 2 ranks, versions 0 and 1 with patches", file=sys.stderr,
+                      flush=True)
+                steps.append(learner_side(BY_NAME[name], Path(tmp)))
+                if args.json:
+                    args.json.write_text(json.dumps(steps, indent=2))
+        print(learner_table(steps))
+        return
+    if args.margins:
+        done: list[dict[str, Any]] = []
+        with tempfile.TemporaryDirectory(prefix="families-margins-") as tmp:
+            for name in args.families.split(","):
+                print(f"[{name}] {args.margins} honest results per class", file=sys.stderr, flush=True)
+                done.append(margins(BY_NAME[name], args.margins, Path(tmp)))
+                if args.json:  # what is done so far, so a run cut short keeps its figures
+                    args.json.write_text(json.dumps(done, indent=2))
+        print(margin_table(done))
+        return
     if args.speed:
         with tempfile.TemporaryDirectory(prefix="families-speed-") as tmp:
             for shape in args.speed.split(","):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from coordinator.engine import fsdp
 from coordinator.engine.head import contiguous_input, streamed_logprobs
 from coordinator.engine.objective import Sample, second_moment_keep
-from coordinator.engine.tied import TiedEmbeddingGradient
+from coordinator.engine.tied import TiedEmbeddingGradient, lookup_scale
 from shared.policy import completion_logprobs, plain_head
 
 if TYPE_CHECKING:
@@ -49,9 +49,12 @@ class TokenPasses:
         shards, nor for a head that is not plain; and it is handed a contiguous input, so autograd's products make
         no per-sequence copies of its weight."""
         output = self.model.get_output_embeddings()
+        lookup = self.model.get_input_embeddings()
         alone = self.ranks is None and not lora
-        self.tied = (TiedEmbeddingGradient(self.model.get_input_embeddings(), output) if alone
-                     and output is not None and output.weight is self.model.get_input_embeddings().weight else None)
+        # only where the hook can recompute the lookup as the module does (a plain or a scaled one, e.g. Gemma's)
+        scale = (lookup_scale(lookup) if alone and output is not None and output.weight is lookup.weight
+                 else None)
+        self.tied = TiedEmbeddingGradient(lookup, output, scale) if scale is not None else None
         self.stream_head = alone and plain_head(self.model)
         if output is not None and self.ranks is None:
             contiguous_input(output)

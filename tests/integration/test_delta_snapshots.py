@@ -86,13 +86,15 @@ class RecordingPeers:
 
 
 def _fetch(store: SnapshotStore, home: Path, versions: list[int], between: Callable[[int], None] = lambda v: None,
-           peers: RecordingPeers | None = None) -> tuple[SnapshotCache, list[Path], list[int]]:
-    """Fetch ``versions`` in order with one client cache; the bytes downloaded for each."""
+           peers: RecordingPeers | None = None, forms: frozenset[str] = frozenset({"hf"})
+           ) -> tuple[SnapshotCache, list[Path], list[int]]:
+    """Fetch ``versions`` in order with one client cache of ``forms`` (a torch client's by default; a llama.cpp
+    client's: swarm_client.backends.llama_backend.GGUF_FORMS); the bytes downloaded for each."""
     async def go() -> tuple[SnapshotCache, list[Path], list[int]]:
         async with _serving(store, max(versions)) as url:
             client = CoordinatorClient(url, None, retry=RetryPolicy(attempts=2, base_s=0.01))
             try:
-                cache = SnapshotCache(home, client, crypto.public_bytes(KEY), forms=frozenset({"hf"}))
+                cache = SnapshotCache(home, client, crypto.public_bytes(KEY), forms=forms)
                 cache.peers = peers  # type: ignore[assignment]
                 folders, downloaded = [], []
                 for v in versions:

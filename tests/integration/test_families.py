@@ -2,7 +2,9 @@
 own converter, then its quantiser — and real llama.cpp loads each file and computes torch's logits within the
 precision; llama.cpp tokenises as transformers does; a LoRA version's adapter.gguf (llama.cpp's own adapter converter)
 applied by llama.cpp to base.gguf computes what a GGUF of the merged weights computes; an architecture no route writes
-is refused at start-up in one line naming what is supported. Figures per family: bench/families.py,
+is refused at start-up in one line naming what is supported; on the learner's side, a step of the coordinator's
+Learner on another family equals the same step on 2 FSDP ranks, and the version it publishes is rebuilt by torch and
+llama.cpp clients from the previous one through its patches. Figures per family: bench/families.py,
 docs/benchmarks.md "Model families"."""
 
 from __future__ import annotations
@@ -136,6 +138,65 @@ def test_a_lora_version_of_another_family_is_applied_by_llama_cpp_as_the_merged_
     worst = float(np.abs(applied - want).max())
     assert worst < LORA_TOL, f"{name}: llama.cpp base + adapter vs merged, max |Δ logit| {worst:.3g}"
     assert float(np.abs(_logits(base / "base.gguf", ids) - want).max()) > 10 * LORA_TOL  # the adapter matters
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_a_learner_step_on_another_family_equals_two_fsdp_ranks_and_clients_rebuild_its_version_from_patches(
+        tmp_path: Path, name: str) -> None:
+    """Gemma 3 (tied head, sliding-window layers, (1 + w) norms) and Phi-3 (untied head, fused qkv and gate/up): the
+    coordinator's Learner takes one on-policy GRPO step (bench/family_learner.py) while the same step runs as rank 0
+    of 2 gloo FSDP ranks beside it; versions 0 and 1 are published by the SnapshotStore as a run publishes them
+    (bf16 safetensors, f16 GGUF through llama.cpp's converter, lazy publication, patches). A torch client and a
+    llama.cpp client holding version 0 fetch version 1 over HTTP through their own snapshot cache: each downloads
+    only its file's patch and rebuilds the file the manifest names, byte for byte (sha256)."""
+    import math
+
+    from bench import family_learner as fl
+    from coordinator.config import SnapshotConfig
+    from coordinator.publish.snapshots import SnapshotStore
+    from shared.hashing import sha256_file
+    from shared.policy import load_tokenizer
+    from swarm_client.backends.llama_backend import GGUF_FORMS
+    from tests.integration.test_delta_snapshots import KEY, _entries, _fetch
+
+    folder = build_family_model(BY_NAME[name], tmp_path / name)
+    load_tokenizer(folder).save_pretrained(str(folder))  # the tokenizer files as the learner publishes them
+    snap = SnapshotConfig()  # the run's defaults, as coordinator.run.runfiles makes the store
+    store = SnapshotStore(tmp_path / "snapshots", KEY, "run", anchor_every=snap.anchor_every,
+                          lag_tolerance=snap.lag_tolerance, lag_cap=snap.lag_steps * fl.LR)
+    ranks = fl.start_ranks(tmp_path / "ranks", folder)
+    try:
+        one = fl.step_and_publish(folder, store, tmp_path / "single")
+    finally:
+        two = fl.finish(ranks, tmp_path / "ranks")
+
+    # the step: a finite loss and a real gradient; AdamW's first step moves nearly every weight, each by at most ~lr
+    assert math.isfinite(one["loss"]) and math.isfinite(one["grad_norm"]) and one["grad_norm"] > 0.1
+    base, after = fl.weights(folder), fl.weights(tmp_path / "single" / fl.FULL)
+    largest, share = fl.moved({k: base[k] for k in after}, after)
+    assert share > 0.5 and 0.5 * fl.LR < largest < 1.1 * fl.LR, (largest, share)
+
+    # 2 FSDP ranks: the same loss and grad norm (a model computed otherwise on one device — Gemma's embedding once
+    # unscaled there, coordinator.engine.tied — was 10 % off), the same weights to float rounding: the ranks sum the
+    # gradient in another order, and where a gradient element nearly cancels to AdamW's eps its step lr·g/(|g| + eps)
+    # moves with g's last bits (bench/families.py --learner: up to 2.7e-6 of a 1e-5 step, Phi-3), on a few elements
+    ranked = fl.weights(tmp_path / "ranks" / fl.FULL)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+    assert fl.max_diff(after, ranked) < fl.LR
+    off = sum(int(((after[k] - ranked[k]).abs() > 0.01 * fl.LR).sum()) for k in after)
+    assert off < 1e-3 * sum(v.numel() for v in after.values()), off
+
+    # deltas: each client holding version 0 downloads only its file's patch and rebuilds version 1's file
+    entries = _entries(store, 1)
+    for forms, file in ((frozenset({"hf"}), "model.safetensors"), (GGUF_FORMS, "model.gguf")):
+        patch = entries[file + ".delta"]
+        assert patch.result_sha256 == entries[file].sha256 and patch.size < entries[file].size / 10
+        cache, folders, downloaded = _fetch(store, tmp_path / f"home-{file}", [0, 1], forms=forms)
+        assert sha256_file(folders[1] / file) == entries[file].sha256, file
+        assert sha256_file(folders[0] / file) != entries[file].sha256  # the step changed the published file
+        assert (cache.patches.patched, cache.patches.patches_refused) == (1, 0), file
+        assert downloaded[1] == patch.size, file  # the other files of version 1 are version 0's, cached
 
 
 def test_a_sentencepiece_model_tokenises_and_detokenises_alike_in_sentencepiece_transformers_and_llama_cpp(

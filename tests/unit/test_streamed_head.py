@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from coordinator.config import LearnerConfig, ModelConfig
 from coordinator.engine import head
 from coordinator.engine.head import streamed_logprobs
 from coordinator.engine.learner import Learner
-from coordinator.engine.tied import TiedEmbeddingGradient
+from coordinator.engine.tied import TiedEmbeddingGradient, lookup_scale
 from shared.policy import completion_logprobs, load_model
 
 
@@ -85,6 +86,65 @@ def test_streamed_logprobs_and_gradients_are_the_plain_pass(tiny_model_dir: Path
         assert float((g_ours[name] - grad).abs().max()) <= 1e-4 * scale, name
     if tied_hooks is not None:
         tied_hooks.remove()
+
+
+def _gemma3() -> Any:
+    """A small Gemma 3 with a tied embedding, which scales its rows by √hidden (here 8)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+                           tie_word_embeddings=True, pad_token_id=0)
+    return Gemma3ForCausalLM(cfg).train()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_a_scaled_tied_embedding_is_hooked_with_its_scale(share_prompts: bool, streamed: bool) -> None:
+    """Gemma's lookup multiplies its rows by √hidden: with the in-place hooks on, the pass computes the model's own
+    logprobs and gradients. (The hook once returned the plain rows: the one-device learner trained Gemma 2 and 3
+    without their embedding scale, 10 % off in the gradient's norm from the same step on FSDP ranks.)"""
+    model = _gemma3()
+    lookup, output = model.get_input_embeddings(), model.get_output_embeddings()
+    scale = lookup_scale(lookup)
+    assert scale is not None and float(scale) == pytest.approx(8.0)
+    prompts, completions = _batch(3)
+    kw = {"prompts": prompts, "completions": completions, "temperature": 1.0, "pad_id": 0,
+          "share_prompts": share_prompts}
+    weights = torch.randn(len(completions), 16)
+    lp_plain, _, g_plain = _run(model, streamed, weights, **kw)
+    hooks = TiedEmbeddingGradient(lookup, output)
+    try:
+        lp_ours, _, g_ours = _run(model, streamed, weights, **kw)
+    finally:
+        hooks.remove()
+    assert torch.allclose(lp_ours, lp_plain, atol=1e-6, rtol=0)
+    assert g_ours.keys() == g_plain.keys()
+    for name, grad in g_plain.items():
+        assert float((g_ours[name] - grad).abs().max()) <= 1e-5 * (float(grad.abs().max()) or 1.0), name
+
+
+def test_an_embedding_that_is_not_a_row_lookup_is_left_to_autograd(tiny_model_dir: Path) -> None:
+    """An input embedding whose output is not its weight's rows times a factor cannot be recomputed by the hook:
+    lookup_scale says so, and the learner's passes put no hooks on it."""
+    from coordinator.engine.passes import TokenPasses
+
+    class Shifted(torch.nn.Embedding):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return super().forward(input) + 0.5
+
+    model = load_model(tiny_model_dir)
+    plain = model.get_input_embeddings()
+    assert lookup_scale(plain) is not None and float(lookup_scale(plain)) == 1.0  # type: ignore[arg-type]
+    shifted = Shifted(plain.num_embeddings, plain.embedding_dim, plain.padding_idx)
+    shifted.weight = plain.weight
+    model.set_input_embeddings(shifted)
+    assert lookup_scale(shifted) is None
+    with pytest.raises(ValueError, match="left to autograd"):
+        TiedEmbeddingGradient(shifted, model.get_output_embeddings())
+    passes = TokenPasses(model, ranks=None, lora=False, temperature=1.0, pad_id=0, share_prompts=True)
+    assert passes.tied is None
 
 
 def test_bf16_gradients_round_as_the_plain_pass(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
