@@ -4,11 +4,14 @@ clients lease, fetch snapshots, submit good and bad results, and the learner ste
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from shared import wire
 from shared.messages import ResultSubmission
-from tests.integration.conftest import LiveCoordinator
+from tests.integration.conftest import LiveCoordinator, running_coordinator
 from tests.integration.helpers import wait_until
 from tests.integration.ops_helpers import fetch_snapshot, honest_result, lease, register, scrape
 
@@ -17,6 +20,16 @@ OPERATIONS_DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 def value(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture()
+def live_coordinator(tmp_path: Path, tiny_model_dir: Path) -> Iterator[LiveCoordinator]:
+    """The reply cache off (``server.public_cache_s = 0``): each scrape is built afresh, so a counter read right
+    after a request shows it. With the default cache a scrape may be the previous one for up to REBUILD_GAP build
+    times after the database changed (coordinator.api.public_reads) — under CI's load, longer than this test's
+    register, fetch and two leases took, and the "during" scrape still said 0 leases."""
+    with running_coordinator(tmp_path, tiny_model_dir, sections={"server": {"public_cache_s": 0.0}}) as live:
+        yield live
 
 
 def test_metrics_parse_and_counters_move_during_a_run(live_coordinator: LiveCoordinator) -> None:
