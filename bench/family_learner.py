@@ -78,11 +78,7 @@ def _learner(model_dir: Path, world: int, run_dir: Path, gguf: tuple[str, ...]) 
 
 def write_float32(learner: Any, folder: Path) -> None:
     """The version's float32 snapshot files, as the publisher writes them (gathered from the shards on ranks)."""
-    folder.mkdir(parents=True)
-    files = learner.snapshot_files("float32")
-    for name, writer in files.shared.items():
-        writer(folder / name)
-    files.write_into(folder)
+    learner.snapshot_files("float32").write_whole(folder)
 
 
 def step_and_publish(model_dir: Path, store: Any, out: Path, gguf: tuple[str, ...] = ("f16",)) -> dict[str, Any]:

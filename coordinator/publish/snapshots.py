@@ -83,6 +83,14 @@ class SnapshotFiles:
         self.write(folder)
         return settled
 
+    def write_whole(self, folder: Path) -> None:
+        """The version as one self-contained folder, outside any store: the run-level ``shared`` files beside its
+        own (a reference copy a test or a bench compares with what was published)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, writer in self.shared.items():
+            writer(folder / name)
+        self.write_into(folder)
+
     def release(self) -> None:
         """The weights are written (or will not be): drop them, let the learner go on updating. Idempotent."""
         if self.weights is not None:

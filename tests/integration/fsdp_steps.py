@@ -68,11 +68,7 @@ def near_policy(model_dir: Path, samples: list[Any]) -> list[Any]:
 
 def write(learner: Any, folder: Path) -> None:
     """The snapshot files of the learner's current version, as the publisher writes them."""
-    folder.mkdir(parents=True)
-    files = learner.snapshot_files("float32")
-    for name, writer in files.shared.items():
-        writer(folder / name)
-    files.write_into(folder)
+    learner.snapshot_files("float32").write_whole(folder)
 
 
 def main(out: Path, model_dir: Path, world: str) -> None:
