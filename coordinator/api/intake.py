@@ -172,8 +172,7 @@ class Intake(Phase):
         with self.verifying.held(sub.job_id):  # never reissued meanwhile (coordinator.api.leasing)
             row, first = self._job_within_terms(client_id, sub, size)
             # a job's other holder is checked in full too, even with the trained result's very tokens: its reported
-            # logprobs are its own (a made-up set beside honest tokens was credited unchecked), and no holder is
-            # credited for a copy of the other's work it could not have produced
+            # logprobs are its own (a made-up set beside honest tokens was credited unchecked)
             tokens_sha = self._refuse_copy(sub)  # before any forward pass is spent on a copy (core.duplicates)
             rollout = rollout_of(sub, row, self.files.task, self.prompt_tokens, self.config.sampling.max_tokens)
             # recomputed as the lease said (core.trust.recompute_class): a llama.cpp client's result by llama.cpp on
