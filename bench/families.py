@@ -28,6 +28,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from coordinator.engine.family_models import BY_NAME, FAMILIES, Family, build_family_model  # noqa: E402
 
@@ -208,6 +212,17 @@ SHAPES = {"256": {}, "0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_
                               "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151_936}}
 
 
+def _rss_mb(pid: int | None) -> float | None:
+    """A process's resident memory in MB (Linux /proc), None elsewhere or when it has ended."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, TypeError):
+        pass
+    return None
+
+
 def speed(shape: str, threads: int, work: Path) -> dict[str, Any]:
     """One version's f16 GGUF written by the project's writer and by llama.cpp's converter from the same Llama
     folder (llama-bpe tokenizer, no rope scaling: both routes apply), each timed, and the two files' llama.cpp
@@ -218,6 +233,7 @@ def speed(shape: str, threads: int, work: Path) -> dict[str, Any]:
     from transformers import PreTrainedTokenizerFast
 
     from coordinator.publish.gguf_export import write_model_gguf
+    from coordinator.publish.converter_worker import WORKER
     from coordinator.publish.hf_convert import convert
 
     family = dataclasses.replace(BY_NAME["llama3"], config={"tie_word_embeddings": True, **SHAPES[shape]})
@@ -230,9 +246,22 @@ def speed(shape: str, threads: int, work: Path) -> dict[str, Any]:
     write_model_gguf(work / "writer.gguf", folder, state, "f16")
     out["writer_s"] = round(time.perf_counter() - t0, 2)
     del state
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()  # as every version was converted before the worker: a fresh Python per file
+    subprocess.run([sys.executable, "-m", "coordinator.publish.hf_convert", str(folder), str(work / "alone.gguf"),
+                    "f16"], env=env, check=True, capture_output=True)
+    out["converter_one_process_s"] = round(time.perf_counter() - t0, 2)
     t0 = time.perf_counter()
-    convert(folder, work / "converter.gguf", "f16")
-    out["converter_s"] = round(time.perf_counter() - t0, 2)
+    convert(folder, work / "converter.gguf", "f16")  # the worker's first request starts its child
+    out["converter_first_s"] = round(time.perf_counter() - t0, 2)
+    nexts = []
+    for _ in range(3):  # the next versions: the child is warm
+        t0 = time.perf_counter()
+        convert(folder, work / "converter.gguf", "f16")
+        nexts.append(time.perf_counter() - t0)
+    out["converter_next_s"] = round(statistics.median(nexts), 3)
+    out["converter_child_rss_mb"] = _rss_mb(WORKER.pid)
+    out["same_file"] = (work / "alone.gguf").read_bytes() == (work / "converter.gguf").read_bytes()
     a, b = _llama_logits(work / "writer.gguf", ids, threads), _llama_logits(work / "converter.gguf", ids, threads)
     out["logits_max_diff"] = float(np.abs(a - b).max())
     out["bytes"] = {"writer": (work / "writer.gguf").stat().st_size, "converter": (work / "converter.gguf").stat().st_size}

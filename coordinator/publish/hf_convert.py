@@ -22,29 +22,27 @@ regex is not one we know). And Phi-3/4 without a SentencePiece ``tokenizer.model
 vocabulary path, which upstream chooses by a tokenizer class name transformers 5 does not keep when it re-saves a
 tokenizer (:func:`_run`). Everything else is upstream's code path, as ``convert_hf_to_gguf.py`` runs it.
 
-How it runs: in a child process (``python -m coordinator.publish.hf_convert``), because upstream's ``gguf`` shares
-its import name with the PyPI ``gguf`` the rest of the coordinator uses, and because the converter's memory (it
-loads the whole model through torch) is then returned when it exits. Measured per version on a 256-wide model:
-docs/benchmarks.md "Model families".
+How it runs: in a child process (``python -m coordinator.publish.hf_convert --serve``), because upstream's ``gguf``
+shares its import name with the PyPI ``gguf`` the rest of the coordinator uses, and because the converter's memory
+(it loads the whole model through torch) is not the learner's. One child serves every version of a run
+(:mod:`coordinator.publish.converter_worker`): starting Python, torch and transformers cost 2.5-16 s a version,
+the conversion of a 256-wide model 0.02-0.15 s. Measured per version: docs/benchmarks.md "Model families".
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from coordinator.publish.converter_worker import WORKER, ConverterError
+
 VENDOR = Path(__file__).resolve().parent / "vendor_llama_cpp"
 #: llama.cpp's GGUF file types the converter writes directly (LlamaFileType); the rest are quantised from f16.
 OUTTYPES = {"f32": 0, "f16": 1}
-
-
-class ConverterError(ValueError):
-    """llama.cpp's converter could not write the model; the message carries its last line."""
 
 
 def pre_tokenizer_name(tok: Mapping[str, Any]) -> str | None:
@@ -72,22 +70,15 @@ def pre_tokenizer_name(tok: Mapping[str, Any]) -> str | None:
 
 def convert(folder: Path, out: Path, precision: str = "f16", *, timeout_s: float = 3600.0) -> None:
     """Write ``out``, the GGUF of the Hugging Face model folder ``folder`` (config.json, *.safetensors, tokenizer
-    files) at ``precision`` (f32 or f16), with llama.cpp's converter in a child process. Written beside ``out``
-    first and renamed, so a half-written file never has its name."""
+    files) at ``precision`` (f32 or f16), with llama.cpp's converter in this process's converter child
+    (:mod:`coordinator.publish.converter_worker`). Written beside ``out`` first and renamed, so a half-written file
+    never has its name."""
     if precision not in OUTTYPES:
         raise ConverterError(f"llama.cpp's converter writes {', '.join(OUTTYPES)} here; {precision!r} is "
                              f"quantised from the f16 file (coordinator.publish.quantise)")
     tmp = out.with_name(out.name + ".convert.tmp")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *filter(None, [
-        os.environ.get("PYTHONPATH")])])
-    env.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        proc = subprocess.run([sys.executable, "-m", "coordinator.publish.hf_convert", str(folder), str(tmp),
-                               precision], capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-        if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            raise ConverterError(f"llama.cpp's converter failed on {folder}: {lines[-1] if lines else proc.returncode}")
+        WORKER.run("model", [str(folder), str(tmp), precision], timeout_s=timeout_s, what=str(folder))
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -97,34 +88,35 @@ def convert_lora(base: Path, adapter: Path, out: Path, precision: str = "f16", *
     """Write ``out``, the llama.cpp LoRA adapter GGUF of the peft adapter in ``adapter`` (adapter_config.json and
     adapter_model.safetensors, as coordinator.engine.lora writes every version) for the base model whose
     config.json is in ``base``, at ``precision`` (f32 or f16), with llama.cpp's own ``convert_lora_to_gguf.py`` run
-    unchanged in a child process. It maps each adapted weight through the same converter class as the base's GGUF
-    (names, Llama's q/k row permutation, Phi-3's fused projections), so the adapter's tensors fit that file. Written
-    beside ``out`` first and renamed."""
+    unchanged (as its ``__main__``, in the converter child). It maps each adapted weight through the same converter
+    class as the base's GGUF (names, Llama's q/k row permutation, Phi-3's fused projections), so the adapter's
+    tensors fit that file. Written beside ``out`` first and renamed."""
     if precision not in OUTTYPES:
         raise ConverterError(f"llama.cpp LoRA adapters are written as {', '.join(OUTTYPES)} here, not {precision!r}")
     tmp = out.with_name(out.name + ".convert.tmp")
-    # the script puts its own directory (conversion/) and gguf-py first on the path itself; the base folder needs
-    # only config.json (the adapter converter writes no vocabulary and reads no base weights)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "HF_HUB_OFFLINE": "1"}
+    # the base folder needs only config.json (the adapter converter writes no vocabulary and reads no base weights)
     try:
-        proc = subprocess.run([sys.executable, str(VENDOR / "convert_lora_to_gguf.py"), "--base", str(base),
-                               "--outfile", str(tmp), "--outtype", precision, str(adapter)],
-                              capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-        if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            raise ConverterError(f"llama.cpp's LoRA converter failed on {adapter}: "
-                                 f"{lines[-1] if lines else proc.returncode}")
+        WORKER.run("lora", ["--base", str(base), "--outfile", str(tmp), "--outtype", precision, str(adapter)],
+                   timeout_s=timeout_s, what=str(adapter))
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def _vendored_gguf() -> None:
+    """Put upstream's ``gguf`` first on the path, once per process; refuse a process that imported the PyPI one."""
+    loaded = sys.modules.get("gguf")
+    if loaded is not None:
+        if not str(getattr(loaded, "__file__", "")).startswith(str(VENDOR)):
+            raise RuntimeError("the vendored converter must import its own gguf package first")
+        return
+    sys.path[:0] = [str(VENDOR), str(VENDOR / "gguf-py")]
+
+
 def _run(folder: Path, out: Path, precision: str) -> None:
     """The child process: upstream's converter class for the folder's architecture, with the pre-tokenizer named
     from the tokenizer's regex. Upstream's ``gguf`` goes first on the path: nothing here has imported the PyPI one."""
-    if "gguf" in sys.modules:
-        raise RuntimeError("the vendored converter must import its own gguf package first")
-    sys.path[:0] = [str(VENDOR), str(VENDOR / "gguf-py")]
+    _vendored_gguf()
     import gguf
     import torch
     from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
@@ -152,8 +144,51 @@ def _run(folder: Path, out: Path, precision: str) -> None:
         model.write()
 
 
+def _run_lora(argv: list[str]) -> None:
+    """The child process: upstream's ``convert_lora_to_gguf.py`` as its own ``__main__``, with ``argv``."""
+    import runpy
+
+    _vendored_gguf()
+    sys.argv = [str(VENDOR / "convert_lora_to_gguf.py"), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def _serve() -> None:
+    """The converter child's loop (coordinator.publish.converter_worker has the protocol): one request per line on
+    stdin until it closes. Replies go to the stdout it was started with; its Python-level stdout is its stderr from
+    here on, so nothing the converters print is read as a reply."""
+    import gc
+    import traceback
+
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            if request["op"] == "model":
+                folder, out, precision = request["args"]
+                _run(Path(folder), Path(out), precision)
+            elif request["op"] == "lora":
+                _run_lora(list(request["args"]))
+            else:
+                raise ValueError(f"unknown converter request {request['op']!r}")
+            reply: dict[str, Any] = {"ok": True}
+        except SystemExit as exc:  # upstream's scripts log their reason, then exit
+            reply = {"error": f"exit {exc.code}"}
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ConverterError with it
+            traceback.print_exc()
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        gc.collect()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        replies.write(json.dumps(reply) + "\n")
+
+
 if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    _run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    if sys.argv[1:] == ["--serve"]:
+        _serve()
+    else:  # one conversion: python -m coordinator.publish.hf_convert FOLDER OUT PRECISION
+        _run(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
