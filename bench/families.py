@@ -232,8 +232,8 @@ def speed(shape: str, threads: int, work: Path) -> dict[str, Any]:
     from safetensors.numpy import load_file
     from transformers import PreTrainedTokenizerFast
 
-    from coordinator.publish.gguf_export import write_model_gguf
     from coordinator.publish.converter_worker import WORKER
+    from coordinator.publish.gguf_export import write_model_gguf
     from coordinator.publish.hf_convert import convert
 
     family = dataclasses.replace(BY_NAME["llama3"], config={"tie_word_embeddings": True, **SHAPES[shape]})
