@@ -28,13 +28,20 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TypedDict
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 class ConverterError(ValueError):
     """llama.cpp's converter could not write the model; the message carries its last line."""
+
+
+class Reply(TypedDict, total=False):
+    """One line from the child: ``{"ok": true}``, or ``{"error": "..."}``."""
+
+    ok: bool
+    error: str
 
 
 class ConverterWorker:
@@ -112,7 +119,7 @@ class ConverterWorker:
 
     @staticmethod
     def _ask(proc: subprocess.Popen[str], log: IO[bytes], op: str, args: list[str],
-             timeout_s: float) -> tuple[bool, dict[str, Any] | None]:
+             timeout_s: float) -> tuple[bool, Reply | None]:
         """Send one request; (timed out, the reply or None when the child ended without one)."""
         assert proc.stdin is not None and proc.stdout is not None
         log.seek(0)
@@ -128,7 +135,7 @@ class ConverterWorker:
         line = proc.stdout.readline()  # the child writes each reply as one short line, flushed
         if not line:
             return False, None
-        reply: dict[str, Any] = json.loads(line)
+        reply: Reply = json.loads(line)
         return False, reply
 
     @staticmethod

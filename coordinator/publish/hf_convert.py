@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from coordinator.publish.converter_worker import WORKER, ConverterError
+from coordinator.publish.converter_worker import WORKER, ConverterError, Reply
 
 VENDOR = Path(__file__).resolve().parent / "vendor_llama_cpp"
 #: llama.cpp's GGUF file types the converter writes directly (LlamaFileType); the rest are quantised from f16.
@@ -172,7 +172,7 @@ def _serve() -> None:
                 _run_lora(list(request["args"]))
             else:
                 raise ValueError(f"unknown converter request {request['op']!r}")
-            reply: dict[str, Any] = {"ok": True}
+            reply: Reply = {"ok": True}
         except SystemExit as exc:  # upstream's scripts log their reason, then exit
             reply = {"error": f"exit {exc.code}"}
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises ConverterError with it
