@@ -193,8 +193,11 @@ def measure(family: Family, precisions: list[str], threads: int, work: Path) -> 
     row["logit_std"] = float(ref.std())
     for p in precisions:
         path = f16 if p == "f16" else work / f"{family.name}.{p}.gguf"
-        if p != "f16":
+        if p == "f32":  # written by the family's route, as f16 is; the rest are llama.cpp's quantiser's from f16
+            export_folder(folder, path, "f32")
+        elif p != "f16":
             quantise(f16, path, p, threads=threads)
+        row.setdefault("bytes", {})[p] = path.stat().st_size
         got = _llama_logits(path, ids, threads)
         d = np.abs(got - ref)
         row[p] = {"max": float(d.max()), "mean": float(d.mean()),
@@ -322,7 +325,8 @@ def learner_table(rows: list[dict[str, Any]]) -> str:
 MARGIN_CLASSES = ("torch-f32", "llama-f16")
 
 
-def margins(family: Family, results: int, work: Path, temperature: float = 1.0) -> dict[str, Any]:
+def margins(family: Family, results: int, work: Path, temperature: float = 1.0,
+            classes: tuple[str, ...] = MARGIN_CLASSES) -> dict[str, Any]:
     """Honest keyed margins of the family: bench/choice_calibration.py (the clients' own backends generating
     default-shaped jobs with the keyed sampler, the verifier's own recompute and ``check_choices`` at the class's
     default tolerance) on the family model, ``results`` results per class, run as its own process."""
@@ -334,7 +338,7 @@ def margins(family: Family, results: int, work: Path, temperature: float = 1.0) 
     load_tokenizer(folder).save_pretrained(str(folder))  # the tokenizer files as the learner publishes them
     out = work / f"{family.name}.margins.json"
     bench = Path(__file__).resolve().parent / "choice_calibration.py"
-    subprocess.run([sys.executable, str(bench), "--model-dir", str(folder), "--classes", ",".join(MARGIN_CLASSES),
+    subprocess.run([sys.executable, str(bench), "--model-dir", str(folder), "--classes", ",".join(classes),
                     "--temperatures", str(temperature), "--results", str(results), "--attacks", "0", "--json",
                     str(out)], check=True, stdout=sys.stderr)
     rows = json.loads(out.read_text())["classes"]
@@ -344,7 +348,8 @@ def margins(family: Family, results: int, work: Path, temperature: float = 1.0) 
 
 def margin_table(rows: list[dict[str, Any]]) -> str:
     head = ["family", *[f"{c}: results / tokens / off the argmax / worst margin (tolerance) / refused / largest "
-                        f"token abs Δ logprob / s per result" for c in MARGIN_CLASSES]]
+                        f"token abs Δ logprob / s per result"
+                        for c in ([f"{c['name']} T={c['temperature']:g}" for c in rows[0]["classes"]] if rows else [])]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["family"]]
@@ -375,11 +380,15 @@ def table(rows: list[dict[str, Any]], precisions: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(f.name for f in FAMILIES))
-    ap.add_argument("--precisions", default="f16,q8_0,q4_K_M")
+    ap.add_argument("--precisions", default="f16,q8_0,q4_K_M",
+                    help="f32, f16 and any of coordinator.publish.quantise.QUANTISED (every one snapshots.gguf offers)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--speed", help="shapes to time writer vs converter on instead (256, 0.5b)")
     ap.add_argument("--margins", type=int, help="instead: honest keyed margins over this many results per class")
+    ap.add_argument("--margin-classes", default=",".join(MARGIN_CLASSES),
+                    help="with --margins: bench/choice_calibration.py's classes (e.g. llama-q8_0,llama-q4_K_M)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="with --margins: the jobs' sampling temperature")
     ap.add_argument("--learner", action="store_true", help="instead: a learner step, FSDP on 2 ranks, deltas")
     args = ap.parse_args()
     if args.learner:
@@ -398,7 +407,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="families-margins-") as tmp:
             for name in args.families.split(","):
                 print(f"[{name}] {args.margins} honest results per class", file=sys.stderr, flush=True)
-                done.append(margins(BY_NAME[name], args.margins, Path(tmp)))
+                done.append(margins(BY_NAME[name], args.margins, Path(tmp), args.temperature,
+                                    tuple(args.margin_classes.split(","))))
                 if args.json:  # what is done so far, so a run cut short keeps its figures
                     args.json.write_text(json.dumps(done, indent=2))
         print(margin_table(done))
