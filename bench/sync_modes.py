@@ -51,6 +51,13 @@ MODES: dict[str, dict[str, Any]] = {
                          "snapshot_dtype": "bfloat16", "lag_tolerance": 0.5},
     "trl": {"peer": "trl.GRPOTrainer", "clients": 0, "learner_threads": 2},  # see bench/trl_peer.py
 }
+# Issue 32's deep staleness with slow clients rather than a forced lag: one client at full speed and one held to a
+# share of its CPU (join --max-cpu-percent; 10 % ≈ 10× slower, 3 % ≈ 30×), whose results come back many versions
+# old; the behaviour-anchored clip and M2PO (its second-moment trust region) at the same S, side by side.
+for _s, _pct in ((16, 10), (64, 3)):
+    for _corr, _tag in (("behaviour-clip", "clip"), ("m2po", "m2po")):
+        MODES[f"async{_s}-slow-{_tag}"] = {"sync_mode": "async-push-pull", "clients": 2, "max_staleness": _s,
+                                           "learner_threads": 1, "correction": _corr, "slow_cpu_percent": _pct}
 SAMPLES_PER_STEP = 16 * 8  # learner.prompts_per_step × learner.group_size (coordinator defaults)
 
 
@@ -60,6 +67,17 @@ def measure(run_dir: Path) -> dict[str, Any]:
         t0 = conn.execute("SELECT created_at FROM versions WHERE version = 0").fetchone()[0]
         evals = conn.execute("SELECT version, accuracy, at FROM evals ORDER BY version").fetchall()
         steps = [(at, json.loads(m)) for at, m in conn.execute("SELECT at, metrics FROM steps ORDER BY step")]
+        # per client (by its demo name): results trained, their staleness when trained, results set aside
+        per_client: dict[str, dict[str, Any]] = {}
+        for name, version, step, stale_at in conn.execute(
+                "SELECT json_extract(c.profile, '$.name'), r.version, r.ingested_step, r.stale_at FROM results r "
+                "JOIN clients c ON c.client_id = r.client_id"):
+            row = per_client.setdefault(str(name), {"trained": 0, "set_aside": 0, "staleness": []})
+            if step is not None:
+                row["trained"] += 1
+                row["staleness"].append(step - 1 - version)
+            elif stale_at is not None:
+                row["set_aside"] += 1
     finally:
         conn.close()
     wall = steps[-1][0] - t0
@@ -82,6 +100,10 @@ def measure(run_dir: Path) -> dict[str, Any]:
         # each step's loss and gradient norm, to the bit: equal only if the step trained on the same tokens, with the
         # same π_b, from the same weights (the sequential-pull vs co-located check compares these, not only rewards)
         "step_fingerprint": [[m["loss"], m["grad_norm"]] for _, m in steps],
+        "clients": {name: {"trained": c["trained"], "set_aside": c["set_aside"],
+                           "staleness_mean": statistics.fmean(c["staleness"]) if c["staleness"] else None,
+                           "staleness_max": max(c["staleness"], default=None)} for name, c in per_client.items()},
+        "m2po_masked_fraction": statistics.fmean(m.get("m2po_masked_fraction", 0.0) for _, m in steps),
     }
 
 

@@ -64,6 +64,9 @@ class DemoConfig:
     correction: str | None = None  # learner.correction (None: the default, behaviour-clip)
     model: str = "tiny"  # model.path: the built-in tiny model, or a model folder (bench/quantised_learning.py's wider one)
     final_eval_wait_s: float = 600.0  # longest wait, once trained, for the final version's held-out evaluation
+    # the last client joins with --max-cpu-percent N: a volunteer ~100/N times slower beside the others (issue 32's
+    # slow-client rows of bench/sync_modes.py); None: every client at full speed
+    slow_cpu_percent: int | None = None
 
     def client_backend(self, k: int) -> str:
         if self.backend == "mixed":
@@ -241,7 +244,9 @@ def _run(cfg: DemoConfig, run_dir: Path, store_url: str | None, t0: float) -> in
                                                    str(cfg.client_threads), "--name", f"demo-{k}",
                                                    "--exit-when-finished", "--backend", cfg.client_backend(k),
                                                    "--wait-for-coordinator", f"{start_s:g}",
-                                                   *(["--p2p"] if cfg.p2p else [])],
+                                                   *(["--p2p"] if cfg.p2p else []),
+                                                   *(["--max-cpu-percent", str(cfg.slow_cpu_percent)]
+                                                     if cfg.slow_cpu_percent and k == cfg.clients - 1 else [])],
                                cfg.out / "logs" / f"client{k}.log"))
         if not coord.found.wait(start_s) or coord.proc.poll() is not None:
             console.print(f"[red]coordinator did not start; see {cfg.out / 'logs' / 'coordinator.log'}[/]")
