@@ -237,14 +237,15 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
     def wake() -> None:
         # every waiter asks again, fastest first as the coordinator would grant them; each stays registered
         # as waiting until it holds a job, so slower ones see it as a faster competitor
-        order = list(waiting.values())
         if speed_aware:
-            # by rule 1's rank (core.pacing.rank: a declared pace no faster than the fastest measured one), as the
-            # coordinator's decisions order them; equals in the order they began waiting (a stable sort), as the
-            # coordinator's long polls re-check. (Until issue 37's replicas this sorted by raw pace, which served a
-            # fresh identity's claimed 10^7 tokens/s ahead of every honest equal: docs/benchmarks.md.)
-            order.sort(key=lambda w: (issuer.rank(w.cid) is None, issuer.rank(w.cid) or (0.0, 0)))
+            # only the waiters a re-check could give anything (Issuer.candidates: the head of rule 1's order, by
+            # core.pacing.rank — a declared pace no faster than the fastest measured one — equals in the order they
+            # began waiting), as the coordinator wakes its long polls (api.leasing); every other one would be
+            # refused. (Until issue 37's replicas this sorted by raw pace, which served a fresh identity's claimed
+            # 10^7 tokens/s ahead of every honest equal; until issue 32 it asked every waiter: docs/benchmarks.md.)
+            order = [waiting[cid] for cid in issuer.candidates()]
         else:
+            order = list(waiting.values())
             rng.shuffle(order)  # plain issuance: whoever asks first
         for c in order:  # the reply that wakes a client next in line says prefetch: it pulls the new version
             if issuer.next_in_line(c.cid, st.version):

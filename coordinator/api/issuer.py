@@ -15,15 +15,20 @@ not a pass over the waiting set; a decision costs O(log W) in the W waiting clie
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
 from sortedcontainers import SortedList
 
 from coordinator.core import pacing
-from coordinator.core.leases import LeaseView, lease_live
+from coordinator.core.leases import LeaseView
+from coordinator.core.queue_index import QueueIndex
 from coordinator.core.scheduling import LeaseDecision, SyncPolicy, decide_lease
+
+#: A waiting client as listed in the sorted waiting sets: its rank (core.pacing.Rank), then its wait number.
+_Entry = tuple[float, int, int]
 
 
 class Issuer:
@@ -34,16 +39,23 @@ class Issuer:
         self.pace: dict[str, float] = {}  # seconds from lease to result, per client (core.pacing)
         self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
         self._waiting: dict[str, int] = {}  # long-polling clients → requests waiting
-        # the ranks (core.pacing.rank) of the waiting clients whose pace is known, sorted; each one's as listed there
+        # the waiting clients whose pace is known as (rank, wait number): core.pacing.rank, then the order they began
+        # waiting (equals are served in that order, as the long polls re-check); each one's as listed there
         self._waiting_paces: SortedList = SortedList()
         self._waiting_proven: SortedList = SortedList()  # those of them whose pace is measured (replicas go to them)
-        self._listed: dict[str, pacing.Rank | None] = {}
+        self._listed: dict[str, _Entry | None] = {}
+        self._unknown: dict[str, None] = {}  # the waiting clients of unknown pace, in the order they began waiting
+        self._wait_no: dict[str, int] = {}  # each waiting client's wait number, and who holds it
+        self._by_no: dict[int, str] = {}
+        self._next_no = 0
         self._measured: SortedList = SortedList()  # the measured paces (the fastest is the declared paces' floor)
         self._measured_ids: set[str] = set()
         self._woken: set[str] = set()  # clients a new version woke to pull it (next_in_line), for that version
         self._woken_version = -1
         self.version_interval: float | None = None  # recent seconds between policy versions
         self._version_at: float | None = None
+        self._pace_changes = 0  # how often a pace changed: an index of the jobs (self.index) holds due times of paces
+        self._index_kept: tuple[tuple[object, ...], QueueIndex] | None = None
 
     # -- what the issuer observes -------------------------------------------------------------------------
     def declare(self, client_id: str, pace_s: float | None) -> None:
@@ -72,6 +84,7 @@ class Issuer:
         if waiting:
             self._unlist(client_id)
         floor = self._floor()
+        self._pace_changes += 1
         old = self.pace.get(client_id)
         if old is not None and client_id in self._measured_ids:
             self._measured.remove(old)
@@ -92,18 +105,22 @@ class Issuer:
                 self._list(cid)
 
     def _list(self, client_id: str) -> None:
-        key = self._listed[client_id] = self.rank(client_id)
-        if key is not None:
-            self._waiting_paces.add(key)
-            if key[1] == 0:  # measured (core.pacing.rank)
-                self._waiting_proven.add(key)
+        key = self.rank(client_id)
+        entry = self._listed[client_id] = None if key is None else (key[0], key[1], self._wait_no[client_id])
+        if entry is None:
+            self._unknown[client_id] = None
+        else:
+            self._waiting_paces.add(entry)
+            if entry[1] == 0:  # measured (core.pacing.rank)
+                self._waiting_proven.add(entry)
 
     def _unlist(self, client_id: str) -> None:
-        pace = self._listed.pop(client_id, None)  # the pace it was listed with, whatever ``pace`` says by now
-        if pace is not None:
-            self._waiting_paces.remove(pace)
-            if pace[1] == 0:
-                self._waiting_proven.remove(pace)
+        entry = self._listed.pop(client_id, None)  # the entry it was listed with, whatever ``pace`` says by now
+        self._unknown.pop(client_id, None)
+        if entry is not None:
+            self._waiting_paces.remove(entry)
+            if entry[1] == 0:
+                self._waiting_proven.remove(entry)
 
     def observe(self, client_id: str, view: LeaseView, now: float) -> None:
         """Lease-to-result seconds of an accepted result update the client's pace."""
@@ -124,6 +141,9 @@ class Issuer:
     def begin_wait(self, client_id: str) -> None:
         """A lease request of ``client_id`` starts long-polling (requests of one client are counted)."""
         if client_id not in self._waiting:
+            self._wait_no[client_id] = self._next_no
+            self._by_no[self._next_no] = client_id
+            self._next_no += 1
             self._list(client_id)
         self._waiting[client_id] = self._waiting.get(client_id, 0) + 1
 
@@ -135,6 +155,7 @@ class Issuer:
             self._waiting[client_id] = left
         else:
             self._unlist(client_id)
+            del self._by_no[self._wait_no.pop(client_id)]
 
     @contextmanager
     def waiting(self, client_id: str) -> Iterator[None]:
@@ -147,6 +168,56 @@ class Issuer:
 
     def waiting_clients(self) -> Iterable[str]:
         return self._waiting.keys()
+
+    def window(self) -> int:
+        """How far down rule 1's order a waiting client may stand and still be given something: a slot goes to a
+        client only while fewer strictly faster ones wait than there are free slots (core.pacing.may_take_slot),
+        and a replica only while fewer faster measured ones wait than there are jobs to replicate
+        (core.scheduling.choose_replica); both are at most the queue's B·(S+1). The factor 2: within one wake-up
+        a replica given to a faster client takes it out of the waiting set without taking a slot, so a slower one
+        moves up while the free slots stay; at most one replica per job in the queue. Everyone, without speed-aware
+        issuance (first come, first served)."""
+        if not self.speed_aware:
+            return len(self._waiting)
+        return 2 * self.policy.jobs_per_step * (self.policy.bound + 1)
+
+    def candidates(self) -> list[str]:
+        """The waiting clients a re-check could give a job, a replica or a prefetch (``next_in_line``) to, in the
+        order the coordinator serves them (rule 1's rank, equals in the order they began waiting, unknown paces
+        last); every other waiting client would be refused, so it need not re-check. About 3 × :meth:`window`
+        clients (and equals of the last) however many wait: the decisions per wake-up do not grow with the swarm. Without speed-aware
+        issuance, every waiting client in the order they began waiting."""
+        if not self.speed_aware:
+            return list(self._waiting)
+        n = self.window()
+        picked = set(self._head(self._waiting_paces, n)) | set(self._head(self._waiting_proven, n))
+        order = [self._by_no[e[2]] for e in sorted(picked)]
+        if len(self._waiting_paces) < n:  # an unknown pace is served after every known one (rule 1)
+            order += list(itertools.islice(self._unknown, n))
+        return order
+
+    @staticmethod
+    def _head(entries: SortedList, n: int) -> list[_Entry]:
+        """The first ``n`` entries, and any after them that rank equal to the n-th (rule 1 counts only strictly
+        faster clients as ahead, so equals of the last one may still be served)."""
+        head: list[_Entry] = list(entries.islice(0, n))
+        if len(head) == n and n > 0:
+            last = head[-1][:2]
+            head += itertools.takewhile(lambda e: e[:2] == last, entries.islice(n))
+        return head
+
+    def in_window(self, client_id: str) -> bool:
+        """Could a re-check of this waiting client's request give it anything (one of :meth:`candidates`)? O(log W)
+        in the W waiting clients."""
+        if not self.speed_aware or client_id not in self._waiting:
+            return True
+        n = self.window()
+        entry = self._listed.get(client_id)
+        if entry is None:
+            return len(self._waiting_paces) < n
+        key = entry[:2]
+        return (self._waiting_paces.bisect_left(key) < n
+                or entry[1] == 0 and self._waiting_proven.bisect_left(key) < n)
 
     # -- decisions ----------------------------------------------------------------------------------------
     def next_in_line(self, client_id: str, version: int) -> bool:
@@ -201,7 +272,7 @@ class Issuer:
         unproven = view.lease_client not in self._pace_observed
         if (pace is None and view.due_at is None and view.expected_at is None and view.replica is None
                 and unproven == view.unproven):
-            return view  # nothing to estimate (and a decision reads every active job: no copy)
+            return view  # nothing to estimate: no copy
         leased_at = view.lease_deadline - self.lease_timeout_s
         replica = view.replica
         if replica is not None:
@@ -211,26 +282,40 @@ class Issuer:
                          view.lease_deadline, pacing.due_at(leased_at, pace, self.version_interval),
                          pacing.expected_back(leased_at, pace), view.verifying, replica, unproven)
 
-    def speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
-        exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self.pace
-                        and v.lease_client != client_id)
+    def speed_of(self, client_id: str, views: Sequence[LeaseView] | QueueIndex, now: float) -> pacing.ClientSpeed:
+        index = views if isinstance(views, QueueIndex) else QueueIndex(views, 0, self.policy.bound, self.pace)
         mine = self.rank(client_id)
         proven = client_id in self._pace_observed
         return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self._faster_waiting(mine),
-                                  exploring=exploring, step_s=self.version_interval, proven=proven,
-                                  faster_proven_waiting=int(self._waiting_proven.bisect_left(mine))
+                                  exploring=index.exploring(now, client_id), step_s=self.version_interval,
+                                  proven=proven, faster_proven_waiting=int(self._waiting_proven.bisect_left(mine))
                                   if proven and mine is not None else 0)
 
-    def decide(self, client_id: str, views: list[LeaseView], queued: int, now: float, version: int,
+    def index(self, views: Sequence[LeaseView], version: int,
+              verifying: frozenset[str] = frozenset()) -> QueueIndex:
+        """The jobs not yet done as this issuer's decisions read them — those in ``verifying`` marked, each lease with
+        its due times and whether its holder is proven (:meth:`with_due`) — indexed (core.queue_index) at
+        ``version``. Every waiting client's re-check reads the same jobs, so the index is kept for as long as the
+        jobs, the version, the jobs being verified, the paces and the version interval stay what they were: a
+        decision then costs O(log Q) in the queue's Q jobs, not Q (comparing the jobs with the kept ones is one pass
+        at C speed, identical objects first)."""
+        key = (tuple(views), version, verifying, self._pace_changes, self.version_interval)
+        if self._index_kept is not None and self._index_kept[0] == key:
+            return self._index_kept[1]
+        if verifying:
+            views = [replace(v, verifying=True) if v.job_id in verifying else v for v in views]
+        if self.speed_aware:
+            views = [self.with_due(v) for v in views]
+        index = QueueIndex(views, version, self.policy.bound, self.pace)
+        self._index_kept = (key, index)
+        return index
+
+    def decide(self, client_id: str, views: Sequence[LeaseView], queued: int, now: float, version: int,
                held_version: int, withheld: frozenset[str] = frozenset(),
                verifying: frozenset[str] = frozenset()) -> LeaseDecision | None:
         """core.scheduling.decide_lease with this client's speed, every lease's due times and whether its holder is
         proven, and the jobs whose result is being verified (``verifying``: never reissued, and each keeps its slot
         in the queue). A decision with ``replica`` is a second lease on a live job (core.scheduling.choose_replica)."""
-        if verifying:
-            views = [replace(v, verifying=True) if v.job_id in verifying else v for v in views]
-        speed = None
-        if self.speed_aware:
-            views = [self.with_due(v) for v in views]
-            speed = self.speed_of(client_id, views, now)
-        return decide_lease(views, queued, now, version, held_version, self.policy, speed, withheld, client_id)
+        index = self.index(views, version, verifying)
+        speed = self.speed_of(client_id, index, now) if self.speed_aware else None
+        return decide_lease(index, queued, now, version, held_version, self.policy, speed, withheld, client_id)
