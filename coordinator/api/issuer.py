@@ -8,27 +8,25 @@ who was woken for the current version, and how fast versions come. It holds no I
 what the coordinator does.
 
 Every long-polling request re-checks on each new version, so one version costs as many decisions as there are
-clients waiting: a decision must not itself cost more with more of them. The paces of the waiting clients are kept
-sorted (sortedcontainers.SortedList), so "how many waiting clients are faster than this one" is a binary search,
-not a pass over the waiting set; a decision costs O(log W) in the W waiting clients (bench/swarm_sim.py measures it).
+clients waiting. The waiting clients are kept in rule 1's order (coordinator.api.waiting), so counting the faster ones
+is a binary search and a wake-up re-checks only the few at the head that could be served (``waiters.candidates``);
+the jobs a decision reads are indexed once per set of jobs (core.queue_index), so a decision costs O(log W + log Q)
+in the W waiting clients and the queue's Q jobs (bench/swarm_sim.py ``--decision-cost`` measures it).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
 from sortedcontainers import SortedList
 
+from coordinator.api.waiting import Waiting
 from coordinator.core import pacing
 from coordinator.core.leases import LeaseView
 from coordinator.core.queue_index import QueueIndex
 from coordinator.core.scheduling import LeaseDecision, SyncPolicy, decide_lease
-
-#: A waiting client as listed in the sorted waiting sets: its rank (core.pacing.Rank), then its wait number.
-_Entry = tuple[float, int, int]
 
 
 class Issuer:
@@ -38,16 +36,10 @@ class Issuer:
         self.speed_aware = speed_aware
         self.pace: dict[str, float] = {}  # seconds from lease to result, per client (core.pacing)
         self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
-        self._waiting: dict[str, int] = {}  # long-polling clients → requests waiting
-        # the waiting clients whose pace is known as (rank, wait number): core.pacing.rank, then the order they began
-        # waiting (equals are served in that order, as the long polls re-check); each one's as listed there
-        self._waiting_paces: SortedList = SortedList()
-        self._waiting_proven: SortedList = SortedList()  # those of them whose pace is measured (replicas go to them)
-        self._listed: dict[str, _Entry | None] = {}
-        self._unknown: dict[str, None] = {}  # the waiting clients of unknown pace, in the order they began waiting
-        self._wait_no: dict[str, int] = {}  # each waiting client's wait number, and who holds it
-        self._by_no: dict[int, str] = {}
-        self._next_no = 0
+        # the long-polling clients in rule 1's order (coordinator.api.waiting); the head a re-check could serve is at
+        # most twice the queue's B·(S+1): within one wake-up a replica given to a faster client takes it out of the
+        # waiting set without taking a slot, so a slower one moves up while the free slots stay (one replica per job)
+        self.waiters = Waiting(2 * policy.jobs_per_step * (policy.bound + 1) if speed_aware else None)
         self._measured: SortedList = SortedList()  # the measured paces (the fastest is the declared paces' floor)
         self._measured_ids: set[str] = set()
         self._woken: set[str] = set()  # clients a new version woke to pull it (next_in_line), for that version
@@ -79,10 +71,7 @@ class Issuer:
         return self._measured[0] if self._measured else 0.0
 
     def _set_pace(self, client_id: str, pace_s: float | None) -> None:
-        """Change a client's pace, and where it waits, its place among the waiting clients' paces."""
-        waiting = client_id in self._waiting
-        if waiting:
-            self._unlist(client_id)
+        """Change a client's pace, and where it waits, its place among the waiting clients."""
         floor = self._floor()
         self._pace_changes += 1
         old = self.pace.get(client_id)
@@ -96,31 +85,11 @@ class Issuer:
             if client_id in self._pace_observed:
                 self._measured.add(pace_s)
                 self._measured_ids.add(client_id)
-        if waiting:
-            self._list(client_id)
+        self.waiters.rerank(client_id, self.rank(client_id))
         if self._floor() != floor:  # the declared paces below the floor move with it: a pass over the waiting
             # newcomers (clients not yet measured: few, and only when the fastest measured pace changes)
-            for cid in [c for c in self._listed if c not in self._pace_observed and c != client_id]:
-                self._unlist(cid)
-                self._list(cid)
-
-    def _list(self, client_id: str) -> None:
-        key = self.rank(client_id)
-        entry = self._listed[client_id] = None if key is None else (key[0], key[1], self._wait_no[client_id])
-        if entry is None:
-            self._unknown[client_id] = None
-        else:
-            self._waiting_paces.add(entry)
-            if entry[1] == 0:  # measured (core.pacing.rank)
-                self._waiting_proven.add(entry)
-
-    def _unlist(self, client_id: str) -> None:
-        entry = self._listed.pop(client_id, None)  # the entry it was listed with, whatever ``pace`` says by now
-        self._unknown.pop(client_id, None)
-        if entry is not None:
-            self._waiting_paces.remove(entry)
-            if entry[1] == 0:
-                self._waiting_proven.remove(entry)
+            for cid in [c for c in self.waiters.clients() if c not in self._pace_observed and c != client_id]:
+                self.waiters.rerank(cid, self.rank(cid))
 
     def observe(self, client_id: str, view: LeaseView, now: float) -> None:
         """Lease-to-result seconds of an accepted result update the client's pace."""
@@ -140,22 +109,10 @@ class Issuer:
 
     def begin_wait(self, client_id: str) -> None:
         """A lease request of ``client_id`` starts long-polling (requests of one client are counted)."""
-        if client_id not in self._waiting:
-            self._wait_no[client_id] = self._next_no
-            self._by_no[self._next_no] = client_id
-            self._next_no += 1
-            self._list(client_id)
-        self._waiting[client_id] = self._waiting.get(client_id, 0) + 1
+        self.waiters.begin(client_id, self.rank(client_id))
 
     def end_wait(self, client_id: str) -> None:
-        if client_id not in self._waiting:
-            return
-        left = self._waiting.pop(client_id) - 1
-        if left > 0:
-            self._waiting[client_id] = left
-        else:
-            self._unlist(client_id)
-            del self._by_no[self._wait_no.pop(client_id)]
+        self.waiters.end(client_id)
 
     @contextmanager
     def waiting(self, client_id: str) -> Iterator[None]:
@@ -165,59 +122,6 @@ class Issuer:
             yield
         finally:
             self.end_wait(client_id)
-
-    def waiting_clients(self) -> Iterable[str]:
-        return self._waiting.keys()
-
-    def window(self) -> int:
-        """How far down rule 1's order a waiting client may stand and still be given something: a slot goes to a
-        client only while fewer strictly faster ones wait than there are free slots (core.pacing.may_take_slot),
-        and a replica only while fewer faster measured ones wait than there are jobs to replicate
-        (core.scheduling.choose_replica); both are at most the queue's B·(S+1). The factor 2: within one wake-up
-        a replica given to a faster client takes it out of the waiting set without taking a slot, so a slower one
-        moves up while the free slots stay; at most one replica per job in the queue. Everyone, without speed-aware
-        issuance (first come, first served)."""
-        if not self.speed_aware:
-            return len(self._waiting)
-        return 2 * self.policy.jobs_per_step * (self.policy.bound + 1)
-
-    def candidates(self) -> list[str]:
-        """The waiting clients a re-check could give a job, a replica or a prefetch (``next_in_line``) to, in the
-        order the coordinator serves them (rule 1's rank, equals in the order they began waiting, unknown paces
-        last); every other waiting client would be refused, so it need not re-check. About 3 × :meth:`window`
-        clients (and equals of the last) however many wait: the decisions per wake-up do not grow with the swarm. Without speed-aware
-        issuance, every waiting client in the order they began waiting."""
-        if not self.speed_aware:
-            return list(self._waiting)
-        n = self.window()
-        picked = set(self._head(self._waiting_paces, n)) | set(self._head(self._waiting_proven, n))
-        order = [self._by_no[e[2]] for e in sorted(picked)]
-        if len(self._waiting_paces) < n:  # an unknown pace is served after every known one (rule 1)
-            order += list(itertools.islice(self._unknown, n))
-        return order
-
-    @staticmethod
-    def _head(entries: SortedList, n: int) -> list[_Entry]:
-        """The first ``n`` entries, and any after them that rank equal to the n-th (rule 1 counts only strictly
-        faster clients as ahead, so equals of the last one may still be served)."""
-        head: list[_Entry] = list(entries.islice(0, n))
-        if len(head) == n and n > 0:
-            last = head[-1][:2]
-            head += itertools.takewhile(lambda e: e[:2] == last, entries.islice(n))
-        return head
-
-    def in_window(self, client_id: str) -> bool:
-        """Could a re-check of this waiting client's request give it anything (one of :meth:`candidates`)? O(log W)
-        in the W waiting clients."""
-        if not self.speed_aware or client_id not in self._waiting:
-            return True
-        n = self.window()
-        entry = self._listed.get(client_id)
-        if entry is None:
-            return len(self._waiting_paces) < n
-        key = entry[:2]
-        return (self._waiting_paces.bisect_left(key) < n
-                or entry[1] == 0 and self._waiting_proven.bisect_left(key) < n)
 
     # -- decisions ----------------------------------------------------------------------------------------
     def next_in_line(self, client_id: str, version: int) -> bool:
@@ -239,21 +143,12 @@ class Issuer:
         if len(woken_others) >= b:
             return False  # the B woken so far (ties, unknown paces) are ahead of it
         mine = self.rank(client_id)
-        waiting = int(self._waiting_proven.bisect_left(mine)) if proven and mine is not None else \
-            self._faster_waiting(mine)
-        ahead = waiting + pacing.faster_count(mine, (self.rank(c) for c in woken_others if c not in self._waiting))
+        waiting = self.waiters.faster(mine, proven=True) if proven and mine is not None else self.waiters.faster(mine)
+        ahead = waiting + pacing.faster_count(mine, (self.rank(c) for c in woken_others if c not in self.waiters))
         if ahead >= b:
             return False  # B faster ones waiting or woken are ahead of it
         self._woken.add(client_id)
         return True
-
-    def _faster_waiting(self, key: pacing.Rank | None) -> int:
-        """How many waiting clients rank strictly ahead of ``key`` (unknown = last; core.pacing.faster_count over
-        the waiting set, by binary search). The asking client, if it waits, is never counted: its own rank is not
-        strictly ahead of itself, and an unknown one is not counted at all."""
-        if key is None:
-            return len(self._waiting_paces)
-        return int(self._waiting_paces.bisect_left(key))
 
     def proven(self, client_id: str) -> bool:
         """Is this client's pace measured by its own results (not a declaration)?"""
@@ -261,7 +156,7 @@ class Issuer:
 
     def proven_waiting(self) -> bool:
         """Is a client of measured pace long-polling for work (one a replica could go to)?"""
-        return bool(self._waiting_proven)
+        return self.waiters.any_proven()
 
     def with_due(self, view: LeaseView) -> LeaseView:
         """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known;
@@ -286,12 +181,12 @@ class Issuer:
         index = views if isinstance(views, QueueIndex) else QueueIndex(views, 0, self.policy.bound, self.pace)
         mine = self.rank(client_id)
         proven = client_id in self._pace_observed
-        return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self._faster_waiting(mine),
+        return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self.waiters.faster(mine),
                                   exploring=index.exploring(now, client_id), step_s=self.version_interval,
-                                  proven=proven, faster_proven_waiting=int(self._waiting_proven.bisect_left(mine))
+                                  proven=proven, faster_proven_waiting=self.waiters.faster(mine, proven=True)
                                   if proven and mine is not None else 0)
 
-    def index(self, views: Sequence[LeaseView], version: int,
+    def _index(self, views: Sequence[LeaseView], version: int,
               verifying: frozenset[str] = frozenset()) -> QueueIndex:
         """The jobs not yet done as this issuer's decisions read them — those in ``verifying`` marked, each lease with
         its due times and whether its holder is proven (:meth:`with_due`) — indexed (core.queue_index) at
@@ -316,6 +211,6 @@ class Issuer:
         """core.scheduling.decide_lease with this client's speed, every lease's due times and whether its holder is
         proven, and the jobs whose result is being verified (``verifying``: never reissued, and each keeps its slot
         in the queue). A decision with ``replica`` is a second lease on a live job (core.scheduling.choose_replica)."""
-        index = self.index(views, version, verifying)
+        index = self._index(views, version, verifying)
         speed = self.speed_of(client_id, index, now) if self.speed_aware else None
         return decide_lease(index, queued, now, version, held_version, self.policy, speed, withheld, client_id)

@@ -56,7 +56,7 @@ def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_mo
         answer: list[LeaseResponse] = []
         thread = threading.Thread(target=lambda: answer.append(ask(waiter)), daemon=True)
         thread.start()
-        wait_until(lambda: waiter.client_id in live.coordinator.issuer.waiting_clients(), 30, "the waiting client's long-poll")
+        wait_until(lambda: waiter.client_id in live.coordinator.issuer.waiters.clients(), 30, "the waiting client's long-poll")
         assert not answer  # still waiting: nothing to hand out
         for r in results:  # two results = one batch: the learner trains and publishes version 1
             status, raw = worker.post("/v1/results", r)
@@ -95,7 +95,7 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
         threads = [threading.Thread(target=wait_for_work, args=(w,), daemon=True) for w in waiters]
         for thread in threads:
             thread.start()
-        wait_until(lambda: all(w.client_id in live.coordinator.issuer.waiting_clients() for w in waiters), 30,
+        wait_until(lambda: all(w.client_id in live.coordinator.issuer.waiters.clients() for w in waiters), 30,
                    "three long-polls")
         for r in results:  # one batch: the learner trains and publishes version 1
             status, raw = worker.post("/v1/results", r)
@@ -108,7 +108,7 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
         status, _ = worker.get("/v1/status")  # served after the wake-up the version caused
         assert status == 200
         # not next in line: still waiting, and never told to prefetch
-        assert threads[2].is_alive() and waiters[2].client_id in live.coordinator.issuer.waiting_clients()
+        assert threads[2].is_alive() and waiters[2].client_id in live.coordinator.issuer.waiters.clients()
         live.coordinator.issuing_paused = False
         threads[2].join(30)
         assert waiters[2].client_id in answers and not answers[waiters[2].client_id].prefetch

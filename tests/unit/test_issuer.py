@@ -18,7 +18,7 @@ from coordinator.core.scheduling import SyncPolicy
 def reference_next_in_line(issuer: Issuer, woken: set[str], cid: str) -> bool:
     """next_in_line as a pass over the waiting and woken clients (the issuer's rule before the index); a measured
     client counts only measured ones (issue 37: an unproven client's job is replicated to a measured one)."""
-    counted = {c for c in set(issuer.waiting_clients()) | woken if c != cid and (not issuer.proven(cid)
+    counted = {c for c in set(issuer.waiters.clients()) | woken if c != cid and (not issuer.proven(cid)
                                                                                    or issuer.proven(c))}
     ahead = (issuer.rank(c) for c in counted)
     return not (len(woken & counted) >= issuer.policy.jobs_per_step
@@ -58,7 +58,7 @@ def test_the_waiting_index_counts_what_a_pass_over_the_waiting_clients_counts(se
             if expected:
                 woken.add(cid)
         waiting = {c for c, n in waits.items() if n > 0}
-        assert set(issuer.waiting_clients()) == waiting
+        assert set(issuer.waiters.clients()) == waiting
         for asker in clients[:6]:
             others = (issuer.rank(c) for c in waiting if c != asker)
             speed = issuer.speed_of(asker, [], 0.0)
@@ -69,7 +69,7 @@ def test_the_waiting_index_counts_what_a_pass_over_the_waiting_clients_counts(se
     for cid, n in waits.items():  # every wait ended: the index is empty again
         for _ in range(n):
             issuer.end_wait(cid)
-    assert not list(issuer.waiting_clients())
+    assert not list(issuer.waiters.clients())
     assert issuer.speed_of("c0", [], 0.0).faster_waiting == 0
 
 
@@ -131,11 +131,11 @@ def test_a_waiting_client_outside_the_candidates_would_be_given_nothing(seed: in
     views = [LeaseView(f"j{k}", JobState.LEASED, 2, float(k), f"l{k}", rng.choice(clients), 50.0,
                        unproven=rng.random() < 0.5) for k in range(rng.randrange(0, 2 * (s + 1)))]
     views += [LeaseView(f"o{k}", JobState.OPEN, None, 10.0 + k) for k in range(rng.randrange(0, 2))]
-    candidates = issuer.candidates()
-    assert len(candidates) == len(set(candidates)) and set(candidates) <= set(issuer.waiting_clients())
-    assert len(candidates) <= 3 * issuer.window() + 6  # (equals of the last ones)
+    candidates = issuer.waiters.candidates()
+    assert len(candidates) == len(set(candidates)) and set(candidates) <= set(issuer.waiters.clients())
+    assert issuer.waiters.window is not None and len(candidates) <= 3 * issuer.waiters.window + 6  # (and equals)
     for cid in clients:
-        assert issuer.in_window(cid) is (cid in candidates)
+        assert issuer.waiters.in_window(cid) is (cid in candidates)
         if cid not in candidates:
             assert issuer.decide(cid, views, rng.randrange(0, 2), 2.0, 2, rng.choice([-1, 1, 2])) is None
             assert not issuer.next_in_line(cid, 2)
@@ -149,4 +149,4 @@ def test_without_speed_aware_issuance_every_waiting_client_is_a_candidate() -> N
     for i in range(50):
         issuer.declare(f"c{i}", float(i))
         issuer.begin_wait(f"c{i}")
-    assert issuer.candidates() == [f"c{i}" for i in range(50)] and issuer.in_window("c49")
+    assert issuer.waiters.candidates() == [f"c{i}" for i in range(50)] and issuer.waiters.in_window("c49")
