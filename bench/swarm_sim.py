@@ -19,7 +19,7 @@ pace while a measured one waits: that one may be given a replica of it (issue 37
     python bench/swarm_sim.py --clients 50 --staleness 2   # one configuration
     python bench/swarm_sim.py --mix realistic --vanish 0.1 --clients 10 20 100 1000 10000 --staleness 2 16 64 \
         --no-plain --lease-timeout-s 3600 --max-sim-s 7200 --fastest-job-s 2
-    python bench/swarm_sim.py --decision-cost 100 1000 10000   # the issuer's CPU per lease decision
+    python bench/swarm_sim.py --decision-cost 100 1000 10000 --staleness 2 16 64   # CPU per lease decision
 
 Reports, per (clients, S, issuance): learner busy fraction, staleness of trained rollouts, results set aside as
 too stale (and their share of those returned), the share of clients that ever got work (of all, and of those
@@ -392,10 +392,12 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.decision_cost:
-        costs = [decision_cost(w) for w in args.decision_cost]
-        print("| clients waiting | issuer CPU per lease decision |\n|---|---|")
+        bounds = [s for s in args.staleness if s > 0] if "--staleness" in sys.argv else [2]
+        costs = [decision_cost(w, staleness=s) | {"staleness": s} for s in bounds for w in args.decision_cost]
+        print("| S | clients waiting | issuer CPU per lease decision | granted |\n|---|---|---|---|")
         for c in costs:
-            print(f"| {c['waiting']:,} | {c['cpu_per_decision_us']:.0f} µs |")
+            print(f"| {c['staleness']} | {c['waiting']:,} | {c['cpu_per_decision_us']:.0f} µs | "
+                  f"{c['granted']} / {c['decisions']} |")
         (args.out / "decision_cost.json").write_text(json.dumps(costs, indent=2))
         return 0
     modes = [True] if args.no_plain else [True, False]
