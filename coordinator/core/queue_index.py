@@ -46,6 +46,7 @@ class QueueIndex:
 
     def __init__(self, jobs: Sequence[LeaseView], current: int, bound: int, paced: Container[str] = ()) -> None:
         self.jobs = jobs
+        self.paced = paced
         self.current = current
         self.bound = bound
         ends = [slot_end(j, current, bound) for j in jobs]

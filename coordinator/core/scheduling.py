@@ -159,9 +159,12 @@ def choose_replica(active: Sequence[LeaseView], now: float, current: int, policy
 
 
 def _index(active: Sequence[LeaseView] | QueueIndex, current: int, policy: SyncPolicy) -> QueueIndex:
-    if isinstance(active, QueueIndex) and active.current == current and active.bound == policy.bound:
-        return active
-    return QueueIndex(active.jobs if isinstance(active, QueueIndex) else active, current, policy.bound)
+    """The jobs' index at ``current`` under the policy's bound: the one given if it is for them (an index built by
+    the issuer serves every decision until the jobs change), else built now."""
+    if isinstance(active, QueueIndex):
+        return active if active.current == current and active.bound == policy.bound else \
+            QueueIndex(active.jobs, current, policy.bound, active.paced)
+    return QueueIndex(active, current, policy.bound)
 
 
 def decide_slot(active: Sequence[LeaseView] | QueueIndex, pending: int, now: float, current: int, held: int,
