@@ -10,8 +10,9 @@ Each of these is a threshold in time per job — a job holds its slot until :fun
 :func:`core.leases.leasable_from`, is expected back at its ``expected_at`` — so sorting the jobs once by those times
 makes every answer a binary search at whatever ``now`` it is asked, valid until the jobs themselves change. The
 coordinator's issuer builds one per set of jobs it sees and asks it for as many decisions as come before that set
-changes (coordinator.api.issuer). The job-by-job definitions stay the specification: tests/unit/test_queue_index.py
-checks the index against them on random queues.
+changes (coordinator.api.issuer). A slot's end and a job's first leasable time are the rules themselves
+(core.scheduling.occupies_slot and core.leases.leasable read them); tests/unit/test_queue_index.py checks every
+answer against the job-by-job rules as written before the index, on random queues.
 """
 
 from __future__ import annotations
