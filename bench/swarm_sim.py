@@ -238,10 +238,10 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
         # every waiter asks again, fastest first as the coordinator would grant them; each stays registered
         # as waiting until it holds a job, so slower ones see it as a faster competitor
         if speed_aware:
-            # only the waiters a re-check could give anything (Issuer.waiters.candidates, coordinator.api.waiting: the head of rule 1's order, by
-            # core.pacing.rank — a declared pace no faster than the fastest measured one — equals in the order they
-            # began waiting), as the coordinator wakes its long polls (api.leasing); every other one would be
-            # refused. (Until issue 37's replicas this sorted by raw pace, which served a fresh identity's claimed
+            # only the waiters a re-check could give anything (Issuer.waiters.candidates, coordinator.api.waiting:
+            # the head of rule 1's order, by core.pacing.rank — a declared pace no faster than the fastest measured
+            # one — equals in the order they began waiting), as the coordinator's long polls re-check
+            # (api.leasing); every other one would be refused. (Until issue 37's replicas this sorted by raw pace, which served a fresh identity's claimed
             # 10^7 tokens/s ahead of every honest equal; until issue 32 it asked every waiter: docs/benchmarks.md.)
             order = [waiting[cid] for cid in issuer.waiters.candidates()]
         else:
