@@ -19,7 +19,7 @@ pace while a measured one waits: that one may be given a replica of it (issue 37
     python bench/swarm_sim.py --clients 50 --staleness 2   # one configuration
     python bench/swarm_sim.py --mix realistic --vanish 0.1 --clients 10 20 100 1000 10000 --staleness 2 16 64 \
         --no-plain --lease-timeout-s 3600 --max-sim-s 7200 --fastest-job-s 2
-    python bench/swarm_sim.py --decision-cost 100 1000 10000   # the issuer's CPU per lease decision
+    python bench/swarm_sim.py --decision-cost 100 1000 10000 --staleness 2 16 64   # CPU per lease decision
 
 Reports, per (clients, S, issuance): learner busy fraction, staleness of trained rollouts, results set aside as
 too stale (and their share of those returned), the share of clients that ever got work (of all, and of those
@@ -237,14 +237,15 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
     def wake() -> None:
         # every waiter asks again, fastest first as the coordinator would grant them; each stays registered
         # as waiting until it holds a job, so slower ones see it as a faster competitor
-        order = list(waiting.values())
         if speed_aware:
-            # by rule 1's rank (core.pacing.rank: a declared pace no faster than the fastest measured one), as the
-            # coordinator's decisions order them; equals in the order they began waiting (a stable sort), as the
-            # coordinator's long polls re-check. (Until issue 37's replicas this sorted by raw pace, which served a
-            # fresh identity's claimed 10^7 tokens/s ahead of every honest equal: docs/benchmarks.md.)
-            order.sort(key=lambda w: (issuer.rank(w.cid) is None, issuer.rank(w.cid) or (0.0, 0)))
+            # only the waiters a re-check could give anything (Issuer.waiters.candidates, coordinator.api.waiting:
+            # the head of rule 1's order, by core.pacing.rank — a declared pace no faster than the fastest measured
+            # one — equals in the order they began waiting), as the coordinator's long polls re-check
+            # (api.leasing); every other one would be refused. (Until issue 37's replicas this sorted by raw pace, which served a fresh identity's claimed
+            # 10^7 tokens/s ahead of every honest equal; until issue 32 it asked every waiter: docs/benchmarks.md.)
+            order = [waiting[cid] for cid in issuer.waiters.candidates()]
         else:
+            order = list(waiting.values())
             rng.shuffle(order)  # plain issuance: whoever asks first
         for c in order:  # the reply that wakes a client next in line says prefetch: it pulls the new version
             if issuer.next_in_line(c.cid, st.version):
@@ -391,10 +392,12 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.decision_cost:
-        costs = [decision_cost(w) for w in args.decision_cost]
-        print("| clients waiting | issuer CPU per lease decision |\n|---|---|")
+        bounds = [s for s in args.staleness if s > 0] if "--staleness" in sys.argv else [2]
+        costs = [decision_cost(w, staleness=s) | {"staleness": s} for s in bounds for w in args.decision_cost]
+        print("| S | clients waiting | issuer CPU per lease decision | granted |\n|---|---|---|---|")
         for c in costs:
-            print(f"| {c['waiting']:,} | {c['cpu_per_decision_us']:.0f} µs |")
+            print(f"| {c['staleness']} | {c['waiting']:,} | {c['cpu_per_decision_us']:.0f} µs | "
+                  f"{c['granted']} / {c['decisions']} |")
         (args.out / "decision_cost.json").write_text(json.dumps(costs, indent=2))
         return 0
     modes = [True] if args.no_plain else [True, False]

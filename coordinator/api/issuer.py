@@ -8,21 +8,24 @@ who was woken for the current version, and how fast versions come. It holds no I
 what the coordinator does.
 
 Every long-polling request re-checks on each new version, so one version costs as many decisions as there are
-clients waiting: a decision must not itself cost more with more of them. The paces of the waiting clients are kept
-sorted (sortedcontainers.SortedList), so "how many waiting clients are faster than this one" is a binary search,
-not a pass over the waiting set; a decision costs O(log W) in the W waiting clients (bench/swarm_sim.py measures it).
+clients waiting. The waiting clients are kept in rule 1's order (coordinator.api.waiting), so counting the faster ones
+is a binary search and a wake-up re-checks only the few at the head that could be served (``waiters.candidates``);
+the jobs a decision reads are indexed once per set of jobs (core.queue_index), so a decision costs O(log W + log Q)
+in the W waiting clients and the queue's Q jobs (bench/swarm_sim.py ``--decision-cost`` measures it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
 from sortedcontainers import SortedList
 
+from coordinator.api.waiting import Waiting
 from coordinator.core import pacing
-from coordinator.core.leases import LeaseView, lease_live
+from coordinator.core.leases import LeaseView
+from coordinator.core.queue_index import QueueIndex
 from coordinator.core.scheduling import LeaseDecision, SyncPolicy, decide_lease
 
 
@@ -33,17 +36,18 @@ class Issuer:
         self.speed_aware = speed_aware
         self.pace: dict[str, float] = {}  # seconds from lease to result, per client (core.pacing)
         self._pace_observed: set[str] = set()  # clients whose pace comes from results, not a declaration
-        self._waiting: dict[str, int] = {}  # long-polling clients → requests waiting
-        # the ranks (core.pacing.rank) of the waiting clients whose pace is known, sorted; each one's as listed there
-        self._waiting_paces: SortedList = SortedList()
-        self._waiting_proven: SortedList = SortedList()  # those of them whose pace is measured (replicas go to them)
-        self._listed: dict[str, pacing.Rank | None] = {}
+        # the long-polling clients in rule 1's order (coordinator.api.waiting); the head a re-check could serve is at
+        # most twice the queue's B·(S+1): within one wake-up a replica given to a faster client takes it out of the
+        # waiting set without taking a slot, so a slower one moves up while the free slots stay (one replica per job)
+        self.waiters = Waiting(2 * policy.jobs_per_step * (policy.bound + 1) if speed_aware else None)
         self._measured: SortedList = SortedList()  # the measured paces (the fastest is the declared paces' floor)
         self._measured_ids: set[str] = set()
         self._woken: set[str] = set()  # clients a new version woke to pull it (next_in_line), for that version
         self._woken_version = -1
         self.version_interval: float | None = None  # recent seconds between policy versions
         self._version_at: float | None = None
+        self._pace_changes = 0  # how often a pace changed: an index of the jobs (self.index) holds due times of paces
+        self._index_kept: tuple[tuple[object, ...], QueueIndex] | None = None
 
     # -- what the issuer observes -------------------------------------------------------------------------
     def declare(self, client_id: str, pace_s: float | None) -> None:
@@ -67,11 +71,9 @@ class Issuer:
         return self._measured[0] if self._measured else 0.0
 
     def _set_pace(self, client_id: str, pace_s: float | None) -> None:
-        """Change a client's pace, and where it waits, its place among the waiting clients' paces."""
-        waiting = client_id in self._waiting
-        if waiting:
-            self._unlist(client_id)
+        """Change a client's pace, and where it waits, its place among the waiting clients."""
         floor = self._floor()
+        self._pace_changes += 1
         old = self.pace.get(client_id)
         if old is not None and client_id in self._measured_ids:
             self._measured.remove(old)
@@ -83,27 +85,11 @@ class Issuer:
             if client_id in self._pace_observed:
                 self._measured.add(pace_s)
                 self._measured_ids.add(client_id)
-        if waiting:
-            self._list(client_id)
+        self.waiters.rerank(client_id, self.rank(client_id))
         if self._floor() != floor:  # the declared paces below the floor move with it: a pass over the waiting
             # newcomers (clients not yet measured: few, and only when the fastest measured pace changes)
-            for cid in [c for c in self._listed if c not in self._pace_observed and c != client_id]:
-                self._unlist(cid)
-                self._list(cid)
-
-    def _list(self, client_id: str) -> None:
-        key = self._listed[client_id] = self.rank(client_id)
-        if key is not None:
-            self._waiting_paces.add(key)
-            if key[1] == 0:  # measured (core.pacing.rank)
-                self._waiting_proven.add(key)
-
-    def _unlist(self, client_id: str) -> None:
-        pace = self._listed.pop(client_id, None)  # the pace it was listed with, whatever ``pace`` says by now
-        if pace is not None:
-            self._waiting_paces.remove(pace)
-            if pace[1] == 0:
-                self._waiting_proven.remove(pace)
+            for cid in [c for c in self.waiters.clients() if c not in self._pace_observed and c != client_id]:
+                self.waiters.rerank(cid, self.rank(cid))
 
     def observe(self, client_id: str, view: LeaseView, now: float) -> None:
         """Lease-to-result seconds of an accepted result update the client's pace."""
@@ -123,18 +109,10 @@ class Issuer:
 
     def begin_wait(self, client_id: str) -> None:
         """A lease request of ``client_id`` starts long-polling (requests of one client are counted)."""
-        if client_id not in self._waiting:
-            self._list(client_id)
-        self._waiting[client_id] = self._waiting.get(client_id, 0) + 1
+        self.waiters.begin(client_id, self.rank(client_id))
 
     def end_wait(self, client_id: str) -> None:
-        if client_id not in self._waiting:
-            return
-        left = self._waiting.pop(client_id) - 1
-        if left > 0:
-            self._waiting[client_id] = left
-        else:
-            self._unlist(client_id)
+        self.waiters.end(client_id)
 
     @contextmanager
     def waiting(self, client_id: str) -> Iterator[None]:
@@ -144,9 +122,6 @@ class Issuer:
             yield
         finally:
             self.end_wait(client_id)
-
-    def waiting_clients(self) -> Iterable[str]:
-        return self._waiting.keys()
 
     # -- decisions ----------------------------------------------------------------------------------------
     def next_in_line(self, client_id: str, version: int) -> bool:
@@ -168,21 +143,12 @@ class Issuer:
         if len(woken_others) >= b:
             return False  # the B woken so far (ties, unknown paces) are ahead of it
         mine = self.rank(client_id)
-        waiting = int(self._waiting_proven.bisect_left(mine)) if proven and mine is not None else \
-            self._faster_waiting(mine)
-        ahead = waiting + pacing.faster_count(mine, (self.rank(c) for c in woken_others if c not in self._waiting))
+        waiting = self.waiters.faster(mine, proven=True) if proven and mine is not None else self.waiters.faster(mine)
+        ahead = waiting + pacing.faster_count(mine, (self.rank(c) for c in woken_others if c not in self.waiters))
         if ahead >= b:
             return False  # B faster ones waiting or woken are ahead of it
         self._woken.add(client_id)
         return True
-
-    def _faster_waiting(self, key: pacing.Rank | None) -> int:
-        """How many waiting clients rank strictly ahead of ``key`` (unknown = last; core.pacing.faster_count over
-        the waiting set, by binary search). The asking client, if it waits, is never counted: its own rank is not
-        strictly ahead of itself, and an unknown one is not counted at all."""
-        if key is None:
-            return len(self._waiting_paces)
-        return int(self._waiting_paces.bisect_left(key))
 
     def proven(self, client_id: str) -> bool:
         """Is this client's pace measured by its own results (not a declaration)?"""
@@ -190,7 +156,7 @@ class Issuer:
 
     def proven_waiting(self) -> bool:
         """Is a client of measured pace long-polling for work (one a replica could go to)?"""
-        return bool(self._waiting_proven)
+        return self.waiters.any_proven()
 
     def with_due(self, view: LeaseView) -> LeaseView:
         """The lease with the times its holder is expected back and overdue (core.pacing), if its pace is known;
@@ -201,7 +167,7 @@ class Issuer:
         unproven = view.lease_client not in self._pace_observed
         if (pace is None and view.due_at is None and view.expected_at is None and view.replica is None
                 and unproven == view.unproven):
-            return view  # nothing to estimate (and a decision reads every active job: no copy)
+            return view  # nothing to estimate: no copy
         leased_at = view.lease_deadline - self.lease_timeout_s
         replica = view.replica
         if replica is not None:
@@ -211,26 +177,40 @@ class Issuer:
                          view.lease_deadline, pacing.due_at(leased_at, pace, self.version_interval),
                          pacing.expected_back(leased_at, pace), view.verifying, replica, unproven)
 
-    def speed_of(self, client_id: str, views: list[LeaseView], now: float) -> pacing.ClientSpeed:
-        exploring = sum(1 for v in views if lease_live(v, now) and v.lease_client not in self.pace
-                        and v.lease_client != client_id)
+    def speed_of(self, client_id: str, views: Sequence[LeaseView] | QueueIndex, now: float) -> pacing.ClientSpeed:
+        index = views if isinstance(views, QueueIndex) else QueueIndex(views, 0, self.policy.bound, self.pace)
         mine = self.rank(client_id)
         proven = client_id in self._pace_observed
-        return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self._faster_waiting(mine),
-                                  exploring=exploring, step_s=self.version_interval, proven=proven,
-                                  faster_proven_waiting=int(self._waiting_proven.bisect_left(mine))
+        return pacing.ClientSpeed(pace_s=self.pace.get(client_id), faster_waiting=self.waiters.faster(mine),
+                                  exploring=index.exploring(now, client_id), step_s=self.version_interval,
+                                  proven=proven, faster_proven_waiting=self.waiters.faster(mine, proven=True)
                                   if proven and mine is not None else 0)
 
-    def decide(self, client_id: str, views: list[LeaseView], queued: int, now: float, version: int,
+    def _index(self, views: Sequence[LeaseView], version: int,
+              verifying: frozenset[str] = frozenset()) -> QueueIndex:
+        """The jobs not yet done as this issuer's decisions read them — those in ``verifying`` marked, each lease with
+        its due times and whether its holder is proven (:meth:`with_due`) — indexed (core.queue_index) at
+        ``version``. Every waiting client's re-check reads the same jobs, so the index is kept for as long as the
+        jobs, the version, the jobs being verified, the paces and the version interval stay what they were: a
+        decision then costs O(log Q) in the queue's Q jobs, not Q (comparing the jobs with the kept ones is one pass
+        at C speed, identical objects first)."""
+        key = (tuple(views), version, verifying, self._pace_changes, self.version_interval)
+        if self._index_kept is not None and self._index_kept[0] == key:
+            return self._index_kept[1]
+        if verifying:
+            views = [replace(v, verifying=True) if v.job_id in verifying else v for v in views]
+        if self.speed_aware:
+            views = [self.with_due(v) for v in views]
+        index = QueueIndex(views, version, self.policy.bound, self.pace)
+        self._index_kept = (key, index)
+        return index
+
+    def decide(self, client_id: str, views: Sequence[LeaseView], queued: int, now: float, version: int,
                held_version: int, withheld: frozenset[str] = frozenset(),
                verifying: frozenset[str] = frozenset()) -> LeaseDecision | None:
         """core.scheduling.decide_lease with this client's speed, every lease's due times and whether its holder is
         proven, and the jobs whose result is being verified (``verifying``: never reissued, and each keeps its slot
         in the queue). A decision with ``replica`` is a second lease on a live job (core.scheduling.choose_replica)."""
-        if verifying:
-            views = [replace(v, verifying=True) if v.job_id in verifying else v for v in views]
-        speed = None
-        if self.speed_aware:
-            views = [self.with_due(v) for v in views]
-            speed = self.speed_of(client_id, views, now)
-        return decide_lease(views, queued, now, version, held_version, self.policy, speed, withheld, client_id)
+        index = self._index(views, version, verifying)
+        speed = self.speed_of(client_id, index, now) if self.speed_aware else None
+        return decide_lease(index, queued, now, version, held_version, self.policy, speed, withheld, client_id)

@@ -65,7 +65,11 @@ class Leasing(Phase):
         client is next in line for work (``Issuer.next_in_line``): it should spend the idle time pulling the
         newest weights, not sit on old ones and later be handed a job bound to them (async push-pull lets a job
         keep the client's version while within S). That reply says ``prefetch``; no other does, so clients the
-        coordinator does not expect to work on a version do not download it ahead of a job."""
+        coordinator does not expect to work on a version do not download it ahead of a job.
+
+        Of a large waiting swarm only the head of rule 1's order can be served (``Issuer.waiters.candidates``): the
+        others wait without re-checking — a wake-up costs them a binary search, not a read of the queue and a
+        decision — until they move into that head at a wake-up, or their poll ends."""
         req = self.signin.authenticate(raw, LEASE.path)
         body = wire.decode(req.body, LeaseRequest)
         self.guard.check_quarantine(req.client_id, self.clock())  # per identity, whatever backend it claims
@@ -77,6 +81,15 @@ class Leasing(Phase):
         with self.issuer.waiting(req.client_id):
             while True:
                 event = self._jobs_event
+                if not self.issuer.waiters.in_window(req.client_id) and not self.state.finished \
+                        and give_up > time.monotonic():
+                    # rule 1: enough faster clients wait that a re-check would give this one nothing, nor is it next in
+                    # line for a new version (api.waiting): no store read, no decision, no tick — it waits for the next
+                    # wake-up or its poll's end (then it re-checks, and its reply is what a decision says)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(give_up - time.monotonic()):
+                            await event.wait()
+                    continue
                 resp = self._try_lease(req.client_id, body.held_version, precision)
                 remaining = give_up - time.monotonic()
                 if resp.job is not None or resp.finished or remaining <= 0:

@@ -13,6 +13,7 @@ vanishes then delays nothing: the replica's holder returns the job.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -67,8 +68,16 @@ def replica_live(job: LeaseView, now: float) -> bool:
 def leasable(job: LeaseView, now: float) -> bool:
     """A job may be handed out if it is not done, nobody holds a live lease on it (its replica's included) and no
     result of it is being verified (one that is accepted would make a second holder's work a copy)."""
-    return (job.state is not JobState.DONE and not lease_live(job, now) and not replica_live(job, now)
-            and not job.verifying)
+    return now >= leasable_from(job)
+
+
+def leasable_from(job: LeaseView) -> float:
+    """From when :func:`leasable` holds: once its lease and its replica's have run out; never (inf) for a job done or
+    one whose result is being verified; always (-inf) for one never leased."""
+    if job.state is JobState.DONE or job.verifying:
+        return math.inf
+    first = job.lease_deadline if job.state is JobState.LEASED and job.lease_deadline is not None else -math.inf
+    return max(first, job.replica.deadline if job.replica is not None else -math.inf)
 
 
 def held_by(job: LeaseView, client_id: str, lease_id: str) -> LeaseView:

@@ -10,7 +10,8 @@ this host finish in time?") with the staleness bound as the deadline:
    finish soonest: a client declines a slot while at least as many strictly faster clients are waiting as
    there are free slots.
 2. **Horizon.** In async push-pull, once the learner's next batch is already covered by work in the queue,
-   a client is only given a job it is expected to return while the result is still within S. A learner that
+   a client is only given a job it is expected to return while the result is still within S, with a margin
+   (``HORIZON_SHARE``: versions come faster than their recent mean as the supply grows). A learner that
    is starving takes work from anyone.
 3. **Exploration.** A client whose pace is unknown (no results yet, no self-benchmark) gets a job only while
    no other unknown client holds one, so a crowd of newcomers cannot fill the queue with work of unknown
@@ -50,6 +51,14 @@ OVERDUE_FACTOR = 3.0  # a lease is overdue after this many times its holder's ex
 # the freed slot would issue a job the learner cannot use (stale on return in sequential pull)
 OVERDUE_FLOOR_S = 5.0
 SUPPLY_SLACK_STEPS = 0.5  # rule 4: a lease in flight counts as supply if expected back this many steps early
+# rule 2: a job is only issued if expected back within this share of the time the horizon allows. The seconds per
+# version are a recent mean, and the learner speeds up as the supply grows (a starved learner's slow versions let a
+# slow client in; the results that arrive meanwhile speed it up), so a job admitted at the edge comes back stale. In
+# bench/swarm_sim.py's realistic swarm of 20 clients at S = 16, 1.0 (the rule before issue 32) set aside 3.3 % of
+# the results returned, 0.8 sets aside 0.5 % and keeps the learner as busy (0.60 against 0.57) and gives work to as
+# many clients; 0.7 sets aside 0.2 % but costs 0.01–0.04 busy (docs/benchmarks.md). A share, not a number of steps:
+# the estimate's error grows with the horizon, and at S = 2 two steps fewer would refuse the fast clients too.
+HORIZON_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -129,8 +138,10 @@ def faster_count(me: _Key | None, others: Iterable[_Key | None]) -> int:
 
 def within_horizon(pace_s: float, step_s: float, versions_left: int) -> bool:
     """Will a job of ``pace_s`` seconds come back before the learner has moved ``versions_left`` + 1
-    versions past the one it is generated with? Allows half a step of slack for the step in progress."""
-    return pace_s <= (versions_left + 0.5) * step_s
+    versions past the one it is generated with? Allows half a step of slack for the step in progress, and asks
+    the job back within ``HORIZON_SHARE`` of that time: ``step_s`` is the recent mean, and versions come faster
+    than it as the supply grows."""
+    return pace_s <= HORIZON_SHARE * (versions_left + 0.5) * step_s
 
 
 def may_take_slot(speed: ClientSpeed, *, free: int, queued: int, jobs_per_step: int, versions_left: int | None,

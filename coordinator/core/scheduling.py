@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from coordinator.core.leases import LeaseView, choose_job, lease_live, replica_live
+from coordinator.core.leases import LeaseView, lease_live, replica_live
 from coordinator.core.pacing import SUPPLY_SLACK_STEPS, ClientSpeed, may_take_slot, within_horizon
+from coordinator.core.queue_index import QueueIndex, slot_end
 
 SyncMode = Literal["sequential-pull", "async-push-pull", "colocated"]
 
@@ -101,18 +102,7 @@ def occupies_slot(job: LeaseView, now: float, current: int, policy: SyncPolicy) 
     A job with a replica holds its slot while either lease does: the replica's holder is expected back before the
     first lease falls overdue (choose_replica), and freeing the slot at the first lease's due time would likewise
     plan one job too many."""
-    trainable = job.version is None or current - job.version <= policy.bound
-    if job.verifying:
-        return trainable
-    first = lease_live(job, now) and (job.due_at is None or now < job.due_at)
-    if not first and not _replica_holds(job, now):
-        return False
-    return trainable
-
-
-def _replica_holds(job: LeaseView, now: float) -> bool:
-    r = job.replica
-    return r is not None and replica_live(job, now) and (r.due_at is None or now < r.due_at)
+    return now < slot_end(job, current, policy.bound)
 
 
 def supply_before(active: Sequence[LeaseView], pending: int, now: float, current: int, policy: SyncPolicy,
@@ -126,14 +116,16 @@ def supply_before(active: Sequence[LeaseView], pending: int, now: float, current
                          and (j.verifying or j.expected_at is not None and now <= j.expected_at <= by))
 
 
-def decide_lease(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
+def decide_lease(active: Sequence[LeaseView] | QueueIndex, pending: int, now: float, current: int, held: int,
                  policy: SyncPolicy, speed: ClientSpeed | None = None,
                  withheld: frozenset[str] = frozenset(), asker: str | None = None) -> LeaseDecision | None:
-    """:func:`decide_slot`; where it gives the asking client (``asker``) nothing, a replica (:func:`choose_replica`)."""
-    decision = decide_slot(active, pending, now, current, held, policy, speed, withheld)
+    """:func:`decide_slot`; where it gives the asking client (``asker``) nothing, a replica (:func:`choose_replica`).
+    ``active``: the jobs not yet done, or their index (core.queue_index) at ``current``, which decides the same."""
+    index = _index(active, current, policy)
+    decision = decide_slot(index, pending, now, current, held, policy, speed, withheld)
     if decision is not None or speed is None:
         return decision
-    job = choose_replica(active, now, current, policy, speed, asker, withheld)
+    job = choose_replica(index.unproven, now, current, policy, speed, asker, withheld)
     return None if job is None or job.version is None else LeaseDecision(job.job_id, job.version, replica=True)
 
 
@@ -166,7 +158,16 @@ def choose_replica(active: Sequence[LeaseView], now: float, current: int, policy
     return min(candidates, key=lambda j: j.created_at)
 
 
-def decide_slot(active: Sequence[LeaseView], pending: int, now: float, current: int, held: int,
+def _index(active: Sequence[LeaseView] | QueueIndex, current: int, policy: SyncPolicy) -> QueueIndex:
+    """The jobs' index at ``current`` under the policy's bound: the one given if it is for them (an index built by
+    the issuer serves every decision until the jobs change), else built now."""
+    if isinstance(active, QueueIndex):
+        return active if active.current == current and active.bound == policy.bound else \
+            QueueIndex(active.jobs, current, policy.bound, active.paced)
+    return QueueIndex(active, current, policy.bound)
+
+
+def decide_slot(active: Sequence[LeaseView] | QueueIndex, pending: int, now: float, current: int, held: int,
                 policy: SyncPolicy, speed: ClientSpeed | None = None,
                 withheld: frozenset[str] = frozenset()) -> LeaseDecision | None:
     """The whole lease decision: ``active`` are the jobs not yet done (in creation order), ``pending`` the
@@ -175,11 +176,13 @@ def decide_slot(active: Sequence[LeaseView], pending: int, now: float, current: 
     client: those it already had a result refused for (a deterministic honest client — same seed, same
     version, same numerics — would only be refused again, so the job waits for another client and this one
     gets other work). A job whose result is being verified (``LeaseView.verifying``) is never reissued and keeps its
-    slot. None means "no job for you now"."""
-    queued = sum(1 for j in active if occupies_slot(j, now, current, policy)) + pending
+    slot. None means "no job for you now". Given the jobs' index (core.queue_index), a decision costs O(log Q) in the
+    Q jobs of the queue; given the jobs, it indexes them first."""
+    index = _index(active, current, policy)
+    queued = index.queued(now) + pending
     if not admits(queued, policy):
         return None
-    reissue = choose_job([j for j in active if j.job_id not in withheld], now)
+    reissue = index.oldest_leasable(now, withheld)
     if reissue is not None and reissue.version is not None and trainable_at(reissue.version, current, queued, policy):
         pinned = reissue.version  # its key at its version: the sample its last holder saw, whoever computes it
     else:
@@ -190,7 +193,7 @@ def decide_slot(active: Sequence[LeaseView], pending: int, now: float, current: 
 
         ahead = None
         if speed.pace_s is not None and speed.step_s is not None:
-            ahead = supply_before(active, pending, now, current, policy, now + speed.pace_s, speed.step_s)
+            ahead = pending + index.supply_before(now, now + speed.pace_s - SUPPLY_SLACK_STEPS * speed.step_s)
 
         def fits(v: int) -> bool:
             left = policy.bound - (current - v) if policy.mode == "async-push-pull" else None

@@ -56,7 +56,7 @@ def test_a_new_version_reaches_a_client_waiting_for_work(tmp_path: Path, tiny_mo
         answer: list[LeaseResponse] = []
         thread = threading.Thread(target=lambda: answer.append(ask(waiter)), daemon=True)
         thread.start()
-        wait_until(lambda: waiter.client_id in live.coordinator.issuer.waiting_clients(), 30, "the waiting client's long-poll")
+        wait_until(lambda: waiter.client_id in live.coordinator.issuer.waiters.clients(), 30, "the waiting client's long-poll")
         assert not answer  # still waiting: nothing to hand out
         for r in results:  # two results = one batch: the learner trains and publishes version 1
             status, raw = worker.post("/v1/results", r)
@@ -95,7 +95,7 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
         threads = [threading.Thread(target=wait_for_work, args=(w,), daemon=True) for w in waiters]
         for thread in threads:
             thread.start()
-        wait_until(lambda: all(w.client_id in live.coordinator.issuer.waiting_clients() for w in waiters), 30,
+        wait_until(lambda: all(w.client_id in live.coordinator.issuer.waiters.clients() for w in waiters), 30,
                    "three long-polls")
         for r in results:  # one batch: the learner trains and publishes version 1
             status, raw = worker.post("/v1/results", r)
@@ -108,7 +108,7 @@ def test_a_new_version_wakes_the_clients_next_in_line_even_without_a_job(tmp_pat
         status, _ = worker.get("/v1/status")  # served after the wake-up the version caused
         assert status == 200
         # not next in line: still waiting, and never told to prefetch
-        assert threads[2].is_alive() and waiters[2].client_id in live.coordinator.issuer.waiting_clients()
+        assert threads[2].is_alive() and waiters[2].client_id in live.coordinator.issuer.waiters.clients()
         live.coordinator.issuing_paused = False
         threads[2].join(30)
         assert waiters[2].client_id in answers and not answers[waiters[2].client_id].prefetch
@@ -176,3 +176,39 @@ def test_job_plans_are_keyed_with_the_runs_secret(tmp_path: Path, tiny_model_dir
             assert job.seed != public.seed and len(stored) == 1 and len(stored[0][0]) == 32
         else:
             assert job.seed == public.seed and stored == []
+
+
+def test_a_long_poll_behind_the_head_of_the_order_ends_with_a_reply_and_is_served_once_ahead(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 32: of a waiting swarm only the head of rule 1's order re-checks (Issuer.waiters.in_window: 2·B·(S+1) =
+    8 clients here); a client behind it waits without reading the queue. Its request still ends at the poll's end
+    with the reply a decision gives (no job, not finished), and once the clients ahead of it have gone, its next
+    request is served."""
+    with running_coordinator(tmp_path, tiny_model_dir, top={"sync_mode": "async-push-pull", "max_staleness": 1},
+                             jobs={"long_poll_s": 3.0}, limits={"max_leases_per_client": 16}) as live:
+        issuer = live.coordinator.issuer
+        worker = register(live)
+        waiters = [register(live) for _ in range(9)]
+        for pace, w in enumerate(waiters, start=1):
+            issuer.pace[w.client_id] = float(pace)  # as if measured from earlier results
+        jobs = [lease(worker, live.coordinator.public_key) for _ in range(4)]  # the queue is full
+        answers: dict[str, LeaseResponse] = {}
+
+        def wait_for_work(client: RawClient) -> None:
+            answers[client.client_id] = ask(client)
+
+        threads = [threading.Thread(target=wait_for_work, args=(w,), daemon=True) for w in waiters]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(answers) == 9 or all(w.client_id in issuer.waiters.clients() for w in waiters), 30,
+                   "nine long-polls")
+        if len(answers) < 9:  # all nine waited at once: the slowest stood behind the head
+            assert not issuer.waiters.in_window(waiters[8].client_id)
+            assert issuer.waiters.in_window(waiters[7].client_id)
+        for thread in threads:
+            thread.join(30)
+        assert all(a.job is None and not a.finished for a in answers.values()) and len(answers) == 9
+        live.clock.advance(31.0)  # the worker's leases expire: their jobs may be reissued
+        resp = ask(waiters[8])  # alone now: the head of the order
+        assert resp.job is not None
+        assert open_job(resp.job, live.coordinator.public_key).job_id == jobs[0].job_id

@@ -18,7 +18,7 @@ from coordinator.core.scheduling import SyncPolicy
 def reference_next_in_line(issuer: Issuer, woken: set[str], cid: str) -> bool:
     """next_in_line as a pass over the waiting and woken clients (the issuer's rule before the index); a measured
     client counts only measured ones (issue 37: an unproven client's job is replicated to a measured one)."""
-    counted = {c for c in set(issuer.waiting_clients()) | woken if c != cid and (not issuer.proven(cid)
+    counted = {c for c in set(issuer.waiters.clients()) | woken if c != cid and (not issuer.proven(cid)
                                                                                    or issuer.proven(c))}
     ahead = (issuer.rank(c) for c in counted)
     return not (len(woken & counted) >= issuer.policy.jobs_per_step
@@ -58,7 +58,7 @@ def test_the_waiting_index_counts_what_a_pass_over_the_waiting_clients_counts(se
             if expected:
                 woken.add(cid)
         waiting = {c for c, n in waits.items() if n > 0}
-        assert set(issuer.waiting_clients()) == waiting
+        assert set(issuer.waiters.clients()) == waiting
         for asker in clients[:6]:
             others = (issuer.rank(c) for c in waiting if c != asker)
             speed = issuer.speed_of(asker, [], 0.0)
@@ -69,7 +69,7 @@ def test_the_waiting_index_counts_what_a_pass_over_the_waiting_clients_counts(se
     for cid, n in waits.items():  # every wait ended: the index is empty again
         for _ in range(n):
             issuer.end_wait(cid)
-    assert not list(issuer.waiting_clients())
+    assert not list(issuer.waiters.clients())
     assert issuer.speed_of("c0", [], 0.0).faster_waiting == 0
 
 
@@ -109,3 +109,44 @@ def test_a_declared_speed_is_believed_no_faster_than_the_fastest_measured_one() 
     assert issuer.speed_of("apple", [], 0.0).faster_waiting == 2  # (gpu2 is not waiting)
     issuer.begin_wait("gpu2")
     assert issuer.speed_of("sybil", [], 0.0).faster_waiting == 1
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_waiting_client_outside_the_candidates_would_be_given_nothing(seed: int) -> None:
+    """Issue 32: a wake-up re-checks only Issuer.candidates (the head of rule 1's order). Every other waiting client,
+    asked in any order, is refused a slot and a replica — so not waking it changes no decision — and in_window says
+    which is which without a pass over the waiting set."""
+    rng = random.Random(seed)
+    s = rng.choice([0, 1, 2])
+    issuer = Issuer(SyncPolicy("sequential-pull" if s == 0 else "async-push-pull", s, 2), lease_timeout_s=100.0)
+    clients = [f"c{i}" for i in range(40)]
+    for cid in clients:
+        if rng.random() < 0.5:
+            _measured(issuer, cid, rng.choice([1.0, 2.0, 2.0, 4.0, 30.0]))
+        else:
+            issuer.declare(cid, rng.choice([None, 0.5, 2.0, 6.0]))
+        issuer.begin_wait(cid)
+    for t in (0.0, 1.0, 2.0):
+        issuer.new_version(t)
+    views = [LeaseView(f"j{k}", JobState.LEASED, 2, float(k), f"l{k}", rng.choice(clients), 50.0,
+                       unproven=rng.random() < 0.5) for k in range(rng.randrange(0, 2 * (s + 1)))]
+    views += [LeaseView(f"o{k}", JobState.OPEN, None, 10.0 + k) for k in range(rng.randrange(0, 2))]
+    candidates = issuer.waiters.candidates()
+    assert len(candidates) == len(set(candidates)) and set(candidates) <= set(issuer.waiters.clients())
+    assert issuer.waiters.window is not None and len(candidates) <= 3 * issuer.waiters.window + 6  # (and equals)
+    for cid in clients:
+        assert issuer.waiters.in_window(cid) is (cid in candidates)
+        if cid not in candidates:
+            assert issuer.decide(cid, views, rng.randrange(0, 2), 2.0, 2, rng.choice([-1, 1, 2])) is None
+            assert not issuer.next_in_line(cid, 2)
+    ranks = [issuer.rank(c) for c in candidates]
+    known = [r for r in ranks if r is not None]
+    assert known == sorted(known) and ranks == known + [None] * (len(ranks) - len(known))  # served in rule 1's order
+
+
+def test_without_speed_aware_issuance_every_waiting_client_is_a_candidate() -> None:
+    issuer = Issuer(SyncPolicy("async-push-pull", 1, 2), lease_timeout_s=100.0, speed_aware=False)
+    for i in range(50):
+        issuer.declare(f"c{i}", float(i))
+        issuer.begin_wait(f"c{i}")
+    assert issuer.waiters.candidates() == [f"c{i}" for i in range(50)] and issuer.waiters.in_window("c49")

@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.core.leases import JobState, LeaseView
 from coordinator.core.pacing import (
+    HORIZON_SHARE,
     OVERDUE_FACTOR,
     OVERDUE_FLOOR_S,
     PACE_WEIGHT,
@@ -60,10 +61,20 @@ def test_due_at_hand_value_and_unknown() -> None:
     assert due_at(100.0, None, 1.5) is None
 
 
-def test_horizon_allows_half_a_step_of_slack() -> None:
-    assert within_horizon(1.5, 1.0, 1)
-    assert not within_horizon(1.51, 1.0, 1)
-    assert not within_horizon(0.6, 1.0, 0)
+def test_horizon_allows_half_a_step_of_slack_and_asks_the_job_back_within_its_share() -> None:
+    assert within_horizon(1.5 * HORIZON_SHARE, 1.0, 1)
+    assert not within_horizon(1.5 * HORIZON_SHARE + 0.01, 1.0, 1)
+    assert not within_horizon(0.5 * HORIZON_SHARE + 0.01, 1.0, 0)
+
+
+def test_the_horizon_margin_grows_with_the_horizon() -> None:
+    """Issue 32: at S = 16 a job of 13 s on a learner publishing every second (a recent mean) is refused — versions
+    come faster as the supply grows, and at 16.5 s of horizon it would come back at the edge — while at S = 2 a job
+    of 1.9 s still gets in: a share of the horizon, not a number of steps, so small bounds keep their fast clients."""
+    assert 0.5 < HORIZON_SHARE < 1.0
+    assert not within_horizon(16.5 * HORIZON_SHARE + 0.1, 1.0, 16)
+    assert within_horizon(16.5 * HORIZON_SHARE, 1.0, 16)
+    assert within_horizon(1.0, 1.0, 2) and within_horizon(2.5 * HORIZON_SHARE, 1.0, 2)
 
 
 # ---- may_take_slot ------------------------------------------------------------------------------------------
