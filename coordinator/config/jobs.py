@@ -24,6 +24,12 @@ class JobsConfig(StrictModel):
                               "and in async-push-pull only jobs a client can return while they are within "
                               "max_staleness, no earlier than the learner needs them (core.pacing). Off: first "
                               "come, first served, filling the queue to max_staleness.")
+    max_held_lag: int = Field(2, ge=0, le=64, description="async-push-pull: a client keeps generating with the "
+                              "version it already holds only while that version is at most this many versions "
+                              "behind the current one (and its result will be within max_staleness); otherwise its "
+                              "lease names the current version, which it fetches (a patch) first. Keeps a fast "
+                              "client's rollouts fresh whatever max_staleness is; max_staleness then bounds how old "
+                              "a slow client's result may be (issue 32). 64: hold as long as max_staleness allows.")
     secret_plans: bool = Field(True, description="Key every job's prompts and sampling seed with a secret of this "
                                "run (kept in its database): the seed is the job's secret sampling key (shared.sampler), "
                                "so a client cannot compute another job's sampling noise, nor its own before it holds "

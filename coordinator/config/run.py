@@ -203,7 +203,7 @@ class CoordinatorConfig(StrictModel):
 
     @property
     def sync_policy(self) -> SyncPolicy:
-        return SyncPolicy(self.sync_mode, self.max_staleness, self.jobs_per_step)
+        return SyncPolicy(self.sync_mode, self.max_staleness, self.jobs_per_step, self.jobs.max_held_lag)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

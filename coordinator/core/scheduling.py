@@ -46,6 +46,9 @@ class SyncPolicy:
     mode: SyncMode
     max_staleness: int  # S, in policy versions; 0 for sequential pull and co-located
     jobs_per_step: int  # B
+    # how far behind the current version a client's held version may be and still be named in its lease (≤ S
+    # applies as well): staleness per result — a fast client refreshes, a slow one's result may still be S old
+    max_held_lag: int = 64
 
     @property
     def bound(self) -> int:
@@ -71,9 +74,12 @@ def bind_version(current: int, held: int, queued: int, policy: SyncPolicy) -> in
     """The policy version a newly leased job must be generated with.
 
     Sequential pull always names the current version. Async push-pull lets a client keep the version it
-    holds when the rollout will still be within the bound once trained, so it need not stop to refresh.
+    holds when the rollout will still be within the bound once trained, so it need not stop to refresh — but
+    only while that version is at most ``max_held_lag`` behind: with a large S (chosen so that slow volunteers'
+    results are still trained), holding a version until it is S old made every client's rollouts about S/2
+    versions stale (docs/benchmarks.md "Deep staleness from a slow client").
     """
-    if policy.mode != "async-push-pull" or held < 0 or held > current:
+    if policy.mode != "async-push-pull" or held < 0 or held > current or current - held > policy.max_held_lag:
         return current
     return held if trainable_at(held, current, queued, policy) else current
 

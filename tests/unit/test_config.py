@@ -245,15 +245,19 @@ def test_keep_last_validator_on_assignment() -> None:
 
 def test_sync_policy_property() -> None:
     cfg = load_config(None)
-    assert cfg.sync_policy == SyncPolicy("sequential-pull", 2, 2)
+    assert cfg.sync_policy == SyncPolicy("sequential-pull", 2, 2, max_held_lag=2)
     assert cfg.sync_policy.bound == 0
     cfg = load_config(None, {"sync_mode": "async-push-pull", "max_staleness": 3, "snapshots.keep_last": 5,
                              "learner.prompts_per_step": 32, "jobs.prompts_per_job": 4})
-    assert cfg.sync_policy == SyncPolicy("async-push-pull", 3, 8)
+    assert cfg.sync_policy == SyncPolicy("async-push-pull", 3, 8, max_held_lag=2)
     assert cfg.sync_policy.bound == 3 and cfg.sync_policy.jobs_per_step == cfg.jobs_per_step
     cfg = load_config(None, {"sync_mode": "colocated", "max_staleness": 7})
-    assert cfg.sync_policy == SyncPolicy("colocated", 7, 2)
+    assert cfg.sync_policy == SyncPolicy("colocated", 7, 2, max_held_lag=2)
     assert cfg.sync_policy.bound == 0
+    # staleness per result (issue 32): how far behind a held version may be, beside S
+    cfg = load_config(None, {"sync_mode": "async-push-pull", "max_staleness": 16, "snapshots.keep_last": 18,
+                             "jobs.max_held_lag": 5})
+    assert cfg.sync_policy == SyncPolicy("async-push-pull", 16, 2, max_held_lag=5)
 
 
 def test_sync_policy_from_toml(tmp_path: Path) -> None:
@@ -269,7 +273,7 @@ staleness_decay = 0.9
 [jobs]
 prompts_per_job = 4
 """))
-    assert cfg.sync_policy == SyncPolicy("async-push-pull", 1, 3)
+    assert cfg.sync_policy == SyncPolicy("async-push-pull", 1, 3, max_held_lag=2)
     assert cfg.learner.is_cap == 1.5 and cfg.learner.staleness_decay == 0.9
 
 

@@ -114,6 +114,18 @@ def test_bind_version_async_examples() -> None:
     assert bind_version(5, 0, 0, policy) == 5
 
 
+@pytest.mark.parametrize("lag", [0, 1, 2, 5])
+def test_bind_version_keeps_a_held_version_only_within_max_held_lag(lag: int) -> None:
+    """Staleness per result (issue 32): with S = 16 a held version up to 16 behind would still be trainable, but the
+    lease names it only while it is at most ``max_held_lag`` behind; beyond, the client refreshes to the current one."""
+    policy = SyncPolicy("async-push-pull", 16, 2, max_held_lag=lag)
+    for held in range(0, 21):
+        got = bind_version(20, held, 0, policy)
+        assert got == (held if 20 - held <= lag else 20), (held, got)
+    assert bind_version(20, 19, 31, policy) == (19 if lag >= 1 else 20)  # 1 + ⌊31/2⌋ = 16 ≤ S: the queue allows it
+    assert bind_version(20, 19, 32, policy) == 20  # 1 + 16 > S: the bound refuses whatever the lag allows
+
+
 @pytest.mark.parametrize("held", [-1, 6, 7, 100])
 def test_bind_version_no_or_future_snapshot_gets_current(held: int) -> None:
     for queued in range(6):
