@@ -98,7 +98,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
              fastest_job_s: float = 1.0, spread: float = 100.0, lifetime_s: float = 3000.0, lease_timeout_s: float = 300.0,
              steps: int = 300, seed: int = 0, max_sim_s: float = 20_000.0, speed_aware: bool = True,
              declared: float = 0.8, declared_noise: float = 0.3, mix: str = "spread", vanish: float = 0.0,
-             stay_s: float = 3600.0, sybils: int = 0, sybil_every_s: float = 0.0) -> dict[str, Any]:
+             stay_s: float = 3600.0, sybils: int = 0, sybil_every_s: float = 0.0,
+             max_held_lag: int = 2) -> dict[str, Any]:
     """One run. ``mix``: "spread" (job times log-uniform over ``spread``×, clients leave for good) or "realistic"
     (:data:`KINDS`, and churn: each client that leaves is replaced by a newcomer of a random kind, so the swarm
     keeps its size). ``vanish``: the share of clients that take one job and are never heard of again.
@@ -108,7 +109,8 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
     import time
 
     rng = random.Random(seed)
-    policy = SyncPolicy("sequential-pull" if staleness == 0 else "async-push-pull", max(1, staleness), jobs_per_step)
+    policy = SyncPolicy("sequential-pull" if staleness == 0 else "async-push-pull", max(1, staleness), jobs_per_step,
+                        max_held_lag)  # jobs.max_held_lag: the coordinator's default unless --max-held-lag
     issuer = Issuer(policy, lease_timeout_s=lease_timeout_s, speed_aware=speed_aware)  # the coordinator's own
 
     def new_client(i: int, now: float) -> SimClient:
@@ -385,6 +387,9 @@ def main() -> int:
                     "asks (2: one address's default registration budget, 30 a minute)")
     ap.add_argument("--lifetime-s", type=float, default=3000.0, help="mean time a client stays (exponential)")
     ap.add_argument("--lease-timeout-s", type=float, default=300.0)
+    ap.add_argument("--max-held-lag", type=int, default=2,
+                    help="jobs.max_held_lag: how far behind a client's held version may be and still be named in its "
+                         "lease (64: as long as S allows, the rule before issue 32)")
     ap.add_argument("--max-sim-s", type=float, default=20_000.0, help="stop the run at this simulated time")
     ap.add_argument("--decision-cost", type=int, nargs="*", metavar="WAITING",
                     help="instead: the issuer's CPU per lease decision with this many clients waiting")
@@ -408,7 +413,8 @@ def main() -> int:
                 t0 = time.monotonic()
                 row = simulate(n, s, steps=args.steps, speed_aware=aware, fastest_job_s=args.fastest_job_s,
                                mix=args.mix, vanish=args.vanish, lifetime_s=args.lifetime_s, sybils=args.sybils, sybil_every_s=args.sybil_every_s,
-                               lease_timeout_s=args.lease_timeout_s, max_sim_s=args.max_sim_s)
+                               lease_timeout_s=args.lease_timeout_s, max_sim_s=args.max_sim_s,
+                               max_held_lag=args.max_held_lag)
                 row["wall_s"] = time.monotonic() - t0
                 rows.append(row)
                 print(f"  {n} clients, S = {s}{'' if aware else ' (plain)'}: {row['wall_s']:.1f} s wall",
