@@ -594,6 +594,8 @@ def demo(
     p2p: Annotated[bool, typer.Option("--p2p", help="Clients fetch snapshots from each other over libp2p (needs the "
                                                     "p2p extra); the summary reports coordinator egress against "
                                                     "bytes served by peers.")] = False,
+    lr: Annotated[Optional[float], typer.Option(help="The learner's learning rate (default: the task's own, "
+                                                     "sized for the tiny model).", show_default=False)] = None,
     model_family: Annotated[Optional[str], typer.Option(help="Train a small model of this family instead of the "
                                                              "tiny one, warm-started on addition like it (built "
                                                              "and cached on first use): " + ", ".join(FAMILY_NAMES)
@@ -614,7 +616,7 @@ def demo(
         raise typer.Exit(ExitCode.USAGE)
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
                                     sync_mode=sync_mode, max_staleness=max_staleness, backend=backend,
-                                    store=store, task=task, p2p=p2p, model_family=model_family)))
+                                    store=store, task=task, p2p=p2p, model_family=model_family, lr=lr)))
 
 
 @app.command("build-tiny-model")

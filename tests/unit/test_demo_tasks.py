@@ -54,3 +54,8 @@ def test_readme_names_every_model_family_the_demo_takes() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     line = next(p for p in readme.split("\n\n") if "`echo-swarm demo --model-family NAME`" in p)
     assert all(f"`{name}`" in line for name in BY_NAME), line
+
+
+def test_the_demo_lr_flag_overrides_the_task_s_own(tmp_path: Path) -> None:
+    config = load_config(_write_config(DemoConfig(out=tmp_path, lr=3e-4), tmp_path / "run"))
+    assert config.learner.lr == 3e-4 != DEMO_TASKS["addition"].lr
