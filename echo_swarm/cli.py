@@ -17,6 +17,8 @@ import typer
 from pydantic.fields import FieldInfo
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
+from coordinator.engine.family_models import BY_NAME as FAMILY_NAMES
+from coordinator.engine.family_models import unknown_family
 from echo_swarm.admin_cli import admin_app
 from echo_swarm.argv import hoist_group_options
 from echo_swarm.demo_tasks import DEMO_TASKS
@@ -592,6 +594,12 @@ def demo(
     p2p: Annotated[bool, typer.Option("--p2p", help="Clients fetch snapshots from each other over libp2p (needs the "
                                                     "p2p extra); the summary reports coordinator egress against "
                                                     "bytes served by peers.")] = False,
+    lr: Annotated[Optional[float], typer.Option(help="The learner's learning rate (default: the task's own, "
+                                                     "sized for the tiny model).", show_default=False)] = None,
+    model_family: Annotated[Optional[str], typer.Option(help="Train a small model of this family instead of the "
+                                                             "tiny one, warm-started on addition like it (built "
+                                                             "and cached on first use): " + ", ".join(FAMILY_NAMES)
+                                                             + ".", show_default=False)] = None,
 ) -> None:
     """Run the whole system on this machine: a coordinator and N clients as separate processes talking HTTP
     on 127.0.0.1, training the built-in tiny model on one of the built-in task types (--task). Prints a summary;
@@ -603,9 +611,12 @@ def demo(
     if task not in DEMO_TASKS:
         typer.echo(f"error: --task {task!r} is not a demo task; choose one of {', '.join(DEMO_TASKS)}", err=True)
         raise typer.Exit(ExitCode.USAGE)
+    if model_family is not None and model_family not in FAMILY_NAMES:
+        typer.echo(f"error: --model-family {unknown_family(model_family)}", err=True)
+        raise typer.Exit(ExitCode.USAGE)
     raise typer.Exit(run(DemoConfig(clients=clients, out=out, steps=steps, port=port, timeout_s=timeout,
                                     sync_mode=sync_mode, max_staleness=max_staleness, backend=backend,
-                                    store=store, task=task, p2p=p2p)))
+                                    store=store, task=task, p2p=p2p, model_family=model_family, lr=lr)))
 
 
 @app.command("build-tiny-model")

@@ -27,6 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from coordinator.engine.family_models import BY_NAME as FAMILY_NAMES
+from coordinator.engine.family_models import unknown_family
 from coordinator.engine.tiny_model import TinyRecipe, ensure_tiny_model, is_shipped
 from coordinator.store.db import is_postgres_url
 from coordinator.store.readmodels import rejection_counts
@@ -63,6 +65,7 @@ class DemoConfig:
     gguf: str | None = None  # snapshots.gguf for llama.cpp clients (None: the default, f16; bench/quantised_learning.py)
     correction: str | None = None  # learner.correction (None: the default, behaviour-clip)
     model: str = "tiny"  # model.path: the built-in tiny model, or a model folder (bench/quantised_learning.py's wider one)
+    model_family: str | None = None  # a family's warm-started model instead (coordinator.engine.family_warm)
     final_eval_wait_s: float = 600.0  # longest wait, once trained, for the final version's held-out evaluation
     # the last client joins with --max-cpu-percent N: a volunteer ~100/N times slower beside the others (issue 32's
     # slow-client rows of bench/sync_modes.py); None: every client at full speed
@@ -84,6 +87,19 @@ def build_model_with_progress(cache_dir: Path | None = None) -> Path:
         task = bar.add_task("sft", total=recipe.max_sft_steps, acc=0.0)
         path = ensure_tiny_model(cache_dir, recipe, lambda s, n, a: bar.update(task, completed=s, acc=a))
     return path
+
+
+def build_family_with_progress(name: str, cache_dir: Path | None = None) -> Path:
+    """Family ``name``'s warm-started model (coordinator.engine.family_warm), with a progress bar while it is built
+    (a minute or a few the first time; cached after)."""
+    from coordinator.engine.family_warm import ensure_family_model, family_recipe
+
+    recipe = family_recipe(name)
+    with Progress(TextColumn(f"[bold]building the {name} model[/] (cached after the first run)"), BarColumn(),
+                  TextColumn("step {task.completed}/{task.total}  warm-start accuracy {task.fields[acc]:.2f}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("sft", total=recipe.max_sft_steps, acc=0.0)
+        return ensure_family_model(name, cache_dir, lambda s, n, a: bar.update(task, completed=s, acc=a), recipe)
 
 
 class _Proc:
@@ -186,12 +202,18 @@ def run(cfg: DemoConfig) -> int:
     if cfg.task not in DEMO_TASKS:
         console.print(f"[red]--task {cfg.task!r} is not a demo task; choose one of {', '.join(DEMO_TASKS)}[/]")
         return 2
+    if cfg.model_family is not None and cfg.model_family not in FAMILY_NAMES:
+        console.print(f"[red]--model-family {unknown_family(cfg.model_family)}[/]")
+        return 2
     cfg.out.mkdir(parents=True, exist_ok=True)
     run_dir = (cfg.out / "run").resolve()
     for stale in (run_dir, cfg.out / "clients", cfg.out / "logs"):
         shutil.rmtree(stale, ignore_errors=True)
     (cfg.out / "logs").mkdir()
-    build_model_with_progress()
+    if cfg.model_family is not None:
+        cfg = replace(cfg, model=str(build_family_with_progress(cfg.model_family)))
+    else:
+        build_model_with_progress()
     try:
         with _demo_store(cfg) as store_url:
             return _run(cfg, run_dir, store_url, t0)

@@ -83,6 +83,11 @@ FAMILIES: tuple[Family, ...] = (
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 
+
+def unknown_family(name: str) -> str:
+    """The one line refusing a family no model is built for here, naming the ones there are."""
+    return f"{name!r} is not a model family built here; choose one of {', '.join(BY_NAME)}"
+
 #: A small fixed corpus the tokenizers are trained on: words, digits, code, punctuation, non-Latin scripts.
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's 2026 and we're training 12,345 models.",

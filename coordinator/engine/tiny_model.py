@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -38,9 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import ArithmeticTaskConfig
-from coordinator.engine.evaluation import greedy_accuracy
-from coordinator.tasks.builtin import ArithmeticTask
+from coordinator.engine.warm_start import warm_start
 
 logger = logging.getLogger(__name__)
 
@@ -135,47 +132,6 @@ def _new_model(recipe: TinyRecipe, vocab_size: int, eos_id: int) -> Any:
     return Qwen2ForCausalLM(cfg)
 
 
-def _warm_start(model: Any, tokenizer: Any, recipe: TinyRecipe, progress: Callable[[int, int, float], None]) -> float:
-    import torch
-
-    task = ArithmeticTask(ArithmeticTaskConfig(max_operand=recipe.max_operand, heldout_size=recipe.heldout_size,
-                                               split_seed=recipe.split_seed))
-    rng = random.Random(recipe.seed)
-    check_items = task.train[: recipe.check_size]
-    eos = tokenizer.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
-    acc = 0.0
-    for step in range(1, recipe.max_sft_steps + 1):
-        model.train()
-        batch = rng.sample(task.train, recipe.batch_size)
-        seqs, labels = [], []
-        for it in batch:
-            p = tokenizer.encode(it.prompt)
-            a = tokenizer.encode(" " + it.answer) + [eos]
-            seqs.append(p + a)
-            labels.append([-100] * len(p) + a)
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), eos)
-        lab = torch.full((len(seqs), width), -100)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, (s, lbl) in enumerate(zip(seqs, labels, strict=True)):
-            ids[i, : len(s)] = torch.tensor(s)
-            lab[i, : len(s)] = torch.tensor(lbl)
-            mask[i, : len(s)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step >= recipe.first_check and step % recipe.check_every == 0:
-            acc = greedy_accuracy(model, tokenizer, task, check_items, max_tokens=8)
-            progress(step, recipe.max_sft_steps, acc)
-            if acc >= recipe.target_accuracy:
-                return acc
-        elif step % 50 == 0:
-            progress(step, recipe.max_sft_steps, acc)
-    return acc
-
-
 def is_shipped(recipe: TinyRecipe) -> bool:
     """Whether ``recipe``'s model comes with the package (copied, not trained)."""
     return recipe == TinyRecipe() and (SHIPPED / "model.safetensors").exists()
@@ -197,38 +153,38 @@ def ensure_tiny_model(
     # the shipped model's folder names its bytes too: new shipped weights never meet an older copy in a cache
     suffix = f"-{SHIPPED_SHA256[:8]}" if is_shipped(recipe) else ""
     final = cache_dir / "models" / f"tiny-qwen2-arith-{recipe.key()}{suffix}"
+    return build_cached(final, lambda tmp: _copy_shipped(tmp, recipe) if is_shipped(recipe)
+                        else _train(tmp, recipe, progress))
+
+
+def build_cached(final: Path, build: Callable[[Path], object]) -> Path:
+    """``final``, built first by ``build(folder)`` unless the cache has it. One build at a time per folder:
+    concurrent callers (parallel test runs, a demo beside a test) wait for the first build instead of each paying
+    minutes of CPU for the same bytes; ``build`` writes a temporary folder that is renamed into place, so an
+    interrupted build never leaves a half-written model behind. ``build`` must write echo_swarm_recipe.json."""
     if _built(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    # one build at a time per cache: concurrent callers (parallel test runs, a demo beside a test) wait for the
-    # first build instead of each paying a minute of CPU for the same bytes
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _built(final):
             return final
-        return _build(final, recipe, progress)
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+        try:
+            build(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process finished the same build first; theirs is identical
+                shutil.rmtree(tmp, ignore_errors=True)
+            logger.info("placed the model at %s", final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
 
 
 def _built(final: Path) -> bool:
     return (final / "model.safetensors").exists() and (final / "echo_swarm_recipe.json").exists()
-
-
-def _build(final: Path, recipe: TinyRecipe, progress: Callable[[int, int, float], None] | None) -> Path:
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
-    try:
-        if is_shipped(recipe):
-            _copy_shipped(tmp, recipe)
-        else:
-            _train(tmp, recipe, progress)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished the same build first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-        logger.info("placed the tiny model at %s", final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def _copy_shipped(dest: Path, recipe: TinyRecipe) -> None:
@@ -251,7 +207,7 @@ def _train(dest: Path, recipe: TinyRecipe, progress: Callable[[int, int, float],
     tokenizer = build_tokenizer()
     model = _new_model(recipe, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id)
     with torch.random.fork_rng():
-        acc = _warm_start(model, tokenizer, recipe, progress or (lambda *_: None))
+        acc = warm_start(model, tokenizer, recipe, progress or (lambda *_: None))
     model.save_pretrained(str(dest), safe_serialization=True)
     tokenizer.save_pretrained(str(dest))
     (dest / "echo_swarm_recipe.json").write_text(
