@@ -92,6 +92,7 @@ def build_model_with_progress(cache_dir: Path | None = None) -> Path:
 def build_family_with_progress(name: str, cache_dir: Path | None = None) -> Path:
     """Family ``name``'s warm-started model (coordinator.engine.family_warm), with a progress bar while it is built
     (a minute or a few the first time; cached after)."""
+    # lazy: family_warm brings in the family models' builders, which only a --model-family demo needs
     from coordinator.engine.family_warm import ensure_family_model, family_recipe
 
     recipe = family_recipe(name)

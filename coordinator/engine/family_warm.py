@@ -73,6 +73,7 @@ def ensure_family_model(name: str, cache_dir: Path | None = None, progress: Call
 def _train(dest: Path, recipe: FamilyRecipe, progress: Callable[[int, int, float], None]) -> float:
     import torch
 
+    # shared.policy loads transformers: only a build needs it, not a cached model's lookup (or the demo's --help)
     from shared.policy import load_model, load_tokenizer
 
     t0 = time.monotonic()
