@@ -51,6 +51,8 @@ def _timed(run_dir: Path, n: int, what: str) -> tuple[float, int]:
     return time.monotonic() - t0, first
 
 
+@pytest.mark.serial  # a rate comparison: `make test` runs it alone, after the parallel phase (0.79 against the bound
+# 0.8 once, in the parallel phase beside benches at load 11; alone 1.03, two copies at once 1.00 and 1.02)
 @pytest.mark.timeout(1500)
 def test_fresh_identities_claiming_speed_leave_the_honest_rate(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
