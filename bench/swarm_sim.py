@@ -42,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.api.issuer import Issuer  # noqa: E402
+from coordinator.config.jobs import JobsConfig  # noqa: E402
 from coordinator.core.leases import (  # noqa: E402
     JobState,
     LeaseCheck,
@@ -54,6 +55,9 @@ from coordinator.core.leases import (  # noqa: E402
 )
 from coordinator.core.pacing import due_at  # noqa: E402
 from coordinator.core.scheduling import Pending, SyncPolicy, admits, occupies_slot, select_batch  # noqa: E402
+
+#: jobs.max_held_lag as the coordinator runs it unless told otherwise (--max-held-lag): its config's default
+HELD_LAG: int = JobsConfig.model_fields["max_held_lag"].default
 
 #: The realistic mix (``--mix realistic``): (kind, share of volunteers, job time relative to the fastest GPU's,
 #: lowest and highest; log-uniform in between), so job times spread 1–1,000×.
@@ -99,7 +103,7 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
              steps: int = 300, seed: int = 0, max_sim_s: float = 20_000.0, speed_aware: bool = True,
              declared: float = 0.8, declared_noise: float = 0.3, mix: str = "spread", vanish: float = 0.0,
              stay_s: float = 3600.0, sybils: int = 0, sybil_every_s: float = 0.0,
-             max_held_lag: int = 2) -> dict[str, Any]:
+             max_held_lag: int = HELD_LAG) -> dict[str, Any]:
     """One run. ``mix``: "spread" (job times log-uniform over ``spread``×, clients leave for good) or "realistic"
     (:data:`KINDS`, and churn: each client that leaves is replaced by a newcomer of a random kind, so the swarm
     keeps its size). ``vanish``: the share of clients that take one job and are never heard of again.
@@ -110,7 +114,7 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
 
     rng = random.Random(seed)
     policy = SyncPolicy("sequential-pull" if staleness == 0 else "async-push-pull", max(1, staleness), jobs_per_step,
-                        max_held_lag)  # jobs.max_held_lag: the coordinator's default unless --max-held-lag
+                        max_held_lag)
     issuer = Issuer(policy, lease_timeout_s=lease_timeout_s, speed_aware=speed_aware)  # the coordinator's own
 
     def new_client(i: int, now: float) -> SimClient:
@@ -243,8 +247,9 @@ def simulate(n_clients: int, staleness: int, *, jobs_per_step: int = 2, train_s:
             # only the waiters a re-check could give anything (Issuer.waiters.candidates, coordinator.api.waiting:
             # the head of rule 1's order, by core.pacing.rank — a declared pace no faster than the fastest measured
             # one — equals in the order they began waiting), as the coordinator's long polls re-check
-            # (api.leasing); every other one would be refused. (Until issue 37's replicas this sorted by raw pace, which served a fresh identity's claimed
-            # 10^7 tokens/s ahead of every honest equal; until issue 32 it asked every waiter: docs/benchmarks.md.)
+            # (api.leasing); every other one would be refused. (Until issue 37's replicas this sorted by raw pace,
+            # which served a fresh identity's claimed 10^7 tokens/s ahead of every honest equal; until issue 32 it
+            # asked every waiter: docs/benchmarks.md.)
             order = [waiting[cid] for cid in issuer.waiters.candidates()]
         else:
             order = list(waiting.values())
@@ -387,7 +392,7 @@ def main() -> int:
                     "asks (2: one address's default registration budget, 30 a minute)")
     ap.add_argument("--lifetime-s", type=float, default=3000.0, help="mean time a client stays (exponential)")
     ap.add_argument("--lease-timeout-s", type=float, default=300.0)
-    ap.add_argument("--max-held-lag", type=int, default=2,
+    ap.add_argument("--max-held-lag", type=int, default=HELD_LAG,
                     help="jobs.max_held_lag: how far behind a client's held version may be and still be named in its "
                          "lease (64: as long as S allows, the rule before issue 32)")
     ap.add_argument("--max-sim-s", type=float, default=20_000.0, help="stop the run at this simulated time")
