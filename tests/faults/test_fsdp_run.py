@@ -4,6 +4,10 @@ The learner role starts its second rank itself; the run trains, publishes versio
 writes sharded checkpoints. Mid-run the second rank is killed: the learner's next collective fails, the supervisor
 restarts the learner, which starts a new second rank, loads the sharded checkpoint and replays the recorded steps
 since it, and the run completes with every step trained exactly once.
+
+The client is held (SIGSTOP) from step 2 until the rank is dead, so steps are left for the learner's next
+collective to fail on. (Killing the rank once the status said "version 3" of 5 raced the run: on an idle machine a
+tiny step takes 0.4 s and the status is cached up to a second, so the run could end before the kill.)
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tests.integration.helpers import (
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
+STEPS = 6
 
 
 
@@ -42,10 +46,17 @@ def test_learner_on_two_ranks_trains_and_survives_a_dead_rank(tmp_path: Path, ti
     log = tmp_path / "coord.log"
     coord, url = start_coordinator(cfg, log)
     client = start_client(url, tmp_path / "c0", tmp_path / "c0.log", "--exit-when-finished")
+    trained = "SELECT COALESCE(MAX(step), 0) FROM steps"
     try:
-        wait_until(lambda: (s := get_status(url)) and s["version"] >= 3, 300, "three steps on two ranks")
-        follower = started_rank_pids(log, "learner")[-1]
-        os.kill(follower, signal.SIGKILL)
+        wait_until(lambda: db_rows(run_dir, trained)[0][0] >= 2, 300, "two steps on two ranks")
+        os.kill(client.proc.pid, signal.SIGSTOP)  # what it already sent can complete one more step, no more
+        try:
+            ((step,),) = db_rows(run_dir, trained)
+            assert step <= STEPS - 2, f"the run reached step {step} before the client was held"
+            follower = started_rank_pids(log, "learner")[-1]
+            os.kill(follower, signal.SIGKILL)
+        finally:
+            os.kill(client.proc.pid, signal.SIGCONT)
         final = wait_until(lambda: (s := get_status(url)) and s["finished"] and s, 400, "the run to finish")
         assert client.proc.wait(120) == 0, client.output()[-3000:]
     finally:
