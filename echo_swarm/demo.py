@@ -64,6 +64,7 @@ class DemoConfig:
     learner_precision: str = "float32"  # learner.precision: "bf16" trains bf16 weights and moments (bench/bf16_learning.py)
     gguf: str | None = None  # snapshots.gguf for llama.cpp clients (None: the default, f16; bench/quantised_learning.py)
     correction: str | None = None  # learner.correction (None: the default, behaviour-clip)
+    m2_threshold: float | None = None  # learner.m2_threshold, m2po's τ (None: the default)
     model: str = "tiny"  # model.path: the built-in tiny model, or a model folder (bench/quantised_learning.py's wider one)
     model_family: str | None = None  # a family's warm-started model instead (coordinator.engine.family_warm)
     final_eval_wait_s: float = 600.0  # longest wait, once trained, for the final version's held-out evaluation
@@ -163,6 +164,7 @@ def _write_config(cfg: DemoConfig, run_dir: Path, store_url: str | None = None) 
         f"lr = {task.lr if cfg.lr is None else cfg.lr}\nseed = {cfg.seed}\n"
         + (f'precision = "{cfg.learner_precision}"\n' if cfg.learner_precision != "float32" else "")
         + (f'correction = "{cfg.correction}"\n' if cfg.correction is not None else "")
+        + (f"m2_threshold = {cfg.m2_threshold}\n" if cfg.m2_threshold is not None else "")
         + "".join(f"{k} = {v}\n" for k, v in task.learner.items())
         + (f"\n[store]\nurl = {json.dumps(store_url)}\n" if store_url else "")
         + ("\n[p2p]\nenabled = true\n" if cfg.p2p else "")

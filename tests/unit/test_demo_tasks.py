@@ -59,3 +59,12 @@ def test_readme_names_every_model_family_the_demo_takes() -> None:
 def test_the_demo_lr_flag_overrides_the_task_s_own(tmp_path: Path) -> None:
     config = load_config(_write_config(DemoConfig(out=tmp_path, lr=3e-4), tmp_path / "run"))
     assert config.learner.lr == 3e-4 != DEMO_TASKS["addition"].lr
+
+
+def test_the_bench_s_correction_and_m2po_bound_reach_the_learner(tmp_path: Path) -> None:
+    """bench/sync_modes.py's m2po rows set learner.correction and m2_threshold through DemoConfig."""
+    config = load_config(_write_config(DemoConfig(out=tmp_path, correction="m2po", m2_threshold=0.01),
+                                       tmp_path / "run"))
+    assert (config.learner.correction, config.learner.m2_threshold) == ("m2po", 0.01)
+    default = load_config(_write_config(DemoConfig(out=tmp_path), tmp_path / "run2")).learner
+    assert default.m2_threshold != 0.01 and default.correction == "behaviour-clip"
